@@ -1,0 +1,57 @@
+/* comm.h - the collective backend interface of the C core.
+ *
+ * Sharding needs five collectives over one group of ranks. A backend fills
+ * an fs_comm_ops table; the core calls through fs_comm_* (which check
+ * arguments once, so backends need not). Backends:
+ *   comm_torch.c  any torch.distributed process group (gloo, ...), through a
+ *                 Python callable; needs the GIL, which the caller holds.
+ *   (later)       shared memory on one host, NCCL on GPUs: same table.
+ *
+ * Buffer rules, restated where each call is made:
+ *   all_gather:     recv holds world_size * count; rank r's send lands at
+ *                   recv + r * count. In place when send == recv + rank * count.
+ *   reduce_scatter: send holds world_size * recv_count; rank r receives the
+ *                   reduction of every rank's send[r * recv_count ...].
+ * Reductions of f16/bf16 accumulate in at least f32 where the backend
+ * allows; FS_RED_AVG divides by world_size after the sum (never trusted to
+ * the underlying library: gloo's AVG sums).
+ */
+#ifndef FS_COMM_H
+#define FS_COMM_H
+
+#include <stdint.h>
+#include "fs_dtype.h"
+#include "fs_status.h"
+
+typedef enum { FS_RED_SUM = 0, FS_RED_AVG = 1 } fs_redop;
+
+typedef struct fs_comm fs_comm;
+
+typedef struct {
+    const char *name;
+    fs_status (*all_gather)(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t);
+    fs_status (*reduce_scatter)(fs_comm *c, const void *send, void *recv, int64_t recv_count,
+                                fs_dtype t, fs_redop op);
+    fs_status (*all_reduce)(fs_comm *c, void *buf, int64_t count, fs_dtype t, fs_redop op);
+    fs_status (*broadcast)(fs_comm *c, void *buf, int64_t count, fs_dtype t, int root);
+    fs_status (*barrier)(fs_comm *c);
+    void (*destroy)(fs_comm *c);
+} fs_comm_ops;
+
+struct fs_comm {
+    const fs_comm_ops *ops;
+    int rank;
+    int world_size;
+    void *impl;
+    char last_error[512]; /* backend's own words for the last FS_ERR_BACKEND */
+};
+
+fs_status fs_comm_all_gather(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t);
+fs_status fs_comm_reduce_scatter(fs_comm *c, const void *send, void *recv, int64_t recv_count,
+                                 fs_dtype t, fs_redop op);
+fs_status fs_comm_all_reduce(fs_comm *c, void *buf, int64_t count, fs_dtype t, fs_redop op);
+fs_status fs_comm_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, int root);
+fs_status fs_comm_barrier(fs_comm *c);
+void fs_comm_destroy(fs_comm *c);
+
+#endif

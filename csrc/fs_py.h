@@ -1,0 +1,43 @@
+/* fs_py.h - declarations shared by the CPython glue files (module.c,
+ * py_comm.c, py_unit.c). Only the glue includes Python.h; the core does not
+ * (comm_torch.c excepted: that backend is a Python call by nature). */
+#ifndef FS_PY_H
+#define FS_PY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "comm.h"
+#include "fs_status.h"
+
+typedef struct {
+    PyObject *CoreError;  /* flatshard._C.CoreError(RuntimeError) */
+    PyObject *StateError; /* an event the unit state machine refuses */
+    PyObject *CommType;
+    PyObject *UnitType;
+} fs_mod_state;
+
+extern PyModuleDef fs_module_def;
+
+fs_mod_state *fs_state_from_type(PyTypeObject *tp);
+fs_mod_state *fs_state_from_module(PyObject *m);
+
+/* Raise for a failed status and return NULL. FS_ERR_PYTHON keeps the
+ * exception already set; others raise CoreError (StateError for BAD_STATE)
+ * with the formatted context followed by the status text. */
+PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...);
+
+/* Data pointer of a torch tensor, through its data_ptr() method. */
+int fs_tensor_ptr(PyObject *tensor, void **out);
+
+typedef struct {
+    PyObject_HEAD
+    fs_comm *comm;
+} CommObject;
+
+fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out);
+
+int fs_comm_type_add(PyObject *module, fs_mod_state *st);
+int fs_unit_type_add(PyObject *module, fs_mod_state *st);
+
+#endif

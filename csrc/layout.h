@@ -1,0 +1,76 @@
+/* layout.h - flat-parameter layout arithmetic: offsets, padding, shard ranges.
+ *
+ * Pure integer arithmetic from a size table; no Python, no CUDA, no memory
+ * allocation. This is the only place where the flat layout is decided.
+ *
+ * Two layouts:
+ *
+ *  FLAT (torch FSDP1): parameters are concatenated, each starting at an
+ *  offset rounded up to `align_numel` elements, then the buffer is cut into
+ *  world_size equal contiguous shards. The unsharded buffer holds every
+ *  parameter as a plain view.
+ *
+ *  DIM0 (torch FSDP2): each parameter is cut on dim 0 into world_size chunks
+ *  of ceil(dim0 / world_size) rows (torch.chunk's rule); every rank's chunk
+ *  is padded to that row count. A rank's all-gather input ("block") is its
+ *  padded chunks laid end to end, each starting at a multiple of
+ *  `align_numel`; the gathered buffer is (world_size, block_numel) and each
+ *  parameter is copied out of it.
+ *
+ * [Note: padding] Padding is decided here once and is always zero-filled by
+ * the callers: FLAT pads between parameters (alignment) and at the end (so
+ * the total divides by world_size and every shard starts aligned); DIM0 pads
+ * each chunk to the common row count and aligns chunk starts. Padding never
+ * carries data, and reduce-scatter over it sums zeros.
+ */
+#ifndef FS_LAYOUT_H
+#define FS_LAYOUT_H
+
+#include <stdint.h>
+#include "fs_status.h"
+
+/* One parameter in the FLAT layout, seen from one rank. */
+typedef struct {
+    int64_t numel;         /* elements of the parameter */
+    int64_t flat_offset;   /* its start in the unsharded flat buffer */
+    int64_t shard_offset;  /* start of this rank's piece inside the local shard */
+    int64_t param_offset;  /* start of this rank's piece inside the (flattened) parameter */
+    int64_t piece_numel;   /* length of this rank's piece; 0 when the rank holds none */
+} fs_flat_entry;
+
+typedef struct {
+    int64_t unpadded_numel; /* end of the last parameter (aligned starts included) */
+    int64_t shard_numel;    /* elements every rank holds, padding included */
+    int64_t padded_numel;   /* shard_numel * world_size */
+    int64_t shard_begin;    /* rank * shard_numel: the local shard's start in the flat buffer */
+} fs_flat_layout;
+
+/* numels[n] -> entries[n] and *layout for `rank` of `world_size`.
+ * align_numel >= 1. Zero-size parameters are allowed (and n == 0). */
+fs_status fs_layout_flat(const int64_t *numels, int64_t n, int64_t world_size, int64_t rank,
+                         int64_t align_numel, fs_flat_entry *entries, fs_flat_layout *layout);
+
+/* One parameter in the DIM0 layout, seen from one rank. */
+typedef struct {
+    int64_t dim0;               /* rows (1 for a 0-d tensor) */
+    int64_t row_numel;          /* elements per row: product of the other dims */
+    int64_t chunk_rows;         /* ceil(dim0 / world_size): rows of every padded chunk */
+    int64_t block_offset;       /* start of the padded chunk inside each rank's block */
+    int64_t local_row_begin;    /* first row this rank holds (== dim0 when it holds none) */
+    int64_t local_rows;         /* rows this rank really holds, 0..chunk_rows */
+} fs_dim0_entry;
+
+typedef struct {
+    int64_t block_numel;    /* one rank's all-gather input, padding included */
+    int64_t gathered_numel; /* block_numel * world_size */
+} fs_dim0_layout;
+
+fs_status fs_layout_dim0(const int64_t *dim0, const int64_t *row_numel, int64_t n,
+                         int64_t world_size, int64_t rank, int64_t align_numel,
+                         fs_dim0_entry *entries, fs_dim0_layout *layout);
+
+/* Rows that `rank` holds of a parameter cut by the DIM0 rule. */
+void fs_dim0_rows(int64_t dim0, int64_t world_size, int64_t rank, int64_t *row_begin,
+                  int64_t *rows);
+
+#endif

@@ -1,0 +1,436 @@
+/* module.c - flatshard._C: module init and the stateless entry points.
+ *
+ * CPython C API only (no pybind11, no torch headers). Tensors cross as data
+ * pointers (ints from Tensor.data_ptr()) with numel and a dtype code; the
+ * Python layer guarantees contiguity and sizes. Long copies release the GIL.
+ * Multi-phase init, module state, heap types (see fs_py.h). */
+#include "fs_py.h"
+
+#include <stdarg.h>
+#include <stdlib.h>
+
+#include "copy.h"
+#include "layout.h"
+#include "unit_fsm.h"
+
+/* Below this many bytes a copy is cheaper than releasing the GIL. */
+#define FS_GIL_RELEASE_BYTES (256 * 1024)
+
+fs_mod_state *fs_state_from_module(PyObject *m) { return PyModule_GetState(m); }
+
+fs_mod_state *fs_state_from_type(PyTypeObject *tp)
+{
+    return PyModule_GetState(PyType_GetModuleByDef(tp, &fs_module_def));
+}
+
+PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...)
+{
+    if (s == FS_ERR_PYTHON && PyErr_Occurred())
+        return NULL;
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    if (!msg)
+        return NULL;
+    PyObject *exc = s == FS_ERR_BAD_STATE ? st->StateError
+                    : s == FS_ERR_NO_MEMORY ? PyExc_MemoryError
+                                            : st->CoreError;
+    PyErr_Format(exc, "%U: %s", msg, fs_status_str(s));
+    Py_DECREF(msg);
+    return NULL;
+}
+
+int fs_tensor_ptr(PyObject *tensor, void **out)
+{
+    PyObject *p = PyObject_CallMethod(tensor, "data_ptr", NULL);
+    if (!p)
+        return -1;
+    *out = PyLong_AsVoidPtr(p);
+    Py_DECREF(p);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *raise_mod(PyObject *m, fs_status s, const char *what)
+{
+    return fs_raise(fs_state_from_module(m), s, "%s", what);
+}
+
+/* ---------------------------------------------------------------------------
+ * layouts */
+
+static int64_t *int64_list(PyObject *obj, Py_ssize_t *n, const char *what)
+{
+    PyObject *seq = PySequence_Fast(obj, what);
+    if (!seq)
+        return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    int64_t *v = malloc(sizeof(int64_t) * (size_t)(*n ? *n : 1));
+    if (!v) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        v[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v[i] == -1 && PyErr_Occurred()) {
+            free(v);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return v;
+}
+
+PyDoc_STRVAR(layout_flat_doc,
+             "layout_flat(numels, world_size, rank, align_numel) -> (layout, entries)\n"
+             "FSDP1 layout (csrc/layout.h). layout: dict of unpadded_numel, shard_numel,\n"
+             "padded_numel, shard_begin. entries: one tuple per parameter of\n"
+             "(numel, flat_offset, shard_offset, param_offset, piece_numel).");
+static PyObject *py_layout_flat(PyObject *m, PyObject *args)
+{
+    PyObject *numels_obj;
+    long long world, rank, align;
+    if (!PyArg_ParseTuple(args, "OLLL", &numels_obj, &world, &rank, &align))
+        return NULL;
+    Py_ssize_t n;
+    int64_t *numels = int64_list(numels_obj, &n, "layout_flat: numels must be a sequence");
+    if (!numels)
+        return NULL;
+    fs_flat_entry *e = malloc(sizeof *e * (size_t)(n ? n : 1));
+    PyObject *res = NULL, *list = NULL;
+    fs_flat_layout lay;
+    if (!e) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    fs_status s = fs_layout_flat(numels, n, world, rank, align, e, &lay);
+    if (s != FS_OK) {
+        raise_mod(m, s, "layout_flat: need world_size >= 1, 0 <= rank < world_size, "
+                        "align_numel >= 1, numels >= 0");
+        goto done;
+    }
+    if (!(list = PyList_New(n)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = Py_BuildValue("(LLLLL)", (long long)e[i].numel, (long long)e[i].flat_offset,
+                                    (long long)e[i].shard_offset, (long long)e[i].param_offset,
+                                    (long long)e[i].piece_numel);
+        if (!t)
+            goto done;
+        PyList_SET_ITEM(list, i, t);
+    }
+    res = Py_BuildValue("({sLsLsLsL}O)", "unpadded_numel", (long long)lay.unpadded_numel,
+                        "shard_numel", (long long)lay.shard_numel, "padded_numel",
+                        (long long)lay.padded_numel, "shard_begin", (long long)lay.shard_begin,
+                        list);
+done:
+    Py_XDECREF(list);
+    free(e);
+    free(numels);
+    return res;
+}
+
+PyDoc_STRVAR(layout_dim0_doc,
+             "layout_dim0(dim0s, row_numels, world_size, rank, align_numel) -> (layout, entries)\n"
+             "FSDP2 layout (csrc/layout.h). layout: dict of block_numel, gathered_numel.\n"
+             "entries: (dim0, row_numel, chunk_rows, block_offset, local_row_begin, local_rows).");
+static PyObject *py_layout_dim0(PyObject *m, PyObject *args)
+{
+    PyObject *d_obj, *r_obj;
+    long long world, rank, align;
+    if (!PyArg_ParseTuple(args, "OOLLL", &d_obj, &r_obj, &world, &rank, &align))
+        return NULL;
+    Py_ssize_t n, n2;
+    int64_t *d = int64_list(d_obj, &n, "layout_dim0: dim0s must be a sequence");
+    if (!d)
+        return NULL;
+    int64_t *r = int64_list(r_obj, &n2, "layout_dim0: row_numels must be a sequence");
+    fs_dim0_entry *e = NULL;
+    PyObject *res = NULL, *list = NULL;
+    if (!r)
+        goto done;
+    if (n2 != n) {
+        PyErr_SetString(PyExc_ValueError, "layout_dim0: dim0s and row_numels differ in length");
+        goto done;
+    }
+    if (!(e = malloc(sizeof *e * (size_t)(n ? n : 1)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    fs_dim0_layout lay;
+    fs_status s = fs_layout_dim0(d, r, n, world, rank, align, e, &lay);
+    if (s != FS_OK) {
+        raise_mod(m, s, "layout_dim0: need world_size >= 1, 0 <= rank < world_size, "
+                        "align_numel >= 1, sizes >= 0");
+        goto done;
+    }
+    if (!(list = PyList_New(n)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = Py_BuildValue("(LLLLLL)", (long long)e[i].dim0, (long long)e[i].row_numel,
+                                    (long long)e[i].chunk_rows, (long long)e[i].block_offset,
+                                    (long long)e[i].local_row_begin, (long long)e[i].local_rows);
+        if (!t)
+            goto done;
+        PyList_SET_ITEM(list, i, t);
+    }
+    res = Py_BuildValue("({sLsL}O)", "block_numel", (long long)lay.block_numel, "gathered_numel",
+                        (long long)lay.gathered_numel, list);
+done:
+    Py_XDECREF(list);
+    free(e);
+    free(r);
+    free(d);
+    return res;
+}
+
+/* ---------------------------------------------------------------------------
+ * copies and casts */
+
+PyDoc_STRVAR(cast_doc, "cast(dst_ptr, dst_dtype, src_ptr, src_dtype, numel)");
+static PyObject *py_cast(PyObject *m, PyObject *args)
+{
+    unsigned long long dp, sp;
+    int dt, stype;
+    long long n;
+    if (!PyArg_ParseTuple(args, "KiKiL", &dp, &dt, &sp, &stype, &n))
+        return NULL;
+    fs_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = fs_cast((void *)dp, dt, (void *)sp, stype, n);
+    Py_END_ALLOW_THREADS
+    if (s != FS_OK)
+        return raise_mod(m, s, "cast");
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(scale_accumulate_doc,
+             "scale_accumulate(dst_ptr, dst_dtype, src_ptr, src_dtype, numel, scale, accumulate)\n"
+             "dst = (accumulate ? dst : 0) + scale * src, in f32 (f64 for f64).");
+static PyObject *py_scale_accumulate(PyObject *m, PyObject *args)
+{
+    unsigned long long dp, sp;
+    int dt, stype, acc;
+    long long n;
+    double scale;
+    if (!PyArg_ParseTuple(args, "KiKiLdp", &dp, &dt, &sp, &stype, &n, &scale, &acc))
+        return NULL;
+    fs_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = fs_scale_accumulate((void *)dp, dt, (void *)sp, stype, n, scale, acc);
+    Py_END_ALLOW_THREADS
+    if (s != FS_OK)
+        return raise_mod(m, s, "scale_accumulate");
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(gather_pieces_doc,
+             "gather_pieces(dst_ptr, dst_dtype, dst_numel, pieces)\n"
+             "pieces: (src_ptr, src_dtype, src_offset, dst_offset, numel) in increasing\n"
+             "dst_offset; everything not covered is zeroed (padding).");
+static PyObject *py_gather_pieces(PyObject *m, PyObject *args)
+{
+    unsigned long long dp;
+    int dt;
+    long long dn;
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "KiLO", &dp, &dt, &dn, &obj))
+        return NULL;
+    PyObject *seq = PySequence_Fast(obj, "gather_pieces: pieces must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    fs_piece *p = malloc(sizeof *p * (size_t)(n ? n : 1));
+    int64_t bytes = 0;
+    if (!p) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long sp;
+        int st;
+        long long so, doff, num;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiLLL", &sp, &st, &so, &doff, &num)) {
+            free(p);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        p[i] = (fs_piece){(void *)sp, st, so, doff, num};
+        bytes += num;
+    }
+    Py_DECREF(seq);
+    fs_status s;
+    if (bytes * 4 > FS_GIL_RELEASE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        s = fs_gather_pieces((void *)dp, dt, dn, p, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        s = fs_gather_pieces((void *)dp, dt, dn, p, n);
+    }
+    free(p);
+    if (s != FS_OK)
+        return raise_mod(m, s, "gather_pieces: pieces must be in order, in range, castable");
+    Py_RETURN_NONE;
+}
+
+static int parse_dim0_entry(PyObject *t, fs_dim0_entry *e)
+{
+    long long v[6];
+    if (!PyArg_ParseTuple(t, "LLLLLL;dim0 entry is a 6-tuple from layout_dim0", &v[0], &v[1],
+                          &v[2], &v[3], &v[4], &v[5]))
+        return -1;
+    *e = (fs_dim0_entry){v[0], v[1], v[2], v[3], v[4], v[5]};
+    return 0;
+}
+
+PyDoc_STRVAR(dim0_copy_out_doc,
+             "dim0_copy_out(dst_ptr, dst_dtype, gathered_ptr, dtype, world_size, block_numel, entry)");
+static PyObject *py_dim0_copy_out(PyObject *m, PyObject *args)
+{
+    unsigned long long dp, gp;
+    int dt, t;
+    long long world, block;
+    PyObject *eo;
+    fs_dim0_entry e;
+    if (!PyArg_ParseTuple(args, "KiKiLLO", &dp, &dt, &gp, &t, &world, &block, &eo) ||
+        parse_dim0_entry(eo, &e) < 0)
+        return NULL;
+    fs_status s = fs_dim0_copy_out((void *)dp, dt, (void *)gp, t, world, block, &e);
+    if (s != FS_OK)
+        return raise_mod(m, s, "dim0_copy_out");
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(dim0_copy_in_doc, "dim0_copy_in(block_ptr, dtype, src_ptr, src_dtype, entry)\n"
+                               "src is the full parameter; this rank's rows go to its chunk.");
+static PyObject *py_dim0_copy_in(PyObject *m, PyObject *args)
+{
+    unsigned long long bp, sp;
+    int t, st;
+    PyObject *eo;
+    fs_dim0_entry e;
+    if (!PyArg_ParseTuple(args, "KiKiO", &bp, &t, &sp, &st, &eo) || parse_dim0_entry(eo, &e) < 0)
+        return NULL;
+    fs_status s = fs_dim0_copy_in((void *)bp, t, (void *)sp, st, &e);
+    if (s != FS_OK)
+        return raise_mod(m, s, "dim0_copy_in");
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------------------
+ * the state machine without buffers, for tests and for the diagnostics */
+
+PyDoc_STRVAR(fsm_step_doc,
+             "fsm_step((strategy, is_root, grad_mask), (state, resume, reduced_mask,\n"
+             "summon_was_sharded), event, flags, group, is_unsharded) -> (fsm, actions)\n"
+             "Pure transition function of csrc/unit_fsm.c; raises StateError when refused.");
+static PyObject *py_fsm_step(PyObject *m, PyObject *args)
+{
+    int strategy, is_root, state, resume, was, ev, group, uns;
+    unsigned long long mask, reduced;
+    unsigned int flags;
+    if (!PyArg_ParseTuple(args, "(iiK)(iiKi)iIip", &strategy, &is_root, &mask, &state, &resume,
+                          &reduced, &was, &ev, &flags, &group, &uns))
+        return NULL;
+    fs_unit_cfg cfg = {strategy, is_root, mask};
+    fs_unit_fsm f = {state, resume, reduced, was};
+    unsigned act;
+    fs_status s = fs_unit_step(&cfg, &f, ev, flags, group, uns, &act);
+    if (s != FS_OK)
+        return fs_raise(fs_state_from_module(m), s, "event %s in state %s", fs_event_name(ev),
+                        fs_unit_state_name(state));
+    return Py_BuildValue("((iiKi)I)", (int)f.state, (int)f.resume, (unsigned long long)f.reduced_mask,
+                         f.summon_was_sharded, act);
+}
+
+static PyMethodDef module_methods[] = {
+    {"layout_flat", py_layout_flat, METH_VARARGS, layout_flat_doc},
+    {"layout_dim0", py_layout_dim0, METH_VARARGS, layout_dim0_doc},
+    {"cast", py_cast, METH_VARARGS, cast_doc},
+    {"scale_accumulate", py_scale_accumulate, METH_VARARGS, scale_accumulate_doc},
+    {"gather_pieces", py_gather_pieces, METH_VARARGS, gather_pieces_doc},
+    {"dim0_copy_out", py_dim0_copy_out, METH_VARARGS, dim0_copy_out_doc},
+    {"dim0_copy_in", py_dim0_copy_in, METH_VARARGS, dim0_copy_in_doc},
+    {"fsm_step", py_fsm_step, METH_VARARGS, fsm_step_doc},
+    {NULL},
+};
+
+/* ---------------------------------------------------------------------------
+ * module init */
+
+static int add_constants(PyObject *m)
+{
+#define C(name, v) if (PyModule_AddIntConstant(m, name, v) < 0) return -1
+    C("F32", FS_F32); C("F16", FS_F16); C("BF16", FS_BF16); C("F64", FS_F64);
+    C("U8", FS_U8); C("I32", FS_I32); C("I64", FS_I64);
+    C("EV_PRE_FORWARD", FS_EV_PRE_FORWARD); C("EV_POST_FORWARD", FS_EV_POST_FORWARD);
+    C("EV_PRE_BACKWARD", FS_EV_PRE_BACKWARD); C("EV_POST_BACKWARD", FS_EV_POST_BACKWARD);
+    C("EV_FINALIZE", FS_EV_FINALIZE); C("EV_SUMMON_ENTER", FS_EV_SUMMON_ENTER);
+    C("EV_SUMMON_EXIT", FS_EV_SUMMON_EXIT);
+    C("ACT_UNSHARD", FS_ACT_UNSHARD); C("ACT_RESHARD", FS_ACT_RESHARD);
+    C("ACT_REDUCE_GRAD", FS_ACT_REDUCE_GRAD); C("ACT_HOOK_BACKWARD", FS_ACT_HOOK_BACKWARD);
+    C("FLAG_GRAD_ENABLED", FS_FLAG_GRAD_ENABLED); C("FLAG_NO_SYNC", FS_FLAG_NO_SYNC);
+    C("STATE_IDLE", FS_STATE_IDLE); C("STATE_FORWARD", FS_STATE_FORWARD);
+    C("STATE_BACKWARD_PRE", FS_STATE_BACKWARD_PRE); C("STATE_BACKWARD_POST", FS_STATE_BACKWARD_POST);
+    C("STATE_SUMMON", FS_STATE_SUMMON);
+    C("FULL_SHARD", FS_FULL_SHARD); C("SHARD_GRAD_OP", FS_SHARD_GRAD_OP); C("NO_SHARD", FS_NO_SHARD);
+#undef C
+    return 0;
+}
+
+static int module_exec(PyObject *m)
+{
+    fs_mod_state *st = fs_state_from_module(m);
+    st->CoreError = PyErr_NewExceptionWithDoc(
+        "flatshard._C.CoreError", "An error reported by flatshard's C core.", PyExc_RuntimeError, NULL);
+    if (!st->CoreError || PyModule_AddObjectRef(m, "CoreError", st->CoreError) < 0)
+        return -1;
+    st->StateError = PyErr_NewExceptionWithDoc(
+        "flatshard._C.StateError", "An event the unit state machine does not allow now.",
+        st->CoreError, NULL);
+    if (!st->StateError || PyModule_AddObjectRef(m, "StateError", st->StateError) < 0)
+        return -1;
+    if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || add_constants(m) < 0)
+        return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    fs_mod_state *st = fs_state_from_module(m);
+    Py_VISIT(st->CoreError);
+    Py_VISIT(st->StateError);
+    Py_VISIT(st->CommType);
+    Py_VISIT(st->UnitType);
+    return 0;
+}
+
+static int module_clear(PyObject *m)
+{
+    fs_mod_state *st = fs_state_from_module(m);
+    Py_CLEAR(st->CoreError);
+    Py_CLEAR(st->StateError);
+    Py_CLEAR(st->CommType);
+    Py_CLEAR(st->UnitType);
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+PyModuleDef fs_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "flatshard._C",
+    .m_doc = "flatshard's C core: flat layouts, copies, the unit state machine, collectives.",
+    .m_size = sizeof(fs_mod_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&fs_module_def); }

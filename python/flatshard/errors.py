@@ -1,0 +1,37 @@
+"""Errors flatshard raises. Every configuration error names the argument, the
+value given, what is allowed and, where there is one, the fix."""
+from ._C import CoreError, StateError
+
+__all__ = ["ConfigError", "ConfigTypeError", "CoreError", "StateError", "NotBuiltError"]
+
+
+class ConfigError(ValueError):
+    """A constructor argument or option has a value flatshard cannot use."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A constructor argument or option has the wrong type."""
+
+
+class NotBuiltError(ConfigError):
+    """An option asks for a feature this version of flatshard does not have.
+
+    Raised instead of silently ignoring the option."""
+
+
+def bad_value(arg, value, allowed, fix=None):
+    msg = f"flatshard: {arg}={value!r} is not allowed; {allowed}"
+    if fix:
+        msg += f". {fix}"
+    return ConfigError(msg)
+
+
+def bad_type(arg, value, allowed, fix=None):
+    msg = f"flatshard: {arg} got {type(value).__name__} {value!r}; expected {allowed}"
+    if fix:
+        msg += f". {fix}"
+    return ConfigTypeError(msg)
+
+
+def not_built(arg, value, why):
+    return NotBuiltError(f"flatshard: {arg}={value!r} is not supported by this version: {why}")

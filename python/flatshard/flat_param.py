@@ -1,0 +1,96 @@
+"""One flat group: the parameters of a unit that share (dtype, requires_grad),
+laid out by the C layout code (csrc/layout.c) and copied in by C.
+
+Vocabulary (FSDP2's): the *shard* is this rank's slice of the flat buffer,
+kept between steps; the *full* buffer is the unsharded flat buffer, whose
+storage is live only while the unit is unsharded. Under NO_SHARD the full
+buffer shares the shard's storage.
+
+Alignment: every parameter starts at a multiple of ALIGN_BYTES, and every
+shard is a multiple of it too, so each parameter's view and each rank's
+shard are 16-byte aligned (vector loads, and what NCCL prefers).
+"""
+import torch
+import torch.nn as nn
+
+from . import _C
+from .comm import dtype_code
+
+ALIGN_BYTES = 16
+
+
+class Alias:
+    """One place a parameter is registered: module.<attr>, path fqn."""
+    __slots__ = ("module", "attr", "fqn")
+
+    def __init__(self, module, attr, fqn):
+        self.module, self.attr, self.fqn = module, attr, fqn
+
+
+class FlatGroup:
+    def __init__(self, index, params, aliases, world_size, rank, shard_world, device):
+        """params: unique nn.Parameters (same dtype and requires_grad), in
+        registration order; aliases[i]: every Alias of params[i].
+        shard_world is world_size, or 1 under NO_SHARD (nothing sharded)."""
+        self.index = index
+        self.params = params
+        self.aliases = aliases
+        self.dtype = params[0].dtype
+        self.requires_grad = params[0].requires_grad
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        code = dtype_code(self.dtype)
+        align = max(1, ALIGN_BYTES // params[0].element_size())
+        srank = rank if shard_world > 1 else 0
+        layout, entries = _C.layout_flat(self.numels, shard_world, srank, align)
+        self.shard_numel = layout["shard_numel"]
+        self.padded_numel = layout["padded_numel"]
+        self.unpadded_numel = layout["unpadded_numel"]
+        self.entries = entries  # (numel, flat_offset, shard_offset, param_offset, piece_numel)
+
+        # The shard is the optimizer-visible parameter when use_orig_params=False.
+        self.shard = nn.Parameter(torch.empty(self.shard_numel, dtype=self.dtype, device=device),
+                                  requires_grad=self.requires_grad)
+        with torch.no_grad():
+            srcs = [p.detach().contiguous() for p in params]
+            pieces = [(s.data_ptr(), code, e[3], e[2], e[4])
+                      for s, e in zip(srcs, entries) if e[4] > 0]
+            _C.gather_pieces(self.shard.data_ptr(), code, self.shard_numel, pieces)
+            del srcs
+        if shard_world == 1:
+            # A distinct leaf over the same storage, so that autograd
+            # accumulates the local gradient here and not in the shard's .grad.
+            self.full = self.shard.detach()
+        else:
+            self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+            self.full.untyped_storage().resize_(0)
+        self.full.requires_grad_(self.requires_grad)
+        # Split sizes over the full buffer, alignment gaps included: one
+        # split per forward, then a view per parameter.
+        sizes, pos = [], 0
+        self.view_slots = []
+        for numel, off, *_ in entries:
+            if off > pos:
+                sizes.append(off - pos)
+            self.view_slots.append(len(sizes))
+            sizes.append(numel)
+            pos = off + numel
+        if self.padded_numel > pos:
+            sizes.append(self.padded_numel - pos)
+        self.split_sizes = sizes
+        # use_orig_params=True: gradient shard and the views handed out of it.
+        self.grad_buf = None
+        self.grad_views = None
+
+    def unsharded_views(self):
+        """Views of the full buffer shaped as the original parameters. Made
+        with autograd on, so gradients flow into full.grad."""
+        chunks = torch.split_with_sizes(self.full, self.split_sizes)
+        return [chunks[s].view(shape) for s, shape in zip(self.view_slots, self.shapes)]
+
+    def piece(self, tensor, i, shaped):
+        """Parameter i's piece of a shard-sized tensor (1-D, or its original
+        shape when the whole parameter is local: NO_SHARD)."""
+        e = self.entries[i]
+        v = tensor.narrow(0, e[2], e[4])
+        return v.view(self.shapes[i]) if shaped else v

@@ -1,0 +1,342 @@
+"""FullyShardedDataParallel: torch FSDP1's wrapper class on flatshard's core.
+
+Same constructor signature, same module structure (`_fsdp_wrapped_module`,
+`_flat_param`), same strategies. Construction, in order:
+  1. resolve and validate every argument (config.py), before any collective;
+  2. materialize meta-device parameters with param_init_fn;
+  3. sync_module_states: broadcast parameters and buffers from rank 0;
+  4. auto-wrap: each policy target becomes a unit, innermost first;
+  5. the root's remaining parameters become the root unit.
+Each unit flattens its parameters (flat_param.py) and hands them to a C unit
+(csrc/py_unit.c); unit.py connects it to torch's hooks.
+"""
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from . import _C, config
+from .comm import broadcast_, comm_for
+from .errors import ConfigError, bad_type, bad_value, not_built
+from .flat_param import Alias, FlatGroup
+from .options import BackwardPrefetch, ShardingStrategy
+from .unit import UnitRuntime
+from .wrap import targets
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FLAT_PARAM = "_flat_param"
+
+
+class _WrapContext:
+    """What all units built by one constructor call share."""
+
+    def __init__(self, ignored_modules, ignored_params):
+        self.ignored_modules = ignored_modules
+        self.ignored_params = ignored_params
+        self.owner = {}  # id(param) -> (unit name, fqn) of the unit managing it
+
+
+class RootState:
+    """Per-model state kept by the root unit: every unit, the order units ran
+    in the last forward (for prefetching), and the end-of-backward callback."""
+
+    def __init__(self, owner, units):
+        self.owner = owner
+        self.units = units
+        self.order, self.position = [], {}
+        self._current = None
+        self.final_queued = False
+
+    def begin_forward(self):
+        if self.final_queued:  # the last backward never finished: clean up
+            self._final()
+        self._current = []
+
+    def end_forward(self):
+        if self._current:
+            self.order = self._current
+            self.position = {id(u): i for i, u in enumerate(self.order)}
+        self._current = None
+
+    def record_forward(self, unit):
+        """Note that `unit` runs now; return the unit that ran after it last time."""
+        if self._current is not None and (not self._current or self._current[-1] is not unit):
+            self._current.append(unit)
+        i = self.position.get(id(unit))
+        return self.order[i + 1] if i is not None and i + 1 < len(self.order) else None
+
+    def previous_in_forward(self, unit):
+        i = self.position.get(id(unit))
+        return self.order[i - 1] if i else None
+
+    def queue_final_callback(self):
+        if not self.final_queued:
+            self.final_queued = True
+            Variable._execution_engine.queue_callback(self._final)
+
+    def _final(self):
+        self.final_queued = False
+        for u in self.units:
+            u.finalize()
+
+
+def _expand_ignored(module, ignored_modules, ignored_states):
+    if ignored_modules is not None and ignored_states is not None:
+        raise bad_value("ignored_states", ignored_states, "ignored_modules and ignored_states "
+                        "cannot both be given", "pass everything in ignored_states")
+    mods, params = set(), set()
+    items = ignored_modules if ignored_modules is not None else ignored_states
+    name = "ignored_modules" if ignored_modules is not None else "ignored_states"
+    if items is None:
+        return mods, params
+    try:
+        items = list(items)
+    except TypeError:
+        raise bad_type(name, items, "an iterable of nn.Module (or nn.Parameter for "
+                       "ignored_states)") from None
+    for it in items:
+        if isinstance(it, FullyShardedDataParallel):
+            raise bad_value(name, it, "an FSDP-wrapped module cannot be ignored")
+        if isinstance(it, nn.Module):
+            mods.update(it.modules())
+        elif isinstance(it, nn.Parameter) and name == "ignored_states":
+            params.add(it)
+        else:
+            raise bad_type(name, it, "nn.Module" + (" or nn.Parameter"
+                                                    if name == "ignored_states" else ""))
+    for m in mods:
+        params.update(m.parameters(recurse=False))
+    return mods, params
+
+
+def _materialize(module, param_init_fn, ignored_modules):
+    def on_meta(m):
+        return any(t.is_meta for t in list(m.parameters(recurse=False)) +
+                   list(m.buffers(recurse=False)))
+    metas = [m for m in module.modules() if m not in ignored_modules and on_meta(m)]
+    if not metas:
+        return
+    if param_init_fn is None:
+        raise bad_value("param_init_fn", None, "the module has parameters on the meta device",
+                        "pass param_init_fn=lambda m: m.to_empty(device='cpu', recurse=False) "
+                        "followed by your initialization")
+    if not callable(param_init_fn):
+        raise bad_type("param_init_fn", param_init_fn, "a callable taking an nn.Module")
+    for m in metas:
+        param_init_fn(m)
+    left = [n for n, m in module.named_modules() if m not in ignored_modules and on_meta(m)]
+    if left:
+        raise bad_value("param_init_fn", param_init_fn, "it left parameters on the meta device "
+                        f"in {left[:3]}", "make it materialize every module it is given")
+
+
+def _sync_module_states(module, comm, ignored_params):
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            if t not in ignored_params:
+                broadcast_(comm, t.data if isinstance(t, nn.Parameter) else t, root=0)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state across a
+    process group, with torch FSDP1's constructor and semantics.
+
+    Args follow torch.distributed.fsdp.FullyShardedDataParallel. Built:
+    sharding_strategy FULL_SHARD / SHARD_GRAD_OP / NO_SHARD; auto_wrap_policy
+    (torch's or flatshard's policies); backward_prefetch; forward_prefetch;
+    limit_all_gathers (collectives are synchronous on the CPU backends, so at
+    most one all-gather is ever in flight); ignored_modules / ignored_states;
+    param_init_fn; device_id (CPU); sync_module_states; use_orig_params;
+    device_mesh (1-D). Not built yet, rejected with NotBuiltError: hybrid
+    strategies, mixed_precision, CPUOffload(offload_params=True), CUDA devices.
+    """
+
+    def __init__(self, module, process_group=None, sharding_strategy=None, cpu_offload=None,
+                 auto_wrap_policy=None, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+                 mixed_precision=None, ignored_modules=None, param_init_fn=None, device_id=None,
+                 sync_module_states=False, forward_prefetch=False, limit_all_gathers=True,
+                 use_orig_params=False, ignored_states=None, device_mesh=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise bad_type("module", module, "an nn.Module")
+        if isinstance(module, FullyShardedDataParallel):
+            raise bad_value("module", type(module).__name__, "the module is already wrapped")
+        kw = dict(process_group=process_group, sharding_strategy=sharding_strategy,
+                  cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
+                  mixed_precision=mixed_precision, device_id=device_id,
+                  forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+                  use_orig_params=use_orig_params, device_mesh=device_mesh)
+        cfg = config.resolve(kw)
+        if not isinstance(sync_module_states, bool):
+            raise bad_type("sync_module_states", sync_module_states, "True or False")
+        ignored_mods, ignored_params = _expand_ignored(module, ignored_modules, ignored_states)
+        _materialize(module, param_init_fn, ignored_mods)
+        for n, p in module.named_parameters():
+            if p not in ignored_params and p.device != cfg.device:
+                raise bad_value("device_id", cfg.device, f"parameter {n} is on {p.device}",
+                                f"move the module to {cfg.device} before wrapping")
+        comm = comm_for(cfg.group)
+        if sync_module_states:
+            _sync_module_states(module, comm, ignored_params)
+        ctx = _WrapContext(ignored_mods, ignored_params)
+        if auto_wrap_policy is not None:
+            self._auto_wrap(module, auto_wrap_policy, kw, ctx)
+        self._setup(module, cfg, ctx, "")
+
+    # ------------------------------------------------------------------
+    # construction
+
+    @classmethod
+    def _auto_wrap(cls, root, policy, root_kw, ctx):
+        found = targets(policy, root, ctx.ignored_modules, ctx.ignored_params, root_kw)
+        names = {m: n for n, m in root.named_modules()}
+        # Innermost first: a parent's unit excludes the units below it.
+        for m in sorted(found, key=lambda m: -names[m].count(".") if names[m] else 0):
+            if isinstance(m, FullyShardedDataParallel):
+                continue
+            over = found[m]
+            config.check_overrides(names[m], over)
+            cfg = config.resolve({**root_kw, **over})
+            unit = cls.__new__(cls)
+            nn.Module.__init__(unit)
+            unit._setup(m, cfg, ctx, names[m])
+            parent_name, _, attr = names[m].rpartition(".")
+            parent = root.get_submodule(parent_name) if parent_name else root
+            setattr(parent, attr, unit)
+
+    def _setup(self, module, cfg, ctx, name):
+        self._fsdp_wrapped_module = module
+        self._cfg = cfg
+        self._root_state = None
+        label = name or "<root>"
+        comm = comm_for(cfg.group)
+        world, rank = comm.world_size, comm.rank
+        no_shard = cfg.strategy is ShardingStrategy.NO_SHARD
+
+        # Parameters this unit manages: not in a nested unit, not ignored.
+        keys, by_key = [], {}
+        stack = [(module, name)]
+        while stack:
+            mod, path = stack.pop(0)
+            for attr, p in mod._parameters.items():
+                if p is None or p in ctx.ignored_params:
+                    continue
+                fqn = f"{path}.{attr}" if path else attr
+                prev = ctx.owner.get(id(p))
+                if prev is not None and prev[0] != label:
+                    raise ConfigError(
+                        f"flatshard: parameter {fqn} is shared with {prev[1]}, which belongs to "
+                        f"unit {prev[0]!r}, but it is also used in unit {label!r}; a shared "
+                        "parameter must live in one unit: wrap a common parent of both modules "
+                        "instead (change auto_wrap_policy)")
+                ctx.owner[id(p)] = (label, fqn)
+                key = (p.dtype, p.requires_grad)
+                if key not in by_key:
+                    by_key[key] = ({}, [])
+                    keys.append(key)
+                seen, order = by_key[key]
+                if id(p) not in seen:
+                    seen[id(p)] = len(order)
+                    order.append((p, []))
+                order[seen[id(p)]][1].append(Alias(mod, attr, fqn))
+            for cname, child in mod._modules.items():
+                if child is None or child in ctx.ignored_modules or \
+                        isinstance(child, FullyShardedDataParallel):
+                    continue
+                stack.append((child, f"{path}.{cname}" if path else cname))
+
+        groups = []
+        for i, key in enumerate(keys):
+            order = by_key[key][1]
+            groups.append(FlatGroup(i, [p for p, _ in order], [a for _, a in order], world, rank,
+                                    1 if no_shard else world, cfg.device))
+        grad_mask = sum(1 << g.index for g in groups if g.requires_grad)
+        from .comm import dtype_code
+        cunit = _C.Unit(label, comm, cfg.strategy.value,
+                        [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel, g.padded_numel)
+                         for g in groups], grad_mask)
+        self._unit = UnitRuntime(label, cunit, groups, cfg.use_orig_params, no_shard,
+                                 cfg.backward_prefetch, cfg.forward_prefetch)
+        if not cfg.use_orig_params:
+            for g in groups:
+                module.register_parameter(FLAT_PARAM if g.index == 0 else f"{FLAT_PARAM}_{g.index}",
+                                          g.shard)
+
+    def _lazy_init(self):
+        units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        state = RootState(self, [m._unit for m in units])
+        for m in units:
+            m._root_state = state
+            m._unit.root = state
+            m._unit.c.is_root = m is self
+        return state
+
+    # ------------------------------------------------------------------
+    # running
+
+    def forward(self, *args, **kwargs):
+        root = self._root_state or self._lazy_init()
+        is_root = root.owner is self
+        if is_root:
+            root.begin_forward()
+        unit = self._unit
+        unit.pre_forward()
+        try:
+            out = self._fsdp_wrapped_module(*args, **kwargs)
+        except BaseException:
+            unit.abort_forward()
+            raise
+        out = unit.post_forward(out)
+        if is_root:
+            root.end_forward()
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside: backward accumulates unsharded gradients locally with no
+        communication (they stay in memory, unsharded). The first backward
+        outside reduces the accumulated sum."""
+        units = [m._unit for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        saved = [u.sync_grads for u in units]
+        for u in units:
+            u.sync_grads = False
+        try:
+            yield
+        finally:
+            for u, s in zip(units, saved):
+                u.sync_grads = s
+
+    @property
+    def module(self):
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def sharding_strategy(self):
+        return self._cfg.strategy
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == FSDP_WRAPPED_MODULE:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key):
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+    # ------------------------------------------------------------------
+    # not built yet: refused rather than silently wrong
+
+    def state_dict(self, *args, **kwargs):
+        raise not_built("state_dict()", "FULL_STATE_DICT", "state dicts of wrapped models are "
+                        "not built yet (nn.Module's would return wrapper keys and local shards)")
+
+    def load_state_dict(self, *args, **kwargs):
+        raise not_built("load_state_dict()", "FULL_STATE_DICT", "state dicts of wrapped models "
+                        "are not built yet")
+
+
+FSDP = FullyShardedDataParallel

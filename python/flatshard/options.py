@@ -1,0 +1,114 @@
+"""Option types, with torch FSDP1's names and meanings.
+
+flatshard's enums and dataclasses mirror torch's, and `normalize_*` accepts
+either flatshard's or torch's objects (matched by member name / field), so an
+existing torch FSDP script keeps its option objects."""
+import enum
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from .errors import bad_type
+
+
+class ShardingStrategy(enum.Enum):
+    """What is sharded. Values match torch's ShardingStrategy.
+
+    FULL_SHARD    ZeRO-3: parameters, gradients and optimizer state sharded;
+                  parameters gathered for each unit's forward and backward.
+    SHARD_GRAD_OP ZeRO-2: gradients and optimizer state sharded; parameters
+                  stay gathered from forward to the end of backward.
+    NO_SHARD      DDP: nothing sharded; gradients all-reduced.
+    HYBRID_SHARD, _HYBRID_SHARD_ZERO2: sharding inside a node, replication
+                  across nodes (not built yet: rejected with an error).
+    """
+    FULL_SHARD = 1
+    SHARD_GRAD_OP = 2
+    NO_SHARD = 3
+    HYBRID_SHARD = 4
+    _HYBRID_SHARD_ZERO2 = 5
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the next unit's all-gather is issued during backward.
+
+    BACKWARD_PRE  before the current unit's gradient computation.
+    BACKWARD_POST after it, before the current unit's gradient reduction.
+    """
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+
+
+class StateDictType(enum.Enum):
+    FULL_STATE_DICT = enum.auto()
+    LOCAL_STATE_DICT = enum.auto()
+    SHARDED_STATE_DICT = enum.auto()
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """torch FSDP1's MixedPrecision fields (not built yet: only None is accepted)."""
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    buffer_dtype: Optional[torch.dtype] = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """offload_params=True keeps parameters and gradients in host memory
+    (not built yet: only False is accepted; on CPU devices it is moot)."""
+    offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class StateDictConfig:
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class FullStateDictConfig(StateDictConfig):
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class LocalStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass(frozen=True)
+class ShardedStateDictConfig(StateDictConfig):
+    _use_dtensor: bool = False
+
+
+def _torch_enum(name):
+    import torch.distributed.fsdp as tfsdp
+    return getattr(tfsdp, name, None)
+
+
+def normalize_enum(arg, value, ours, torch_name, allow_none=False):
+    """flatshard's or torch's enum member -> flatshard's member."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, ours):
+        return value
+    theirs = _torch_enum(torch_name)
+    if theirs is not None and isinstance(value, theirs) and value.name in ours.__members__:
+        return ours[value.name]
+    names = ", ".join(f"{ours.__name__}.{m}" for m in ours.__members__)
+    raise bad_type(arg, value, f"one of {names}" + (" or None" if allow_none else ""),
+                   f"use flatshard.{ours.__name__} or torch.distributed.fsdp.{torch_name}")
+
+
+def normalize_dataclass(arg, value, ours, torch_name):
+    """flatshard's or torch's dataclass instance -> flatshard's (or None)."""
+    if value is None or isinstance(value, ours):
+        return value
+    theirs = _torch_enum(torch_name)
+    if theirs is not None and isinstance(value, theirs):
+        return ours(**{f.name: getattr(value, f.name) for f in fields(ours)
+                       if hasattr(value, f.name)})
+    raise bad_type(arg, value, f"flatshard.{ours.__name__}, torch's {torch_name}, or None")

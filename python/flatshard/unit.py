@@ -1,0 +1,179 @@
+"""Per-unit runtime: the torch hooks around one wrapped module.
+
+The state machine and all data movement live in C (flatshard._C.Unit): this
+file only receives torch's hook calls, reports them as events, and does the
+torch-side work the actions ask for (parameter views, gradient tensors).
+
+Hooks used (all public torch APIs):
+  forward           FSDP.forward calls pre_forward / post_forward around
+                    the wrapped module.
+  pre-backward      Tensor.register_hook on the unit's forward outputs: runs
+                    before the unit's own gradient computation.
+  post-backward     Tensor.register_post_accumulate_grad_hook on each full
+                    buffer: runs once the unit's gradient is complete.
+  end of backward   a callback queued on the autograd engine by the root.
+"""
+import torch
+from torch.utils._pytree import tree_flatten
+
+from . import _C
+from .options import BackwardPrefetch
+
+_GRAD = _C.FLAG_GRAD_ENABLED
+
+
+class UnitRuntime:
+    def __init__(self, name, cunit, groups, use_orig_params, no_shard, backward_prefetch,
+                 forward_prefetch):
+        self.name = name
+        self.c = cunit
+        self.groups = groups
+        self.use_orig_params = use_orig_params
+        self.no_shard = no_shard
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.root = None          # RootState, set at lazy init
+        self.sync_grads = True    # False inside no_sync()
+        for g in groups:
+            if g.requires_grad:
+                g.full.register_post_accumulate_grad_hook(self._make_post_backward(g.index))
+        if use_orig_params:
+            self._use_sharded_params()
+        else:
+            self._drop_orig_params()
+
+    # ------------------------------------------------------------------
+    # parameter views
+
+    def _drop_orig_params(self):
+        """use_orig_params=False: the modules keep plain-tensor attributes in
+        place of their parameters; only the flat shards are Parameters."""
+        for g in self.groups:
+            views = g.unsharded_views() if self.no_shard else None
+            for i, aliases in enumerate(g.aliases):
+                for a in aliases:
+                    del a.module._parameters[a.attr]
+                    a.module.__dict__[a.attr] = views[i] if views is not None else None
+
+    def _use_sharded_params(self):
+        """use_orig_params=True: each original parameter's data becomes its
+        piece of the local shard (1-D; its own shape under NO_SHARD)."""
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                p.data = g.piece(g.shard.detach(), i, self.no_shard)
+
+    def _set_unsharded_views(self):
+        # Instance attributes shadow _parameters during forward, which keeps
+        # the registered parameters (and their order) untouched.
+        for g in self.groups:
+            views = g.unsharded_views()
+            for v, aliases in zip(views, g.aliases):
+                for a in aliases:
+                    a.module.__dict__[a.attr] = v
+
+    def _clear_unsharded_views(self):
+        if not self.use_orig_params:
+            return  # the views stay as the module's attributes
+        for g in self.groups:
+            for aliases in g.aliases:
+                for a in aliases:
+                    a.module.__dict__.pop(a.attr, None)
+
+    # ------------------------------------------------------------------
+    # forward
+
+    def pre_forward(self):
+        flags = _GRAD if torch.is_grad_enabled() else 0
+        act = self.c.step(_C.EV_PRE_FORWARD, flags)
+        if act & _C.ACT_UNSHARD:
+            self.c.unshard()
+        nxt = self.root.record_forward(self)
+        if self.forward_prefetch and nxt is not None and nxt.c.state == "IDLE":
+            nxt.c.unshard()
+        self._set_unsharded_views()
+
+    def post_forward(self, output):
+        flags = _GRAD if torch.is_grad_enabled() else 0
+        act = self.c.step(_C.EV_POST_FORWARD, flags)
+        self._clear_unsharded_views()
+        if act & _C.ACT_RESHARD:
+            self.c.reshard()
+        if act & _C.ACT_HOOK_BACKWARD:
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    def abort_forward(self):
+        """The wrapped forward raised: leave the unit IDLE and resharded."""
+        if self.c.state == "FORWARD":
+            act = self.c.step(_C.EV_POST_FORWARD, 0)
+            self._clear_unsharded_views()
+            if act & _C.ACT_RESHARD:
+                self.c.reshard()
+
+    # ------------------------------------------------------------------
+    # backward
+
+    def _pre_backward(self, grad):
+        self.root.queue_final_callback()
+        act = self.c.step(_C.EV_PRE_BACKWARD, 0)
+        if act & _C.ACT_UNSHARD:
+            self.c.unshard()
+            if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                self._prefetch_backward()
+        return None
+
+    def _prefetch_backward(self):
+        prev = self.root.previous_in_forward(self)
+        if prev is not None and prev.c.state == "IDLE":
+            prev.c.unshard()
+
+    def _make_post_backward(self, gi):
+        def hook(full):
+            self._post_backward(gi, full)
+        return hook
+
+    def _post_backward(self, gi, full):
+        flags = 0 if self.sync_grads else _C.FLAG_NO_SYNC
+        act = self.c.step(_C.EV_POST_BACKWARD, flags, gi)
+        if act & _C.ACT_RESHARD and self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch_backward()
+        if act & _C.ACT_REDUCE_GRAD and full.grad is not None:
+            grad = full.grad
+            full.grad = None
+            self._reduce(self.groups[gi], grad)
+        if act & _C.ACT_RESHARD:
+            self.c.reshard()
+
+    def _reduce(self, g, grad):
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        if not self.use_orig_params:
+            out = g.shard.grad
+            accumulate = out is not None
+            if out is None:
+                out = torch.empty_like(g.shard, memory_format=torch.contiguous_format)
+            self.c.reduce_grad(g.index, grad, out, accumulate)
+            g.shard.grad = out
+            return
+        current = [p.grad for p in g.params]
+        if g.grad_buf is not None and all(c is v for c, v in zip(current, g.grad_views)):
+            self.c.reduce_grad(g.index, grad, g.grad_buf, True)
+            return
+        out = torch.empty(g.shard_numel, dtype=g.dtype, device=g.shard.device)
+        self.c.reduce_grad(g.index, grad, out, False)
+        views = [g.piece(out, i, self.no_shard) for i in range(len(g.params))]
+        with torch.no_grad():
+            for v, c in zip(views, current):  # gradients the user set or kept
+                if c is not None:
+                    v.add_(c.reshape(v.shape))
+        for p, v in zip(g.params, views):
+            p.grad = v
+        g.grad_buf, g.grad_views = out, views
+
+    def finalize(self):
+        """End of the backward pass: whatever is still unsharded is freed."""
+        act = self.c.step(_C.EV_FINALIZE, 0)
+        if act & _C.ACT_RESHARD:
+            self.c.reshard()

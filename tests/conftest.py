@@ -1,0 +1,23 @@
+import os
+import sys
+
+import pytest
+
+# pytest's default "prepend" import mode already puts tests/ on sys.path; make
+# sure of it (e.g. under --import-mode=importlib), because the pool's worker
+# processes import dist_pool and the test modules by these plain names.
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
+from dist_pool import get_pool, shutdown_all  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """``dist_pool(world_size)`` -> the session's DistPool; see dist_pool.py."""
+    return get_pool
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutdown_all()
