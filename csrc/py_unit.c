@@ -74,6 +74,8 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         return PyErr_Format(PyExc_TypeError, "Unit: comm must be a flatshard._C.Comm");
     if (strategy != FS_FULL_SHARD && strategy != FS_SHARD_GRAD_OP && strategy != FS_NO_SHARD)
         return PyErr_Format(PyExc_ValueError, "Unit: strategy %d is not 1, 2 or 3", strategy);
+    if (strategy != FS_NO_SHARD && ((CommObject *)comm)->comm->world_size == 1)
+        return PyErr_Format(PyExc_ValueError, "Unit: one rank has nothing to shard; use NO_SHARD");
     PyObject *seq = PySequence_Fast(groups, "Unit: groups must be a sequence");
     if (!seq)
         return NULL;

@@ -123,7 +123,9 @@ def _worker_main(rank, world_size, workdir, conn):
             break
         if payload == b"":  # shutdown request
             break
-        conn.send_bytes(_call(payload))
+        reply = _call(payload)
+        sys.stdout.flush()  # the parent reads the log once it has the reply
+        conn.send_bytes(reply)
     dist.destroy_process_group()
 
 
@@ -233,7 +235,7 @@ class DistPool:
             lines.append(f"--- ranks {sorted(pending)} did not answer {why}; "
                          "their stacks are at the end of their output")
             self._dump_stacks(sorted(pending))
-        lines.append("--- output of the ranks:\n" + self._new_output())
+        lines.append("--- output of the ranks:\n" + (self._new_output() or "(none)"))
         raise AssertionError("\n".join(lines))
 
     def _new_output(self):

@@ -1,5 +1,6 @@
 """Tests of the multi-rank test harness itself (dist_pool.py)."""
 import os
+import sys
 import time
 
 import pytest
@@ -25,6 +26,11 @@ def _fail_deeper(rank):
 
 def _getpid():
     return os.getpid()
+
+
+def _print(text):
+    print(text)
+    print(f"on stderr from {dist.get_rank()}", file=sys.stderr, end="")
 
 
 def _skip_collective_on_rank1():
@@ -61,6 +67,13 @@ def test_pool_is_reused(dist_pool):
     assert pool.run(_getpid) == pids
 
 
+def test_rank_output_is_shown_with_the_test(dist_pool, capsys):
+    assert dist_pool(2).run(_print, "hello") == [None, None]
+    out = capsys.readouterr().out
+    assert "[rank 0] hello\n" in out and "[rank 1] hello\n" in out
+    assert "[rank 1] on stderr from 1\n" in out
+
+
 def test_exception_names_rank_and_traceback_then_pool_recovers(dist_pool):
     pool = dist_pool(2)
     start = time.monotonic()
@@ -70,7 +83,8 @@ def test_exception_names_rank_and_traceback_then_pool_recovers(dist_pool):
     assert "rank 1 raised" in message
     assert "Traceback" in message and "_fail_deeper" in message
     assert "ValueError: boom from rank 1" in message
-    assert "ranks [0] did not answer" in message and "in _raise_on" in message  # rank 0's stack
+    assert "ranks [0] did not answer" in message
+    assert "[rank 0]   File" in message and " in _raise_on" in message  # rank 0's stack
     assert time.monotonic() - start < 10  # not the 60s timeout
 
     # every failing rank is reported
@@ -91,7 +105,7 @@ def test_hang_times_out_kills_pool_and_recovers(dist_pool):
     message = str(info.value)
     assert "ranks [0] did not answer within the 3s timeout" in message
     # rank 0's Python stack, dumped while it was blocked inside gloo
-    assert "rank 0 was at" in message and "in _skip_collective_on_rank1" in message
+    assert "[rank 0]   File" in message and " in _skip_collective_on_rank1" in message
     assert not any(_alive(pid) for pid in old_pids)
     new_pids = pool.run(_getpid)
     assert set(new_pids).isdisjoint(old_pids)

@@ -31,13 +31,15 @@ def _torch_collective(group):
 
     Always asks for SUM: averaging is done in C because gloo's AVG sums."""
     group_ranks = dist.get_process_group_ranks(group)
+    # torch 2.13 renamed the flat collectives (*_single); 2.11 has the old names.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def run(op, a, b, arg):
         if op == "all_gather":
-            dist.all_gather_into_tensor(from_dlpack(b), from_dlpack(a), group=group)
+            all_gather(from_dlpack(b), from_dlpack(a), group=group)
         elif op == "reduce_scatter":
-            dist.reduce_scatter_tensor(from_dlpack(b), from_dlpack(a), op=dist.ReduceOp.SUM,
-                                       group=group)
+            reduce_scatter(from_dlpack(b), from_dlpack(a), op=dist.ReduceOp.SUM, group=group)
         elif op == "all_reduce":
             dist.all_reduce(from_dlpack(a), op=dist.ReduceOp.SUM, group=group)
         elif op == "broadcast":

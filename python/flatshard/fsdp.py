@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from . import _C, config
-from .comm import broadcast_, comm_for
+from .comm import broadcast_, comm_for, dtype_code
 from .errors import ConfigError, bad_type, bad_value, not_built
 from .flat_param import Alias, FlatGroup
 from .options import BackwardPrefetch, ShardingStrategy
@@ -212,7 +212,8 @@ class FullyShardedDataParallel(nn.Module):
         label = name or "<root>"
         comm = comm_for(cfg.group)
         world, rank = comm.world_size, comm.rank
-        no_shard = cfg.strategy is ShardingStrategy.NO_SHARD
+        # One rank has nothing to shard: run as NO_SHARD (as torch FSDP does).
+        no_shard = cfg.strategy is ShardingStrategy.NO_SHARD or world == 1
 
         # Parameters this unit manages: not in a nested unit, not ignored.
         keys, by_key = [], {}
@@ -252,8 +253,8 @@ class FullyShardedDataParallel(nn.Module):
             groups.append(FlatGroup(i, [p for p, _ in order], [a for _, a in order], world, rank,
                                     1 if no_shard else world, cfg.device))
         grad_mask = sum(1 << g.index for g in groups if g.requires_grad)
-        from .comm import dtype_code
-        cunit = _C.Unit(label, comm, cfg.strategy.value,
+        strategy = ShardingStrategy.NO_SHARD if no_shard else cfg.strategy
+        cunit = _C.Unit(label, comm, strategy.value,
                         [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel, g.padded_numel)
                          for g in groups], grad_mask)
         self._unit = UnitRuntime(label, cunit, groups, cfg.use_orig_params, no_shard,

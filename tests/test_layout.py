@@ -1,0 +1,98 @@
+"""csrc/layout.c against references built from torch ops, on awkward sizes."""
+import itertools
+
+import pytest
+import torch
+
+from flatshard import _C
+from flatshard.comm import dtype_code
+
+SIZES = [
+    [0], [1], [3], [0, 0], [1, 0, 1], [2, 3, 5, 7, 11, 13], [97], [16], [15, 17],
+    [1000, 1, 0, 999], [4, 4, 4, 4], [31, 0, 33, 2],
+]
+WORLDS = [1, 2, 3, 4, 8]
+ALIGNS = [1, 4, 8]
+
+
+def round_up(x, m):
+    return (x + m - 1) // m * m
+
+
+@pytest.mark.parametrize("numels,world,align", itertools.product(SIZES, WORLDS, ALIGNS))
+def test_flat_layout_matches_concat_and_chunk(numels, world, align):
+    # Reference: params concatenated at aligned offsets, then cut into equal chunks.
+    params = [torch.arange(1, n + 1, dtype=torch.float64) + 1000 * i for i, n in enumerate(numels)]
+    offsets, end = [], 0
+    for n in numels:
+        offsets.append(round_up(end, align))
+        end = offsets[-1] + n
+    shard = round_up(-(-end // world), align)
+    flat = torch.zeros(shard * world, dtype=torch.float64)
+    for p, off in zip(params, offsets):
+        flat[off:off + p.numel()] = p
+    covered = [torch.zeros(n, dtype=torch.int64) for n in numels]
+    for rank in range(world):
+        layout, entries = _C.layout_flat(numels, world, rank, align)
+        assert layout == {"unpadded_numel": end, "shard_numel": shard,
+                          "padded_numel": shard * world, "shard_begin": shard * rank}
+        ref_shard = flat.chunk(world)[rank] if shard else flat[:0]
+        got = torch.empty(shard, dtype=torch.float64)
+        pieces = [(p.data_ptr(), _C.F64, e[3], e[2], e[4])
+                  for p, e in zip(params, entries) if e[4]]
+        got.fill_(float("nan"))
+        _C.gather_pieces(got.data_ptr(), _C.F64, shard, pieces)
+        assert torch.equal(got, ref_shard)  # padding zeroed, pieces in place
+        for i, (numel, flat_off, shard_off, param_off, piece) in enumerate(entries):
+            assert numel == numels[i] and flat_off == offsets[i] and flat_off % align == 0
+            assert 0 <= shard_off <= shard and shard_off + piece <= shard
+            covered[i][param_off:param_off + piece] += 1
+    for c in covered:  # every element lives on exactly one rank
+        assert torch.all(c == 1)
+
+
+def test_flat_layout_rejects_bad_arguments():
+    for args in [([1], 0, 0, 1), ([1], 2, 2, 1), ([1], 2, -1, 1), ([1], 2, 0, 0), ([-1], 1, 0, 1)]:
+        with pytest.raises(_C.CoreError, match="layout_flat"):
+            _C.layout_flat(*args)
+
+
+DIM0_SHAPES = [(), (0,), (1,), (5,), (3, 4), (7, 3), (2, 2, 2), (13, 1), (0, 5), (1, 9)]
+
+
+@pytest.mark.parametrize("world,align", itertools.product([1, 2, 3, 4, 5], [1, 4]))
+def test_dim0_layout_matches_torch_chunk_and_roundtrips(world, align):
+    gen = torch.Generator().manual_seed(world)
+    params = [torch.randn(s, generator=gen) for s in DIM0_SHAPES]
+    dim0 = [p.shape[0] if p.dim() else 1 for p in params]
+    rows = [int(torch.tensor(p.shape[1:]).prod()) if p.dim() else 1 for p in params]
+    blocks = []
+    for rank in range(world):
+        layout, entries = _C.layout_dim0(dim0, rows, world, rank, align)
+        block = torch.full((layout["block_numel"],), float("nan"))
+        for p, e in zip(params, entries):
+            d0, row, chunk_rows, off, begin, held = e
+            assert off % align == 0 and chunk_rows == -(-d0 // world)
+            chunks = torch.chunk(p.reshape(d0, row), world, dim=0) if d0 else ()
+            ref = chunks[rank] if rank < len(chunks) else p.reshape(d0, row)[:0]
+            assert held == ref.shape[0]
+            _C.dim0_copy_in(block.data_ptr(), _C.F32, p.contiguous().data_ptr(), _C.F32, e)
+            got = block[off:off + chunk_rows * row].view(chunk_rows, row)
+            assert torch.equal(got[:held], ref)
+            assert torch.all(got[held:] == 0)  # padding rows are zero
+        blocks.append(block)
+    gathered = torch.cat(blocks)
+    _, entries = _C.layout_dim0(dim0, rows, world, 0, align)
+    for p, e in zip(params, entries):
+        out = torch.empty(p.numel())
+        _C.dim0_copy_out(out.data_ptr(), _C.F32, gathered.data_ptr(), _C.F32, world,
+                         blocks[0].numel(), e)
+        assert torch.equal(out.view(p.shape), p)
+
+
+def test_dim0_copy_casts_to_bf16():
+    p = torch.randn(5, 3, dtype=torch.float64)
+    layout, entries = _C.layout_dim0([5], [3], 2, 1, 1)
+    block = torch.empty(layout["block_numel"], dtype=torch.bfloat16)
+    _C.dim0_copy_in(block.data_ptr(), dtype_code(torch.bfloat16), p.data_ptr(), _C.F64, entries[0])
+    assert torch.equal(block[:6], p[3:].reshape(-1).to(torch.bfloat16))
