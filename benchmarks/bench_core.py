@@ -121,6 +121,7 @@ def worker(rank, port, impl, model_name, args, queue):
             queue.put(dict(median_ms=statistics.median(ms), mean_ms=statistics.mean(ms),
                            params=int(mem[0]), grads=int(mem[1]), optim=int(mem[2]),
                            rss=int(mem[3]), losses=losses))
+        dist.barrier()  # tear down together, not while the peer still talks
     finally:
         dist.destroy_process_group()
 
@@ -140,7 +141,10 @@ def run_one(impl, model_name, args):
     except Exception as e:  # report and go on with the other impls
         lines = str(e).strip().splitlines()
         print(f"  [{impl}] FAILED: " + "\n    ".join(lines[-12:]), flush=True)
-        return None
+        if queue.empty():
+            return None
+        print(f"  [{impl}] (failed after reporting its figures: they are kept)")
+        return queue.get()
 
 
 FIELDS = [("median_ms", "step ms (median)", "{:.2f}"), ("mean_ms", "step ms (mean)", "{:.2f}"),
@@ -173,7 +177,7 @@ def report(model_name, results):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--steps", type=int, default=30, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
     p.add_argument("--impl", default="torch,flatshard")
     p.add_argument("--model", default="transformer,tiny64")

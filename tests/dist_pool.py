@@ -125,6 +125,7 @@ def _worker_main(rank, world_size, workdir, conn):
             break
         reply = _call(payload)
         sys.stdout.flush()  # the parent reads the log once it has the reply
+        sys.stderr.flush()
         conn.send_bytes(reply)
     dist.destroy_process_group()
 
@@ -166,6 +167,7 @@ class DistPool:
             raise
 
     def pids(self):
+        """The ranks' process ids, by rank (empty while the pool is down)."""
         return [p.pid for p in self._procs]
 
     def _ensure_started(self):

@@ -4,9 +4,11 @@ differences in losses and in parameters (this rank's pieces against the
 matching slices of the reference).
 
 Tolerance (stated once, used by every parity test): fp32 losses and
-parameters agree to 2e-6 relative (+1e-7 absolute). The only difference
-between the two computations is the order of floating-point sums (per-rank
-batch means, then the gradient average)."""
+parameters agree to 2e-6 relative, with an absolute floor of 2e-6 times the
+largest magnitude in the same tensor (elements near zero carry the rounding
+of their larger neighbours). The only difference between the two
+computations is the order of floating-point sums (per-rank batch means, the
+gradient average, accumulation across micro-batches)."""
 import functools
 
 import torch
@@ -18,6 +20,7 @@ from flatshard import FSDP, ShardingStrategy
 from toy_models import Block, Inner, build
 
 RTOL, ATOL = 2e-6, 1e-7
+SCALE_ATOL = 2e-6
 
 
 def optimizer(name, params):
@@ -72,9 +75,11 @@ def compare_params(model, ref):
     assert set(pieces) <= set(ref_params), set(pieces) - set(ref_params)
     for fqn, (off, piece) in pieces.items():
         want = ref_params[fqn].detach().reshape(-1)[off:off + piece.numel()]
-        torch.testing.assert_close(piece, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{fqn}: {m}")
+        scale = ref_params[fqn].detach().abs().max().item() if want.numel() else 0.0
+        atol = max(ATOL, SCALE_ATOL * scale)
+        torch.testing.assert_close(piece, want, rtol=RTOL, atol=atol, msg=lambda m: f"{fqn}: {m}")
         if piece.numel():
-            worst = max(worst, ((piece - want).abs() / (want.abs() + ATOL)).max().item())
+            worst = max(worst, ((piece - want).abs() / (want.abs() + atol)).max().item())
     return worst, len(pieces)
 
 
