@@ -25,6 +25,7 @@ per-rank batch. It reports:
 A failure in one impl is printed and the remaining runs go on.
 """
 import argparse
+import datetime
 import os
 import resource
 import shlex
@@ -45,6 +46,7 @@ from models import MODELS  # noqa: E402
 
 WORLD = 2
 N_LOSSES = 3
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 REPO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 
 
@@ -79,7 +81,8 @@ def max_rss_bytes():
 def worker(rank, port, impl, model_name, args, queue):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A hung collective fails after COLLECTIVE_TIMEOUT instead of stalling the run.
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
     try:
         FSDP, ShardingStrategy = import_impl(impl)
         spec = MODELS[model_name]()
@@ -162,10 +165,11 @@ def report(model_name, results):
     for row in rows:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
 
-    print("first losses:")
-    for impl, r in results.items():
-        if r is not None:
-            print(f"  {impl:>9}: " + "  ".join(f"{x:.8f}" for x in r["losses"]))
+    ok = {impl: r for impl, r in results.items() if r is not None}
+    if ok:
+        print("first losses:")
+    for impl, r in ok.items():
+        print(f"  {impl:>9}: " + "  ".join(f"{x:.8f}" for x in r["losses"]))
     base, new = results.get("torch"), results.get("flatshard")
     if base is not None and new is not None:
         diff = max(abs(a - b) for a, b in zip(base["losses"], new["losses"]))

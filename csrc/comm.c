@@ -15,6 +15,8 @@ fs_status fs_comm_all_gather(fs_comm *c, const void *send, void *recv, int64_t c
         return bad(c, "all_gather: negative count or invalid dtype");
     if (count > 0 && (!send || !recv))
         return bad(c, "all_gather: null buffer");
+    if (count == 0) /* every rank has the same count: nothing moves anywhere */
+        return FS_OK;
     return c->ops->all_gather(c, send, recv, count, t);
 }
 
@@ -27,6 +29,8 @@ fs_status fs_comm_reduce_scatter(fs_comm *c, const void *send, void *recv, int64
         return bad(c, "reduce_scatter: null buffer");
     if (op != FS_RED_SUM && op != FS_RED_AVG)
         return bad(c, "reduce_scatter: unknown reduction");
+    if (recv_count == 0)
+        return FS_OK;
     return c->ops->reduce_scatter(c, send, recv, recv_count, t, op);
 }
 
@@ -38,6 +42,8 @@ fs_status fs_comm_all_reduce(fs_comm *c, void *buf, int64_t count, fs_dtype t, f
         return bad(c, "all_reduce: null buffer");
     if (op != FS_RED_SUM && op != FS_RED_AVG)
         return bad(c, "all_reduce: unknown reduction");
+    if (count == 0)
+        return FS_OK;
     return c->ops->all_reduce(c, buf, count, t, op);
 }
 
@@ -49,6 +55,8 @@ fs_status fs_comm_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, in
         return bad(c, "broadcast: root outside the group");
     if (count > 0 && !buf)
         return bad(c, "broadcast: null buffer");
+    if (count == 0)
+        return FS_OK;
     return c->ops->broadcast(c, buf, count, t, root);
 }
 

@@ -1,0 +1,223 @@
+"""Arguments: validation before any collective, torch's own option objects,
+sync_module_states, ignored modules/states, meta-device init, shared
+parameters across units, and the torch FSDP drop-in surface."""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import flatshard
+from flatshard import FSDP, ConfigError, NotBuiltError, ShardingStrategy
+from toy_models import Block, build
+
+
+def _errors():
+    """Each bad argument -> the error type and the words it must contain."""
+    import torch.distributed.fsdp as tf
+    cases = {
+        "strategy_str": (dict(sharding_strategy="FULL_SHARD"), TypeError, "sharding_strategy"),
+        "hybrid": (dict(sharding_strategy=tf.ShardingStrategy.HYBRID_SHARD), NotBuiltError,
+                   "hybrid"),
+        "prefetch": (dict(backward_prefetch=1), TypeError, "backward_prefetch"),
+        "mp": (dict(mixed_precision=tf.MixedPrecision(param_dtype=torch.bfloat16)),
+               NotBuiltError, "mixed_precision"),
+        "offload": (dict(cpu_offload=tf.CPUOffload(offload_params=True)), NotBuiltError,
+                    "cpu_offload"),
+        "orig": (dict(use_orig_params="yes"), TypeError, "use_orig_params"),
+        "fwd": (dict(forward_prefetch=None), TypeError, "forward_prefetch"),
+        "limit": (dict(limit_all_gathers=0), TypeError, "limit_all_gathers"),
+        "sync": (dict(sync_module_states=1), TypeError, "sync_module_states"),
+        "cuda": (dict(device_id=torch.device("cuda", 0)), NotBuiltError, "device_id"),
+        "cuda_int": (dict(device_id=0), NotBuiltError, "device_id"),
+        "device_type": (dict(device_id=3.5), TypeError, "device_id"),
+        "policy": (dict(auto_wrap_policy=42), TypeError, "auto_wrap_policy"),
+        "ignored_both": (dict(ignored_modules=[], ignored_states=[]), ConfigError,
+                         "ignored_states"),
+        "ignored_type": (dict(ignored_modules=[3]), TypeError, "ignored_modules"),
+        "pg_and_mesh": (dict(process_group=dist.group.WORLD, device_mesh=object()),
+                        ConfigError, "device_mesh"),
+        "hsdp_tuple": (dict(process_group=(None, None)), NotBuiltError, "process_group"),
+        "meta_no_init": (dict(), ConfigError, "param_init_fn"),
+        "custom_override": (dict(auto_wrap_policy=flatshard.CustomPolicy(
+            lambda m: {"use_orig_params": True} if isinstance(m, Block) else False)),
+            ConfigError, "auto_wrap_policy"),
+    }
+    out = {}
+    for name, (kw, exc, word) in cases.items():
+        model = build()
+        if name == "meta_no_init":
+            with torch.device("meta"):
+                model = build()
+        try:
+            FSDP(model, **kw)
+        except exc as e:
+            assert isinstance(e, (ValueError, TypeError)) and isinstance(e, ConfigError)
+            out[name] = str(e)
+            assert word in str(e), (name, str(e))
+        else:
+            out[name] = "no error"
+    return out
+
+
+def test_bad_arguments_fail_before_any_collective(dist_pool):
+    # On 2 ranks: were any collective issued before the error, the ranks that
+    # raised would still be fine but a mismatch would hang the next case.
+    res = dist_pool(2).run(_errors)
+    assert "no error" not in res[0].values(), res[0]
+    assert res[0].keys() == res[1].keys()
+
+
+def test_uninitialized_distributed_is_a_clear_error():
+    if dist.is_initialized():
+        pytest.skip("process group already initialized in this process")
+    with pytest.raises(ConfigError, match="init_process_group"):
+        FSDP(build())
+
+
+def _torch_options_accepted():
+    import torch.distributed.fsdp as tf
+    m = FSDP(build(), sharding_strategy=tf.ShardingStrategy.SHARD_GRAD_OP,
+             backward_prefetch=tf.BackwardPrefetch.BACKWARD_POST,
+             cpu_offload=tf.CPUOffload(offload_params=False), mixed_precision=None,
+             device_id=torch.device("cpu"), limit_all_gathers=False)
+    return m.sharding_strategy.name
+
+
+def test_torch_option_objects_are_accepted(dist_pool):
+    assert dist_pool(2).run(_torch_options_accepted) == ["SHARD_GRAD_OP"] * 2
+
+
+def _sync_states():
+    rank = dist.get_rank()
+    model = build(seed=100 + rank)  # every rank starts different
+    model.blocks[0].scale.fill_(rank + 1.0)
+    fs = FSDP(model, sync_module_states=True, use_orig_params=True)
+    ref = build(seed=100)  # rank 0's initialization
+    full = [torch.empty(0)]
+    out = {}
+    for m in fs.modules():
+        if isinstance(m, FSDP):
+            for g in m._unit.groups:
+                gathered = torch.empty(g.padded_numel)
+                dist.all_gather_into_tensor(gathered, g.shard.detach())
+                for (numel, off, *_), aliases in zip(g.entries, g.aliases):
+                    for a in aliases:
+                        out[a.fqn] = gathered[off:off + numel]
+    del full
+    for n, p in ref.named_parameters():
+        assert torch.equal(out[n], p.detach().reshape(-1)), n
+    return fs.module.blocks[0].scale[0].item()
+
+
+def test_sync_module_states_broadcasts_rank0(dist_pool):
+    assert dist_pool(2).run(_sync_states) == [1.0, 1.0]
+
+
+def _ignored(use_orig):
+    model = build()
+    ignored = model.head
+    fs = FSDP(model, ignored_modules=[ignored], use_orig_params=use_orig)
+    names = dict(fs.named_parameters())
+    # The ignored module keeps its own full parameters, untouched by sharding.
+    assert fs.module.head.weight.shape == (3, 7) and isinstance(fs.module.head.weight,
+                                                                nn.Parameter)
+    fs(torch.randn(2, 5)).sum().backward()
+    assert fs.module.head.weight.grad.shape == (3, 7)
+    return sorted(n for n in names if "head" in n)
+
+
+@pytest.mark.parametrize("use_orig", [False, True])
+def test_ignored_modules_stay_whole(dist_pool, use_orig):
+    res = dist_pool(2).run(_ignored, use_orig)
+    assert res[0] == ["_fsdp_wrapped_module.head.bias", "_fsdp_wrapped_module.head.weight"]
+
+
+def _ignored_states_param():
+    model = build()
+    fs = FSDP(model, ignored_states=[model.inp.weight], use_orig_params=True)
+    return tuple(fs.module.inp.weight.shape), tuple(fs.module.inp.bias.shape)
+
+
+def test_ignored_states_accepts_parameters(dist_pool):
+    res = dist_pool(2).run(_ignored_states_param)
+    assert res[0][0] == res[1][0] == (7, 5)  # ignored: whole on every rank
+    # Managed: a 1-D piece per rank, the pieces adding up to the 7-element bias.
+    assert len(res[0][1]) == 1 and res[0][1][0] + res[1][1][0] == 7
+
+
+
+def _meta_init():
+    with torch.device("meta"):
+        model = build()
+    fs = FSDP(model, param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False),
+              auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}), use_orig_params=True)
+    return all(not p.is_meta for p in fs.parameters())
+
+
+def test_meta_device_with_param_init_fn(dist_pool):
+    assert dist_pool(2).run(_meta_init) == [True, True]
+
+
+def _shared_across_units():
+    model = build()
+    model.blocks[1].ff.lin.weight = model.blocks[0].ff.lin.weight
+    try:
+        FSDP(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_parameter_shared_across_units_is_named(dist_pool):
+    msg = dist_pool(2).run(_shared_across_units)[0]
+    assert "blocks.0.ff.lin.weight" in msg and "blocks.1" in msg and "common parent" in msg
+
+
+def _same_surface_as_torch(use_orig):
+    """The module tree, parameter names and losses of torch's own FSDP."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    kw = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=use_orig,
+              device_id=torch.device("cpu"))
+    ours, theirs = FSDP(build(), **kw), TorchFSDP(build(), **kw)
+    names = [n for n, _ in ours.named_parameters()], [n for n, _ in theirs.named_parameters()]
+    mods = ([n for n, _ in ours.named_modules()], [n for n, _ in theirs.named_modules()])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(3):
+        x = torch.randn(4, 5, generator=g)
+        pair = []
+        for m, o in zip((ours, theirs), opts):
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            pair.append(loss.item())
+        losses.append(pair)
+    return names, mods, losses
+
+
+@pytest.mark.parametrize("use_orig", [False, True])
+def test_same_names_and_losses_as_torch_fsdp(dist_pool, use_orig):
+    for names, mods, losses in dist_pool(2).run(_same_surface_as_torch, use_orig):
+        assert names[0] == names[1]
+        assert mods[0] == mods[1]
+        for a, b in losses:
+            assert abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def test_state_dict_is_refused_until_built(dist_pool):
+    assert dist_pool(1).run(_state_dict_refused) == ["NotBuiltError"]
+
+
+def _state_dict_refused():
+    fs = FSDP(build())
+    try:
+        fs.state_dict()
+    except NotBuiltError as e:
+        assert "state_dict" in str(e)
+        return type(e).__name__
+    return "none"
