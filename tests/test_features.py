@@ -133,3 +133,47 @@ def test_live_memory_after_reshard(dist_pool, strategy, use_orig):
         # when the optimizer sees the flat shard).
         assert r["after"]["optim"] >= 2 * 4 * (r["pieces"] if use_orig else r["shards"])
         assert r["peak_unsharded"] > 0  # the forward really ran unsharded
+
+
+class _Branchy(torch.nn.Module):
+    """No parameters of its own; blocks[2] runs but its output is dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(7) for _ in range(3))
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        self.blocks[2](h)
+        return self.blocks[1](h)
+
+
+def _root_without_params_and_unused_unit(strategy):
+    from parity import compare_params
+    torch.manual_seed(0)
+    model = _Branchy()
+    torch.manual_seed(0)
+    ref = _Branchy()
+    fs = FSDP(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
+              sharding_strategy=ShardingStrategy[strategy])
+    opt = torch.optim.SGD(fs.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(2 * world, 7, generator=torch.Generator().manual_seed(3))
+    for _ in range(3):
+        fs(x[2 * rank:2 * rank + 2]).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    compare_params(fs, ref)
+    states = [m._unit.c.state for m in fs.modules() if isinstance(m, FSDP)]
+    return states, flatshard.memory_stats(fs)["unsharded"]
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_root_without_parameters_and_unit_without_gradient(dist_pool, strategy):
+    for states, live in dist_pool(2).run(_root_without_params_and_unused_unit, strategy):
+        assert states == ["IDLE"] * 4
+        assert live == 0
