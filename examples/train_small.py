@@ -99,8 +99,11 @@ def main():
     elapsed = time.perf_counter() - start if start else float("nan")
     # Right after a step: gradients are still held (zero_grad comes first in a step).
     mem = flatshard.memory_stats(model, opt)
-    lines = [None] * world
-    dist.all_gather_object(lines, (rank, mem))
+    keys = ["params", "grads", "optim", "unsharded"]
+    mine = torch.tensor([mem[k] for k in keys], dtype=torch.int64)
+    every = torch.empty(world * len(keys), dtype=torch.int64)
+    dist.all_gather_into_tensor(every, mine)
+    lines = [(r, dict(zip(keys, row.tolist()))) for r, row in enumerate(every.view(world, -1))]
     if rank == 0:
         print(f"throughput: {tokens / elapsed:,.0f} tokens/s over {args.steps - 1} steps")
         full = n_params * 4
