@@ -16,7 +16,8 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 C_FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
-           "-Wno-missing-field-initializers", "-fvisibility=hidden"]
+           "-Wno-missing-field-initializers", "-Wno-format-truncation",
+           "-fvisibility=hidden"]
 
 
 def find_nvcc():

@@ -29,6 +29,7 @@ typedef struct fs_comm fs_comm;
 
 typedef struct {
     const char *name;
+    int needs_gil; /* the backend calls Python (torch); others run without the GIL */
     fs_status (*all_gather)(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t);
     fs_status (*reduce_scatter)(fs_comm *c, const void *send, void *recv, int64_t recv_count,
                                 fs_dtype t, fs_redop op);

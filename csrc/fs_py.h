@@ -36,6 +36,21 @@ typedef struct {
 } CommObject;
 
 fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out);
+fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t slot_bytes,
+                             double timeout_s, int create, fs_comm **out, char *err,
+                             size_t err_cap);
+fs_status fs_shm_unlink(const char *name);
+
+/* Run a collective: without the GIL unless the backend calls Python. */
+#define FS_COMM_CALL(self, s, expr)                                    \
+    do {                                                               \
+        if ((self)->comm->ops->needs_gil) {                            \
+            s = (expr);                                                \
+        } else {                                                       \
+            Py_BEGIN_ALLOW_THREADS s = (expr);                         \
+            Py_END_ALLOW_THREADS                                       \
+        }                                                              \
+    } while (0)
 
 int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);

@@ -11,6 +11,7 @@
 
 #include "copy.h"
 #include "layout.h"
+#include "reduce.h"
 #include "unit_fsm.h"
 
 /* Below this many bytes a copy is cheaper than releasing the GIL. */
@@ -319,6 +320,60 @@ static PyObject *py_dim0_copy_in(PyObject *m, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(reduce_sum_doc,
+             "reduce_sum(dst_ptr, dtype, src_ptrs, numel, scale, simd='auto')\n"
+             "dst = scale * (src0 + src1 + ...), summed in order in f32 (f64 for f64).\n"
+             "simd: 'auto' (best for this CPU), 'avx2' or 'scalar' (the reference).");
+static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
+{
+    unsigned long long dp;
+    int t;
+    PyObject *srcs_obj;
+    long long n;
+    double scale;
+    const char *simd_name = "auto";
+    if (!PyArg_ParseTuple(args, "KiOLd|s", &dp, &t, &srcs_obj, &n, &scale, &simd_name))
+        return NULL;
+    fs_simd simd = strcmp(simd_name, "scalar") == 0 ? FS_SIMD_SCALAR : fs_simd_best();
+    if (strcmp(simd_name, "avx2") == 0 && fs_simd_best() != FS_SIMD_AVX2)
+        return PyErr_Format(PyExc_ValueError, "reduce_sum: this CPU has no AVX2/F16C");
+    Py_ssize_t k;
+    int64_t *ptrs = int64_list(srcs_obj, &k, "reduce_sum: src_ptrs must be a sequence");
+    if (!ptrs)
+        return NULL;
+    const void **srcs = malloc(sizeof(void *) * (size_t)(k ? k : 1));
+    if (!srcs) {
+        free(ptrs);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < k; i++)
+        srcs[i] = (const void *)(intptr_t)ptrs[i];
+    fs_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = fs_reduce_sum((void *)dp, srcs, (int)k, n, t, scale, simd);
+    Py_END_ALLOW_THREADS
+    free(srcs);
+    free(ptrs);
+    if (s != FS_OK)
+        return raise_mod(m, s, "reduce_sum: need >= 1 source and a float dtype");
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_simd_level(PyObject *m, PyObject *Py_UNUSED(a))
+{
+    return PyUnicode_FromString(fs_simd_name(fs_simd_best()));
+}
+
+static PyObject *py_shm_unlink(PyObject *m, PyObject *args)
+{
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name))
+        return NULL;
+    if (fs_shm_unlink(name) != FS_OK)
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------------------
  * the state machine without buffers, for tests and for the diagnostics */
 
@@ -354,6 +409,10 @@ static PyMethodDef module_methods[] = {
     {"dim0_copy_out", py_dim0_copy_out, METH_VARARGS, dim0_copy_out_doc},
     {"dim0_copy_in", py_dim0_copy_in, METH_VARARGS, dim0_copy_in_doc},
     {"fsm_step", py_fsm_step, METH_VARARGS, fsm_step_doc},
+    {"reduce_sum", py_reduce_sum, METH_VARARGS, reduce_sum_doc},
+    {"simd_level", py_simd_level, METH_NOARGS, "simd_level() -> the SIMD level reductions use"},
+    {"shm_unlink", py_shm_unlink, METH_VARARGS,
+     "shm_unlink(name): remove a shared-memory name (missing is fine)"},
     {NULL},
 };
 

@@ -7,22 +7,38 @@
 
 static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"kind", "fn", "rank", "world_size", NULL};
-    const char *kind;
-    PyObject *fn;
-    int rank, world;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOii", kwlist, &kind, &fn, &rank, &world))
+    static char *kwlist[] = {"kind", "rank", "world_size", "fn", "name", "create", "slot_bytes",
+                             "timeout_s", NULL};
+    const char *kind, *name = NULL;
+    PyObject *fn = NULL;
+    int rank, world, create = 0;
+    Py_ssize_t slot_bytes = 0;
+    double timeout_s = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sii|$Ozpnd", kwlist, &kind, &rank, &world, &fn,
+                                     &name, &create, &slot_bytes, &timeout_s))
         return NULL;
     fs_mod_state *st = fs_state_from_type(tp);
-    if (strcmp(kind, "torch") != 0)
-        return PyErr_Format(PyExc_ValueError, "Comm kind=%R: only 'torch' is built", PyTuple_GET_ITEM(args, 0));
     CommObject *self = (CommObject *)tp->tp_alloc(tp, 0);
     if (!self)
         return NULL;
-    fs_status s = fs_comm_torch_create(fn, rank, world, &self->comm);
+    fs_status s;
+    char err[512] = "";
+    if (strcmp(kind, "torch") == 0 && fn) {
+        s = fs_comm_torch_create(fn, rank, world, &self->comm);
+    } else if (strcmp(kind, "shm") == 0 && name) {
+        Py_BEGIN_ALLOW_THREADS
+        s = fs_comm_shm_create(name, rank, world, (size_t)slot_bytes, timeout_s, create,
+                               &self->comm, err, sizeof err);
+        Py_END_ALLOW_THREADS
+    } else {
+        Py_DECREF(self);
+        return PyErr_Format(PyExc_ValueError, "Comm: kind must be 'torch' (with fn) or 'shm' "
+                            "(with name), got %s", kind);
+    }
     if (s != FS_OK) {
         Py_DECREF(self);
-        return fs_raise(st, s, "Comm(kind='torch', rank=%d, world_size=%d)", rank, world);
+        return fs_raise(st, s, "Comm(kind='%s', rank=%d, world_size=%d): %s", kind, rank, world,
+                        err);
     }
     return (PyObject *)self;
 }
@@ -52,7 +68,9 @@ static PyObject *Comm_all_gather(CommObject *self, PyObject *args)
     int t;
     if (!PyArg_ParseTuple(args, "KKLi", &sp, &rp, &n, &t))
         return NULL;
-    return done(self, fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t), "all_gather");
+    fs_status s;
+    FS_COMM_CALL(self, s, fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
+    return done(self, s, "all_gather");
 }
 
 PyDoc_STRVAR(reduce_scatter_doc, "reduce_scatter(send_ptr, recv_ptr, recv_count, dtype, average)");
@@ -63,10 +81,10 @@ static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
     int t, avg;
     if (!PyArg_ParseTuple(args, "KKLip", &sp, &rp, &n, &t, &avg))
         return NULL;
-    return done(self,
-                fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
-                                       avg ? FS_RED_AVG : FS_RED_SUM),
-                "reduce_scatter");
+    fs_status s;
+    FS_COMM_CALL(self, s, fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
+                                                 avg ? FS_RED_AVG : FS_RED_SUM));
+    return done(self, s, "reduce_scatter");
 }
 
 PyDoc_STRVAR(all_reduce_doc, "all_reduce(ptr, count, dtype, average)");
@@ -77,9 +95,10 @@ static PyObject *Comm_all_reduce(CommObject *self, PyObject *args)
     int t, avg;
     if (!PyArg_ParseTuple(args, "KLip", &p, &n, &t, &avg))
         return NULL;
-    return done(self,
-                fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM),
-                "all_reduce");
+    fs_status s;
+    FS_COMM_CALL(self, s,
+                 fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM));
+    return done(self, s, "all_reduce");
 }
 
 PyDoc_STRVAR(broadcast_doc, "broadcast(ptr, count, dtype, root): root is a rank of this group.");
@@ -90,12 +109,16 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
     int t, root;
     if (!PyArg_ParseTuple(args, "KLii", &p, &n, &t, &root))
         return NULL;
-    return done(self, fs_comm_broadcast(self->comm, (void *)p, n, t, root), "broadcast");
+    fs_status s;
+    FS_COMM_CALL(self, s, fs_comm_broadcast(self->comm, (void *)p, n, t, root));
+    return done(self, s, "broadcast");
 }
 
 static PyObject *Comm_barrier(CommObject *self, PyObject *Py_UNUSED(a))
 {
-    return done(self, fs_comm_barrier(self->comm), "barrier");
+    fs_status s;
+    FS_COMM_CALL(self, s, fs_comm_barrier(self->comm));
+    return done(self, s, "barrier");
 }
 
 static PyObject *Comm_get_rank(CommObject *self, void *c) { return PyLong_FromLong(self->comm->rank); }
@@ -129,7 +152,10 @@ static PyType_Slot Comm_slots[] = {
     {Py_tp_dealloc, Comm_dealloc},
     {Py_tp_methods, Comm_methods},
     {Py_tp_getset, Comm_getset},
-    {Py_tp_doc, "Comm(kind, fn, rank, world_size): collective backend handle."},
+    {Py_tp_doc, "Comm(kind, rank, world_size, *, fn=None, name=None, create=False, "
+                "slot_bytes=0, timeout_s=0): collective backend handle.\n"
+                "kind='torch' calls fn(op, a, b, arg); kind='shm' maps segment `name` "
+                "(rank 0 passes create=True)."},
     {0, NULL},
 };
 

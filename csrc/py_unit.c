@@ -195,7 +195,8 @@ static PyObject *Unit_unshard(UnitObject *u, PyObject *Py_UNUSED(a))
             return annotate(u, "unshard", i);
         /* Not in place: the shard is its own buffer, so that resharding can
          * drop the whole unsharded storage. */
-        fs_status s = fs_comm_all_gather(u->comm->comm, sp, fp, g->shard_numel, g->dtype);
+        fs_status s;
+        FS_COMM_CALL(u->comm, s, fs_comm_all_gather(u->comm->comm, sp, fp, g->shard_numel, g->dtype));
         if (s != FS_OK) {
             fs_raise(mstate(u), s, "all_gather: %s", u->comm->comm->last_error);
             return annotate(u, "all-gather", i);
@@ -239,11 +240,12 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
     const double inv = 1.0 / c->world_size;
     fs_status s;
     if (u->cfg.strategy == FS_NO_SHARD) {
-        s = fs_comm_all_reduce(c, gp, g->padded_numel, g->dtype, FS_RED_SUM);
+        FS_COMM_CALL(u->comm, s, fs_comm_all_reduce(c, gp, g->padded_numel, g->dtype, FS_RED_SUM));
         if (s == FS_OK)
             s = fs_scale_accumulate(op, g->dtype, gp, g->dtype, g->shard_numel, inv, accumulate);
     } else if (!accumulate) {
-        s = fs_comm_reduce_scatter(c, gp, op, g->shard_numel, g->dtype, FS_RED_SUM);
+        FS_COMM_CALL(u->comm, s, fs_comm_reduce_scatter(c, gp, op, g->shard_numel, g->dtype,
+                                                         FS_RED_SUM));
         if (s == FS_OK)
             s = fs_scale_accumulate(op, g->dtype, op, g->dtype, g->shard_numel, inv, 0);
     } else {
@@ -255,7 +257,8 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
             u->scratch = p;
             u->scratch_bytes = need;
         }
-        s = fs_comm_reduce_scatter(c, gp, u->scratch, g->shard_numel, g->dtype, FS_RED_SUM);
+        FS_COMM_CALL(u->comm, s, fs_comm_reduce_scatter(c, gp, u->scratch, g->shard_numel,
+                                                         g->dtype, FS_RED_SUM));
         if (s == FS_OK)
             s = fs_scale_accumulate(op, g->dtype, u->scratch, g->dtype, g->shard_numel, inv, 1);
     }
@@ -288,6 +291,7 @@ static int Unit_set_root(UnitObject *u, PyObject *v, void *c)
     u->cfg.is_root = b;
     return 0;
 }
+static PyObject *Unit_get_comm(UnitObject *u, void *c) { return Py_NewRef((PyObject *)u->comm); }
 static PyObject *Unit_get_counts(UnitObject *u, void *c)
 {
     return Py_BuildValue("{sKsK}", "all_gather", u->n_all_gather, "reduce", u->n_reduce);
@@ -309,6 +313,7 @@ static PyGetSetDef Unit_getset[] = {
     {"name", (getter)Unit_get_name, NULL, "unit name (module path)", NULL},
     {"is_root", (getter)Unit_get_root, (setter)Unit_set_root, "root unit flag", NULL},
     {"counts", (getter)Unit_get_counts, NULL, "collectives issued by this unit", NULL},
+    {"comm", (getter)Unit_get_comm, NULL, "the Comm this unit's collectives go through", NULL},
     {NULL},
 };
 

@@ -87,7 +87,8 @@ def compare_params(model, ref):
 
 def run_case(strategy="FULL_SHARD", opt="adamw", wrap="blocks", use_orig_params=False,
              steps=4, model_kw=None, microbatches=1, no_sync=False, eval_every=False,
-             forwards=1, backward_prefetch="BACKWARD_PRE", forward_prefetch=False):
+             forwards=1, backward_prefetch="BACKWARD_PRE", forward_prefetch=False,
+             comm_backend=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     model_kw = model_kw or {}
     ref = build(**model_kw)
@@ -95,7 +96,8 @@ def run_case(strategy="FULL_SHARD", opt="adamw", wrap="blocks", use_orig_params=
               auto_wrap_policy=policy(wrap), use_orig_params=use_orig_params,
               device_id=torch.device("cpu"),
               backward_prefetch=getattr(flatshard.BackwardPrefetch, backward_prefetch)
-              if backward_prefetch else None, forward_prefetch=forward_prefetch)
+              if backward_prefetch else None, forward_prefetch=forward_prefetch,
+              comm_backend=comm_backend)
     o_fs = optimizer(opt, fs.parameters())
     o_ref = optimizer(opt, [p for p in ref.parameters() if p.requires_grad])
     per_rank = 2
@@ -138,7 +140,7 @@ def run_case(strategy="FULL_SHARD", opt="adamw", wrap="blocks", use_orig_params=
     worst, n = compare_params(fs, ref)
     stats = flatshard.memory_stats(fs, o_fs)
     units = [m._unit.name for m in fs.modules() if isinstance(m, FSDP)]
-    return {"losses": losses, "worst_rel": worst, "n_params": n, "memory": stats, "units": units,
+    return {"backend": fs._unit.c.comm.backend, "losses": losses, "worst_rel": worst, "n_params": n, "memory": stats, "units": units,
             "states": [m._unit.c.state for m in fs.modules() if isinstance(m, FSDP)]}
 
 

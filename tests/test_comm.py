@@ -1,23 +1,44 @@
-"""The collective backend interface (csrc/comm.h) over the torch backend:
-each collective against a result every rank computes locally."""
+"""The collective backend interface (csrc/comm.h), for the torch (gloo) and
+shm backends: each collective against a result every rank computes locally,
+on sizes 0, 1, odd primes and larger than the shm staging slot (chunked)."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from flatshard import comm as fcomm
 
-SIZES = [0, 1, 7, 64, 1001]
+SIZES = [0, 1, 7, 13, 1001, 40_009]
+SMALL_SLOT = 64 << 10  # "shm_small": 32 KiB halves, so 40_009 elements go in chunks
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
 def rank_data(rank, n, dtype, salt=0):
-    g = torch.Generator().manual_seed(1000 * rank + n + salt)
-    return torch.randint(-8, 8, (n,), generator=g).to(dtype)  # exact in every dtype
+    """Small integers (exact in every dtype, and in every order of summing)."""
+    return ((torch.arange(n, dtype=torch.int64) * (rank + 3 + salt)) % 17 - 8).to(dtype)
 
 
-def _collectives(n, dtype):
+_SMALL = {}
+
+
+def comm(backend):
+    """The WORLD group's Comm; "shm_small" is shm with small slots, on a group
+    of its own made once per worker."""
+    if backend != "shm_small":
+        return fcomm.comm_for(dist.group.WORLD, backend)
+    if "comm" not in _SMALL:
+        os.environ[fcomm.ENV_SLOT] = str(SMALL_SLOT)
+        try:
+            _SMALL["comm"] = fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
+        finally:
+            del os.environ[fcomm.ENV_SLOT]
+    return _SMALL["comm"]
+
+
+def _collectives(n, dtype, backend):
     rank, world = dist.get_rank(), dist.get_world_size()
-    c = fcomm.comm_for(dist.group.WORLD)
+    c = comm(backend)
     everyone = [rank_data(r, n, dtype) for r in range(world)]
     # all-gather: rank r's input lands at r * n
     out = torch.full((n * world,), 99, dtype=dtype)
@@ -30,7 +51,12 @@ def _collectives(n, dtype):
         got = torch.empty(n, dtype=dtype)
         fcomm.reduce_scatter_into(c, got, big[rank].clone(), average=average)
         want = total[rank * n:(rank + 1) * n] / (world if average else 1)
-        assert torch.equal(got, want.to(dtype)), (average, got, want)
+        if average:  # sum times 1/world: one rounding of the dtype off the quotient
+            eps = torch.finfo(dtype).eps
+            torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2 * eps,
+                                       atol=0)
+        else:
+            assert torch.equal(got, want.to(dtype)), (got, want)
     # all-reduce
     t = everyone[rank].clone()
     fcomm.all_reduce_(c, t)
@@ -43,15 +69,22 @@ def _collectives(n, dtype):
     return True
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("backend", ["shm_small", "torch"])
+@pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_collectives_against_local_results(dist_pool, world, n, dtype):
-    assert dist_pool(world).run(_collectives, n, dtype) == [True] * world
+def test_collectives_against_local_results(dist_pool, backend, world, n, dtype):
+    assert dist_pool(world).run(_collectives, n, dtype, backend) == [True] * world
 
 
-def _bad_sizes():
-    c = fcomm.comm_for(dist.group.WORLD)
+@pytest.mark.parametrize("world", [2, 4])
+def test_shm_default_slots_larger_than_a_half(dist_pool, world):
+    # 1.5M float32 per rank: 6 MB, more than the default 4 MiB half.
+    assert dist_pool(world).run(_collectives, 1_500_007, torch.float32, "shm") == [True] * world
+
+
+def _bad_sizes(backend):
+    c = comm(backend)
     errors = []
     for call in (lambda: fcomm.all_gather_into(c, torch.empty(3), torch.empty(2)),
                  lambda: fcomm.reduce_scatter_into(c, torch.empty(3), torch.empty(5)),
@@ -63,5 +96,6 @@ def _bad_sizes():
     return errors
 
 
-def test_size_mismatches_are_refused_locally(dist_pool):
-    assert dist_pool(2).run(_bad_sizes)[0] == ["ValueError", "ValueError", "CoreError"]
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_size_mismatches_are_refused_locally(dist_pool, backend):
+    assert dist_pool(2).run(_bad_sizes, backend)[0] == ["ValueError", "ValueError", "CoreError"]

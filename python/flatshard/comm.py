@@ -1,16 +1,40 @@
-"""Collectives facade: one flatshard._C.Comm per process group.
+"""Collectives facade: one flatshard._C.Comm per process group and backend.
 
 The C core issues every collective through its backend interface
-(csrc/comm.h). This module builds the backend for a process group and gives
-Python a tensor-level view of the same calls (used at wrap time, e.g. for
-sync_module_states, and by tests). The "torch" backend calls back into
-`_torch_collective` below with DLPack capsules over the C core's buffers.
+(csrc/comm.h). This module picks and builds the backend for a process group
+and gives Python a tensor-level view of the same calls (used at wrap time,
+e.g. for sync_module_states, and by tests).
+
+Backends (`comm_backend=` on the wrapper, or the FLATSHARD_COMM_BACKEND
+environment variable when the argument is not given):
+  "auto"   shm when every rank of the group is on this host, else torch
+  "shm"    shared memory between the ranks of one host (csrc/comm_shm.c)
+  "torch"  the process group itself (gloo), through `_torch_collective`
+  "nccl"   GPUs only: not built yet, refused
+Every shm wait gives up after FLATSHARD_COMM_TIMEOUT seconds (default 300)
+with an error naming the rank that did not arrive and where it is.
+FLATSHARD_SHM_SLOT_BYTES sets each rank's staging slot in the segment
+(default 8 MiB; transfers larger than half of it go in chunks).
 """
+import os
+import socket
+import sys
+import uuid
+
 import torch
 import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
 from . import _C
+from .errors import bad_value, not_built
+
+BACKENDS = ("auto", "shm", "torch", "nccl")
+ENV_BACKEND = "FLATSHARD_COMM_BACKEND"
+ENV_TIMEOUT = "FLATSHARD_COMM_TIMEOUT"
+ENV_SLOT = "FLATSHARD_SHM_SLOT_BYTES"
+DEFAULT_TIMEOUT_S = 300.0
+# Staging per rank in the shm segment: two halves, one chunk in flight each.
+DEFAULT_SLOT_BYTES = 8 << 20
 
 DTYPE_CODES = {
     torch.float32: _C.F32, torch.float16: _C.F16, torch.bfloat16: _C.BF16,
@@ -52,17 +76,117 @@ def _torch_collective(group):
     return run
 
 
+def requested_backend(value):
+    """The comm_backend argument (or, when None, the environment) -> a name."""
+    arg = "comm_backend"
+    if value is None:
+        value, arg = os.environ.get(ENV_BACKEND, "auto"), ENV_BACKEND
+    if value not in BACKENDS:
+        raise bad_value(arg, value, f"expected one of {', '.join(map(repr, BACKENDS))}")
+    if value == "nccl":
+        raise not_built(arg, value, "the NCCL backend needs CUDA devices, and this build runs "
+                        "on CPU only; use 'auto', 'shm' or 'torch'")
+    return value
+
+
+def comm_timeout_s():
+    raw = os.environ.get(ENV_TIMEOUT)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise bad_value(ENV_TIMEOUT, raw, "expected a positive number of seconds")
+    return value
+
+
+def shm_slot_bytes():
+    raw = os.environ.get(ENV_SLOT)
+    if raw is None:
+        return DEFAULT_SLOT_BYTES
+    if not raw.isdigit() or int(raw) < 4096:
+        raise bad_value(ENV_SLOT, raw, "expected a whole number of bytes, at least 4096")
+    return int(raw)
+
+
+def _host_identity():
+    """This machine, as the shm segment sees it: hostname and boot id."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}|{boot}"
+
+
+def _all_gather_bytes(text, group, width=128):
+    raw = text.encode()[:width].ljust(width, b"\0")
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = torch.empty(width * dist.get_world_size(group), dtype=torch.uint8)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return [bytes(out[i * width:(i + 1) * width].tolist()).rstrip(b"\0").decode()
+            for i in range(dist.get_world_size(group))]
+
+
+def _make_shm(group):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    name_t = torch.zeros(64, dtype=torch.uint8)
+    comm, err = None, ""
+    if rank == 0:
+        name = f"/flatshard-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        try:
+            comm = _C.Comm("shm", 0, world, name=name, create=True, slot_bytes=shm_slot_bytes(),
+                           timeout_s=comm_timeout_s())
+            name_t[:len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+        except (_C.CoreError, OSError) as e:
+            err = str(e)
+    ranks = dist.get_process_group_ranks(group)
+    dist.broadcast(name_t, src=ranks[0], group=group)
+    name = bytes(name_t.tolist()).rstrip(b"\0").decode()
+    if rank != 0 and name:
+        try:
+            comm = _C.Comm("shm", rank, world, name=name, slot_bytes=shm_slot_bytes(),
+                           timeout_s=comm_timeout_s())
+        except (_C.CoreError, OSError) as e:
+            err = str(e)
+    ok = torch.tensor([0 if err or comm is None else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if ok.item() == 0:
+        if name:
+            _C.shm_unlink(name)  # nobody will map it now
+        raise RuntimeError(f"flatshard: rank {rank} could not set up the shm backend"
+                           f"{': ' + err if err else ' (another rank failed)'}; "
+                           f"set comm_backend='torch' to use the process group instead")
+    return comm
+
+
 _COMMS = {}
 
 
-def comm_for(group):
-    """The Comm of a process group (one per group, cached)."""
-    key = id(group)
+def comm_for(group, backend="torch"):
+    """The Comm of a process group for a requested backend (cached: the
+    choice and the set-up are collectives, made once per group)."""
+    key = (id(group), backend)
     hit = _COMMS.get(key)
     if hit is not None and hit[0] is group:
         return hit[1]
-    comm = _C.Comm("torch", _torch_collective(group), dist.get_rank(group),
-                   dist.get_world_size(group))
+    chosen = backend
+    if backend in ("auto", "shm"):
+        hosts = _all_gather_bytes(_host_identity(), group)
+        one_host = len(set(hosts)) == 1 and sys.platform.startswith("linux")
+        if backend == "shm" and not one_host:
+            raise bad_value("comm_backend", "shm", "the ranks of the group are not all on one "
+                            f"Linux host ({sorted(set(h.split('|')[0] for h in hosts))})",
+                            "use 'torch' (or 'auto') for multi-host groups")
+        chosen = "shm" if one_host else "torch"
+    if chosen == "shm":
+        comm = _make_shm(group)
+    else:
+        comm = _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group),
+                       fn=_torch_collective(group))
     _COMMS[key] = (group, comm)
     return comm
 

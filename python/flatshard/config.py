@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .comm import requested_backend
 from .errors import bad_type, bad_value, not_built
 from .options import (BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy,
                       normalize_dataclass, normalize_enum)
@@ -29,6 +30,7 @@ class UnitConfig:
     use_orig_params: bool
     device: torch.device
     group: object  # torch ProcessGroup
+    comm_backend: str  # "auto", "shm" or "torch" (comm.py)
 
 
 def _bool(name, value):
@@ -114,6 +116,7 @@ def resolve(kw):
         use_orig_params=use_orig,
         device=_device(kw["device_id"]),
         group=_group(kw["process_group"], kw["device_mesh"]),
+        comm_backend=requested_backend(kw.get("comm_backend")),
     )
 
 

@@ -150,13 +150,18 @@ class FullyShardedDataParallel(nn.Module):
     param_init_fn; device_id (CPU); sync_module_states; use_orig_params;
     device_mesh (1-D). Not built yet, rejected with NotBuiltError: hybrid
     strategies, mixed_precision, CPUOffload(offload_params=True), CUDA devices.
+
+    flatshard's own keyword: comm_backend "auto" (default; shared memory when
+    all ranks are on one host, else the process group), "shm", "torch" or
+    "nccl" (not built); FLATSHARD_COMM_BACKEND sets it when not given.
     """
 
     def __init__(self, module, process_group=None, sharding_strategy=None, cpu_offload=None,
                  auto_wrap_policy=None, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
                  mixed_precision=None, ignored_modules=None, param_init_fn=None, device_id=None,
                  sync_module_states=False, forward_prefetch=False, limit_all_gathers=True,
-                 use_orig_params=False, ignored_states=None, device_mesh=None):
+                 use_orig_params=False, ignored_states=None, device_mesh=None, *,
+                 comm_backend=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise bad_type("module", module, "an nn.Module")
@@ -166,7 +171,8 @@ class FullyShardedDataParallel(nn.Module):
                   cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
                   mixed_precision=mixed_precision, device_id=device_id,
                   forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                  use_orig_params=use_orig_params, device_mesh=device_mesh)
+                  use_orig_params=use_orig_params, device_mesh=device_mesh,
+                  comm_backend=comm_backend)
         cfg = config.resolve(kw)
         if not isinstance(sync_module_states, bool):
             raise bad_type("sync_module_states", sync_module_states, "True or False")
@@ -176,7 +182,7 @@ class FullyShardedDataParallel(nn.Module):
             if p not in ignored_params and p.device != cfg.device:
                 raise bad_value("device_id", cfg.device, f"parameter {n} is on {p.device}",
                                 f"move the module to {cfg.device} before wrapping")
-        comm = comm_for(cfg.group)
+        comm = comm_for(cfg.group, cfg.comm_backend)
         if sync_module_states:
             _sync_module_states(module, comm, ignored_params)
         ctx = _WrapContext(ignored_mods, ignored_params)
@@ -210,7 +216,7 @@ class FullyShardedDataParallel(nn.Module):
         self._cfg = cfg
         self._root_state = None
         label = name or "<root>"
-        comm = comm_for(cfg.group)
+        comm = comm_for(cfg.group, cfg.comm_backend)
         world, rank = comm.world_size, comm.rank
         # One rank has nothing to shard: run as NO_SHARD (as torch FSDP does).
         no_shard = cfg.strategy is ShardingStrategy.NO_SHARD or world == 1

@@ -1,0 +1,174 @@
+"""The shared-memory backend: its reduction kernels against float64, backend
+selection and its errors, and failure handling (a rank that never arrives,
+a rank that dies) with no segment left behind."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flatshard
+from flatshard import _C, ConfigError, NotBuiltError
+from flatshard import comm as fcomm
+from flatshard.comm import dtype_code
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def leftover_segments():
+    return [n for n in os.listdir("/dev/shm") if n.startswith("flatshard-")]
+
+
+# ---------------------------------------------------------------------------
+# kernels
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 17, 1031])
+@pytest.mark.parametrize("nsrc", [1, 2, 3, 4])
+def test_reduce_sum_matches_float32_reference(dtype, n, nsrc):
+    g = torch.Generator().manual_seed(n * 10 + nsrc)
+    srcs = [torch.randn(n, generator=g).to(dtype) for _ in range(nsrc)]
+    scale = 1.0 / nsrc
+    # Reference: the same order of f32 sums (f64 for f64), then one rounding.
+    acc_t = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = srcs[0].to(acc_t)
+    for s in srcs[1:]:
+        acc = acc + s.to(acc_t)
+    want = (acc * (scale if dtype == torch.float64 else torch.tensor(scale, dtype=acc_t))).to(dtype)
+    outs = {}
+    levels = ["scalar"] + (["avx2"] if _C.simd_level() == "avx2" else [])
+    for level in levels:
+        out = torch.empty(n, dtype=dtype)
+        _C.reduce_sum(out.data_ptr(), dtype_code(dtype), [s.data_ptr() for s in srcs], n, scale,
+                      level)
+        outs[level] = out
+        assert torch.equal(out, want), (level, out, want)
+    if len(outs) == 2:  # SIMD and scalar give the same bits
+        assert torch.equal(outs["scalar"].view(-1), outs["avx2"].view(-1))
+
+
+def test_reduce_sum_in_place_and_nan():
+    a = torch.tensor([1.0, float("nan"), 3.0] * 5, dtype=torch.bfloat16)
+    b = torch.ones(15, dtype=torch.bfloat16)
+    _C.reduce_sum(a.data_ptr(), _C.BF16, [a.data_ptr(), b.data_ptr()], 15, 1.0)
+    assert torch.isnan(a[1::3]).all() and torch.equal(a[0::3], torch.full((5,), 2.0,
+                                                                          dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------
+# selection
+
+
+def test_backend_argument_is_validated():
+    with pytest.raises(ConfigError, match="comm_backend='gloo'"):
+        fcomm.requested_backend("gloo")
+    with pytest.raises(NotBuiltError, match="NCCL"):
+        fcomm.requested_backend("nccl")
+    os.environ[fcomm.ENV_BACKEND] = "bogus"
+    try:
+        with pytest.raises(ConfigError, match="FLATSHARD_COMM_BACKEND"):
+            fcomm.requested_backend(None)
+        assert fcomm.requested_backend("torch") == "torch"  # the argument wins
+    finally:
+        del os.environ[fcomm.ENV_BACKEND]
+    assert fcomm.requested_backend(None) == "auto"
+
+
+def _selection():
+    rank = dist.get_rank()
+    out = {"auto": fcomm.comm_for(dist.new_group(backend="gloo"), "auto").backend,
+           "torch": fcomm.comm_for(dist.new_group(backend="gloo"), "torch").backend}
+    # Pretend every rank is on its own machine.
+    real = fcomm._host_identity
+    fcomm._host_identity = lambda: f"node{rank}|boot{rank}"
+    try:
+        out["auto_multi_host"] = fcomm.comm_for(dist.new_group(backend="gloo"), "auto").backend
+        try:
+            fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
+            out["shm_multi_host"] = "no error"
+        except ConfigError as e:
+            out["shm_multi_host"] = str(e)
+    finally:
+        fcomm._host_identity = real
+    model = flatshard.FSDP(torch.nn.Linear(3, 3), comm_backend="torch")
+    out["wrapper"] = model._unit.c.counts is not None and fcomm.comm_for(
+        dist.group.WORLD, "torch").backend
+    return out
+
+
+def test_auto_picks_shm_on_one_host_and_torch_across_hosts(dist_pool):
+    res = dist_pool(2).run(_selection)[0]
+    assert res["auto"] == "shm" and res["torch"] == "torch"
+    assert res["auto_multi_host"] == "torch"
+    assert "not all on one" in res["shm_multi_host"] and "node0" in res["shm_multi_host"]
+    assert res["wrapper"] == "torch"
+
+
+# ---------------------------------------------------------------------------
+# failures
+
+
+def _missing_rank(timeout_s):
+    rank = dist.get_rank()
+    os.environ[fcomm.ENV_TIMEOUT] = str(timeout_s)
+    try:
+        c = fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
+    finally:
+        del os.environ[fcomm.ENV_TIMEOUT]
+    t = torch.ones(5)
+    out = torch.empty(5 * dist.get_world_size())
+    start = time.monotonic()
+    if rank == 1:  # stays away from the collective for longer than the timeout
+        time.sleep(timeout_s + 1.0)
+    try:
+        fcomm.all_gather_into(c, out, t)
+        msg = "no error"
+    except flatshard.CoreError as e:
+        msg = str(e)
+    return msg, time.monotonic() - start
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_timeout(dist_pool):
+    res = dist_pool(3).run(_missing_rank, 1.5)
+    msg0, took0 = res[0]
+    assert "rank 1" in msg0 and "has not arrived" in msg0 and "all_gather" in msg0, msg0
+    assert 1.5 <= took0 < 6.0
+    # Rank 1, arriving late, learns the cause instead of waiting out its own timeout.
+    msg1, took1 = res[1]
+    assert "aborted" in msg1 and "rank 1" in msg1 and took1 < 1.5 + 1.0 + 2.0
+    assert not leftover_segments()
+
+
+def _dies(report_path):
+    rank = dist.get_rank()
+    c = fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
+    if rank == 1:
+        os._exit(7)
+    start = time.monotonic()
+    try:
+        c.barrier()
+        msg = "no error"
+    except flatshard.CoreError as e:
+        msg = str(e)
+    with open(report_path, "w") as f:  # the pool reports rank 1's death, not our result
+        f.write(f"{time.monotonic() - start:.3f} {msg}")
+
+
+def test_a_dead_rank_is_named_by_the_others(dist_pool, tmp_path):
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
+        dist_pool(2).run(_dies, str(report), timeout=60)
+    for _ in range(50):  # rank 0 may still be writing when the pool gives up on rank 1
+        if report.exists() and report.read_text():
+            break
+        time.sleep(0.1)
+    took, msg = report.read_text().split(" ", 1)
+    assert "rank 1 (pid" in msg and "died" in msg and "barrier" in msg, msg
+    assert float(took) < 5.0  # noticed by liveness checks, not by the 300 s timeout
+    assert not leftover_segments()
+
+
+def test_no_segment_left_in_dev_shm():
+    assert not leftover_segments()
