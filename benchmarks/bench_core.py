@@ -1,7 +1,12 @@
 """Side-by-side step time and per-rank memory: torch FSDP1 vs flatshard.
 
     python3 benchmarks/bench_core.py [--steps N] [--warmup K]
-        [--impl torch,flatshard] [--model transformer,tiny64] [--strategy FULL_SHARD]
+        [--impl torch,flatshard,flatshard-gloo] [--model transformer,tiny64]
+        [--strategy FULL_SHARD]
+
+Impls: "torch" is torch's FSDP1; "flatshard" is flatshard with its default
+collective backend (shared memory between ranks of one host); "flatshard-gloo"
+is flatshard over the same gloo process group torch uses (comm_backend="torch").
 
 For every (model, impl) pair this spawns a fresh 2-rank gloo process group on
 CPU (one intra-op thread per rank, its own port), builds the model from the
@@ -51,10 +56,10 @@ REPO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 def import_impl(impl):
-    """Returns (FullyShardedDataParallel, ShardingStrategy) of the impl."""
+    """Returns (FullyShardedDataParallel, ShardingStrategy, extra kwargs) of the impl."""
     if impl == "torch":
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-        return FullyShardedDataParallel, ShardingStrategy
+        return FullyShardedDataParallel, ShardingStrategy, {}
     try:
         import flatshard
     except ModuleNotFoundError as e:  # not installed: use the source tree
@@ -62,7 +67,8 @@ def import_impl(impl):
             raise
         sys.path.insert(0, REPO_PYTHON)
         import flatshard
-    return flatshard.FullyShardedDataParallel, flatshard.ShardingStrategy
+    extra = {"comm_backend": "torch"} if impl == "flatshard-gloo" else {}
+    return flatshard.FullyShardedDataParallel, flatshard.ShardingStrategy, extra
 
 
 def storage_bytes(tensors):
@@ -84,13 +90,13 @@ def worker(rank, port, impl, model_name, args, queue):
     # A hung collective fails after COLLECTIVE_TIMEOUT instead of stalling the run.
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
     try:
-        FSDP, ShardingStrategy = import_impl(impl)
+        FSDP, ShardingStrategy, extra = import_impl(impl)
         spec = MODELS[model_name]()
         rss0 = max_rss_bytes()
         torch.manual_seed(0)
         model = FSDP(spec["build"](), auto_wrap_policy=ModuleWrapPolicy({spec["unit_cls"]}),
                      sharding_strategy=ShardingStrategy[args.strategy],
-                     device_id=torch.device("cpu"))
+                     device_id=torch.device("cpu"), **extra)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         inputs, targets = spec["make_batch"](rank)
 
@@ -169,21 +175,23 @@ def report(model_name, results):
     if ok:
         print("first losses:")
     for impl, r in ok.items():
-        print(f"  {impl:>9}: " + "  ".join(f"{x:.8f}" for x in r["losses"]))
-    base, new = results.get("torch"), results.get("flatshard")
-    if base is not None and new is not None:
+        print(f"  {impl:>14}: " + "  ".join(f"{x:.8f}" for x in r["losses"]))
+    base = results.get("torch")
+    for name, new in results.items():
+        if name == "torch" or base is None or new is None:
+            continue
         diff = max(abs(a - b) for a, b in zip(base["losses"], new["losses"]))
-        print(f"  max |loss diff| flatshard vs torch: {diff:.2e}")
+        print(f"  max |loss diff| {name} vs torch: {diff:.2e}")
         ratios = [f"{key} {new[key] / base[key]:.3f}" if base[key] else f"{key} n/a"
                   for key, _, _ in FIELDS]
-        print("ratio flatshard/torch: " + ", ".join(ratios))
+        print(f"ratio {name}/torch: " + ", ".join(ratios))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
-    p.add_argument("--impl", default="torch,flatshard")
+    p.add_argument("--impl", default="torch,flatshard,flatshard-gloo")
     p.add_argument("--model", default="transformer,tiny64")
     p.add_argument("--strategy", default="FULL_SHARD", help="ShardingStrategy member name")
     args = p.parse_args()
