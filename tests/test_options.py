@@ -207,17 +207,3 @@ def test_same_names_and_losses_as_torch_fsdp(dist_pool, use_orig):
         assert mods[0] == mods[1]
         for a, b in losses:
             assert abs(a - b) <= 1e-6 * max(1.0, abs(b))
-
-
-def test_state_dict_is_refused_until_built(dist_pool):
-    assert dist_pool(1).run(_state_dict_refused) == ["NotBuiltError"]
-
-
-def _state_dict_refused():
-    fs = FSDP(build())
-    try:
-        fs.state_dict()
-    except NotBuiltError as e:
-        assert "state_dict" in str(e)
-        return type(e).__name__
-    return "none"

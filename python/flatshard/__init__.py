@@ -21,3 +21,13 @@ __all__ = [
     "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "lambda_auto_wrap_policy",
     "ConfigError", "ConfigTypeError", "NotBuiltError", "CoreError", "StateError", "memory_stats",
 ]
+
+# State dicts and checkpoints (summon.py, state_dict.py, optim_state.py, checkpoint.py).
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from .errors import StateDictError  # noqa: E402
+from .state_dict import (FullOptimStateDictConfig, LocalOptimStateDictConfig,  # noqa: E402
+                         OptimStateDictConfig, ShardedOptimStateDictConfig, StateDictSettings)
+
+__all__ += ["StateDictError", "StateDictSettings", "OptimStateDictConfig",
+            "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig",
+            "save_checkpoint", "load_checkpoint", "latest_checkpoint"]

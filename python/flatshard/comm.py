@@ -50,13 +50,17 @@ def dtype_code(dtype):
                         f"supported: {', '.join(str(d) for d in DTYPE_CODES)}") from None
 
 
+def _flat_all_gather():
+    # torch 2.13 renamed the flat collectives (*_single); 2.11 has the old names.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _torch_collective(group):
     """The Python half of the torch backend, bound to one process group.
 
     Always asks for SUM: averaging is done in C because gloo's AVG sums."""
     group_ranks = dist.get_process_group_ranks(group)
-    # torch 2.13 renamed the flat collectives (*_single); 2.11 has the old names.
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather = _flat_all_gather()
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def run(op, a, b, arg):
@@ -126,7 +130,7 @@ def _all_gather_bytes(text, group, width=128):
     raw = text.encode()[:width].ljust(width, b"\0")
     mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     out = torch.empty(width * dist.get_world_size(group), dtype=torch.uint8)
-    dist.all_gather_into_tensor(out, mine, group=group)
+    _flat_all_gather()(out, mine, group=group)
     return [bytes(out[i * width:(i + 1) * width].tolist()).rstrip(b"\0").decode()
             for i in range(dist.get_world_size(group))]
 

@@ -2,7 +2,8 @@
 value given, what is allowed and, where there is one, the fix."""
 from ._C import CoreError, StateError
 
-__all__ = ["ConfigError", "ConfigTypeError", "CoreError", "StateError", "NotBuiltError"]
+__all__ = ["ConfigError", "ConfigTypeError", "CoreError", "StateError", "NotBuiltError",
+           "StateDictError"]
 
 
 class ConfigError(ValueError):
@@ -35,3 +36,9 @@ def bad_type(arg, value, allowed, fix=None):
 
 def not_built(arg, value, why):
     return NotBuiltError(f"flatshard: {arg}={value!r} is not supported by this version: {why}")
+
+
+class StateDictError(RuntimeError):
+    """A state dict or checkpoint does not match the model: names the first
+    missing, unexpected or mismatching keys. A RuntimeError, as torch's
+    load_state_dict raises."""

@@ -18,7 +18,7 @@ from torch.autograd import Variable
 
 from . import _C, config
 from .comm import broadcast_, comm_for, dtype_code
-from .errors import ConfigError, bad_type, bad_value, not_built
+from .errors import ConfigError, bad_type, bad_value
 from .flat_param import Alias, FlatGroup
 from .options import BackwardPrefetch, ShardingStrategy
 from .unit import UnitRuntime
@@ -335,15 +335,69 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)
 
     # ------------------------------------------------------------------
-    # not built yet: refused rather than silently wrong
+    # state dicts (state_dict.py): the plain model's keys, torch FSDP's types
 
-    def state_dict(self, *args, **kwargs):
-        raise not_built("state_dict()", "FULL_STATE_DICT", "state dicts of wrapped models are "
-                        "not built yet (nn.Module's would return wrapper keys and local shards)")
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        """The plain model's keys; what the values are is set by
+        FSDP.state_dict_type (default FULL_STATE_DICT): see flatshard.state_dict."""
+        from .state_dict import state_dict
+        return state_dict(self, destination, prefix, keep_vars)
 
-    def load_state_dict(self, *args, **kwargs):
-        raise not_built("load_state_dict()", "FULL_STATE_DICT", "state dicts of wrapped models "
-                        "are not built yet")
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Load a state dict with the plain model's keys (full tensors or
+        DTensors; flat shards under LOCAL_STATE_DICT). Checks every name and
+        shape before changing anything."""
+        from .state_dict import load_state_dict
+        return load_state_dict(self, state_dict, strict, assign)
+
+    # ------------------------------------------------------------------
+    # torch FSDP1's static state-dict API (summon.py, state_dict.py, optim_state.py)
+
+    @staticmethod
+    def summon_full_params(module, recurse=True, writeback=True, rank0_only=False,
+                           offload_to_cpu=False, with_grads=False):
+        """Context manager: inside, the FSDP modules under `module` (only
+        `module` itself with recurse=False) show their full parameters in the
+        original shapes; with writeback, changes are copied back to the shards."""
+        from .summon import summon_full_params
+        return summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu,
+                                  with_grads)
+
+    @staticmethod
+    def set_state_dict_type(module, state_dict_type, state_dict_config=None,
+                            optim_state_dict_config=None):
+        """Set the state dict type of every FSDP module under `module`;
+        returns the previous StateDictSettings."""
+        from .state_dict import set_state_dict_type
+        return set_state_dict_type(module, state_dict_type, state_dict_config,
+                                   optim_state_dict_config)
+
+    @staticmethod
+    def get_state_dict_type(module):
+        from .state_dict import get_state_dict_type
+        return get_state_dict_type(module)
+
+    @staticmethod
+    def state_dict_type(module, state_dict_type, state_dict_config=None,
+                        optim_state_dict_config=None):
+        """Context manager form of set_state_dict_type: restores the previous
+        settings on exit."""
+        from .state_dict import state_dict_type as ctx
+        return ctx(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None):
+        """The optimizer's state keyed by the plain model's parameter names,
+        whole (FULL) or as DTensors (SHARDED), per the model's state dict type."""
+        from .optim_state import optim_state_dict as build
+        return build(model, optim, optim_state_dict, group)
+
+    @staticmethod
+    def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False,
+                                 load_directly=False, group=None):
+        """A state dict from optim_state_dict -> one optim.load_state_dict takes."""
+        from .optim_state import optim_state_dict_to_load as convert
+        return convert(model, optim, optim_state_dict, is_named_optimizer, load_directly, group)
 
 
 FSDP = FullyShardedDataParallel
