@@ -54,5 +54,6 @@ fs_status fs_shm_unlink(const char *name);
 
 int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);
+int fs_optim_add(PyObject *module); /* py_optim.c */
 
 #endif

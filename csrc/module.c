@@ -451,7 +451,8 @@ static int module_exec(PyObject *m)
         st->CoreError, NULL);
     if (!st->StateError || PyModule_AddObjectRef(m, "StateError", st->StateError) < 0)
         return -1;
-    if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || add_constants(m) < 0)
+    if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
+        add_constants(m) < 0)
         return -1;
     return 0;
 }

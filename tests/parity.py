@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flatshard
+import flatshard.optim
 from flatshard import FSDP, ShardingStrategy
 from toy_models import Block, Inner, build
 
@@ -24,6 +25,13 @@ SCALE_ATOL = 2e-6
 
 
 def optimizer(name, params):
+    """The optimizer for flatshard's model; the reference gets torch's version
+    of the same ("fs_*": flatshard.optim's fused C optimizers)."""
+    if name == "fs_adamw":
+        return flatshard.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    if name == "fs_sgd":
+        return flatshard.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True,
+                                   weight_decay=0.01)
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
@@ -99,7 +107,7 @@ def run_case(strategy="FULL_SHARD", opt="adamw", wrap="blocks", use_orig_params=
               if backward_prefetch else None, forward_prefetch=forward_prefetch,
               comm_backend=comm_backend)
     o_fs = optimizer(opt, fs.parameters())
-    o_ref = optimizer(opt, [p for p in ref.parameters() if p.requires_grad])
+    o_ref = optimizer(opt.replace("fs_", ""), [p for p in ref.parameters() if p.requires_grad])
     per_rank = 2
     losses = []
     data = batches(steps * microbatches * forwards, per_rank, world)

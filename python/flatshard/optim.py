@@ -1,0 +1,189 @@
+"""Fused CPU optimizers: AdamW, Adam and SGD as torch.optim.Optimizer subclasses.
+
+Same arguments, state names and state_dict format as torch's, so a torch
+script swaps the class and keeps its checkpoints. Each step is one pass of C
+(csrc/optim_cpu.c) per parameter, SIMD chosen at run time, split over
+`threads` threads with the GIL released; on flatshard's flat shards one call
+updates a whole shard. Parameters and gradients must be contiguous fp32 CPU
+tensors (CUDA kernels come with the CUDA build); anything else is refused with
+an error naming the parameter.
+
+`adamw_step_` is the functional form, which can also write a bf16/fp16 copy
+of the updated parameters in the same pass.
+"""
+import torch
+
+from . import _C
+from .comm import dtype_code
+from .errors import bad_type, bad_value
+
+
+def _threads(threads):
+    if threads is None:
+        return torch.get_num_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise bad_value("threads", threads, "expected a positive int or None (torch's count)")
+    return threads
+
+
+def _check_tensor(owner, what, i, t):
+    if not torch.is_tensor(t) or t.dtype != torch.float32 or t.device.type != "cpu" \
+            or not t.is_contiguous() or t.is_sparse:
+        desc = (f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', non-contiguous'}"
+                if torch.is_tensor(t) else type(t).__name__)
+        raise bad_type(f"{owner}: {what} {i}", desc,
+                       "a contiguous float32 CPU tensor (dense gradients)")
+
+
+def _check_range(owner, name, value, lo=0.0, hi=None, hi_open=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= lo and \
+        (hi is None or (value < hi if hi_open else value <= hi))
+    if not ok:
+        bound = f"in [{lo}, {hi})" if hi_open else (f">= {lo}" if hi is None else
+                                                     f"in [{lo}, {hi}]")
+        raise bad_value(f"{owner}({name}=...)", value, f"expected a number {bound}")
+
+
+def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999), eps=1e-8,
+                weight_decay=1e-2, decoupled=True, maximize=False, max_exp_avg_sq=None,
+                out_copy=None, threads=None, simd="auto"):
+    """One fused step on flat buffers (all contiguous fp32 CPU of one size).
+    step: the step number after this update (1 on the first). out_copy: a
+    bf16/fp16 tensor of the same size that receives the updated parameters."""
+    n = param.numel()
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg),
+                    ("exp_avg_sq", exp_avg_sq)) + ((("max_exp_avg_sq", max_exp_avg_sq),)
+                                                   if max_exp_avg_sq is not None else ()):
+        _check_tensor("adamw_step_", name, 0, t)
+        if t.numel() != n:
+            raise bad_value(f"adamw_step_: {name}", tuple(t.shape), f"expected {n} elements")
+    copy_ptr, copy_code = 0, _C.BF16
+    if out_copy is not None:
+        if out_copy.dtype not in (torch.bfloat16, torch.float16) or out_copy.numel() != n or \
+                not out_copy.is_contiguous() or out_copy.device.type != "cpu":
+            raise bad_type("adamw_step_: out_copy", f"{out_copy.dtype} {tuple(out_copy.shape)}",
+                           f"a contiguous bfloat16/float16 CPU tensor of {n} elements")
+        copy_ptr, copy_code = out_copy.data_ptr(), dtype_code(out_copy.dtype)
+    _C.adam_step(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                 max_exp_avg_sq.data_ptr() if max_exp_avg_sq is not None else 0, copy_ptr,
+                 copy_code, n, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                 weight_decay=weight_decay, step=int(step), decoupled=decoupled,
+                 maximize=maximize, threads=_threads(threads), simd=simd)
+
+
+class _Adam(torch.optim.Optimizer):
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, threads=None):
+        name = type(self).__name__
+        if torch.is_tensor(lr):
+            raise bad_type(f"{name}(lr=...)", lr, "a float (tensor learning rates are not "
+                           "supported by the fused CPU kernel)")
+        _check_range(name, "lr", lr)
+        _check_range(name, "eps", eps)
+        _check_range(name, "weight_decay", weight_decay)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise bad_type(f"{name}(betas=...)", betas, "a pair (beta1, beta2)")
+        for b in betas:
+            _check_range(name, "betas", b, 0.0, 1.0, hi_open=True)
+        for flag, value in (("amsgrad", amsgrad), ("maximize", maximize)):
+            if not isinstance(value, bool):
+                raise bad_type(f"{name}({flag}=...)", value, "True or False")
+        self.threads = _threads(threads)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize, foreach=None, capturable=False,
+                        differentiable=False, fused=None)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        name = type(self).__name__
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                _check_tensor(name, f"group {gi} parameter", i, p)
+                _check_tensor(name, f"group {gi} gradient", i, p.grad)
+                state = self.state[p]
+                if not state:
+                    # torch's layout: a float32 scalar step and moments like the param.
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p,
+                                                           memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                            int(state["step"].item()), lr=group["lr"], betas=group["betas"],
+                            eps=group["eps"], weight_decay=group["weight_decay"],
+                            decoupled=self._decoupled, maximize=group["maximize"],
+                            max_exp_avg_sq=state.get("max_exp_avg_sq") if group["amsgrad"]
+                            else None, threads=self.threads)
+        return loss
+
+
+class AdamW(_Adam):
+    """torch.optim.AdamW's math (decoupled weight decay), fused in C."""
+
+
+class Adam(_Adam):
+    """torch.optim.Adam's math (L2 weight decay added to the gradient), fused in C."""
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, maximize=False, threads=None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         threads=threads)
+
+
+class SGD(torch.optim.Optimizer):
+    """torch.optim.SGD's math (momentum, dampening, nesterov, weight decay), fused in C."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, *, maximize=False, threads=None):
+        for n, v in (("lr", lr), ("momentum", momentum), ("dampening", dampening),
+                     ("weight_decay", weight_decay)):
+            _check_range("SGD", n, v)
+        for flag, value in (("nesterov", nesterov), ("maximize", maximize)):
+            if not isinstance(value, bool):
+                raise bad_type(f"SGD({flag}=...)", value, "True or False")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise bad_value("SGD(nesterov=True)", nesterov, "nesterov needs momentum > 0 and "
+                            "dampening == 0")
+        self.threads = _threads(threads)
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                        foreach=None, differentiable=False, fused=None)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                _check_tensor("SGD", f"group {gi} parameter", i, p)
+                _check_tensor("SGD", f"group {gi} gradient", i, p.grad)
+                buf, first = 0, False
+                if group["momentum"] != 0:  # without momentum, no state (as torch)
+                    state = self.state[p]
+                    if state.get("momentum_buffer") is None:
+                        state["momentum_buffer"] = torch.empty_like(p)
+                        first = True
+                    buf = state["momentum_buffer"].data_ptr()
+                _C.sgd_step(p.data_ptr(), p.grad.data_ptr(), buf, 0, _C.BF16, p.numel(),
+                            lr=group["lr"], momentum=group["momentum"],
+                            dampening=group["dampening"], weight_decay=group["weight_decay"],
+                            nesterov=group["nesterov"], maximize=group["maximize"],
+                            first_step=first, threads=self.threads)
+        return loss

@@ -1,0 +1,130 @@
+"""Fused CPU optimizers (csrc/optim_cpu.c, flatshard.optim): kernels against
+the scalar path, the optimizers against torch's on awkward sizes and options,
+state_dict compatibility both ways, and training on flat shards."""
+import copy
+
+import pytest
+import torch
+
+from flatshard import _C, ConfigError, optim as fo
+from parity import run_case
+
+SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 97, 1031, (1 << 16) * 2 + 13]
+AVX2 = _C.simd_level() == "avx2"
+
+
+def _buffers(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for _ in range(4)] + [torch.rand(n, generator=g)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("decoupled,maximize,amsgrad,copy",
+                         [(True, False, False, None), (False, True, True, torch.bfloat16),
+                          (True, False, True, torch.float16), (False, False, False, None)])
+def test_adam_kernel_simd_and_threads_match_scalar(n, decoupled, maximize, amsgrad, copy):
+    outs = []
+    for simd, threads in [("scalar", 1)] + ([("auto", 1), ("auto", 2)] if AVX2 else
+                                           [("auto", 2)]):
+        p, grad, m, mx, v = _buffers(n, n)
+        mx = mx.abs() if amsgrad else None
+        out = torch.empty(n, dtype=copy) if copy else None
+        for step in (1, 2, 3):
+            fo.adamw_step_(p, grad, m, v, step, lr=0.01, betas=(0.8, 0.95), eps=1e-6,
+                           weight_decay=0.1, decoupled=decoupled, maximize=maximize,
+                           max_exp_avg_sq=mx, out_copy=out, threads=threads, simd=simd)
+        if copy:
+            assert torch.equal(out, p.to(copy))  # the copy is the updated parameter, rounded
+        outs.append((p, m, v))
+    for p, m, v in outs[1:]:  # same bits on every path: same ops, same order, no FMA
+        assert torch.equal(p, outs[0][0]) and torch.equal(m, outs[0][1]) and \
+            torch.equal(v, outs[0][2])
+
+
+CASES = [
+    (fo.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (fo.AdamW, torch.optim.AdamW, dict(lr=3e-3, betas=(0.8, 0.9), eps=1e-6, amsgrad=True)),
+    (fo.AdamW, torch.optim.AdamW, dict(lr=1e-2, maximize=True)),
+    (fo.Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    (fo.Adam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+    (fo.SGD, torch.optim.SGD, dict(lr=0.05)),
+    (fo.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    (fo.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("ours,theirs,kw", CASES)
+def test_optimizers_match_torch_over_many_steps(ours, theirs, kw):
+    torch.manual_seed(0)
+    shapes = [(0,), (1,), (7,), (3, 5), (97,), (17, 33)]
+    a = [torch.randn(s) for s in shapes]
+    b = [t.clone() for t in a]
+    oa, ob = ours(a, **kw), theirs(b, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=g)
+            y.grad = x.grad.clone()
+        oa.step()
+        ob.step()
+    for x, y in zip(a, b):  # 1e-6 of each tensor's scale after 60 steps
+        scale = max(y.abs().max().item(), 1e-3) if y.numel() else 1.0
+        assert (x - y).abs().max().item() <= 1e-6 * scale if y.numel() else True
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["state"].keys() == sb["state"].keys()
+    for k in sb["state"]:
+        assert sa["state"][k].keys() == sb["state"][k].keys()
+
+
+@pytest.mark.parametrize("ours,theirs,kw", [CASES[0], CASES[6]])
+def test_state_dict_moves_between_torch_and_flatshard(ours, theirs, kw):
+    torch.manual_seed(0)
+    p_t = [torch.randn(33)]
+    opt_t = theirs(p_t, **kw)
+    for _ in range(5):
+        p_t[0].grad = torch.randn(33)
+        opt_t.step()
+    p_f = [p_t[0].clone()]
+    opt_f = ours(p_f, **kw)
+    # Resume torch's run in flatshard (a copy: loading shares matching tensors).
+    opt_f.load_state_dict(copy.deepcopy(opt_t.state_dict()))
+    for _ in range(5):
+        grad = torch.randn(33)
+        p_t[0].grad, p_f[0].grad = grad, grad.clone()
+        opt_t.step()
+        opt_f.step()
+    assert (p_f[0] - p_t[0]).abs().max() <= 1e-6 * p_t[0].abs().max()
+    back = theirs([p_f[0].clone()], **kw)
+    back.load_state_dict(opt_f.state_dict())  # and back
+    assert back.state_dict()["state"].keys() == opt_t.state_dict()["state"].keys()
+
+
+def test_bad_arguments_are_named():
+    p = [torch.zeros(3)]
+    for make, word in [(lambda: fo.AdamW(p, lr=-1.0), "lr"),
+                       (lambda: fo.AdamW(p, betas=(0.9, 1.0)), "betas"),
+                       (lambda: fo.AdamW(p, betas=0.9), "betas"),
+                       (lambda: fo.Adam(p, amsgrad=1), "amsgrad"),
+                       (lambda: fo.AdamW(p, threads=0), "threads"),
+                       (lambda: fo.AdamW(p, lr=torch.tensor(0.1)), "lr"),
+                       (lambda: fo.SGD(p, nesterov=True), "nesterov"),
+                       (lambda: fo.SGD(p, momentum=-0.5), "momentum")]:
+        with pytest.raises(ConfigError, match=word):
+            make()
+
+
+def test_unsupported_tensors_are_refused_by_name():
+    p = torch.zeros(4, dtype=torch.float64)
+    p.grad = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(TypeError, match="group 0 parameter 0.*float64"):
+        fo.AdamW([p]).step()
+    q = torch.zeros(4, 4)
+    q.grad = torch.zeros(4, 4).t()
+    with pytest.raises(TypeError, match="non-contiguous"):
+        fo.SGD([q], lr=0.1).step()
+
+
+@pytest.mark.parametrize("opt", ["fs_adamw", "fs_sgd"])
+@pytest.mark.parametrize("use_orig", [False, True])
+def test_training_on_flat_shards_matches_plain_torch(dist_pool, opt, use_orig):
+    dist_pool(2).run(run_case, opt=opt, use_orig_params=use_orig, steps=5)
