@@ -11,6 +11,7 @@
 
 #include "copy.h"
 #include "layout.h"
+#include "norm.h"
 #include "reduce.h"
 #include "unit_fsm.h"
 
@@ -359,6 +360,43 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(norm_partial_doc,
+             "norm_partial(tensors, inf) -> float\n"
+             "Sum of squares (inf=False) or largest |x| (inf=True) over the given\n"
+             "(data_ptr, dtype, numel) triples, in f64.");
+static PyObject *py_norm_partial(PyObject *m, PyObject *args)
+{
+    PyObject *obj;
+    int inf;
+    if (!PyArg_ParseTuple(args, "Op", &obj, &inf))
+        return NULL;
+    PyObject *seq = PySequence_Fast(obj, "norm_partial: tensors must be a sequence");
+    if (!seq)
+        return NULL;
+    double total = 0.0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        unsigned long long p;
+        int t;
+        long long n;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiL", &p, &t, &n)) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        double part;
+        fs_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = fs_norm_partial((const void *)p, t, n, inf, &part);
+        Py_END_ALLOW_THREADS
+        if (s != FS_OK) {
+            Py_DECREF(seq);
+            return raise_mod(m, s, "norm_partial: float dtypes only");
+        }
+        total = inf ? (part > total || part != part ? part : total) : total + part;
+    }
+    Py_DECREF(seq);
+    return PyFloat_FromDouble(total);
+}
+
 static PyObject *py_simd_level(PyObject *m, PyObject *Py_UNUSED(a))
 {
     return PyUnicode_FromString(fs_simd_name(fs_simd_best()));
@@ -410,6 +448,7 @@ static PyMethodDef module_methods[] = {
     {"dim0_copy_in", py_dim0_copy_in, METH_VARARGS, dim0_copy_in_doc},
     {"fsm_step", py_fsm_step, METH_VARARGS, fsm_step_doc},
     {"reduce_sum", py_reduce_sum, METH_VARARGS, reduce_sum_doc},
+    {"norm_partial", py_norm_partial, METH_VARARGS, norm_partial_doc},
     {"simd_level", py_simd_level, METH_NOARGS, "simd_level() -> the SIMD level reductions use"},
     {"shm_unlink", py_shm_unlink, METH_VARARGS,
      "shm_unlink(name): remove a shared-memory name (missing is fine)"},

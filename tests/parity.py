@@ -96,7 +96,7 @@ def compare_params(model, ref):
 def run_case(strategy="FULL_SHARD", opt="adamw", wrap="blocks", use_orig_params=False,
              steps=4, model_kw=None, microbatches=1, no_sync=False, eval_every=False,
              forwards=1, backward_prefetch="BACKWARD_PRE", forward_prefetch=False,
-             comm_backend=None):
+             comm_backend=None, clip=None, norm_type=2.0):
     rank, world = dist.get_rank(), dist.get_world_size()
     model_kw = model_kw or {}
     ref = build(**model_kw)
@@ -129,6 +129,12 @@ def run_case(strategy="FULL_SHARD", opt="adamw", wrap="blocks", use_orig_params=
             l = loss_fs.detach().clone()
             dist.all_reduce(l)
             losses.append(((l / world).item(), loss_ref.item()))
+        if clip is not None:
+            n_fs = fs.clip_grad_norm_(clip, norm_type)
+            # (torch refuses an inf-norm over its empty parameter: leave it out)
+            n_ref = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.numel()],
+                                                   clip, norm_type)
+            assert abs(n_fs.item() - n_ref.item()) <= 1e-5 * n_ref.item(), (n_fs, n_ref)
         o_fs.step()
         o_ref.step()
         o_fs.zero_grad()

@@ -128,3 +128,31 @@ def test_unsupported_tensors_are_refused_by_name():
 @pytest.mark.parametrize("use_orig", [False, True])
 def test_training_on_flat_shards_matches_plain_torch(dist_pool, opt, use_orig):
     dist_pool(2).run(run_case, opt=opt, use_orig_params=use_orig, steps=5)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.5])
+@pytest.mark.parametrize("use_orig", [False, True])
+def test_clip_grad_norm_matches_plain_torch(dist_pool, strategy, norm_type, use_orig):
+    # max_norm small enough that every step clips; norms compared each step.
+    dist_pool(4).run(run_case, strategy=strategy, opt="sgd", clip=0.05, norm_type=norm_type,
+                     use_orig_params=use_orig, model_kw={"frozen": True}, steps=3)
+
+
+def _clip_with_ignored_module():
+    import torch.distributed as dist
+    from flatshard import FSDP
+    from toy_models import build
+    torch.manual_seed(0)
+    model = build()
+    fs = FSDP(model, ignored_modules=[model.head], use_orig_params=True)
+    fs(torch.ones(2, 5)).sum().backward()  # same input on every rank: ignored grads agree
+    ref = build()
+    ref(torch.ones(2, 5)).sum().backward()
+    got = fs.clip_grad_norm_(1e-3).item()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3).item()
+    return abs(got - want) / want
+
+
+def test_clip_grad_norm_counts_unsharded_parameters_once(dist_pool):
+    assert max(dist_pool(2).run(_clip_with_ignored_module)) < 1e-6

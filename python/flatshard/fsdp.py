@@ -400,4 +400,12 @@ class FullyShardedDataParallel(nn.Module):
         return convert(model, optim, optim_state_dict, is_named_optimizer, load_directly, group)
 
 
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """Clip the gradient of the whole model (all units, all ranks) to
+        max_norm; returns the total norm before clipping (torch FSDP1's call).
+        norm_type: 2.0, inf, or any positive p. Call it on the root."""
+        from .clip import clip_grad_norm_
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+
 FSDP = FullyShardedDataParallel

@@ -1,0 +1,66 @@
+"""clip_grad_norm_ over a sharded model: torch FSDP1's semantics.
+
+The norm is of the whole model's gradient, every rank's shard counted once:
+each rank sums its shards' squares in C (one pass, f64), the sums are added
+across ranks, and parameters outside sharded units (ignored modules; NO_SHARD
+units, whose gradients every rank holds whole) are added once, locally. A rank
+that holds no gradient still takes part in the collective, with zero.
+"""
+import math
+
+import torch
+
+from . import _C
+from .comm import all_reduce_, all_gather_into, dtype_code
+from .errors import bad_type, bad_value
+
+
+def _partial(grads, inf, norm_type):
+    if inf or norm_type == 2.0:
+        return _C.norm_partial([(g.data_ptr(), dtype_code(g.dtype), g.numel())
+                                for g in grads], inf)
+    return sum(float(torch.linalg.vector_norm(g.double(), norm_type)) ** norm_type
+               for g in grads)
+
+
+def clip_grad_norm_(root, max_norm, norm_type=2.0):
+    from .fsdp import FullyShardedDataParallel
+    if root._root_state is not None and root._root_state.owner is not root:
+        raise bad_value("clip_grad_norm_()", type(root).__name__, "it must be called on the "
+                        "root FSDP module", "call it on the outermost wrapper")
+    for name, v in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise bad_type(f"clip_grad_norm_({name}=...)", v, "a positive number (inf allowed "
+                           "for norm_type)")
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    sharded, whole, seen = [], [], set()
+    comm = None
+    for m in root.modules():
+        if not isinstance(m, FullyShardedDataParallel):
+            continue
+        comm = comm or m._unit.c.comm
+        for g in m._unit.groups:
+            tensors = [g.shard] if not m._unit.use_orig_params else g.params
+            for p in tensors:
+                seen.add(id(p))
+                if p.grad is not None:
+                    (whole if m._unit.no_shard else sharded).append(p.grad.contiguous())
+    whole += [p.grad for p in root.parameters() if id(p) not in seen and p.grad is not None]
+    local = _partial(sharded, inf, norm_type)
+    if inf:  # the max over ranks: gather every rank's maximum
+        mine = torch.tensor([local], dtype=torch.float64)
+        every = torch.empty(comm.world_size, dtype=torch.float64)
+        all_gather_into(comm, every, mine)
+        total = max(every.max().item(), _partial(whole, True, norm_type))
+    else:
+        t = torch.tensor([local], dtype=torch.float64)
+        all_reduce_(comm, t)
+        total = (t.item() + _partial(whole, False, norm_type)) ** (1.0 / norm_type)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for g in sharded + whole:
+                g.mul_(coef)
+    dtype = (sharded + whole)[0].dtype if sharded or whole else torch.float32
+    return torch.tensor(total, dtype=dtype)
