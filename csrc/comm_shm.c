@@ -19,6 +19,13 @@
  * Any failure sets the abort flag with a message, so every other rank fails
  * fast with the same cause instead of waiting out its own timeout.
  *
+ * Desync: at each collective a rank publishes what it is (its Comm ledger's
+ * newest entry: sequence number, op, unit, size, dtype) in its control
+ * block; after the collective's first barrier every rank checks that all
+ * ranks are in the same one, before any data is read. A rank that skipped
+ * or added a collective (a data-dependent branch around a wrapped module)
+ * fails there, naming both sides, instead of mixing data or hanging later.
+ *
  * Buffer rules are those of comm.h. Reductions accumulate in f32 (reduce.c).
  * Linux only (futex, /proc); other systems use the torch backend.
  */
@@ -40,6 +47,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ledger.h"
 #include "reduce.h"
 
 #define SHM_MAGIC 0x31304D4853534655ULL /* "UFSSHM01" */
@@ -62,11 +70,22 @@ typedef struct {
     alignas(64) _Atomic uint32_t generation; /* futex word: barriers completed */
 } shm_header;
 
+/* What a rank's collective is, as the other ranks see it. */
+typedef struct {
+    uint64_t seq;          /* this backend's collective count */
+    uint32_t op;           /* OP_* */
+    fs_ledger_entry entry; /* the ledger's record of it (entry.seq 0: no ledger) */
+} shm_desc;
+
 typedef struct {
     alignas(64) _Atomic int32_t pid;
     _Atomic uint32_t entered; /* barriers this rank has entered */
     _Atomic uint32_t op;      /* collective it is in (OP_*) */
     _Atomic uint64_t seq;     /* its collective count */
+    /* Collective `seq` is at desc[seq & 1]: a rank can be one collective
+     * ahead of a slow reader but not two (it would need the reader at the
+     * next barrier), so the slot being read is never rewritten meanwhile. */
+    shm_desc desc[2];
 } shm_rank;
 
 typedef struct {
@@ -80,6 +99,8 @@ typedef struct {
     double timeout_s;
     fs_simd simd;
     const void **srcs; /* world_size scratch pointers for reductions */
+    const fs_ledger *ledger; /* the Comm's, or NULL */
+    int check_pending;       /* the collective's first barrier is still to come */
 } shm_impl;
 
 static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -158,11 +179,24 @@ static fs_status aborted_elsewhere(fs_comm *c)
     return FS_ERR_BACKEND;
 }
 
+/* Rank r's current (or last) collective: "all_gather #41 for 'blocks.3'
+ * (1.5 KiB float32)" from its ledger entry, else the backend's own count. */
+static void describe(shm_impl *s, int r, char *buf, size_t cap)
+{
+    shm_rank *k = &s->ranks[r];
+    shm_desc d = k->desc[atomic_load(&k->seq) & 1]; /* a copy: it may change under us */
+    if (d.entry.seq)
+        fs_ledger_format(&d.entry, 0, buf, cap);
+    else
+        snprintf(buf, cap, "%s #%llu", op_names[d.op <= OP_BARRIER ? d.op : OP_NONE],
+                 (unsigned long long)d.seq);
+}
+
 /* Why the barrier `gen` is not complete: the ranks that have not entered it. */
 static fs_status report_stuck(fs_comm *c, uint32_t gen, int dead_only)
 {
     shm_impl *s = c->impl;
-    char msg[480];
+    char msg[480], what[160];
     int len = 0, found = 0;
     for (int r = 0; r < c->world_size; r++) {
         shm_rank *k = &s->ranks[r];
@@ -173,25 +207,55 @@ static fs_status report_stuck(fs_comm *c, uint32_t gen, int dead_only)
         if (dead_only && !dead)
             continue;
         found = 1;
-        uint32_t op = atomic_load(&k->op);
         len += snprintf(msg + len, sizeof msg - len > 0 ? sizeof msg - len : 0,
                         "%srank %d (pid %d) %s", len ? "; " : "", r, pid,
                         dead ? "died" : "has not arrived");
-        if (!dead && op != OP_NONE && (size_t)len < sizeof msg)
-            len += snprintf(msg + len, sizeof msg - len, ", it is in %s #%llu", op_names[op],
-                            (unsigned long long)atomic_load(&k->seq));
+        if (!dead && (size_t)len < sizeof msg) {
+            describe(s, r, what, sizeof what);
+            len += snprintf(msg + len, sizeof msg - len, atomic_load(&k->op) != OP_NONE
+                            ? ", it is in %s" : ", it is in no collective (its last: %s)", what);
+        }
     }
     if (dead_only && !found)
         return FS_OK;
-    shm_rank *me = &s->ranks[c->rank];
     char full[512];
-    snprintf(full, sizeof full, "rank %d waiting in %s #%llu%s: %s", c->rank,
-             op_names[atomic_load(&me->op)], (unsigned long long)atomic_load(&me->seq),
+    describe(s, c->rank, what, sizeof what);
+    snprintf(full, sizeof full, "rank %d waiting in %s%s: %s", c->rank, what,
              dead_only ? "" : " timed out", found ? msg : "no rank identified");
     return shm_abort(c, full);
 }
 
-static fs_status barrier(fs_comm *c)
+static int same_collective(const shm_desc *a, const shm_desc *b)
+{
+    return a->seq == b->seq && a->op == b->op && a->entry.seq == b->entry.seq &&
+           a->entry.op == b->entry.op && a->entry.bytes == b->entry.bytes &&
+           a->entry.dtype == b->entry.dtype &&
+           strncmp(a->entry.unit, b->entry.unit, FS_LEDGER_UNIT) == 0;
+}
+
+/* After the first barrier of a collective: is every rank in this one? */
+static fs_status check_peers(fs_comm *c)
+{
+    shm_impl *s = c->impl;
+    const shm_desc *mine = &s->ranks[c->rank].desc[s->seq & 1];
+    for (int r = 0; r < c->world_size; r++) {
+        if (r == c->rank || same_collective(mine, &s->ranks[r].desc[s->seq & 1]))
+            continue;
+        /* Lower rank first: both sides of the pair write the same words. */
+        int lo = r < c->rank ? r : c->rank, hi = r < c->rank ? c->rank : r;
+        char a[160], b[160], msg[512];
+        describe(s, lo, a, sizeof a);
+        describe(s, hi, b, sizeof b);
+        snprintf(msg, sizeof msg, "ranks are in different collectives: rank %d is in %s while "
+                 "rank %d is in %s; a rank skipped or added a collective (a data-dependent "
+                 "branch around a wrapped module?): every rank must run the same wrapped "
+                 "modules in the same order", lo, a, hi, b);
+        return shm_abort(c, msg);
+    }
+    return FS_OK;
+}
+
+static fs_status rendezvous(fs_comm *c)
 {
     shm_impl *s = c->impl;
     shm_header *h = s->hdr;
@@ -227,12 +291,34 @@ static fs_status barrier(fs_comm *c)
     return FS_OK;
 }
 
+/* Every chunk's rendezvous; the collective's first also checks the peers. */
+static fs_status barrier(fs_comm *c)
+{
+    shm_impl *s = c->impl;
+    fs_status st = rendezvous(c);
+    if (st == FS_OK && s->check_pending) {
+        s->check_pending = 0;
+        st = check_peers(c);
+    }
+    return st;
+}
+
 static void enter(fs_comm *c, int op)
 {
     shm_impl *s = c->impl;
     shm_rank *me = &s->ranks[c->rank];
-    atomic_store(&me->seq, ++s->seq);
+    shm_desc *d = &me->desc[(s->seq + 1) & 1];
+    d->seq = s->seq + 1;
+    d->op = (uint32_t)op;
+    /* The caller recorded this collective in the ledger just before. */
+    const fs_ledger_entry *e = s->ledger ? fs_ledger_get(s->ledger, s->ledger->count) : NULL;
+    if (e)
+        d->entry = *e;
+    else
+        memset(&d->entry, 0, sizeof d->entry);
+    atomic_store(&me->seq, ++s->seq); /* published by the barrier that follows */
     atomic_store(&me->op, (uint32_t)op);
+    s->check_pending = 1;
 }
 
 static fs_status leave(fs_comm *c, fs_status st)
@@ -375,8 +461,8 @@ static fs_status fail_errno(char *err, size_t cap, const char *what, const char 
 }
 
 fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t slot_bytes,
-                             double timeout_s, int create, fs_comm **out, char *err,
-                             size_t err_cap)
+                             double timeout_s, int create, const fs_ledger *ledger,
+                             fs_comm **out, char *err, size_t err_cap)
 {
     if (world_size < 1 || rank < 0 || rank >= world_size || slot_bytes < 4096 || timeout_s <= 0) {
         snprintf(err, err_cap, "invalid shm arguments");
@@ -419,6 +505,7 @@ fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t 
     s->half_bytes = slot_bytes / 2;
     s->timeout_s = timeout_s;
     s->simd = fs_simd_best();
+    s->ledger = ledger;
     s->srcs = srcs;
     srcs = NULL;
     if (create) {

@@ -9,6 +9,7 @@
 
 #include "comm.h"
 #include "fs_status.h"
+#include "ledger.h"
 
 typedef struct {
     PyObject *CoreError;  /* flatshard._C.CoreError(RuntimeError) */
@@ -33,12 +34,16 @@ int fs_tensor_ptr(PyObject *tensor, void **out);
 typedef struct {
     PyObject_HEAD
     fs_comm *comm;
+    fs_ledger ledger;     /* every collective issued through this Comm (ledger.h) */
+    PyObject *on_failure; /* on_failure(exc) after a collective failed, or NULL */
 } CommObject;
 
 fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out);
+/* `ledger` (may be NULL): the shm backend publishes its newest entry to the
+ * other ranks at each collective, and checks that theirs match. */
 fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t slot_bytes,
-                             double timeout_s, int create, fs_comm **out, char *err,
-                             size_t err_cap);
+                             double timeout_s, int create, const fs_ledger *ledger,
+                             fs_comm **out, char *err, size_t err_cap);
 fs_status fs_shm_unlink(const char *name);
 
 /* Run a collective: without the GIL unless the backend calls Python. */
@@ -51,6 +56,21 @@ fs_status fs_shm_unlink(const char *name);
             Py_END_ALLOW_THREADS                                       \
         }                                                              \
     } while (0)
+
+/* FS_COMM_CALL, recorded in the Comm's ledger: `unit` names what the
+ * collective is for, `count` and `dtype` are its arguments. */
+#define FS_COMM_RECORD(self, s, op, unit, count, dtype, expr)                        \
+    do {                                                                           \
+        uint64_t fs_seq_ = fs_ledger_issue(&(self)->ledger, op, unit, count, dtype); \
+        FS_COMM_CALL(self, s, expr);                                               \
+        fs_ledger_finish(&(self)->ledger, fs_seq_, s);                             \
+    } while (0)
+
+/* A collective through `self` failed and its exception is set: add this
+ * rank's last ledger entries as a note, and call self.on_failure(exc) (set
+ * by flatshard/diagnostics.py: it compares ledgers across ranks). Returns
+ * NULL, with the exception still set. */
+PyObject *fs_comm_failed(CommObject *self);
 
 int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);

@@ -2,7 +2,9 @@
  *
  * Python holds one Comm per process group and passes it to every Unit.
  * Buffers are given as (data_ptr, numel) of contiguous host tensors; the
- * facade in flatshard/comm.py checks tensors before calling. */
+ * facade in flatshard/comm.py checks tensors before calling. Every
+ * collective is recorded in the Comm's ledger (ledger.h), here and in
+ * py_unit.c; a failed one raises with the ledger's last entries. */
 #include "fs_py.h"
 
 static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
@@ -21,6 +23,7 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     CommObject *self = (CommObject *)tp->tp_alloc(tp, 0);
     if (!self)
         return NULL;
+    fs_ledger_init(&self->ledger);
     fs_status s;
     char err[512] = "";
     if (strcmp(kind, "torch") == 0 && fn) {
@@ -28,7 +31,7 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     } else if (strcmp(kind, "shm") == 0 && name) {
         Py_BEGIN_ALLOW_THREADS
         s = fs_comm_shm_create(name, rank, world, (size_t)slot_bytes, timeout_s, create,
-                               &self->comm, err, sizeof err);
+                               &self->ledger, &self->comm, err, sizeof err);
         Py_END_ALLOW_THREADS
     } else {
         Py_DECREF(self);
@@ -47,78 +50,159 @@ static void Comm_dealloc(CommObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     fs_comm_destroy(self->comm);
+    Py_XDECREF(self->on_failure);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
 
-static PyObject *done(CommObject *self, fs_status s, const char *op)
+PyObject *fs_comm_failed(CommObject *self)
 {
-    if (s != FS_OK)
-        return fs_raise(fs_state_from_type(Py_TYPE(self)), s, "%s on backend %s: %s", op,
-                        self->comm->ops->name, self->comm->last_error);
-    Py_RETURN_NONE;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (v) {
+        char buf[2048], head[96];
+        snprintf(head, sizeof head, "flatshard: rank %d's last collectives on this %s Comm:",
+                 self->comm->rank, self->comm->ops->name);
+        fs_ledger_tail(&self->ledger, 8, head, buf, sizeof buf);
+        PyObject *r = PyObject_CallMethod(v, "add_note", "s", buf);
+        if (r && self->on_failure) {
+            Py_DECREF(r);
+            r = PyObject_CallFunctionObjArgs(self->on_failure, (PyObject *)self, v, NULL);
+        }
+        if (!r) /* a failing report must not hide the collective's own error */
+            PyErr_WriteUnraisable(self->on_failure);
+        Py_XDECREF(r);
+    }
+    PyErr_Restore(t, v, tb);
+    return NULL;
 }
 
-PyDoc_STRVAR(all_gather_doc, "all_gather(send_ptr, recv_ptr, count, dtype)\n"
-                             "recv holds world_size*count; rank r's send lands at recv + r*count.");
+static PyObject *done(CommObject *self, fs_status s, const char *op, const char *tag)
+{
+    if (s == FS_OK)
+        Py_RETURN_NONE;
+    fs_raise(fs_state_from_type(Py_TYPE(self)), s, "%s%s%s%s on backend %s: %s", op,
+             *tag ? " for '" : "", tag, *tag ? "'" : "", self->comm->ops->name,
+             self->comm->last_error);
+    return fs_comm_failed(self);
+}
+
+/* The optional last argument of each collective: what it is for (ledger). */
+#define TAG_DOC "\n`tag` (optional) says what it is for, in the ledger and in errors."
+
+PyDoc_STRVAR(all_gather_doc, "all_gather(send_ptr, recv_ptr, count, dtype, tag='')\n"
+                             "recv holds world_size*count; rank r's send lands at recv + r*count."
+                             TAG_DOC);
 static PyObject *Comm_all_gather(CommObject *self, PyObject *args)
 {
     unsigned long long sp, rp;
     long long n;
     int t;
-    if (!PyArg_ParseTuple(args, "KKLi", &sp, &rp, &n, &t))
+    const char *tag = "";
+    if (!PyArg_ParseTuple(args, "KKLi|s", &sp, &rp, &n, &t, &tag))
         return NULL;
     fs_status s;
-    FS_COMM_CALL(self, s, fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
-    return done(self, s, "all_gather");
+    FS_COMM_RECORD(self, s, FS_LOP_ALL_GATHER, tag, n, t,
+                   fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
+    return done(self, s, "all_gather", tag);
 }
 
-PyDoc_STRVAR(reduce_scatter_doc, "reduce_scatter(send_ptr, recv_ptr, recv_count, dtype, average)");
+PyDoc_STRVAR(reduce_scatter_doc,
+             "reduce_scatter(send_ptr, recv_ptr, recv_count, dtype, average, tag='')" TAG_DOC);
 static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
 {
     unsigned long long sp, rp;
     long long n;
     int t, avg;
-    if (!PyArg_ParseTuple(args, "KKLip", &sp, &rp, &n, &t, &avg))
+    const char *tag = "";
+    if (!PyArg_ParseTuple(args, "KKLip|s", &sp, &rp, &n, &t, &avg, &tag))
         return NULL;
     fs_status s;
-    FS_COMM_CALL(self, s, fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
-                                                 avg ? FS_RED_AVG : FS_RED_SUM));
-    return done(self, s, "reduce_scatter");
+    FS_COMM_RECORD(self, s, FS_LOP_REDUCE_SCATTER, tag, n, t,
+                   fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
+                                          avg ? FS_RED_AVG : FS_RED_SUM));
+    return done(self, s, "reduce_scatter", tag);
 }
 
-PyDoc_STRVAR(all_reduce_doc, "all_reduce(ptr, count, dtype, average)");
+PyDoc_STRVAR(all_reduce_doc, "all_reduce(ptr, count, dtype, average, tag='')" TAG_DOC);
 static PyObject *Comm_all_reduce(CommObject *self, PyObject *args)
 {
     unsigned long long p;
     long long n;
     int t, avg;
-    if (!PyArg_ParseTuple(args, "KLip", &p, &n, &t, &avg))
+    const char *tag = "";
+    if (!PyArg_ParseTuple(args, "KLip|s", &p, &n, &t, &avg, &tag))
         return NULL;
     fs_status s;
-    FS_COMM_CALL(self, s,
-                 fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM));
-    return done(self, s, "all_reduce");
+    FS_COMM_RECORD(self, s, FS_LOP_ALL_REDUCE, tag, n, t,
+                   fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM));
+    return done(self, s, "all_reduce", tag);
 }
 
-PyDoc_STRVAR(broadcast_doc, "broadcast(ptr, count, dtype, root): root is a rank of this group.");
+PyDoc_STRVAR(broadcast_doc, "broadcast(ptr, count, dtype, root, tag=''): root is a rank of this "
+                            "group." TAG_DOC);
 static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
 {
     unsigned long long p;
     long long n;
     int t, root;
-    if (!PyArg_ParseTuple(args, "KLii", &p, &n, &t, &root))
+    const char *tag = "";
+    if (!PyArg_ParseTuple(args, "KLii|s", &p, &n, &t, &root, &tag))
         return NULL;
     fs_status s;
-    FS_COMM_CALL(self, s, fs_comm_broadcast(self->comm, (void *)p, n, t, root));
-    return done(self, s, "broadcast");
+    FS_COMM_RECORD(self, s, FS_LOP_BROADCAST, tag, n, t,
+                   fs_comm_broadcast(self->comm, (void *)p, n, t, root));
+    return done(self, s, "broadcast", tag);
 }
 
-static PyObject *Comm_barrier(CommObject *self, PyObject *Py_UNUSED(a))
+PyDoc_STRVAR(barrier_doc, "barrier(tag='')" TAG_DOC);
+static PyObject *Comm_barrier(CommObject *self, PyObject *args)
 {
+    const char *tag = "";
+    if (!PyArg_ParseTuple(args, "|s", &tag))
+        return NULL;
     fs_status s;
-    FS_COMM_CALL(self, s, fs_comm_barrier(self->comm));
-    return done(self, s, "barrier");
+    FS_COMM_RECORD(self, s, FS_LOP_BARRIER, tag, 0, FS_U8, fs_comm_barrier(self->comm));
+    return done(self, s, "barrier", tag);
+}
+
+PyDoc_STRVAR(ledger_doc,
+             "ledger() -> list of dicts, oldest first: the last collectives issued through this\n"
+             "Comm, each {seq, op, unit, bytes, dtype, state} (state: issued, completed or\n"
+             "failed). `bytes` is the count argument in bytes (per rank for all_gather and\n"
+             "reduce_scatter).");
+static PyObject *Comm_ledger(CommObject *self, PyObject *Py_UNUSED(a))
+{
+    const fs_ledger *l = &self->ledger;
+    PyObject *out = PyList_New(0);
+    uint64_t first = l->count > FS_LEDGER_CAP ? l->count - FS_LEDGER_CAP + 1 : 1;
+    for (uint64_t seq = first; out && seq <= l->count; seq++) {
+        const fs_ledger_entry *e = fs_ledger_get(l, seq);
+        PyObject *d = Py_BuildValue("{sKsssssLssss}", "seq", (unsigned long long)e->seq, "op",
+                                    fs_ledger_op_name(e->op), "unit", e->unit, "bytes",
+                                    (long long)e->bytes, "dtype", fs_dtype_name(e->dtype),
+                                    "state", fs_ledger_state_name(e->state));
+        if (!d || PyList_Append(out, d) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(d);
+    }
+    return out;
+}
+
+static PyObject *Comm_get_on_failure(CommObject *self, void *c)
+{
+    return Py_NewRef(self->on_failure ? self->on_failure : Py_None);
+}
+
+static int Comm_set_on_failure(CommObject *self, PyObject *v, void *c)
+{
+    if (v && v != Py_None && !PyCallable_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "on_failure must be callable or None");
+        return -1;
+    }
+    Py_XSETREF(self->on_failure, v && v != Py_None ? Py_NewRef(v) : NULL);
+    return 0;
 }
 
 static PyObject *Comm_get_rank(CommObject *self, void *c) { return PyLong_FromLong(self->comm->rank); }
@@ -136,7 +220,8 @@ static PyMethodDef Comm_methods[] = {
     {"reduce_scatter", (PyCFunction)Comm_reduce_scatter, METH_VARARGS, reduce_scatter_doc},
     {"all_reduce", (PyCFunction)Comm_all_reduce, METH_VARARGS, all_reduce_doc},
     {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, broadcast_doc},
-    {"barrier", (PyCFunction)Comm_barrier, METH_NOARGS, "barrier()"},
+    {"barrier", (PyCFunction)Comm_barrier, METH_VARARGS, barrier_doc},
+    {"ledger", (PyCFunction)Comm_ledger, METH_NOARGS, ledger_doc},
     {NULL},
 };
 
@@ -144,6 +229,9 @@ static PyGetSetDef Comm_getset[] = {
     {"rank", (getter)Comm_get_rank, NULL, "this process' rank in the group", NULL},
     {"world_size", (getter)Comm_get_world, NULL, "ranks in the group", NULL},
     {"backend", (getter)Comm_get_backend, NULL, "backend name", NULL},
+    {"on_failure", (getter)Comm_get_on_failure, (setter)Comm_set_on_failure,
+     "on_failure(comm, exc), called after a collective failed (exc is about to be raised); "
+     "None: no call", NULL},
     {NULL},
 };
 

@@ -15,13 +15,27 @@
 #include "copy.h"
 #include "unit_fsm.h"
 
+/* [Note: mixed precision] With a compute dtype other than the parameters'
+ * (MixedPrecision.param_dtype), the shard stays the full-precision master and
+ * forward/backward run on `lp`: the shard is cast in one pass into lp_shard
+ * and that is all-gathered, so the collective moves the low-precision bytes.
+ * `full` (full precision) is gathered only on request (summon_full_params,
+ * state dicts). Gradients arrive in the compute dtype, are reduced in the
+ * reduce dtype and accumulated into the full-precision shard gradient. */
 typedef struct {
-    PyObject *shard;   /* 1-D tensor, shard_numel: the local shard (persistent) */
-    PyObject *full;    /* 1-D tensor, padded_numel; the shard itself under NO_SHARD */
-    PyObject *storage; /* full.untyped_storage() */
+    PyObject *shard;      /* 1-D tensor, shard_numel: the local shard (persistent) */
+    PyObject *full;       /* 1-D tensor, padded_numel; the shard itself under NO_SHARD */
+    PyObject *storage;    /* full.untyped_storage() */
+    PyObject *lp;         /* padded_numel in the compute dtype, or NULL */
+    PyObject *lp_storage; /* lp.untyped_storage() */
     int64_t shard_numel;
     int64_t padded_numel;
-    fs_dtype dtype;
+    fs_dtype dtype;       /* parameters, shard, full, shard gradient */
+    fs_dtype compute;     /* lp's dtype (== dtype without mixed precision) */
+    fs_dtype reduce;      /* gradient reduction dtype */
+    void *lp_shard;       /* shard_numel in the compute dtype: all-gather input */
+    void *red_in;         /* padded_numel in the reduce dtype, when it differs from compute */
+    void *red_out;        /* shard_numel in the reduce dtype, when it differs from dtype */
 } unit_group;
 
 typedef struct {
@@ -32,7 +46,8 @@ typedef struct {
     CommObject *comm;
     Py_ssize_t ngroups;
     unit_group *groups;
-    int unsharded;          /* every group's full buffer is live and gathered */
+    int unsharded;          /* the compute buffers (lp, else full) are live and gathered */
+    int full_unsharded;     /* the full-precision buffers are live and gathered */
     void *scratch;          /* reduce-scatter landing area when accumulating */
     size_t scratch_bytes;
     unsigned long long n_all_gather, n_reduce;
@@ -74,8 +89,6 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         return PyErr_Format(PyExc_TypeError, "Unit: comm must be a flatshard._C.Comm");
     if (strategy != FS_FULL_SHARD && strategy != FS_SHARD_GRAD_OP && strategy != FS_NO_SHARD)
         return PyErr_Format(PyExc_ValueError, "Unit: strategy %d is not 1, 2 or 3", strategy);
-    if (strategy != FS_NO_SHARD && ((CommObject *)comm)->comm->world_size == 1)
-        return PyErr_Format(PyExc_ValueError, "Unit: one rank has nothing to shard; use NO_SHARD");
     PyObject *seq = PySequence_Fast(groups, "Unit: groups must be a sequence");
     if (!seq)
         return NULL;
@@ -107,11 +120,13 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     u->unsharded = strategy == FS_NO_SHARD;
     for (Py_ssize_t i = 0; i < n; i++) {
         unit_group *g = &u->groups[i];
-        int dt;
+        int dt, cdt = -1, rdt = -1;
         long long sn, pn;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "OOiLL;Unit: each group is "
-                              "(shard, full, dtype, shard_numel, padded_numel)",
-                              &g->shard, &g->full, &dt, &sn, &pn)) {
+        PyObject *lp = Py_None;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "OOiLL|Oii;Unit: each group is "
+                              "(shard, full, dtype, shard_numel, padded_numel[, lp, "
+                              "compute_dtype, reduce_dtype])",
+                              &g->shard, &g->full, &dt, &sn, &pn, &lp, &cdt, &rdt)) {
             g->shard = g->full = NULL;
             goto fail;
         }
@@ -119,6 +134,26 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         Py_INCREF(g->full);
         u->ngroups = i + 1;
         g->dtype = dt;
+        g->compute = cdt < 0 ? (fs_dtype)dt : (fs_dtype)cdt;
+        g->reduce = rdt < 0 ? g->compute : (fs_dtype)rdt;
+        if (lp != Py_None) {
+            g->lp = Py_NewRef(lp);
+            if (!(g->lp_storage = PyObject_CallMethod(lp, "untyped_storage", NULL)))
+                goto fail;
+        }
+        if ((g->compute != g->dtype) != (g->lp != NULL) || !fs_dtype_is_float(g->reduce) ||
+            (g->lp && strategy == FS_NO_SHARD)) {
+            PyErr_Format(PyExc_ValueError, "Unit %U group %zd: a compute dtype other than the "
+                         "parameters' needs an lp buffer (and a sharding strategy)", name, i);
+            goto fail;
+        }
+        size_t cs = fs_dtype_size(g->compute), rs = fs_dtype_size(g->reduce);
+        if ((g->lp && !(g->lp_shard = malloc(sn ? (size_t)sn * cs : 1))) ||
+            (g->reduce != g->compute && !(g->red_in = malloc(pn ? (size_t)pn * rs : 1))) ||
+            (g->reduce != g->dtype && !(g->red_out = malloc(sn ? (size_t)sn * rs : 1)))) {
+            PyErr_NoMemory();
+            goto fail;
+        }
         g->shard_numel = sn;
         g->padded_numel = pn;
         if (fs_dtype_size(g->dtype) == 0 || sn < 0 ||
@@ -128,7 +163,14 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         }
         if (!(g->storage = PyObject_CallMethod(g->full, "untyped_storage", NULL)))
             goto fail;
+        /* One rank with full == shard has nothing to move: only NO_SHARD fits. */
+        if (strategy != FS_NO_SHARD && u->comm->comm->world_size == 1 && !g->lp) {
+            PyErr_Format(PyExc_ValueError, "Unit %U: one rank has nothing to shard; use "
+                         "NO_SHARD", name);
+            goto fail;
+        }
     }
+    u->full_unsharded = u->unsharded;
     Py_DECREF(seq);
     return (PyObject *)u;
 fail:
@@ -144,6 +186,11 @@ static void Unit_dealloc(UnitObject *u)
         Py_XDECREF(u->groups[i].shard);
         Py_XDECREF(u->groups[i].full);
         Py_XDECREF(u->groups[i].storage);
+        Py_XDECREF(u->groups[i].lp);
+        Py_XDECREF(u->groups[i].lp_storage);
+        free(u->groups[i].lp_shard);
+        free(u->groups[i].red_in);
+        free(u->groups[i].red_out);
     }
     free(u->groups);
     free(u->scratch);
@@ -176,45 +223,80 @@ static PyObject *Unit_step(UnitObject *u, PyObject *args)
 /* ---------------------------------------------------------------------------
  * data movement */
 
-static int resize(unit_group *g, int64_t nbytes)
+static int resize(PyObject *storage, int64_t nbytes)
 {
-    PyObject *r = PyObject_CallMethod(g->storage, "resize_", "L", (long long)nbytes);
+    PyObject *r = PyObject_CallMethod(storage, "resize_", "L", (long long)nbytes);
     Py_XDECREF(r);
     return r ? 0 : -1;
 }
 
-static PyObject *Unit_unshard(UnitObject *u, PyObject *Py_UNUSED(a))
+/* Gather every group's shard into `full` (full_precision) or into its compute
+ * buffer (lp under mixed precision, cast first; else full). */
+static PyObject *gather(UnitObject *u, int full_precision)
 {
-    if (u->unsharded)
-        Py_RETURN_NONE;
     for (Py_ssize_t i = 0; i < u->ngroups; i++) {
         unit_group *g = &u->groups[i];
-        void *sp, *fp;
-        if (resize(g, g->padded_numel * (int64_t)fs_dtype_size(g->dtype)) < 0 ||
-            fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(g->full, &fp) < 0)
+        int use_lp = g->lp && !full_precision;
+        fs_dtype t = use_lp ? g->compute : g->dtype;
+        void *sp, *dp;
+        if (resize(use_lp ? g->lp_storage : g->storage,
+                   g->padded_numel * (int64_t)fs_dtype_size(t)) < 0 ||
+            fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(use_lp ? g->lp : g->full, &dp) < 0)
             return annotate(u, "unshard", i);
+        fs_status s = FS_OK;
+        if (use_lp) { /* one pass: the master shard, cast to the compute dtype */
+            Py_BEGIN_ALLOW_THREADS
+            s = fs_cast(g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
+            Py_END_ALLOW_THREADS
+            sp = g->lp_shard;
+        }
         /* Not in place: the shard is its own buffer, so that resharding can
          * drop the whole unsharded storage. */
-        fs_status s;
-        FS_COMM_CALL(u->comm, s, fs_comm_all_gather(u->comm->comm, sp, fp, g->shard_numel, g->dtype));
+        if (s == FS_OK)
+            FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_GATHER, PyUnicode_AsUTF8(u->name),
+                           g->shard_numel, t,
+                           fs_comm_all_gather(u->comm->comm, sp, dp, g->shard_numel, t));
         if (s != FS_OK) {
             fs_raise(mstate(u), s, "all_gather: %s", u->comm->comm->last_error);
-            return annotate(u, "all-gather", i);
+            annotate(u, "all-gather", i);
+            return fs_comm_failed(u->comm);
         }
         u->n_all_gather++;
     }
-    u->unsharded = 1;
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(unshard_doc,
+             "unshard(full_precision=False): gather every group (no-op if live).\n"
+             "full_precision: gather the parameters' own dtype even under mixed precision\n"
+             "(summon_full_params, state dicts).");
+static PyObject *Unit_unshard(UnitObject *u, PyObject *args)
+{
+    int fp = 0;
+    if (!PyArg_ParseTuple(args, "|p", &fp))
+        return NULL;
+    int mixed = u->ngroups > 0 && u->groups[0].lp != NULL;
+    int *live = fp && mixed ? &u->full_unsharded : &u->unsharded;
+    if (*live)
+        Py_RETURN_NONE;
+    PyObject *r = gather(u, fp);
+    if (!r)
+        return NULL;
+    *live = 1;
+    if (!mixed)
+        u->full_unsharded = 1;
+    return r;
 }
 
 static PyObject *Unit_reshard(UnitObject *u, PyObject *Py_UNUSED(a))
 {
-    if (!u->unsharded || u->cfg.strategy == FS_NO_SHARD)
+    if ((!u->unsharded && !u->full_unsharded) || u->cfg.strategy == FS_NO_SHARD)
         Py_RETURN_NONE;
     for (Py_ssize_t i = 0; i < u->ngroups; i++)
-        if (resize(&u->groups[i], 0) < 0)
+        if (resize(u->groups[i].storage, 0) < 0 ||
+            (u->groups[i].lp && resize(u->groups[i].lp_storage, 0) < 0))
             return annotate(u, "reshard", i);
-    u->unsharded = 0;
+    u->unsharded = u->full_unsharded = 0;
     Py_RETURN_NONE;
 }
 
@@ -238,16 +320,39 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
     if (fs_tensor_ptr(grad, &gp) < 0 || fs_tensor_ptr(out, &op) < 0)
         return NULL;
     const double inv = 1.0 / c->world_size;
-    fs_status s;
-    if (u->cfg.strategy == FS_NO_SHARD) {
-        FS_COMM_CALL(u->comm, s, fs_comm_all_reduce(c, gp, g->padded_numel, g->dtype, FS_RED_SUM));
+    const char *uname = PyUnicode_AsUTF8(u->name); /* for the ledger */
+    fs_status s = FS_OK;
+    /* The gradient arrives in the compute dtype; the collective runs in the
+     * reduce dtype. fp16 sums are divided first (they could overflow), the
+     * others after, in f32 or better ([Note: mixed precision]). */
+    void *src = gp;
+    double post = inv;
+    if (g->reduce != g->compute || g->reduce == FS_F16) {
+        void *dst = g->reduce != g->compute ? g->red_in : gp;
+        Py_BEGIN_ALLOW_THREADS
+        s = fs_scale_accumulate(dst, g->reduce, gp, g->compute, g->padded_numel, inv, 0);
+        Py_END_ALLOW_THREADS
+        src = dst;
+        post = 1.0;
+    }
+    if (s != FS_OK) {
+    } else if (u->cfg.strategy == FS_NO_SHARD) { /* mixed precision is refused here */
+        FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_REDUCE, uname, g->padded_numel, g->dtype,
+                       fs_comm_all_reduce(c, gp, g->padded_numel, g->dtype, FS_RED_SUM));
         if (s == FS_OK)
             s = fs_scale_accumulate(op, g->dtype, gp, g->dtype, g->shard_numel, inv, accumulate);
-    } else if (!accumulate) {
-        FS_COMM_CALL(u->comm, s, fs_comm_reduce_scatter(c, gp, op, g->shard_numel, g->dtype,
-                                                         FS_RED_SUM));
+    } else if (g->reduce != g->dtype) {
+        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->reduce,
+                       fs_comm_reduce_scatter(c, src, g->red_out, g->shard_numel, g->reduce,
+                                              FS_RED_SUM));
         if (s == FS_OK)
-            s = fs_scale_accumulate(op, g->dtype, op, g->dtype, g->shard_numel, inv, 0);
+            s = fs_scale_accumulate(op, g->dtype, g->red_out, g->reduce, g->shard_numel, post,
+                                    accumulate);
+    } else if (!accumulate) {
+        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
+                       fs_comm_reduce_scatter(c, src, op, g->shard_numel, g->dtype, FS_RED_SUM));
+        if (s == FS_OK && post != 1.0)
+            s = fs_scale_accumulate(op, g->dtype, op, g->dtype, g->shard_numel, post, 0);
     } else {
         size_t need = (size_t)g->shard_numel * fs_dtype_size(g->dtype);
         if (need > u->scratch_bytes) {
@@ -257,14 +362,16 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
             u->scratch = p;
             u->scratch_bytes = need;
         }
-        FS_COMM_CALL(u->comm, s, fs_comm_reduce_scatter(c, gp, u->scratch, g->shard_numel,
-                                                         g->dtype, FS_RED_SUM));
+        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
+                       fs_comm_reduce_scatter(c, src, u->scratch, g->shard_numel, g->dtype,
+                                              FS_RED_SUM));
         if (s == FS_OK)
-            s = fs_scale_accumulate(op, g->dtype, u->scratch, g->dtype, g->shard_numel, inv, 1);
+            s = fs_scale_accumulate(op, g->dtype, u->scratch, g->dtype, g->shard_numel, post, 1);
     }
     if (s != FS_OK) {
         fs_raise(mstate(u), s, "gradient reduction: %s", c->last_error);
-        return annotate(u, u->cfg.strategy == FS_NO_SHARD ? "all-reduce" : "reduce-scatter", gi);
+        annotate(u, u->cfg.strategy == FS_NO_SHARD ? "all-reduce" : "reduce-scatter", gi);
+        return fs_comm_failed(u->comm);
     }
     u->n_reduce++;
     Py_RETURN_NONE;
@@ -299,8 +406,7 @@ static PyObject *Unit_get_counts(UnitObject *u, void *c)
 
 static PyMethodDef Unit_methods[] = {
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
-    {"unshard", (PyCFunction)Unit_unshard, METH_NOARGS,
-     "unshard(): gather every group into its full buffer (no-op if live)."},
+    {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS,
      "reshard(): free every full buffer (no-op if sharded or NO_SHARD)."},
     {"reduce_grad", (PyCFunction)Unit_reduce_grad, METH_VARARGS, reduce_grad_doc},

@@ -31,3 +31,8 @@ from .state_dict import (FullOptimStateDictConfig, LocalOptimStateDictConfig,  #
 __all__ += ["StateDictError", "StateDictSettings", "OptimStateDictConfig",
             "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig",
             "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+
+# One consolidated file from a sharded checkpoint, without a process group (consolidate.py).
+from .consolidate import consolidate  # noqa: E402
+
+__all__ += ["consolidate"]

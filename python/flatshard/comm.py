@@ -12,7 +12,9 @@ environment variable when the argument is not given):
   "torch"  the process group itself (gloo), through `_torch_collective`
   "nccl"   GPUs only: not built yet, refused
 Every shm wait gives up after FLATSHARD_COMM_TIMEOUT seconds (default 300)
-with an error naming the rank that did not arrive and where it is.
+with an error naming the rank that did not arrive and where it is. Every
+collective is recorded in the Comm's ledger (Comm.ledger()); a failed one
+reports where each rank was (diagnostics.py).
 FLATSHARD_SHM_SLOT_BYTES sets each rank's staging slot in the segment
 (default 8 MiB; transfers larger than half of it go in chunks).
 """
@@ -25,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
-from . import _C
-from .errors import bad_value, not_built
+from . import _C, diagnostics
+from .errors import bad_type, bad_value, not_built
 
 BACKENDS = ("auto", "shm", "torch", "nccl")
 ENV_BACKEND = "FLATSHARD_COMM_BACKEND"
@@ -85,6 +87,8 @@ def requested_backend(value):
     arg = "comm_backend"
     if value is None:
         value, arg = os.environ.get(ENV_BACKEND, "auto"), ENV_BACKEND
+    if not isinstance(value, str):
+        raise bad_type(arg, value, f"one of {', '.join(map(repr, BACKENDS))}")
     if value not in BACKENDS:
         raise bad_value(arg, value, f"expected one of {', '.join(map(repr, BACKENDS))}")
     if value == "nccl":
@@ -191,6 +195,7 @@ def comm_for(group, backend="torch"):
     else:
         comm = _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group),
                        fn=_torch_collective(group))
+    diagnostics.install(comm, group, f"{group.group_name}/{backend}", comm_timeout_s())
     _COMMS[key] = (group, comm)
     return comm
 
@@ -201,31 +206,34 @@ def _flat(t, arg):
     return t.data_ptr(), t.numel(), dtype_code(t.dtype)
 
 
-def broadcast_(comm, tensor, root=0):
+# `tag` below: what the collective is for, in the Comm's ledger and in errors.
+
+
+def broadcast_(comm, tensor, root=0, tag=""):
     """Broadcast a contiguous tensor of any dtype in place, as raw bytes."""
     flat = tensor.detach().contiguous().view(-1)
     raw = flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
-    comm.broadcast(raw.data_ptr(), raw.numel(), _C.U8, root)
+    comm.broadcast(raw.data_ptr(), raw.numel(), _C.U8, root, tag)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.detach().copy_(flat.view_as(tensor))
 
 
-def all_gather_into(comm, out, inp):
+def all_gather_into(comm, out, inp, tag=""):
     ip, n, code = _flat(inp, "input")
     op, on, ocode = _flat(out, "output")
     if ocode != code or on != n * comm.world_size:
         raise ValueError("flatshard: all_gather output must be world_size times the input")
-    comm.all_gather(ip, op, n, code)
+    comm.all_gather(ip, op, n, code, tag)
 
 
-def reduce_scatter_into(comm, out, inp, average=True):
+def reduce_scatter_into(comm, out, inp, average=True, tag=""):
     ip, n, code = _flat(inp, "input")
     op, on, ocode = _flat(out, "output")
     if ocode != code or n != on * comm.world_size:
         raise ValueError("flatshard: reduce_scatter input must be world_size times the output")
-    comm.reduce_scatter(ip, op, on, code, average)
+    comm.reduce_scatter(ip, op, on, code, average, tag)
 
 
-def all_reduce_(comm, tensor, average=False):
+def all_reduce_(comm, tensor, average=False, tag=""):
     p, n, code = _flat(tensor, "tensor")
-    comm.all_reduce(p, n, code, average)
+    comm.all_reduce(p, n, code, average, tag)

@@ -5,14 +5,18 @@ one frozen `UnitConfig`; anything flatshard cannot honour raises a
 ConfigError (ValueError) or ConfigTypeError (TypeError) naming the argument.
 Options whose feature is not built yet raise NotBuiltError: never ignored.
 """
+import enum
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import requested_backend
-from .errors import bad_type, bad_value, not_built
+from .comm import comm_timeout_s, requested_backend, shm_slot_bytes
+from .errors import ConfigError, bad_type, bad_value, not_built
 from .options import (BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy,
                       normalize_dataclass, normalize_enum)
 
@@ -31,6 +35,7 @@ class UnitConfig:
     device: torch.device
     group: object  # torch ProcessGroup
     comm_backend: str  # "auto", "shm" or "torch" (comm.py)
+    mixed_precision: Optional[MixedPrecision] = None
 
 
 def _bool(name, value):
@@ -59,6 +64,11 @@ def _device(device_id):
 
 
 def _group(process_group, device_mesh):
+    if isinstance(process_group, enum.Enum):
+        raise bad_type("process_group", process_group, "a torch.distributed ProcessGroup or None",
+                       "the second positional argument of FSDP is process_group: pass "
+                       f"{type(process_group).__name__} options by keyword "
+                       "(e.g. sharding_strategy=...)")
     if not dist.is_available() or not dist.is_initialized():
         raise bad_value("process_group", process_group,
                         "torch.distributed is not initialized",
@@ -70,6 +80,11 @@ def _group(process_group, device_mesh):
     if isinstance(process_group, tuple):
         raise not_built("process_group", process_group, "a (shard, replicate) tuple means hybrid "
                         "sharding, which is not built yet")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise bad_type("process_group", process_group, "a torch.distributed ProcessGroup or None",
+                       "create one with torch.distributed.new_group(backend='gloo')")
+    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        raise bad_type("device_mesh", device_mesh, "a 1-D torch.distributed DeviceMesh or None")
     if device_mesh is not None:
         if getattr(device_mesh, "ndim", None) != 1:
             raise not_built("device_mesh", device_mesh, "only 1-D meshes are supported (a 2-D "
@@ -100,14 +115,16 @@ def resolve(kw):
                               "BackwardPrefetch", allow_none=True)
     mp = normalize_dataclass("mixed_precision", kw["mixed_precision"], MixedPrecision,
                              "MixedPrecision")
-    if mp is not None and mp != MixedPrecision():
-        raise not_built("mixed_precision", mp, "mixed precision is not built yet; pass None "
-                        "(parameters, gradients and reductions stay in the parameters' dtype)")
+    mp = _mixed_precision(mp, strategy)
     offload = normalize_dataclass("cpu_offload", kw["cpu_offload"], CPUOffload, "CPUOffload")
     if offload is not None and offload.offload_params:
         raise not_built("cpu_offload", offload, "parameter offload is not built yet; pass None "
                         "or CPUOffload(offload_params=False)")
     use_orig = _bool("use_orig_params", kw["use_orig_params"])
+    # Read only when the shm backend is set up, which is a collective: a bad
+    # value must fail here, on every rank alike, not halfway through it.
+    comm_timeout_s()
+    shm_slot_bytes()
     return UnitConfig(
         strategy=strategy,
         backward_prefetch=prefetch,
@@ -117,7 +134,30 @@ def resolve(kw):
         device=_device(kw["device_id"]),
         group=_group(kw["process_group"], kw["device_mesh"]),
         comm_backend=requested_backend(kw.get("comm_backend")),
+        mixed_precision=mp,
     )
+
+
+_LOW = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _mixed_precision(mp, strategy):
+    """Validated MixedPrecision, or None when it changes nothing."""
+    if mp is None or mp == MixedPrecision():
+        return None
+    for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        v = getattr(mp, field)
+        if v is not None and v not in _LOW:
+            raise bad_value(f"mixed_precision.{field}", v, "expected None or one of "
+                            "torch.float16, torch.bfloat16, torch.float32, torch.float64")
+    if mp.keep_low_precision_grads:
+        raise not_built("mixed_precision.keep_low_precision_grads", True, "gradients are "
+                        "always accumulated into the full-precision shard; pass False")
+    if strategy is ShardingStrategy.NO_SHARD and mp.param_dtype is not None:
+        raise not_built("mixed_precision", mp, "NO_SHARD with a param_dtype is not built yet; "
+                        "use SHARD_GRAD_OP (keeps parameters gathered like DDP between "
+                        "forward and backward) or drop param_dtype")
+    return mp
 
 
 def check_overrides(module_name, overrides):
@@ -125,3 +165,108 @@ def check_overrides(module_name, overrides):
     if bad:
         raise bad_value(f"auto_wrap_policy (kwargs for {module_name})", sorted(bad),
                         f"a policy may override only {', '.join(sorted(PER_UNIT_KEYS))}")
+
+
+def resolve_override(module_name, root_kw, overrides):
+    """A policy's per-unit overrides -> that unit's UnitConfig; errors name the unit."""
+    check_overrides(module_name, overrides)
+    try:
+        return resolve({**root_kw, **overrides})
+    except ConfigError as e:
+        raise type(e)(f"{e} (in the options auto_wrap_policy returned for {module_name}: "
+                      f"{overrides!r})") from None
+
+
+def _accepts(fn, *args, **kwargs):
+    """None if fn can be called with these arguments, else why not. Callables
+    whose signature Python cannot read (some builtins) are given the benefit
+    of the doubt."""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        return str(e)
+    except ValueError:
+        pass
+    return None
+
+
+def check_param_init_fn(fn):
+    if fn is None:
+        return
+    if not callable(fn):
+        raise bad_type("param_init_fn", fn, "a callable taking an nn.Module")
+    why = _accepts(fn, None)
+    if why:
+        raise bad_type("param_init_fn", fn, f"a callable taking one nn.Module ({why})",
+                       "FSDP calls param_init_fn(module) once per module on the meta device")
+
+
+_POLICY_FIX = "e.g. auto_wrap_policy=ModuleWrapPolicy({Block})"
+
+
+def checked_policy(policy):
+    """Check auto_wrap_policy before it runs; returns the policy to run (a
+    `_run_policy` policy is wrapped so that what it returns is checked too)."""
+    if policy is None:
+        return None
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        raise bad_type("auto_wrap_policy", policy, "a policy object or function, not a "
+                       "collection", f"wrap module classes in ModuleWrapPolicy: {_POLICY_FIX}")
+    if isinstance(policy, type):
+        raise bad_type("auto_wrap_policy", policy, "a policy object or function, not a class",
+                       f"to wrap every {policy.__name__}, pass "
+                       f"ModuleWrapPolicy({{{policy.__name__}}})")
+    if hasattr(policy, "_run_policy"):
+        classes = getattr(policy, "_module_classes", ())
+        for c in classes:
+            if not (isinstance(c, type) and issubclass(c, nn.Module)):
+                raise bad_type("auto_wrap_policy", policy, "ModuleWrapPolicy of nn.Module "
+                               f"subclasses, but it holds {c!r}", _POLICY_FIX)
+        fn = getattr(policy, "_lambda_fn", None)
+        if fn is not None:
+            why = _accepts(fn, None) if callable(fn) else "it is not callable"
+            if why:
+                raise bad_type("auto_wrap_policy", policy, "CustomPolicy(lambda_fn) with "
+                               f"lambda_fn taking one nn.Module ({why})")
+        return _CheckedPolicy(policy)
+    if not callable(policy):
+        raise bad_type("auto_wrap_policy", policy, "a policy object (ModuleWrapPolicy, "
+                       "CustomPolicy, torch's or flatshard's) or a callable "
+                       "fn(module, recurse, nonwrapped_numel)", _POLICY_FIX)
+    why = _accepts(policy, module=None, recurse=True, nonwrapped_numel=0)
+    if why:
+        raise bad_type("auto_wrap_policy", policy, "a callable fn(module, recurse, "
+                       f"nonwrapped_numel) ({why})", "functools.partial the policy's own "
+                       "arguments, e.g. partial(transformer_auto_wrap_policy, "
+                       "transformer_layer_cls={Block})")
+    return policy
+
+
+class _CheckedPolicy:
+    """A `_run_policy` policy whose result is checked: a dict keyed by
+    submodules of the root, and no options for the root itself (the root's
+    options are FSDP's own arguments: overrides there would be ignored)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __repr__(self):  # errors show the user's policy
+        return repr(self.policy)
+
+    def _run_policy(self, root, ignored_modules, root_kwargs):
+        out = self.policy._run_policy(root, ignored_modules, root_kwargs)
+        if not isinstance(out, dict):
+            raise bad_type("auto_wrap_policy", self.policy, "a policy whose _run_policy returns "
+                           f"a dict of module -> options, not {type(out).__name__}")
+        inside = set(root.modules())
+        for m in out:
+            if m not in inside:
+                raise bad_value("auto_wrap_policy", self.policy, f"it selected {type(m).__name__} "
+                                "that is not a submodule of the wrapped module")
+        over = {k: v for k, v in (out.get(root) or {}).items()
+                if k not in root_kwargs or root_kwargs[k] is not v}
+        if over:
+            raise bad_value("auto_wrap_policy", self.policy, f"it returned options {over!r} for "
+                            "the root module, which always takes FSDP's own arguments",
+                            "pass those options to FSDP(...) itself")
+        return out

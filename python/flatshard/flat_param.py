@@ -28,10 +28,13 @@ class Alias:
 
 
 class FlatGroup:
-    def __init__(self, index, params, aliases, world_size, rank, shard_world, device):
+    def __init__(self, index, params, aliases, world_size, rank, shard_world, device,
+                 param_dtype=None, reduce_dtype=None):
         """params: unique nn.Parameters (same dtype and requires_grad), in
         registration order; aliases[i]: every Alias of params[i].
-        shard_world is world_size, or 1 under NO_SHARD (nothing sharded)."""
+        shard_world is world_size, or 1 under NO_SHARD (nothing sharded).
+        param_dtype/reduce_dtype: mixed precision (compute and gradient
+        reduction dtypes; None keeps the parameters' dtype)."""
         self.index = index
         self.params = params
         self.aliases = aliases
@@ -57,14 +60,25 @@ class FlatGroup:
                       for s, e in zip(srcs, entries) if e[4] > 0]
             _C.gather_pieces(self.shard.data_ptr(), code, self.shard_numel, pieces)
             del srcs
-        if shard_world == 1:
+        floating = self.dtype.is_floating_point
+        self.compute_dtype = param_dtype if floating and param_dtype else self.dtype
+        self.reduce_dtype = (reduce_dtype or self.compute_dtype) if floating else self.dtype
+        mixed = self.compute_dtype != self.dtype
+        if shard_world == 1 and not mixed:
             # A distinct leaf over the same storage, so that autograd
             # accumulates the local gradient here and not in the shard's .grad.
             self.full = self.shard.detach()
         else:
             self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
             self.full.untyped_storage().resize_(0)
-        self.full.requires_grad_(self.requires_grad)
+        # [Note: mixed precision] in csrc/py_unit.c: forward and backward run
+        # on `lp`; `full` (full precision) is gathered only for summon/state dicts.
+        self.lp = None
+        if mixed:
+            self.lp = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
+            self.lp.untyped_storage().resize_(0)
+        self.compute = self.lp if mixed else self.full
+        self.compute.requires_grad_(self.requires_grad)
         # Split sizes over the full buffer, alignment gaps included: one
         # split per forward, then a view per parameter.
         sizes, pos = [], 0
@@ -83,9 +97,10 @@ class FlatGroup:
         self.grad_views = None
 
     def unsharded_views(self):
-        """Views of the full buffer shaped as the original parameters. Made
-        with autograd on, so gradients flow into full.grad."""
-        chunks = torch.split_with_sizes(self.full, self.split_sizes)
+        """Views of the compute buffer (full, or lp under mixed precision)
+        shaped as the original parameters. Made with autograd on, so gradients
+        flow into compute.grad."""
+        chunks = torch.split_with_sizes(self.compute, self.split_sizes)
         return [chunks[s].view(shape) for s, shape in zip(self.view_slots, self.shapes)]
 
     def piece(self, tensor, i, shaped):

@@ -4,9 +4,11 @@ Same constructor signature, same module structure (`_fsdp_wrapped_module`,
 `_flat_param`), same strategies. Construction, in order:
   1. resolve and validate every argument (config.py), before any collective;
   2. materialize meta-device parameters with param_init_fn;
-  3. sync_module_states: broadcast parameters and buffers from rank 0;
-  4. auto-wrap: each policy target becomes a unit, innermost first;
-  5. the root's remaining parameters become the root unit.
+  3. plan the units (auto_wrap_policy's targets, innermost first, then the
+     root) and check their parameters: still no collective;
+  4. the ranks agree that they wrap the same thing (consistency.py);
+  5. sync_module_states: broadcast parameters and buffers from rank 0;
+  6. build the units, innermost first, the root last.
 Each unit flattens its parameters (flat_param.py) and hands them to a C unit
 (csrc/py_unit.c); unit.py connects it to torch's hooks.
 """
@@ -14,11 +16,12 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 from torch.autograd import Variable
 
-from . import _C, config
-from .comm import broadcast_, comm_for, dtype_code
-from .errors import ConfigError, bad_type, bad_value
+from . import _C, config, consistency
+from .comm import DTYPE_CODES, broadcast_, comm_for, dtype_code
+from .errors import ConfigError, ConfigTypeError, bad_type, bad_value
 from .flat_param import Alias, FlatGroup
 from .options import BackwardPrefetch, ShardingStrategy
 from .unit import UnitRuntime
@@ -26,6 +29,27 @@ from .wrap import targets
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FLAT_PARAM = "_flat_param"
+
+
+def _cast_inputs(tree, dtype):
+    """Floating-point tensors in forward's inputs -> dtype (mixed precision)."""
+    def cast(x):
+        if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+    return tree_map(cast, tree)
+
+
+def _cast_buffers(module, dtype):
+    """Floating-point buffers of the modules a unit manages -> buffer_dtype."""
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point():
+                m._buffers[name] = b.to(dtype)
+        stack.extend(c for c in m._modules.values()
+                     if c is not None and not isinstance(c, FullyShardedDataParallel))
 
 
 class _WrapContext:
@@ -90,21 +114,34 @@ def _expand_ignored(module, ignored_modules, ignored_states):
     name = "ignored_modules" if ignored_modules is not None else "ignored_states"
     if items is None:
         return mods, params
+    allowed = "an iterable of nn.Module" + (" or nn.Parameter" if name == "ignored_states" else "")
+    if isinstance(items, (nn.Module, str)):  # a Sequential or a str would iterate silently
+        raise bad_type(name, items, allowed, "pass a list, e.g. [model.head]")
     try:
         items = list(items)
     except TypeError:
-        raise bad_type(name, items, "an iterable of nn.Module (or nn.Parameter for "
-                       "ignored_states)") from None
+        raise bad_type(name, items, allowed) from None
+    inside_mods, inside_params = set(module.modules()), set(module.parameters())
     for it in items:
         if isinstance(it, FullyShardedDataParallel):
             raise bad_value(name, it, "an FSDP-wrapped module cannot be ignored")
+        if it is module:
+            raise bad_value(name, type(it).__name__, "it is the module being wrapped, so nothing "
+                            "would be sharded", "to keep the whole model unsharded, do not wrap "
+                            "it with FSDP")
         if isinstance(it, nn.Module):
+            if it not in inside_mods:
+                raise bad_value(name, it, "it is not a submodule of the module being wrapped",
+                                "list submodules of the wrapped model only")
             mods.update(it.modules())
         elif isinstance(it, nn.Parameter) and name == "ignored_states":
+            if it not in inside_params:
+                raise bad_value(name, f"<Parameter of shape {tuple(it.shape)}>", "it is not a "
+                                "parameter of the module being wrapped",
+                                "list the wrapped model's own parameters only")
             params.add(it)
         else:
-            raise bad_type(name, it, "nn.Module" + (" or nn.Parameter"
-                                                    if name == "ignored_states" else ""))
+            raise bad_type(name, it, allowed)
     for m in mods:
         params.update(m.parameters(recurse=False))
     return mods, params
@@ -121,8 +158,6 @@ def _materialize(module, param_init_fn, ignored_modules):
         raise bad_value("param_init_fn", None, "the module has parameters on the meta device",
                         "pass param_init_fn=lambda m: m.to_empty(device='cpu', recurse=False) "
                         "followed by your initialization")
-    if not callable(param_init_fn):
-        raise bad_type("param_init_fn", param_init_fn, "a callable taking an nn.Module")
     for m in metas:
         param_init_fn(m)
     left = [n for n, m in module.named_modules() if m not in ignored_modules and on_meta(m)]
@@ -131,11 +166,125 @@ def _materialize(module, param_init_fn, ignored_modules):
                         f"in {left[:3]}", "make it materialize every module it is given")
 
 
+class _UnitPlan:
+    """One unit to build: its module, options and parameters, grouped by
+    (dtype, requires_grad) as [(key, [(param, [Alias, ...]), ...]), ...]."""
+
+    def __init__(self, module, name, cfg, groups):
+        self.module, self.name, self.cfg, self.groups = module, name, cfg, groups
+        self.label = name or "<root>"
+
+    def describe(self):
+        """Lines every rank must agree on (consistency.py)."""
+        c = self.cfg
+        lines = [f"unit {self.label!r}: {c.strategy.name} use_orig_params={c.use_orig_params} "
+                 f"backward_prefetch={c.backward_prefetch and c.backward_prefetch.name} "
+                 f"forward_prefetch={c.forward_prefetch} "
+                 f"limit_all_gathers={c.limit_all_gathers} comm_backend={c.comm_backend} "
+                 f"mixed_precision={c.mixed_precision}"]
+        for (dtype, requires_grad), order in self.groups:
+            for p, aliases in order:
+                lines.append(f"  {'='.join(a.fqn for a in aliases)} {tuple(p.shape)} "
+                             f"{str(dtype).replace('torch.', '')} "
+                             f"{'trainable' if requires_grad else 'frozen'}")
+        return lines
+
+
+def _collect(module, name, ctx, units):
+    """The parameters a unit rooted at `module` manages: not in a module that
+    is (or will be) a unit of its own, not ignored. Errors name the parameter."""
+    label = name or "<root>"
+    keys, by_key = [], {}
+    stack = [(module, name)]
+    while stack:
+        mod, path = stack.pop(0)
+        for attr, p in mod._parameters.items():
+            if p is None or p in ctx.ignored_params:
+                continue
+            fqn = f"{path}.{attr}" if path else attr
+            prev = ctx.owner.get(id(p))
+            if prev is not None and prev[0] != label:
+                raise ConfigError(
+                    f"flatshard: parameter {fqn} is shared with {prev[1]}, which belongs to "
+                    f"unit {prev[0]!r}, but it is also used in unit {label!r}; a shared "
+                    "parameter must live in one unit: wrap a common parent of both modules "
+                    "instead (change auto_wrap_policy)")
+            if p.dtype not in DTYPE_CODES:
+                raise ConfigTypeError(
+                    f"flatshard: module has parameter {fqn} of dtype {p.dtype}, which cannot be "
+                    f"sharded; allowed: {', '.join(str(d) for d in DTYPE_CODES)}. Convert it, "
+                    "or list it in ignored_states to keep it whole on every rank")
+            ctx.owner[id(p)] = (label, fqn)
+            key = (p.dtype, p.requires_grad)
+            if key not in by_key:
+                by_key[key] = ({}, [])
+                keys.append(key)
+            seen, order = by_key[key]
+            if id(p) not in seen:
+                seen[id(p)] = len(order)
+                order.append((p, []))
+            order[seen[id(p)]][1].append(Alias(mod, attr, fqn))
+        for cname, child in mod._modules.items():
+            if child is None or child in ctx.ignored_modules or child in units or \
+                    isinstance(child, FullyShardedDataParallel):
+                continue
+            stack.append((child, f"{path}.{cname}" if path else cname))
+    return [(k, by_key[k][1]) for k in keys]
+
+
+def _policy_targets(policy, module, kw, ctx):
+    """auto_wrap_policy's targets -> {module: overrides}; the policy's own
+    errors are configuration errors that name it."""
+    try:
+        return targets(policy, module, ctx.ignored_modules, ctx.ignored_params, kw)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"flatshard: auto_wrap_policy={policy!r} raised {type(e).__name__}: "
+                          f"{e}; fix the policy (it is called on every submodule)") from e
+
+
+def _plan(module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states, ignored_modules,
+          ignored_states):
+    """Validate the arguments resolve() does not and decide every unit, with
+    no collective: -> ([_UnitPlan, innermost first, the root last],
+    _WrapContext) and the description the ranks compare."""
+    if not isinstance(sync_module_states, bool):
+        raise bad_type("sync_module_states", sync_module_states, "True or False")
+    config.check_param_init_fn(param_init_fn)
+    policy = config.checked_policy(auto_wrap_policy)
+    ignored_mods, ignored_params = _expand_ignored(module, ignored_modules, ignored_states)
+    _materialize(module, param_init_fn, ignored_mods)
+    for n, p in module.named_parameters():
+        if p not in ignored_params and p.device != cfg.device:
+            raise bad_value("device_id", cfg.device, f"parameter {n} is on {p.device}",
+                            f"move the module to {cfg.device} before wrapping")
+    ctx = _WrapContext(ignored_mods, ignored_params)
+    found = _policy_targets(policy, module, kw, ctx) if policy is not None else {}
+    names = {m: n for n, m in module.named_modules()}
+    units = [m for m in found if not isinstance(m, FullyShardedDataParallel)]
+    unit_set, plan = set(units), []
+    # Innermost first: a parent's unit excludes the units below it. (A stable
+    # sort of the policy's order: the same on every rank.)
+    for m in sorted(units, key=lambda m: -names[m].count(".")):
+        cfg_m = config.resolve_override(names[m], kw, found[m])
+        plan.append(_UnitPlan(m, names[m], cfg_m, _collect(m, names[m], ctx, unit_set)))
+    plan.append(_UnitPlan(module, "", cfg, _collect(module, "", ctx, unit_set)))
+    lines = [f"options: sync_module_states={sync_module_states}"]
+    if sync_module_states:  # buffers are broadcast too
+        lines += [f"  buffer {n} {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
+                  for n, b in module.named_buffers()]
+    for up in plan:
+        lines += up.describe()
+    return (plan, ctx), lines
+
+
 def _sync_module_states(module, comm, ignored_params):
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             if t not in ignored_params:
-                broadcast_(comm, t.data if isinstance(t, nn.Parameter) else t, root=0)
+                broadcast_(comm, t.data if isinstance(t, nn.Parameter) else t, root=0,
+                           tag="sync_module_states")
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -148,8 +297,9 @@ class FullyShardedDataParallel(nn.Module):
     limit_all_gathers (collectives are synchronous on the CPU backends, so at
     most one all-gather is ever in flight); ignored_modules / ignored_states;
     param_init_fn; device_id (CPU); sync_module_states; use_orig_params;
-    device_mesh (1-D). Not built yet, rejected with NotBuiltError: hybrid
-    strategies, mixed_precision, CPUOffload(offload_params=True), CUDA devices.
+    device_mesh (1-D). mixed_precision (not with NO_SHARD).
+    Not built yet, rejected with NotBuiltError: hybrid strategies,
+    CPUOffload(offload_params=True), CUDA devices.
 
     flatshard's own keyword: comm_backend "auto" (default; shared memory when
     all ranks are on one host, else the process group), "shm", "torch" or
@@ -163,6 +313,9 @@ class FullyShardedDataParallel(nn.Module):
                  use_orig_params=False, ignored_states=None, device_mesh=None, *,
                  comm_backend=None):
         super().__init__()
+        if isinstance(module, type) and issubclass(module, nn.Module):
+            raise bad_type("module", module, "an nn.Module instance",
+                           f"pass {module.__name__}(...), not the class")
         if not isinstance(module, nn.Module):
             raise bad_type("module", module, "an nn.Module")
         if isinstance(module, FullyShardedDataParallel):
@@ -174,96 +327,53 @@ class FullyShardedDataParallel(nn.Module):
                   use_orig_params=use_orig_params, device_mesh=device_mesh,
                   comm_backend=comm_backend)
         cfg = config.resolve(kw)
-        if not isinstance(sync_module_states, bool):
-            raise bad_type("sync_module_states", sync_module_states, "True or False")
-        ignored_mods, ignored_params = _expand_ignored(module, ignored_modules, ignored_states)
-        _materialize(module, param_init_fn, ignored_mods)
-        for n, p in module.named_parameters():
-            if p not in ignored_params and p.device != cfg.device:
-                raise bad_value("device_id", cfg.device, f"parameter {n} is on {p.device}",
-                                f"move the module to {cfg.device} before wrapping")
+        # The rest of the checks and the plan are local too; the ranks then
+        # agree on what they wrap before the first collective (consistency.py).
+        plan, ctx = consistency.agree(cfg.group, lambda: _plan(
+            module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states,
+            ignored_modules, ignored_states))
         comm = comm_for(cfg.group, cfg.comm_backend)
         if sync_module_states:
-            _sync_module_states(module, comm, ignored_params)
-        ctx = _WrapContext(ignored_mods, ignored_params)
-        if auto_wrap_policy is not None:
-            self._auto_wrap(module, auto_wrap_policy, kw, ctx)
-        self._setup(module, cfg, ctx, "")
+            _sync_module_states(module, comm, ctx.ignored_params)
+        for up in plan[:-1]:  # innermost first; the root is last
+            unit = type(self).__new__(type(self))
+            nn.Module.__init__(unit)
+            unit._setup(up)
+            parent_name, _, attr = up.name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, unit)
+        self._setup(plan[-1])
 
     # ------------------------------------------------------------------
     # construction
 
-    @classmethod
-    def _auto_wrap(cls, root, policy, root_kw, ctx):
-        found = targets(policy, root, ctx.ignored_modules, ctx.ignored_params, root_kw)
-        names = {m: n for n, m in root.named_modules()}
-        # Innermost first: a parent's unit excludes the units below it.
-        for m in sorted(found, key=lambda m: -names[m].count(".") if names[m] else 0):
-            if isinstance(m, FullyShardedDataParallel):
-                continue
-            over = found[m]
-            config.check_overrides(names[m], over)
-            cfg = config.resolve({**root_kw, **over})
-            unit = cls.__new__(cls)
-            nn.Module.__init__(unit)
-            unit._setup(m, cfg, ctx, names[m])
-            parent_name, _, attr = names[m].rpartition(".")
-            parent = root.get_submodule(parent_name) if parent_name else root
-            setattr(parent, attr, unit)
-
-    def _setup(self, module, cfg, ctx, name):
+    def _setup(self, up):
+        module, cfg = up.module, up.cfg
         self._fsdp_wrapped_module = module
         self._cfg = cfg
         self._root_state = None
-        label = name or "<root>"
         comm = comm_for(cfg.group, cfg.comm_backend)
         world, rank = comm.world_size, comm.rank
-        # One rank has nothing to shard: run as NO_SHARD (as torch FSDP does).
-        no_shard = cfg.strategy is ShardingStrategy.NO_SHARD or world == 1
-
-        # Parameters this unit manages: not in a nested unit, not ignored.
-        keys, by_key = [], {}
-        stack = [(module, name)]
-        while stack:
-            mod, path = stack.pop(0)
-            for attr, p in mod._parameters.items():
-                if p is None or p in ctx.ignored_params:
-                    continue
-                fqn = f"{path}.{attr}" if path else attr
-                prev = ctx.owner.get(id(p))
-                if prev is not None and prev[0] != label:
-                    raise ConfigError(
-                        f"flatshard: parameter {fqn} is shared with {prev[1]}, which belongs to "
-                        f"unit {prev[0]!r}, but it is also used in unit {label!r}; a shared "
-                        "parameter must live in one unit: wrap a common parent of both modules "
-                        "instead (change auto_wrap_policy)")
-                ctx.owner[id(p)] = (label, fqn)
-                key = (p.dtype, p.requires_grad)
-                if key not in by_key:
-                    by_key[key] = ({}, [])
-                    keys.append(key)
-                seen, order = by_key[key]
-                if id(p) not in seen:
-                    seen[id(p)] = len(order)
-                    order.append((p, []))
-                order[seen[id(p)]][1].append(Alias(mod, attr, fqn))
-            for cname, child in mod._modules.items():
-                if child is None or child in ctx.ignored_modules or \
-                        isinstance(child, FullyShardedDataParallel):
-                    continue
-                stack.append((child, f"{path}.{cname}" if path else cname))
-
+        mp = cfg.mixed_precision
+        # One rank has nothing to shard: run as NO_SHARD (as torch FSDP does),
+        # unless mixed precision needs the gather (a cast) all the same.
+        no_shard = cfg.strategy is ShardingStrategy.NO_SHARD or (
+            world == 1 and (mp is None or mp.param_dtype is None))
         groups = []
-        for i, key in enumerate(keys):
-            order = by_key[key][1]
+        for i, (key, order) in enumerate(up.groups):
             groups.append(FlatGroup(i, [p for p, _ in order], [a for _, a in order], world, rank,
-                                    1 if no_shard else world, cfg.device))
+                                    1 if no_shard else world, cfg.device,
+                                    mp.param_dtype if mp else None,
+                                    mp.reduce_dtype if mp else None))
+        if mp is not None and mp.buffer_dtype is not None:
+            _cast_buffers(module, mp.buffer_dtype)
         grad_mask = sum(1 << g.index for g in groups if g.requires_grad)
         strategy = ShardingStrategy.NO_SHARD if no_shard else cfg.strategy
-        cunit = _C.Unit(label, comm, strategy.value,
-                        [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel, g.padded_numel)
+        cunit = _C.Unit(up.label, comm, strategy.value,
+                        [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel, g.padded_numel,
+                          g.lp, dtype_code(g.compute_dtype), dtype_code(g.reduce_dtype))
                          for g in groups], grad_mask)
-        self._unit = UnitRuntime(label, cunit, groups, cfg.use_orig_params, no_shard,
+        self._unit = UnitRuntime(up.label, cunit, groups, cfg.use_orig_params, no_shard,
                                  cfg.backward_prefetch, cfg.forward_prefetch)
         if not cfg.use_orig_params:
             for g in groups:
@@ -288,6 +398,10 @@ class FullyShardedDataParallel(nn.Module):
         if is_root:
             root.begin_forward()
         unit = self._unit
+        mp = self._cfg.mixed_precision
+        if mp is not None and mp.param_dtype is not None and (
+                mp.cast_forward_inputs or (is_root and mp.cast_root_forward_inputs)):
+            args, kwargs = _cast_inputs((args, kwargs), mp.param_dtype)
         unit.pre_forward()
         try:
             out = self._fsdp_wrapped_module(*args, **kwargs)

@@ -32,7 +32,9 @@ def memory_stats(model, optimizer=None):
             for g in m._unit.groups:
                 if g.full.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr():
                     fulls.append(g.full)
-                pending.append(g.full.grad)
+                if g.lp is not None:
+                    fulls.append(g.lp)
+                pending.append(g.compute.grad)
     params = list(model.parameters())
     out = {
         "params": _storage_bytes(params),

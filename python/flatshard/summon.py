@@ -102,7 +102,7 @@ def summon_unit(fs, writeback=False, rank0_only=False, with_grads=False):
     act = unit.c.step(_C.EV_SUMMON_ENTER, 0)
     try:
         if act & _C.ACT_UNSHARD:
-            unit.c.unshard()
+            unit.c.unshard(True)  # full precision, also under mixed precision
         grads = _gather_grads(fs) if with_grads else None
         if rank0_only and group_rank(fs) != 0:
             if was_sharded:  # gathered only because the collective needs every rank

@@ -36,7 +36,8 @@ class UnitRuntime:
         self.sync_grads = True    # False inside no_sync()
         for g in groups:
             if g.requires_grad:
-                g.full.register_post_accumulate_grad_hook(self._make_post_backward(g.index))
+                g.compute.register_post_accumulate_grad_hook(
+                    self._make_post_backward(g.index))
         if use_orig_params:
             self._use_sharded_params()
         else:

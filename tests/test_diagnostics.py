@@ -1,0 +1,342 @@
+"""Failures that name their cause: wrap-time consistency across ranks
+(consistency.py), the collective ledger (csrc/ledger.c), ranks that go out
+of step at run time (shm: at the first collective that differs; gloo: at
+the group's timeout), and docs/troubleshooting.md, whose every message is
+checked against the error a test triggers."""
+import datetime
+import os
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import flatshard
+from flatshard import _C, FSDP, ConfigError, CoreError, ModuleWrapPolicy
+from flatshard import comm as fcomm
+from toy_models import Block, build
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GUIDE = os.path.join(ROOT, "docs", "troubleshooting.md")
+
+
+# ---------------------------------------------------------------------------
+# the troubleshooting guide: every entry is checked by a test
+
+
+def documented(name):
+    """The message block under `<!-- test: name -->` in the guide."""
+    text = open(GUIDE).read()
+    m = re.search(r"<!-- test: " + re.escape(name) + r" -->\s*```text\n(.*?)```", text, re.S)
+    assert m, f"docs/troubleshooting.md has no entry <!-- test: {name} -->"
+    return m.group(1)
+
+
+def _normal(text):
+    """What may differ between runs: pids, addresses, gloo's source paths."""
+    text = re.sub(r"pid \d+", "pid N", text)
+    text = re.sub(r"0x[0-9a-f]+", "0x...", text)
+    return re.sub(r"\[[^\]]*gloo[^\]]*\]", "[gloo]", text)
+
+
+def assert_documented(name, message):
+    """Each line of the guide's block appears in the real message."""
+    for line in documented(name).splitlines():
+        if line.strip():
+            assert _normal(line.strip()) in _normal(message), \
+                f"guide entry {name!r}: {line.strip()!r} not in:\n{message}"
+
+
+# Entries of the guide and the test that triggers each (asserted below).
+GUIDE_ENTRIES = {
+    "not-initialized": "test_uninitialized_distributed_is_documented",
+    "bad-type": "test_validation.py",
+    "not-built": "test_validation.py",
+    "meta-without-init": "test_validation.py",
+    "shared-parameter": "test_validation.py",
+    "wrong-backend": "test_validation.py",
+    "bad-timeout": "test_validation.py",
+    "model-differs": "test_ranks_that_wrap_differently_are_named",
+    "options-differ": "test_ranks_that_wrap_differently_are_named",
+    "rank-failed-to-wrap": "test_ranks_that_wrap_differently_are_named",
+    "rank-missing-at-wrap": "test_ranks_that_wrap_differently_are_named",
+    "collectives-differ": "test_a_skipped_unit_is_caught_at_once_on_shm",
+    "rank-not-arrived": "test_a_rank_that_stops_issuing_is_named_at_the_timeout",
+    "rank-died": "test_a_dead_rank_is_named_with_the_unit",
+    "gloo-timeout": "test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout",
+}
+
+
+def test_every_guide_entry_is_checked_by_a_test():
+    names = set(re.findall(r"<!-- test: ([\w-]+) -->", open(GUIDE).read()))
+    assert names == set(GUIDE_ENTRIES)
+
+
+def full_text(e):
+    """An exception as a user sees it: type, message and notes."""
+    return "\n".join([f"{type(e).__name__}: {e}"] + list(getattr(e, "__notes__", [])))
+
+
+def test_uninitialized_distributed_is_documented():
+    if dist.is_initialized():
+        pytest.skip("process group already initialized in this process")
+    with pytest.raises(ConfigError) as info:
+        FSDP(nn.Linear(2, 2))
+    assert_documented("not-initialized", full_text(info.value))
+
+
+# ---------------------------------------------------------------------------
+# the ledger
+
+
+def _local_comm(fail_on=None):
+    """A one-rank torch-backend Comm whose collectives do nothing (or raise)."""
+    def run(op, a, b, arg):
+        if op == fail_on:
+            raise RuntimeError(f"{op} failed on purpose")
+    return _C.Comm("torch", 0, 1, fn=run)
+
+
+def test_ledger_records_every_collective_in_a_bounded_ring():
+    comm = _local_comm()
+    x = torch.zeros(10)
+    fcomm.all_gather_into(comm, x, x, tag="layers.0")
+    fcomm.reduce_scatter_into(comm, x[:5], x[:5], tag="layers.1")
+    fcomm.all_reduce_(comm, x.double())
+    fcomm.broadcast_(comm, x, tag="sync")
+    comm.barrier()
+    got = comm.ledger()
+    assert [(e["seq"], e["op"], e["unit"], e["bytes"], e["dtype"], e["state"]) for e in got] == [
+        (1, "all_gather", "layers.0", 40, "float32", "completed"),
+        (2, "reduce_scatter", "layers.1", 20, "float32", "completed"),
+        (3, "all_reduce", "", 80, "float64", "completed"),
+        (4, "broadcast", "sync", 40, "uint8", "completed"),
+        (5, "barrier", "", 0, "uint8", "completed"),
+    ]
+    for _ in range(100):
+        comm.barrier("b" * 60)  # names are cut at 47 bytes
+    got = comm.ledger()
+    assert len(got) == 64 and got[0]["seq"] == 42 and got[-1]["seq"] == 105
+    assert got[-1]["unit"] == "b" * 47
+    comm.barrier("a" * 46 + "\u00e9")  # a 2-byte character across the cut is dropped whole
+    assert comm.ledger()[-1]["unit"] == "a" * 46
+
+
+def test_a_failed_collective_carries_the_ledger():
+    comm = _local_comm(fail_on="all_gather")
+    comm.barrier("first")
+    x = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="failed on purpose") as info:
+        fcomm.all_gather_into(comm, x, x, tag="layers.3")
+    text = full_text(info.value)
+    assert "rank 0's last collectives on this torch Comm:" in text
+    assert "barrier #1 for 'first' (0 B uint8, completed)" in text
+    assert "all_gather #2 for 'layers.3' (16 B float32, failed)" in text
+    assert comm.ledger()[-1]["state"] == "failed"
+
+
+def _train_step_ledger():
+    model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    comm = model._unit.c.comm
+    start = comm.ledger()[-1]["seq"] if comm.ledger() else 0
+    model(torch.randn(2, 5)).sum().backward()
+    return [(e["seq"], e["op"], e["unit"], e["bytes"], e["state"]) for e in comm.ledger()
+            if e["seq"] > start]
+
+
+def test_units_record_their_collectives_alike_on_every_rank(dist_pool):
+    r0, r1 = dist_pool(2).run(_train_step_ledger)
+    assert r0 == r1
+    ops = {(op, unit) for _, op, unit, _, _ in r0}
+    for unit in ("<root>", "blocks.0", "blocks.1", "blocks.2"):
+        assert ("all_gather", unit) in ops and ("reduce_scatter", unit) in ops, (unit, ops)
+    assert all(state == "completed" for *_, state in r0)
+
+
+# ---------------------------------------------------------------------------
+# wrap-time consistency
+
+
+def _wrap_mismatches():
+    rank = dist.get_rank()
+    policy = ModuleWrapPolicy({Block})
+    out = {}
+
+    def attempt(name, make, **kw):
+        start = time.monotonic()
+        try:
+            make(**kw)
+            out[name] = "no error"
+        except ConfigError as e:
+            out[name] = full_text(e)
+        out[name + "_s"] = time.monotonic() - start
+
+    def shapes():
+        model = build()
+        if rank == 1:  # a model built differently on one rank
+            model.blocks[1].ff.lin = nn.Linear(7, 14)
+        FSDP(model, auto_wrap_policy=policy)
+    attempt("model", shapes)
+
+    def backend():
+        os.environ[fcomm.ENV_BACKEND] = "shm" if rank == 0 else "torch"
+        try:
+            FSDP(build(), auto_wrap_policy=policy)
+        finally:
+            del os.environ[fcomm.ENV_BACKEND]
+    attempt("options", backend)
+
+    def meta_on_one_rank():
+        if rank == 1:
+            with torch.device("meta"):
+                FSDP(build(), auto_wrap_policy=policy)
+        FSDP(build(), auto_wrap_policy=policy)
+    attempt("failed", meta_on_one_rank)
+
+    group = dist.new_group(backend="gloo")  # its own wrap count: rank 1 never wraps on it
+
+    def missing():
+        if rank == 0:
+            os.environ[fcomm.ENV_TIMEOUT] = "1"
+            try:
+                FSDP(build(), process_group=group)
+            finally:
+                del os.environ[fcomm.ENV_TIMEOUT]
+    attempt("missing", missing)
+    # Every rank counted the same wraps on the default group: the next agrees.
+    attempt("after", lambda: FSDP(build(), auto_wrap_policy=policy))
+    return out
+
+
+def test_ranks_that_wrap_differently_are_named(dist_pool):
+    r0, r1 = dist_pool(2).run(_wrap_mismatches, timeout=60)
+    for name in ("model", "options"):
+        assert r0[name] == r1[name]  # the same error on every rank
+    assert_documented("model-differs", r0["model"])
+    assert_documented("options-differ", r0["options"])
+    assert "param_init_fn=None" in r1["failed"]  # rank 1's own error; rank 0 names it
+    assert_documented("rank-failed-to-wrap", r0["failed"])
+    assert r0["failed_s"] < 1.0  # told at once, not at the timeout
+    assert_documented("rank-missing-at-wrap", r0["missing"])
+    assert 1.0 <= r0["missing_s"] < 3.0 and r1["missing"] == "no error"
+    assert r0["after"] == r1["after"] == "no error"
+
+
+# ---------------------------------------------------------------------------
+# ranks out of step at run time
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class Branchy(nn.Module):
+    """Three wrapped layers of one shape (the dangerous case: nothing about
+    the sizes tells the ranks apart) and a branch that can skip one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(5, 8)
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, x, skip=None):
+        h = self.inp(x)
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                h = layer(h)
+        return h.sum()
+
+
+def _wrapped(backend, group_timeout=None):
+    """Branchy on a group of its own (its Comm ends aborted), 2 s timeouts."""
+    kw = {} if group_timeout is None else dict(timeout=datetime.timedelta(seconds=group_timeout))
+    group = dist.new_group(backend="gloo", **kw)
+    os.environ[fcomm.ENV_TIMEOUT] = "2"
+    try:
+        return FSDP(Branchy(), process_group=group, comm_backend=backend,
+                    auto_wrap_policy=ModuleWrapPolicy({Layer}))
+    finally:
+        del os.environ[fcomm.ENV_TIMEOUT]
+
+
+def _steps(model, skip, steps=2):
+    start = time.monotonic()
+    try:
+        for _ in range(steps):
+            model(torch.randn(2, 5), skip=skip).backward()
+        return "no error", time.monotonic() - start
+    except (CoreError, RuntimeError) as e:
+        return full_text(e), time.monotonic() - start
+
+
+def _skip_one_unit(backend, group_timeout=None):
+    model = _wrapped(backend, group_timeout)
+    # Rank 1 takes the branch that skips layers.1 (say its batch was short).
+    return _steps(model, skip=1 if dist.get_rank() == 1 else None)
+
+
+def test_a_skipped_unit_is_caught_at_once_on_shm(dist_pool):
+    (m0, t0), (m1, t1) = dist_pool(2).run(_skip_one_unit, "shm")
+    first = m0.split("\n")[0]
+    assert first == m1.split("\n")[0]  # every rank says the same
+    assert_documented("collectives-differ", m0)
+    assert "all_gather #3 for 'layers.2' (144 B float32, failed)" in m1  # rank 1's own ledger
+    assert t0 < 1.0 and t1 < 1.0  # at the collective that differs, not at a timeout
+
+
+def _extra_forward_on_rank0():
+    model = _wrapped("shm")
+    model(torch.randn(2, 5)).backward()
+    if dist.get_rank() == 1:
+        return "no error", 0.0
+    with torch.no_grad():  # evaluation on rank 0 only: rank 1 never joins
+        return _steps(model, skip=None, steps=1)
+
+
+def test_a_rank_that_stops_issuing_is_named_at_the_timeout(dist_pool):
+    msg, took = dist_pool(2).run(_extra_forward_on_rank0)[0]
+    assert_documented("rank-not-arrived", msg)
+    # The 2 s timeout, then a short wait for rank 1's ledger, which never comes.
+    assert 2.0 <= took < 4.0
+
+
+def _rank1_dies(report_path):
+    model = _wrapped("shm")
+    if dist.get_rank() == 1:
+        os._exit(7)
+    msg, took = _steps(model, skip=None, steps=1)
+    with open(report_path, "w") as f:  # the pool reports rank 1's death, not our result
+        f.write(f"{took:.3f}\n{msg}")
+
+
+def test_a_dead_rank_is_named_with_the_unit(dist_pool, tmp_path):
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
+        dist_pool(2).run(_rank1_dies, str(report), timeout=60)
+    for _ in range(50):  # rank 0 may still be writing when the pool gives up on rank 1
+        if report.exists() and report.read_text():
+            break
+        time.sleep(0.1)
+    took, msg = report.read_text().split("\n", 1)
+    assert_documented("rank-died", msg)
+    assert float(took) < 1.0  # noticed by liveness checks, not at the timeout
+
+
+def test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout(dist_pool):
+    # gloo cannot tell the units apart (same sizes): the ranks go on out of
+    # step until one waits for a collective the other never issues.
+    (m0, t0), (m1, t1) = dist_pool(2).run(_skip_one_unit, "torch", 2)
+    for msg in (m0, m1):
+        assert "Timed out" in msg
+        assert "first difference at #3: rank 0: all_gather #3 for 'layers.1'" in msg
+        assert "rank 1: all_gather #3 for 'layers.2'" in msg
+    assert_documented("gloo-timeout", m1)
+    assert max(t0, t1) < 8.0

@@ -1,0 +1,297 @@
+"""The validation corpus: invalid configurations, each rejected before any
+collective with a flatshard.ConfigError (a ValueError; also a TypeError for
+wrong types) whose message names the argument and the value given.
+
+The corpus runs on 2 ranks with every collective entry point replaced by a
+tripwire, so a check that only fires after a collective fails its case; the
+ranks then still agree on a real wrap and a training step, which they would
+not if any case had left them out of step."""
+import contextlib
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as tfsdp
+import torch.distributed.fsdp.wrap as twrap
+import torch.nn as nn
+
+import flatshard
+import flatshard.comm as fcomm
+import flatshard.fsdp as ffsdp
+from flatshard import (FSDP, ConfigError, CustomPolicy, ModuleWrapPolicy, NotBuiltError,
+                       ShardingStrategy)
+from test_diagnostics import assert_documented
+from toy_models import Block, Net, build
+
+V, T, N = ConfigError, TypeError, NotBuiltError  # expected: value, type, not-built errors
+
+
+def _meta():
+    with torch.device("meta"):
+        return build()
+
+
+def _int_param():
+    model = build()
+    model.blocks[0].count = nn.Parameter(torch.zeros(3, dtype=torch.int16), requires_grad=False)
+    return model
+
+
+def _shared():
+    model = build()
+    model.blocks[1].ff.lin.weight = model.blocks[0].ff.lin.weight
+    return model
+
+
+class _ForeignPolicy:
+    """A `_run_policy` policy that selects a module outside the model."""
+
+    def _run_policy(self, root, ignored_modules, root_kwargs):
+        return {nn.Linear(2, 2): {}}
+
+
+def _other_backend_group():
+    """A group whose backend is not gloo (a gloo group registered under
+    another name, since this machine has no second CPU backend)."""
+    if not hasattr(_other_backend_group, "group"):
+        try:
+            dist.Backend.register_backend(
+                "flatshard_test", lambda store, rank, size, timeout:
+                dist.ProcessGroupGloo(store, rank, size, timeout), devices=["cpu"])
+        except (RuntimeError, ValueError):
+            pass  # registered by an earlier run in this worker
+        _other_backend_group.group = dist.new_group(backend="flatshard_test")
+    return _other_backend_group.group
+
+
+def _blocks(res):
+    return CustomPolicy(lambda m: res if isinstance(m, Block) else False)
+
+
+# name -> (expected error, argument named, value shown, model builder, kwargs(model), env)
+CASES = {
+    "module_function": (T, "module", "function", lambda: (lambda x: x), None, None),
+    "module_class": (T, "module", "Linear", lambda: nn.Linear, None, None),
+    "module_none": (T, "module", "None", lambda: None, None, None),
+    "strategy_str": (T, "sharding_strategy", "'FULL_SHARD'", build,
+                     lambda m: dict(sharding_strategy="FULL_SHARD"), None),
+    "strategy_int": (T, "sharding_strategy", "int 1", build,
+                     lambda m: dict(sharding_strategy=1), None),
+    "hybrid": (N, "sharding_strategy", "HYBRID_SHARD", build,
+               lambda m: dict(sharding_strategy=tfsdp.ShardingStrategy.HYBRID_SHARD), None),
+    "hybrid_zero2": (N, "sharding_strategy", "_HYBRID_SHARD_ZERO2", build,
+                     lambda m: dict(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2),
+                     None),
+    "prefetch_int": (T, "backward_prefetch", "int 1", build,
+                     lambda m: dict(backward_prefetch=1), None),
+    "prefetch_str": (T, "backward_prefetch", "'BACKWARD_PRE'", build,
+                     lambda m: dict(backward_prefetch="BACKWARD_PRE"), None),
+    "mixed_precision_dtype_field": (V, "mixed_precision.param_dtype", "torch.int32", build,
+                                    lambda m: dict(mixed_precision=tfsdp.MixedPrecision(
+                                        param_dtype=torch.int32)), None),
+    "mixed_precision_no_shard": (N, "mixed_precision", "param_dtype=torch.bfloat16", build,
+                                 lambda m: dict(sharding_strategy=ShardingStrategy.NO_SHARD,
+                                                mixed_precision=tfsdp.MixedPrecision(
+                                                    param_dtype=torch.bfloat16)), None),
+    "mixed_precision_dtype": (T, "mixed_precision", "torch.bfloat16", build,
+                              lambda m: dict(mixed_precision=torch.bfloat16), None),
+    "offload": (N, "cpu_offload", "offload_params=True", build,
+                lambda m: dict(cpu_offload=tfsdp.CPUOffload(offload_params=True)), None),
+    "offload_bool": (T, "cpu_offload", "bool True", build, lambda m: dict(cpu_offload=True),
+                     None),
+    "use_orig_params": (T, "use_orig_params", "'yes'", build,
+                        lambda m: dict(use_orig_params="yes"), None),
+    "forward_prefetch": (T, "forward_prefetch", "None", build,
+                         lambda m: dict(forward_prefetch=None), None),
+    "limit_all_gathers": (T, "limit_all_gathers", "int 0", build,
+                          lambda m: dict(limit_all_gathers=0), None),
+    "sync_module_states": (T, "sync_module_states", "int 1", build,
+                           lambda m: dict(sync_module_states=1), None),
+    "device_cuda": (N, "device_id", "cuda", build,
+                    lambda m: dict(device_id=torch.device("cuda", 0)), None),
+    "device_int": (N, "device_id", "device_id=0", build, lambda m: dict(device_id=0), None),
+    "device_float": (T, "device_id", "3.5", build, lambda m: dict(device_id=3.5), None),
+    "device_str": (V, "device_id", "'gpu-zero'", build, lambda m: dict(device_id="gpu-zero"),
+                   None),
+    "device_bool": (T, "device_id", "bool True", build, lambda m: dict(device_id=True), None),
+    "policy_int": (T, "auto_wrap_policy", "42", build, lambda m: dict(auto_wrap_policy=42),
+                   None),
+    "policy_set": (T, "auto_wrap_policy", "Block", build,
+                   lambda m: dict(auto_wrap_policy={Block}), None),
+    "policy_class": (T, "auto_wrap_policy", "Block", build,
+                     lambda m: dict(auto_wrap_policy=Block), None),
+    "policy_signature": (T, "auto_wrap_policy", "lambda", build,
+                         lambda m: dict(auto_wrap_policy=lambda module: True), None),
+    "policy_partial": (T, "auto_wrap_policy", "transformer_layer_cls", build,
+                       lambda m: dict(auto_wrap_policy=functools.partial(
+                           twrap.transformer_auto_wrap_policy)), None),
+    "policy_class_names": (T, "auto_wrap_policy", "'Block'", build,
+                           lambda m: dict(auto_wrap_policy=twrap.ModuleWrapPolicy({"Block"})),
+                           None),
+    "policy_foreign_module": (V, "auto_wrap_policy", "_ForeignPolicy", build,
+                              lambda m: dict(auto_wrap_policy=_ForeignPolicy()), None),
+    "policy_raises": (V, "auto_wrap_policy", "AttributeError", build,
+                      lambda m: dict(auto_wrap_policy=CustomPolicy(lambda mod: mod.no_such)),
+                      None),
+    "custom_result": (T, "auto_wrap_policy", "'yes'", build,
+                      lambda m: dict(auto_wrap_policy=_blocks("yes")), None),
+    "torch_custom_result": (V, "auto_wrap_policy", "returned 3", build,
+                            lambda m: dict(auto_wrap_policy=twrap.CustomPolicy(lambda mod: 3)),
+                            None),
+    "custom_signature": (T, "auto_wrap_policy", "lambda_fn", build,
+                         lambda m: dict(auto_wrap_policy=CustomPolicy(lambda a, b: True)), None),
+    "custom_unknown_key": (V, "auto_wrap_policy", "use_orig_params", build,
+                           lambda m: dict(auto_wrap_policy=_blocks({"use_orig_params": True})),
+                           None),
+    "custom_bad_value": (T, "sharding_strategy", "'ZeRO3'", build,
+                         lambda m: dict(auto_wrap_policy=_blocks({"sharding_strategy": "ZeRO3"})),
+                         None),
+    "custom_root_options": (V, "auto_wrap_policy", "SHARD_GRAD_OP", build,
+                            lambda m: dict(auto_wrap_policy=CustomPolicy(
+                                lambda mod: {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}
+                                if isinstance(mod, Net) else False)), None),
+    "ignored_both": (V, "ignored_states", "[]", build,
+                     lambda m: dict(ignored_modules=[], ignored_states=[]), None),
+    "ignored_int": (T, "ignored_modules", "int 3", build, lambda m: dict(ignored_modules=[3]),
+                    None),
+    "ignored_str": (T, "ignored_modules", "'head'", build,
+                    lambda m: dict(ignored_modules="head"), None),
+    "ignored_not_a_list": (T, "ignored_modules", "Linear(in_features=7", build,
+                           lambda m: dict(ignored_modules=m.head), None),
+    "ignored_foreign": (V, "ignored_modules", "Linear(in_features=2", build,
+                        lambda m: dict(ignored_modules=[nn.Linear(2, 2)]), None),
+    "ignored_root": (V, "ignored_modules", "'Net'", build,
+                     lambda m: dict(ignored_modules=[m]), None),
+    "ignored_states_foreign": (V, "ignored_states", "shape (2,)", build,
+                               lambda m: dict(ignored_states=[nn.Parameter(torch.zeros(2))]),
+                               None),
+    "ignored_states_int": (T, "ignored_states", "int 5", build,
+                           lambda m: dict(ignored_states=[5]), None),
+    "group_and_mesh": (V, "device_mesh", "object", build,
+                       lambda m: dict(process_group=dist.group.WORLD, device_mesh=object()),
+                       None),
+    "mesh_type": (T, "device_mesh", "'mesh'", build, lambda m: dict(device_mesh="mesh"), None),
+    "hsdp_tuple": (N, "process_group", "(None, None)", build,
+                   lambda m: dict(process_group=(None, None)), None),
+    "group_positional_enum": (T, "process_group", "ShardingStrategy.FULL_SHARD", build,
+                              lambda m: dict(process_group=ShardingStrategy.FULL_SHARD), None),
+    "group_str": (T, "process_group", "'world'", build,
+                  lambda m: dict(process_group="world"), None),
+    "group_backend": (V, "process_group", "flatshard_test", build,
+                      lambda m: dict(process_group=_other_backend_group()), None),
+    "meta_without_init": (V, "param_init_fn", "None", _meta, lambda m: {}, None),
+    "init_not_callable": (T, "param_init_fn", "int 42", build,
+                          lambda m: dict(param_init_fn=42), None),
+    "init_signature": (T, "param_init_fn", "lambda", _meta,
+                       lambda m: dict(param_init_fn=lambda: None), None),
+    "init_leaves_meta": (V, "param_init_fn", "meta device", _meta,
+                         lambda m: dict(param_init_fn=lambda mod: None), None),
+    "comm_backend": (V, "comm_backend", "'gloo'", build, lambda m: dict(comm_backend="gloo"),
+                     None),
+    "comm_backend_nccl": (N, "comm_backend", "'nccl'", build,
+                          lambda m: dict(comm_backend="nccl"), None),
+    "comm_backend_type": (T, "comm_backend", "int 3", build, lambda m: dict(comm_backend=3),
+                          None),
+    "env_backend": (V, "FLATSHARD_COMM_BACKEND", "'bogus'", build, lambda m: {},
+                    {"FLATSHARD_COMM_BACKEND": "bogus"}),
+    "env_timeout": (V, "FLATSHARD_COMM_TIMEOUT", "'-1'", build, lambda m: {},
+                    {"FLATSHARD_COMM_TIMEOUT": "-1"}),
+    "env_timeout_text": (V, "FLATSHARD_COMM_TIMEOUT", "'soon'", build, lambda m: {},
+                         {"FLATSHARD_COMM_TIMEOUT": "soon"}),
+    "env_slot": (V, "FLATSHARD_SHM_SLOT_BYTES", "'12'", build, lambda m: {},
+                 {"FLATSHARD_SHM_SLOT_BYTES": "12"}),
+    "param_dtype": (T, "blocks.0.count", "torch.int16", _int_param, lambda m: {}, None),
+    "shared_across_units": (V, "blocks.1.ff.lin.weight", "blocks.0.ff.lin.weight", _shared,
+                            lambda m: dict(auto_wrap_policy=ModuleWrapPolicy({Block})), None),
+}
+
+
+@contextlib.contextmanager
+def _env(values):
+    saved = {k: os.environ.get(k) for k in values or {}}
+    os.environ.update(values or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+COLLECTIVES = ["all_gather_into_tensor", "all_gather_single", "all_gather", "all_gather_object",
+               "broadcast", "broadcast_object_list", "all_reduce", "reduce_scatter_tensor",
+               "reduce_scatter_single", "barrier", "new_group"]
+
+
+@contextlib.contextmanager
+def _tripwire():
+    """Every way flatshard reaches a collective raises instead. (A cached
+    Comm is reached through comm_for, so that is replaced too.)"""
+    def trip(*args, **kwargs):
+        raise AssertionError("a collective was issued before the error")
+    saved = [(dist, n, getattr(dist, n)) for n in COLLECTIVES if hasattr(dist, n)]
+    saved += [(fcomm, "comm_for", fcomm.comm_for), (ffsdp, "comm_for", ffsdp.comm_for)]
+    for mod, name, _ in saved:
+        setattr(mod, name, trip)
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+# Cases whose message docs/troubleshooting.md quotes: guide entry -> case.
+GUIDE = {"bad-type": "strategy_str", "not-built": "device_cuda",
+         "meta-without-init": "meta_without_init", "shared-parameter": "shared_across_units",
+         "wrong-backend": "group_backend", "bad-timeout": "env_timeout"}
+
+
+def _check(name):
+    """(None if case `name` fails as it must, else what went wrong; the error)."""
+    exc, arg, value, make, kwargs, env = CASES[name]
+    model = make()
+    kw = kwargs(model) if kwargs else {}
+    with _env(env), _tripwire():
+        try:
+            FSDP(model, **kw)
+        except ConfigError as e:
+            msg = f"{type(e).__name__}: {e}"
+            if not isinstance(e, exc) or not isinstance(e, (ValueError, TypeError)):
+                return f"{type(e).__name__} is not a {exc.__name__}: {msg}", msg
+            if arg not in msg or value not in msg:
+                return f"does not name {arg!r} and {value!r}: {msg}", msg
+            return None, msg
+        except Exception as e:
+            return f"raised {type(e).__name__}, not a ConfigError: {e}", None
+    return "no error", None
+
+
+def _corpus():
+    _other_backend_group()  # made outside the tripwire: making a group is a collective
+    results = {name: _check(name) for name in CASES}
+    # The ranks are still in step: a real wrap agrees and trains.
+    model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    model(torch.randn(2, 5)).sum().backward()
+    failures = {name: why for name, (why, _) in results.items() if why is not None}
+    return failures, {entry: results[case][1] for entry, case in GUIDE.items()}
+
+
+def test_corpus_has_at_least_40_invalid_configurations():
+    assert len(CASES) >= 40
+
+
+def test_every_invalid_configuration_fails_before_any_collective(dist_pool):
+    (failures0, messages), (failures1, _) = dist_pool(2).run(_corpus, timeout=60)
+    assert failures0 == {} and failures1 == {}, (failures0, failures1)
+    for entry, message in messages.items():  # what the troubleshooting guide quotes
+        assert_documented(entry, message)
+
+
+def test_errors_are_value_and_type_errors():
+    assert issubclass(ConfigError, ValueError)
+    assert issubclass(flatshard.ConfigTypeError, TypeError)
+    assert issubclass(flatshard.ConfigTypeError, ConfigError)
+    assert issubclass(NotBuiltError, ConfigError)
