@@ -45,7 +45,7 @@ def main():
     n = 1 << args.log2
     print("command: python3 " + " ".join(shlex.quote(a) for a in sys.argv))
     print(f"torch {torch.__version__}, {n:,} fp32 parameters, {args.threads} threads, "
-          f"median of {args.reps}")
+          f"median of {args.reps} interleaved rounds")
     src, dst = torch.randn(n), torch.empty(n)
     copy_bw = 2 * 4 * n / median_time(lambda: dst.copy_(src), args.reps)
     add_bw = 3 * 4 * n / median_time(lambda: dst.add_(src), args.reps)
@@ -54,34 +54,41 @@ def main():
     print(f"ceiling: {ceiling / 1e9:.2f} GB/s read + write (copy_ {copy_bw / 1e9:.2f}, "
           f"add_ {add_bw / 1e9:.2f})")
 
+    # Every contender gets its own parameter and state, all built first and
+    # then timed in interleaved rounds, so that allocation order and machine
+    # noise fall on all of them alike.
     grad = torch.randn(n)
-    rows = {}
-    for name in ("torch foreach", "torch fused", "flatshard"):
+    low = torch.empty(n, dtype=torch.bfloat16)
+    steps = {}
+    for name in ("torch foreach", "torch fused", "flatshard", "torch fused + copy_ bf16"):
         p = torch.randn(n)
         p.grad = grad
         if name == "flatshard":
             opt = fo.AdamW([p], lr=1e-3, threads=args.threads)
         else:
             opt = torch.optim.AdamW([p], lr=1e-3, foreach=name == "torch foreach",
-                                    fused=name == "torch fused")
-        rows[name] = median_time(opt.step, args.reps)
-        del opt, p
-    low = torch.empty(n, dtype=torch.bfloat16)
+                                    fused=name != "torch foreach")
+        if "copy_" in name:
+            steps[name] = (lambda o, q: lambda: (o.step(), low.copy_(q)))(opt, p)
+        else:
+            steps[name] = opt.step
     p = torch.randn(n)
-    p.grad = grad
-    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-
-    def torch_then_copy():
-        opt.step()
-        low.copy_(p)
-    rows["torch fused + copy_ bf16"] = median_time(torch_then_copy, args.reps)
     st = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n), "step": 0}
 
     def fused_with_copy():
         st["step"] += 1
         fo.adamw_step_(p, grad, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=1e-3,
                        out_copy=low, threads=args.threads)
-    rows["flatshard + bf16 copy"] = median_time(fused_with_copy, args.reps)
+    steps["flatshard + bf16 copy"] = fused_with_copy
+    times = {name: [] for name in steps}
+    for fn in steps.values():
+        fn()  # warm-up: first touch of the state
+    for _ in range(args.reps):
+        for name, fn in steps.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    rows = {name: statistics.median(ts) for name, ts in times.items()}
 
     print(f"\n{'step':>26} {'ms':>9} {'GB/s':>7} {'/ceiling':>9}")
     for name, t in rows.items():

@@ -25,7 +25,7 @@ static inline void store_copy(void *copy, fs_dtype t, int64_t i, float v)
  * Adam / AdamW */
 
 typedef struct {
-    float step_size, bc2_sqrt, decay; /* derived once per step */
+    float step_size, inv_bc2_sqrt, decay; /* derived once per step */
 } adam_consts;
 
 static adam_consts adam_derive(const fs_adam_hparams *h)
@@ -34,7 +34,9 @@ static adam_consts adam_derive(const fs_adam_hparams *h)
     double bc1 = 1.0 - pow(h->beta1, (double)h->step);
     double bc2 = 1.0 - pow(h->beta2, (double)h->step);
     k.step_size = (float)(h->lr / bc1);
-    k.bc2_sqrt = (float)sqrt(bc2);
+    /* A multiply instead of torch's divide: one division per element left,
+     * which keeps the loop at memory speed (differences ~1 ulp). */
+    k.inv_bc2_sqrt = (float)(1.0 / sqrt(bc2));
     k.decay = 1.0f - h->lr * h->weight_decay;
     return k;
 }
@@ -59,7 +61,7 @@ static void adam_scalar(const fs_adam_buffers *b, const fs_adam_hparams *h, cons
             v = fmaxf(b->max_exp_avg_sq[i], v);
             b->max_exp_avg_sq[i] = v;
         }
-        float denom = sqrtf(v) / k->bc2_sqrt + h->eps;
+        float denom = sqrtf(v) * k->inv_bc2_sqrt + h->eps;
         p = p - k->step_size * (m / denom);
         b->param[i] = p;
         if (b->copy)
@@ -97,7 +99,7 @@ __attribute__((target("avx2,f16c"))) static int64_t adam_avx2(const fs_adam_buff
 {
     const __m256 b1c = _mm256_set1_ps(1.0f - h->beta1), b2 = _mm256_set1_ps(h->beta2),
                  b2c = _mm256_set1_ps(1.0f - h->beta2), eps = _mm256_set1_ps(h->eps),
-                 bc2 = _mm256_set1_ps(k->bc2_sqrt), ss = _mm256_set1_ps(k->step_size),
+                 bc2 = _mm256_set1_ps(k->inv_bc2_sqrt), ss = _mm256_set1_ps(k->step_size),
                  decay = _mm256_set1_ps(k->decay), wd = _mm256_set1_ps(h->weight_decay),
                  sign = _mm256_set1_ps(-0.0f);
     const int l2 = !h->decoupled && h->weight_decay != 0.0f;
@@ -121,7 +123,7 @@ __attribute__((target("avx2,f16c"))) static int64_t adam_avx2(const fs_adam_buff
             v = _mm256_max_ps(_mm256_loadu_ps(b->max_exp_avg_sq + i), v);
             _mm256_storeu_ps(b->max_exp_avg_sq + i, v);
         }
-        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+        __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), bc2), eps);
         p = _mm256_sub_ps(p, _mm256_mul_ps(ss, _mm256_div_ps(m, denom)));
         _mm256_storeu_ps(b->param + i, p);
         if (b->copy)
