@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import flatshard
 from flatshard import FSDP, ShardingStrategy, StateDictType
-from parity import batches, optimizer, policy
+from parity import batches, optimizer, policy, train_steps as _steps
 from toy_models import build
 
 MODEL = {"nested": True, "tied": True, "frozen": True}
@@ -25,18 +25,6 @@ MODEL = {"nested": True, "tied": True, "frozen": True}
 def _wrap(strategy="FULL_SHARD", use_orig=False, seed=0, **kw):
     return FSDP(build(seed=seed, **{**MODEL, **kw}), sharding_strategy=ShardingStrategy[strategy],
                 auto_wrap_policy=policy("nested"), use_orig_params=use_orig)
-
-
-def _steps(model, opt, data):
-    rank = dist.get_rank()
-    losses = []
-    for x, y in data:
-        loss = ((model(x[2 * rank:2 * rank + 2]) - y[2 * rank:2 * rank + 2]) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _full(model, opt=None):

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard import FSDP, ShardingStrategy, StateDictType
-from parity import ATOL, RTOL, SCALE_ATOL, batches, optimizer, policy
+from parity import ATOL, RTOL, SCALE_ATOL, batches, optimizer, policy, train_steps as _steps
 from toy_models import build
 
 CASES = [(s, u) for s in ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] for u in [False, True]]
@@ -312,18 +312,6 @@ def test_mismatching_state_dicts_are_refused_naming_keys(dist_pool):
 
 # ---------------------------------------------------------------------------
 # optimizer state: a resumed run continues exactly as an uninterrupted one
-
-
-def _steps(model, opt, data):
-    rank = dist.get_rank()
-    losses = []
-    for x, y in data:
-        loss = ((model(x[2 * rank:2 * rank + 2]) - y[2 * rank:2 * rank + 2]) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _resume(strategy, use_orig, opt_name, kind, kw, optim_rank0_only=False):

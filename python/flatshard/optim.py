@@ -44,6 +44,14 @@ def _check_range(owner, name, value, lo=0.0, hi=None, hi_open=False):
         raise bad_value(f"{owner}({name}=...)", value, f"expected a number {bound}")
 
 
+def _call_closure(closure):
+    """torch's contract: the closure re-evaluates the loss with autograd on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999), eps=1e-8,
                 weight_decay=1e-2, decoupled=True, maximize=False, max_exp_avg_sq=None,
                 out_copy=None, threads=None, simd="auto"):
@@ -98,10 +106,7 @@ class _Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _call_closure(closure)
         name = type(self).__name__
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
@@ -164,10 +169,7 @@ class SGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _call_closure(closure)
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
