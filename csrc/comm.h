@@ -37,6 +37,9 @@ typedef struct {
     fs_status (*broadcast)(fs_comm *c, void *buf, int64_t count, fs_dtype t, int root);
     fs_status (*barrier)(fs_comm *c);
     void (*destroy)(fs_comm *c);
+    /* Tell the other ranks this one stopped (e.g. out of memory), so their
+     * waits fail with `why` instead of timing out; NULL if the backend cannot. */
+    void (*abort)(fs_comm *c, const char *why);
 } fs_comm_ops;
 
 struct fs_comm {

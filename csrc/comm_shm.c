@@ -447,8 +447,11 @@ static void s_destroy(fs_comm *c)
     free(c);
 }
 
+static void s_abort(fs_comm *c, const char *why) { shm_abort(c, why); }
+
 static const fs_comm_ops shm_ops = {
-    "shm", 0, s_all_gather, s_reduce_scatter, s_all_reduce, s_broadcast, s_barrier, s_destroy,
+    "shm",     0,         s_all_gather, s_reduce_scatter, s_all_reduce,
+    s_broadcast, s_barrier, s_destroy,  s_abort,
 };
 
 /* ---------------------------------------------------------------------------

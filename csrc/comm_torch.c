@@ -144,7 +144,7 @@ static void t_destroy(fs_comm *c)
 }
 
 static const fs_comm_ops torch_ops = {
-    "torch", 1, t_all_gather, t_reduce_scatter, t_all_reduce, t_broadcast, t_barrier, t_destroy,
+    "torch", 1, t_all_gather, t_reduce_scatter, t_all_reduce, t_broadcast, t_barrier, t_destroy, NULL,
 };
 
 fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out)

@@ -215,7 +215,22 @@ static PyObject *Comm_get_backend(CommObject *self, void *c)
     return PyUnicode_FromString(self->comm->ops->name);
 }
 
+PyDoc_STRVAR(abort_doc,
+             "abort(why) -> bool: tell the other ranks this rank stopped (their waits fail\n"
+             "with `why`). False when the backend cannot (torch: they fail at its timeout).");
+static PyObject *Comm_abort(CommObject *self, PyObject *args)
+{
+    const char *why;
+    if (!PyArg_ParseTuple(args, "s", &why))
+        return NULL;
+    if (!self->comm->ops->abort)
+        Py_RETURN_FALSE;
+    self->comm->ops->abort(self->comm, why);
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef Comm_methods[] = {
+    {"abort", (PyCFunction)Comm_abort, METH_VARARGS, abort_doc},
     {"all_gather", (PyCFunction)Comm_all_gather, METH_VARARGS, all_gather_doc},
     {"reduce_scatter", (PyCFunction)Comm_reduce_scatter, METH_VARARGS, reduce_scatter_doc},
     {"all_reduce", (PyCFunction)Comm_all_reduce, METH_VARARGS, all_reduce_doc},

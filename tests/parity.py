@@ -167,7 +167,8 @@ def run_case(strategy="FULL_SHARD", opt="adamw", wrap="blocks", use_orig_params=
     worst, n = compare_params(fs, ref)
     stats = flatshard.memory_stats(fs, o_fs)
     units = [m._unit.name for m in fs.modules() if isinstance(m, FSDP)]
-    return {"backend": fs._unit.c.comm.backend, "losses": losses, "worst_rel": worst, "n_params": n, "memory": stats, "units": units,
+    return {"backend": fs._unit.c.comm.backend, "losses": losses, "worst_rel": worst,
+            "n_params": n, "memory": stats, "units": units,
             "states": [m._unit.c.state for m in fs.modules() if isinstance(m, FSDP)]}
 
 

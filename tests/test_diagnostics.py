@@ -66,6 +66,7 @@ GUIDE_ENTRIES = {
     "rank-not-arrived": "test_a_rank_that_stops_issuing_is_named_at_the_timeout",
     "rank-died": "test_a_dead_rank_is_named_with_the_unit",
     "gloo-timeout": "test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout",
+    "out-of-memory": "test_oom.py",
 }
 
 
@@ -308,8 +309,8 @@ def test_a_rank_that_stops_issuing_is_named_at_the_timeout(dist_pool):
     assert 2.0 <= took < 4.0
 
 
-def _rank1_dies(report_path):
-    model = _wrapped("shm")
+def _rank1_dies(report_path, backend="shm"):
+    model = _wrapped(backend, group_timeout=5 if backend == "torch" else None)
     if dist.get_rank() == 1:
         os._exit(7)
     msg, took = _steps(model, skip=None, steps=1)
@@ -328,6 +329,22 @@ def test_a_dead_rank_is_named_with_the_unit(dist_pool, tmp_path):
     took, msg = report.read_text().split("\n", 1)
     assert_documented("rank-died", msg)
     assert float(took) < 1.0  # noticed by liveness checks, not at the timeout
+
+
+def test_a_dead_rank_is_named_on_the_torch_backend_too(dist_pool, tmp_path):
+    # gloo fails the collective when its peer's socket closes; the ledger
+    # comparison then names the rank that did not report.
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
+        dist_pool(2).run(_rank1_dies, str(report), "torch", timeout=60)
+    for _ in range(100):
+        if report.exists() and report.read_text():
+            break
+        time.sleep(0.1)
+    took, msg = report.read_text().split("\n", 1)
+    assert "rank 1: did not report" in msg and "it died" in msg, msg
+    assert "rank 0: all_gather" in msg or "rank 0: reduce_scatter" in msg, msg
+    assert float(took) < 6.0  # within the group's 5 s timeout at the latest
 
 
 def test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout(dist_pool):

@@ -3,7 +3,8 @@
     from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
 """
 from . import _C
-from .errors import ConfigError, ConfigTypeError, CoreError, NotBuiltError, StateError
+from .errors import (ConfigError, ConfigTypeError, CoreError, NotBuiltError, OutOfMemoryError,
+                     StateError)
 from .fsdp import FSDP, FullyShardedDataParallel
 from .memory import memory_stats
 from .options import (BackwardPrefetch, CPUOffload, FullStateDictConfig, LocalStateDictConfig,
@@ -19,7 +20,8 @@ __all__ = [
     "CPUOffload", "StateDictType", "StateDictConfig", "FullStateDictConfig",
     "LocalStateDictConfig", "ShardedStateDictConfig", "ModuleWrapPolicy", "CustomPolicy",
     "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "lambda_auto_wrap_policy",
-    "ConfigError", "ConfigTypeError", "NotBuiltError", "CoreError", "StateError", "memory_stats",
+    "ConfigError", "ConfigTypeError", "NotBuiltError", "OutOfMemoryError", "CoreError",
+    "StateError", "memory_stats",
 ]
 
 # State dicts and checkpoints (summon.py, state_dict.py, optim_state.py, checkpoint.py).

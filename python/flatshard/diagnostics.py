@@ -6,9 +6,10 @@ adds this rank's last entries to the error and calls `Comm.on_failure`, set
 here: the rank posts its ledger to the process group's store, reads the
 other ranks' (waiting at most GRACE_S for ranks that fail a little later:
 ranks stuck in the same collective fail together, and a rank that fails
-much later finds the earlier ones' ledgers already posted), and adds a note saying where each rank is and the first collective at which
-they differ, e.g. that rank 1 is in all_gather #41 for 'blocks.3' while rank
-0 is in all_gather #41 for 'blocks.2'. The store is separate from the
+much later finds the earlier ones' ledgers already posted), and adds a
+note saying where each rank is and the first collective at which they
+differ, e.g. that rank 1 is in all_gather #41 for 'blocks.3' while rank 0
+is in all_gather #41 for 'blocks.2'. The store is separate from the
 collectives, so it still works when they do not.
 """
 import json

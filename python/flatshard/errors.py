@@ -20,6 +20,12 @@ class NotBuiltError(ConfigError):
     Raised instead of silently ignoring the option."""
 
 
+class OutOfMemoryError(MemoryError):
+    """An allocation inside flatshard failed on this rank. The message carries
+    the rank's memory breakdown and the options that would lower it; on the
+    shm backend the other ranks are told and fail with the same cause."""
+
+
 def bad_value(arg, value, allowed, fix=None):
     msg = f"flatshard: {arg}={value!r} is not allowed; {allowed}"
     if fix:

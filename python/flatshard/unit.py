@@ -17,9 +17,16 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import _C
+from .errors import OutOfMemoryError
 from .options import BackwardPrefetch
 
 _GRAD = _C.FLAG_GRAD_ENABLED
+
+
+def _is_alloc_failure(e):
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or "not enough memory" in text or \
+        "can't allocate memory" in text or "out of memory" in text
 
 
 class UnitRuntime:
@@ -81,16 +88,33 @@ class UnitRuntime:
                     a.module.__dict__.pop(a.attr, None)
 
     # ------------------------------------------------------------------
+    # unshard, with out-of-memory named
+
+    def unshard(self):
+        """Gather this unit's compute buffers. An allocation failure becomes an
+        OutOfMemoryError carrying this rank's memory breakdown, and the other
+        ranks are told (shm) instead of waiting for this one in a collective."""
+        try:
+            self.c.unshard()
+        except (RuntimeError, MemoryError) as e:
+            if not _is_alloc_failure(e):
+                raise
+            from .memory import oom_report
+            msg = oom_report(self, e)
+            self.c.comm.abort(msg.splitlines()[0])
+            raise OutOfMemoryError(msg) from e
+
+    # ------------------------------------------------------------------
     # forward
 
     def pre_forward(self):
         flags = _GRAD if torch.is_grad_enabled() else 0
         act = self.c.step(_C.EV_PRE_FORWARD, flags)
         if act & _C.ACT_UNSHARD:
-            self.c.unshard()
+            self.unshard()
         nxt = self.root.record_forward(self)
         if self.forward_prefetch and nxt is not None and nxt.c.state == "IDLE":
-            nxt.c.unshard()
+            nxt.unshard()
         self._set_unsharded_views()
 
     def post_forward(self, output):
@@ -120,7 +144,7 @@ class UnitRuntime:
         self.root.queue_final_callback()
         act = self.c.step(_C.EV_PRE_BACKWARD, 0)
         if act & _C.ACT_UNSHARD:
-            self.c.unshard()
+            self.unshard()
             if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 self._prefetch_backward()
         return None
@@ -128,7 +152,7 @@ class UnitRuntime:
     def _prefetch_backward(self):
         prev = self.root.previous_in_forward(self)
         if prev is not None and prev.c.state == "IDLE":
-            prev.c.unshard()
+            prev.unshard()
 
     def _make_post_backward(self, gi):
         def hook(full):

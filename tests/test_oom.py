@@ -1,0 +1,65 @@
+"""Out of memory on one rank: a real allocation failure (rank 0's address
+space capped with RLIMIT_AS) while gathering a unit raises OutOfMemoryError
+with the rank's breakdown and remedies, and the other rank is told at once
+instead of waiting in the all-gather."""
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+import flatshard
+from flatshard import FSDP
+from test_diagnostics import assert_documented
+
+
+class Big(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4096, 4096)  # 64 MiB gathered
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _vm_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize")
+
+
+def _one_rank_runs_out():
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo")  # its Comm ends aborted: keep WORLD's clean
+    model = FSDP(torch.nn.Sequential(Big(), Big()), process_group=group, comm_backend="shm",
+                 auto_wrap_policy=ModuleWrapPolicy({Big}))
+    x = torch.randn(2, 4096)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    start = time.monotonic()
+    try:
+        if rank == 0:  # room for small allocations, not for a 64 MiB unit
+            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (24 << 20), hard))
+        model(x)
+        msg = "no error"
+    except (flatshard.OutOfMemoryError, flatshard.CoreError) as e:
+        msg = f"{type(e).__name__}: {e}"
+    finally:
+        if rank == 0:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return msg, time.monotonic() - start
+
+
+def test_out_of_memory_on_one_rank_is_named_on_every_rank(dist_pool):
+    (m0, t0), (m1, t1) = dist_pool(2).run(_one_rank_runs_out)
+    assert m0.startswith("OutOfMemoryError: flatshard: rank 0 ran out of host memory "
+                         "gathering unit '0'"), m0
+    assert_documented("out-of-memory", m0)
+    for part in ("parameters (shards):", "gathered units now:", "optimizer state:",
+                 "sharding_strategy=FULL_SHARD", "param_dtype=torch.bfloat16"):
+        assert part in m0, (part, m0)
+    # Rank 1 was waiting for rank 0 in the all-gather: it fails with the cause.
+    assert "aborted" in m1 and "rank 0 ran out of host memory" in m1, m1
+    assert t1 < 5.0  # told at once, not at the 300 s timeout
