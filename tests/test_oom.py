@@ -2,6 +2,7 @@
 space capped with RLIMIT_AS) while gathering a unit raises OutOfMemoryError
 with the rank's breakdown and remedies, and the other rank is told at once
 instead of waiting in the all-gather."""
+import datetime
 import resource
 import time
 
@@ -31,10 +32,12 @@ def _vm_bytes():
     raise RuntimeError("no VmSize")
 
 
-def _one_rank_runs_out():
+def _one_rank_runs_out(backend):
     rank = dist.get_rank()
-    group = dist.new_group(backend="gloo")  # its Comm ends aborted: keep WORLD's clean
-    model = FSDP(torch.nn.Sequential(Big(), Big()), process_group=group, comm_backend="shm",
+    # A group of its own (its Comm ends aborted: keep WORLD's clean); on gloo a
+    # 4 s timeout, since rank 0 stays alive and its sockets open.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
+    model = FSDP(torch.nn.Sequential(Big(), Big()), process_group=group, comm_backend=backend,
                  auto_wrap_policy=ModuleWrapPolicy({Big}))
     x = torch.randn(2, 4096)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -44,8 +47,8 @@ def _one_rank_runs_out():
             resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (24 << 20), hard))
         model(x)
         msg = "no error"
-    except (flatshard.OutOfMemoryError, flatshard.CoreError) as e:
-        msg = f"{type(e).__name__}: {e}"
+    except (flatshard.OutOfMemoryError, flatshard.CoreError, RuntimeError) as e:
+        msg = "\n".join([f"{type(e).__name__}: {e}"] + list(getattr(e, "__notes__", [])))
     finally:
         if rank == 0:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
@@ -53,7 +56,7 @@ def _one_rank_runs_out():
 
 
 def test_out_of_memory_on_one_rank_is_named_on_every_rank(dist_pool):
-    (m0, t0), (m1, t1) = dist_pool(2).run(_one_rank_runs_out)
+    (m0, t0), (m1, t1) = dist_pool(2).run(_one_rank_runs_out, "shm")
     assert m0.startswith("OutOfMemoryError: flatshard: rank 0 ran out of host memory "
                          "gathering unit '0'"), m0
     assert_documented("out-of-memory", m0)
@@ -63,3 +66,11 @@ def test_out_of_memory_on_one_rank_is_named_on_every_rank(dist_pool):
     # Rank 1 was waiting for rank 0 in the all-gather: it fails with the cause.
     assert "aborted" in m1 and "rank 0 ran out of host memory" in m1, m1
     assert t1 < 5.0  # told at once, not at the 300 s timeout
+
+
+def test_out_of_memory_on_the_torch_backend_reaches_the_others_note(dist_pool):
+    (m0, _), (m1, t1) = dist_pool(2).run(_one_rank_runs_out, "torch")
+    assert m0.startswith("OutOfMemoryError: flatshard: rank 0 ran out of host memory"), m0
+    # Rank 1's gloo wait fails at the group's timeout; its note quotes rank 0.
+    assert "rank 0 stopped: flatshard: rank 0 ran out of host memory" in m1, m1
+    assert t1 < 10.0

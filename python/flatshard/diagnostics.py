@@ -38,9 +38,17 @@ class _Reporter:
                 self.note = f"flatshard: could not compare ledgers across ranks: {e}"
         exc.add_note(self.note)
 
+    def stopped(self, comm, why):
+        """This rank stops outside any collective (e.g. out of memory): leave
+        the cause where the other ranks' failure notes will read it."""
+        from torch.distributed import distributed_c10d as c10d
+        store = c10d._get_process_group_store(self.group)
+        store.set(f"flatshard/stopped/{self.label}/{comm.rank}", why)
+
     def _compare(self, comm):
         from torch.distributed import distributed_c10d as c10d
         store = c10d._get_process_group_store(self.group)
+        stopped = [f"flatshard/stopped/{self.label}/{r}" for r in range(comm.world_size)]
         keys = [f"flatshard/ledger/{self.label}/{r}" for r in range(comm.world_size)]
         store.set(keys[comm.rank], json.dumps(comm.ledger()))
         # Polled: some stores' own wait() rounds its timeout up to whole seconds.
@@ -48,7 +56,9 @@ class _Reporter:
         while not all(store.check([k]) for k in keys) and time.monotonic() < deadline:
             time.sleep(0.02)
         ledgers = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
-        return report(ledgers, comm.world_size, self.grace)
+        causes = [f"  rank {r} stopped: {store.get(k).decode()}" for r, k in enumerate(stopped)
+                  if r != comm.rank and store.check([k])]
+        return "\n".join([report(ledgers, comm.world_size, self.grace)] + causes)
 
 
 def _fmt(e):

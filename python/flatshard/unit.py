@@ -101,7 +101,13 @@ class UnitRuntime:
                 raise
             from .memory import oom_report
             msg = oom_report(self, e)
-            self.c.comm.abort(msg.splitlines()[0])
+            comm = self.c.comm
+            # shm: the others' waits fail now with the cause. torch (gloo): they
+            # fail when this rank's process ends (or at the group's timeout),
+            # and their note quotes the cause from the store.
+            comm.abort(msg.splitlines()[0])
+            if comm.on_failure is not None:
+                comm.on_failure.stopped(comm, msg.splitlines()[0])
             raise OutOfMemoryError(msg) from e
 
     # ------------------------------------------------------------------
