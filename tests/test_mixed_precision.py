@@ -89,3 +89,33 @@ def test_mixed_precision_refusals_name_the_option(dist_pool):
     msgs = dist_pool(2).run(_refusals)[0]
     assert "NO_SHARD" in msgs[0] and "keep_low_precision_grads" in msgs[1] and \
         "param_dtype" in msgs[2]
+
+
+def _grad_scaler_skips_everywhere():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    model = FSDP(build(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
+                 mixed_precision=flatshard.MixedPrecision(param_dtype=torch.float16,
+                                                          buffer_dtype=torch.float16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler(device="cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    seen = []
+    for step in range(3):
+        x = torch.randn(2, 5, generator=g)
+        if step == 1 and dist.get_rank() == 1:
+            x[0, 0] = float("inf")  # an overflow on one rank only
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(model(x).float().pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        seen.append((changed, scaler.get_scale()))
+    return seen
+
+
+def test_torch_sharded_grad_scaler_skips_the_step_on_every_rank(dist_pool):
+    # torch's own ShardedGradScaler works unchanged on flatshard's fp16 shards:
+    # an overflow on rank 1 makes both ranks skip the step and halve the scale.
+    for seen in dist_pool(2).run(_grad_scaler_skips_everywhere):
+        assert seen == [(True, 1024.0), (False, 512.0), (True, 512.0)]
