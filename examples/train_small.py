@@ -73,7 +73,8 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     if rank == 0:
         print(f"flatshard {flatshard.__version__}: {n_params / 1e6:.2f}M parameters, "
-              f"{world} ranks, {args.strategy}, gloo")
+              f"{world} ranks, {args.strategy}, collectives over "
+              f"{model._unit.c.comm.backend} (process group: gloo)")
 
     # A learnable toy language: each token is the previous one plus one (mod vocab).
     gen = torch.Generator().manual_seed(1 + rank)
