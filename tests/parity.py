@@ -10,6 +10,7 @@ of their larger neighbours). The only difference between the two
 computations is the order of floating-point sums (per-rank batch means, the
 gradient average, accumulation across micro-batches)."""
 import functools
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -127,7 +128,7 @@ def run_case(strategy="FULL_SHARD", opt="adamw", wrap="blocks", use_orig_params=
     it = iter(data)
     for step in range(steps):
         for mb in range(microbatches):
-            ctx = fs.no_sync() if (no_sync and mb < microbatches - 1) else _nullcontext()
+            ctx = fs.no_sync() if (no_sync and mb < microbatches - 1) else nullcontext()
             with ctx:
                 loss_fs = 0.0
                 loss_ref = 0.0
@@ -170,11 +171,3 @@ def run_case(strategy="FULL_SHARD", opt="adamw", wrap="blocks", use_orig_params=
     return {"backend": fs._unit.c.comm.backend, "losses": losses, "worst_rel": worst,
             "n_params": n, "memory": stats, "units": units,
             "states": [m._unit.c.state for m in fs.modules() if isinstance(m, FSDP)]}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False

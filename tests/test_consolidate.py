@@ -267,3 +267,14 @@ def test_command_line(ckpt, tmp_path, capsys):
                           timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert torch.equal(torch.load(tmp_path / "cli.pt", weights_only=True)["w"], torch.ones(3))
+
+
+def test_doctor_reports_the_build():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "flatshard", "doctor"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from flatshard import _C
+    assert f"CPU SIMD for reductions and optimizers: {_C.simd_level()}" in out.stdout
+    assert f"torch {torch.__version__}" in out.stdout and "shm (available" in out.stdout

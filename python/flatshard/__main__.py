@@ -1,5 +1,5 @@
 """flatshard's command line: `python -m flatshard COMMAND ...`, one subcommand
-per tool (`consolidate` so far); each adds a parser and a function below."""
+per tool (`consolidate`, `doctor`); each adds a parser and a function below."""
 import argparse
 import os
 import sys
@@ -9,6 +9,34 @@ def _consolidate(args):
     from .consolidate import consolidate
     out = consolidate(args.in_dir, args.out_path, fmt=args.format, overwrite=args.force)
     print(f"flatshard: wrote {out} ({os.path.getsize(out):,} bytes)")
+
+
+def doctor_report():
+    """What this installation was built with and can run, one line each."""
+    import platform
+
+    import torch
+
+    from . import __version__, _C
+    try:
+        from . import _C_cuda  # noqa: F401  (built only where nvcc was found)
+        cuda_built = "yes"
+    except ImportError:
+        cuda_built = "no (none in this build)"
+    shm = sys.platform.startswith("linux") and os.path.isdir("/dev/shm")
+    return [
+        f"flatshard {__version__}",
+        f"python {platform.python_version()}, torch {torch.__version__}",
+        f"CPU SIMD for reductions and optimizers: {_C.simd_level()}",
+        f"collective backends: torch (any process group), "
+        f"shm ({'available' if shm else 'not available: needs Linux /dev/shm'}), "
+        f"nccl (not built)",
+        f"CUDA kernels built: {cuda_built}; torch sees CUDA: {torch.cuda.is_available()}",
+    ]
+
+
+def _doctor(args):
+    print("\n".join(doctor_report()))
 
 
 def _parser():
@@ -28,6 +56,8 @@ def _parser():
                    help="pt (torch.save, for torch.load) or safetensors")
     p.add_argument("--force", action="store_true", help="replace out_path if it exists")
     p.set_defaults(run=_consolidate)
+    d = commands.add_parser("doctor", help="what flatshard was built with and can run here")
+    d.set_defaults(run=_doctor)
     return parser
 
 
