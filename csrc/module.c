@@ -1,6 +1,6 @@
 /* module.c - flatshard._C: module init and the stateless entry points.
  *
- * CPython C API only (no pybind11, no torch headers). Tensors cross as data
+ * CPython C API only (no binding generator, no torch headers). Tensors cross as data
  * pointers (ints from Tensor.data_ptr()) with numel and a dtype code; the
  * Python layer guarantees contiguity and sizes. Long copies release the GIL.
  * Multi-phase init, module state, heap types (see fs_py.h). */

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flatshard
+from dist_pool import read_report, write_report
 from flatshard import _C, FSDP, ConfigError, CoreError, ModuleWrapPolicy
 from flatshard import comm as fcomm
 from toy_models import Block, build
@@ -314,21 +315,16 @@ def _rank1_dies(report_path, backend="shm"):
     if dist.get_rank() == 1:
         os._exit(7)
     msg, took = _steps(model, skip=None, steps=1)
-    with open(report_path, "w") as f:  # the pool reports rank 1's death, not our result
-        f.write(f"{took:.3f}\n{msg}")
+    write_report(report_path, took, msg)
 
 
 def test_a_dead_rank_is_named_with_the_unit(dist_pool, tmp_path):
     report = tmp_path / "rank0.txt"
     with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
         dist_pool(2).run(_rank1_dies, str(report), timeout=60)
-    for _ in range(50):  # rank 0 may still be writing when the pool gives up on rank 1
-        if report.exists() and report.read_text():
-            break
-        time.sleep(0.1)
-    took, msg = report.read_text().split("\n", 1)
+    took, msg = read_report(report)
     assert_documented("rank-died", msg)
-    assert float(took) < 1.0  # noticed by liveness checks, not at the timeout
+    assert took < 1.0  # noticed by liveness checks, not at the timeout
 
 
 def test_a_dead_rank_is_named_on_the_torch_backend_too(dist_pool, tmp_path):
@@ -337,14 +333,10 @@ def test_a_dead_rank_is_named_on_the_torch_backend_too(dist_pool, tmp_path):
     report = tmp_path / "rank0.txt"
     with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
         dist_pool(2).run(_rank1_dies, str(report), "torch", timeout=60)
-    for _ in range(100):
-        if report.exists() and report.read_text():
-            break
-        time.sleep(0.1)
-    took, msg = report.read_text().split("\n", 1)
+    took, msg = read_report(report)
     assert "rank 1: did not report" in msg and "it died" in msg, msg
     assert "rank 0: all_gather" in msg or "rank 0: reduce_scatter" in msg, msg
-    assert float(took) < 6.0  # within the group's 5 s timeout at the latest
+    assert took < 6.0  # within the group's 5 s timeout at the latest
 
 
 def test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout(dist_pool):

@@ -17,6 +17,13 @@ def _storage_bytes(tensors):
     return total
 
 
+def _gathered_buffers(unit):
+    """A unit's gathered buffers (full, and lp under mixed precision); not the
+    full buffer of NO_SHARD, which is the shard itself."""
+    return [t for g in unit.groups for t in (g.full, g.lp) if t is not None and
+            t.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr()]
+
+
 def memory_stats(model, optimizer=None):
     """Bytes this rank holds, by role:
 
@@ -29,12 +36,8 @@ def memory_stats(model, optimizer=None):
     fulls, pending = [], []
     for m in model.modules():
         if isinstance(m, FullyShardedDataParallel):
-            for g in m._unit.groups:
-                if g.full.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr():
-                    fulls.append(g.full)
-                if g.lp is not None:
-                    fulls.append(g.lp)
-                pending.append(g.compute.grad)
+            fulls += _gathered_buffers(m._unit)
+            pending += [g.compute.grad for g in m._unit.groups]
     params = list(model.parameters())
     out = {
         "params": _storage_bytes(params),
@@ -52,17 +55,6 @@ def _mib(n):
     return f"{n / 2**20:.1f} MiB"
 
 
-def _live_gathered(u):
-    """Bytes of a unit's gathered buffers that are live now (not the shard's)."""
-    total = 0
-    for g in u.groups:
-        for t in (g.full, g.lp):
-            if t is not None and \
-                    t.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr():
-                total += t.untyped_storage().nbytes()
-    return total
-
-
 def oom_report(unit, exc):
     """The text of an OutOfMemoryError raised while gathering `unit`: what
     this rank holds, by role, and what would lower it."""
@@ -71,7 +63,7 @@ def oom_report(unit, exc):
     shards = sum(g.shard.untyped_storage().nbytes() for u in units for g in u.groups)
     grads = _storage_bytes([g.shard.grad for u in units for g in u.groups] +
                            [g.grad_buf for u in units for g in u.groups])
-    gathered = [(u.name, _live_gathered(u)) for u in units]
+    gathered = [(u.name, _storage_bytes(_gathered_buffers(u))) for u in units]
     gathered = [(n, b) for n, b in gathered if b]
     comm = unit.c.comm
     lines = [

@@ -84,6 +84,26 @@ class ShardedStateDictConfig(StateDictConfig):
     _use_dtensor: bool = False
 
 
+@dataclass(frozen=True)
+class OptimStateDictConfig:
+    offload_to_cpu: bool = True
+
+
+@dataclass(frozen=True)
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    _use_dtensor: bool = False
+
+
+@dataclass(frozen=True)
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    offload_to_cpu: bool = False
+
+
 def _torch_enum(name):
     import torch.distributed.fsdp as tfsdp
     return getattr(tfsdp, name, None)

@@ -31,31 +31,13 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .errors import StateDictError, StateError, bad_type, bad_value, not_built
-from .options import (FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig,
-                      StateDictType, normalize_dataclass, normalize_enum)
+from .options import (FullOptimStateDictConfig, FullStateDictConfig,
+                      LocalOptimStateDictConfig, LocalStateDictConfig, OptimStateDictConfig,
+                      ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType,
+                      normalize_dataclass, normalize_enum)
 from .summon import fsdp_units, flat_param_name, summon_unit
 
 WRAPPED = "_fsdp_wrapped_module"
-
-
-@dataclass(frozen=True)
-class OptimStateDictConfig:
-    offload_to_cpu: bool = True
-
-
-@dataclass(frozen=True)
-class FullOptimStateDictConfig(OptimStateDictConfig):
-    rank0_only: bool = False
-
-
-@dataclass(frozen=True)
-class ShardedOptimStateDictConfig(OptimStateDictConfig):
-    _use_dtensor: bool = False
-
-
-@dataclass(frozen=True)
-class LocalOptimStateDictConfig(OptimStateDictConfig):
-    offload_to_cpu: bool = False
 
 
 @dataclass(frozen=True)

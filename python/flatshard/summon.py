@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C
+from .comm import all_gather_into
 from .errors import bad_type, bad_value
 
 FLAT_PARAM = "_flat_param"
@@ -49,13 +50,13 @@ def full_views(g):
 
 
 def all_gather_shard(fs, local):
-    """A shard-sized tensor from every rank of the unit -> the padded full tensor."""
+    """A shard-sized tensor from every rank of the unit -> the padded full
+    tensor, through the unit's own Comm (its backend and its ledger)."""
     if fs._unit.no_shard:
         return local
-    # torch 2.13 renamed the flat all-gather; 2.11 has only the old name.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    out = torch.empty(local.numel() * dist.get_world_size(fs._cfg.group), dtype=local.dtype)
-    gather(out, local.contiguous(), group=fs._cfg.group)
+    comm = fs._unit.c.comm
+    out = torch.empty(local.numel() * comm.world_size, dtype=local.dtype)
+    all_gather_into(comm, out, local.contiguous(), tag=fs._unit.name)
     return out
 
 
