@@ -99,3 +99,40 @@ def _bad_sizes(backend):
 @pytest.mark.parametrize("backend", ["shm", "torch"])
 def test_size_mismatches_are_refused_locally(dist_pool, backend):
     assert dist_pool(2).run(_bad_sizes, backend)[0] == ["ValueError", "ValueError", "CoreError"]
+
+
+def _collective_inside_backward():
+    """A gloo collective issued from a backward hook must not capture the
+    Python object torch stashes in thread-local state for the backward: its
+    worker may drop that copy while the interpreter finalizes, which aborts
+    the process. The stash is back once the collective returns."""
+    c = comm("torch")
+    seen = {}
+    real = dist.all_reduce
+
+    def spy(*args, **kwargs):
+        seen["during"] = torch._C._is_key_in_tls("context")
+        return real(*args, **kwargs)
+
+    def hook(grad):
+        seen["before"] = torch._C._is_key_in_tls("context")
+        t = torch.ones(3)
+        dist.all_reduce, saved = spy, dist.all_reduce
+        try:
+            fcomm.all_reduce_(c, t)
+        finally:
+            dist.all_reduce = saved
+        seen["after"] = torch._C._is_key_in_tls("context")
+        seen["sum"] = t.tolist()
+        return grad
+
+    x = torch.randn(3, requires_grad=True)
+    x.register_hook(hook)
+    (x * 2).sum().backward()
+    return seen
+
+
+def test_torch_backend_collectives_inside_backward_leave_no_python_state(dist_pool):
+    got = dist_pool(2).run(_collective_inside_backward)
+    for seen in got:
+        assert seen == {"before": True, "during": False, "after": True, "sum": [2.0] * 3}

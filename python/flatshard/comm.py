@@ -57,6 +57,34 @@ def _flat_all_gather():
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class _NoStashedContext:
+    """Issue a collective without the Python object torch's backward stashes
+    in thread-local state (torch/autograd/graph.py, key "context").
+
+    A gloo collective copies the issuing thread's state into its work item,
+    and a worker thread drops the item after the caller has moved on. When
+    that item holds a Python object and the caller is already finalizing the
+    interpreter, the worker cannot take the GIL and the process aborts
+    ("terminate called without an active exception"). Collectives issued
+    from backward hooks (every gradient reduce-scatter) would carry it."""
+    _has = getattr(torch._C, "_is_key_in_tls", None)
+    _get = getattr(torch._C, "_get_obj_in_tls", None)
+    _remove = getattr(torch._C, "_remove_obj_from_tls", None)
+    _stash = getattr(torch._C, "_stash_obj_in_tls", None)
+    KEY = "context"
+
+    def __enter__(self):
+        self.saved = None
+        if self._has and self._remove and self._has(self.KEY):
+            self.saved = self._get(self.KEY)
+            self._remove(self.KEY)
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self._stash(self.KEY, self.saved)
+            self.saved = None
+
+
 def _torch_collective(group):
     """The Python half of the torch backend, bound to one process group.
 
@@ -65,7 +93,13 @@ def _torch_collective(group):
     all_gather = _flat_all_gather()
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+    no_stash = _NoStashedContext()
+
     def run(op, a, b, arg):
+        with no_stash:
+            _run(op, a, b, arg)
+
+    def _run(op, a, b, arg):
         if op == "all_gather":
             all_gather(from_dlpack(b), from_dlpack(a), group=group)
         elif op == "reduce_scatter":
