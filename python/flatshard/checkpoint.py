@@ -139,8 +139,9 @@ def latest_checkpoint(path):
 
 
 def load_checkpoint(path, model, optimizer=None):
-    """Load what save_checkpoint wrote (on any number of ranks) into `model`
-    and `optimizer`; returns the saved `extra` dict ({} if none). Every name,
+    """Load what save_checkpoint wrote (on any number of ranks) from `path`
+    (a checkpoint directory, or the directory above it: the latest complete
+    one is taken, see latest_checkpoint) into `model` and `optimizer`; returns the saved `extra` dict ({} if none). Every name,
     shape and dtype is checked against the checkpoint first: a mismatch
     raises StateDictError naming the first mismatching keys, and nothing
     is loaded."""

@@ -56,8 +56,21 @@ class CustomPolicy:
         return out
 
 
+_POLICY_ARGS = """
+    Called by the wrapper (bind the policy's own arguments with
+    functools.partial): `module` is the candidate submodule; with
+    `recurse=True` the question is whether to look inside it, with
+    `recurse=False` whether it becomes a unit; `nonwrapped_numel` counts its
+    parameters not already in a unit below it."""
+
+
 def transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, transformer_layer_cls):
     return True if recurse else isinstance(module, tuple(transformer_layer_cls))
+
+
+transformer_auto_wrap_policy.__doc__ = """torch's transformer_auto_wrap_policy: every
+    module that is an instance of a class in `transformer_layer_cls` (a set of
+    classes) becomes a unit.""" + _POLICY_ARGS
 
 
 def size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=int(1e8),
@@ -69,8 +82,19 @@ def size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_param
     return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(exclude))
 
 
+size_based_auto_wrap_policy.__doc__ = """torch's size_based_auto_wrap_policy: a module
+    becomes a unit when at least `min_num_params` of its parameters are not in
+    a unit yet; never looks inside `force_leaf_modules` (default:
+    nn.MultiheadAttention) and never wraps `exclude_wrap_modules` themselves
+    (default: nn.ModuleList, nn.ModuleDict).""" + _POLICY_ARGS
+
+
 def lambda_auto_wrap_policy(module, recurse, nonwrapped_numel, lambda_fn):
     return True if recurse else bool(lambda_fn(module))
+
+
+lambda_auto_wrap_policy.__doc__ = """torch's lambda_auto_wrap_policy: a module becomes a
+    unit when `lambda_fn(module)` is true.""" + _POLICY_ARGS
 
 
 def _walk(module, fn, ignored_modules, ignored_params, out, is_root):

@@ -1,0 +1,224 @@
+"""Generate docs/reference.md from the code: every public name of `flatshard`
+(its `__all__`) and of `flatshard.optim`, with signatures, defaults, fields
+and docstrings; every environment variable (flatshard/envvars.py); every
+command-line tool (`python -m flatshard ... --help`).
+
+    python docs/make_reference.py            rewrite docs/reference.md
+    python docs/make_reference.py --check    exit 1 if docs/reference.md is stale
+
+tests/test_reference.py runs the check, and also that every argument of every
+public callable is described in its docstring.
+"""
+import argparse
+import dataclasses
+import enum
+import inspect
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "reference.md")
+
+
+def public_objects():
+    """(qualified name, object) for everything the reference documents, in order."""
+    import flatshard
+    import flatshard.optim as fopt
+    out, seen = [], set()
+    # An alias (FSDP) is documented once, under the object's own name.
+    for n in sorted(flatshard.__all__, key=lambda n: getattr(getattr(flatshard, n), "__name__",
+                                                                 n) != n):
+        o = getattr(flatshard, n)
+        out.append((f"flatshard.{n}", ALIAS(o) if id(o) in seen else o))
+        seen.add(id(o))
+    out.sort(key=lambda qo: flatshard.__all__.index(qo[0].split(".")[-1]))
+    names = getattr(fopt, "__all__", None) or [n for n in ("AdamW", "Adam", "SGD")
+                                               if hasattr(fopt, n)]
+    for n in names:
+        o = getattr(fopt, n)
+        if id(o) not in seen:
+            out.append((f"flatshard.optim.{n}", o))
+            seen.add(id(o))
+    return out
+
+
+class ALIAS:
+    """Another public name for an object documented under its own name."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
+def _ann(a):
+    if a is inspect.Parameter.empty:
+        return ""
+    return a if isinstance(a, str) else inspect.formatannotation(a)
+
+
+def signature_lines(name, obj):
+    """`name(arg=default, ...)`, one argument per line when it is long."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return [name + "(...)"]
+    params = []
+    for p in sig.parameters.values():
+        if p.name == "self":
+            continue
+        text = str(p.replace(annotation=inspect.Parameter.empty))
+        ann = _ann(p.annotation)
+        if ann:
+            head, eq, rest = text.partition("=")
+            text = f"{head}: {ann}" + (f" = {rest}" if eq else "")
+        params.append(text)
+    one = f"{name}({', '.join(params)})"
+    if len(one) <= 96:
+        return [one]
+    return [f"{name}("] + [f"    {p}," for p in params] + [")"]
+
+
+def own_methods(cls):
+    """Public methods defined by flatshard classes (not inherited from torch)."""
+    out = []
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("flatshard"):
+            continue
+        for n, v in vars(klass).items():
+            if n.startswith("_") or n in {m for m, _ in out}:
+                continue
+            f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+            if inspect.isfunction(f):
+                out.append((n, f))
+    return sorted(out)
+
+
+def doc_of(obj):
+    doc = inspect.getdoc(obj) or ""
+    if dataclasses.is_dataclass(obj) and doc.startswith(obj.__name__ + "("):
+        return ""  # the generated one: the fields table says it better
+    if isinstance(obj, type) and issubclass(obj, enum.Enum) and doc.startswith("Create a collection"):
+        return ""
+    return doc
+
+
+def section(qual, obj):
+    short = qual.split(".")[-1]
+    lines = [f"### `{qual}`", ""]
+    if isinstance(obj, ALIAS):
+        return lines + [f"The same object as `flatshard.{obj.obj.__name__}`.", ""]
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        bases = ", ".join(b.__name__ for b in obj.__bases__)
+        lines += ["```python", f"class {short}({bases})", "```", ""]
+    elif isinstance(obj, type) and issubclass(obj, enum.Enum):
+        lines += ["| member | value |", "|---|---|"]
+        lines += [f"| `{m.name}` | `{m.value!r}` |" for m in obj]
+        lines.append("")
+    elif dataclasses.is_dataclass(obj):
+        lines += ["| field | type | default |", "|---|---|---|"]
+        for f in dataclasses.fields(obj):
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f"{f.default_factory.__name__}()"
+            else:
+                default = "required"
+            lines.append(f"| `{f.name}` | `{_ann(f.type)}` | `{default}` |")
+        lines.append("")
+    elif isinstance(obj, type):
+        lines += ["```python", "class " + "\n".join(signature_lines(short, obj.__init__)), "```",
+                  ""]
+    elif callable(obj):
+        lines += ["```python", "\n".join(signature_lines(short, obj)), "```", ""]
+    doc = doc_of(obj)
+    if doc:
+        lines += [doc, ""]
+    if isinstance(obj, type) and not issubclass(obj, (BaseException, enum.Enum)):
+        for n, f in own_methods(obj):
+            lines += [f"#### `{short}.{n}`", "", "```python",
+                      "\n".join(signature_lines(n, f)), "```", ""]
+            d = inspect.getdoc(f)
+            if d:
+                lines += [d, ""]
+    return lines
+
+
+def cli_help():
+    env = dict(os.environ, COLUMNS="100")
+    top = subprocess.run([sys.executable, "-m", "flatshard", "--help"], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    lines = ["```text", "$ python -m flatshard --help", top.rstrip(), "```", ""]
+    for cmd in re.findall(r"^    (\w+)\s", top, flags=re.M):
+        h = subprocess.run([sys.executable, "-m", "flatshard", cmd, "--help"],
+                           capture_output=True, text=True, env=env, check=True).stdout
+        lines += ["```text", f"$ python -m flatshard {cmd} --help", h.rstrip(), "```", ""]
+    return lines
+
+
+def render():
+    from flatshard.envvars import ENV
+    lines = ["# flatshard reference", "",
+             "Generated from the code by `python docs/make_reference.py`; "
+             "tests/test_reference.py fails when this file and the code differ. "
+             "For how the pieces fit, see design.md; for how to use them, guide.md.", "",
+             "## Python API", ""]
+    for qual, obj in public_objects():
+        lines += section(qual, obj)
+    lines += ["## Environment variables", "",
+              "Arguments always win over the environment; a malformed value is a "
+              "`ConfigError` naming the variable.", "",
+              "| variable | default | effect |", "|---|---|---|"]
+    lines += [f"| `{k}` | `{d}` | {e} |" for k, (d, e) in sorted(ENV.items())]
+    lines += ["", "## Command line", ""] + cli_help()
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def undocumented_arguments():
+    """'qualname: arg' for every argument no docstring mentions (by name)."""
+    missing = []
+    for qual, obj in public_objects():
+        if isinstance(obj, ALIAS) or (isinstance(obj, type)
+                                      and issubclass(obj, (BaseException, enum.Enum))):
+            continue
+        if dataclasses.is_dataclass(obj):
+            targets = [(qual, obj, [f.name for f in dataclasses.fields(obj)])]
+        elif isinstance(obj, type):
+            targets = [(qual, obj.__init__, None)]
+            targets += [(f"{qual}.{n}", f, None) for n, f in own_methods(obj)]
+        else:
+            targets = [(qual, obj, None)]
+        for name, fn, names in targets:
+            doc = (inspect.getdoc(fn) or "") + "\n" + (inspect.getdoc(obj) or "")
+            if names is None:
+                try:
+                    sig = inspect.signature(fn)
+                except (TypeError, ValueError):
+                    continue
+                names = [p.name for p in sig.parameters.values()
+                         if p.name not in ("self", "cls") and p.kind not in (p.VAR_POSITIONAL,
+                                                                             p.VAR_KEYWORD)]
+            missing += [f"{name}: {a}" for a in names
+                        if not re.search(r"(?<![\w.])" + re.escape(a) + r"(?!\w)", doc)]
+    return missing
+
+
+def main():
+    ap = argparse.ArgumentParser(description="generate docs/reference.md")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the file is stale")
+    args = ap.parse_args()
+    text = render()
+    if args.check:
+        current = open(OUT).read() if os.path.exists(OUT) else ""
+        if current != text:
+            print("docs/reference.md is stale: run python docs/make_reference.py")
+            return 1
+        return 0
+    with open(OUT, "w") as f:
+        f.write(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
