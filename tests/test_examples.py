@@ -84,3 +84,23 @@ def test_hf_llama_matches_single_process_training():
         want.append(loss.item())
     assert got[-1] < got[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-5, atol=1e-5)
+
+
+def test_train_gpt_resumes_where_it_stopped(tmp_path):
+    """bf16 + activation checkpointing + sharded checkpoints: stopping after
+    3 steps and resuming prints the same losses as running straight through."""
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    small = ["--seq", "16", "--batch", "4", "--ckpt-every", "3"]
+
+    def losses(out):
+        return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss (\d+\.\d+)", out)}
+
+    straight = losses(torchrun(script, "--steps", "5", *small))
+    ckpt = str(tmp_path / "ckpt")
+    first = losses(torchrun(script, "--steps", "3", "--ckpt-dir", ckpt, *small))
+    out = torchrun(script, "--steps", "5", "--ckpt-dir", ckpt, "--resume", *small)
+    assert "resumed from step 3" in out
+    second = losses(out)
+    assert sorted(first) == [0, 1, 2] and sorted(second) == [3, 4]
+    assert {**first, **second} == straight
+    assert straight[4] < straight[0]
