@@ -66,3 +66,46 @@ def test_demo_trains_and_reports():
     assert "tokens/s" in out
     rows = re.findall(r"^\s+(\d)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+0$", out, flags=re.M)
     assert [r[0] for r in rows] == ["0", "1"]  # both ranks, nothing left unsharded
+
+
+def shell_commands():
+    """Every command in README.md and docs/*.md, except the README's two
+    install-and-run commands (the demo test above and CI run those) and the
+    guide's (tests/test_guide.py runs them and checks their output)."""
+    out = []
+    for path in DOCS:
+        if path.endswith("guide.md"):
+            continue
+        cmds = blocks_in(open(path).read(), "bash")
+        if path.endswith("README.md"):
+            cmds = cmds[2:]
+        out += [(os.path.relpath(path, ROOT), c) for c in cmds]
+    return out
+
+
+COMMANDS = shell_commands()
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    """A real sharded checkpoint, for commands that take CKPT_DIR."""
+    d = tmp_path_factory.mktemp("ckpt")
+    proc = torchrun([os.path.join("examples", "train_gpt.py"), "--steps", "1", "--seq", "8",
+                     "--batch", "2", "--ckpt-every", "1", "--ckpt-dir", str(d)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return d
+
+
+@pytest.mark.parametrize("path,cmd", COMMANDS, ids=[f"{p}:{c.split()[2] if len(c.split()) > 2 else c}"
+                                                    for p, c in COMMANDS])
+def test_command_runs(path, cmd, tmp_path, request):
+    if "CKPT_DIR" in cmd:
+        cmd = cmd.replace("CKPT_DIR", str(request.getfixturevalue("ckpt_dir")))
+    for name in ("examples", "benchmarks", "docs"):
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = "set -e\n" + re.sub(r"(^|[;&|(]\s*)python3?(?=\s)", lambda m: m.group(1) + sys.executable,
+                                  cmd, flags=re.M)
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
