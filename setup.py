@@ -4,7 +4,10 @@ torch at build time, so `pip install .` takes seconds.
 CUDA sources (csrc/cuda/*.cu) are compiled with nvcc into a separate
 extension, flatshard._C_cuda, when a toolkit is found (CUDA_HOME, or
 /usr/local/cuda, or nvcc on PATH); without one they are skipped and the CPU
-build is complete on its own. FLATSHARD_NO_CUDA=1 skips them explicitly.
+build is complete on its own. FLATSHARD_NO_CUDA=1 skips them explicitly. A
+toolkit that is found must build: an nvcc error fails the install. The
+CUDA runtime is linked statically and NCCL opened at run time, so the
+extension imports (and flatshard works on CPU) on machines without a GPU.
 """
 import glob
 import os
@@ -29,21 +32,54 @@ def find_nvcc():
     return shutil.which("nvcc")
 
 
+def cuda_home(nvcc):
+    """The toolkit root holding nvcc's headers and the static runtime."""
+    for home in (os.environ.get("CUDA_HOME"),
+                 os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")):
+            return home
+    raise RuntimeError(f"flatshard: found nvcc at {nvcc} but no CUDA headers next to it; "
+                       "set CUDA_HOME to the toolkit, or FLATSHARD_NO_CUDA=1 to build without "
+                       "the CUDA kernels")
+
+
+def cuda_archs():
+    """SASS for each listed compute capability, plus PTX of the newest one so
+    later GPUs JIT it. FLATSHARD_CUDA_ARCHS="80;90" adds A100; the default
+    (Hopper only) keeps the CUDA build to seconds."""
+    archs = [a.strip().replace(".", "") for a in
+             os.environ.get("FLATSHARD_CUDA_ARCHS", "90").replace(",", ";").split(";")
+             if a.strip()]
+    flags = []
+    for a in archs:
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    top = max(archs, key=int)
+    return flags + ["-gencode", f"arch=compute_{top},code=compute_{top}"]
+
+
 class BuildExt(build_ext):
-    """Compiles .cu sources with nvcc, the rest with the C compiler."""
+    """Compiles .cu sources with nvcc, the rest with the C compiler. A failing
+    nvcc is a build error: a toolkit that is present must build."""
 
     def build_extension(self, ext):
         cu = [s for s in ext.sources if s.endswith(".cu")]
         if not cu:
             return super().build_extension(ext)
         nvcc = find_nvcc()
-        objs = []
         os.makedirs(self.build_temp, exist_ok=True)
-        for src in cu:
-            obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
-            subprocess.check_call([nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-                                   "-I", os.path.join(HERE, "csrc"), "-c", src, "-o", obj])
-            objs.append(obj)
+        objs = [os.path.join(self.build_temp, os.path.basename(src) + ".o") for src in cu]
+        cmds = [[nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                 *cuda_archs(), "-I", os.path.join(HERE, "csrc"), "-c", src, "-o", obj]
+                for src, obj in zip(cu, objs)]
+        for cmd in cmds:
+            print(" ".join(cmd))
+        # the .cu files compile in parallel: nvcc is most of the build's time
+        procs = [subprocess.Popen(cmd) for cmd in cmds]
+        failed = [src for src, p in zip(cu, procs) if p.wait() != 0]
+        if failed:
+            raise RuntimeError(f"flatshard: nvcc failed on {', '.join(failed)} (commands "
+                               "above); set FLATSHARD_NO_CUDA=1 to build without the CUDA "
+                               "kernels")
         ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
         ext.extra_objects = objs + list(ext.extra_objects or [])
         super().build_extension(ext)
@@ -56,11 +92,16 @@ def extensions():
     cu_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     nvcc = find_nvcc()
     if cu_sources and nvcc:
-        home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        home = cuda_home(nvcc)
+        # The CUDA runtime is linked statically (no libcudart needed at import,
+        # and importing touches no GPU); NCCL is opened at run time
+        # (csrc/cuda/comm_nccl.c). comm.c is the core's argument checking.
         exts.append(Extension(
-            "flatshard._C_cuda", sorted(glob.glob("csrc/cuda/*.c")) + cu_sources,
+            "flatshard._C_cuda",
+            sorted(glob.glob("csrc/cuda/*.c")) + ["csrc/comm.c", "csrc/status.c"] + cu_sources,
             include_dirs=["csrc", os.path.join(home, "include")],
-            library_dirs=[os.path.join(home, "lib64")], libraries=["cudart"],
+            library_dirs=[os.path.join(home, "lib64")],
+            libraries=["cudart_static", "stdc++", "dl", "rt", "pthread"],
             extra_compile_args=C_FLAGS))
     return exts
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flatshard
+import flatshard.plan
 from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
 
 
@@ -71,6 +72,9 @@ def main():
                  sharding_strategy=ShardingStrategy[args.strategy],
                  device_id=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    # FLATSHARD_MEMORY_REPORT=1: each rank prints the planner's prediction
+    # against its measured bytes after the first step (flatshard.plan).
+    watch = flatshard.plan.watch_from_env(model)
     if rank == 0:
         print(f"flatshard {flatshard.__version__}: {n_params / 1e6:.2f}M parameters, "
               f"{world} ranks, {args.strategy}, collectives over "
@@ -91,6 +95,8 @@ def main():
         loss = nn.functional.cross_entropy(logits.reshape(-1, 512), seq[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
+        if watch is not None and step == 0:
+            print(watch.report(opt) + "\n", end="", flush=True)
         tokens += args.batch * args.seq * world
         avg = loss.detach().clone()
         dist.all_reduce(avg)

@@ -1,5 +1,5 @@
 """flatshard's command line: `python -m flatshard COMMAND ...`, one subcommand
-per tool (`consolidate`, `doctor`); each adds a parser and a function below."""
+per tool (`consolidate`, `doctor`, `plan`); each adds a parser and a function below."""
 import argparse
 import os
 import sys
@@ -18,6 +18,7 @@ def doctor_report():
     import torch
 
     from . import __version__, _C
+    from .cuda_nccl import describe as cuda_line
     try:
         from . import _C_cuda  # noqa: F401  (built only where nvcc was found)
         cuda_built = "yes"
@@ -32,6 +33,7 @@ def doctor_report():
         f"shm ({'available' if shm else 'not available: needs Linux /dev/shm'}), "
         f"nccl (not built)",
         f"CUDA kernels built: {cuda_built}; torch sees CUDA: {torch.cuda.is_available()}",
+        cuda_line(),
     ]
 
 
@@ -58,6 +60,8 @@ def _parser():
     p.set_defaults(run=_consolidate)
     d = commands.add_parser("doctor", help="what flatshard was built with and can run here")
     d.set_defaults(run=_doctor)
+    from .plan_report import add_parser as add_plan
+    add_plan(commands)
     return parser
 
 

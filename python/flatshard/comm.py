@@ -10,7 +10,7 @@ environment variable when the argument is not given):
   "auto"   shm when every rank of the group is on this host, else torch
   "shm"    shared memory between the ranks of one host (csrc/comm_shm.c)
   "torch"  the process group itself (gloo), through `_torch_collective`
-  "nccl"   GPUs only: not built yet, refused
+  "nccl"   GPUs only (cuda_nccl.py); refused by the wrapper, whose units run on CPU
 Every shm wait gives up after FLATSHARD_COMM_TIMEOUT seconds (default 300)
 with an error naming the rank that did not arrive and where it is. Every
 collective is recorded in the Comm's ledger (Comm.ledger()); a failed one
@@ -126,8 +126,11 @@ def requested_backend(value):
     if value not in BACKENDS:
         raise bad_value(arg, value, f"expected one of {', '.join(map(repr, BACKENDS))}")
     if value == "nccl":
-        raise not_built(arg, value, "the NCCL backend needs CUDA devices, and this build runs "
-                        "on CPU only; use 'auto', 'shm' or 'torch'")
+        from .cuda_nccl import nccl_usable
+        why = ("the wrapper's units run on CPU devices only; the NCCL backend itself is "
+               "flatshard.cuda_nccl.nccl_comm_for(group)" if nccl_usable() else
+               "the NCCL backend needs CUDA devices, and this build runs on CPU only")
+        raise not_built(arg, value, f"{why}; use 'auto', 'shm' or 'torch'")
     return value
 
 
@@ -224,6 +227,9 @@ def comm_for(group, backend="torch"):
                             f"Linux host ({sorted(set(h.split('|')[0] for h in hosts))})",
                             "use 'torch' (or 'auto') for multi-host groups")
         chosen = "shm" if one_host else "torch"
+    if chosen == "nccl":  # device tensors only: NcclBackend (cuda_nccl.py), not a _C.Comm
+        from .cuda_nccl import nccl_comm_for
+        return nccl_comm_for(group)
     if chosen == "shm":
         comm = _make_shm(group)
     else:

@@ -1,0 +1,26 @@
+/* py_cuda.h - what the CPython glue of flatshard._C_cuda shares
+ * (py_cuda.c: module and kernels; py_nccl.c: the NcclComm type). */
+#ifndef FS_PY_CUDA_H
+#define FS_PY_CUDA_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "../comm.h"
+#include "fs_cuda.h"
+
+#if PY_VERSION_HEX < 0x030D0000
+#define Py_IsFinalizing _Py_IsFinalizing /* public from 3.13 */
+#endif
+
+typedef struct {
+    PyObject *CudaError; /* RuntimeError */
+    PyObject *NcclError; /* CudaError */
+    PyObject *NcclCommType;
+} cuda_state;
+
+cuda_state *fs_cuda_state_of_type(PyTypeObject *tp);
+/* Create flatshard._C_cuda.NcclComm into st->NcclCommType and the module. */
+int fs_nccl_type_add(PyObject *module, cuda_state *st);
+
+#endif
