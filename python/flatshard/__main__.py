@@ -31,7 +31,8 @@ def doctor_report():
         f"CPU SIMD for reductions and optimizers: {_C.simd_level()}",
         f"collective backends: torch (any process group), "
         f"shm ({'available' if shm else 'not available: needs Linux /dev/shm'}), "
-        f"nccl (not built)",
+        "nccl (kernels and communicator built, but the wrappers do not place units on CUDA "
+        "devices yet)" if cuda_built == "yes" else "nccl (not built)",
         f"CUDA kernels built: {cuda_built}; torch sees CUDA: {torch.cuda.is_available()}",
         cuda_line(),
     ]

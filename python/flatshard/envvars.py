@@ -1,8 +1,8 @@
 """Every environment variable flatshard reads, with its default and effect.
 
 This table is the documentation (docs/reference.md is generated from it) and
-tests/test_reference.py checks that every FLATSHARD_* name in the sources is
-here, so a new variable cannot go undocumented. Arguments always win over the
+tests/test_reference.py checks that every FLATSHARD_* name in the sources
+(and setup.py) is here, so a new variable cannot go undocumented. Arguments always win over the
 environment; a malformed value is a ConfigError naming the variable.
 """
 
@@ -20,4 +20,20 @@ ENV = {
         "8388608",
         "Bytes of staging each rank owns in the shared-memory segment (two halves; larger "
         "transfers go in chunks of half a slot). At least 4096."),
+    "FLATSHARD_NCCL_LIBRARY": (
+        "(search)",
+        "Path of libnccl.so.2 for the NCCL backend; by default the copy torch loaded, then the "
+        "nvidia-nccl wheel's, then the loader's search path."),
+    "FLATSHARD_MEMORY_REPORT": (
+        "0",
+        "1: `flatshard.plan.watch_from_env(model)` returns a watch, and the examples print "
+        "each rank's predicted against measured memory after the first step."),
+    # Read by setup.py when building:
+    "FLATSHARD_NO_CUDA": (
+        "0",
+        "Build time. 1: do not compile the CUDA sources even when nvcc is found."),
+    "FLATSHARD_CUDA_ARCHS": (
+        "90",
+        "Build time. GPU architectures for nvcc, separated by ';' or ',' (e.g. '80;90'); "
+        "PTX for the newest is included so later GPUs can run it."),
 }
