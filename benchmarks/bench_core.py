@@ -1,12 +1,18 @@
-"""Side-by-side step time and per-rank memory: torch FSDP1 vs flatshard.
+"""Side-by-side step time and per-rank memory: torch vs flatshard (FSDP1 and FSDP2 APIs).
 
     python3 benchmarks/bench_core.py [--steps N] [--warmup K]
         [--impl torch,flatshard,flatshard-gloo] [--model transformer,tiny64]
         [--strategy FULL_SHARD]
+    python3 benchmarks/bench_core.py --impl torch-fsdp2,flatshard-fsdp2,flatshard-fsdp2-gloo
 
 Impls: "torch" is torch's FSDP1; "flatshard" is flatshard with its default
 collective backend (shared memory between ranks of one host); "flatshard-gloo"
 is flatshard over the same gloo process group torch uses (comm_backend="torch").
+FSDP2's API (fully_shard on every block, then on the root): "torch-fsdp2" is
+torch's fully_shard; "flatshard-fsdp2" is flatshard.fully_shard on its default backend and
+"flatshard-fsdp2-gloo" the same over gloo (FLATSHARD_COMM_BACKEND=torch).
+Ratios are printed against "torch" and, for the fully_shard impls, against
+"torch-fsdp2".
 
 For every (model, impl) pair this spawns a fresh 2-rank gloo process group on
 CPU (one intra-op thread per rank, its own port), builds the model from the
@@ -71,10 +77,33 @@ def import_impl(impl):
     return flatshard.FullyShardedDataParallel, flatshard.ShardingStrategy, extra
 
 
+FSDP2_IMPLS = ("torch-fsdp2", "flatshard-fsdp2", "flatshard-fsdp2-gloo")
+
+
+def fully_shard_model(impl, spec):
+    """FSDP2's API: fully_shard on every unit, then on the root."""
+    if impl == "torch-fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        if impl.endswith("-gloo"):
+            os.environ["FLATSHARD_COMM_BACKEND"] = "torch"
+        import_impl("flatshard")
+        from flatshard import fully_shard
+    torch.manual_seed(0)
+    model = spec["build"]()
+    for m in model.modules():
+        if isinstance(m, spec["unit_cls"]):
+            fully_shard(m)
+    fully_shard(model)
+    return model
+
+
 def storage_bytes(tensors):
-    """Bytes of the distinct storages behind `tensors` (views share one)."""
+    """Bytes of the distinct storages behind `tensors` (views share one;
+    a DTensor counts its local shard)."""
     seen = {}
     for t in tensors:
+        t = getattr(t, "_local_tensor", t)
         s = t.untyped_storage()
         seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
     return sum(seen.values())
@@ -90,13 +119,16 @@ def worker(rank, port, impl, model_name, args, queue):
     # A hung collective fails after COLLECTIVE_TIMEOUT instead of stalling the run.
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
     try:
-        FSDP, ShardingStrategy, extra = import_impl(impl)
         spec = MODELS[model_name]()
         rss0 = max_rss_bytes()
-        torch.manual_seed(0)
-        model = FSDP(spec["build"](), auto_wrap_policy=ModuleWrapPolicy({spec["unit_cls"]}),
-                     sharding_strategy=ShardingStrategy[args.strategy],
-                     device_id=torch.device("cpu"), **extra)
+        if impl in FSDP2_IMPLS:
+            model = fully_shard_model(impl, spec)
+        else:
+            FSDP, ShardingStrategy, extra = import_impl(impl)
+            torch.manual_seed(0)
+            model = FSDP(spec["build"](), auto_wrap_policy=ModuleWrapPolicy({spec["unit_cls"]}),
+                         sharding_strategy=ShardingStrategy[args.strategy],
+                         device_id=torch.device("cpu"), **extra)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         inputs, targets = spec["make_batch"](rank)
 
@@ -176,15 +208,18 @@ def report(model_name, results):
         print("first losses:")
     for impl, r in ok.items():
         print(f"  {impl:>14}: " + "  ".join(f"{x:.8f}" for x in r["losses"]))
-    base = results.get("torch")
-    for name, new in results.items():
-        if name == "torch" or base is None or new is None:
-            continue
-        diff = max(abs(a - b) for a, b in zip(base["losses"], new["losses"]))
-        print(f"  max |loss diff| {name} vs torch: {diff:.2e}")
-        ratios = [f"{key} {new[key] / base[key]:.3f}" if base[key] else f"{key} n/a"
-                  for key, _, _ in FIELDS]
-        print(f"ratio {name}/torch: " + ", ".join(ratios))
+    for base_name in ("torch", "torch-fsdp2"):
+        base = results.get(base_name)
+        for name, new in results.items():
+            if name in ("torch", base_name) or base is None or new is None:
+                continue
+            if base_name == "torch-fsdp2" and name not in FSDP2_IMPLS:
+                continue
+            diff = max(abs(a - b) for a, b in zip(base["losses"], new["losses"]))
+            print(f"  max |loss diff| {name} vs {base_name}: {diff:.2e}")
+            ratios = [f"{key} {new[key] / base[key]:.3f}" if base[key] else f"{key} n/a"
+                      for key, _, _ in FIELDS]
+            print(f"ratio {name}/{base_name}: " + ", ".join(ratios))
 
 
 def main():

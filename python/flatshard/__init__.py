@@ -39,3 +39,10 @@ __all__ += ["StateDictError", "StateDictSettings", "OptimStateDictConfig",
 from .consolidate import consolidate  # noqa: E402
 
 __all__ += ["consolidate"]
+
+# FSDP2's API: fully_shard and FSDPModule (fsdp2.py, fsdp2_param.py, fsdp2_state.py).
+from .fsdp2 import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,  # noqa: E402
+                    OffloadPolicy, UnshardHandle, fully_shard, register_fsdp_forward_method)
+
+__all__ += ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+            "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]

@@ -1,0 +1,258 @@
+"""One fully_shard group: its parameters as dim-0 DTensor shards, one flat
+all-gather to unshard them and one reduce-scatter for their gradients.
+
+Layout (csrc/layout.h, DIM0): parameter i is cut on dim 0 into chunks of
+ceil(dim0 / world) rows (torch.chunk's rule, which is also DTensor's Shard(0)
+rule, so the local tensors are exactly what DTensor expects). A rank's
+all-gather input ("block") holds its chunk of every parameter, each padded
+to the common row count; the C core copies shards into the block
+(dim0_copy_in, casting to the compute dtype) and parameters out of the
+gathered blocks (dim0_copy_out). Gradients take the reverse road: every
+rank's chunk of each unsharded gradient is copied into its block of the
+reduce-scatter input, cast to the reduce dtype, and the C core's
+reduce-scatter averages them (SUM then divide in C, on every backend).
+
+The unsharded parameters are leaf nn.Parameters that alias one flat buffer
+per group. Resharding frees that buffer's storage (resize to 0) and
+unsharding refills it in place, so tensors autograd saved in forward see the
+data again in backward.
+"""
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import _C
+from .comm import all_gather_into, all_reduce_, dtype_code, reduce_scatter_into
+
+ALIGN_BYTES = 16
+
+
+def _entry_from(entry, local_row_begin):
+    """The same entry with another first row: dim0_copy_in reads rows from
+    local_row_begin of its source, which is 0 for a rank's own shard."""
+    return entry[:4] + (local_row_begin,) + entry[5:]
+
+
+class ParamGroup:
+    """params: unique parameters of one dtype (registration order);
+    aliases[i]: every (module, attr) where params[i] is registered."""
+
+    def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy):
+        self.mesh = mesh
+        self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
+        self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
+        self.placements = ([Replicate()] if replicate_comm is not None else []) + [Shard(0)]
+        self.aliases = aliases
+        self.world = comm.world_size
+        self.rank = comm.rank
+        self.dtype = params[0].dtype
+        self.shapes = [p.shape for p in params]
+        floating = self.dtype.is_floating_point
+        self.compute_dtype = (mp_policy.param_dtype or self.dtype) if floating else self.dtype
+        self.reduce_dtype = (mp_policy.reduce_dtype or self.compute_dtype) if floating \
+            else self.dtype
+        dim0s = [s[0] for s in self.shapes]
+        rows = [int(torch.Size(s[1:]).numel()) for s in self.shapes]
+        align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.compute_dtype).element_size())
+        # Entries for every rank: the reduce-scatter input holds each rank's block.
+        self.rank_entries = []
+        for r in range(self.world):
+            layout, entries = _C.layout_dim0(dim0s, rows, self.world, r, align)
+            self.rank_entries.append(entries)
+        self.block_numel = layout["block_numel"]
+        self.entries = self.rank_entries[self.rank]
+        # Offsets of each unsharded parameter in the flat unsharded buffer.
+        self.offsets, pos = [], 0
+        for p in params:
+            self.offsets.append(pos)
+            pos += -(-p.numel() // align) * align
+        self.full_numel = pos
+        # Padded so that any divisor of the world can split it (int reshard_after_forward).
+        self.full_alloc = -(-pos // (align * self.world)) * align * self.world
+        self.full = None       # flat unsharded buffer (compute dtype), made at first unshard
+        self.unsharded = None  # its per-parameter leaf Parameters
+        self.is_unsharded = False
+        self.sharded = [self._shard(i, p) for i, p in enumerate(params)]
+        self.divide_factor = None
+        # int reshard_after_forward: after forward keep 1/k of the unsharded buffer,
+        # gathered back in backward over a group of k ranks (post_comm).
+        self.post_comm = None
+        self.post_chunk = None
+        self.n_post_gathers = 0
+        self.n_all_gathers = 0
+        self.n_reduce_scatters = 0
+
+    # ------------------------------------------------------------------
+    # sharded parameters
+
+    def _shard(self, i, p):
+        e = self.entries[i]
+        with torch.no_grad():
+            local = p.detach()[e[4]:e[4] + e[5]].clone()
+        d = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                               shape=self.shapes[i], stride=_contiguous_stride(self.shapes[i]))
+        return nn.Parameter(d, requires_grad=p.requires_grad)
+
+    def local(self, i):
+        return self.sharded[i]._local_tensor
+
+    def refresh_sharded(self):
+        """After nn.Module._apply (to_empty, to, float...): re-read the
+        registered sharded parameters, which may be new objects."""
+        for i, aliases in enumerate(self.aliases):
+            m, attr = aliases[0]
+            p = m._parameters[attr]
+            self.sharded[i] = p
+            for m2, a2 in aliases[1:]:
+                m2._parameters[a2] = p
+        if self.full is not None:
+            self.full, self.unsharded = None, None
+            self.is_unsharded = False
+        self.post_chunk = None
+
+    def register_sharded(self):
+        for p, aliases in zip(self.sharded, self.aliases):
+            for m, attr in aliases:
+                m._parameters[attr] = p
+
+    # ------------------------------------------------------------------
+    # unshard / reshard
+
+    def _make_full(self):
+        device = self.local(0).device
+        self.full = torch.empty(self.full_alloc, dtype=self.compute_dtype, device=device)
+        self.unsharded = []
+        for off, shape, sp in zip(self.offsets, self.shapes, self.sharded):
+            n = int(torch.Size(shape).numel())
+            self.unsharded.append(nn.Parameter(self.full.narrow(0, off, n).view(shape),
+                                               requires_grad=sp.requires_grad))
+        self.full.untyped_storage().resize_(0)
+
+    def unshard(self):
+        """One all-gather of every rank's block (the shards cast to the
+        compute dtype in C), then each parameter copied out of the gathered
+        blocks into the unsharded buffer, also in C."""
+        if self.is_unsharded:
+            return
+        if self.full is None:
+            self._make_full()
+        es = self.full.element_size()
+        self.full.untyped_storage().resize_(self.full_alloc * es)
+        if self.post_chunk is not None:  # the smaller group holds it all: gather from there
+            all_gather_into(self.post_comm, self.full, self.post_chunk,
+                            tag="fully_shard.unshard_post_forward")
+            self.post_chunk = None
+            self.n_post_gathers += 1
+            self.is_unsharded = True
+            self.set_views()
+            return
+        code = dtype_code(self.compute_dtype)
+        block = torch.empty(self.block_numel, dtype=self.compute_dtype, device=self.full.device)
+        gathered = torch.empty(self.block_numel * self.world, dtype=self.compute_dtype,
+                               device=self.full.device)
+        for i, e in enumerate(self.entries):
+            src = self.local(i).detach().contiguous()
+            _C.dim0_copy_in(block.data_ptr(), code, src.data_ptr(), dtype_code(src.dtype),
+                            _entry_from(e, 0))
+        all_gather_into(self.comm, gathered, block, tag="fully_shard.unshard")
+        self.n_all_gathers += 1
+        base = self.full.data_ptr()
+        for i, e in enumerate(self.entries):
+            _C.dim0_copy_out(base + self.offsets[i] * es, code, gathered.data_ptr(), code,
+                             self.world, self.block_numel, e)
+        self.is_unsharded = True
+        self.set_views()
+
+    def n_trainable(self):
+        return sum(p.requires_grad for p in self.sharded)
+
+    def set_views(self):
+        """The unsharded parameters shadow the registered (sharded) ones as
+        instance attributes: module.weight is the full tensor in forward,
+        while named_parameters() keeps giving the DTensors. requires_grad
+        follows the sharded parameter's (the user may have changed it)."""
+        for up, sp, aliases in zip(self.unsharded, self.sharded, self.aliases):
+            if up.requires_grad != sp.requires_grad:
+                up.requires_grad_(sp.requires_grad)
+            for m, attr in aliases:
+                m.__dict__[attr] = up
+
+    def clear_views(self):
+        for aliases in self.aliases:
+            for m, attr in aliases:
+                m.__dict__.pop(attr, None)
+
+    def reshard(self):
+        self.clear_views()
+        self.post_chunk = None
+        if self.is_unsharded:
+            self.full.untyped_storage().resize_(0)
+            self.is_unsharded = False
+
+    def reshard_to_post_forward(self):
+        """Keep this rank's 1/k of the unsharded buffer (k: the post-forward
+        group's size) and free the rest."""
+        if not self.is_unsharded:
+            return
+        k = self.post_comm.world_size
+        n = self.full_alloc // k
+        chunk = self.full.narrow(0, self.post_comm.rank * n, n).clone()
+        self.reshard()
+        self.post_chunk = chunk
+
+    # ------------------------------------------------------------------
+    # gradients
+
+    def has_unsharded_grads(self):
+        return self.unsharded is not None and any(p.grad is not None for p in self.unsharded)
+
+    def reduce_grads(self):
+        """Reduce-scatter the unsharded gradients (averaged over the data-
+        parallel ranks, or divided by the set factor) into the sharded
+        parameters' .grad (DTensors), accumulating onto what is there."""
+        grads = [p.grad for p in self.unsharded]
+        if all(g is None for g in grads):
+            return
+        rdt = self.reduce_dtype
+        device = self.full.device
+        alloc = torch.empty if all(g is not None for g in grads) else torch.zeros
+        rs_in = alloc(self.block_numel * self.world, dtype=rdt, device=device)
+        rcode, es = dtype_code(rdt), rs_in.element_size()
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            g = g.contiguous()
+            for r in range(self.world):
+                _C.dim0_copy_in(rs_in.data_ptr() + r * self.block_numel * es, rcode,
+                                g.data_ptr(), dtype_code(g.dtype), self.rank_entries[r][i])
+        out = torch.empty(self.block_numel, dtype=rdt, device=device)
+        factor = self.divide_factor
+        reduce_scatter_into(self.comm, out, rs_in, average=factor is None,
+                            tag="fully_shard.reduce_grad")
+        self.n_reduce_scatters += 1
+        if self.replicate_comm is not None:
+            all_reduce_(self.replicate_comm, out, average=factor is None,
+                        tag="fully_shard.all_reduce_grad")
+        if factor is not None:
+            out.div_(factor)
+        for i, e in enumerate(self.entries):
+            if grads[i] is None:
+                continue
+            self.unsharded[i].grad = None
+            sp = self.sharded[i]
+            local = self.local(i)
+            g = out.narrow(0, e[3], e[5] * e[1]).view(local.shape).to(local.dtype, copy=True)
+            if sp.grad is None:
+                sp.grad = DTensor.from_local(g, self.mesh, self.placements, run_check=False,
+                                             shape=self.shapes[i],
+                                             stride=_contiguous_stride(self.shapes[i]))
+            else:
+                sp.grad._local_tensor.add_(g)
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
