@@ -1,5 +1,5 @@
-"""The examples run, and the FSDP1 script trains the same under flatshard as
-under torch's FSDP with only its import line changed."""
+"""The examples run, and the FSDP1 and FSDP2 scripts train the same under
+flatshard as under torch's FSDP with only their import line changed."""
 import os
 import re
 import subprocess
@@ -33,8 +33,9 @@ def as_torch_script(path, tmp_path, import_from, import_to):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fsdp1_script_matches_torch_fsdp(tmp_path, precision):
-    ours = os.path.join(ROOT, "examples", "fsdp1_script.py")
+@pytest.mark.parametrize("script", ["fsdp1_script.py", "fsdp2_script.py"])
+def test_torch_fsdp_script_runs_unchanged(tmp_path, script, precision):
+    ours = os.path.join(ROOT, "examples", script)
     theirs, changed = as_torch_script(ours, tmp_path, "from flatshard import",
                                       "from torch.distributed.fsdp import")
     assert changed == 1
