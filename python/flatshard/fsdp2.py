@@ -59,7 +59,9 @@ class FSDPModule:
 
     def unshard(self, async_op=False):
         """All-gather this module's parameters and register the unsharded
-        ones until reshard() (or the next reshard point of the step)."""
+        ones until reshard() (or the next reshard point of the step). With
+        `async_op=True` an UnshardHandle is returned (its wait() returns at
+        once: CPU collectives complete before the call returns)."""
         _check_bool("async_op", async_op)
         st = self._fsdp_state()
         if st.root is None:
@@ -71,17 +73,24 @@ class FSDPModule:
         self._fsdp_state().reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """`requires_gradient_sync=False`: backward accumulates unreduced
+        gradients locally (gradient accumulation without communication);
+        True again reduces them all at the next backward. `recurse`: also
+        for the FSDP modules inside this one."""
         _check_bool("requires_gradient_sync", requires_gradient_sync)
         for m in self._fsdp_modules(recurse):
             m._fsdp_state().requires_gradient_sync = requires_gradient_sync
 
     def set_is_last_backward(self, is_last_backward):
-        """Accepted for torch's API. flatshard's reductions finish inside the
-        backward that issues them, so no backward leaves work pending."""
+        """Accepted for torch's API (`is_last_backward`: a bool). flatshard's
+        reductions finish inside the backward that issues them, so no
+        backward leaves work pending."""
         _check_bool("is_last_backward", is_last_backward)
         self._fsdp_state().is_last_backward = is_last_backward
 
     def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+        """Change `reshard_after_forward` (True, False or an int, as in
+        fully_shard) for this module and, with `recurse`, those inside it."""
         _check_reshard(reshard_after_forward, none_ok=False)
         for m in self._fsdp_modules(recurse):
             st = m._fsdp_state()
@@ -92,14 +101,18 @@ class FSDPModule:
             st.reshard_after_forward = st.reshard_after_forward_arg = raf
 
     def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+        """`reshard_after_backward=False` keeps the parameters gathered after
+        backward (e.g. between micro-batches); `recurse` as above."""
         _check_bool("reshard_after_backward", reshard_after_backward)
         for m in self._fsdp_modules(recurse):
             m._fsdp_state().reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules):
+        """Gather these FSDP `modules` right after this one's forward gather."""
         self._fsdp_state().forward_prefetch = _check_modules("modules", modules)
 
     def set_modules_to_backward_prefetch(self, modules):
+        """Gather these FSDP `modules` right after this one's backward gather."""
         self._fsdp_state().backward_prefetch = _check_modules("modules", modules)
 
     def set_post_optim_event(self, event):
@@ -119,6 +132,8 @@ class FSDPModule:
                 g.divide_factor = float(factor)
 
     def set_unshard_in_backward(self, unshard_in_backward):
+        """`unshard_in_backward=False`: never gather this module in backward
+        (for modules whose parameters backward does not use)."""
         _check_bool("unshard_in_backward", unshard_in_backward)
         self._fsdp_state().unshard_in_backward = unshard_in_backward
 
@@ -303,7 +318,23 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     """Shard `module`'s parameters (those not already in a group) over `mesh`
     on dim 0; returns `module`, whose class is now an FSDPModule subclass.
     A list of modules makes one group of all their parameters (e.g. the
-    final norm and the output head): each module's forward gathers it."""
+    final norm and the output head): each module's forward gathers it.
+
+    mesh                   torch DeviceMesh on CPU: 1-D shards over it; 2-D
+                           replicates over dim 0 and shards over dim 1 (HSDP).
+                           None: the default process group's world.
+    reshard_after_forward  True: free the gathered parameters after forward
+                           and gather again in backward; False: keep them
+                           until backward ends; an int k: keep them sharded
+                           over groups of k ranks in between; None: True for
+                           every module but the root.
+    shard_placement_fn     fn(param) -> Shard(0) or None (the default); other
+                           placements are refused.
+    mp_policy              torch's MixedPrecisionPolicy (param_dtype,
+                           reduce_dtype, output_dtype, cast_forward_inputs).
+    offload_policy         OffloadPolicy() (none) or CPUOffloadPolicy().
+    ignored_params         parameters left out of the group (neither sharded
+                           nor reduced)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise bad_value("module", module, "expected a module or a non-empty list of modules")

@@ -25,7 +25,8 @@ def _gathered_buffers(unit):
 
 
 def memory_stats(model, optimizer=None):
-    """Bytes this rank holds, by role:
+    """Bytes this rank holds for the wrapped `model` (and `optimizer`, whose
+    state tensors are counted when given), by role:
 
     params     storages of the parameters the optimizer sees (the shards)
     unsharded  full (gathered) buffers live right now: 0 after reshard
