@@ -478,6 +478,8 @@ static int add_constants(PyObject *m)
     return 0;
 }
 
+int fs_disk_add(PyObject *module); /* py_disk.c */
+
 static int module_exec(PyObject *m)
 {
     fs_mod_state *st = fs_state_from_module(m);
@@ -491,6 +493,7 @@ static int module_exec(PyObject *m)
     if (!st->StateError || PyModule_AddObjectRef(m, "StateError", st->StateError) < 0)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
+        fs_disk_add(m) < 0 ||
         add_constants(m) < 0)
         return -1;
     return 0;

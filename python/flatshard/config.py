@@ -36,6 +36,7 @@ class UnitConfig:
     group: object  # torch ProcessGroup
     comm_backend: str  # "auto", "shm" or "torch" (comm.py)
     mixed_precision: Optional[MixedPrecision] = None
+    offload_params: bool = False  # CPUOffload(offload_params=True)
 
 
 def _bool(name, value):
@@ -110,16 +111,15 @@ def resolve(kw):
                               "ShardingStrategy", allow_none=True) or ShardingStrategy.FULL_SHARD
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         raise not_built("sharding_strategy", strategy, "hybrid sharding is not built yet; use "
-                        "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
+                        "FULL_SHARD, SHARD_GRAD_OP, SHARD_OPTIM or NO_SHARD")
     prefetch = normalize_enum("backward_prefetch", kw["backward_prefetch"], BackwardPrefetch,
                               "BackwardPrefetch", allow_none=True)
     mp = normalize_dataclass("mixed_precision", kw["mixed_precision"], MixedPrecision,
                              "MixedPrecision")
     mp = _mixed_precision(mp, strategy)
     offload = normalize_dataclass("cpu_offload", kw["cpu_offload"], CPUOffload, "CPUOffload")
-    if offload is not None and offload.offload_params:
-        raise not_built("cpu_offload", offload, "parameter offload is not built yet; pass None "
-                        "or CPUOffload(offload_params=False)")
+    if offload is not None and not isinstance(offload.offload_params, bool):
+        raise bad_type("cpu_offload.offload_params", offload.offload_params, "True or False")
     use_orig = _bool("use_orig_params", kw["use_orig_params"])
     # Read only when the shm backend is set up, which is a collective: a bad
     # value must fail here, on every rank alike, not halfway through it.
@@ -135,6 +135,7 @@ def resolve(kw):
         group=_group(kw["process_group"], kw["device_mesh"]),
         comm_backend=requested_backend(kw.get("comm_backend")),
         mixed_precision=mp,
+        offload_params=bool(offload is not None and offload.offload_params),
     )
 
 

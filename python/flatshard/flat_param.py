@@ -95,6 +95,9 @@ class FlatGroup:
         # use_orig_params=True: gradient shard and the views handed out of it.
         self.grad_buf = None
         self.grad_views = None
+        # SHARD_OPTIM (zero1.py): the whole averaged gradient; the shard's
+        # gradient is a view of this rank's slice of it.
+        self.whole_grad = None
 
     def unsharded_views(self):
         """Views of the compute buffer (full, or lp under mixed precision)

@@ -21,7 +21,7 @@ from torch.autograd import Variable
 
 from . import _C, config, consistency
 from .comm import DTYPE_CODES, broadcast_, comm_for, dtype_code
-from .errors import ConfigError, ConfigTypeError, bad_type, bad_value
+from .errors import ConfigError, ConfigTypeError, bad_type, bad_value, not_built
 from .flat_param import Alias, FlatGroup
 from .options import BackwardPrefetch, ShardingStrategy
 from .unit import UnitRuntime
@@ -181,7 +181,8 @@ class _UnitPlan:
                  f"backward_prefetch={c.backward_prefetch and c.backward_prefetch.name} "
                  f"forward_prefetch={c.forward_prefetch} "
                  f"limit_all_gathers={c.limit_all_gathers} comm_backend={c.comm_backend} "
-                 f"mixed_precision={c.mixed_precision}"]
+                 f"mixed_precision={c.mixed_precision}" +
+                 (" offload_params=True" if c.offload_params else "")]
         for (dtype, requires_grad), order in self.groups:
             for p, aliases in order:
                 lines.append(f"  {'='.join(a.fqn for a in aliases)} {tuple(p.shape)} "
@@ -291,15 +292,17 @@ class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across a
     process group, with torch FSDP1's constructor and semantics.
 
-    Args follow torch.distributed.fsdp.FullyShardedDataParallel. Built:
-    sharding_strategy FULL_SHARD / SHARD_GRAD_OP / NO_SHARD; auto_wrap_policy
+    Args follow torch.distributed.fsdp.FullyShardedDataParallel (process_group:
+    the gloo group to shard over, default the world). Built:
+    sharding_strategy FULL_SHARD / SHARD_GRAD_OP / NO_SHARD, and SHARD_OPTIM
+    (ZeRO-1, flatshard's own); cpu_offload (CPU devices); auto_wrap_policy
     (torch's or flatshard's policies); backward_prefetch; forward_prefetch;
     limit_all_gathers (collectives are synchronous on the CPU backends, so at
     most one all-gather is ever in flight); ignored_modules / ignored_states;
     param_init_fn; device_id (CPU); sync_module_states; use_orig_params;
     device_mesh (1-D). mixed_precision (not with NO_SHARD).
-    Not built yet, rejected with NotBuiltError: hybrid strategies,
-    CPUOffload(offload_params=True), CUDA devices.
+    Not built yet, rejected with NotBuiltError: hybrid strategies, CUDA
+    devices.
 
     flatshard's own keyword: comm_backend "auto" (default; shared memory when
     all ranks are on one host, else the process group), "shm", "torch" or
@@ -369,12 +372,17 @@ class FullyShardedDataParallel(nn.Module):
             _cast_buffers(module, mp.buffer_dtype)
         grad_mask = sum(1 << g.index for g in groups if g.requires_grad)
         strategy = ShardingStrategy.NO_SHARD if no_shard else cfg.strategy
+        shard_optim = strategy is ShardingStrategy.SHARD_OPTIM
+        if shard_optim:  # the core moves it like ZeRO-2; unit.py never reshards it (zero1.py)
+            strategy = ShardingStrategy.SHARD_GRAD_OP
         cunit = _C.Unit(up.label, comm, strategy.value,
                         [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel, g.padded_numel,
                           g.lp, dtype_code(g.compute_dtype), dtype_code(g.reduce_dtype))
                          for g in groups], grad_mask)
         self._unit = UnitRuntime(up.label, cunit, groups, cfg.use_orig_params, no_shard,
-                                 cfg.backward_prefetch, cfg.forward_prefetch)
+                                 cfg.backward_prefetch, cfg.forward_prefetch,
+                                 shard_optim=shard_optim, offload_params=cfg.offload_params)
+        self._unit.flat_param_module = module  # stays so under a checkpoint wrapper
         if not cfg.use_orig_params:
             for g in groups:
                 module.register_parameter(FLAT_PARAM if g.index == 0 else f"{FLAT_PARAM}_{g.index}",
@@ -453,14 +461,16 @@ class FullyShardedDataParallel(nn.Module):
 
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """The plain model's keys; what the values are is set by
-        FSDP.state_dict_type (default FULL_STATE_DICT): see flatshard.state_dict."""
+        FSDP.state_dict_type (default FULL_STATE_DICT): see flatshard.state_dict.
+        destination, prefix, keep_vars: nn.Module.state_dict's."""
         from .state_dict import state_dict
         return state_dict(self, destination, prefix, keep_vars)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Load a state dict with the plain model's keys (full tensors or
         DTensors; flat shards under LOCAL_STATE_DICT). Checks every name and
-        shape before changing anything."""
+        shape before changing anything. state_dict, strict: nn.Module's;
+        assign=True is refused (the parameters are views of flat shards)."""
         from .state_dict import load_state_dict
         return load_state_dict(self, state_dict, strict, assign)
 
@@ -472,7 +482,10 @@ class FullyShardedDataParallel(nn.Module):
                            offload_to_cpu=False, with_grads=False):
         """Context manager: inside, the FSDP modules under `module` (only
         `module` itself with recurse=False) show their full parameters in the
-        original shapes; with writeback, changes are copied back to the shards."""
+        original shapes; with writeback, changes are copied back to the shards.
+        rank0_only: only rank 0 shows them; offload_to_cpu: torch's flag (the
+        parameters are on the CPU already); with_grads: show the full
+        gradients too."""
         from .summon import summon_full_params
         return summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu,
                                   with_grads)
@@ -481,7 +494,9 @@ class FullyShardedDataParallel(nn.Module):
     def set_state_dict_type(module, state_dict_type, state_dict_config=None,
                             optim_state_dict_config=None):
         """Set the state dict type of every FSDP module under `module`;
-        returns the previous StateDictSettings."""
+        returns the previous StateDictSettings. state_dict_type: a
+        StateDictType; state_dict_config, optim_state_dict_config: the
+        matching configs (None: the defaults)."""
         from .state_dict import set_state_dict_type
         return set_state_dict_type(module, state_dict_type, state_dict_config,
                                    optim_state_dict_config)
@@ -494,22 +509,30 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def state_dict_type(module, state_dict_type, state_dict_config=None,
                         optim_state_dict_config=None):
-        """Context manager form of set_state_dict_type: restores the previous
-        settings on exit."""
+        """Context manager form of set_state_dict_type (state_dict_type,
+        state_dict_config, optim_state_dict_config as there): restores the
+        previous settings on exit."""
         from .state_dict import state_dict_type as ctx
         return ctx(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     @staticmethod
     def optim_state_dict(model, optim, optim_state_dict=None, group=None):
         """The optimizer's state keyed by the plain model's parameter names,
-        whole (FULL) or as DTensors (SHARDED), per the model's state dict type."""
+        whole (FULL) or as DTensors (SHARDED), per the model's state dict type.
+        optim: the optimizer over model.parameters(); optim_state_dict: its
+        state_dict() if already taken (None: taken here)."""
+        _check_disk_offload(model, optim)
         from .optim_state import optim_state_dict as build
         return build(model, optim, optim_state_dict, group)
 
     @staticmethod
     def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False,
                                  load_directly=False, group=None):
-        """A state dict from optim_state_dict -> one optim.load_state_dict takes."""
+        """A state dict from optim_state_dict -> one optim.load_state_dict takes,
+        for the optimizer `optim` over `model`. is_named_optimizer,
+        load_directly: torch's flags (is_named_optimizer=True is refused;
+        load_directly=True also loads it into optim)."""
+        _check_disk_offload(model, optim)
         from .optim_state import optim_state_dict_to_load as convert
         return convert(model, optim, optim_state_dict, is_named_optimizer, load_directly, group)
 
@@ -520,6 +543,20 @@ class FullyShardedDataParallel(nn.Module):
         norm_type: 2.0, inf, or any positive p. Call it on the root."""
         from .clip import clip_grad_norm_
         return clip_grad_norm_(self, max_norm, norm_type)
+
+
+def _check_disk_offload(model, optim):
+    """FULL/SHARDED optimizer state dicts gather the moments, which a
+    DiskOffload optimizer keeps in files: refused rather than dropped."""
+    from .state_dict import get_state_dict_type
+    from .options import StateDictType
+    if getattr(optim, "offload", None) is None:
+        return
+    if get_state_dict_type(model).state_dict_type is not StateDictType.LOCAL_STATE_DICT:
+        raise not_built("optim", f"{type(optim).__name__}(offload=DiskOffload(...))", "its "
+                        "moments are in files, which full and sharded optimizer state dicts "
+                        "do not gather; save optim.state_dict() on every rank (it refers to the "
+                        "rank's current state file), or use LOCAL_STATE_DICT")
 
 
 FSDP = FullyShardedDataParallel

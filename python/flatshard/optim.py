@@ -10,12 +10,18 @@ an error naming the parameter.
 
 `adamw_step_` is the functional form, which can also write a bf16/fp16 copy
 of the updated parameters in the same pass.
+
+AdamW/Adam(offload=DiskOffload(path)) keep their moments on a local disk and
+stream them through the update in chunks (disk_offload.py).
 """
 import torch
 
-from . import _C
+from . import _C, disk_offload
 from .comm import dtype_code
+from .disk_offload import DiskOffload
 from .errors import bad_type, bad_value
+
+__all__ = ["AdamW", "Adam", "SGD", "DiskOffload"]
 
 
 def _threads(threads):
@@ -83,7 +89,7 @@ class _Adam(torch.optim.Optimizer):
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, threads=None):
+                 amsgrad=False, *, maximize=False, threads=None, offload=None):
         name = type(self).__name__
         if torch.is_tensor(lr):
             raise bad_type(f"{name}(lr=...)", lr, "a float (tensor learning rates are not "
@@ -99,14 +105,89 @@ class _Adam(torch.optim.Optimizer):
             if not isinstance(value, bool):
                 raise bad_type(f"{name}({flag}=...)", value, "True or False")
         self.threads = _threads(threads)
+        self.offload = disk_offload.check(name, offload, amsgrad)
+        self._disk = None  # DiskState, made at the first use (the groups are final then)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=None, capturable=False,
                         differentiable=False, fused=None)
         super().__init__(params, defaults)
 
+    # -- disk offload (disk_offload.py) ------------------------------------
+
+    def _all_params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _disk_state(self):
+        numels = [p.numel() for p in self._all_params()]
+        if self._disk is None:
+            self._disk = disk_offload.DiskState(self.offload, numels)
+        elif numels != self._disk.numels:
+            raise bad_value(f"{type(self).__name__}(offload=...)", "add_param_group",
+                            "the parameters changed after the state files were laid out",
+                            "give the optimizer all its parameter groups when building it")
+        return self._disk
+
+    @torch.no_grad()
+    def _disk_step(self):
+        disk, name, index, calls = self._disk_state(), type(self).__name__, 0, []
+        for gi, group in enumerate(self.param_groups):
+            if group["amsgrad"]:
+                disk_offload.check(name, self.offload, True)
+            segments = []
+            for i, p in enumerate(group["params"]):
+                off = disk.offsets[index]
+                index += 1
+                if p.grad is None:  # moments copied through, untouched (torch: no update)
+                    segments.append((p.data_ptr(), 0, p.numel(), off, 0))
+                    continue
+                _check_tensor(name, f"group {gi} parameter", i, p)
+                _check_tensor(name, f"group {gi} gradient", i, p.grad)
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                state["step"] += 1
+                segments.append((p.data_ptr(), p.grad.data_ptr(), p.numel(), off,
+                                 int(state["step"].item())))
+            b1, b2 = group["betas"]
+            calls.append((segments, dict(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                                         weight_decay=group["weight_decay"],
+                                         decoupled=self._decoupled, maximize=group["maximize"],
+                                         threads=self.threads)))
+        disk.step(calls)
+
+    def offloaded_state(self, param):
+        """{"exp_avg", "exp_avg_sq"} of `param`, read back from the disk
+        (with offload=DiskOffload; for checks and conversions)."""
+        if self.offload is None:
+            raise bad_value("offloaded_state", "offload=None", "this optimizer keeps its "
+                            "state in memory", "read optimizer.state[param]")
+        ids = [id(p) for p in self._all_params()]
+        if id(param) not in ids:
+            raise bad_value("offloaded_state", f"<tensor {tuple(param.shape)}>",
+                            "it is not a parameter of this optimizer")
+        m, v = self._disk_state().read(ids.index(id(param)))
+        return {"exp_avg": m.view_as(param), "exp_avg_sq": v.view_as(param)}
+
+    def state_dict(self):
+        sd = super().state_dict()
+        if self.offload is not None:
+            sd["disk_offload"] = self._disk_state().pin()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        if self.offload is None:
+            return super().load_state_dict(state_dict)
+        rest = {k: v for k, v in state_dict.items() if k != "disk_offload"}
+        disk = self._disk_state()
+        disk.adopt(state_dict.get("disk_offload"))
+        super().load_state_dict(rest)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = _call_closure(closure)
+        if self.offload is not None:
+            self._disk_step()
+            return loss
         name = type(self).__name__
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
@@ -134,21 +215,33 @@ class _Adam(torch.optim.Optimizer):
 
 
 class AdamW(_Adam):
-    """torch.optim.AdamW's math (decoupled weight decay), fused in C."""
+    """torch.optim.AdamW's math (decoupled weight decay), fused in C.
+
+    params, lr, betas, eps, weight_decay, amsgrad, maximize: torch's
+    arguments and meanings. threads: threads of one step (default: torch's
+    intra-op count). offload: None (moments in memory, torch's state layout), or
+    DiskOffload(path): exp_avg and exp_avg_sq live in files under path and
+    stream through the update in chunks (disk_offload.py); state_dict()
+    then refers to the current file and load_state_dict() adopts it."""
 
 
 class Adam(_Adam):
-    """torch.optim.Adam's math (L2 weight decay added to the gradient), fused in C."""
+    """torch.optim.Adam's math (L2 weight decay added to the gradient), fused in C.
+    params, lr, betas, eps, weight_decay, amsgrad, maximize, threads, offload:
+    as AdamW's."""
     _decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, threads=None):
+                 amsgrad=False, *, maximize=False, threads=None, offload=None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         threads=threads)
+                         threads=threads, offload=offload)
 
 
 class SGD(torch.optim.Optimizer):
-    """torch.optim.SGD's math (momentum, dampening, nesterov, weight decay), fused in C."""
+    """torch.optim.SGD's math (momentum, dampening, nesterov, weight decay), fused in C.
+    params, lr, momentum, dampening, weight_decay, nesterov, maximize: torch's
+    arguments and meanings. threads: threads of one step (default: torch's
+    intra-op count)."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, threads=None):

@@ -13,13 +13,23 @@ from .errors import bad_type
 
 
 class ShardingStrategy(enum.Enum):
-    """What is sharded. Values match torch's ShardingStrategy.
+    """What is sharded. Values match torch's ShardingStrategy (SHARD_OPTIM,
+    which torch does not have, comes after its values). One strategy per
+    ZeRO stage:
 
-    FULL_SHARD    ZeRO-3: parameters, gradients and optimizer state sharded;
-                  parameters gathered for each unit's forward and backward.
+    NO_SHARD      DDP: nothing sharded; gradients all-reduced.
+    SHARD_OPTIM   ZeRO-1: only the optimizer state (and the fp32 master shard
+                  it updates) is sharded. Parameters stay whole on every rank
+                  at all times and gradients are whole too: they are
+                  all-reduced, and each rank's optimizer updates its own shard
+                  (its .grad is a view of its slice of the whole gradient).
+                  The updated shards are all-gathered back into the whole
+                  parameters right after optimizer.step() (an optimizer
+                  step post-hook: the parameters are never stale).
     SHARD_GRAD_OP ZeRO-2: gradients and optimizer state sharded; parameters
                   stay gathered from forward to the end of backward.
-    NO_SHARD      DDP: nothing sharded; gradients all-reduced.
+    FULL_SHARD    ZeRO-3: parameters, gradients and optimizer state sharded;
+                  parameters gathered for each unit's forward and backward.
     HYBRID_SHARD, _HYBRID_SHARD_ZERO2: sharding inside a node, replication
                   across nodes (not built yet: rejected with an error).
     """
@@ -28,6 +38,7 @@ class ShardingStrategy(enum.Enum):
     NO_SHARD = 3
     HYBRID_SHARD = 4
     _HYBRID_SHARD_ZERO2 = 5
+    SHARD_OPTIM = 6
 
 
 class BackwardPrefetch(enum.Enum):
@@ -41,6 +52,8 @@ class BackwardPrefetch(enum.Enum):
 
 
 class StateDictType(enum.Enum):
+    """What FSDP.state_dict returns (flatshard.state_dict): whole parameters
+    under the plain model's keys, each rank's flat shards, or DTensors."""
     FULL_STATE_DICT = enum.auto()
     LOCAL_STATE_DICT = enum.auto()
     SHARDED_STATE_DICT = enum.auto()
@@ -48,7 +61,11 @@ class StateDictType(enum.Enum):
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """torch FSDP1's MixedPrecision fields (not built yet: only None is accepted)."""
+    """torch FSDP1's MixedPrecision fields: param_dtype (forward and backward
+    compute), reduce_dtype (gradient reduction; default param_dtype),
+    buffer_dtype (floating-point buffers), cast_forward_inputs (at every
+    unit), cast_root_forward_inputs (at the root). keep_low_precision_grads
+    is not built (only False)."""
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     buffer_dtype: Optional[torch.dtype] = None
@@ -59,8 +76,11 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """offload_params=True keeps parameters and gradients in host memory
-    (not built yet: only False is accepted; on CPU devices it is moot)."""
+    """offload_params=True keeps the sharded parameters and their gradients
+    in host memory and runs the optimizer step there (torch FSDP1's
+    meaning). On CPU devices they already are, so only torch's rule comes
+    with it: gradients cannot be accumulated across backwards outside
+    no_sync() (refused with an error, as torch does)."""
     offload_params: bool = False
 
 

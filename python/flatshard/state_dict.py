@@ -38,6 +38,7 @@ from .options import (FullOptimStateDictConfig, FullStateDictConfig,
 from .summon import fsdp_units, flat_param_name, summon_unit
 
 WRAPPED = "_fsdp_wrapped_module"
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,9 @@ def state_dict_type(module, state_dict_type, state_dict_config=None,
 
 
 def plain_key(key):
-    """A wrapped model's key -> the plain model's key."""
-    return ".".join(p for p in key.split(".") if p != WRAPPED)
+    """A wrapped model's key -> the plain model's key (without torch's
+    activation-checkpoint wrapper prefix either, as torch FSDP's keys)."""
+    return ".".join(p for p in key.split(".") if p not in (WRAPPED, CHECKPOINT_WRAPPED))
 
 
 def join(prefix, name):
@@ -133,7 +135,7 @@ def alias_keys(fs, prefix):
     sits at plain path `prefix`: [(g, i, [keys])]."""
     name = "" if fs._unit.name == "<root>" else fs._unit.name
     cut = len(name) + 1 if name else 0
-    return [(g, i, [join(prefix, a.fqn[cut:]) for a in aliases])
+    return [(g, i, [join(prefix, plain_key(a.fqn[cut:])) for a in aliases])
             for g in fs._unit.groups for i, aliases in enumerate(g.aliases)]
 
 

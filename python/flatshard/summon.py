@@ -124,6 +124,9 @@ def summon_unit(fs, writeback=False, rank0_only=False, with_grads=False):
         act = unit.c.step(_C.EV_SUMMON_EXIT, 0)
         if act & _C.ACT_RESHARD:
             unit.c.reshard()
+        elif getattr(unit, "shard_optim", False) and any(g.lp is not None for g in unit.groups):
+            from .zero1 import refresh  # ZeRO-1 keeps lp whole: drop the fp32 gather,
+            refresh(unit)               # and lp again from the (maybe written) shards
 
 
 def _show_orig(fs):
@@ -143,7 +146,9 @@ def _show_orig(fs):
 def _show_as_params(fs):
     """use_orig_params=False: register each original parameter as an
     nn.Parameter view (one object per parameter, shared by its aliases)."""
-    unit, wrapped = fs._unit, fs._fsdp_wrapped_module
+    unit = fs._unit
+    # the module holding the flat parameters (a checkpoint wrapper may sit between)
+    wrapped = getattr(unit, "flat_param_module", None) or fs._fsdp_wrapped_module
     saved_params = {wrapped: dict(wrapped._parameters)}
     saved_attrs = {}  # (module, attr) -> the tensor attribute shown outside
     for g in unit.groups:

@@ -16,8 +16,8 @@ Hooks used (all public torch APIs):
 import torch
 from torch.utils._pytree import tree_flatten
 
-from . import _C
-from .errors import OutOfMemoryError
+from . import _C, zero1
+from .errors import OutOfMemoryError, bad_value
 from .options import BackwardPrefetch
 
 _GRAD = _C.FLAG_GRAD_ENABLED
@@ -31,7 +31,10 @@ def _is_alloc_failure(e):
 
 class UnitRuntime:
     def __init__(self, name, cunit, groups, use_orig_params, no_shard, backward_prefetch,
-                 forward_prefetch):
+                 forward_prefetch, *, shard_optim=False, offload_params=False):
+        """shard_optim: SHARD_OPTIM (ZeRO-1, zero1.py): the full buffers are
+        gathered here and never resharded. offload_params: CPUOffload's
+        rule on gradient accumulation (refuse_accumulation)."""
         self.name = name
         self.c = cunit
         self.groups = groups
@@ -39,12 +42,17 @@ class UnitRuntime:
         self.no_shard = no_shard
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
+        self.shard_optim = shard_optim
+        self.offload_params = offload_params
         self.root = None          # RootState, set at lazy init
         self.sync_grads = True    # False inside no_sync()
         for g in groups:
             if g.requires_grad:
                 g.compute.register_post_accumulate_grad_hook(
                     self._make_post_backward(g.index))
+        if shard_optim:
+            self.c.unshard()  # whole from now on (collective: units are built in one order)
+            zero1.register(self)
         if use_orig_params:
             self._use_sharded_params()
         else:
@@ -57,7 +65,7 @@ class UnitRuntime:
         """use_orig_params=False: the modules keep plain-tensor attributes in
         place of their parameters; only the flat shards are Parameters."""
         for g in self.groups:
-            views = g.unsharded_views() if self.no_shard else None
+            views = g.unsharded_views() if self.no_shard or self.shard_optim else None
             for i, aliases in enumerate(g.aliases):
                 for a in aliases:
                     del a.module._parameters[a.attr]
@@ -128,7 +136,7 @@ class UnitRuntime:
         act = self.c.step(_C.EV_POST_FORWARD, flags)
         self._clear_unsharded_views()
         if act & _C.ACT_RESHARD:
-            self.c.reshard()
+            self._reshard()
         if act & _C.ACT_HOOK_BACKWARD:
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
@@ -141,7 +149,7 @@ class UnitRuntime:
             act = self.c.step(_C.EV_POST_FORWARD, 0)
             self._clear_unsharded_views()
             if act & _C.ACT_RESHARD:
-                self.c.reshard()
+                self._reshard()
 
     # ------------------------------------------------------------------
     # backward
@@ -151,6 +159,12 @@ class UnitRuntime:
         act = self.c.step(_C.EV_PRE_BACKWARD, 0)
         if act & _C.ACT_UNSHARD:
             self.unshard()
+            if self.use_orig_params and not self.no_shard:
+                # A checkpointed module recomputes its forward during backward:
+                # it must see the whole parameters, as in forward (views made
+                # with grad on: backward runs with it off).
+                with torch.enable_grad():
+                    self._set_unsharded_views()
             if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 self._prefetch_backward()
         return None
@@ -173,13 +187,18 @@ class UnitRuntime:
         if act & _C.ACT_REDUCE_GRAD and full.grad is not None:
             grad = full.grad
             full.grad = None
-            self._reduce(self.groups[gi], grad)
+            if self.shard_optim:
+                zero1.reduce(self, self.groups[gi], grad)
+            else:
+                self._reduce(self.groups[gi], grad)
         if act & _C.ACT_RESHARD:
-            self.c.reshard()
+            self._reshard()
 
     def _reduce(self, g, grad):
         if not grad.is_contiguous():
             grad = grad.contiguous()
+        if self.offload_params and zero1.holds_grad(self, g):
+            self.refuse_accumulation()
         if not self.use_orig_params:
             out = g.shard.grad
             accumulate = out is not None
@@ -207,4 +226,18 @@ class UnitRuntime:
         """End of the backward pass: whatever is still unsharded is freed."""
         act = self.c.step(_C.EV_FINALIZE, 0)
         if act & _C.ACT_RESHARD:
+            self._reshard()
+
+    def _reshard(self):
+        self._clear_unsharded_views()
+        if not self.shard_optim:  # ZeRO-1 keeps its parameters whole
             self.c.reshard()
+
+    def refuse_accumulation(self):
+        """CPUOffload(offload_params=True) keeps torch FSDP1's rule: no
+        gradient accumulation across backwards outside no_sync()."""
+        raise bad_value("cpu_offload", "CPUOffload(offload_params=True)", f"unit "
+                        f"{self.name!r} already holds a reduced gradient, and gradients cannot "
+                        "be accumulated across backward passes outside no_sync() with parameter "
+                        "offload (torch FSDP's rule)", "call optimizer.zero_grad() after each "
+                        "step, or run the earlier backward passes inside model.no_sync()")
