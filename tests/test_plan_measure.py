@@ -49,12 +49,8 @@ def _measure(strategy, case, optimizer, param_dtype, reduce_dtype=None):
             "watch_report": w.report(opt)}
 
 
-ZERO1 = pytest.param("SHARD_OPTIM", marks=pytest.mark.skipif(
-    not hasattr(ShardingStrategy, "SHARD_OPTIM"), reason="this build has no SHARD_OPTIM"))
-
-
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", ZERO1])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "SHARD_OPTIM"])
 def test_model_states_predicted_equal_measured(dist_pool, world, strategy):
     for case in CASES:
         res = dist_pool(world).run(_measure, strategy, case, "adamw", None, timeout=300)
@@ -72,7 +68,7 @@ def test_model_states_predicted_equal_measured(dist_pool, world, strategy):
 
 @pytest.mark.parametrize("world,strategy,reduce_dtype", [
     (1, "FULL_SHARD", None), (2, "FULL_SHARD", None), (4, "FULL_SHARD", torch.float32),
-    (2, "SHARD_GRAD_OP", None), (1, "SHARD_GRAD_OP", None)])
+    (2, "SHARD_GRAD_OP", None), (1, "SHARD_GRAD_OP", None), (2, "SHARD_OPTIM", torch.float32)])
 def test_mixed_precision_and_sgd_predicted_equal_measured(dist_pool, world, strategy,
                                                           reduce_dtype):
     res = dist_pool(world).run(_measure, strategy, "plain", "sgd_momentum", torch.bfloat16,

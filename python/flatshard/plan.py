@@ -154,9 +154,13 @@ def _comm(units, c, n, world, cb, rb):
         return 0, "one rank: no communication"
     if st == "NO_SHARD":
         return int(2 * r * psi * rb), "all-reduce gradients: 2*(N-1)/N*psi*reduce_bytes"
-    if st == "SHARD_OPTIM":
+    if st == "SHARD_OPTIM" and c["layout"] == "zero":
         return int(r * psi * (rb + cb)), ("reduce-scatter gradients + all-gather updated "
                                           "parameters: (N-1)/N*psi*(reduce_bytes+param_bytes)")
+    if st == "SHARD_OPTIM":  # zero1.py keeps whole gradients: an all-reduce
+        return int(r * psi * (2 * rb + cb)), ("all-reduce gradients + all-gather updated "
+                                              "parameters: (N-1)/N*psi*(2*reduce_bytes"
+                                              "+param_bytes)")
     if st == "SHARD_GRAD_OP":
         return int(r * psi * (rb + cb)), ("all-gather once (forward) + reduce-scatter: "
                                           "(N-1)/N*psi*(param_bytes+reduce_bytes)")
@@ -275,8 +279,8 @@ def _plan(units, c):
         shard_p = n if st in ("FULL_SHARD", "HYBRID_SHARD") else 1
     shard_g = 1 if st in ("NO_SHARD", "SHARD_OPTIM") else n
     shard_o = 1 if st == "NO_SHARD" else n
-    if mp and not zero and st in ("NO_SHARD", "SHARD_OPTIM") and w > 1:
-        notes.append(f"flatshard's FSDP refuses mixed precision with {st} for now; "
+    if mp and not zero and st == "NO_SHARD" and w > 1:
+        notes.append("flatshard's FSDP refuses mixed precision with NO_SHARD for now; "
                      "planned as torch FSDP1 would hold it")
     moments, step_bytes = OPTIMIZERS[c["optimizer"]]
     lines = []
@@ -333,9 +337,9 @@ def _plan(units, c):
         return mp if mp and g.floating and mp != g.elem_bytes else 0
     prefetch = c["backward_prefetch"] or c["forward_prefetch"]
     if zero1:
-        gb, _ = _gathered_units(units, lambda g: g.elem_bytes + lp(g), st, n, 0)
+        gb, _ = _gathered_units(units, lambda g: lp(g) or g.elem_bytes, st, n, 0)
         gf = ("every unit's whole buffer, padded_numel*dtype bytes, gathered for good"
-              + (" + its param_dtype copy" if mp else ""))
+              + (" (in param_dtype: the shard is the fp32 master)" if mp else ""))
     elif shard_p > 1:
         gb, gf = _gathered_units(units, lambda g: elem(g, True), st, shard_p, prefetch)
     elif zero or not any(lp(g) for g in allg):
