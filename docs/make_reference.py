@@ -89,6 +89,7 @@ def own_methods(cls):
             if n.startswith("_") or n in {m for m, _ in out}:
                 continue
             f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+            f = inspect.unwrap(f) if callable(f) else f  # torch wraps Optimizer.step
             if inspect.isfunction(f):
                 out.append((n, f))
     return sorted(out)

@@ -59,6 +59,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP",
+                                                                  "SHARD_OPTIM",
                                                                   "NO_SHARD"])
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

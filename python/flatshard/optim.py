@@ -184,6 +184,8 @@ class _Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One fused update of every parameter with a gradient; `closure`
+        (optional) re-evaluates the model and returns the loss, as in torch."""
         loss = _call_closure(closure)
         if self.offload is not None:
             self._disk_step()
@@ -262,6 +264,8 @@ class SGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One fused update of every parameter with a gradient; `closure`
+        (optional) re-evaluates the model and returns the loss, as in torch."""
         loss = _call_closure(closure)
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
