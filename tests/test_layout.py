@@ -19,7 +19,7 @@ def round_up(x, m):
     return (x + m - 1) // m * m
 
 
-@pytest.mark.parametrize("numels,world,align", itertools.product(SIZES, WORLDS, ALIGNS))
+@pytest.mark.parametrize("numels,world,align", list(itertools.product(SIZES, WORLDS, ALIGNS)))
 def test_flat_layout_matches_concat_and_chunk(numels, world, align):
     # Reference: params concatenated at aligned offsets, then cut into equal chunks.
     params = [torch.arange(1, n + 1, dtype=torch.float64) + 1000 * i for i, n in enumerate(numels)]
@@ -60,7 +60,7 @@ def test_flat_layout_rejects_bad_arguments():
 DIM0_SHAPES = [(), (0,), (1,), (5,), (3, 4), (7, 3), (2, 2, 2), (13, 1), (0, 5), (1, 9)]
 
 
-@pytest.mark.parametrize("world,align", itertools.product([1, 2, 3, 4, 5], [1, 4]))
+@pytest.mark.parametrize("world,align", list(itertools.product([1, 2, 3, 4, 5], [1, 4])))
 def test_dim0_layout_matches_torch_chunk_and_roundtrips(world, align):
     gen = torch.Generator().manual_seed(world)
     params = [torch.randn(s, generator=gen) for s in DIM0_SHAPES]
