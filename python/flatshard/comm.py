@@ -18,9 +18,11 @@ reports where each rank was (diagnostics.py).
 FLATSHARD_SHM_SLOT_BYTES sets each rank's staging slot in the segment
 (default 8 MiB; transfers larger than half of it go in chunks).
 """
+import atexit
 import os
 import socket
 import sys
+import time
 import uuid
 
 import torch
@@ -211,9 +213,34 @@ def _make_shm(group):
 _COMMS = {}
 
 
+# How long the interpreter lets process-group worker threads run at exit.
+EXIT_GRACE_S = 0.2
+_EXIT_HOOK = []
+
+
+def _let_workers_finish():
+    """atexit: release the GIL for a moment before the interpreter finalizes.
+
+    A gloo collective's work item can outlive the call that issued it by a
+    few microseconds: its worker thread drops it after waking the caller, and
+    dropping it may release Python objects (the tensors' Python wrappers),
+    which needs the GIL. A script that exits right after a collective can
+    reach interpreter finalization first; the worker then cannot take the GIL
+    and the process aborts ("terminate called without an active exception").
+    Sleeping here, while threads may still take the GIL, lets them finish."""
+    time.sleep(EXIT_GRACE_S)
+
+
+def _register_exit_hook():
+    if not _EXIT_HOOK:
+        atexit.register(_let_workers_finish)
+        _EXIT_HOOK.append(True)
+
+
 def comm_for(group, backend="torch"):
     """The Comm of a process group for a requested backend (cached: the
     choice and the set-up are collectives, made once per group)."""
+    _register_exit_hook()
     key = (id(group), backend)
     hit = _COMMS.get(key)
     if hit is not None and hit[0] is group:
