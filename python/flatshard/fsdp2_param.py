@@ -23,8 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
 from .comm import all_gather_into, all_reduce_, dtype_code, reduce_scatter_into
-
-ALIGN_BYTES = 16
+from .flat_param import ALIGN_BYTES
 
 
 def _entry_from(entry, local_row_begin):

@@ -29,6 +29,7 @@ activations) is an estimate and says so.
 """
 from dataclasses import dataclass
 
+from .comm import DEFAULT_SLOT_BYTES
 from .errors import bad_value
 from .plan_units import Group, Unit, flat_layout, units_from_count, units_from_model  # noqa: F401
 
@@ -42,7 +43,6 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 OFFLOADS = (None, "cpu", "disk")
 LAYOUTS = ("flatshard", "zero")
 BACKENDS = ("shm", "torch", "nccl")
-DEFAULT_SLOT_BYTES = 8 << 20  # comm.DEFAULT_SLOT_BYTES
 MODEL_STATES = ("params", "grads", "master", "moments", "optim_steps")
 
 
