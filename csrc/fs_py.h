@@ -8,6 +8,7 @@
 #include <Python.h>
 
 #include "comm.h"
+#include "fs_device.h"
 #include "fs_status.h"
 #include "ledger.h"
 
@@ -36,7 +37,17 @@ typedef struct {
     fs_comm *comm;
     fs_ledger ledger;     /* every collective issued through this Comm (ledger.h) */
     PyObject *on_failure; /* on_failure(exc) after a collective failed, or NULL */
+    /* kind='device': a backend over device memory, owned by another object */
+    PyObject *owner;          /* keeps `comm` alive; it is not destroyed here */
+    const fs_device_api *dev; /* the device's kernels (fs_device.h), or NULL on host */
+    PyObject *stream_fn;      /* stream_fn() -> the caller's current stream, as an int */
+    void *stream;             /* what it returned last (fs_comm_bind_stream) */
 } CommObject;
+
+/* kind='device': ask stream_fn for the caller's current stream, keep it in
+ * self->stream and order the backend's next collectives against it. A no-op
+ * for host Comms. -1 with an exception set if stream_fn failed. */
+int fs_comm_bind_stream(CommObject *self);
 
 fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out);
 /* `ledger` (may be NULL): the shm backend publishes its newest entry to the

@@ -456,6 +456,42 @@ static PyMethodDef module_methods[] = {
 };
 
 /* ---------------------------------------------------------------------------
+ * the host device table (fs_device.h): copy.h's loops, streams ignored. A
+ * Comm(kind='device') over a host backend with this table runs the units'
+ * device path on any machine (the CUDA table is flatshard._C_cuda's). */
+
+static fs_status host_cast(void *dst, fs_dtype dt, const void *src, fs_dtype st, int64_t n,
+                           void *stream, char *err, size_t cap)
+{
+    (void)stream;
+    fs_status s = fs_cast(dst, dt, src, st, n);
+    if (s != FS_OK)
+        snprintf(err, cap, "host cast %s -> %s: %s", fs_dtype_name(st), fs_dtype_name(dt),
+                 fs_status_str(s));
+    return s;
+}
+
+static fs_status host_scale_accumulate(void *dst, fs_dtype dt, const void *src, fs_dtype st,
+                                       int64_t n, double scale, int accumulate, void *stream,
+                                       char *err, size_t cap)
+{
+    (void)stream;
+    fs_status s = fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
+    if (s != FS_OK)
+        snprintf(err, cap, "host scale_accumulate %s -> %s: %s", fs_dtype_name(st),
+                 fs_dtype_name(dt), fs_status_str(s));
+    return s;
+}
+
+static void host_set_caller_stream(struct fs_comm *c, void *stream) { (void)c, (void)stream; }
+static void host_set_workspace(struct fs_comm *c, void *p, size_t n) { (void)c, (void)p, (void)n; }
+
+static const fs_device_api host_device_api = {
+    FS_DEVICE_API_VERSION, "host", host_cast, host_scale_accumulate, host_set_caller_stream,
+    host_set_workspace,
+};
+
+/* ---------------------------------------------------------------------------
  * module init */
 
 static int add_constants(PyObject *m)
@@ -496,7 +532,10 @@ static int module_exec(PyObject *m)
         fs_disk_add(m) < 0 ||
         add_constants(m) < 0)
         return -1;
-    return 0;
+    PyObject *api = PyCapsule_New((void *)&host_device_api, FS_DEVICE_API_CAPSULE, NULL);
+    int rc = api ? PyModule_AddObjectRef(m, "host_device_api", api) : -1;
+    Py_XDECREF(api);
+    return rc;
 }
 
 static int module_traverse(PyObject *m, visitproc visit, void *arg)

@@ -1,24 +1,80 @@
 /* py_comm.c - flatshard._C.Comm: a collective backend handle for Python.
  *
  * Python holds one Comm per process group and passes it to every Unit.
- * Buffers are given as (data_ptr, numel) of contiguous host tensors; the
- * facade in flatshard/comm.py checks tensors before calling. Every
+ * Buffers are given as (data_ptr, numel) of contiguous tensors: host memory
+ * for the shm and torch backends; device memory for kind='device', which
+ * wraps a backend exported by another object (NCCL's, from flatshard._C_cuda)
+ * with that device's kernels (fs_device.h) and orders every collective
+ * against the caller's current stream. The facade in flatshard/comm.py
+ * checks tensors before calling. Every
  * collective is recorded in the Comm's ledger (ledger.h), here and in
  * py_unit.c; a failed one raises with the ledger's last entries. */
 #include "fs_py.h"
 
+/* kind='device': wrap the fs_comm* exported by `owner` (FS_COMM_CAPSULE),
+ * which stays owned (and is destroyed) by it. */
+static PyObject *device_comm(PyTypeObject *tp, int rank, int world, PyObject *capsule,
+                             PyObject *owner, PyObject *dev, PyObject *stream_fn)
+{
+    if (!capsule || !owner || !dev || !stream_fn || !PyCallable_Check(stream_fn))
+        return PyErr_Format(PyExc_TypeError, "Comm(kind='device') needs capsule=, owner=, "
+                            "device_api= and a callable stream_fn=");
+    if (!PyCapsule_IsValid(capsule, FS_COMM_CAPSULE) ||
+        !PyCapsule_IsValid(dev, FS_DEVICE_API_CAPSULE))
+        return PyErr_Format(PyExc_TypeError, "Comm(kind='device'): capsule= must be a '"
+                            FS_COMM_CAPSULE "' capsule and device_api= a '"
+                            FS_DEVICE_API_CAPSULE "' capsule");
+    fs_comm *c = PyCapsule_GetPointer(capsule, FS_COMM_CAPSULE);
+    const fs_device_api *api = PyCapsule_GetPointer(dev, FS_DEVICE_API_CAPSULE);
+    if (api->version != FS_DEVICE_API_VERSION)
+        return PyErr_Format(PyExc_RuntimeError, "Comm: device API version %d, this build "
+                            "expects %d (rebuild flatshard)", api->version,
+                            FS_DEVICE_API_VERSION);
+    if (c->rank != rank || c->world_size != world)
+        return PyErr_Format(PyExc_ValueError, "Comm(kind='device'): the backend is rank %d of "
+                            "%d, not %d of %d", c->rank, c->world_size, rank, world);
+    CommObject *self = (CommObject *)tp->tp_alloc(tp, 0);
+    if (!self)
+        return NULL;
+    fs_ledger_init(&self->ledger);
+    self->comm = c;
+    self->owner = Py_NewRef(owner);
+    self->dev = api;
+    self->stream_fn = Py_NewRef(stream_fn);
+    return (PyObject *)self;
+}
+
+int fs_comm_bind_stream(CommObject *self)
+{
+    if (!self->dev)
+        return 0;
+    PyObject *r = PyObject_CallNoArgs(self->stream_fn);
+    if (!r)
+        return -1;
+    void *s = PyLong_AsVoidPtr(r);
+    Py_DECREF(r);
+    if (PyErr_Occurred())
+        return -1;
+    self->stream = s;
+    self->dev->set_caller_stream(self->comm, s);
+    return 0;
+}
+
 static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"kind", "rank", "world_size", "fn", "name", "create", "slot_bytes",
-                             "timeout_s", NULL};
+                             "timeout_s", "capsule", "owner", "device_api", "stream_fn", NULL};
     const char *kind, *name = NULL;
-    PyObject *fn = NULL;
+    PyObject *fn = NULL, *capsule = NULL, *owner = NULL, *dev = NULL, *stream_fn = NULL;
     int rank, world, create = 0;
     Py_ssize_t slot_bytes = 0;
     double timeout_s = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sii|$Ozpnd", kwlist, &kind, &rank, &world, &fn,
-                                     &name, &create, &slot_bytes, &timeout_s))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sii|$OzpndOOOO", kwlist, &kind, &rank, &world,
+                                     &fn, &name, &create, &slot_bytes, &timeout_s, &capsule,
+                                     &owner, &dev, &stream_fn))
         return NULL;
+    if (strcmp(kind, "device") == 0)
+        return device_comm(tp, rank, world, capsule, owner, dev, stream_fn);
     fs_mod_state *st = fs_state_from_type(tp);
     CommObject *self = (CommObject *)tp->tp_alloc(tp, 0);
     if (!self)
@@ -35,8 +91,9 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         Py_END_ALLOW_THREADS
     } else {
         Py_DECREF(self);
-        return PyErr_Format(PyExc_ValueError, "Comm: kind must be 'torch' (with fn) or 'shm' "
-                            "(with name), got %s", kind);
+        return PyErr_Format(PyExc_ValueError, "Comm: kind must be 'torch' (with fn), 'shm' "
+                            "(with name) or 'device' (with capsule, owner, device_api and "
+                            "stream_fn), got %s", kind);
     }
     if (s != FS_OK) {
         Py_DECREF(self);
@@ -49,7 +106,10 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 static void Comm_dealloc(CommObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    fs_comm_destroy(self->comm);
+    if (!self->owner)
+        fs_comm_destroy(self->comm);
+    Py_XDECREF(self->owner);
+    Py_XDECREF(self->stream_fn);
     Py_XDECREF(self->on_failure);
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -102,6 +162,8 @@ static PyObject *Comm_all_gather(CommObject *self, PyObject *args)
     const char *tag = "";
     if (!PyArg_ParseTuple(args, "KKLi|s", &sp, &rp, &n, &t, &tag))
         return NULL;
+    if (fs_comm_bind_stream(self) < 0)
+        return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_ALL_GATHER, tag, n, t,
                    fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
@@ -117,6 +179,8 @@ static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
     int t, avg;
     const char *tag = "";
     if (!PyArg_ParseTuple(args, "KKLip|s", &sp, &rp, &n, &t, &avg, &tag))
+        return NULL;
+    if (fs_comm_bind_stream(self) < 0)
         return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_REDUCE_SCATTER, tag, n, t,
@@ -134,6 +198,8 @@ static PyObject *Comm_all_reduce(CommObject *self, PyObject *args)
     const char *tag = "";
     if (!PyArg_ParseTuple(args, "KLip|s", &p, &n, &t, &avg, &tag))
         return NULL;
+    if (fs_comm_bind_stream(self) < 0)
+        return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_ALL_REDUCE, tag, n, t,
                    fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM));
@@ -150,6 +216,8 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
     const char *tag = "";
     if (!PyArg_ParseTuple(args, "KLii|s", &p, &n, &t, &root, &tag))
         return NULL;
+    if (fs_comm_bind_stream(self) < 0)
+        return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_BROADCAST, tag, n, t,
                    fs_comm_broadcast(self->comm, (void *)p, n, t, root));
@@ -161,6 +229,8 @@ static PyObject *Comm_barrier(CommObject *self, PyObject *args)
 {
     const char *tag = "";
     if (!PyArg_ParseTuple(args, "|s", &tag))
+        return NULL;
+    if (fs_comm_bind_stream(self) < 0)
         return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_BARRIER, tag, 0, FS_U8, fs_comm_barrier(self->comm));
@@ -229,7 +299,23 @@ static PyObject *Comm_abort(CommObject *self, PyObject *args)
     Py_RETURN_TRUE;
 }
 
+PyDoc_STRVAR(capsule_doc,
+             "capsule() -> this Comm's fs_comm* for Comm(kind='device', capsule=...); valid\n"
+             "while this Comm lives (pass it as owner=).");
+static PyObject *Comm_capsule(CommObject *self, PyObject *Py_UNUSED(a))
+{
+    return PyCapsule_New(self->comm, FS_COMM_CAPSULE, NULL);
+}
+
+static PyObject *Comm_get_device(CommObject *self, void *c)
+{
+    if (!self->dev)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(self->dev->name);
+}
+
 static PyMethodDef Comm_methods[] = {
+    {"capsule", (PyCFunction)Comm_capsule, METH_NOARGS, capsule_doc},
     {"abort", (PyCFunction)Comm_abort, METH_VARARGS, abort_doc},
     {"all_gather", (PyCFunction)Comm_all_gather, METH_VARARGS, all_gather_doc},
     {"reduce_scatter", (PyCFunction)Comm_reduce_scatter, METH_VARARGS, reduce_scatter_doc},
@@ -244,6 +330,8 @@ static PyGetSetDef Comm_getset[] = {
     {"rank", (getter)Comm_get_rank, NULL, "this process' rank in the group", NULL},
     {"world_size", (getter)Comm_get_world, NULL, "ranks in the group", NULL},
     {"backend", (getter)Comm_get_backend, NULL, "backend name", NULL},
+    {"device", (getter)Comm_get_device, NULL,
+     "the device API of a kind='device' Comm ('cuda', or 'host'), else None", NULL},
     {"on_failure", (getter)Comm_get_on_failure, (setter)Comm_set_on_failure,
      "on_failure(comm, exc), called after a collective failed (exc is about to be raised); "
      "None: no call", NULL},
@@ -258,7 +346,9 @@ static PyType_Slot Comm_slots[] = {
     {Py_tp_doc, "Comm(kind, rank, world_size, *, fn=None, name=None, create=False, "
                 "slot_bytes=0, timeout_s=0): collective backend handle.\n"
                 "kind='torch' calls fn(op, a, b, arg); kind='shm' maps segment `name` "
-                "(rank 0 passes create=True)."},
+                "(rank 0 passes create=True); kind='device' wraps owner's backend "
+                "(capsule=owner.capsule()) over device memory, with device_api (an "
+                "fs_device_api capsule) and stream_fn() -> the current stream."},
     {0, NULL},
 };
 

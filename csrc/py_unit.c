@@ -7,7 +7,18 @@
  * (the parameters seen by forward, and the tensors autograd saved) stay
  * valid across the cycle, so nothing has to be re-saved and no stream-
  * lifetime tricks are needed. Storage resizing is the one torch call made
- * from here, through the storage object's resize_ method. */
+ * from here, through the storage object's resize_ method.
+ *
+ * Device memory: when the Comm is bound to a device (Comm(kind='device'),
+ * e.g. CUDA with NCCL), casts and accumulations go through the device's
+ * table (fs_device.h), enqueued on the caller's current stream, and the
+ * unit's own buffers come from `empty(numel, dtype)` (torch's allocator, so
+ * torch's memory statistics stay true): the compute-dtype shard and the
+ * reduction output persist, the reduce-dtype gradient and the float32
+ * staging of low-precision reductions are taken for one reduction and given
+ * back. Freeing them after enqueueing is safe: the caller's stream already
+ * waits for the collective (comm.h), and torch's allocator reuses a block
+ * in that stream's order. */
 #include "fs_py.h"
 
 #include <stdlib.h>
@@ -34,8 +45,11 @@ typedef struct {
     fs_dtype compute;     /* lp's dtype (== dtype without mixed precision) */
     fs_dtype reduce;      /* gradient reduction dtype */
     void *lp_shard;       /* shard_numel in the compute dtype: all-gather input */
-    void *red_in;         /* padded_numel in the reduce dtype, when it differs from compute */
+    void *red_in;         /* padded_numel in the reduce dtype, when it differs from compute
+                           * (host only: on a device it is taken per reduction) */
     void *red_out;        /* shard_numel in the reduce dtype, when it differs from dtype */
+    PyObject *lp_shard_t; /* the tensors holding lp_shard / red_out on a device */
+    PyObject *red_out_t;
 } unit_group;
 
 typedef struct {
@@ -50,10 +64,84 @@ typedef struct {
     int full_unsharded;     /* the full-precision buffers are live and gathered */
     void *scratch;          /* reduce-scatter landing area when accumulating */
     size_t scratch_bytes;
+    PyObject *scratch_t;    /* the tensor holding scratch on a device */
+    PyObject *empty;        /* device units: empty(numel, dtype_code) -> tensor */
     unsigned long long n_all_gather, n_reduce;
 } UnitObject;
 
 static fs_mod_state *mstate(UnitObject *u) { return fs_state_from_type(Py_TYPE(u)); }
+
+/* ---------------------------------------------------------------------------
+ * buffers and kernels: host loops, or the device's (fs_device.h) */
+
+/* numel elements of t: a tensor from u->empty on a device (*owner holds it;
+ * a previous one is released), else malloc'd host memory (*owner NULL). */
+static void *take(UnitObject *u, int64_t numel, fs_dtype t, PyObject **owner)
+{
+    if (!u->empty) {
+        void *p = malloc(numel ? (size_t)numel * fs_dtype_size(t) : 1);
+        return p ? p : PyErr_NoMemory();
+    }
+    PyObject *tensor = PyObject_CallFunction(u->empty, "Li", (long long)numel, (int)t);
+    void *p = NULL;
+    if (!tensor || fs_tensor_ptr(tensor, &p) < 0) {
+        Py_XDECREF(tensor);
+        return NULL;
+    }
+    Py_XSETREF(*owner, tensor);
+    return p;
+}
+
+static fs_status k_cast(UnitObject *u, void *dst, fs_dtype dt, const void *src, fs_dtype st,
+                        int64_t n)
+{
+    const fs_device_api *d = u->comm->dev;
+    fs_comm *c = u->comm->comm;
+    if (d) /* enqueued: no need to release the GIL */
+        return d->cast(dst, dt, src, st, n, u->comm->stream, c->last_error,
+                       sizeof c->last_error);
+    fs_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = fs_cast(dst, dt, src, st, n);
+    Py_END_ALLOW_THREADS
+    return s;
+}
+
+static fs_status k_scale_accumulate(UnitObject *u, void *dst, fs_dtype dt, const void *src,
+                                    fs_dtype st, int64_t n, double scale, int accumulate)
+{
+    const fs_device_api *d = u->comm->dev;
+    fs_comm *c = u->comm->comm;
+    if (d)
+        return d->scale_accumulate(dst, dt, src, st, n, scale, accumulate, u->comm->stream,
+                                   c->last_error, sizeof c->last_error);
+    fs_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
+    Py_END_ALLOW_THREADS
+    return s;
+}
+
+/* A bfloat16/float16 reduction of total_numel elements on a device stages
+ * through float32 (comm.h): lend the backend that much for one call. */
+static int lend_workspace(UnitObject *u, fs_dtype t, int64_t total_numel, PyObject **owner)
+{
+    const fs_device_api *d = u->comm->dev;
+    if (!d || (t != FS_BF16 && t != FS_F16))
+        return 0;
+    void *p = take(u, total_numel, FS_F32, owner);
+    if (!p)
+        return -1;
+    d->set_workspace(u->comm->comm, p, (size_t)total_numel * 4);
+    return 0;
+}
+
+static void return_workspace(UnitObject *u, PyObject **owner)
+{
+    if (*owner)
+        u->comm->dev->set_workspace(u->comm->comm, NULL, 0);
+    Py_CLEAR(*owner);
+}
 
 /* Add context to the exception now set: which unit, which operation. */
 static PyObject *annotate(UnitObject *u, const char *what, Py_ssize_t g)
@@ -77,16 +165,20 @@ static PyObject *annotate(UnitObject *u, const char *what, Py_ssize_t g)
 
 static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"name", "comm", "strategy", "groups", "grad_mask", NULL};
-    PyObject *name, *comm, *groups;
+    static char *kwlist[] = {"name", "comm", "strategy", "groups", "grad_mask", "empty", NULL};
+    PyObject *name, *comm, *groups, *empty = Py_None;
     int strategy;
     unsigned long long grad_mask;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "UOiOK", kwlist, &name, &comm, &strategy, &groups,
-                                     &grad_mask))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "UOiOK|$O", kwlist, &name, &comm, &strategy,
+                                     &groups, &grad_mask, &empty))
         return NULL;
     fs_mod_state *st = fs_state_from_type(tp);
     if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType))
         return PyErr_Format(PyExc_TypeError, "Unit: comm must be a flatshard._C.Comm");
+    if ((((CommObject *)comm)->dev != NULL) != (empty != Py_None) ||
+        (empty != Py_None && !PyCallable_Check(empty)))
+        return PyErr_Format(PyExc_TypeError, "Unit: a Comm bound to a device needs "
+                            "empty=callable(numel, dtype_code) -> tensor, and only such a Comm");
     if (strategy != FS_FULL_SHARD && strategy != FS_SHARD_GRAD_OP && strategy != FS_NO_SHARD)
         return PyErr_Format(PyExc_ValueError, "Unit: strategy %d is not 1, 2 or 3", strategy);
     PyObject *seq = PySequence_Fast(groups, "Unit: groups must be a sequence");
@@ -112,6 +204,7 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     u->name = name;
     Py_INCREF(comm);
     u->comm = (CommObject *)comm;
+    u->empty = empty != Py_None ? Py_NewRef(empty) : NULL;
     u->cfg.strategy = strategy;
     u->cfg.is_root = 0;
     u->cfg.grad_mask = grad_mask;
@@ -147,13 +240,11 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
                          "parameters' needs an lp buffer (and a sharding strategy)", name, i);
             goto fail;
         }
-        size_t cs = fs_dtype_size(g->compute), rs = fs_dtype_size(g->reduce);
-        if ((g->lp && !(g->lp_shard = malloc(sn ? (size_t)sn * cs : 1))) ||
-            (g->reduce != g->compute && !(g->red_in = malloc(pn ? (size_t)pn * rs : 1))) ||
-            (g->reduce != g->dtype && !(g->red_out = malloc(sn ? (size_t)sn * rs : 1)))) {
-            PyErr_NoMemory();
+        if ((g->lp && !(g->lp_shard = take(u, sn, g->compute, &g->lp_shard_t))) ||
+            (g->reduce != g->compute && !u->empty &&
+             !(g->red_in = take(u, pn, g->reduce, NULL))) ||
+            (g->reduce != g->dtype && !(g->red_out = take(u, sn, g->reduce, &g->red_out_t))))
             goto fail;
-        }
         g->shard_numel = sn;
         g->padded_numel = pn;
         if (fs_dtype_size(g->dtype) == 0 || sn < 0 ||
@@ -188,12 +279,19 @@ static void Unit_dealloc(UnitObject *u)
         Py_XDECREF(u->groups[i].storage);
         Py_XDECREF(u->groups[i].lp);
         Py_XDECREF(u->groups[i].lp_storage);
-        free(u->groups[i].lp_shard);
-        free(u->groups[i].red_in);
-        free(u->groups[i].red_out);
+        if (!u->empty) { /* else the tensors below own them */
+            free(u->groups[i].lp_shard);
+            free(u->groups[i].red_in);
+            free(u->groups[i].red_out);
+        }
+        Py_XDECREF(u->groups[i].lp_shard_t);
+        Py_XDECREF(u->groups[i].red_out_t);
     }
     free(u->groups);
-    free(u->scratch);
+    if (!u->empty)
+        free(u->scratch);
+    Py_XDECREF(u->scratch_t);
+    Py_XDECREF(u->empty);
     Py_XDECREF(u->name);
     Py_XDECREF(u->comm);
     tp->tp_free(u);
@@ -234,6 +332,8 @@ static int resize(PyObject *storage, int64_t nbytes)
  * buffer (lp under mixed precision, cast first; else full). */
 static PyObject *gather(UnitObject *u, int full_precision)
 {
+    if (fs_comm_bind_stream(u->comm) < 0)
+        return annotate(u, "unshard", 0);
     for (Py_ssize_t i = 0; i < u->ngroups; i++) {
         unit_group *g = &u->groups[i];
         int use_lp = g->lp && !full_precision;
@@ -245,9 +345,7 @@ static PyObject *gather(UnitObject *u, int full_precision)
             return annotate(u, "unshard", i);
         fs_status s = FS_OK;
         if (use_lp) { /* one pass: the master shard, cast to the compute dtype */
-            Py_BEGIN_ALLOW_THREADS
-            s = fs_cast(g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
-            Py_END_ALLOW_THREADS
+            s = k_cast(u, g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
             sp = g->lp_shard;
         }
         /* Not in place: the shard is its own buffer, so that resharding can
@@ -317,10 +415,12 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
     unit_group *g = &u->groups[gi];
     fs_comm *c = u->comm->comm;
     void *gp, *op;
-    if (fs_tensor_ptr(grad, &gp) < 0 || fs_tensor_ptr(out, &op) < 0)
+    if (fs_tensor_ptr(grad, &gp) < 0 || fs_tensor_ptr(out, &op) < 0 ||
+        fs_comm_bind_stream(u->comm) < 0)
         return NULL;
     const double inv = 1.0 / c->world_size;
     const char *uname = PyUnicode_AsUTF8(u->name); /* for the ledger */
+    PyObject *red_in_t = NULL, *ws_t = NULL; /* a device's per-reduction buffers */
     fs_status s = FS_OK;
     /* The gradient arrives in the compute dtype; the collective runs in the
      * reduce dtype. fp16 sums are divided first (they could overflow), the
@@ -328,37 +428,52 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
     void *src = gp;
     double post = inv;
     if (g->reduce != g->compute || g->reduce == FS_F16) {
-        void *dst = g->reduce != g->compute ? g->red_in : gp;
-        Py_BEGIN_ALLOW_THREADS
-        s = fs_scale_accumulate(dst, g->reduce, gp, g->compute, g->padded_numel, inv, 0);
-        Py_END_ALLOW_THREADS
+        void *dst = gp;
+        if (g->reduce != g->compute && !(dst = u->empty ? take(u, g->padded_numel, g->reduce,
+                                                                 &red_in_t) : g->red_in))
+            return NULL;
+        s = k_scale_accumulate(u, dst, g->reduce, gp, g->compute, g->padded_numel, inv, 0);
         src = dst;
         post = 1.0;
     }
+    const int no_shard = u->cfg.strategy == FS_NO_SHARD;
+    if (s == FS_OK && (!no_shard || c->world_size > 1) &&
+        lend_workspace(u, no_shard ? g->dtype : g->reduce, g->padded_numel, &ws_t) < 0) {
+        Py_XDECREF(red_in_t);
+        return NULL;
+    }
     if (s != FS_OK) {
-    } else if (u->cfg.strategy == FS_NO_SHARD) { /* mixed precision is refused here */
-        FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_REDUCE, uname, g->padded_numel, g->dtype,
-                       fs_comm_all_reduce(c, gp, g->padded_numel, g->dtype, FS_RED_SUM));
+    } else if (no_shard) { /* mixed precision is refused here */
+        if (c->world_size > 1) /* one rank's sum is its own gradient */
+            FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_REDUCE, uname, g->padded_numel, g->dtype,
+                           fs_comm_all_reduce(c, gp, g->padded_numel, g->dtype, FS_RED_SUM));
         if (s == FS_OK)
-            s = fs_scale_accumulate(op, g->dtype, gp, g->dtype, g->shard_numel, inv, accumulate);
+            s = k_scale_accumulate(u, op, g->dtype, gp, g->dtype, g->shard_numel, inv,
+                                   accumulate);
     } else if (g->reduce != g->dtype) {
         FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->reduce,
                        fs_comm_reduce_scatter(c, src, g->red_out, g->shard_numel, g->reduce,
                                               FS_RED_SUM));
         if (s == FS_OK)
-            s = fs_scale_accumulate(op, g->dtype, g->red_out, g->reduce, g->shard_numel, post,
-                                    accumulate);
+            s = k_scale_accumulate(u, op, g->dtype, g->red_out, g->reduce, g->shard_numel, post,
+                                   accumulate);
     } else if (!accumulate) {
         FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
                        fs_comm_reduce_scatter(c, src, op, g->shard_numel, g->dtype, FS_RED_SUM));
         if (s == FS_OK && post != 1.0)
-            s = fs_scale_accumulate(op, g->dtype, op, g->dtype, g->shard_numel, post, 0);
+            s = k_scale_accumulate(u, op, g->dtype, op, g->dtype, g->shard_numel, post, 0);
     } else {
         size_t need = (size_t)g->shard_numel * fs_dtype_size(g->dtype);
         if (need > u->scratch_bytes) {
-            void *p = realloc(u->scratch, need);
-            if (!p)
-                return PyErr_NoMemory();
+            void *p = u->empty ? take(u, g->shard_numel, g->dtype, &u->scratch_t)
+                               : realloc(u->scratch, need ? need : 1);
+            if (!p) {
+                if (!u->empty)
+                    PyErr_NoMemory();
+                Py_XDECREF(red_in_t);
+                return_workspace(u, &ws_t);
+                return NULL;
+            }
             u->scratch = p;
             u->scratch_bytes = need;
         }
@@ -366,8 +481,12 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
                        fs_comm_reduce_scatter(c, src, u->scratch, g->shard_numel, g->dtype,
                                               FS_RED_SUM));
         if (s == FS_OK)
-            s = fs_scale_accumulate(op, g->dtype, u->scratch, g->dtype, g->shard_numel, post, 1);
+            s = k_scale_accumulate(u, op, g->dtype, u->scratch, g->dtype, g->shard_numel, post,
+                                   1);
     }
+    Py_XDECREF(red_in_t);
+    if (ws_t)
+        return_workspace(u, &ws_t);
     if (s != FS_OK) {
         fs_raise(mstate(u), s, "gradient reduction: %s", c->last_error);
         annotate(u, u->cfg.strategy == FS_NO_SHARD ? "all-reduce" : "reduce-scatter", gi);

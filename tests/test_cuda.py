@@ -13,7 +13,7 @@ import torch
 
 import flatshard
 from flatshard import _C, cuda, cuda_nccl
-from flatshard.comm import requested_backend
+from flatshard.comm import backend_for_device, requested_backend
 
 GPU = torch.cuda.is_available()
 need_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device visible to torch")
@@ -57,16 +57,20 @@ def _capsule_pointer(name, capsule=None):
     return api.PyCapsule_GetPointer(capsule, name.encode())
 
 
-def test_c_api_capsule_for_other_extensions():
-    """flatshard._C reaches the kernels through PyCapsule_Import: the table
-    is there, versioned, and its entries are set."""
-    if not cuda.built():
-        pytest.skip("built without nvcc")
+@pytest.mark.parametrize("which", ["host", "cuda"])
+def test_device_api_capsules(which):
+    """flatshard._C's units reach a device's kernels through an fs_device_api
+    capsule (csrc/fs_device.h): versioned, named, every entry set."""
     import ctypes
-    ptr = _capsule_pointer("flatshard._C_cuda._api")
+    from flatshard import _C
+    if which == "cuda" and not cuda.built():
+        pytest.skip("built without nvcc")
+    capsule = _C.host_device_api if which == "host" else cuda._C_cuda.device_api
+    ptr = _capsule_pointer("flatshard.fs_device_api", capsule)
     assert ptr
-    assert ctypes.c_int.from_address(ptr).value == 1  # FS_CUDA_API_VERSION
-    entries = (ctypes.c_void_p * 13).from_address(ptr + 8)  # 13 function pointers
+    assert ctypes.c_int.from_address(ptr).value == 1  # FS_DEVICE_API_VERSION
+    assert ctypes.c_char_p.from_address(ptr + 8).value.decode() == which
+    entries = (ctypes.c_void_p * 4).from_address(ptr + 16)  # 4 function pointers
     assert all(entries)
 
 
@@ -128,9 +132,17 @@ def test_tensor_checks_name_the_argument():
         cuda.adam_step_(cpu, cpu, cpu, cpu, 1, lr=1e-3)
 
 
-def test_nccl_backend_request_is_refused_by_the_wrapper():
-    with pytest.raises(flatshard.NotBuiltError, match="comm_backend='nccl'"):
-        requested_backend("nccl")
+def test_backend_must_fit_the_device():
+    """CUDA memory moves only through 'nccl' ('auto' picks it), host memory
+    never through it: each mismatch names comm_backend and what to use."""
+    assert backend_for_device("auto", torch.device("cuda", 0)) == "nccl"
+    assert backend_for_device("auto", torch.device("cpu")) == "auto"
+    with pytest.raises(flatshard.ConfigError, match="comm_backend='nccl'.*moves CUDA memory"):
+        backend_for_device(requested_backend("nccl"), torch.device("cpu"))
+    for name in ("shm", "torch"):
+        with pytest.raises(flatshard.ConfigError, match=f"comm_backend='{name}'.*only the "
+                           "'nccl' backend"):
+            backend_for_device(name, torch.device("cuda", 0))
     if not cuda.available():
         with pytest.raises(flatshard.NotBuiltError, match="needs flatshard built with nvcc"):
             cuda_nccl.nccl_comm_for(None)

@@ -108,9 +108,11 @@ CASES = {
                           lambda m: dict(limit_all_gathers=0), None),
     "sync_module_states": (T, "sync_module_states", "int 1", build,
                            lambda m: dict(sync_module_states=1), None),
-    "device_cuda": (N, "device_id", "cuda", build,
+    # without a GPU: no CUDA device; with one: the module is still on the CPU
+    "device_cuda": (V, "device_id", "cuda", build,
                     lambda m: dict(device_id=torch.device("cuda", 0)), None),
-    "device_int": (N, "device_id", "device_id=0", build, lambda m: dict(device_id=0), None),
+    "device_int": (V, "device_id", "device_id=0", build, lambda m: dict(device_id=0), None),
+    "device_mps": (N, "device_id", "mps", build, lambda m: dict(device_id="mps"), None),
     "device_float": (T, "device_id", "3.5", build, lambda m: dict(device_id=3.5), None),
     "device_str": (V, "device_id", "'gpu-zero'", build, lambda m: dict(device_id="gpu-zero"),
                    None),
@@ -189,7 +191,7 @@ CASES = {
                          lambda m: dict(param_init_fn=lambda mod: None), None),
     "comm_backend": (V, "comm_backend", "'gloo'", build, lambda m: dict(comm_backend="gloo"),
                      None),
-    "comm_backend_nccl": (N, "comm_backend", "'nccl'", build,
+    "comm_backend_nccl": (V, "comm_backend", "'nccl'", build,
                           lambda m: dict(comm_backend="nccl"), None),
     "comm_backend_type": (T, "comm_backend", "int 3", build, lambda m: dict(comm_backend=3),
                           None),
@@ -244,7 +246,7 @@ def _tripwire():
 
 
 # Cases whose message docs/troubleshooting.md quotes: guide entry -> case.
-GUIDE = {"bad-type": "strategy_str", "not-built": "device_cuda",
+GUIDE = {"bad-type": "strategy_str", "not-built": "hybrid",
          "meta-without-init": "meta_without_init", "shared-parameter": "shared_across_units",
          "wrong-backend": "group_backend", "bad-timeout": "env_timeout"}
 

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <cuda_runtime_api.h>
 
+#include "../fs_device.h"
 #include "../fs_dtype.h"
 #include "../fs_status.h"
 
@@ -137,35 +138,11 @@ fs_status fs_nccl_wait(struct fs_comm *c, double timeout_s);
 int fs_nccl_version(void);
 
 /* ---------------------------------------------------------------------------
- * For other extensions (flatshard._C's units): the entry points above as a
- * table, exported the CPython way (a capsule, like datetime's C API), so _C
- * calls them without linking against CUDA:
- *     const fs_cuda_api *api = PyCapsule_Import(FS_CUDA_API_CAPSULE, 0);
- * and an NcclComm's fs_comm* from NcclComm.capsule() (named
- * FS_NCCL_COMM_CAPSULE; valid while that NcclComm lives and is not closed),
- * which the core drives through comm.h like any backend after
- * api->set_caller_stream. */
-#define FS_CUDA_API_CAPSULE "flatshard._C_cuda._api"
-#define FS_NCCL_COMM_CAPSULE "flatshard._C_cuda.fs_comm"
-#define FS_CUDA_API_VERSION 1
-
-typedef struct {
-    int version; /* FS_CUDA_API_VERSION: check before use */
-    cudaError_t (*cast)(void *, fs_dtype, const void *, fs_dtype, int64_t, cudaStream_t);
-    cudaError_t (*scale_accumulate)(void *, fs_dtype, const void *, fs_dtype, int64_t, double,
-                                    int, cudaStream_t);
-    cudaError_t (*pack)(void *, fs_dtype, const fs_cuda_segment *, int, cudaStream_t);
-    cudaError_t (*unpack)(const void *, fs_dtype, const fs_cuda_segment *, int, cudaStream_t);
-    cudaError_t (*adam_step)(const fs_cuda_adam_args *, cudaStream_t);
-    cudaError_t (*sgd_step)(const fs_cuda_sgd_args *, cudaStream_t);
-    cudaError_t (*norm_partial)(const void *, fs_dtype, int64_t, int, double *, cudaStream_t);
-    const char *(*error_string)(cudaError_t);
-    void (*set_caller_stream)(struct fs_comm *, cudaStream_t);
-    void (*set_workspace)(struct fs_comm *, void *, size_t);
-    fs_status (*group_start)(struct fs_comm *);
-    fs_status (*group_end)(struct fs_comm *);
-    fs_status (*wait)(struct fs_comm *, double);
-} fs_cuda_api;
+ * For flatshard._C's units (fs_device.h): py_cuda.c exports the cast and
+ * accumulate kernels and the NCCL stream/workspace setters as an
+ * fs_device_api capsule (flatshard._C_cuda.device_api), and
+ * NcclComm.capsule() exports the communicator's fs_comm*, which the core
+ * drives through comm.h like any backend. */
 
 #ifdef __cplusplus
 }

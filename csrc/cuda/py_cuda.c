@@ -254,11 +254,40 @@ static PyMethodDef module_methods[] = {
     {NULL},
 };
 
-static const fs_cuda_api cuda_api = {
-    FS_CUDA_API_VERSION, fs_cuda_cast, fs_cuda_scale_accumulate, fs_cuda_pack, fs_cuda_unpack,
-    fs_cuda_adam_step, fs_cuda_sgd_step, fs_cuda_norm_partial, cudaGetErrorString,
-    fs_nccl_set_caller_stream, fs_nccl_set_workspace, fs_nccl_group_start, fs_nccl_group_end,
-    fs_nccl_wait,
+/* ---------------------------------------------------------------------------
+ * the device table for flatshard._C's units (fs_device.h) */
+
+static fs_status dev_result(cudaError_t e, const char *op, char *err, size_t cap)
+{
+    if (e == cudaSuccess)
+        return FS_OK;
+    snprintf(err, cap, "CUDA %s: %s (%s)", op, cudaGetErrorName(e), cudaGetErrorString(e));
+    return e == cudaErrorInvalidValue ? FS_ERR_INVALID_ARG : FS_ERR_BACKEND;
+}
+
+static fs_status dev_cast(void *dst, fs_dtype dt, const void *src, fs_dtype st, int64_t n,
+                          void *stream, char *err, size_t cap)
+{
+    return dev_result(fs_cuda_cast(dst, dt, src, st, n, (cudaStream_t)stream), "cast", err, cap);
+}
+
+static fs_status dev_scale_accumulate(void *dst, fs_dtype dt, const void *src, fs_dtype st,
+                                      int64_t n, double scale, int accumulate, void *stream,
+                                      char *err, size_t cap)
+{
+    return dev_result(fs_cuda_scale_accumulate(dst, dt, src, st, n, scale, accumulate,
+                                               (cudaStream_t)stream),
+                      "scale_accumulate", err, cap);
+}
+
+static void dev_set_caller_stream(struct fs_comm *c, void *stream)
+{
+    fs_nccl_set_caller_stream(c, (cudaStream_t)stream);
+}
+
+static const fs_device_api device_api = {
+    FS_DEVICE_API_VERSION, "cuda", dev_cast, dev_scale_accumulate, dev_set_caller_stream,
+    fs_nccl_set_workspace,
 };
 
 static int module_exec(PyObject *m)
@@ -278,8 +307,8 @@ static int module_exec(PyObject *m)
         return -1;
     if (PyModule_AddIntConstant(m, "SEGMENTS_PER_LAUNCH", FS_CUDA_SEGMENTS) < 0)
         return -1;
-    PyObject *api = PyCapsule_New((void *)&cuda_api, FS_CUDA_API_CAPSULE, NULL);
-    int rc = api ? PyModule_AddObjectRef(m, "_api", api) : -1;
+    PyObject *api = PyCapsule_New((void *)&device_api, FS_DEVICE_API_CAPSULE, NULL);
+    int rc = api ? PyModule_AddObjectRef(m, "device_api", api) : -1;
     Py_XDECREF(api);
     return rc;
 }

@@ -232,7 +232,7 @@ static PyObject *NcclComm_capsule(NcclCommObject *self, PyObject *Py_UNUSED(a))
 {
     if (live(self) < 0)
         return NULL;
-    return PyCapsule_New(self->comm, FS_NCCL_COMM_CAPSULE, NULL);
+    return PyCapsule_New(self->comm, FS_COMM_CAPSULE, NULL);
 }
 
 static PyObject *NcclComm_close(NcclCommObject *self, PyObject *Py_UNUSED(a))

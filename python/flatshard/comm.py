@@ -10,7 +10,8 @@ environment variable when the argument is not given):
   "auto"   shm when every rank of the group is on this host, else torch
   "shm"    shared memory between the ranks of one host (csrc/comm_shm.c)
   "torch"  the process group itself (gloo), through `_torch_collective`
-  "nccl"   GPUs only (cuda_nccl.py); refused by the wrapper, whose units run on CPU
+  "nccl"   CUDA devices (device.py, cuda_nccl.py): flatshard's own NCCL
+           communicator; "auto" picks it for units on a CUDA device
 Every shm wait gives up after FLATSHARD_COMM_TIMEOUT seconds (default 300)
 with an error naming the rank that did not arrive and where it is. Every
 collective is recorded in the Comm's ledger (Comm.ledger()); a failed one
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
 from . import _C, diagnostics
-from .errors import bad_type, bad_value, not_built
+from .errors import bad_type, bad_value
 
 BACKENDS = ("auto", "shm", "torch", "nccl")
 ENV_BACKEND = "FLATSHARD_COMM_BACKEND"
@@ -127,12 +128,22 @@ def requested_backend(value):
         raise bad_type(arg, value, f"one of {', '.join(map(repr, BACKENDS))}")
     if value not in BACKENDS:
         raise bad_value(arg, value, f"expected one of {', '.join(map(repr, BACKENDS))}")
+    return value
+
+
+def backend_for_device(value, device, arg="comm_backend"):
+    """A requested backend name, checked against the units' device: CUDA
+    memory moves only through 'nccl' ('auto' picks it), host memory only
+    through 'shm' or 'torch'."""
+    if device.type == "cuda":
+        if value not in ("auto", "nccl"):
+            raise bad_value(arg, value, "units on a CUDA device move device memory, which "
+                            "only the 'nccl' backend can", "use 'auto' or 'nccl'")
+        return "nccl"
     if value == "nccl":
-        from .cuda_nccl import nccl_usable
-        why = ("the wrapper's units run on CPU devices only; the NCCL backend itself is "
-               "flatshard.cuda_nccl.nccl_comm_for(group)" if nccl_usable() else
-               "the NCCL backend needs CUDA devices, and this build runs on CPU only")
-        raise not_built(arg, value, f"{why}; use 'auto', 'shm' or 'torch'")
+        raise bad_value(arg, value, f"the NCCL backend moves CUDA memory, and these units are "
+                        f"on {device}", "pass device_id=torch.device('cuda', local_rank) with "
+                        "the module on that device, or use 'auto', 'shm' or 'torch'")
     return value
 
 
@@ -237,10 +248,14 @@ def _register_exit_hook():
         _EXIT_HOOK.append(True)
 
 
-def comm_for(group, backend="torch"):
+def comm_for(group, backend="torch", device=None):
     """The Comm of a process group for a requested backend (cached: the
-    choice and the set-up are collectives, made once per group)."""
+    choice and the set-up are collectives, made once per group). Units on a
+    CUDA `device` get its device Comm (device.py; backend 'nccl')."""
     _register_exit_hook()
+    if device is not None and device.type == "cuda":
+        from .device import cuda_comm
+        return cuda_comm(group, device)
     key = (id(group), backend)
     hit = _COMMS.get(key)
     if hit is not None and hit[0] is group:
@@ -254,9 +269,9 @@ def comm_for(group, backend="torch"):
                             f"Linux host ({sorted(set(h.split('|')[0] for h in hosts))})",
                             "use 'torch' (or 'auto') for multi-host groups")
         chosen = "shm" if one_host else "torch"
-    if chosen == "nccl":  # device tensors only: NcclBackend (cuda_nccl.py), not a _C.Comm
-        from .cuda_nccl import nccl_comm_for
-        return nccl_comm_for(group)
+    if chosen == "nccl":
+        raise bad_value("comm_backend", "nccl", "the NCCL backend moves CUDA memory; no CUDA "
+                        "device was given", "use 'auto', 'shm' or 'torch' for CPU tensors")
     if chosen == "shm":
         comm = _make_shm(group)
     else:
@@ -267,9 +282,12 @@ def comm_for(group, backend="torch"):
     return comm
 
 
-def _flat(t, arg):
+def _flat(t, arg, comm):
     if not t.is_contiguous():
         raise ValueError(f"flatshard: {arg} must be contiguous")
+    if (t.device.type == "cuda") != (comm.device == "cuda"):
+        raise ValueError(f"flatshard: {arg} is on {t.device}, but this Comm moves "
+                         f"{'CUDA' if comm.device == 'cuda' else 'host'} memory")
     return t.data_ptr(), t.numel(), dtype_code(t.dtype)
 
 
@@ -280,27 +298,28 @@ def broadcast_(comm, tensor, root=0, tag=""):
     """Broadcast a contiguous tensor of any dtype in place, as raw bytes."""
     flat = tensor.detach().contiguous().view(-1)
     raw = flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
+    _flat(raw, "tensor", comm)
     comm.broadcast(raw.data_ptr(), raw.numel(), _C.U8, root, tag)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.detach().copy_(flat.view_as(tensor))
 
 
 def all_gather_into(comm, out, inp, tag=""):
-    ip, n, code = _flat(inp, "input")
-    op, on, ocode = _flat(out, "output")
+    ip, n, code = _flat(inp, "input", comm)
+    op, on, ocode = _flat(out, "output", comm)
     if ocode != code or on != n * comm.world_size:
         raise ValueError("flatshard: all_gather output must be world_size times the input")
     comm.all_gather(ip, op, n, code, tag)
 
 
 def reduce_scatter_into(comm, out, inp, average=True, tag=""):
-    ip, n, code = _flat(inp, "input")
-    op, on, ocode = _flat(out, "output")
+    ip, n, code = _flat(inp, "input", comm)
+    op, on, ocode = _flat(out, "output", comm)
     if ocode != code or n != on * comm.world_size:
         raise ValueError("flatshard: reduce_scatter input must be world_size times the output")
     comm.reduce_scatter(ip, op, on, code, average, tag)
 
 
 def all_reduce_(comm, tensor, average=False, tag=""):
-    p, n, code = _flat(tensor, "tensor")
+    p, n, code = _flat(tensor, "tensor", comm)
     comm.all_reduce(p, n, code, average, tag)

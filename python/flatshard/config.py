@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import comm_timeout_s, requested_backend, shm_slot_bytes
+from .comm import backend_for_device, comm_timeout_s, requested_backend, shm_slot_bytes
 from .errors import ConfigError, bad_type, bad_value, not_built
 from .options import (BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy,
                       normalize_dataclass, normalize_enum)
@@ -34,7 +34,7 @@ class UnitConfig:
     use_orig_params: bool
     device: torch.device
     group: object  # torch ProcessGroup
-    comm_backend: str  # "auto", "shm" or "torch" (comm.py)
+    comm_backend: str  # "auto", "shm" or "torch" (comm.py); "nccl" on a CUDA device
     mixed_precision: Optional[MixedPrecision] = None
     offload_params: bool = False  # CPUOffload(offload_params=True)
 
@@ -55,16 +55,34 @@ def _device(device_id):
             device = torch.device(device_id)
         except RuntimeError:
             raise bad_value("device_id", device_id, "expected a torch.device such as "
-                            "torch.device('cpu')") from None
+                            "torch.device('cpu') or torch.device('cuda', local_rank)") from None
     else:
         raise bad_type("device_id", device_id, "torch.device, int, str or None")
+    if device.type == "cuda":
+        return _cuda_device(device_id, device)
     if device.type != "cpu":
-        raise not_built("device_id", device_id, "this build runs on CPU devices only "
-                        "(the CUDA path is a separate feature); use device_id=torch.device('cpu')")
+        raise not_built("device_id", device_id, f"{device.type} devices are not supported; "
+                        "use torch.device('cpu') or a CUDA device")
     return device
 
 
-def _group(process_group, device_mesh):
+def _cuda_device(device_id, device):
+    from . import cuda
+    if not cuda.built():
+        raise not_built("device_id", device_id, "flatshard was built without nvcc, so it has "
+                        "no CUDA kernels", "reinstall with a CUDA toolkit found (CUDA_HOME or "
+                        "nvcc on PATH), or use torch.device('cpu')")
+    if not torch.cuda.is_available():
+        raise bad_value("device_id", device_id, "torch sees no CUDA device on this machine",
+                        "use torch.device('cpu')")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not 0 <= index < torch.cuda.device_count():
+        raise bad_value("device_id", device_id, f"this machine has {torch.cuda.device_count()} "
+                        "CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def _group(process_group, device_mesh, device):
     if isinstance(process_group, enum.Enum):
         raise bad_type("process_group", process_group, "a torch.distributed ProcessGroup or None",
                        "the second positional argument of FSDP is process_group: pass "
@@ -98,7 +116,9 @@ def _group(process_group, device_mesh):
     except (RuntimeError, ValueError) as e:
         raise bad_type("process_group", process_group, "a torch.distributed ProcessGroup this "
                        f"rank belongs to ({e})") from None
-    if "gloo" not in backend and "fake" not in backend:
+    # On a CUDA device flatshard's own NCCL communicator moves the data: the
+    # group only names the ranks (and its store passes NCCL's id).
+    if device.type == "cpu" and "gloo" not in backend and "fake" not in backend:
         raise bad_value("process_group", f"<ProcessGroup backend={backend}>",
                         "CPU tensors need a process group that can run them (gloo)",
                         "create one with torch.distributed.new_group(backend='gloo')")
@@ -121,6 +141,10 @@ def resolve(kw):
     if offload is not None and not isinstance(offload.offload_params, bool):
         raise bad_type("cpu_offload.offload_params", offload.offload_params, "True or False")
     use_orig = _bool("use_orig_params", kw["use_orig_params"])
+    device = _device(kw["device_id"])
+    backend = backend_for_device(requested_backend(kw.get("comm_backend")), device)
+    if device.type == "cuda":
+        _cuda_limits(strategy, offload)
     # Read only when the shm backend is set up, which is a collective: a bad
     # value must fail here, on every rank alike, not halfway through it.
     comm_timeout_s()
@@ -131,12 +155,22 @@ def resolve(kw):
         forward_prefetch=_bool("forward_prefetch", kw["forward_prefetch"]),
         limit_all_gathers=_bool("limit_all_gathers", kw["limit_all_gathers"]),
         use_orig_params=use_orig,
-        device=_device(kw["device_id"]),
-        group=_group(kw["process_group"], kw["device_mesh"]),
-        comm_backend=requested_backend(kw.get("comm_backend")),
+        device=device,
+        group=_group(kw["process_group"], kw["device_mesh"], device),
+        comm_backend=backend,
         mixed_precision=mp,
         offload_params=bool(offload is not None and offload.offload_params),
     )
+
+
+def _cuda_limits(strategy, offload):
+    """What the CUDA path does not do yet, refused by name."""
+    if offload is not None and offload.offload_params:
+        raise not_built("cpu_offload", offload, "parameter offload from a CUDA device is not "
+                        "built yet", "drop cpu_offload, or train on CPU devices")
+    if strategy is ShardingStrategy.SHARD_OPTIM:
+        raise not_built("sharding_strategy", strategy, "SHARD_OPTIM on a CUDA device is not "
+                        "built yet", "use SHARD_GRAD_OP (ZeRO-2) or FULL_SHARD")
 
 
 _LOW = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

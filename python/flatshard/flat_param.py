@@ -56,9 +56,15 @@ class FlatGroup:
                                   requires_grad=self.requires_grad)
         with torch.no_grad():
             srcs = [p.detach().contiguous() for p in params]
-            pieces = [(s.data_ptr(), code, e[3], e[2], e[4])
-                      for s, e in zip(srcs, entries) if e[4] > 0]
-            _C.gather_pieces(self.shard.data_ptr(), code, self.shard_numel, pieces)
+            if self.shard.device.type == "cpu":
+                pieces = [(s.data_ptr(), code, e[3], e[2], e[4])
+                          for s, e in zip(srcs, entries) if e[4] > 0]
+                _C.gather_pieces(self.shard.data_ptr(), code, self.shard_numel, pieces)
+            else:  # device memory: the same pieces, with torch's copies (once, at wrap)
+                self.shard.zero_()
+                for s, e in zip(srcs, entries):
+                    if e[4] > 0:
+                        self.shard.narrow(0, e[2], e[4]).copy_(s.view(-1).narrow(0, e[3], e[4]))
             del srcs
         floating = self.dtype.is_floating_point
         self.compute_dtype = param_dtype if floating and param_dtype else self.dtype

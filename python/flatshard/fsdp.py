@@ -21,6 +21,7 @@ from torch.autograd import Variable
 
 from . import _C, config, consistency
 from .comm import DTYPE_CODES, broadcast_, comm_for, dtype_code
+from .device import empty_fn
 from .errors import ConfigError, ConfigTypeError, bad_type, bad_value, not_built
 from .flat_param import Alias, FlatGroup
 from .options import BackwardPrefetch, ShardingStrategy
@@ -293,20 +294,22 @@ class FullyShardedDataParallel(nn.Module):
     process group, with torch FSDP1's constructor and semantics.
 
     Args follow torch.distributed.fsdp.FullyShardedDataParallel (process_group:
-    the gloo group to shard over, default the world). Built:
-    sharding_strategy FULL_SHARD / SHARD_GRAD_OP / NO_SHARD, and SHARD_OPTIM
-    (ZeRO-1, flatshard's own); cpu_offload (CPU devices); auto_wrap_policy
-    (torch's or flatshard's policies); backward_prefetch; forward_prefetch;
-    limit_all_gathers (collectives are synchronous on the CPU backends, so at
-    most one all-gather is ever in flight); ignored_modules / ignored_states;
-    param_init_fn; device_id (CPU); sync_module_states; use_orig_params;
-    device_mesh (1-D). mixed_precision (not with NO_SHARD).
-    Not built yet, rejected with NotBuiltError: hybrid strategies, CUDA
-    devices.
+    the group to shard over, default the world: gloo for CPU devices, any
+    for CUDA ones). Built: sharding_strategy FULL_SHARD / SHARD_GRAD_OP /
+    NO_SHARD, and SHARD_OPTIM (ZeRO-1, flatshard's own; CPU devices);
+    cpu_offload (CPU devices); auto_wrap_policy (torch's or flatshard's
+    policies); backward_prefetch; forward_prefetch; limit_all_gathers
+    (collectives are ordered on the caller's stream, so at most one
+    all-gather is ever in flight); ignored_modules / ignored_states;
+    param_init_fn; device_id (CPU, or a CUDA device with flatshard's NCCL
+    backend); sync_module_states; use_orig_params; device_mesh (1-D).
+    mixed_precision (not with NO_SHARD).
+    Not built yet, rejected with NotBuiltError: hybrid strategies.
 
-    flatshard's own keyword: comm_backend "auto" (default; shared memory when
-    all ranks are on one host, else the process group), "shm", "torch" or
-    "nccl" (not built); FLATSHARD_COMM_BACKEND sets it when not given.
+    flatshard's own keyword: comm_backend "auto" (default; on CPU shared
+    memory when all ranks are on one host, else the process group; on a
+    CUDA device flatshard's NCCL communicator), "shm", "torch" or "nccl";
+    FLATSHARD_COMM_BACKEND sets it when not given.
     """
 
     def __init__(self, module, process_group=None, sharding_strategy=None, cpu_offload=None,
@@ -335,7 +338,7 @@ class FullyShardedDataParallel(nn.Module):
         plan, ctx = consistency.agree(cfg.group, lambda: _plan(
             module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states,
             ignored_modules, ignored_states))
-        comm = comm_for(cfg.group, cfg.comm_backend)
+        comm = comm_for(cfg.group, cfg.comm_backend, cfg.device)
         if sync_module_states:
             _sync_module_states(module, comm, ctx.ignored_params)
         for up in plan[:-1]:  # innermost first; the root is last
@@ -355,7 +358,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         self._cfg = cfg
         self._root_state = None
-        comm = comm_for(cfg.group, cfg.comm_backend)
+        comm = comm_for(cfg.group, cfg.comm_backend, cfg.device)
         world, rank = comm.world_size, comm.rank
         mp = cfg.mixed_precision
         # One rank has nothing to shard: run as NO_SHARD (as torch FSDP does),
@@ -378,7 +381,8 @@ class FullyShardedDataParallel(nn.Module):
         cunit = _C.Unit(up.label, comm, strategy.value,
                         [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel, g.padded_numel,
                           g.lp, dtype_code(g.compute_dtype), dtype_code(g.reduce_dtype))
-                         for g in groups], grad_mask)
+                         for g in groups], grad_mask,
+                        empty=empty_fn(cfg.device) if comm.device else None)
         self._unit = UnitRuntime(up.label, cunit, groups, cfg.use_orig_params, no_shard,
                                  cfg.backward_prefetch, cfg.forward_prefetch,
                                  shard_optim=shard_optim, offload_params=cfg.offload_params)

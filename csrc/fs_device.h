@@ -1,0 +1,52 @@
+/* fs_device.h - the device interface of the C core: what a unit needs, besides
+ * collectives, to move its buffers when they live in an accelerator's memory.
+ *
+ * A unit over device memory cannot cast or accumulate with the host loops of
+ * copy.h: it enqueues the same operations on a stream instead. A device
+ * fills an fs_device_api table; flatshard._C_cuda exports the CUDA one as a
+ * capsule (FS_DEVICE_API_CAPSULE), and flatshard._C exports a host one (the
+ * copy.h loops, streams ignored) so that the device path of the units is
+ * exercised on any machine. No CUDA header is needed to use the table:
+ * streams are opaque pointers (a cudaStream_t for CUDA).
+ *
+ * Ordering: every call is enqueued on `stream`, the caller's current stream
+ * (torch's), and a Comm bound to a device orders its collectives against the
+ * same stream (set_caller_stream). Nothing here waits on the host. */
+#ifndef FS_DEVICE_H
+#define FS_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fs_dtype.h"
+#include "fs_status.h"
+
+struct fs_comm;
+
+#define FS_DEVICE_API_VERSION 1
+
+typedef struct {
+    int version; /* FS_DEVICE_API_VERSION: check before use */
+    const char *name;
+    /* copy.h's fs_cast / fs_scale_accumulate, enqueued on `stream`. On failure
+     * the device's own words go to err (cap bytes) and FS_ERR_BACKEND is
+     * returned (FS_ERR_INVALID_ARG for a broken precondition). */
+    fs_status (*cast)(void *dst, fs_dtype dst_t, const void *src, fs_dtype src_t, int64_t n,
+                      void *stream, char *err, size_t cap);
+    fs_status (*scale_accumulate)(void *dst, fs_dtype dst_t, const void *src, fs_dtype src_t,
+                                  int64_t n, double scale, int accumulate, void *stream,
+                                  char *err, size_t cap);
+    /* The Comm (of this device's backend) orders its next collectives after
+     * `stream` and makes `stream` wait for them. */
+    void (*set_caller_stream)(struct fs_comm *c, void *stream);
+    /* float32 staging for bfloat16/float16 reductions (they accumulate in
+     * float32): device memory of the caller's, or NULL to drop it. */
+    void (*set_workspace)(struct fs_comm *c, void *ptr, size_t bytes);
+} fs_device_api;
+
+#define FS_DEVICE_API_CAPSULE "flatshard.fs_device_api"
+/* An fs_comm* exported by its owner (flatshard._C.Comm.capsule(),
+ * flatshard._C_cuda.NcclComm.capsule()); valid while the owner lives. */
+#define FS_COMM_CAPSULE "flatshard.fs_comm"
+
+#endif

@@ -1,0 +1,170 @@
+"""The units' device path, run on CPU: a Comm(kind='device') over a host
+backend with the host table (flatshard.device.host_device_comm).
+
+On a CUDA device the units take their buffers from torch's allocator per
+reduction, enqueue casts and accumulations through the device's table, lend
+the backend a float32 workspace for low-precision reductions, and bind the
+caller's stream before every collective (csrc/py_unit.c). The host table
+runs the same C paths with copy.h's loops, so training through it must give
+bit-identical results to the plain host path, for every strategy, with
+mixed precision, gradient accumulation and use_orig_params. Only the CUDA
+table itself and NCCL underneath differ; those are tested on a GPU in
+test_cuda.py."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import flatshard
+import flatshard.fsdp as ffsdp
+from flatshard import FSDP, MixedPrecision, ShardingStrategy
+from flatshard.device import host_device_comm
+from toy_models import Block, build
+
+
+class _DeviceComms:
+    """Make every wrapper built inside use the host table's device Comm
+    (one per host Comm, as units of one group share their Comm)."""
+
+    def __enter__(self):
+        self.saved = ffsdp.comm_for
+        made = {}
+
+        def comm_for(group, backend, device=None):
+            host = self.saved(group, backend, device)
+            if id(host) not in made:
+                made[id(host)] = (host, host_device_comm(host))
+            return made[id(host)][1]
+
+        ffsdp.comm_for = comm_for
+        return self
+
+    def __exit__(self, *exc):
+        ffsdp.comm_for = self.saved
+
+
+def _train(kw, device_path, steps=4, accumulate=False):
+    torch.manual_seed(0)
+    model = build()
+    ctx = _DeviceComms() if device_path else None
+    if ctx:
+        ctx.__enter__()
+    try:
+        fs = FSDP(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
+                  device_id=torch.device("cpu"), **kw)
+    finally:
+        if ctx:
+            ctx.__exit__()
+    comms = {m._unit.c.comm.device for m in fs.modules() if isinstance(m, FSDP)}
+    opt = torch.optim.SGD(fs.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        micro = 2 if accumulate else 1
+        for i in range(micro):
+            x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+            with fs.no_sync() if i < micro - 1 else _nothing():
+                loss = ((fs(x).float() - y) ** 2).mean()
+                loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    with FSDP.summon_full_params(fs):
+        full = [p.detach().clone() for p in fs.parameters()]
+    state = {k: v.clone() for k, v in fs.state_dict().items()}
+    ledger = [e["op"] for m in fs.modules() if isinstance(m, FSDP)
+              for e in m._unit.c.comm.ledger()][-3:]
+    return losses, full, state, sorted(map(str, comms)), ledger
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+CASES = {
+    "full_shard": dict(sharding_strategy=ShardingStrategy.FULL_SHARD),
+    "shard_grad_op": dict(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP),
+    "no_shard": dict(sharding_strategy=ShardingStrategy.NO_SHARD),
+    "orig_params": dict(use_orig_params=True),
+    "bf16_fp32_reduce": dict(mixed_precision=MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)),
+    "bf16_bf16_reduce": dict(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                            buffer_dtype=torch.bfloat16)),
+    "fp16": dict(mixed_precision=MixedPrecision(param_dtype=torch.float16,
+                                                buffer_dtype=torch.float16)),
+}
+
+
+def _both(case, accumulate):
+    kw = CASES[case]
+    host = _train(kw, False, accumulate=accumulate)
+    dev = _train(kw, True, accumulate=accumulate)
+    same = host[0] == dev[0] and all(torch.equal(a, b) for a, b in zip(host[1], dev[1])) and \
+        host[2].keys() == dev[2].keys() and all(torch.equal(host[2][k], dev[2][k])
+                                                for k in host[2])
+    return same, host[0], host[3], dev[3], dev[4]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_device_path_trains_bit_identically_to_the_host_path(dist_pool, case):
+    for same, losses, host_comms, dev_comms, ledger in dist_pool(2).run(_both, case, False):
+        assert host_comms == ["None"] and dev_comms == ["host"]
+        assert same, case
+        assert losses[-1] < losses[0]  # it trained
+        assert ledger  # the device Comm keeps its own ledger
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("case", ["full_shard", "bf16_fp32_reduce", "no_shard"])
+def test_device_path_with_accumulation_on_other_world_sizes(dist_pool, world, case):
+    if world == 1 and case == "full_shard":
+        case = "no_shard"  # one rank runs FULL_SHARD as NO_SHARD anyway
+    for same, *_ in dist_pool(world).run(_both, case, True):
+        assert same
+
+
+def _errors():
+    from flatshard import _C
+    from flatshard.comm import comm_for, all_reduce_
+    host = comm_for(dist.group.WORLD, "torch")
+    dev = host_device_comm(host)
+    out = []
+    try:  # a device Comm needs the allocator, and only it does
+        _C.Unit("u", dev, _C.FULL_SHARD, [], 0)
+    except TypeError as e:
+        out.append(str(e))
+    try:
+        _C.Comm("device", 0, 1, capsule=host.capsule(), owner=host,
+                device_api=_C.host_device_api, stream_fn=lambda: 0)
+    except ValueError as e:
+        out.append(str(e))
+    try:
+        _C.Comm("device", host.rank, host.world_size, capsule=host.capsule(), owner=host,
+                device_api=host.capsule(), stream_fn=lambda: 0)
+    except TypeError as e:
+        out.append(str(e))
+
+    def bad_stream():
+        raise RuntimeError("no stream here")
+    broken = _C.Comm("device", host.rank, host.world_size, capsule=host.capsule(), owner=host,
+                     device_api=_C.host_device_api, stream_fn=bad_stream)
+    try:
+        all_reduce_(broken, torch.ones(3))
+    except RuntimeError as e:
+        out.append(str(e))
+    t = torch.ones(3)
+    all_reduce_(dev, t)  # a working one
+    out.append(t.tolist())
+    return out
+
+
+def test_device_comm_construction_errors(dist_pool):
+    for msgs in dist_pool(2).run(_errors):
+        assert "needs empty=callable" in msgs[0]
+        assert "rank" in msgs[1] and "not 0 of 1" in msgs[1]
+        assert "flatshard.fs_device_api" in msgs[2]  # the wrong capsule is named
+        assert msgs[3] == "no stream here"
+        assert msgs[4] == [2.0, 2.0, 2.0]
