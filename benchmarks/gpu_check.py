@@ -5,7 +5,8 @@ under 8 minutes on one GPU, no network; prints a table last.
 
 1. build: `pip install --no-build-isolation --no-deps -e .` (nvcc must be
    found: the CUDA kernels are part of what is checked), timed.
-2. tests: tests/test_cuda.py (kernels against torch/CPU references, NCCL).
+2. tests: tests/test_cuda.py (kernels against torch/CPU references, NCCL) and
+   tests/test_cuda_wrapper.py (the FSDP wrapper on the GPU against torch).
 3. model: a ~1B-parameter GPT (benchmarks/models.py: d_model 2048, 18
    layers, vocab 32000, sequence 1024, batch 4) in bf16 at world size 1,
    AdamW(fused=True), step time (median of timed steps, forward + backward +
@@ -240,7 +241,8 @@ def main():
     report["doctor"] = out.strip()
     print(out, flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    rc, out, secs = run([py, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py"], 200, env)
+    rc, out, secs = run([py, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py",
+                         "tests/test_cuda_wrapper.py"], 200, env)
     summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln
                or " error" in ln]
     report["phases"]["tests"] = {"rc": rc, "s": round(secs, 1),

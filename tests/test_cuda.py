@@ -425,7 +425,7 @@ def test_nccl_errors_name_the_collective_and_abort(nccl1):
                                  torch.cuda.current_device(), 60.0)
     # the fs_comm (comm.h) another extension drives: ops table, then rank, world_size
     import ctypes
-    raw = _capsule_pointer("flatshard._C_cuda.fs_comm", comm.capsule())
+    raw = _capsule_pointer("flatshard.fs_comm", comm.capsule())
     assert ctypes.c_void_p.from_address(raw).value
     assert (ctypes.c_int.from_address(raw + 8).value, ctypes.c_int.from_address(raw + 12).value) \
         == (0, 1)

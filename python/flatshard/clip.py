@@ -5,12 +5,16 @@ each rank sums its shards' squares in C (one pass, f64), the sums are added
 across ranks, and parameters outside sharded units (ignored modules; NO_SHARD
 units, whose gradients every rank holds whole) are added once, locally. A rank
 that holds no gradient still takes part in the collective, with zero.
+
+On a CUDA device the partial sums come from one kernel per shard
+(flatshard.cuda.norm_partial), the total stays on the device and the
+gradients are scaled by a device scalar: the host never waits.
 """
 import math
 
 import torch
 
-from . import _C
+from . import _C, cuda
 from .comm import all_reduce_, all_gather_into, dtype_code
 from .errors import bad_type, bad_value
 
@@ -21,6 +25,35 @@ def _partial(grads, inf, norm_type):
                                 for g in grads], inf)
     return sum(float(torch.linalg.vector_norm(g.double(), norm_type)) ** norm_type
                for g in grads)
+
+
+def _partial_device(grads, inf, norm_type, device):
+    """_partial on device tensors: a float64 device scalar, no host wait."""
+    out = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        if inf or norm_type == 2.0:
+            part = cuda.norm_partial(g, float("inf") if inf else 2.0)
+        else:
+            part = torch.linalg.vector_norm(g.double(), norm_type) ** norm_type
+        out = torch.maximum(out, part) if inf else out + part
+    return out
+
+
+def _clip_device(comm, sharded, whole, max_norm, norm_type, inf, device):
+    local = _partial_device(sharded, inf, norm_type, device).reshape(1)
+    if inf:
+        every = torch.empty(comm.world_size, dtype=torch.float64, device=device)
+        all_gather_into(comm, every, local)
+        total = torch.maximum(every.max(), _partial_device(whole, True, norm_type, device))
+    else:
+        all_reduce_(comm, local)
+        total = (local[0] + _partial_device(whole, False, norm_type, device)) ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in sharded + whole:
+            g.mul_(coef.to(g.dtype))
+    dtype = (sharded + whole)[0].dtype if sharded or whole else torch.float32
+    return total.to(dtype)
 
 
 def clip_grad_norm_(root, max_norm, norm_type=2.0):
@@ -47,6 +80,9 @@ def clip_grad_norm_(root, max_norm, norm_type=2.0):
                 if p.grad is not None:
                     (whole if m._unit.no_shard else sharded).append(p.grad.contiguous())
     whole += [p.grad for p in root.parameters() if id(p) not in seen and p.grad is not None]
+    if comm.device == "cuda":
+        return _clip_device(comm, sharded, whole, max_norm, norm_type, inf,
+                            root._cfg.device)
     local = _partial(sharded, inf, norm_type)
     if inf:  # the max over ranks: gather every rank's maximum
         mine = torch.tensor([local], dtype=torch.float64)

@@ -4,9 +4,10 @@ Same arguments, state names and state_dict format as torch's, so a torch
 script swaps the class and keeps its checkpoints. Each step is one pass of C
 (csrc/optim_cpu.c) per parameter, SIMD chosen at run time, split over
 `threads` threads with the GIL released; on flatshard's flat shards one call
-updates a whole shard. Parameters and gradients must be contiguous fp32 CPU
-tensors (CUDA kernels come with the CUDA build); anything else is refused with
-an error naming the parameter.
+updates a whole shard. Parameters and gradients must be contiguous fp32
+tensors, on the CPU or on a CUDA device, where each step is one fused kernel
+per parameter (csrc/cuda/optim.cu, through flatshard.cuda) enqueued on the
+current stream; anything else is refused with an error naming the parameter.
 
 `adamw_step_` is the functional form, which can also write a bf16/fp16 copy
 of the updated parameters in the same pass.
@@ -16,7 +17,7 @@ stream them through the update in chunks (disk_offload.py).
 """
 import torch
 
-from . import _C, disk_offload
+from . import _C, cuda, disk_offload
 from .comm import dtype_code
 from .disk_offload import DiskOffload
 from .errors import bad_type, bad_value
@@ -32,13 +33,28 @@ def _threads(threads):
     return threads
 
 
-def _check_tensor(owner, what, i, t):
-    if not torch.is_tensor(t) or t.dtype != torch.float32 or t.device.type != "cpu" \
+def _check_tensor(owner, what, i, t, cuda_ok=False):
+    devices = ("cpu", "cuda") if cuda_ok else ("cpu",)
+    if not torch.is_tensor(t) or t.dtype != torch.float32 or t.device.type not in devices \
             or not t.is_contiguous() or t.is_sparse:
         desc = (f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', non-contiguous'}"
                 if torch.is_tensor(t) else type(t).__name__)
         raise bad_type(f"{owner}: {what} {i}", desc,
-                       "a contiguous float32 CPU tensor (dense gradients)")
+                       f"a contiguous float32 {' or '.join(d.upper() for d in devices)} tensor "
+                       "(dense gradients)")
+
+
+def _check_pair(owner, gi, i, p):
+    """A parameter and its gradient: fp32, contiguous, on one device (CPU
+    or CUDA)."""
+    _check_tensor(owner, f"group {gi} parameter", i, p, cuda_ok=True)
+    _check_tensor(owner, f"group {gi} gradient", i, p.grad, cuda_ok=True)
+    if p.grad.device != p.device:
+        raise bad_value(f"{owner}: group {gi} gradient {i}", str(p.grad.device),
+                        f"expected it on the parameter's device, {p.device}")
+    if p.is_cuda and not cuda.built():
+        raise bad_type(f"{owner}: group {gi} parameter {i}", str(p.device),
+                       "a CPU tensor: flatshard was built without nvcc (no CUDA kernels)")
 
 
 def _check_range(owner, name, value, lo=0.0, hi=None, hi_open=False):
@@ -195,11 +211,11 @@ class _Adam(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                _check_tensor(name, f"group {gi} parameter", i, p)
-                _check_tensor(name, f"group {gi} gradient", i, p.grad)
+                _check_pair(name, gi, i, p)
                 state = self.state[p]
                 if not state:
-                    # torch's layout: a float32 scalar step and moments like the param.
+                    # torch's layout: a float32 scalar step (on the host, so that
+                    # reading it never waits for a device) and moments like the param.
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p,
@@ -207,12 +223,14 @@ class _Adam(torch.optim.Optimizer):
                     if group["amsgrad"]:
                         state["max_exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
-                adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                            int(state["step"].item()), lr=group["lr"], betas=group["betas"],
-                            eps=group["eps"], weight_decay=group["weight_decay"],
-                            decoupled=self._decoupled, maximize=group["maximize"],
-                            max_exp_avg_sq=state.get("max_exp_avg_sq") if group["amsgrad"]
-                            else None, threads=self.threads)
+                step_fn, extra = (cuda.adam_step_, {}) if p.is_cuda else \
+                    (adamw_step_, dict(threads=self.threads))
+                step_fn(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                        int(state["step"].item()), lr=group["lr"], betas=group["betas"],
+                        eps=group["eps"], weight_decay=group["weight_decay"],
+                        decoupled=self._decoupled, maximize=group["maximize"],
+                        max_exp_avg_sq=state.get("max_exp_avg_sq") if group["amsgrad"]
+                        else None, **extra)
         return loss
 
 
@@ -271,15 +289,22 @@ class SGD(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                _check_tensor("SGD", f"group {gi} parameter", i, p)
-                _check_tensor("SGD", f"group {gi} gradient", i, p.grad)
-                buf, first = 0, False
+                _check_pair("SGD", gi, i, p)
+                buf, first = None, False
                 if group["momentum"] != 0:  # without momentum, no state (as torch)
                     state = self.state[p]
                     if state.get("momentum_buffer") is None:
                         state["momentum_buffer"] = torch.empty_like(p)
                         first = True
-                    buf = state["momentum_buffer"].data_ptr()
+                    buf = state["momentum_buffer"]
+                if p.is_cuda:
+                    cuda.sgd_step_(p, p.grad, buf, lr=group["lr"], momentum=group["momentum"],
+                                   dampening=group["dampening"],
+                                   weight_decay=group["weight_decay"],
+                                   nesterov=group["nesterov"], maximize=group["maximize"],
+                                   first_step=first)
+                    continue
+                buf = buf.data_ptr() if buf is not None else 0
                 _C.sgd_step(p.data_ptr(), p.grad.data_ptr(), buf, 0, _C.BF16, p.numel(),
                             lr=group["lr"], momentum=group["momentum"],
                             dampening=group["dampening"], weight_decay=group["weight_decay"],
