@@ -130,6 +130,45 @@ def test_sgd_and_inf_norm_on_the_gpu(world1):
     assert _params_rel(ours.state_dict(), ref.state_dict()) <= TOL
 
 
+@pytest.mark.parametrize("mp", [False, True])
+def test_fully_shard_matches_torch_on_the_gpu(world1, mp):
+    """flatshard.fully_shard on a CUDA mesh against torch's fully_shard (the
+    same mixed precision policy) and, in fp32, plain torch."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy as TorchMP
+        from torch.distributed._composable.fsdp import fully_shard as torch_fully_shard
+    def model_for_both():  # torch's fully_shard refuses zero-size parameters: a buffer here
+        model = build()
+        for b in model.blocks:
+            del b.ff.empty
+            b.ff.register_buffer("empty", torch.zeros(0, 4))
+        return model.to(world1)
+
+    models = []
+    for shard, policy in ((flatshard.fully_shard, flatshard.MixedPrecisionPolicy),
+                          (torch_fully_shard, TorchMP)):
+        model = model_for_both()
+        kw = dict(mp_policy=policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
+            if mp else {}
+        for b in list(model.blocks) + [model.head]:
+            shard(b, **kw)
+        shard(model, **kw)
+        models.append(model)
+    plain = model_for_both()
+    batches = _batches(world1)
+    runs = [_run(m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), batches)
+            for m in models + ([] if mp else [plain])]
+    assert _rel(runs[0][0], runs[1][0]) <= TOL
+    full = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v
+             for k, v in m.state_dict().items()} for m in models]
+    assert _params_rel(full[0], full[1]) <= TOL
+    if not mp:
+        assert _params_rel(full[0], plain.state_dict()) <= TOL
+
+
 def test_summon_and_state_dict_keys_on_the_gpu(world1):
     plain = build().to(world1)
     ours = FSDP(copy.deepcopy(plain), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),

@@ -168,3 +168,64 @@ def test_device_comm_construction_errors(dist_pool):
         assert "flatshard.fs_device_api" in msgs[2]  # the wrong capsule is named
         assert msgs[3] == "no stream here"
         assert msgs[4] == [2.0, 2.0, 2.0]
+
+
+# ---------------------------------------------------------------------------
+# fully_shard: the same device path for its segment copies (device.pack/unpack)
+
+def _fully_shard_train(device_path, mp, raf):
+    import flatshard.fsdp2 as ffsdp2
+    from flatshard import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(0)
+    model = build()
+    saved = ffsdp2.comm_for
+    made = {}
+
+    def comm_for(group, backend, device=None):
+        host = saved(group, backend, device)
+        if id(host) not in made:
+            made[id(host)] = (host, host_device_comm(host))
+        return made[id(host)][1]
+
+    if device_path:
+        ffsdp2.comm_for = comm_for
+    try:
+        kw = dict(reshard_after_forward=raf)
+        if mp:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+        for b in list(model.blocks) + [model.head]:  # head: its input cast to bf16
+            fully_shard(b, **kw)
+        fully_shard(model, **kw)
+    finally:
+        ffsdp2.comm_for = saved
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+        loss = ((model(x).float() - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.full_tensor() for k, v in model.state_dict().items()
+             if hasattr(v, "full_tensor")}
+    return losses, state, len(made)
+
+
+def _fully_shard_both(mp, raf):
+    host = _fully_shard_train(False, mp, raf)
+    dev = _fully_shard_train(True, mp, raf)
+    return host[0] == dev[0] and all(torch.equal(host[1][k], dev[1][k]) for k in host[1]), \
+        dev[2], host[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mp,raf", [(False, True), (True, True), (False, 2)])
+def test_fully_shard_device_path_trains_bit_identically(dist_pool, world, mp, raf):
+    if raf == 2 and world != 2:
+        pytest.skip("reshard_after_forward=2 needs an even world")
+    for same, n_device_comms, losses in dist_pool(world).run(_fully_shard_both, mp, raf):
+        assert n_device_comms >= 1 and same
+        assert losses[-1] < losses[0]

@@ -65,3 +65,42 @@ def tensor_fits(comm, t):
     """Whether a tensor's memory is what `comm` moves: CUDA memory for a
     CUDA Comm, host memory for every other."""
     return (t.device.type == "cuda") == (comm.device == "cuda")
+
+
+def pack(flat, tensors, offsets):
+    """flat[offsets[i]:][:n_i] = tensors[i] (cast to flat's dtype; an int n
+    writes n zeros): flatshard.cuda.pack on a CUDA tensor, the C core's host
+    copies otherwise (the same segments, so the device path of fully_shard
+    runs on CPU too). Like the kernels, the copies go through data pointers:
+    no autograd version counter moves."""
+    if flat.is_cuda:
+        from . import cuda
+        return cuda.pack(flat, tensors, offsets)
+    code, es = DTYPE_CODES[flat.dtype], flat.element_size()
+    for t, off in zip(tensors, offsets):
+        if isinstance(t, int):
+            zeros = torch.zeros(t, dtype=flat.dtype)
+            _C.cast(flat.data_ptr() + off * es, code, zeros.data_ptr(), code, t)
+        else:
+            _host_segment(flat.data_ptr() + off * es, code, t.contiguous(), t.numel(), False)
+    return flat
+
+
+def unpack(flat, tensors, offsets):
+    """tensors[i] = flat[offsets[i]:][:numel_i] (cast): the reverse of pack."""
+    if flat.is_cuda:
+        from . import cuda
+        return cuda.unpack(flat, tensors, offsets)
+    code, es = DTYPE_CODES[flat.dtype], flat.element_size()
+    for t, off in zip(tensors, offsets):
+        _host_segment(flat.data_ptr() + off * es, code, t, t.numel(), True)
+
+
+def _host_segment(flat_ptr, flat_code, t, numel, out):
+    if not t.is_contiguous():
+        raise ValueError("flatshard: segments must be contiguous tensors")
+    tcode = DTYPE_CODES[t.dtype]
+    if out:
+        _C.cast(t.data_ptr(), tcode, flat_ptr, flat_code, numel)
+    else:
+        _C.cast(flat_ptr, flat_code, t.data_ptr(), tcode, numel)

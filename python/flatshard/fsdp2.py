@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from .comm import comm_for, requested_backend
+from .comm import backend_for_device, comm_for, requested_backend
 from .errors import bad_type, bad_value, not_built
 from .fsdp2_param import ParamGroup
 from .fsdp2_state import STATE_ATTR, FSDPState, state_of
@@ -203,7 +203,20 @@ def _resolve_reshard(value, mesh):
     group = _SUBGROUPS.get(block)
     if group is None:
         group = _SUBGROUPS[block] = dist.new_group(list(block), use_local_synchronization=True)
-    return value, comm_for(group, requested_backend(None))
+    return value, _comm(group, mesh)
+
+
+def _mesh_device(mesh):
+    """The device the mesh's collectives move: CPU, or this rank's CUDA device."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _comm(group, mesh):
+    device = _mesh_device(mesh)
+    backend = backend_for_device(requested_backend(None), device, "FLATSHARD_COMM_BACKEND")
+    return comm_for(group, backend, device)
 
 
 def _check_modules(arg, modules):
@@ -219,20 +232,27 @@ def _check_modules(arg, modules):
 _MESHES = {}
 
 
-def _check_mesh(mesh):
+def _check_mesh(mesh, device_type):
+    """device_type: where the module's parameters are ('cpu' or 'cuda'),
+    which picks the default mesh's device type."""
     if not (dist.is_available() and dist.is_initialized()):
         raise bad_value("mesh", mesh, "torch.distributed is not initialized",
                         "call torch.distributed.init_process_group('gloo') first")
     if mesh is None:
-        key = (id(dist.group.WORLD), dist.get_world_size())
+        key = (id(dist.group.WORLD), dist.get_world_size(), device_type)
         mesh = _MESHES.get(key)
         if mesh is None:
-            mesh = _MESHES[key] = init_device_mesh("cpu", (dist.get_world_size(),))
+            mesh = _MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise bad_type("mesh", mesh, "a torch.distributed.device_mesh.DeviceMesh or None")
-    if mesh.device_type != "cpu":
-        raise not_built("mesh", mesh, "this build runs its collectives on CPU only; use a "
-                        "mesh of device type 'cpu' (init_device_mesh('cpu', ...))")
+    if mesh.device_type not in ("cpu", "cuda"):
+        raise not_built("mesh", mesh, f"device type {mesh.device_type!r}: flatshard shards "
+                        "over CPU or CUDA meshes")
+    if mesh.device_type == "cuda":
+        from . import cuda
+        if not cuda.available():
+            raise not_built("mesh", mesh, "a CUDA mesh needs flatshard built with nvcc and a "
+                            "CUDA device visible to torch")
     if mesh.ndim not in (1, 2):
         raise bad_value("mesh", mesh, f"a {mesh.ndim}-D mesh; expected 1-D (FSDP) or 2-D "
                         "(hybrid: replicate on dim 0, shard on dim 1)")
@@ -351,8 +371,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     _check_mp(mp_policy)
     _check_offload(offload_policy)
     ignored = _check_ignored(ignored_params)
-    mesh = _check_mesh(mesh)
     params, aliases, names = _collect(modules, ignored)
+    on_cuda = any(p.device.type == "cuda" for p in params)
+    mesh = _check_mesh(mesh, "cuda" if on_cuda else "cpu")
+    want = _mesh_device(mesh)
     label = ", ".join(type(m).__name__ for m in modules)
     for p, name in zip(params, names):
         if isinstance(p, DTensor):
@@ -361,9 +383,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         if p.dim() == 0:
             raise bad_value("module", label, f"parameter {name} is 0-d; "
                             "dim-0 sharding needs at least one dimension", "reshape it to (1,)")
-        if p.device.type not in ("cpu", "meta"):
-            raise not_built("module", label, f"parameter {name} is on "
-                            f"{p.device}; this build shards CPU (or meta) parameters only")
+        if p.device.type != "meta" and p.device != want:
+            raise bad_value("module", label, f"parameter {name} is on {p.device}, and the "
+                            f"mesh's collectives move {want} memory",
+                            f"move the module to {want} first, or pass a matching mesh")
         if shard_placement_fn is not None:
             _check_placement(shard_placement_fn, p, name)
     if len({p.dtype for p in params}) > 1:
@@ -374,12 +397,11 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     raf, post_comm = _resolve_reshard(reshard_after_forward, mesh)
     group = None
     if params:
-        backend = requested_backend(None)
         if mesh.ndim == 2:
-            shard = comm_for(mesh.get_group(1), backend)
-            replicate = comm_for(mesh.get_group(0), backend)
+            shard = _comm(mesh.get_group(1), mesh)
+            replicate = _comm(mesh.get_group(0), mesh)
         else:
-            shard, replicate = comm_for(mesh.get_group(0), backend), None
+            shard, replicate = _comm(mesh.get_group(0), mesh), None
         group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy)
         group.post_comm = post_comm
         group.register_sharded()

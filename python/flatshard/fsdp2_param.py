@@ -12,6 +12,11 @@ rank's chunk of each unsharded gradient is copied into its block of the
 reduce-scatter input, cast to the reduce dtype, and the C core's
 reduce-scatter averages them (SUM then divide in C, on every backend).
 
+On a device Comm (CUDA) the same copies are segment tables for
+flatshard.cuda's pack/unpack kernels (one launch per 64 segments, casting on
+the way, on the current stream; device.pack runs the same tables on the
+host).
+
 The unsharded parameters are leaf nn.Parameters that alias one flat buffer
 per group. Resharding frees that buffer's storage (resize to 0) and
 unsharding refills it in place, so tensors autograd saved in forward see the
@@ -23,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _C
 from .comm import all_gather_into, all_reduce_, dtype_code, reduce_scatter_into
+from .device import pack as device_pack, unpack as device_unpack
 from .flat_param import ALIGN_BYTES
 
 
@@ -30,6 +36,24 @@ def _entry_from(entry, local_row_begin):
     """The same entry with another first row: dim0_copy_in reads rows from
     local_row_begin of its source, which is 0 for a rank's own shard."""
     return entry[:4] + (local_row_begin,) + entry[5:]
+
+
+def _chunk_segments(tensors, offsets, src, entry, at):
+    """Segments writing src (a rank's rows of one parameter, flat) and the
+    zero padding of its chunk at `at` (device path of dim0_copy_in)."""
+    held, padded = entry[5] * entry[1], entry[2] * entry[1]
+    if held:
+        tensors.append(src)
+        offsets.append(at)
+    if padded > held:
+        tensors.append(padded - held)  # an int: that many zeros
+        offsets.append(at + held)
+
+
+def _rows(entry, world, r):
+    """(first row, rows) of rank r for a parameter (fs_dim0_rows)."""
+    begin = min(entry[2] * r, entry[0])
+    return begin, min(entry[2] * (r + 1), entry[0]) - begin
 
 
 class ParamGroup:
@@ -149,6 +173,11 @@ class ParamGroup:
         block = torch.empty(self.block_numel, dtype=self.compute_dtype, device=self.full.device)
         gathered = torch.empty(self.block_numel * self.world, dtype=self.compute_dtype,
                                device=self.full.device)
+        if self.comm.device is not None:
+            self._unshard_device(block, gathered)
+            self.is_unsharded = True
+            self.set_views()
+            return
         for i, e in enumerate(self.entries):
             src = self.local(i).detach().contiguous()
             _C.dim0_copy_in(block.data_ptr(), code, src.data_ptr(), dtype_code(src.dtype),
@@ -161,6 +190,24 @@ class ParamGroup:
                              self.world, self.block_numel, e)
         self.is_unsharded = True
         self.set_views()
+
+    def _unshard_device(self, block, gathered):
+        tensors, offsets = [], []
+        for i, e in enumerate(self.entries):
+            _chunk_segments(tensors, offsets, self.local(i).detach().contiguous().view(-1), e,
+                            e[3])
+        device_pack(block, tensors, offsets)
+        all_gather_into(self.comm, gathered, block, tag="fully_shard.unshard")
+        self.n_all_gathers += 1
+        outs, offsets = [], []
+        for i, e in enumerate(self.entries):
+            for r in range(self.world):
+                begin, rows = _rows(e, self.world, r)
+                if rows:
+                    outs.append(self.full.narrow(0, self.offsets[i] + begin * e[1],
+                                                 rows * e[1]))
+                    offsets.append(r * self.block_numel + e[3])
+        device_unpack(gathered, outs, offsets)
 
     def n_trainable(self):
         return sum(p.requires_grad for p in self.sharded)
@@ -217,13 +264,22 @@ class ParamGroup:
         alloc = torch.empty if all(g is not None for g in grads) else torch.zeros
         rs_in = alloc(self.block_numel * self.world, dtype=rdt, device=device)
         rcode, es = dtype_code(rdt), rs_in.element_size()
+        tensors, offsets = [], []
         for i, g in enumerate(grads):
             if g is None:
                 continue
             g = g.contiguous()
             for r in range(self.world):
+                e = self.rank_entries[r][i]
+                if self.comm.device is not None:
+                    _chunk_segments(tensors, offsets, g.view(-1).narrow(
+                        0, min(e[4] * e[1], g.numel()), e[5] * e[1]), e,
+                        r * self.block_numel + e[3])
+                    continue
                 _C.dim0_copy_in(rs_in.data_ptr() + r * self.block_numel * es, rcode,
-                                g.data_ptr(), dtype_code(g.dtype), self.rank_entries[r][i])
+                                g.data_ptr(), dtype_code(g.dtype), e)
+        if tensors:
+            device_pack(rs_in, tensors, offsets)
         out = torch.empty(self.block_numel, dtype=rdt, device=device)
         factor = self.divide_factor
         reduce_scatter_into(self.comm, out, rs_in, average=factor is None,
