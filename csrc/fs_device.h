@@ -11,7 +11,11 @@
  *
  * Ordering: every call is enqueued on `stream`, the caller's current stream
  * (torch's), and a Comm bound to a device orders its collectives against the
- * same stream (set_caller_stream). Nothing here waits on the host. */
+ * same stream (set_caller_stream): each collective waits for the caller's
+ * work so far, and the caller's later work waits for the collective, unless
+ * the collective is deferred (set_defer): then the caller waits only where
+ * it uses the result (record, then wait), which lets a prefetched all-gather
+ * run beside the compute before it. Nothing here waits on the host. */
 #ifndef FS_DEVICE_H
 #define FS_DEVICE_H
 
@@ -23,7 +27,7 @@
 
 struct fs_comm;
 
-#define FS_DEVICE_API_VERSION 1
+#define FS_DEVICE_API_VERSION 2
 
 typedef struct {
     int version; /* FS_DEVICE_API_VERSION: check before use */
@@ -42,6 +46,15 @@ typedef struct {
     /* float32 staging for bfloat16/float16 reductions (they accumulate in
      * float32): device memory of the caller's, or NULL to drop it. */
     void (*set_workspace)(struct fs_comm *c, void *ptr, size_t bytes);
+    /* While defer is set, the next collectives do not make the caller's
+     * stream wait for them. */
+    void (*set_defer)(struct fs_comm *c, int defer);
+    /* Mark everything the backend has issued so far in *event (made on the
+     * first call; free it with event_free). */
+    fs_status (*record)(struct fs_comm *c, void **event, char *err, size_t cap);
+    /* `stream` waits (on the device, not the host) for the mark. */
+    fs_status (*wait)(void *event, void *stream, char *err, size_t cap);
+    void (*event_free)(void *event);
 } fs_device_api;
 
 #define FS_DEVICE_API_CAPSULE "flatshard.fs_device_api"

@@ -485,10 +485,32 @@ static fs_status host_scale_accumulate(void *dst, fs_dtype dt, const void *src, 
 
 static void host_set_caller_stream(struct fs_comm *c, void *stream) { (void)c, (void)stream; }
 static void host_set_workspace(struct fs_comm *c, void *p, size_t n) { (void)c, (void)p, (void)n; }
+static void host_set_defer(struct fs_comm *c, int defer) { (void)c, (void)defer; }
+
+/* Host collectives are complete when they return: a mark is always reached. */
+static char host_mark;
+static fs_status host_record(struct fs_comm *c, void **event, char *err, size_t cap)
+{
+    (void)c, (void)err, (void)cap;
+    *event = &host_mark;
+    return FS_OK;
+}
+
+static fs_status host_wait(void *event, void *stream, char *err, size_t cap)
+{
+    if (event != &host_mark) {
+        snprintf(err, cap, "host wait: not a host mark");
+        return FS_ERR_INVALID_ARG;
+    }
+    (void)stream;
+    return FS_OK;
+}
+
+static void host_event_free(void *event) { (void)event; }
 
 static const fs_device_api host_device_api = {
     FS_DEVICE_API_VERSION, "host", host_cast, host_scale_accumulate, host_set_caller_stream,
-    host_set_workspace,
+    host_set_workspace, host_set_defer, host_record, host_wait, host_event_free,
 };
 
 /* ---------------------------------------------------------------------------

@@ -18,7 +18,17 @@
  * staging of low-precision reductions are taken for one reduction and given
  * back. Freeing them after enqueueing is safe: the caller's stream already
  * waits for the collective (comm.h), and torch's allocator reuses a block
- * in that stream's order. */
+ * in that stream's order.
+ *
+ * [Note: deferred gathers] A prefetch (unshard(prefetch=True)) on a device
+ * issues its all-gathers without making the caller's stream wait, and marks
+ * them (gather_event): the compute enqueued meanwhile (the unit before it)
+ * runs beside them. The caller's stream waits for the mark where the unit's
+ * buffers are next used: ready(), a plain unshard(), or reshard() (which
+ * must not hand the memory back to the allocator while the collective may
+ * still write it). The all-gather input (lp_shard) is only rewritten by the
+ * unit's next gather, which comes after one of those. Reductions are never
+ * deferred: their input is autograd's gradient, released on return. */
 #include "fs_py.h"
 
 #include <stdlib.h>
@@ -66,6 +76,8 @@ typedef struct {
     size_t scratch_bytes;
     PyObject *scratch_t;    /* the tensor holding scratch on a device */
     PyObject *empty;        /* device units: empty(numel, dtype_code) -> tensor */
+    void *gather_event;     /* device units: the mark of a deferred gather */
+    int gather_pending;     /* the caller's stream has not waited for it yet */
     unsigned long long n_all_gather, n_reduce;
 } UnitObject;
 
@@ -290,6 +302,8 @@ static void Unit_dealloc(UnitObject *u)
     free(u->groups);
     if (!u->empty)
         free(u->scratch);
+    if (u->gather_event)
+        u->comm->dev->event_free(u->gather_event);
     Py_XDECREF(u->scratch_t);
     Py_XDECREF(u->empty);
     Py_XDECREF(u->name);
@@ -330,7 +344,51 @@ static int resize(PyObject *storage, int64_t nbytes)
 
 /* Gather every group's shard into `full` (full_precision) or into its compute
  * buffer (lp under mixed precision, cast first; else full). */
-static PyObject *gather(UnitObject *u, int full_precision)
+/* The caller's stream waits for a deferred gather ([Note: deferred gathers]). */
+static int wait_gathered(UnitObject *u)
+{
+    if (!u->gather_pending)
+        return 0;
+    fs_comm *c = u->comm->comm;
+    fs_status s;
+    if (fs_comm_bind_stream(u->comm) < 0)
+        return -1;
+    s = u->comm->dev->wait(u->gather_event, u->comm->stream, c->last_error,
+                           sizeof c->last_error);
+    if (s != FS_OK) {
+        fs_raise(mstate(u), s, "waiting for a prefetched all-gather: %s", c->last_error);
+        annotate(u, "unshard", 0);
+        return -1;
+    }
+    u->gather_pending = 0;
+    return 0;
+}
+
+static PyObject *gather_groups(UnitObject *u, int full_precision);
+
+static PyObject *gather(UnitObject *u, int full_precision, int defer)
+{
+    const fs_device_api *d = u->comm->dev;
+    defer = defer && d;
+    if (!defer)
+        return gather_groups(u, full_precision);
+    fs_comm *c = u->comm->comm;
+    d->set_defer(c, 1);
+    PyObject *r = gather_groups(u, full_precision);
+    d->set_defer(c, 0);
+    if (!r)
+        return NULL;
+    fs_status s = d->record(c, &u->gather_event, c->last_error, sizeof c->last_error);
+    if (s != FS_OK) {
+        Py_DECREF(r);
+        fs_raise(mstate(u), s, "marking a prefetched all-gather: %s", c->last_error);
+        return annotate(u, "unshard", 0);
+    }
+    u->gather_pending = 1;
+    return r;
+}
+
+static PyObject *gather_groups(UnitObject *u, int full_precision)
 {
     if (fs_comm_bind_stream(u->comm) < 0)
         return annotate(u, "unshard", 0);
@@ -365,19 +423,23 @@ static PyObject *gather(UnitObject *u, int full_precision)
 }
 
 PyDoc_STRVAR(unshard_doc,
-             "unshard(full_precision=False): gather every group (no-op if live).\n"
-             "full_precision: gather the parameters' own dtype even under mixed precision\n"
-             "(summon_full_params, state dicts).");
+             "unshard(full_precision=False, prefetch=False): gather every group (no-op if\n"
+             "live, but for waiting on a prefetch). full_precision: gather the parameters'\n"
+             "own dtype even under mixed precision (summon_full_params, state dicts).\n"
+             "prefetch: on a device, do not make the current stream wait for the gather\n"
+             "until ready(), a plain unshard() or reshard().");
 static PyObject *Unit_unshard(UnitObject *u, PyObject *args)
 {
-    int fp = 0;
-    if (!PyArg_ParseTuple(args, "|p", &fp))
+    int fp = 0, prefetch = 0;
+    if (!PyArg_ParseTuple(args, "|pp", &fp, &prefetch))
         return NULL;
     int mixed = u->ngroups > 0 && u->groups[0].lp != NULL;
     int *live = fp && mixed ? &u->full_unsharded : &u->unsharded;
+    if (!prefetch && wait_gathered(u) < 0)
+        return NULL;
     if (*live)
         Py_RETURN_NONE;
-    PyObject *r = gather(u, fp);
+    PyObject *r = gather(u, fp, prefetch && !fp);
     if (!r)
         return NULL;
     *live = 1;
@@ -386,10 +448,21 @@ static PyObject *Unit_unshard(UnitObject *u, PyObject *args)
     return r;
 }
 
+PyDoc_STRVAR(ready_doc, "ready(): the current stream waits for a prefetched all-gather\n"
+                        "(a no-op when none is pending, and on the host).");
+static PyObject *Unit_ready(UnitObject *u, PyObject *Py_UNUSED(a))
+{
+    if (wait_gathered(u) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Unit_reshard(UnitObject *u, PyObject *Py_UNUSED(a))
 {
     if ((!u->unsharded && !u->full_unsharded) || u->cfg.strategy == FS_NO_SHARD)
         Py_RETURN_NONE;
+    if (wait_gathered(u) < 0)
+        return NULL;
     for (Py_ssize_t i = 0; i < u->ngroups; i++)
         if (resize(u->groups[i].storage, 0) < 0 ||
             (u->groups[i].lp && resize(u->groups[i].lp_storage, 0) < 0))
@@ -504,6 +577,10 @@ static PyObject *Unit_get_state(UnitObject *u, void *c)
     return PyUnicode_FromString(fs_unit_state_name(u->fsm.state));
 }
 static PyObject *Unit_get_unsharded(UnitObject *u, void *c) { return PyBool_FromLong(u->unsharded); }
+static PyObject *Unit_get_pending(UnitObject *u, void *c)
+{
+    return PyBool_FromLong(u->gather_pending);
+}
 static PyObject *Unit_get_name(UnitObject *u, void *c) { return Py_NewRef(u->name); }
 static PyObject *Unit_get_root(UnitObject *u, void *c) { return PyBool_FromLong(u->cfg.is_root); }
 static int Unit_set_root(UnitObject *u, PyObject *v, void *c)
@@ -526,6 +603,7 @@ static PyObject *Unit_get_counts(UnitObject *u, void *c)
 static PyMethodDef Unit_methods[] = {
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
+    {"ready", (PyCFunction)Unit_ready, METH_NOARGS, ready_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS,
      "reshard(): free every full buffer (no-op if sharded or NO_SHARD)."},
     {"reduce_grad", (PyCFunction)Unit_reduce_grad, METH_VARARGS, reduce_grad_doc},
@@ -535,6 +613,8 @@ static PyMethodDef Unit_methods[] = {
 static PyGetSetDef Unit_getset[] = {
     {"state", (getter)Unit_get_state, NULL, "state-machine state name", NULL},
     {"is_unsharded", (getter)Unit_get_unsharded, NULL, "full buffers live and gathered", NULL},
+    {"gather_pending", (getter)Unit_get_pending, NULL,
+     "a prefetched all-gather the current stream has not waited for yet", NULL},
     {"name", (getter)Unit_get_name, NULL, "unit name (module path)", NULL},
     {"is_root", (getter)Unit_get_root, (setter)Unit_set_root, "root unit flag", NULL},
     {"counts", (getter)Unit_get_counts, NULL, "collectives issued by this unit", NULL},

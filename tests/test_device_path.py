@@ -55,6 +55,17 @@ def _train(kw, device_path, steps=4, accumulate=False):
         if ctx:
             ctx.__exit__()
     comms = {m._unit.c.comm.device for m in fs.modules() if isinstance(m, FSDP)}
+    units = [m._unit for m in fs.modules() if isinstance(m, FSDP)]
+    seen = []  # (own gather pending, another unit's pending) as each block computes
+
+    def look(unit):
+        def hook(module, args):
+            seen.append((unit.c.gather_pending,
+                         any(u.c.gather_pending for u in units if u is not unit)))
+        return hook
+    for m in fs.modules():
+        if isinstance(m, FSDP) and m is not fs:
+            m._fsdp_wrapped_module.register_forward_pre_hook(look(m._unit))
     opt = torch.optim.SGD(fs.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses = []
@@ -73,7 +84,7 @@ def _train(kw, device_path, steps=4, accumulate=False):
     state = {k: v.clone() for k, v in fs.state_dict().items()}
     ledger = [e["op"] for m in fs.modules() if isinstance(m, FSDP)
               for e in m._unit.c.comm.ledger()][-3:]
-    return losses, full, state, sorted(map(str, comms)), ledger
+    return losses, full, state, sorted(map(str, comms)), ledger, seen
 
 
 class _nothing:
@@ -95,6 +106,10 @@ CASES = {
                                                             buffer_dtype=torch.bfloat16)),
     "fp16": dict(mixed_precision=MixedPrecision(param_dtype=torch.float16,
                                                 buffer_dtype=torch.float16)),
+    "forward_prefetch": dict(forward_prefetch=True),
+    "backward_post": dict(backward_prefetch=flatshard.BackwardPrefetch.BACKWARD_POST,
+                          mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                         buffer_dtype=torch.bfloat16)),
 }
 
 
@@ -105,16 +120,21 @@ def _both(case, accumulate):
     same = host[0] == dev[0] and all(torch.equal(a, b) for a, b in zip(host[1], dev[1])) and \
         host[2].keys() == dev[2].keys() and all(torch.equal(host[2][k], dev[2][k])
                                                 for k in host[2])
-    return same, host[0], host[3], dev[3], dev[4]
+    return same, host[0], host[3], dev[3], dev[4], dev[5]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_device_path_trains_bit_identically_to_the_host_path(dist_pool, case):
-    for same, losses, host_comms, dev_comms, ledger in dist_pool(2).run(_both, case, False):
+    for same, losses, host_comms, dev_comms, ledger, seen in dist_pool(2).run(_both, case,
+                                                                            False):
         assert host_comms == ["None"] and dev_comms == ["host"]
         assert same, case
         assert losses[-1] < losses[0]  # it trained
         assert ledger  # the device Comm keeps its own ledger
+        # a unit computes only once its stream waited for its gather; a
+        # prefetched one is still pending while the unit before it computes
+        assert seen and not any(own for own, _ in seen)
+        assert any(other for _, other in seen) == (case == "forward_prefetch")
 
 
 @pytest.mark.parametrize("world", [1, 4])

@@ -37,6 +37,7 @@ typedef struct {
     size_t ws_bytes;
     float *scratch; /* one float, for barrier */
     int in_group;
+    int defer; /* the caller's stream does not wait (it waits on a recorded mark) */
     int aborted;
     double timeout_s;
 } nccl_impl;
@@ -133,7 +134,7 @@ static fs_status enter(fs_comm *c, const char *op)
 static fs_status leave(fs_comm *c, const char *op)
 {
     nccl_impl *m = c->impl;
-    if (m->in_group)
+    if (m->in_group || m->defer)
         return FS_OK;
     cudaError_t e;
     if ((e = cudaEventRecord(m->done, m->stream)) != cudaSuccess ||
@@ -413,4 +414,17 @@ fs_status fs_nccl_group_end(fs_comm *c)
     m->in_group = 0;
     NCCL_TRY(c, "ncclGroupEnd", fs_nccl.GroupEnd());
     return leave(c, "group_end");
+}
+
+void fs_nccl_set_defer(fs_comm *c, int defer) { ((nccl_impl *)c->impl)->defer = defer; }
+
+fs_status fs_nccl_record(fs_comm *c, void **event)
+{
+    nccl_impl *m = c->impl;
+    CUDA_TRY(c, "record", cudaSetDevice(m->device));
+    if (!*event)
+        CUDA_TRY(c, "record", cudaEventCreateWithFlags((cudaEvent_t *)event,
+                                                       cudaEventDisableTiming));
+    CUDA_TRY(c, "record", cudaEventRecord((cudaEvent_t)*event, m->stream));
+    return FS_OK;
 }

@@ -127,6 +127,11 @@ void fs_nccl_set_caller_stream(struct fs_comm *c, cudaStream_t s);
  * caller's device memory, at least world_size * count * 4 bytes. */
 void fs_nccl_set_workspace(struct fs_comm *c, void *ptr, size_t bytes);
 cudaStream_t fs_nccl_stream(struct fs_comm *c);
+/* Deferred collectives (fs_device.h): while set, the caller's stream does
+ * not wait for them; fs_nccl_record marks what was issued so far in *event
+ * (a cudaEvent_t, created on first use). */
+void fs_nccl_set_defer(struct fs_comm *c, int defer);
+fs_status fs_nccl_record(struct fs_comm *c, void **event);
 /* Several collectives as one NCCL group (e.g. the all-gathers of units
  * prefetched together): start, issue, end. */
 fs_status fs_nccl_group_start(struct fs_comm *c);

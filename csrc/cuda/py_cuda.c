@@ -285,9 +285,29 @@ static void dev_set_caller_stream(struct fs_comm *c, void *stream)
     fs_nccl_set_caller_stream(c, (cudaStream_t)stream);
 }
 
+static fs_status dev_record(struct fs_comm *c, void **event, char *err, size_t cap)
+{
+    fs_status s = fs_nccl_record(c, event);
+    if (s != FS_OK)
+        snprintf(err, cap, "%s", c->last_error);
+    return s;
+}
+
+static fs_status dev_wait(void *event, void *stream, char *err, size_t cap)
+{
+    return dev_result(cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)event, 0),
+                      "cudaStreamWaitEvent", err, cap);
+}
+
+static void dev_event_free(void *event)
+{
+    if (event)
+        cudaEventDestroy((cudaEvent_t)event); /* at exit the runtime may be gone: ignored */
+}
+
 static const fs_device_api device_api = {
     FS_DEVICE_API_VERSION, "cuda", dev_cast, dev_scale_accumulate, dev_set_caller_stream,
-    fs_nccl_set_workspace,
+    fs_nccl_set_workspace, fs_nccl_set_defer, dev_record, dev_wait, dev_event_free,
 };
 
 static int module_exec(PyObject *m)

@@ -98,12 +98,14 @@ class UnitRuntime:
     # ------------------------------------------------------------------
     # unshard, with out-of-memory named
 
-    def unshard(self):
+    def unshard(self, prefetch=False):
         """Gather this unit's compute buffers. An allocation failure becomes an
         OutOfMemoryError carrying this rank's memory breakdown, and the other
-        ranks are told (shm) instead of waiting for this one in a collective."""
+        ranks are told (shm) instead of waiting for this one in a collective.
+        prefetch: on a device, the current stream waits for the gather only
+        at ready() ([Note: deferred gathers] in csrc/py_unit.c)."""
         try:
-            self.c.unshard()
+            self.c.unshard(False, prefetch)
         except (RuntimeError, MemoryError) as e:
             if not _is_alloc_failure(e):
                 raise
@@ -128,7 +130,8 @@ class UnitRuntime:
             self.unshard()
         nxt = self.root.record_forward(self)
         if self.forward_prefetch and nxt is not None and nxt.c.state == "IDLE":
-            nxt.unshard()
+            nxt.unshard(prefetch=True)
+        self.c.ready()
         self._set_unsharded_views()
 
     def post_forward(self, output):
@@ -157,6 +160,7 @@ class UnitRuntime:
     def _pre_backward(self, grad):
         self.root.queue_final_callback()
         act = self.c.step(_C.EV_PRE_BACKWARD, 0)
+        self.c.ready()  # a prefetched gather: its buffers are used from here
         if act & _C.ACT_UNSHARD:
             self.unshard()
             if self.use_orig_params and not self.no_shard:
@@ -172,7 +176,7 @@ class UnitRuntime:
     def _prefetch_backward(self):
         prev = self.root.previous_in_forward(self)
         if prev is not None and prev.c.state == "IDLE":
-            prev.unshard()
+            prev.unshard(prefetch=True)
 
     def _make_post_backward(self, gi):
         def hook(full):
