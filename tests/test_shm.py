@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import flatshard
 from dist_pool import read_report, write_report
-from flatshard import _C, ConfigError, NotBuiltError
+from flatshard import _C, ConfigError
 from flatshard import comm as fcomm
 from flatshard.comm import dtype_code
 
@@ -65,8 +65,9 @@ def test_reduce_sum_in_place_and_nan():
 def test_backend_argument_is_validated():
     with pytest.raises(ConfigError, match="comm_backend='gloo'"):
         fcomm.requested_backend("gloo")
-    with pytest.raises(NotBuiltError, match="NCCL"):
-        fcomm.requested_backend("nccl")
+    assert fcomm.requested_backend("nccl") == "nccl"  # checked against the device later
+    with pytest.raises(ConfigError, match="NCCL backend moves CUDA memory"):
+        fcomm.backend_for_device("nccl", torch.device("cpu"))
     os.environ[fcomm.ENV_BACKEND] = "bogus"
     try:
         with pytest.raises(ConfigError, match="FLATSHARD_COMM_BACKEND"):

@@ -205,6 +205,10 @@ class UnitRuntime:
             self.refuse_accumulation()
         if not self.use_orig_params:
             out = g.shard.grad
+            if out is None and self.no_shard and self.c.comm.world_size == 1 and \
+                    grad.dtype == g.dtype and grad.shape == g.shard.shape:
+                g.shard.grad = grad  # one rank's mean gradient is its own: no copy
+                return
             accumulate = out is not None
             if out is None:
                 out = torch.empty_like(g.shard, memory_format=torch.contiguous_format)
