@@ -42,6 +42,7 @@ typedef struct {
     const fs_device_api *dev; /* the device's kernels (fs_device.h), or NULL on host */
     PyObject *stream_fn;      /* stream_fn() -> the caller's current stream, as an int */
     void *stream;             /* what it returned last (fs_comm_bind_stream) */
+    PyObject *empty;          /* empty(numel, dtype_code) -> tensor: float32 staging */
 } CommObject;
 
 /* kind='device': ask stream_fn for the caller's current stream, keep it in

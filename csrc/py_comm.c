@@ -14,11 +14,12 @@
 /* kind='device': wrap the fs_comm* exported by `owner` (FS_COMM_CAPSULE),
  * which stays owned (and is destroyed) by it. */
 static PyObject *device_comm(PyTypeObject *tp, int rank, int world, PyObject *capsule,
-                             PyObject *owner, PyObject *dev, PyObject *stream_fn)
+                             PyObject *owner, PyObject *dev, PyObject *stream_fn, PyObject *empty)
 {
-    if (!capsule || !owner || !dev || !stream_fn || !PyCallable_Check(stream_fn))
+    if (!capsule || !owner || !dev || !stream_fn || !PyCallable_Check(stream_fn) || !empty ||
+        !PyCallable_Check(empty))
         return PyErr_Format(PyExc_TypeError, "Comm(kind='device') needs capsule=, owner=, "
-                            "device_api= and a callable stream_fn=");
+                            "device_api=, and callables stream_fn= and empty=");
     if (!PyCapsule_IsValid(capsule, FS_COMM_CAPSULE) ||
         !PyCapsule_IsValid(dev, FS_DEVICE_API_CAPSULE))
         return PyErr_Format(PyExc_TypeError, "Comm(kind='device'): capsule= must be a '"
@@ -41,7 +42,34 @@ static PyObject *device_comm(PyTypeObject *tp, int rank, int world, PyObject *ca
     self->owner = Py_NewRef(owner);
     self->dev = api;
     self->stream_fn = Py_NewRef(stream_fn);
+    self->empty = Py_NewRef(empty);
     return (PyObject *)self;
+}
+
+/* A bfloat16/float16 reduction on a device stages through float32 (comm.h):
+ * lend the backend total_numel floats for one call; *owner keeps them. */
+static int lend(CommObject *self, int t, long long total_numel, PyObject **owner)
+{
+    *owner = NULL;
+    if (!self->dev || (t != FS_BF16 && t != FS_F16))
+        return 0;
+    void *p;
+    *owner = PyObject_CallFunction(self->empty, "Li", total_numel ? total_numel : 1, FS_F32);
+    if (!*owner || fs_tensor_ptr(*owner, &p) < 0) {
+        Py_CLEAR(*owner);
+        return -1;
+    }
+    self->dev->set_workspace(self->comm, p, (size_t)total_numel * 4);
+    return 0;
+}
+
+/* After the call: the caller's stream already waits for the collective, so
+ * the staging goes back to the allocator in that stream's order. */
+static void unlend(CommObject *self, PyObject **owner)
+{
+    if (*owner)
+        self->dev->set_workspace(self->comm, NULL, 0);
+    Py_CLEAR(*owner);
 }
 
 int fs_comm_bind_stream(CommObject *self)
@@ -63,18 +91,20 @@ int fs_comm_bind_stream(CommObject *self)
 static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"kind", "rank", "world_size", "fn", "name", "create", "slot_bytes",
-                             "timeout_s", "capsule", "owner", "device_api", "stream_fn", NULL};
+                             "timeout_s", "capsule", "owner", "device_api", "stream_fn", "empty",
+                             NULL};
     const char *kind, *name = NULL;
     PyObject *fn = NULL, *capsule = NULL, *owner = NULL, *dev = NULL, *stream_fn = NULL;
+    PyObject *empty = NULL;
     int rank, world, create = 0;
     Py_ssize_t slot_bytes = 0;
     double timeout_s = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sii|$OzpndOOOO", kwlist, &kind, &rank, &world,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sii|$OzpndOOOOO", kwlist, &kind, &rank, &world,
                                      &fn, &name, &create, &slot_bytes, &timeout_s, &capsule,
-                                     &owner, &dev, &stream_fn))
+                                     &owner, &dev, &stream_fn, &empty))
         return NULL;
     if (strcmp(kind, "device") == 0)
-        return device_comm(tp, rank, world, capsule, owner, dev, stream_fn);
+        return device_comm(tp, rank, world, capsule, owner, dev, stream_fn, empty);
     fs_mod_state *st = fs_state_from_type(tp);
     CommObject *self = (CommObject *)tp->tp_alloc(tp, 0);
     if (!self)
@@ -110,6 +140,7 @@ static void Comm_dealloc(CommObject *self)
         fs_comm_destroy(self->comm);
     Py_XDECREF(self->owner);
     Py_XDECREF(self->stream_fn);
+    Py_XDECREF(self->empty);
     Py_XDECREF(self->on_failure);
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -180,12 +211,14 @@ static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
     const char *tag = "";
     if (!PyArg_ParseTuple(args, "KKLip|s", &sp, &rp, &n, &t, &avg, &tag))
         return NULL;
-    if (fs_comm_bind_stream(self) < 0)
+    PyObject *ws;
+    if (fs_comm_bind_stream(self) < 0 || lend(self, t, n * self->comm->world_size, &ws) < 0)
         return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_REDUCE_SCATTER, tag, n, t,
                    fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
                                           avg ? FS_RED_AVG : FS_RED_SUM));
+    unlend(self, &ws);
     return done(self, s, "reduce_scatter", tag);
 }
 
@@ -198,11 +231,13 @@ static PyObject *Comm_all_reduce(CommObject *self, PyObject *args)
     const char *tag = "";
     if (!PyArg_ParseTuple(args, "KLip|s", &p, &n, &t, &avg, &tag))
         return NULL;
-    if (fs_comm_bind_stream(self) < 0)
+    PyObject *ws;
+    if (fs_comm_bind_stream(self) < 0 || lend(self, t, n, &ws) < 0)
         return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_ALL_REDUCE, tag, n, t,
                    fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM));
+    unlend(self, &ws);
     return done(self, s, "all_reduce", tag);
 }
 
@@ -348,7 +383,8 @@ static PyType_Slot Comm_slots[] = {
                 "kind='torch' calls fn(op, a, b, arg); kind='shm' maps segment `name` "
                 "(rank 0 passes create=True); kind='device' wraps owner's backend "
                 "(capsule=owner.capsule()) over device memory, with device_api (an "
-                "fs_device_api capsule) and stream_fn() -> the current stream."},
+                "fs_device_api capsule), stream_fn() -> the current stream and "
+                "empty(numel, dtype_code) -> a device tensor (float32 staging)."},
     {0, NULL},
 };
 

@@ -94,7 +94,10 @@ static void *take(UnitObject *u, int64_t numel, fs_dtype t, PyObject **owner)
         void *p = malloc(numel ? (size_t)numel * fs_dtype_size(t) : 1);
         return p ? p : PyErr_NoMemory();
     }
-    PyObject *tensor = PyObject_CallFunction(u->empty, "Li", (long long)numel, (int)t);
+    /* At least one element: an empty tensor's data pointer is NULL, which
+     * would read as a failure here. */
+    PyObject *tensor = PyObject_CallFunction(u->empty, "Li", (long long)(numel ? numel : 1),
+                                             (int)t);
     void *p = NULL;
     if (!tensor || fs_tensor_ptr(tensor, &p) < 0) {
         Py_XDECREF(tensor);

@@ -158,19 +158,19 @@ def _errors():
         out.append(str(e))
     try:
         _C.Comm("device", 0, 1, capsule=host.capsule(), owner=host,
-                device_api=_C.host_device_api, stream_fn=lambda: 0)
+                device_api=_C.host_device_api, stream_fn=lambda: 0, empty=torch.empty)
     except ValueError as e:
         out.append(str(e))
     try:
         _C.Comm("device", host.rank, host.world_size, capsule=host.capsule(), owner=host,
-                device_api=host.capsule(), stream_fn=lambda: 0)
+                device_api=host.capsule(), stream_fn=lambda: 0, empty=torch.empty)
     except TypeError as e:
         out.append(str(e))
 
     def bad_stream():
         raise RuntimeError("no stream here")
     broken = _C.Comm("device", host.rank, host.world_size, capsule=host.capsule(), owner=host,
-                     device_api=_C.host_device_api, stream_fn=bad_stream)
+                     device_api=_C.host_device_api, stream_fn=bad_stream, empty=torch.empty)
     try:
         all_reduce_(broken, torch.ones(3))
     except RuntimeError as e:
@@ -211,9 +211,10 @@ def _fully_shard_train(device_path, mp, raf):
         ffsdp2.comm_for = comm_for
     try:
         kw = dict(reshard_after_forward=raf)
-        if mp:
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32)
+        if mp:  # "bf16": reduced in float32; "bf16_reduce": in bfloat16 (staged in float32)
+            kw["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.float32 if mp == "bf16" else None)
         for b in list(model.blocks) + [model.head]:  # head: its input cast to bf16
             fully_shard(b, **kw)
         fully_shard(model, **kw)
@@ -242,7 +243,8 @@ def _fully_shard_both(mp, raf):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("mp,raf", [(False, True), (True, True), (False, 2)])
+@pytest.mark.parametrize("mp,raf", [(None, True), ("bf16", True), ("bf16_reduce", True),
+                                    (None, 2)])
 def test_fully_shard_device_path_trains_bit_identically(dist_pool, world, mp, raf):
     if raf == 2 and world != 2:
         pytest.skip("reshard_after_forward=2 needs an even world")

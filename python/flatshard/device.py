@@ -46,7 +46,8 @@ def cuda_comm(group, device):
         return torch.cuda.current_stream(index).cuda_stream
 
     comm = _C.Comm("device", backend.rank, backend.world_size, capsule=backend.comm.capsule(),
-                   owner=backend.comm, device_api=cuda._C_cuda.device_api, stream_fn=stream)
+                   owner=backend.comm, device_api=cuda._C_cuda.device_api, stream_fn=stream,
+                   empty=empty_fn(device))
     diagnostics.install(comm, group, f"{group.group_name}/nccl", comm_timeout_s())
     _COMMS[key] = (group, comm)
     return comm
@@ -58,7 +59,8 @@ def host_device_comm(comm):
     kernels through the table, a stream bound before each collective) on
     CPU tensors."""
     return _C.Comm("device", comm.rank, comm.world_size, capsule=comm.capsule(), owner=comm,
-                   device_api=_C.host_device_api, stream_fn=lambda: 0)
+                   device_api=_C.host_device_api, stream_fn=lambda: 0,
+                   empty=empty_fn(torch.device("cpu")))
 
 
 def tensor_fits(comm, t):
