@@ -367,17 +367,17 @@ static int wait_gathered(UnitObject *u)
     return 0;
 }
 
-static PyObject *gather_groups(UnitObject *u, int full_precision);
+static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate);
 
 static PyObject *gather(UnitObject *u, int full_precision, int defer)
 {
     const fs_device_api *d = u->comm->dev;
     defer = defer && d;
     if (!defer)
-        return gather_groups(u, full_precision);
+        return gather_groups(u, full_precision, 1);
     fs_comm *c = u->comm->comm;
     d->set_defer(c, 1);
-    PyObject *r = gather_groups(u, full_precision);
+    PyObject *r = gather_groups(u, full_precision, 1);
     d->set_defer(c, 0);
     if (!r)
         return NULL;
@@ -391,7 +391,8 @@ static PyObject *gather(UnitObject *u, int full_precision, int defer)
     return r;
 }
 
-static PyObject *gather_groups(UnitObject *u, int full_precision)
+/* allocate: give the gathered buffers their storage first (0: it is live). */
+static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate)
 {
     if (fs_comm_bind_stream(u->comm) < 0)
         return annotate(u, "unshard", 0);
@@ -400,8 +401,8 @@ static PyObject *gather_groups(UnitObject *u, int full_precision)
         int use_lp = g->lp && !full_precision;
         fs_dtype t = use_lp ? g->compute : g->dtype;
         void *sp, *dp;
-        if (resize(use_lp ? g->lp_storage : g->storage,
-                   g->padded_numel * (int64_t)fs_dtype_size(t)) < 0 ||
+        if ((allocate && resize(use_lp ? g->lp_storage : g->storage,
+                                g->padded_numel * (int64_t)fs_dtype_size(t)) < 0) ||
             fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(use_lp ? g->lp : g->full, &dp) < 0)
             return annotate(u, "unshard", i);
         fs_status s = FS_OK;
@@ -448,6 +449,34 @@ static PyObject *Unit_unshard(UnitObject *u, PyObject *args)
     *live = 1;
     if (!mixed)
         u->full_unsharded = 1;
+    return r;
+}
+
+PyDoc_STRVAR(regather_doc,
+             "regather(): gather the compute buffers again from the shards into their live\n"
+             "storage, with no reallocation (units kept whole, e.g. SHARD_OPTIM after an\n"
+             "optimizer step, or after loading a state dict). A live full-precision gather\n"
+             "under mixed precision is stale then, and is freed. Gathers if not live.");
+static PyObject *Unit_regather(UnitObject *u, PyObject *Py_UNUSED(a))
+{
+    if (u->cfg.strategy == FS_NO_SHARD) /* the full buffer is the shard itself */
+        Py_RETURN_NONE;
+    if (wait_gathered(u) < 0)
+        return NULL;
+    int mixed = u->ngroups > 0 && u->groups[0].lp != NULL;
+    if (mixed && u->full_unsharded) {
+        for (Py_ssize_t i = 0; i < u->ngroups; i++)
+            if (resize(u->groups[i].storage, 0) < 0)
+                return annotate(u, "regather", i);
+        u->full_unsharded = 0;
+    }
+    int live = u->unsharded;
+    PyObject *r = gather_groups(u, 0, !live);
+    if (r) {
+        u->unsharded = 1;
+        if (!mixed)
+            u->full_unsharded = 1;
+    }
     return r;
 }
 
@@ -607,6 +636,7 @@ static PyMethodDef Unit_methods[] = {
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
     {"ready", (PyCFunction)Unit_ready, METH_NOARGS, ready_doc},
+    {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS,
      "reshard(): free every full buffer (no-op if sharded or NO_SHARD)."},
     {"reduce_grad", (PyCFunction)Unit_reduce_grad, METH_VARARGS, reduce_grad_doc},

@@ -352,8 +352,7 @@ def load_state_dict(fs, state_dict, strict=True, assign=False):
     _copy_into_shards(targets, state_dict)
     for u in units:  # a full buffer left live by a forward would be stale now
         if u._unit.c.is_unsharded and not u._unit.no_shard:
-            u._unit.c.reshard()
-            u._unit.c.unshard()  # the compute buffers, refreshed from the new shards
+            u._unit.c.regather()  # the compute buffers, refreshed from the new shards
     rest = OrderedDict((k, state_dict[plain_key(k)]) for k in others
                        if plain_key(k) in state_dict)
     meta = getattr(state_dict, "_metadata", None)

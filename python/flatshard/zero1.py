@@ -12,7 +12,8 @@ the sharded strategies, and lives here:
              A second backward before zero_grad() all-reduces its own
              gradient and adds it (averages are linear: same sum as DDP).
   parameters after optimizer.step() updates the shards, an optimizer step
-             post-hook all-gathers them back into the whole buffers, so the
+             post-hook all-gathers them back into the whole buffers (in
+             place, no reallocation), so the
              parameters are never stale, whoever reads them. The hook is
              torch's global one (every torch.optim.Optimizer, flatshard.optim
              included); it is registered when the first ZeRO-1 unit is built
@@ -57,11 +58,10 @@ def _after_step(optimizer, args, kwargs):
 
 
 def refresh(unit):
-    """All-gather the (updated) shards into the whole buffers, in place of
-    the old values: the storage is dropped and gathered again, and every
-    view of it (the modules' parameters) stays valid."""
-    unit.c.reshard()
-    unit.c.unshard()
+    """All-gather the (updated) shards into the whole buffers, over the old
+    values in the same storage (no reallocation), so every view of it (the
+    modules' parameters) stays valid."""
+    unit.c.regather()
 
 
 @torch.no_grad()
