@@ -27,7 +27,7 @@
 
 struct fs_comm;
 
-#define FS_DEVICE_API_VERSION 2
+#define FS_DEVICE_API_VERSION 3
 
 typedef struct {
     int version; /* FS_DEVICE_API_VERSION: check before use */
@@ -55,6 +55,9 @@ typedef struct {
     /* `stream` waits (on the device, not the host) for the mark. */
     fs_status (*wait)(void *event, void *stream, char *err, size_t cap);
     void (*event_free)(void *event);
+    /* The backend's own stream: work that must follow a deferred collective
+     * is enqueued there (NULL on the host, where nothing is asynchronous). */
+    void *(*comm_stream)(struct fs_comm *c);
 } fs_device_api;
 
 #define FS_DEVICE_API_CAPSULE "flatshard.fs_device_api"

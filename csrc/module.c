@@ -507,10 +507,12 @@ static fs_status host_wait(void *event, void *stream, char *err, size_t cap)
 }
 
 static void host_event_free(void *event) { (void)event; }
+static void *host_comm_stream(struct fs_comm *c) { (void)c; return NULL; }
 
 static const fs_device_api host_device_api = {
     FS_DEVICE_API_VERSION, "host", host_cast, host_scale_accumulate, host_set_caller_stream,
     host_set_workspace, host_set_defer, host_record, host_wait, host_event_free,
+    host_comm_stream,
 };
 
 /* ---------------------------------------------------------------------------

@@ -20,15 +20,23 @@
  * waits for the collective (comm.h), and torch's allocator reuses a block
  * in that stream's order.
  *
- * [Note: deferred gathers] A prefetch (unshard(prefetch=True)) on a device
+ * [Note: deferred collectives] A prefetch (unshard(prefetch=True)) on a device
  * issues its all-gathers without making the caller's stream wait, and marks
  * them (gather_event): the compute enqueued meanwhile (the unit before it)
  * runs beside them. The caller's stream waits for the mark where the unit's
  * buffers are next used: ready(), a plain unshard(), or reshard() (which
  * must not hand the memory back to the allocator while the collective may
  * still write it). The all-gather input (lp_shard) is only rewritten by the
- * unit's next gather, which comes after one of those. Reductions are never
- * deferred: their input is autograd's gradient, released on return. */
+ * unit's next gather, which comes after one of those.
+ *
+ * A reduction can be deferred too (reduce_grad(..., defer=True)): the work
+ * that follows the collective (dividing, casting, accumulating into the
+ * shard gradient) is enqueued on the backend's own stream after it, and
+ * every buffer it touches (autograd's gradient, the reduce-dtype copy, the
+ * float32 staging, the output) is held until the caller's stream has waited
+ * for its mark (wait_reduced()), which the caller does before the unit's
+ * next reduction and at the end of backward: the backward compute of the
+ * units before it runs meanwhile, one reduction in flight. */
 #include "fs_py.h"
 
 #include <stdlib.h>
@@ -78,6 +86,9 @@ typedef struct {
     PyObject *empty;        /* device units: empty(numel, dtype_code) -> tensor */
     void *gather_event;     /* device units: the mark of a deferred gather */
     int gather_pending;     /* the caller's stream has not waited for it yet */
+    void *reduce_event;     /* the mark of deferred reductions */
+    int reduce_pending;
+    PyObject *held;         /* list: what deferred reductions use, until waited for */
     unsigned long long n_all_gather, n_reduce;
 } UnitObject;
 
@@ -122,13 +133,16 @@ static fs_status k_cast(UnitObject *u, void *dst, fs_dtype dt, const void *src, 
     return s;
 }
 
-static fs_status k_scale_accumulate(UnitObject *u, void *dst, fs_dtype dt, const void *src,
-                                    fs_dtype st, int64_t n, double scale, int accumulate)
+/* On a device, enqueued on `stream` (the caller's, or the backend's own for
+ * work that follows a deferred collective). */
+static fs_status k_scale_accumulate(UnitObject *u, void *stream, void *dst, fs_dtype dt,
+                                    const void *src, fs_dtype st, int64_t n, double scale,
+                                    int accumulate)
 {
     const fs_device_api *d = u->comm->dev;
     fs_comm *c = u->comm->comm;
     if (d)
-        return d->scale_accumulate(dst, dt, src, st, n, scale, accumulate, u->comm->stream,
+        return d->scale_accumulate(dst, dt, src, st, n, scale, accumulate, stream,
                                    c->last_error, sizeof c->last_error);
     fs_status s;
     Py_BEGIN_ALLOW_THREADS
@@ -220,6 +234,11 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     Py_INCREF(comm);
     u->comm = (CommObject *)comm;
     u->empty = empty != Py_None ? Py_NewRef(empty) : NULL;
+    if (!(u->held = PyList_New(0))) {
+        Py_DECREF(seq);
+        Py_DECREF(u);
+        return NULL;
+    }
     u->cfg.strategy = strategy;
     u->cfg.is_root = 0;
     u->cfg.grad_mask = grad_mask;
@@ -307,6 +326,9 @@ static void Unit_dealloc(UnitObject *u)
         free(u->scratch);
     if (u->gather_event)
         u->comm->dev->event_free(u->gather_event);
+    if (u->reduce_event)
+        u->comm->dev->event_free(u->reduce_event);
+    Py_XDECREF(u->held);
     Py_XDECREF(u->scratch_t);
     Py_XDECREF(u->empty);
     Py_XDECREF(u->name);
@@ -347,7 +369,7 @@ static int resize(PyObject *storage, int64_t nbytes)
 
 /* Gather every group's shard into `full` (full_precision) or into its compute
  * buffer (lp under mixed precision, cast first; else full). */
-/* The caller's stream waits for a deferred gather ([Note: deferred gathers]). */
+/* The caller's stream waits for a deferred gather ([Note: deferred collectives]). */
 static int wait_gathered(UnitObject *u)
 {
     if (!u->gather_pending)
@@ -365,6 +387,31 @@ static int wait_gathered(UnitObject *u)
     }
     u->gather_pending = 0;
     return 0;
+}
+
+/* The caller's stream waits for deferred reductions; their buffers go back. */
+static int wait_reduced(UnitObject *u)
+{
+    if (!u->reduce_pending)
+        return 0;
+    fs_comm *c = u->comm->comm;
+    if (fs_comm_bind_stream(u->comm) < 0)
+        return -1;
+    fs_status s = u->comm->dev->wait(u->reduce_event, u->comm->stream, c->last_error,
+                                     sizeof c->last_error);
+    if (s != FS_OK) {
+        fs_raise(mstate(u), s, "waiting for a gradient reduction: %s", c->last_error);
+        annotate(u, "reduce-scatter", 0);
+        return -1;
+    }
+    u->reduce_pending = 0;
+    return PyList_SetSlice(u->held, 0, PyList_GET_SIZE(u->held), NULL);
+}
+
+/* Keep `o` (may be NULL) alive until the caller's stream waited. */
+static int hold(UnitObject *u, PyObject *o)
+{
+    return o ? PyList_Append(u->held, o) : 0;
 }
 
 static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate);
@@ -504,25 +551,30 @@ static PyObject *Unit_reshard(UnitObject *u, PyObject *Py_UNUSED(a))
 }
 
 PyDoc_STRVAR(reduce_grad_doc,
-             "reduce_grad(group, grad, out, accumulate)\n"
+             "reduce_grad(group, grad, out, accumulate, defer=False)\n"
              "Average the unsharded gradient `grad` (padded_numel) over the group into the\n"
              "shard gradient `out` (shard_numel): out = (accumulate ? out : 0) + mean.\n"
-             "`grad` is used as scratch and left undefined.");
+             "`grad` is used as scratch and left undefined. defer (device units): the current\n"
+             "stream does not wait for it until wait_reduced() ([Note: deferred collectives]).");
 static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
 {
     Py_ssize_t gi;
     PyObject *grad, *out;
-    int accumulate;
-    if (!PyArg_ParseTuple(args, "nOOp", &gi, &grad, &out, &accumulate))
+    int accumulate, defer = 0;
+    if (!PyArg_ParseTuple(args, "nOOp|p", &gi, &grad, &out, &accumulate, &defer))
         return NULL;
     if (gi < 0 || gi >= u->ngroups)
         return PyErr_Format(PyExc_IndexError, "unit '%U': no group %zd", u->name, gi);
+    const fs_device_api *d = u->comm->dev;
+    defer = defer && d;
     unit_group *g = &u->groups[gi];
     fs_comm *c = u->comm->comm;
     void *gp, *op;
     if (fs_tensor_ptr(grad, &gp) < 0 || fs_tensor_ptr(out, &op) < 0 ||
         fs_comm_bind_stream(u->comm) < 0)
         return NULL;
+    void *pre = u->comm->stream;                      /* before the collective */
+    void *post = defer ? d->comm_stream(c) : pre;     /* after it */
     const double inv = 1.0 / c->world_size;
     const char *uname = PyUnicode_AsUTF8(u->name); /* for the ledger */
     PyObject *red_in_t = NULL, *ws_t = NULL; /* a device's per-reduction buffers */
@@ -531,15 +583,15 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
      * reduce dtype. fp16 sums are divided first (they could overflow), the
      * others after, in f32 or better ([Note: mixed precision]). */
     void *src = gp;
-    double post = inv;
+    double post_scale = inv;
     if (g->reduce != g->compute || g->reduce == FS_F16) {
         void *dst = gp;
         if (g->reduce != g->compute && !(dst = u->empty ? take(u, g->padded_numel, g->reduce,
                                                                  &red_in_t) : g->red_in))
             return NULL;
-        s = k_scale_accumulate(u, dst, g->reduce, gp, g->compute, g->padded_numel, inv, 0);
+        s = k_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute, g->padded_numel, inv, 0);
         src = dst;
-        post = 1.0;
+        post_scale = 1.0;
     }
     const int no_shard = u->cfg.strategy == FS_NO_SHARD;
     if (s == FS_OK && (!no_shard || c->world_size > 1) &&
@@ -547,38 +599,46 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
         Py_XDECREF(red_in_t);
         return NULL;
     }
+    if (defer)
+        d->set_defer(c, 1);
     if (s != FS_OK) {
     } else if (no_shard) { /* mixed precision is refused here */
         if (c->world_size > 1) /* one rank's sum is its own gradient */
             FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_REDUCE, uname, g->padded_numel, g->dtype,
                            fs_comm_all_reduce(c, gp, g->padded_numel, g->dtype, FS_RED_SUM));
         if (s == FS_OK)
-            s = k_scale_accumulate(u, op, g->dtype, gp, g->dtype, g->shard_numel, inv,
+            s = k_scale_accumulate(u, post, op, g->dtype, gp, g->dtype, g->shard_numel, inv,
                                    accumulate);
     } else if (g->reduce != g->dtype) {
         FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->reduce,
                        fs_comm_reduce_scatter(c, src, g->red_out, g->shard_numel, g->reduce,
                                               FS_RED_SUM));
         if (s == FS_OK)
-            s = k_scale_accumulate(u, op, g->dtype, g->red_out, g->reduce, g->shard_numel, post,
-                                   accumulate);
+            s = k_scale_accumulate(u, post, op, g->dtype, g->red_out, g->reduce, g->shard_numel,
+                                   post_scale, accumulate);
     } else if (!accumulate) {
         FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
                        fs_comm_reduce_scatter(c, src, op, g->shard_numel, g->dtype, FS_RED_SUM));
-        if (s == FS_OK && post != 1.0)
-            s = k_scale_accumulate(u, op, g->dtype, op, g->dtype, g->shard_numel, post, 0);
+        if (s == FS_OK && post_scale != 1.0)
+            s = k_scale_accumulate(u, post, op, g->dtype, op, g->dtype, g->shard_numel,
+                                   post_scale, 0);
     } else {
         size_t need = (size_t)g->shard_numel * fs_dtype_size(g->dtype);
+        void *p = u->scratch;
+        /* a deferred reduction may still read the old scratch: hold it */
+        if (need > u->scratch_bytes &&
+            ((defer && hold(u, u->scratch_t) < 0) ||
+             !(p = u->empty ? take(u, g->shard_numel, g->dtype, &u->scratch_t)
+                            : realloc(u->scratch, need ? need : 1)))) {
+            if (!u->empty && !PyErr_Occurred())
+                PyErr_NoMemory();
+            if (defer)
+                d->set_defer(c, 0);
+            Py_XDECREF(red_in_t);
+            return_workspace(u, &ws_t);
+            return NULL;
+        }
         if (need > u->scratch_bytes) {
-            void *p = u->empty ? take(u, g->shard_numel, g->dtype, &u->scratch_t)
-                               : realloc(u->scratch, need ? need : 1);
-            if (!p) {
-                if (!u->empty)
-                    PyErr_NoMemory();
-                Py_XDECREF(red_in_t);
-                return_workspace(u, &ws_t);
-                return NULL;
-            }
             u->scratch = p;
             u->scratch_bytes = need;
         }
@@ -586,8 +646,22 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
                        fs_comm_reduce_scatter(c, src, u->scratch, g->shard_numel, g->dtype,
                                               FS_RED_SUM));
         if (s == FS_OK)
-            s = k_scale_accumulate(u, op, g->dtype, u->scratch, g->dtype, g->shard_numel, post,
-                                   1);
+            s = k_scale_accumulate(u, post, op, g->dtype, u->scratch, g->dtype, g->shard_numel,
+                                   post_scale, 1);
+    }
+    if (defer) {
+        d->set_defer(c, 0);
+        if (s == FS_OK)
+            s = d->record(c, &u->reduce_event, c->last_error, sizeof c->last_error);
+        if (s == FS_OK) { /* what the enqueued work reads and writes stays alive */
+            u->reduce_pending = 1;
+            if (hold(u, grad) < 0 || hold(u, out) < 0 || hold(u, red_in_t) < 0 ||
+                hold(u, ws_t) < 0) {
+                Py_XDECREF(red_in_t);
+                return_workspace(u, &ws_t);
+                return NULL;
+            }
+        }
     }
     Py_XDECREF(red_in_t);
     if (ws_t)
@@ -598,6 +672,16 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
         return fs_comm_failed(u->comm);
     }
     u->n_reduce++;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(wait_reduced_doc,
+             "wait_reduced(): the current stream waits for deferred gradient reductions, and\n"
+             "their buffers are released (a no-op when none is pending, and on the host).");
+static PyObject *Unit_wait_reduced(UnitObject *u, PyObject *Py_UNUSED(a))
+{
+    if (wait_reduced(u) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -612,6 +696,10 @@ static PyObject *Unit_get_unsharded(UnitObject *u, void *c) { return PyBool_From
 static PyObject *Unit_get_pending(UnitObject *u, void *c)
 {
     return PyBool_FromLong(u->gather_pending);
+}
+static PyObject *Unit_get_reduce_pending(UnitObject *u, void *c)
+{
+    return PyBool_FromLong(u->reduce_pending);
 }
 static PyObject *Unit_get_name(UnitObject *u, void *c) { return Py_NewRef(u->name); }
 static PyObject *Unit_get_root(UnitObject *u, void *c) { return PyBool_FromLong(u->cfg.is_root); }
@@ -636,6 +724,7 @@ static PyMethodDef Unit_methods[] = {
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
     {"ready", (PyCFunction)Unit_ready, METH_NOARGS, ready_doc},
+    {"wait_reduced", (PyCFunction)Unit_wait_reduced, METH_NOARGS, wait_reduced_doc},
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS,
      "reshard(): free every full buffer (no-op if sharded or NO_SHARD)."},
@@ -648,6 +737,8 @@ static PyGetSetDef Unit_getset[] = {
     {"is_unsharded", (getter)Unit_get_unsharded, NULL, "full buffers live and gathered", NULL},
     {"gather_pending", (getter)Unit_get_pending, NULL,
      "a prefetched all-gather the current stream has not waited for yet", NULL},
+    {"reduce_pending", (getter)Unit_get_reduce_pending, NULL,
+     "deferred gradient reductions the current stream has not waited for yet", NULL},
     {"name", (getter)Unit_get_name, NULL, "unit name (module path)", NULL},
     {"is_root", (getter)Unit_get_root, (setter)Unit_set_root, "root unit flag", NULL},
     {"counts", (getter)Unit_get_counts, NULL, "collectives issued by this unit", NULL},

@@ -69,6 +69,23 @@ def _train(kw, device_path, steps=4, accumulate=False):
     opt = torch.optim.SGD(fs.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses = []
+    saved_issue = ffsdp.RootState.reduce_issued
+    reduced = []  # (the reduction in flight was still pending when the next was issued)
+
+    def reduce_issued(root, unit):
+        prev = root.reducing
+        reduced.append(prev is not None and prev is not unit and prev.c.reduce_pending)
+        saved_issue(root, unit)
+    ffsdp.RootState.reduce_issued = reduce_issued
+    try:
+        _steps(fs, opt, g, steps, accumulate, losses)
+    finally:
+        ffsdp.RootState.reduce_issued = saved_issue
+    assert not any(u.c.reduce_pending for u in units)  # all waited for by the end of backward
+    return _results(fs, losses, comms, seen, reduced)
+
+
+def _steps(fs, opt, g, steps, accumulate, losses):
     for _ in range(steps):
         micro = 2 if accumulate else 1
         for i in range(micro):
@@ -79,12 +96,15 @@ def _train(kw, device_path, steps=4, accumulate=False):
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()
+
+
+def _results(fs, losses, comms, seen, reduced):
     with FSDP.summon_full_params(fs):
         full = [p.detach().clone() for p in fs.parameters()]
     state = {k: v.clone() for k, v in fs.state_dict().items()}
     ledger = [e["op"] for m in fs.modules() if isinstance(m, FSDP)
               for e in m._unit.c.comm.ledger()][-3:]
-    return losses, full, state, sorted(map(str, comms)), ledger, seen
+    return losses, full, state, sorted(map(str, comms)), ledger, seen, reduced
 
 
 class _nothing:
@@ -120,13 +140,13 @@ def _both(case, accumulate):
     same = host[0] == dev[0] and all(torch.equal(a, b) for a, b in zip(host[1], dev[1])) and \
         host[2].keys() == dev[2].keys() and all(torch.equal(host[2][k], dev[2][k])
                                                 for k in host[2])
-    return same, host[0], host[3], dev[3], dev[4], dev[5]
+    return same, host[0], host[3], dev[3], dev[4], dev[5], (host[6], dev[6])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_device_path_trains_bit_identically_to_the_host_path(dist_pool, case):
-    for same, losses, host_comms, dev_comms, ledger, seen in dist_pool(2).run(_both, case,
-                                                                            False):
+    for same, losses, host_comms, dev_comms, ledger, seen, reduced in dist_pool(2).run(
+            _both, case, False):
         assert host_comms == ["None"] and dev_comms == ["host"]
         assert same, case
         assert losses[-1] < losses[0]  # it trained
@@ -135,6 +155,12 @@ def test_device_path_trains_bit_identically_to_the_host_path(dist_pool, case):
         # prefetched one is still pending while the unit before it computes
         assert seen and not any(own for own, _ in seen)
         assert any(other for _, other in seen) == (case == "forward_prefetch")
+        # reductions are deferred on a device only, one in flight: the next
+        # unit's found the previous one still pending
+        host_reduced, dev_reduced = reduced
+        assert host_reduced == []
+        if case != "no_shard":  # (NO_SHARD: one unit per step at most reduces here)
+            assert dev_reduced and any(dev_reduced)
 
 
 @pytest.mark.parametrize("world", [1, 4])

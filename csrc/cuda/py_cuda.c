@@ -305,9 +305,12 @@ static void dev_event_free(void *event)
         cudaEventDestroy((cudaEvent_t)event); /* at exit the runtime may be gone: ignored */
 }
 
+static void *dev_comm_stream(struct fs_comm *c) { return (void *)fs_nccl_stream(c); }
+
 static const fs_device_api device_api = {
     FS_DEVICE_API_VERSION, "cuda", dev_cast, dev_scale_accumulate, dev_set_caller_stream,
     fs_nccl_set_workspace, fs_nccl_set_defer, dev_record, dev_wait, dev_event_free,
+    dev_comm_stream,
 };
 
 static int module_exec(PyObject *m)

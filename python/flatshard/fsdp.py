@@ -72,6 +72,15 @@ class RootState:
         self.order, self.position = [], {}
         self._current = None
         self.final_queued = False
+        self.reducing = None  # the unit whose deferred reduction is in flight
+
+    def reduce_issued(self, unit):
+        """`unit` is about to defer a reduction: the one in flight from
+        another unit is waited for first (its buffers go back), so backward
+        holds at most one unit's reduction buffers beyond its own."""
+        if self.reducing is not None and self.reducing is not unit:
+            self.reducing.c.wait_reduced()
+        self.reducing = unit
 
     def begin_forward(self):
         if self.final_queued:  # the last backward never finished: clean up
@@ -102,6 +111,7 @@ class RootState:
 
     def _final(self):
         self.final_queued = False
+        self.reducing = None
         for u in self.units:
             u.finalize()
 

@@ -103,7 +103,7 @@ class UnitRuntime:
         OutOfMemoryError carrying this rank's memory breakdown, and the other
         ranks are told (shm) instead of waiting for this one in a collective.
         prefetch: on a device, the current stream waits for the gather only
-        at ready() ([Note: deferred gathers] in csrc/py_unit.c)."""
+        at ready() ([Note: deferred collectives] in csrc/py_unit.c)."""
         try:
             self.c.unshard(False, prefetch)
         except (RuntimeError, MemoryError) as e:
@@ -199,10 +199,15 @@ class UnitRuntime:
             self._reshard()
 
     def _reduce(self, g, grad):
+        """On a device the reduction is deferred ([Note: deferred collectives]
+        in csrc/py_unit.c) unless a tensor op must read its result now; the
+        root keeps one in flight and waits for the rest at the end of
+        backward (finalize)."""
         if not grad.is_contiguous():
             grad = grad.contiguous()
         if self.offload_params and zero1.holds_grad(self, g):
             self.refuse_accumulation()
+        defer = self.c.comm.device is not None
         if not self.use_orig_params:
             out = g.shard.grad
             if out is None and self.no_shard and self.c.comm.world_size == 1 and \
@@ -212,15 +217,16 @@ class UnitRuntime:
             accumulate = out is not None
             if out is None:
                 out = torch.empty_like(g.shard, memory_format=torch.contiguous_format)
-            self.c.reduce_grad(g.index, grad, out, accumulate)
+            self._issue_reduce(g, grad, out, accumulate, defer)
             g.shard.grad = out
             return
         current = [p.grad for p in g.params]
         if g.grad_buf is not None and all(c is v for c, v in zip(current, g.grad_views)):
-            self.c.reduce_grad(g.index, grad, g.grad_buf, True)
+            self._issue_reduce(g, grad, g.grad_buf, True, defer)
             return
         out = torch.empty(g.shard_numel, dtype=g.dtype, device=g.shard.device)
-        self.c.reduce_grad(g.index, grad, out, False)
+        # gradients the user set or kept are added below, on this stream: no deferral
+        self._issue_reduce(g, grad, out, False, defer and all(c is None for c in current))
         views = [g.piece(out, i, self.no_shard) for i in range(len(g.params))]
         with torch.no_grad():
             for v, c in zip(views, current):  # gradients the user set or kept
@@ -230,8 +236,15 @@ class UnitRuntime:
             p.grad = v
         g.grad_buf, g.grad_views = out, views
 
+    def _issue_reduce(self, g, grad, out, accumulate, defer):
+        if defer:
+            self.root.reduce_issued(self)
+        self.c.reduce_grad(g.index, grad, out, accumulate, defer)
+
     def finalize(self):
-        """End of the backward pass: whatever is still unsharded is freed."""
+        """End of the backward pass: the current stream waits for deferred
+        reductions, and whatever is still unsharded is freed."""
+        self.c.wait_reduced()
         act = self.c.step(_C.EV_FINALIZE, 0)
         if act & _C.ACT_RESHARD:
             self._reshard()
