@@ -87,19 +87,23 @@ def test_bf16_mixed_precision_matches_torch_fsdp(world1, strategy, reduce_dtype)
     from torch.distributed.fsdp import ShardingStrategy as TS
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     kw = dict(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, buffer_dtype=torch.bfloat16)
+    # FULL_SHARD also prefetches forward (deferred all-gathers); both defer reductions
+    fwd = strategy == "FULL_SHARD"
     ours = FSDP(build().to(world1), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
                 device_id=world1, sharding_strategy=ShardingStrategy[strategy],
-                mixed_precision=MixedPrecision(**kw))
+                mixed_precision=MixedPrecision(**kw), forward_prefetch=fwd)
     theirs = TorchFSDP(build().to(world1), auto_wrap_policy=ModuleWrapPolicy({Block}),
                        device_id=world1, sharding_strategy=TS[strategy],
-                       mixed_precision=TorchMP(**kw))
+                       mixed_precision=TorchMP(**kw), forward_prefetch=fwd)
     batches = _batches(world1)
     mine = _run(ours, torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9), batches)
     ref = _run(theirs, torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9), batches)
     assert _rel(mine[0], ref[0]) <= TOL
     assert _params_rel(ours.state_dict(), theirs.state_dict()) <= TOL
-    # the gathered bf16 buffers are given back after each step
+    # the gathered bf16 buffers are given back after each step, and nothing is left pending
     assert flatshard.memory_stats(ours)["unsharded"] == 0
+    units = [m._unit.c for m in ours.modules() if isinstance(m, FSDP)]
+    assert not any(u.gather_pending or u.reduce_pending for u in units)
 
 
 def test_cuda_optimizers_and_clipping_match_torch(world1):
