@@ -27,7 +27,7 @@
 
 struct fs_comm;
 
-#define FS_DEVICE_API_VERSION 3
+#define FS_DEVICE_API_VERSION 4
 
 typedef struct {
     int version; /* FS_DEVICE_API_VERSION: check before use */
@@ -58,6 +58,12 @@ typedef struct {
     /* The backend's own stream: work that must follow a deferred collective
      * is enqueued there (NULL on the host, where nothing is asynchronous). */
     void *(*comm_stream)(struct fs_comm *c);
+    /* Parameter offload: copy nbytes between host (pinned) and device memory,
+     * either way, enqueued on `stream`; and the host waits for `stream`
+     * (before host code reads what a copy wrote). */
+    fs_status (*copy)(void *dst, const void *src, size_t nbytes, void *stream, char *err,
+                      size_t cap);
+    fs_status (*synchronize)(void *stream, char *err, size_t cap);
 } fs_device_api;
 
 #define FS_DEVICE_API_CAPSULE "flatshard.fs_device_api"

@@ -8,6 +8,7 @@
 
 #include <stdarg.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "copy.h"
 #include "layout.h"
@@ -509,10 +510,25 @@ static fs_status host_wait(void *event, void *stream, char *err, size_t cap)
 static void host_event_free(void *event) { (void)event; }
 static void *host_comm_stream(struct fs_comm *c) { (void)c; return NULL; }
 
+static fs_status host_copy(void *dst, const void *src, size_t nbytes, void *stream, char *err,
+                           size_t cap)
+{
+    (void)stream, (void)err, (void)cap;
+    if (nbytes)
+        memcpy(dst, src, nbytes);
+    return FS_OK;
+}
+
+static fs_status host_synchronize(void *stream, char *err, size_t cap)
+{
+    (void)stream, (void)err, (void)cap;
+    return FS_OK;
+}
+
 static const fs_device_api host_device_api = {
     FS_DEVICE_API_VERSION, "host", host_cast, host_scale_accumulate, host_set_caller_stream,
     host_set_workspace, host_set_defer, host_record, host_wait, host_event_free,
-    host_comm_stream,
+    host_comm_stream, host_copy, host_synchronize,
 };
 
 /* ---------------------------------------------------------------------------

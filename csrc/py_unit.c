@@ -89,6 +89,9 @@ typedef struct {
     void *reduce_event;     /* the mark of deferred reductions */
     int reduce_pending;
     PyObject *held;         /* list: what deferred reductions use, until waited for */
+    PyObject *gather_held;  /* list: what a deferred gather uses, until waited for */
+    int offload;            /* shards and their gradients in host memory (CPUOffload) */
+    int host_pending;       /* a gradient copy to host memory the host has not waited for */
     unsigned long long n_all_gather, n_reduce;
 } UnitObject;
 
@@ -194,12 +197,13 @@ static PyObject *annotate(UnitObject *u, const char *what, Py_ssize_t g)
 
 static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"name", "comm", "strategy", "groups", "grad_mask", "empty", NULL};
+    static char *kwlist[] = {"name", "comm", "strategy", "groups", "grad_mask", "empty",
+                             "offload", NULL};
     PyObject *name, *comm, *groups, *empty = Py_None;
-    int strategy;
+    int strategy, offload = 0;
     unsigned long long grad_mask;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "UOiOK|$O", kwlist, &name, &comm, &strategy,
-                                     &groups, &grad_mask, &empty))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "UOiOK|$Op", kwlist, &name, &comm, &strategy,
+                                     &groups, &grad_mask, &empty, &offload))
         return NULL;
     fs_mod_state *st = fs_state_from_type(tp);
     if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType))
@@ -208,6 +212,9 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         (empty != Py_None && !PyCallable_Check(empty)))
         return PyErr_Format(PyExc_TypeError, "Unit: a Comm bound to a device needs "
                             "empty=callable(numel, dtype_code) -> tensor, and only such a Comm");
+    if (offload && (empty == Py_None || strategy == FS_NO_SHARD))
+        return PyErr_Format(PyExc_ValueError, "Unit: offload=True (host shards) needs a Comm "
+                            "bound to a device, and a sharding strategy");
     if (strategy != FS_FULL_SHARD && strategy != FS_SHARD_GRAD_OP && strategy != FS_NO_SHARD)
         return PyErr_Format(PyExc_ValueError, "Unit: strategy %d is not 1, 2 or 3", strategy);
     PyObject *seq = PySequence_Fast(groups, "Unit: groups must be a sequence");
@@ -234,7 +241,8 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     Py_INCREF(comm);
     u->comm = (CommObject *)comm;
     u->empty = empty != Py_None ? Py_NewRef(empty) : NULL;
-    if (!(u->held = PyList_New(0))) {
+    u->offload = offload;
+    if (!(u->held = PyList_New(0)) || !(u->gather_held = PyList_New(0))) {
         Py_DECREF(seq);
         Py_DECREF(u);
         return NULL;
@@ -289,7 +297,7 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         if (!(g->storage = PyObject_CallMethod(g->full, "untyped_storage", NULL)))
             goto fail;
         /* One rank with full == shard has nothing to move: only NO_SHARD fits. */
-        if (strategy != FS_NO_SHARD && u->comm->comm->world_size == 1 && !g->lp) {
+        if (strategy != FS_NO_SHARD && u->comm->comm->world_size == 1 && !g->lp && !offload) {
             PyErr_Format(PyExc_ValueError, "Unit %U: one rank has nothing to shard; use "
                          "NO_SHARD", name);
             goto fail;
@@ -329,6 +337,7 @@ static void Unit_dealloc(UnitObject *u)
     if (u->reduce_event)
         u->comm->dev->event_free(u->reduce_event);
     Py_XDECREF(u->held);
+    Py_XDECREF(u->gather_held);
     Py_XDECREF(u->scratch_t);
     Py_XDECREF(u->empty);
     Py_XDECREF(u->name);
@@ -386,25 +395,30 @@ static int wait_gathered(UnitObject *u)
         return -1;
     }
     u->gather_pending = 0;
-    return 0;
+    return PyList_SetSlice(u->gather_held, 0, PyList_GET_SIZE(u->gather_held), NULL);
 }
 
 /* The caller's stream waits for deferred reductions; their buffers go back. */
 static int wait_reduced(UnitObject *u)
 {
-    if (!u->reduce_pending)
+    if (!u->reduce_pending && !u->host_pending)
         return 0;
     fs_comm *c = u->comm->comm;
     if (fs_comm_bind_stream(u->comm) < 0)
         return -1;
-    fs_status s = u->comm->dev->wait(u->reduce_event, u->comm->stream, c->last_error,
-                                     sizeof c->last_error);
+    fs_status s = FS_OK;
+    if (u->reduce_pending)
+        s = u->comm->dev->wait(u->reduce_event, u->comm->stream, c->last_error,
+                               sizeof c->last_error);
+    /* offload: the host (its optimizer) reads the gradients copied out */
+    if (s == FS_OK && u->host_pending)
+        s = u->comm->dev->synchronize(u->comm->stream, c->last_error, sizeof c->last_error);
     if (s != FS_OK) {
         fs_raise(mstate(u), s, "waiting for a gradient reduction: %s", c->last_error);
         annotate(u, "reduce-scatter", 0);
         return -1;
     }
-    u->reduce_pending = 0;
+    u->reduce_pending = u->host_pending = 0;
     return PyList_SetSlice(u->held, 0, PyList_GET_SIZE(u->held), NULL);
 }
 
@@ -414,17 +428,17 @@ static int hold(UnitObject *u, PyObject *o)
     return o ? PyList_Append(u->held, o) : 0;
 }
 
-static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate);
+static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, int keep);
 
 static PyObject *gather(UnitObject *u, int full_precision, int defer)
 {
     const fs_device_api *d = u->comm->dev;
     defer = defer && d;
     if (!defer)
-        return gather_groups(u, full_precision, 1);
+        return gather_groups(u, full_precision, 1, 0);
     fs_comm *c = u->comm->comm;
     d->set_defer(c, 1);
-    PyObject *r = gather_groups(u, full_precision, 1);
+    PyObject *r = gather_groups(u, full_precision, 1, 1);
     d->set_defer(c, 0);
     if (!r)
         return NULL;
@@ -438,8 +452,9 @@ static PyObject *gather(UnitObject *u, int full_precision, int defer)
     return r;
 }
 
-/* allocate: give the gathered buffers their storage first (0: it is live). */
-static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate)
+/* allocate: give the gathered buffers their storage first (0: it is live).
+ * keep: a deferred gather, whose per-gather buffers are held until waited. */
+static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, int keep)
 {
     if (fs_comm_bind_stream(u->comm) < 0)
         return annotate(u, "unshard", 0);
@@ -453,7 +468,19 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate)
             fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(use_lp ? g->lp : g->full, &dp) < 0)
             return annotate(u, "unshard", i);
         fs_status s = FS_OK;
-        if (use_lp) { /* one pass: the master shard, cast to the compute dtype */
+        PyObject *staged = NULL; /* released after the gather (kept if it is deferred) */
+        if (u->offload) { /* the host shard, staged on the device for this gather */
+            void *stage = take(u, g->shard_numel, g->dtype, &staged);
+            fs_comm *c = u->comm->comm;
+            if (!stage || (keep && PyList_Append(u->gather_held, staged) < 0)) {
+                Py_XDECREF(staged);
+                return annotate(u, "unshard", i);
+            }
+            s = u->comm->dev->copy(stage, sp, (size_t)g->shard_numel * fs_dtype_size(g->dtype),
+                                   u->comm->stream, c->last_error, sizeof c->last_error);
+            sp = stage;
+        }
+        if (s == FS_OK && use_lp) { /* one pass: the master shard, cast to the compute dtype */
             s = k_cast(u, g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
             sp = g->lp_shard;
         }
@@ -463,6 +490,9 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate)
             FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_GATHER, PyUnicode_AsUTF8(u->name),
                            g->shard_numel, t,
                            fs_comm_all_gather(u->comm->comm, sp, dp, g->shard_numel, t));
+        /* Not kept: the caller's stream waits for the gather, and the
+         * allocator reuses the block in that stream's order. */
+        Py_XDECREF(staged);
         if (s != FS_OK) {
             fs_raise(mstate(u), s, "all_gather: %s", u->comm->comm->last_error);
             annotate(u, "all-gather", i);
@@ -518,7 +548,7 @@ static PyObject *Unit_regather(UnitObject *u, PyObject *Py_UNUSED(a))
         u->full_unsharded = 0;
     }
     int live = u->unsharded;
-    PyObject *r = gather_groups(u, 0, !live);
+    PyObject *r = gather_groups(u, 0, !live, 0);
     if (r) {
         u->unsharded = 1;
         if (!mixed)
@@ -575,6 +605,18 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
         return NULL;
     void *pre = u->comm->stream;                      /* before the collective */
     void *post = defer ? d->comm_stream(c) : pre;     /* after it */
+    /* offload: reduce into device memory, then copy to the host gradient */
+    void *host_op = NULL;
+    PyObject *dev_out_t = NULL;
+    if (u->offload) {
+        if (accumulate)
+            return PyErr_Format(PyExc_ValueError, "unit '%U': with parameter offload, "
+                                "gradients are not accumulated across backward passes",
+                                u->name);
+        host_op = op;
+        if (!(op = take(u, g->shard_numel, g->dtype, &dev_out_t)))
+            return NULL;
+    }
     const double inv = 1.0 / c->world_size;
     const char *uname = PyUnicode_AsUTF8(u->name); /* for the ledger */
     PyObject *red_in_t = NULL, *ws_t = NULL; /* a device's per-reduction buffers */
@@ -587,8 +629,10 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
     if (g->reduce != g->compute || g->reduce == FS_F16) {
         void *dst = gp;
         if (g->reduce != g->compute && !(dst = u->empty ? take(u, g->padded_numel, g->reduce,
-                                                                 &red_in_t) : g->red_in))
+                                                                 &red_in_t) : g->red_in)) {
+            Py_XDECREF(dev_out_t);
             return NULL;
+        }
         s = k_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute, g->padded_numel, inv, 0);
         src = dst;
         post_scale = 1.0;
@@ -597,6 +641,7 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
     if (s == FS_OK && (!no_shard || c->world_size > 1) &&
         lend_workspace(u, no_shard ? g->dtype : g->reduce, g->padded_numel, &ws_t) < 0) {
         Py_XDECREF(red_in_t);
+        Py_XDECREF(dev_out_t);
         return NULL;
     }
     if (defer)
@@ -635,6 +680,7 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
             if (defer)
                 d->set_defer(c, 0);
             Py_XDECREF(red_in_t);
+            Py_XDECREF(dev_out_t);
             return_workspace(u, &ws_t);
             return NULL;
         }
@@ -649,6 +695,11 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
             s = k_scale_accumulate(u, post, op, g->dtype, u->scratch, g->dtype, g->shard_numel,
                                    post_scale, 1);
     }
+    if (s == FS_OK && host_op) {
+        s = d->copy(host_op, op, (size_t)g->shard_numel * fs_dtype_size(g->dtype), post,
+                    c->last_error, sizeof c->last_error);
+        u->host_pending = 1; /* the host waits before reading it (wait_reduced) */
+    }
     if (defer) {
         d->set_defer(c, 0);
         if (s == FS_OK)
@@ -656,13 +707,15 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
         if (s == FS_OK) { /* what the enqueued work reads and writes stays alive */
             u->reduce_pending = 1;
             if (hold(u, grad) < 0 || hold(u, out) < 0 || hold(u, red_in_t) < 0 ||
-                hold(u, ws_t) < 0) {
+                hold(u, ws_t) < 0 || hold(u, dev_out_t) < 0) {
                 Py_XDECREF(red_in_t);
+                Py_XDECREF(dev_out_t);
                 return_workspace(u, &ws_t);
                 return NULL;
             }
         }
     }
+    Py_XDECREF(dev_out_t);
     Py_XDECREF(red_in_t);
     if (ws_t)
         return_workspace(u, &ws_t);

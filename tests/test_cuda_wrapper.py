@@ -187,10 +187,36 @@ def test_summon_and_state_dict_keys_on_the_gpu(world1):
             assert p.dtype == torch.float32 and torch.equal(p, want[n]), n
 
 
+@pytest.mark.parametrize("mp", [False, True])
+def test_cpu_offload_on_the_gpu_matches_plain_torch(world1, mp):
+    """CPUOffload(offload_params=True): shards and gradients in pinned host
+    memory, the optimizer on the host, the same training as plain torch."""
+    ref = build().to(world1)
+    kw = dict(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                             buffer_dtype=torch.bfloat16)) if mp else {}
+    ours = FSDP(build().to(world1), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
+                device_id=world1, cpu_offload=flatshard.CPUOffload(offload_params=True), **kw)
+    shards = list(ours.parameters())
+    assert all(p.device.type == "cpu" and (p.is_pinned() or not GPU) for p in shards)
+    batches = _batches(world1)
+    mine = _run(ours, flatshard.optim.AdamW(shards, lr=0.01, weight_decay=0.1), batches,
+                clip=lambda m: m.clip_grad_norm_(0.5))
+    theirs = _run(ref, torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1), batches,
+                  clip=lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+    tol = 5e-2 if mp else TOL  # bf16 compute against fp32: the same training, loosely
+    assert _rel(mine[0], theirs[0]) <= tol and _rel(mine[1], theirs[1]) <= tol
+    sd = ours.state_dict()
+    assert _params_rel(sd, ref.state_dict()) <= tol
+    assert all(p.grad is None or p.grad.device.type == "cpu" for p in shards)
+
+
 def test_the_wrapper_refuses_what_the_cuda_path_lacks(world1):
     with pytest.raises(flatshard.NotBuiltError, match="cpu_offload"):
-        FSDP(build().to(world1), device_id=world1,
+        FSDP(build().to(world1), device_id=world1, sharding_strategy=ShardingStrategy.NO_SHARD,
              cpu_offload=flatshard.CPUOffload(offload_params=True))
+    with pytest.raises(flatshard.NotBuiltError, match="SHARD_OPTIM"):
+        FSDP(build().to(world1), device_id=world1,
+             sharding_strategy=ShardingStrategy.SHARD_OPTIM)
     with pytest.raises(flatshard.ConfigError, match="comm_backend='shm'"):
         FSDP(build().to(world1), device_id=world1, comm_backend="shm")
     with pytest.raises(flatshard.ConfigError, match="device_id"):

@@ -127,6 +127,11 @@ CASES = {
     "fp16": dict(mixed_precision=MixedPrecision(param_dtype=torch.float16,
                                                 buffer_dtype=torch.float16)),
     "forward_prefetch": dict(forward_prefetch=True),
+    # on a device: host shards staged for each gather, gradients copied out
+    "cpu_offload": dict(cpu_offload=flatshard.CPUOffload(offload_params=True)),
+    "cpu_offload_bf16": dict(cpu_offload=flatshard.CPUOffload(offload_params=True),
+                             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                            buffer_dtype=torch.bfloat16)),
     "backward_post": dict(backward_prefetch=flatshard.BackwardPrefetch.BACKWARD_POST,
                           mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                          buffer_dtype=torch.bfloat16)),
@@ -164,10 +169,12 @@ def test_device_path_trains_bit_identically_to_the_host_path(dist_pool, case):
 
 
 @pytest.mark.parametrize("world", [1, 4])
-@pytest.mark.parametrize("case", ["full_shard", "bf16_fp32_reduce", "no_shard"])
+@pytest.mark.parametrize("case", ["full_shard", "bf16_fp32_reduce", "no_shard", "cpu_offload"])
 def test_device_path_with_accumulation_on_other_world_sizes(dist_pool, world, case):
     if world == 1 and case == "full_shard":
         case = "no_shard"  # one rank runs FULL_SHARD as NO_SHARD anyway
+    # (CPUOffload accumulates inside no_sync only, as torch's rule says; one
+    # rank with it still gathers: its shards live on the host)
     for same, *_ in dist_pool(world).run(_both, case, True):
         assert same
 

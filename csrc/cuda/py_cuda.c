@@ -307,10 +307,26 @@ static void dev_event_free(void *event)
 
 static void *dev_comm_stream(struct fs_comm *c) { return (void *)fs_nccl_stream(c); }
 
+static fs_status dev_copy(void *dst, const void *src, size_t nbytes, void *stream, char *err,
+                          size_t cap)
+{
+    if (!nbytes)
+        return FS_OK;
+    return dev_result(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault,
+                                      (cudaStream_t)stream),
+                      "cudaMemcpyAsync", err, cap);
+}
+
+static fs_status dev_synchronize(void *stream, char *err, size_t cap)
+{
+    return dev_result(cudaStreamSynchronize((cudaStream_t)stream), "cudaStreamSynchronize",
+                      err, cap);
+}
+
 static const fs_device_api device_api = {
     FS_DEVICE_API_VERSION, "cuda", dev_cast, dev_scale_accumulate, dev_set_caller_stream,
     fs_nccl_set_workspace, fs_nccl_set_defer, dev_record, dev_wait, dev_event_free,
-    dev_comm_stream,
+    dev_comm_stream, dev_copy, dev_synchronize,
 };
 
 static int module_exec(PyObject *m)

@@ -28,9 +28,14 @@ def _partial(grads, inf, norm_type):
 
 
 def _partial_device(grads, inf, norm_type, device):
-    """_partial on device tensors: a float64 device scalar, no host wait."""
-    out = torch.zeros((), dtype=torch.float64, device=device)
+    """_partial as a float64 device scalar: device gradients by kernel, no
+    host wait; host ones (CPUOffload keeps them there) in C on the host."""
+    host = [g for g in grads if g.device.type == "cpu"]
+    out = torch.full((), _partial(host, inf, norm_type) if host else 0.0, dtype=torch.float64,
+                     device=device)
     for g in grads:
+        if g.device.type == "cpu":
+            continue
         if inf or norm_type == 2.0:
             part = cuda.norm_partial(g, float("inf") if inf else 2.0)
         else:
@@ -51,7 +56,7 @@ def _clip_device(comm, sharded, whole, max_norm, norm_type, inf, device):
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for g in sharded + whole:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(g.device, g.dtype))
     dtype = (sharded + whole)[0].dtype if sharded or whole else torch.float32
     return total.to(dtype)
 

@@ -165,9 +165,9 @@ def resolve(kw):
 
 def _cuda_limits(strategy, offload):
     """What the CUDA path does not do yet, refused by name."""
-    if offload is not None and offload.offload_params:
-        raise not_built("cpu_offload", offload, "parameter offload from a CUDA device is not "
-                        "built yet", "drop cpu_offload, or train on CPU devices")
+    if offload is not None and offload.offload_params and strategy is ShardingStrategy.NO_SHARD:
+        raise not_built("cpu_offload", offload, "parameter offload with NO_SHARD on a CUDA "
+                        "device is not built yet", "use FULL_SHARD or SHARD_GRAD_OP with it")
     if strategy is ShardingStrategy.SHARD_OPTIM:
         raise not_built("sharding_strategy", strategy, "SHARD_OPTIM on a CUDA device is not "
                         "built yet", "use SHARD_GRAD_OP (ZeRO-2) or FULL_SHARD")

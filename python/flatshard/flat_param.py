@@ -29,12 +29,14 @@ class Alias:
 
 class FlatGroup:
     def __init__(self, index, params, aliases, world_size, rank, shard_world, device,
-                 param_dtype=None, reduce_dtype=None):
+                 param_dtype=None, reduce_dtype=None, host_shards=False):
         """params: unique nn.Parameters (same dtype and requires_grad), in
         registration order; aliases[i]: every Alias of params[i].
         shard_world is world_size, or 1 under NO_SHARD (nothing sharded).
         param_dtype/reduce_dtype: mixed precision (compute and gradient
-        reduction dtypes; None keeps the parameters' dtype)."""
+        reduction dtypes; None keeps the parameters' dtype). host_shards:
+        CPUOffload on a device: the shard (and its gradients) in host memory,
+        pinned where a GPU is present; the unsharded buffers on `device`."""
         self.index = index
         self.params = params
         self.aliases = aliases
@@ -52,11 +54,12 @@ class FlatGroup:
         self.entries = entries  # (numel, flat_offset, shard_offset, param_offset, piece_numel)
 
         # The shard is the optimizer-visible parameter when use_orig_params=False.
-        self.shard = nn.Parameter(torch.empty(self.shard_numel, dtype=self.dtype, device=device),
-                                  requires_grad=self.requires_grad)
+        self.shard_device = torch.device("cpu") if host_shards else device
+        self.pinned = host_shards and torch.cuda.is_available()
+        self.shard = nn.Parameter(self.new_shard(), requires_grad=self.requires_grad)
         with torch.no_grad():
             srcs = [p.detach().contiguous() for p in params]
-            if self.shard.device.type == "cpu":
+            if self.shard.device.type == "cpu" and all(s.device.type == "cpu" for s in srcs):
                 pieces = [(s.data_ptr(), code, e[3], e[2], e[4])
                           for s, e in zip(srcs, entries) if e[4] > 0]
                 _C.gather_pieces(self.shard.data_ptr(), code, self.shard_numel, pieces)
@@ -70,7 +73,7 @@ class FlatGroup:
         self.compute_dtype = param_dtype if floating and param_dtype else self.dtype
         self.reduce_dtype = (reduce_dtype or self.compute_dtype) if floating else self.dtype
         mixed = self.compute_dtype != self.dtype
-        if shard_world == 1 and not mixed:
+        if shard_world == 1 and not mixed and not host_shards:
             # A distinct leaf over the same storage, so that autograd
             # accumulates the local gradient here and not in the shard's .grad.
             self.full = self.shard.detach()
@@ -104,6 +107,12 @@ class FlatGroup:
         # SHARD_OPTIM (zero1.py): the whole averaged gradient; the shard's
         # gradient is a view of this rank's slice of it.
         self.whole_grad = None
+
+    def new_shard(self):
+        """An uninitialised shard-sized tensor where the shard lives (pinned
+        host memory under CPUOffload on a device): for gradients."""
+        return torch.empty(self.shard_numel, dtype=self.dtype, device=self.shard_device,
+                           pin_memory=self.pinned)
 
     def unsharded_views(self):
         """Views of the compute buffer (full, or lp under mixed precision)

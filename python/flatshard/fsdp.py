@@ -307,7 +307,8 @@ class FullyShardedDataParallel(nn.Module):
     the group to shard over, default the world: gloo for CPU devices, any
     for CUDA ones). Built: sharding_strategy FULL_SHARD / SHARD_GRAD_OP /
     NO_SHARD, and SHARD_OPTIM (ZeRO-1, flatshard's own; CPU devices);
-    cpu_offload (CPU devices); auto_wrap_policy (torch's or flatshard's
+    cpu_offload (on a CUDA device the shards and gradients stay in pinned
+    host memory, staged on the device for each gather); auto_wrap_policy (torch's or flatshard's
     policies); backward_prefetch; forward_prefetch; limit_all_gathers
     (collectives are ordered on the caller's stream, so at most one
     all-gather is ever in flight); ignored_modules / ignored_states;
@@ -371,16 +372,20 @@ class FullyShardedDataParallel(nn.Module):
         comm = comm_for(cfg.group, cfg.comm_backend, cfg.device)
         world, rank = comm.world_size, comm.rank
         mp = cfg.mixed_precision
+        # CPUOffload on a device: the shards (and their gradients) stay in
+        # host memory, pinned, and each gather stages them on the device.
+        host_shards = cfg.offload_params and comm.device is not None
         # One rank has nothing to shard: run as NO_SHARD (as torch FSDP does),
-        # unless mixed precision needs the gather (a cast) all the same.
+        # unless mixed precision needs the gather (a cast) all the same, or
+        # the shards live in host memory.
         no_shard = cfg.strategy is ShardingStrategy.NO_SHARD or (
-            world == 1 and (mp is None or mp.param_dtype is None))
+            world == 1 and (mp is None or mp.param_dtype is None) and not host_shards)
         groups = []
         for i, (key, order) in enumerate(up.groups):
             groups.append(FlatGroup(i, [p for p, _ in order], [a for _, a in order], world, rank,
                                     1 if no_shard else world, cfg.device,
                                     mp.param_dtype if mp else None,
-                                    mp.reduce_dtype if mp else None))
+                                    mp.reduce_dtype if mp else None, host_shards=host_shards))
         if mp is not None and mp.buffer_dtype is not None:
             _cast_buffers(module, mp.buffer_dtype)
         grad_mask = sum(1 << g.index for g in groups if g.requires_grad)
@@ -392,7 +397,8 @@ class FullyShardedDataParallel(nn.Module):
                         [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel, g.padded_numel,
                           g.lp, dtype_code(g.compute_dtype), dtype_code(g.reduce_dtype))
                          for g in groups], grad_mask,
-                        empty=empty_fn(cfg.device) if comm.device else None)
+                        empty=empty_fn(cfg.device) if comm.device else None,
+                        offload=host_shards)
         self._unit = UnitRuntime(up.label, cunit, groups, cfg.use_orig_params, no_shard,
                                  cfg.backward_prefetch, cfg.forward_prefetch,
                                  shard_optim=shard_optim, offload_params=cfg.offload_params)

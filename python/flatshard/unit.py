@@ -216,7 +216,7 @@ class UnitRuntime:
                 return
             accumulate = out is not None
             if out is None:
-                out = torch.empty_like(g.shard, memory_format=torch.contiguous_format)
+                out = g.new_shard()
             self._issue_reduce(g, grad, out, accumulate, defer)
             g.shard.grad = out
             return
@@ -224,7 +224,7 @@ class UnitRuntime:
         if g.grad_buf is not None and all(c is v for c, v in zip(current, g.grad_views)):
             self._issue_reduce(g, grad, g.grad_buf, True, defer)
             return
-        out = torch.empty(g.shard_numel, dtype=g.dtype, device=g.shard.device)
+        out = g.new_shard()
         # gradients the user set or kept are added below, on this stream: no deferral
         self._issue_reduce(g, grad, out, False, defer and all(c is None for c in current))
         views = [g.piece(out, i, self.no_shard) for i in range(len(g.params))]
