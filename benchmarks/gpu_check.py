@@ -11,7 +11,9 @@ under 8 minutes on one GPU, no network; prints a table last.
    layers, vocab 32000, sequence 1024, batch 4) in bf16 at world size 1,
    AdamW(fused=True), step time (median of timed steps, forward + backward +
    optimizer) and peak allocated memory for: the unwrapped model, torch
-   FSDP2 (fully_shard), torch FSDP1, and flatshard (FSDP and fully_shard).
+   FSDP2 (fully_shard), torch FSDP1, and flatshard (FSDP and fully_shard);
+   last, what parameter offload costs and saves: flatshard FSDP with
+   CPUOffload (fp32 shards, gradients and AdamW on the host, bf16 compute).
    Each in its own process, so peaks and failures stay separate; a variant
    that refuses CUDA modules is listed with its error.
 4. optimizer: flatshard's CUDA fused AdamW vs torch's fused AdamW over 2^30
@@ -73,7 +75,9 @@ def variant_main(name, steps, warmup, tiny=False):
     with torch.device(dev):
         model = GPT(vocab=vocab, seq=seq, d_model=64 if tiny else 2048, n_heads=4 if tiny else 16,
                     n_layers=2 if tiny else 18)
-    model = model.to(torch.bfloat16)
+    offload = name == "flatshard FSDP + CPUOffload"
+    if not offload:  # that one keeps fp32 masters on the host and computes in bf16
+        model = model.to(torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
     if name != "unwrapped":
         dist.init_process_group("gloo" if tiny else "nccl",
@@ -96,6 +100,14 @@ def variant_main(name, steps, warmup, tiny=False):
         import flatshard
         model = flatshard.FSDP(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
                                device_id=dev)
+    elif offload:
+        import flatshard
+        model = flatshard.FSDP(
+            model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}), device_id=dev,
+            cpu_offload=flatshard.CPUOffload(offload_params=True),
+            mixed_precision=flatshard.MixedPrecision(param_dtype=torch.bfloat16,
+                                                     reduce_dtype=torch.bfloat16,
+                                                     buffer_dtype=torch.bfloat16))
     elif name == "flatshard fully_shard":
         import flatshard
         for b in model.blocks:
@@ -104,7 +116,12 @@ def variant_main(name, steps, warmup, tiny=False):
     def make_opt(kind):
         return torch.optim.AdamW(model.parameters(), lr=1e-4, **{kind: True})
 
-    opt, fused = make_opt("fused"), "fused"
+    if offload:  # the fp32 shards are on the host: flatshard's C AdamW, every core
+        import flatshard.optim
+        opt, fused = flatshard.optim.AdamW(model.parameters(), lr=1e-4,
+                                           threads=os.cpu_count()), "flatshard C (host)"
+    else:
+        opt, fused = make_opt("fused"), "fused"
     gen = torch.Generator(device=dev).manual_seed(1)
     idx = torch.randint(0, vocab, (batch, seq), device=dev, generator=gen)
     tgt = torch.randint(0, vocab, (batch, seq), device=dev, generator=gen)
@@ -251,7 +268,7 @@ def main():
 
     rows = []
     for name in ("unwrapped", "torch FSDP2", "torch FSDP1", "flatshard FSDP",
-                 "flatshard fully_shard"):
+                 "flatshard fully_shard", "flatshard FSDP + CPUOffload"):
         if left() < 45:
             rows.append({"variant": name, "error": "skipped: time budget"})
             continue
