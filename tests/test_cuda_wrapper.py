@@ -79,6 +79,19 @@ def test_fp32_matches_plain_torch_on_the_gpu(world1, use_orig):
         assert v.device == world1
 
 
+def test_zero1_on_the_gpu_matches_plain_torch(world1):
+    """SHARD_OPTIM: whole parameters and gradients on the device, the
+    optimizer over this rank's shard, parameters gathered after each step."""
+    ref = build().to(world1)
+    ours = FSDP(build().to(world1), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
+                device_id=world1, sharding_strategy=ShardingStrategy.SHARD_OPTIM)
+    batches = _batches(world1)
+    mine = _run(ours, flatshard.optim.AdamW(ours.parameters(), lr=0.01), batches)
+    theirs = _run(ref, torch.optim.AdamW(ref.parameters(), lr=0.01), batches)
+    assert _rel(mine[0], theirs[0]) <= TOL
+    assert _params_rel(ours.state_dict(), ref.state_dict()) <= TOL
+
+
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
 def test_bf16_mixed_precision_matches_torch_fsdp(world1, strategy, reduce_dtype):
@@ -214,9 +227,9 @@ def test_the_wrapper_refuses_what_the_cuda_path_lacks(world1):
     with pytest.raises(flatshard.NotBuiltError, match="cpu_offload"):
         FSDP(build().to(world1), device_id=world1, sharding_strategy=ShardingStrategy.NO_SHARD,
              cpu_offload=flatshard.CPUOffload(offload_params=True))
-    with pytest.raises(flatshard.NotBuiltError, match="SHARD_OPTIM"):
-        FSDP(build().to(world1), device_id=world1,
-             sharding_strategy=ShardingStrategy.SHARD_OPTIM)
+    with pytest.raises(flatshard.NotBuiltError, match="cpu_offload.*SHARD_OPTIM"):
+        FSDP(build().to(world1), device_id=world1, sharding_strategy=ShardingStrategy.SHARD_OPTIM,
+             cpu_offload=flatshard.CPUOffload(offload_params=True))
     with pytest.raises(flatshard.ConfigError, match="comm_backend='shm'"):
         FSDP(build().to(world1), device_id=world1, comm_backend="shm")
     with pytest.raises(flatshard.ConfigError, match="device_id"):

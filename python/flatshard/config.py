@@ -165,12 +165,10 @@ def resolve(kw):
 
 def _cuda_limits(strategy, offload):
     """What the CUDA path does not do yet, refused by name."""
-    if offload is not None and offload.offload_params and strategy is ShardingStrategy.NO_SHARD:
-        raise not_built("cpu_offload", offload, "parameter offload with NO_SHARD on a CUDA "
-                        "device is not built yet", "use FULL_SHARD or SHARD_GRAD_OP with it")
-    if strategy is ShardingStrategy.SHARD_OPTIM:
-        raise not_built("sharding_strategy", strategy, "SHARD_OPTIM on a CUDA device is not "
-                        "built yet", "use SHARD_GRAD_OP (ZeRO-2) or FULL_SHARD")
+    if offload is not None and offload.offload_params and strategy in (
+            ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_OPTIM):
+        raise not_built("cpu_offload", offload, f"parameter offload with {strategy.name} on a "
+                        "CUDA device is not built yet", "use FULL_SHARD or SHARD_GRAD_OP with it")
 
 
 _LOW = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -306,9 +306,10 @@ class FullyShardedDataParallel(nn.Module):
     Args follow torch.distributed.fsdp.FullyShardedDataParallel (process_group:
     the group to shard over, default the world: gloo for CPU devices, any
     for CUDA ones). Built: sharding_strategy FULL_SHARD / SHARD_GRAD_OP /
-    NO_SHARD, and SHARD_OPTIM (ZeRO-1, flatshard's own; CPU devices);
-    cpu_offload (on a CUDA device the shards and gradients stay in pinned
-    host memory, staged on the device for each gather); auto_wrap_policy (torch's or flatshard's
+    NO_SHARD, and SHARD_OPTIM (ZeRO-1, flatshard's own); cpu_offload (on a
+    CUDA device the shards and gradients stay in pinned host memory, staged
+    on the device for each gather; not with NO_SHARD or SHARD_OPTIM there);
+    auto_wrap_policy (torch's or flatshard's
     policies); backward_prefetch; forward_prefetch; limit_all_gathers
     (collectives are ordered on the caller's stream, so at most one
     all-gather is ever in flight); ignored_modules / ignored_states;
