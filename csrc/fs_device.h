@@ -27,7 +27,7 @@
 
 struct fs_comm;
 
-#define FS_DEVICE_API_VERSION 4
+#define FS_DEVICE_API_VERSION 5
 
 typedef struct {
     int version; /* FS_DEVICE_API_VERSION: check before use */
@@ -64,6 +64,10 @@ typedef struct {
     fs_status (*copy)(void *dst, const void *src, size_t nbytes, void *stream, char *err,
                       size_t cap);
     fs_status (*synchronize)(void *stream, char *err, size_t cap);
+    /* The backend's stream waits for the caller's work so far: work put on
+     * comm_stream before a deferred collective (a prefetch's host-to-device
+     * copy and cast) then runs beside the caller's compute. */
+    fs_status (*follow_caller)(struct fs_comm *c, char *err, size_t cap);
 } fs_device_api;
 
 #define FS_DEVICE_API_CAPSULE "flatshard.fs_device_api"

@@ -525,10 +525,16 @@ static fs_status host_synchronize(void *stream, char *err, size_t cap)
     return FS_OK;
 }
 
+static fs_status host_follow_caller(struct fs_comm *c, char *err, size_t cap)
+{
+    (void)c, (void)err, (void)cap;
+    return FS_OK;
+}
+
 static const fs_device_api host_device_api = {
     FS_DEVICE_API_VERSION, "host", host_cast, host_scale_accumulate, host_set_caller_stream,
     host_set_workspace, host_set_defer, host_record, host_wait, host_event_free,
-    host_comm_stream, host_copy, host_synchronize,
+    host_comm_stream, host_copy, host_synchronize, host_follow_caller,
 };
 
 /* ---------------------------------------------------------------------------

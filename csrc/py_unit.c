@@ -121,14 +121,14 @@ static void *take(UnitObject *u, int64_t numel, fs_dtype t, PyObject **owner)
     return p;
 }
 
-static fs_status k_cast(UnitObject *u, void *dst, fs_dtype dt, const void *src, fs_dtype st,
-                        int64_t n)
+/* On a device, enqueued on `stream`. */
+static fs_status k_cast_on(UnitObject *u, void *stream, void *dst, fs_dtype dt, const void *src,
+                           fs_dtype st, int64_t n)
 {
     const fs_device_api *d = u->comm->dev;
     fs_comm *c = u->comm->comm;
     if (d) /* enqueued: no need to release the GIL */
-        return d->cast(dst, dt, src, st, n, u->comm->stream, c->last_error,
-                       sizeof c->last_error);
+        return d->cast(dst, dt, src, st, n, stream, c->last_error, sizeof c->last_error);
     fs_status s;
     Py_BEGIN_ALLOW_THREADS
     s = fs_cast(dst, dt, src, st, n);
@@ -469,19 +469,26 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, 
             return annotate(u, "unshard", i);
         fs_status s = FS_OK;
         PyObject *staged = NULL; /* released after the gather (kept if it is deferred) */
+        /* A deferred gather of host shards copies and casts on the backend's
+         * stream, after the caller's work so far: beside the caller's compute. */
+        void *on = u->comm->stream;
         if (u->offload) { /* the host shard, staged on the device for this gather */
-            void *stage = take(u, g->shard_numel, g->dtype, &staged);
+            const fs_device_api *d = u->comm->dev;
             fs_comm *c = u->comm->comm;
+            void *stage = take(u, g->shard_numel, g->dtype, &staged);
             if (!stage || (keep && PyList_Append(u->gather_held, staged) < 0)) {
                 Py_XDECREF(staged);
                 return annotate(u, "unshard", i);
             }
-            s = u->comm->dev->copy(stage, sp, (size_t)g->shard_numel * fs_dtype_size(g->dtype),
-                                   u->comm->stream, c->last_error, sizeof c->last_error);
+            if (keep && (s = d->follow_caller(c, c->last_error, sizeof c->last_error)) == FS_OK)
+                on = d->comm_stream(c);
+            if (s == FS_OK)
+                s = d->copy(stage, sp, (size_t)g->shard_numel * fs_dtype_size(g->dtype), on,
+                            c->last_error, sizeof c->last_error);
             sp = stage;
         }
         if (s == FS_OK && use_lp) { /* one pass: the master shard, cast to the compute dtype */
-            s = k_cast(u, g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
+            s = k_cast_on(u, on, g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
             sp = g->lp_shard;
         }
         /* Not in place: the shard is its own buffer, so that resharding can

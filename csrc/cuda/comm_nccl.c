@@ -428,3 +428,10 @@ fs_status fs_nccl_record(fs_comm *c, void **event)
     CUDA_TRY(c, "record", cudaEventRecord((cudaEvent_t)*event, m->stream));
     return FS_OK;
 }
+
+fs_status fs_nccl_follow_caller(fs_comm *c)
+{
+    if (((nccl_impl *)c->impl)->in_group)
+        return FS_OK; /* group_start ordered the stream already */
+    return enter(c, "follow_caller");
+}

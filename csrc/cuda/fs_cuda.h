@@ -132,6 +132,9 @@ cudaStream_t fs_nccl_stream(struct fs_comm *c);
  * (a cudaEvent_t, created on first use). */
 void fs_nccl_set_defer(struct fs_comm *c, int defer);
 fs_status fs_nccl_record(struct fs_comm *c, void **event);
+/* The communicator's stream waits for the caller's work so far (what every
+ * collective does first): for work enqueued there before a collective. */
+fs_status fs_nccl_follow_caller(struct fs_comm *c);
 /* Several collectives as one NCCL group (e.g. the all-gathers of units
  * prefetched together): start, issue, end. */
 fs_status fs_nccl_group_start(struct fs_comm *c);

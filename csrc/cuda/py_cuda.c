@@ -323,10 +323,18 @@ static fs_status dev_synchronize(void *stream, char *err, size_t cap)
                       err, cap);
 }
 
+static fs_status dev_follow_caller(struct fs_comm *c, char *err, size_t cap)
+{
+    fs_status s = fs_nccl_follow_caller(c);
+    if (s != FS_OK)
+        snprintf(err, cap, "%s", c->last_error);
+    return s;
+}
+
 static const fs_device_api device_api = {
     FS_DEVICE_API_VERSION, "cuda", dev_cast, dev_scale_accumulate, dev_set_caller_stream,
     fs_nccl_set_workspace, fs_nccl_set_defer, dev_record, dev_wait, dev_event_free,
-    dev_comm_stream, dev_copy, dev_synchronize,
+    dev_comm_stream, dev_copy, dev_synchronize, dev_follow_caller,
 };
 
 static int module_exec(PyObject *m)
