@@ -91,6 +91,7 @@ typedef struct {
     PyObject *held;         /* list: what deferred reductions use, until waited for */
     PyObject *gather_held;  /* list: what a deferred gather uses, until waited for */
     int offload;            /* shards and their gradients in host memory (CPUOffload) */
+    int replicated;         /* NO_SHARD: every rank's shard is the whole buffer */
     int host_pending;       /* a gradient copy to host memory the host has not waited for */
     unsigned long long n_all_gather, n_reduce;
 } UnitObject;
@@ -251,7 +252,12 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     u->cfg.is_root = 0;
     u->cfg.grad_mask = grad_mask;
     fs_unit_fsm_init(&u->fsm);
-    /* NO_SHARD buffers are always whole; sharded ones start sharded. */
+    /* NO_SHARD buffers are always whole; sharded ones start sharded. Under
+     * mixed precision NO_SHARD's compute buffer (lp) is a cast of the whole
+     * shard, made at forward and freed after backward like SHARD_GRAD_OP's
+     * gather: the state machine runs as SHARD_GRAD_OP, the data movement
+     * stays NO_SHARD's (a local cast; an all-reduce for gradients). */
+    u->replicated = strategy == FS_NO_SHARD;
     u->unsharded = strategy == FS_NO_SHARD;
     for (Py_ssize_t i = 0; i < n; i++) {
         unit_group *g = &u->groups[i];
@@ -276,13 +282,17 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
             if (!(g->lp_storage = PyObject_CallMethod(lp, "untyped_storage", NULL)))
                 goto fail;
         }
-        if ((g->compute != g->dtype) != (g->lp != NULL) || !fs_dtype_is_float(g->reduce) ||
-            (g->lp && strategy == FS_NO_SHARD)) {
+        if ((g->compute != g->dtype) != (g->lp != NULL) || !fs_dtype_is_float(g->reduce)) {
             PyErr_Format(PyExc_ValueError, "Unit %U group %zd: a compute dtype other than the "
-                         "parameters' needs an lp buffer (and a sharding strategy)", name, i);
+                         "parameters' needs an lp buffer", name, i);
             goto fail;
         }
-        if ((g->lp && !(g->lp_shard = take(u, sn, g->compute, &g->lp_shard_t))) ||
+        if (g->lp && u->replicated) { /* lp, not the full buffer, is what moves */
+            u->cfg.strategy = FS_SHARD_GRAD_OP;
+            u->unsharded = 0;
+        }
+        if ((g->lp && !u->replicated && !(g->lp_shard = take(u, sn, g->compute,
+                                                               &g->lp_shard_t))) ||
             (g->reduce != g->compute && !u->empty &&
              !(g->red_in = take(u, pn, g->reduce, NULL))) ||
             (g->reduce != g->dtype && !(g->red_out = take(u, sn, g->reduce, &g->red_out_t))))
@@ -303,7 +313,7 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
             goto fail;
         }
     }
-    u->full_unsharded = u->unsharded;
+    u->full_unsharded = u->replicated || u->unsharded; /* NO_SHARD: full is the shard */
     Py_DECREF(seq);
     return (PyObject *)u;
 fail:
@@ -463,6 +473,21 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, 
         int use_lp = g->lp && !full_precision;
         fs_dtype t = use_lp ? g->compute : g->dtype;
         void *sp, *dp;
+        if (u->replicated) { /* NO_SHARD: no collective, the whole shard is cast */
+            if (!use_lp)
+                continue; /* the full buffer is the shard */
+            fs_status s;
+            if ((allocate && resize(g->lp_storage, g->padded_numel *
+                                    (int64_t)fs_dtype_size(g->compute)) < 0) ||
+                fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(g->lp, &dp) < 0)
+                return annotate(u, "unshard", i);
+            if ((s = k_cast_on(u, u->comm->stream, dp, g->compute, sp, g->dtype,
+                               g->padded_numel)) != FS_OK) {
+                fs_raise(mstate(u), s, "cast: %s", u->comm->comm->last_error);
+                return annotate(u, "unshard", i);
+            }
+            continue;
+        }
         if ((allocate && resize(use_lp ? g->lp_storage : g->storage,
                                 g->padded_numel * (int64_t)fs_dtype_size(t)) < 0) ||
             fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(use_lp ? g->lp : g->full, &dp) < 0)
@@ -548,7 +573,7 @@ static PyObject *Unit_regather(UnitObject *u, PyObject *Py_UNUSED(a))
     if (wait_gathered(u) < 0)
         return NULL;
     int mixed = u->ngroups > 0 && u->groups[0].lp != NULL;
-    if (mixed && u->full_unsharded) {
+    if (mixed && u->full_unsharded && !u->replicated) {
         for (Py_ssize_t i = 0; i < u->ngroups; i++)
             if (resize(u->groups[i].storage, 0) < 0)
                 return annotate(u, "regather", i);
@@ -580,10 +605,11 @@ static PyObject *Unit_reshard(UnitObject *u, PyObject *Py_UNUSED(a))
     if (wait_gathered(u) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < u->ngroups; i++)
-        if (resize(u->groups[i].storage, 0) < 0 ||
+        if ((!u->replicated && resize(u->groups[i].storage, 0) < 0) ||
             (u->groups[i].lp && resize(u->groups[i].lp_storage, 0) < 0))
             return annotate(u, "reshard", i);
-    u->unsharded = u->full_unsharded = 0;
+    u->unsharded = 0;
+    u->full_unsharded = u->replicated; /* NO_SHARD's full buffer is the shard: kept */
     Py_RETURN_NONE;
 }
 
@@ -644,9 +670,9 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
         src = dst;
         post_scale = 1.0;
     }
-    const int no_shard = u->cfg.strategy == FS_NO_SHARD;
+    const int no_shard = u->replicated;
     if (s == FS_OK && (!no_shard || c->world_size > 1) &&
-        lend_workspace(u, no_shard ? g->dtype : g->reduce, g->padded_numel, &ws_t) < 0) {
+        lend_workspace(u, g->reduce, g->padded_numel, &ws_t) < 0) {
         Py_XDECREF(red_in_t);
         Py_XDECREF(dev_out_t);
         return NULL;
@@ -654,13 +680,13 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
     if (defer)
         d->set_defer(c, 1);
     if (s != FS_OK) {
-    } else if (no_shard) { /* mixed precision is refused here */
+    } else if (no_shard) { /* summed in the reduce dtype, in place */
         if (c->world_size > 1) /* one rank's sum is its own gradient */
-            FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_REDUCE, uname, g->padded_numel, g->dtype,
-                           fs_comm_all_reduce(c, gp, g->padded_numel, g->dtype, FS_RED_SUM));
+            FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_REDUCE, uname, g->padded_numel, g->reduce,
+                           fs_comm_all_reduce(c, src, g->padded_numel, g->reduce, FS_RED_SUM));
         if (s == FS_OK)
-            s = k_scale_accumulate(u, post, op, g->dtype, gp, g->dtype, g->shard_numel, inv,
-                                   accumulate);
+            s = k_scale_accumulate(u, post, op, g->dtype, src, g->reduce, g->shard_numel,
+                                   post_scale, accumulate);
     } else if (g->reduce != g->dtype) {
         FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->reduce,
                        fs_comm_reduce_scatter(c, src, g->red_out, g->shard_numel, g->reduce,
@@ -728,7 +754,7 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
         return_workspace(u, &ws_t);
     if (s != FS_OK) {
         fs_raise(mstate(u), s, "gradient reduction: %s", c->last_error);
-        annotate(u, u->cfg.strategy == FS_NO_SHARD ? "all-reduce" : "reduce-scatter", gi);
+        annotate(u, u->replicated ? "all-reduce" : "reduce-scatter", gi);
         return fs_comm_failed(u->comm);
     }
     u->n_reduce++;

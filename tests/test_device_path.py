@@ -127,6 +127,9 @@ CASES = {
     "fp16": dict(mixed_precision=MixedPrecision(param_dtype=torch.float16,
                                                 buffer_dtype=torch.float16)),
     "forward_prefetch": dict(forward_prefetch=True),
+    "no_shard_bf16": dict(sharding_strategy=ShardingStrategy.NO_SHARD,
+                          mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                         buffer_dtype=torch.bfloat16)),
     "zero1": dict(sharding_strategy=ShardingStrategy.SHARD_OPTIM),
     "zero1_bf16": dict(sharding_strategy=ShardingStrategy.SHARD_OPTIM,
                        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
@@ -168,7 +171,7 @@ def test_device_path_trains_bit_identically_to_the_host_path(dist_pool, case):
         # unit's found the previous one still pending
         host_reduced, dev_reduced = reduced
         assert host_reduced == []
-        if case != "no_shard" and not case.startswith("zero1"):  # (all-reduced in Python)
+        if not case.startswith(("no_shard", "zero1")):  # (one unit; all-reduced in Python)
             assert dev_reduced and any(dev_reduced)
 
 

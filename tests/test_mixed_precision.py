@@ -50,7 +50,7 @@ def _against_torch(param_dtype, reduce_dtype, strategy, use_orig, steps=4):
 @pytest.mark.parametrize("param_dtype,reduce_dtype", [
     (torch.bfloat16, None), (torch.bfloat16, torch.float32), (torch.float16, None),
     (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_mixed_precision_matches_torch_fsdp(dist_pool, param_dtype, reduce_dtype, strategy):
     for worst, pdiff, live, out_dtypes, master in dist_pool(2).run(
             _against_torch, param_dtype, reduce_dtype, strategy, False):
@@ -61,9 +61,10 @@ def test_mixed_precision_matches_torch_fsdp(dist_pool, param_dtype, reduce_dtype
 
 
 @pytest.mark.parametrize("world", [1, 4])
-def test_mixed_precision_other_world_sizes_and_orig_params(dist_pool, world):
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_mixed_precision_other_world_sizes_and_orig_params(dist_pool, world, strategy):
     for worst, pdiff, *_ in dist_pool(world).run(_against_torch, torch.bfloat16, torch.float32,
-                                                 "FULL_SHARD", True):
+                                                 strategy, True):
         assert worst <= TOL and pdiff <= TOL, (worst, pdiff)
 
 
@@ -71,8 +72,6 @@ def _refusals():
     from torch.distributed.fsdp import MixedPrecision
     out = []
     for kw, exc in [
-        (dict(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
-              sharding_strategy=ShardingStrategy.NO_SHARD), NotBuiltError),
         (dict(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
                                              keep_low_precision_grads=True)), NotBuiltError),
         (dict(mixed_precision=flatshard.MixedPrecision(param_dtype=torch.int8)), ConfigError),
@@ -87,8 +86,7 @@ def _refusals():
 
 def test_mixed_precision_refusals_name_the_option(dist_pool):
     msgs = dist_pool(2).run(_refusals)[0]
-    assert "NO_SHARD" in msgs[0] and "keep_low_precision_grads" in msgs[1] and \
-        "param_dtype" in msgs[2]
+    assert "keep_low_precision_grads" in msgs[0] and "param_dtype" in msgs[1]
 
 
 def _grad_scaler_skips_everywhere():

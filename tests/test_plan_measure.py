@@ -68,7 +68,8 @@ def test_model_states_predicted_equal_measured(dist_pool, world, strategy):
 
 @pytest.mark.parametrize("world,strategy,reduce_dtype", [
     (1, "FULL_SHARD", None), (2, "FULL_SHARD", None), (4, "FULL_SHARD", torch.float32),
-    (2, "SHARD_GRAD_OP", None), (1, "SHARD_GRAD_OP", None), (2, "SHARD_OPTIM", torch.float32)])
+    (2, "SHARD_GRAD_OP", None), (1, "SHARD_GRAD_OP", None), (2, "SHARD_OPTIM", torch.float32),
+    (2, "NO_SHARD", None), (1, "NO_SHARD", torch.float32)])
 def test_mixed_precision_and_sgd_predicted_equal_measured(dist_pool, world, strategy,
                                                           reduce_dtype):
     res = dist_pool(world).run(_measure, strategy, "plain", "sgd_momentum", torch.bfloat16,

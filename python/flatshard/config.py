@@ -186,10 +186,6 @@ def _mixed_precision(mp, strategy):
     if mp.keep_low_precision_grads:
         raise not_built("mixed_precision.keep_low_precision_grads", True, "gradients are "
                         "always accumulated into the full-precision shard; pass False")
-    if strategy is ShardingStrategy.NO_SHARD and mp.param_dtype is not None:
-        raise not_built("mixed_precision", mp, "NO_SHARD with a param_dtype is not built yet; "
-                        "use SHARD_GRAD_OP (keeps parameters gathered like DDP between "
-                        "forward and backward) or drop param_dtype")
     return mp
 
 

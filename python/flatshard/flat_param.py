@@ -29,14 +29,16 @@ class Alias:
 
 class FlatGroup:
     def __init__(self, index, params, aliases, world_size, rank, shard_world, device,
-                 param_dtype=None, reduce_dtype=None, host_shards=False):
+                 param_dtype=None, reduce_dtype=None, host_shards=False, replicated=False):
         """params: unique nn.Parameters (same dtype and requires_grad), in
         registration order; aliases[i]: every Alias of params[i].
         shard_world is world_size, or 1 under NO_SHARD (nothing sharded).
         param_dtype/reduce_dtype: mixed precision (compute and gradient
         reduction dtypes; None keeps the parameters' dtype). host_shards:
         CPUOffload on a device: the shard (and its gradients) in host memory,
-        pinned where a GPU is present; the unsharded buffers on `device`."""
+        pinned where a GPU is present; the unsharded buffers on `device`.
+        replicated: NO_SHARD, whose full buffer is the shard itself (also
+        under mixed precision, where only `lp` is made and freed)."""
         self.index = index
         self.params = params
         self.aliases = aliases
@@ -73,7 +75,7 @@ class FlatGroup:
         self.compute_dtype = param_dtype if floating and param_dtype else self.dtype
         self.reduce_dtype = (reduce_dtype or self.compute_dtype) if floating else self.dtype
         mixed = self.compute_dtype != self.dtype
-        if shard_world == 1 and not mixed and not host_shards:
+        if replicated:
             # A distinct leaf over the same storage, so that autograd
             # accumulates the local gradient here and not in the shard's .grad.
             self.full = self.shard.detach()
@@ -114,11 +116,11 @@ class FlatGroup:
         return torch.empty(self.shard_numel, dtype=self.dtype, device=self.shard_device,
                            pin_memory=self.pinned)
 
-    def unsharded_views(self):
-        """Views of the compute buffer (full, or lp under mixed precision)
-        shaped as the original parameters. Made with autograd on, so gradients
-        flow into compute.grad."""
-        chunks = torch.split_with_sizes(self.compute, self.split_sizes)
+    def unsharded_views(self, buf=None):
+        """Views of the compute buffer (full, or lp under mixed precision; or
+        `buf`) shaped as the original parameters. Made with autograd on, so
+        gradients flow into compute.grad."""
+        chunks = torch.split_with_sizes(self.compute if buf is None else buf, self.split_sizes)
         return [chunks[s].view(shape) for s, shape in zip(self.view_slots, self.shapes)]
 
     def piece(self, tensor, i, shaped):

@@ -315,7 +315,7 @@ class FullyShardedDataParallel(nn.Module):
     all-gather is ever in flight); ignored_modules / ignored_states;
     param_init_fn; device_id (CPU, or a CUDA device with flatshard's NCCL
     backend); sync_module_states; use_orig_params; device_mesh (1-D).
-    mixed_precision (not with NO_SHARD).
+    mixed_precision (under NO_SHARD the whole shard is cast at each forward).
     Not built yet, rejected with NotBuiltError: hybrid strategies.
 
     flatshard's own keyword: comm_backend "auto" (default; on CPU shared
@@ -386,7 +386,8 @@ class FullyShardedDataParallel(nn.Module):
             groups.append(FlatGroup(i, [p for p, _ in order], [a for _, a in order], world, rank,
                                     1 if no_shard else world, cfg.device,
                                     mp.param_dtype if mp else None,
-                                    mp.reduce_dtype if mp else None, host_shards=host_shards))
+                                    mp.reduce_dtype if mp else None, host_shards=host_shards,
+                                    replicated=no_shard))
         if mp is not None and mp.buffer_dtype is not None:
             _cast_buffers(module, mp.buffer_dtype)
         grad_mask = sum(1 << g.index for g in groups if g.requires_grad)

@@ -279,9 +279,6 @@ def _plan(units, c):
         shard_p = n if st in ("FULL_SHARD", "HYBRID_SHARD") else 1
     shard_g = 1 if st in ("NO_SHARD", "SHARD_OPTIM") else n
     shard_o = 1 if st == "NO_SHARD" else n
-    if mp and not zero and st == "NO_SHARD" and w > 1:
-        notes.append("flatshard's FSDP refuses mixed precision with NO_SHARD for now; "
-                     "planned as torch FSDP1 would hold it")
     moments, step_bytes = OPTIMIZERS[c["optimizer"]]
     lines = []
 

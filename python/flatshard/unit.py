@@ -65,11 +65,19 @@ class UnitRuntime:
         """use_orig_params=False: the modules keep plain-tensor attributes in
         place of their parameters; only the flat shards are Parameters."""
         for g in self.groups:
-            views = g.unsharded_views() if self.no_shard or self.shard_optim else None
+            views = self._resting_views(g)
             for i, aliases in enumerate(g.aliases):
                 for a in aliases:
                     del a.module._parameters[a.attr]
                     a.module.__dict__[a.attr] = views[i] if views is not None else None
+
+    def _resting_views(self, g):
+        """use_orig_params=False: what the modules show outside forward. The
+        whole parameters where they are kept (NO_SHARD: the full buffer, the
+        full-precision one under mixed precision; ZeRO-1), else None."""
+        if self.no_shard and g.lp is not None:
+            return g.unsharded_views(g.full)
+        return g.unsharded_views() if self.no_shard or self.shard_optim else None
 
     def _use_sharded_params(self):
         """use_orig_params=True: each original parameter's data becomes its
@@ -89,11 +97,19 @@ class UnitRuntime:
 
     def _clear_unsharded_views(self):
         if not self.use_orig_params:
+            if self.no_shard and self.groups and self.groups[0].lp is not None:
+                self._drop_views_to_rest()  # NO_SHARD + param_dtype: back to fp32
             return  # the views stay as the module's attributes
         for g in self.groups:
             for aliases in g.aliases:
                 for a in aliases:
                     a.module.__dict__.pop(a.attr, None)
+
+    def _drop_views_to_rest(self):
+        for g in self.groups:
+            for v, aliases in zip(self._resting_views(g), g.aliases):
+                for a in aliases:
+                    a.module.__dict__[a.attr] = v
 
     # ------------------------------------------------------------------
     # unshard, with out-of-memory named
@@ -163,7 +179,8 @@ class UnitRuntime:
         self.c.ready()  # a prefetched gather: its buffers are used from here
         if act & _C.ACT_UNSHARD:
             self.unshard()
-            if self.use_orig_params and not self.no_shard:
+            if (self.use_orig_params and not self.no_shard) or \
+                    (self.no_shard and self.groups and self.groups[0].lp is not None):
                 # A checkpointed module recomputes its forward during backward:
                 # it must see the whole parameters, as in forward (views made
                 # with grad on: backward runs with it off).
