@@ -117,3 +117,30 @@ def test_torch_sharded_grad_scaler_skips_the_step_on_every_rank(dist_pool):
     # an overflow on rank 1 makes both ranks skip the step and halve the scale.
     for seen in dist_pool(2).run(_grad_scaler_skips_everywhere):
         assert seen == [(True, 1024.0), (False, 512.0), (True, 512.0)]
+
+
+def _fp16_no_shard(steps=3):
+    """fp16 parameters (no MixedPrecision) under NO_SHARD: the gradient is
+    divided by the world size once (before the sum, where fp16 could
+    overflow), as torch FSDP does."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TS
+    ours = FSDP(build().half(), sharding_strategy=ShardingStrategy.NO_SHARD)
+    theirs = TorchFSDP(build().half(), sharding_strategy=TS.NO_SHARD,
+                       device_id=torch.device("cpu"))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        x = torch.randn(4, 5, generator=g).half()
+        for m, o in zip((ours, theirs), opts):
+            m(x).float().pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    a, b = ours.state_dict(), theirs.state_dict()
+    return max(((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max()).item()
+               for k in b if b[k].numel() and b[k].is_floating_point())
+
+
+def test_fp16_parameters_under_no_shard_match_torch_fsdp(dist_pool):
+    for pdiff in dist_pool(2).run(_fp16_no_shard):
+        assert pdiff <= 1e-3, pdiff  # fp16 rounding of the order of the sums
