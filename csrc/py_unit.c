@@ -76,6 +76,7 @@ typedef struct {
     fs_unit_fsm fsm;
     PyObject *name;
     CommObject *comm;
+    CommObject *replicate;  /* HYBRID_SHARD: the Comm across replicas, or NULL */
     Py_ssize_t ngroups;
     unit_group *groups;
     int unsharded;          /* the compute buffers (lp, else full) are live and gathered */
@@ -199,16 +200,22 @@ static PyObject *annotate(UnitObject *u, const char *what, Py_ssize_t g)
 static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"name", "comm", "strategy", "groups", "grad_mask", "empty",
-                             "offload", NULL};
-    PyObject *name, *comm, *groups, *empty = Py_None;
+                             "offload", "replicate", NULL};
+    PyObject *name, *comm, *groups, *empty = Py_None, *replicate = Py_None;
     int strategy, offload = 0;
     unsigned long long grad_mask;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "UOiOK|$Op", kwlist, &name, &comm, &strategy,
-                                     &groups, &grad_mask, &empty, &offload))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "UOiOK|$OpO", kwlist, &name, &comm, &strategy,
+                                     &groups, &grad_mask, &empty, &offload, &replicate))
         return NULL;
     fs_mod_state *st = fs_state_from_type(tp);
     if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType))
         return PyErr_Format(PyExc_TypeError, "Unit: comm must be a flatshard._C.Comm");
+    if (replicate != Py_None &&
+        (!PyObject_TypeCheck(replicate, (PyTypeObject *)st->CommType) ||
+         (((CommObject *)replicate)->dev != NULL) != (((CommObject *)comm)->dev != NULL) ||
+         strategy == FS_NO_SHARD || offload))
+        return PyErr_Format(PyExc_TypeError, "Unit: replicate must be a flatshard._C.Comm of "
+                            "the same kind as comm, for a sharding strategy without offload");
     if ((((CommObject *)comm)->dev != NULL) != (empty != Py_None) ||
         (empty != Py_None && !PyCallable_Check(empty)))
         return PyErr_Format(PyExc_TypeError, "Unit: a Comm bound to a device needs "
@@ -241,6 +248,7 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     u->name = name;
     Py_INCREF(comm);
     u->comm = (CommObject *)comm;
+    u->replicate = replicate != Py_None ? (CommObject *)Py_NewRef(replicate) : NULL;
     u->empty = empty != Py_None ? Py_NewRef(empty) : NULL;
     u->offload = offload;
     if (!(u->held = PyList_New(0)) || !(u->gather_held = PyList_New(0))) {
@@ -352,6 +360,7 @@ static void Unit_dealloc(UnitObject *u)
     Py_XDECREF(u->empty);
     Py_XDECREF(u->name);
     Py_XDECREF(u->comm);
+    Py_XDECREF(u->replicate);
     tp->tp_free(u);
     Py_DECREF(tp);
 }
@@ -406,6 +415,32 @@ static int wait_gathered(UnitObject *u)
     }
     u->gather_pending = 0;
     return PyList_SetSlice(u->gather_held, 0, PyList_GET_SIZE(u->gather_held), NULL);
+}
+
+/* HYBRID_SHARD: sum a reduce-scattered shard gradient across the replicas
+ * too (its sum over the shard group is in buf). */
+static fs_status across_replicas(UnitObject *u, void *buf, int64_t count, fs_dtype t,
+                                 const char *uname)
+{
+    fs_status s = FS_OK;
+    PyObject *ws = NULL;
+    if (!u->replicate)
+        return FS_OK;
+    if (u->replicate->dev && (t == FS_BF16 || t == FS_F16)) { /* f32 staging, lent */
+        void *p = take(u, count, FS_F32, &ws);
+        if (!p)
+            return FS_ERR_PYTHON;
+        u->replicate->dev->set_workspace(u->replicate->comm, p, (size_t)count * 4);
+    }
+    FS_COMM_RECORD(u->replicate, s, FS_LOP_ALL_REDUCE, uname, count, t,
+                   fs_comm_all_reduce(u->replicate->comm, buf, count, t, FS_RED_SUM));
+    if (ws)
+        u->replicate->dev->set_workspace(u->replicate->comm, NULL, 0);
+    Py_XDECREF(ws);
+    if (s != FS_OK && s != FS_ERR_PYTHON)
+        snprintf(u->comm->comm->last_error, sizeof u->comm->comm->last_error,
+                 "across replicas: %s", u->replicate->comm->last_error);
+    return s;
 }
 
 /* The caller's stream waits for deferred reductions; their buffers go back. */
@@ -629,12 +664,13 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
     if (gi < 0 || gi >= u->ngroups)
         return PyErr_Format(PyExc_IndexError, "unit '%U': no group %zd", u->name, gi);
     const fs_device_api *d = u->comm->dev;
-    defer = defer && d;
+    /* (HYBRID_SHARD: two backends, each with its own stream: not deferred) */
+    defer = defer && d && !u->replicate;
     unit_group *g = &u->groups[gi];
     fs_comm *c = u->comm->comm;
     void *gp, *op;
     if (fs_tensor_ptr(grad, &gp) < 0 || fs_tensor_ptr(out, &op) < 0 ||
-        fs_comm_bind_stream(u->comm) < 0)
+        fs_comm_bind_stream(u->comm) < 0 || (u->replicate && fs_comm_bind_stream(u->replicate) < 0))
         return NULL;
     void *pre = u->comm->stream;                      /* before the collective */
     void *post = defer ? d->comm_stream(c) : pre;     /* after it */
@@ -650,7 +686,8 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
         if (!(op = take(u, g->shard_numel, g->dtype, &dev_out_t)))
             return NULL;
     }
-    const double inv = 1.0 / c->world_size;
+    /* the mean over every rank holding a replica of this shard too */
+    const double inv = 1.0 / (c->world_size * (u->replicate ? u->replicate->comm->world_size : 1));
     const char *uname = PyUnicode_AsUTF8(u->name); /* for the ledger */
     PyObject *red_in_t = NULL, *ws_t = NULL; /* a device's per-reduction buffers */
     fs_status s = FS_OK;
@@ -692,11 +729,15 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
                        fs_comm_reduce_scatter(c, src, g->red_out, g->shard_numel, g->reduce,
                                               FS_RED_SUM));
         if (s == FS_OK)
+            s = across_replicas(u, g->red_out, g->shard_numel, g->reduce, uname);
+        if (s == FS_OK)
             s = k_scale_accumulate(u, post, op, g->dtype, g->red_out, g->reduce, g->shard_numel,
                                    post_scale, accumulate);
     } else if (!accumulate) {
         FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
                        fs_comm_reduce_scatter(c, src, op, g->shard_numel, g->dtype, FS_RED_SUM));
+        if (s == FS_OK)
+            s = across_replicas(u, op, g->shard_numel, g->dtype, uname);
         if (s == FS_OK && post_scale != 1.0)
             s = k_scale_accumulate(u, post, op, g->dtype, op, g->dtype, g->shard_numel,
                                    post_scale, 0);
@@ -724,6 +765,8 @@ static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
         FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
                        fs_comm_reduce_scatter(c, src, u->scratch, g->shard_numel, g->dtype,
                                               FS_RED_SUM));
+        if (s == FS_OK)
+            s = across_replicas(u, u->scratch, g->shard_numel, g->dtype, uname);
         if (s == FS_OK)
             s = k_scale_accumulate(u, post, op, g->dtype, u->scratch, g->dtype, g->shard_numel,
                                    post_scale, 1);

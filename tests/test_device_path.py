@@ -146,7 +146,20 @@ CASES = {
 
 
 def _both(case, accumulate):
-    kw = CASES[case]
+    if case == "hybrid":  # 2 "hosts" of 2 ranks: shard inside, all-reduce across
+        import os
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        kw = dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                  mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                 buffer_dtype=torch.bfloat16))
+        try:
+            return _both_kw(kw, accumulate)
+        finally:
+            del os.environ["LOCAL_WORLD_SIZE"]
+    return _both_kw(CASES[case], accumulate)
+
+
+def _both_kw(kw, accumulate):
     host = _train(kw, False, accumulate=accumulate)
     dev = _train(kw, True, accumulate=accumulate)
     same = host[0] == dev[0] and all(torch.equal(a, b) for a, b in zip(host[1], dev[1])) and \
@@ -176,9 +189,10 @@ def test_device_path_trains_bit_identically_to_the_host_path(dist_pool, case):
 
 
 @pytest.mark.parametrize("world", [1, 4])
-@pytest.mark.parametrize("case", ["full_shard", "bf16_fp32_reduce", "no_shard", "cpu_offload"])
+@pytest.mark.parametrize("case", ["full_shard", "bf16_fp32_reduce", "no_shard", "cpu_offload",
+                                  "hybrid"])
 def test_device_path_with_accumulation_on_other_world_sizes(dist_pool, world, case):
-    if world == 1 and case == "full_shard":
+    if world == 1 and case in ("full_shard", "hybrid"):
         case = "no_shard"  # one rank runs FULL_SHARD as NO_SHARD anyway
     # (CPUOffload accumulates inside no_sync only, as torch's rule says; one
     # rank with it still gathers: its shards live on the host)

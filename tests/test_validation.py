@@ -78,11 +78,15 @@ CASES = {
                      lambda m: dict(sharding_strategy="FULL_SHARD"), None),
     "strategy_int": (T, "sharding_strategy", "int 1", build,
                      lambda m: dict(sharding_strategy=1), None),
-    "hybrid": (N, "sharding_strategy", "HYBRID_SHARD", build,
-               lambda m: dict(sharding_strategy=tfsdp.ShardingStrategy.HYBRID_SHARD), None),
-    "hybrid_zero2": (N, "sharding_strategy", "_HYBRID_SHARD_ZERO2", build,
-                     lambda m: dict(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2),
-                     None),
+    "hybrid_hosts": (V, "LOCAL_WORLD_SIZE", "'3'", build,
+                     lambda m: dict(sharding_strategy=tfsdp.ShardingStrategy.HYBRID_SHARD),
+                     {"LOCAL_WORLD_SIZE": "3"}),
+    "hybrid_one_group": (V, "process_group", "ProcessGroup", build,
+                         lambda m: dict(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2,
+                                        process_group=dist.group.WORLD), None),
+    "hybrid_bad_pair": (T, "process_group", "(None, None)", build,
+                        lambda m: dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                                       process_group=(None, None)), None),
     "prefetch_int": (T, "backward_prefetch", "int 1", build,
                      lambda m: dict(backward_prefetch=1), None),
     "prefetch_str": (T, "backward_prefetch", "'BACKWARD_PRE'", build,
@@ -90,10 +94,6 @@ CASES = {
     "mixed_precision_dtype_field": (V, "mixed_precision.param_dtype", "torch.int32", build,
                                     lambda m: dict(mixed_precision=tfsdp.MixedPrecision(
                                         param_dtype=torch.int32)), None),
-    "mixed_precision_no_shard": (N, "mixed_precision", "param_dtype=torch.bfloat16", build,
-                                 lambda m: dict(sharding_strategy=ShardingStrategy.NO_SHARD,
-                                                mixed_precision=tfsdp.MixedPrecision(
-                                                    param_dtype=torch.bfloat16)), None),
     "mixed_precision_dtype": (T, "mixed_precision", "torch.bfloat16", build,
                               lambda m: dict(mixed_precision=torch.bfloat16), None),
     "offload_int": (T, "cpu_offload.offload_params", "int 1", build,
@@ -174,7 +174,7 @@ CASES = {
                        lambda m: dict(process_group=dist.group.WORLD, device_mesh=object()),
                        None),
     "mesh_type": (T, "device_mesh", "'mesh'", build, lambda m: dict(device_mesh="mesh"), None),
-    "hsdp_tuple": (N, "process_group", "(None, None)", build,
+    "hsdp_tuple": (V, "process_group", "(None, None)", build,
                    lambda m: dict(process_group=(None, None)), None),
     "group_positional_enum": (T, "process_group", "ShardingStrategy.FULL_SHARD", build,
                               lambda m: dict(process_group=ShardingStrategy.FULL_SHARD), None),
@@ -246,7 +246,7 @@ def _tripwire():
 
 
 # Cases whose message docs/troubleshooting.md quotes: guide entry -> case.
-GUIDE = {"bad-type": "strategy_str", "not-built": "hybrid",
+GUIDE = {"bad-type": "strategy_str", "not-built": "device_mps",
          "meta-without-init": "meta_without_init", "shared-parameter": "shared_across_units",
          "wrong-backend": "group_backend", "bad-timeout": "env_timeout"}
 

@@ -7,6 +7,7 @@ Options whose feature is not built yet raise NotBuiltError: never ignored.
 """
 import enum
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +38,15 @@ class UnitConfig:
     comm_backend: str  # "auto", "shm" or "torch" (comm.py); "nccl" on a CUDA device
     mixed_precision: Optional[MixedPrecision] = None
     offload_params: bool = False  # CPUOffload(offload_params=True)
+    # HYBRID_SHARD (strategy is then FULL_SHARD or SHARD_GRAD_OP inside the
+    # shard group): (shard group, replicate group), or the ranks per host
+    # (LOCAL_WORLD_SIZE) when the groups are made at wrap time (fsdp.py).
+    hybrid: object = None
+
+
+# torch's hybrid strategies: how each shards inside its shard group.
+HYBRID = {ShardingStrategy.HYBRID_SHARD: ShardingStrategy.FULL_SHARD,
+          ShardingStrategy._HYBRID_SHARD_ZERO2: ShardingStrategy.SHARD_GRAD_OP}
 
 
 def _bool(name, value):
@@ -97,8 +107,8 @@ def _group(process_group, device_mesh, device):
         raise bad_value("device_mesh", device_mesh, "process_group and device_mesh are mutually "
                         "exclusive", "pass only one of them")
     if isinstance(process_group, tuple):
-        raise not_built("process_group", process_group, "a (shard, replicate) tuple means hybrid "
-                        "sharding, which is not built yet")
+        raise bad_value("process_group", process_group, "a (shard, replicate) pair means hybrid "
+                        "sharding", "pass sharding_strategy=ShardingStrategy.HYBRID_SHARD with it")
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise bad_type("process_group", process_group, "a torch.distributed ProcessGroup or None",
                        "create one with torch.distributed.new_group(backend='gloo')")
@@ -106,8 +116,9 @@ def _group(process_group, device_mesh, device):
         raise bad_type("device_mesh", device_mesh, "a 1-D torch.distributed DeviceMesh or None")
     if device_mesh is not None:
         if getattr(device_mesh, "ndim", None) != 1:
-            raise not_built("device_mesh", device_mesh, "only 1-D meshes are supported (a 2-D "
-                            "mesh means hybrid sharding)")
+            raise bad_value("device_mesh", device_mesh, "a 2-D mesh means hybrid sharding; "
+                            "other strategies take a 1-D mesh",
+                            "pass sharding_strategy=ShardingStrategy.HYBRID_SHARD with it")
         group = device_mesh.get_group()
     else:
         group = process_group if process_group is not None else dist.group.WORLD
@@ -125,13 +136,47 @@ def _group(process_group, device_mesh, device):
     return group
 
 
+def _hybrid(process_group, device_mesh, device):
+    """HYBRID_SHARD's groups -> (the group the ranks agree over, the spec
+    UnitConfig.hybrid keeps). No collective: groups made from
+    LOCAL_WORLD_SIZE are created after the ranks agreed (fsdp.py)."""
+    if not dist.is_available() or not dist.is_initialized():
+        _group(None, None, device)  # raises: not initialized
+    if process_group is not None and device_mesh is not None:
+        raise bad_value("device_mesh", device_mesh, "process_group and device_mesh are mutually "
+                        "exclusive", "pass only one of them")
+    if isinstance(process_group, tuple):
+        if len(process_group) != 2 or not all(isinstance(g, dist.ProcessGroup)
+                                              for g in process_group):
+            raise bad_type("process_group", process_group, "a (shard group, replicate group) "
+                           "pair of torch.distributed ProcessGroups")
+        shard, replicate = (_group(g, None, device) for g in process_group)
+        return shard, (shard, replicate)
+    if device_mesh is not None:
+        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 2:
+            raise bad_value("device_mesh", device_mesh, "HYBRID_SHARD takes a 2-D mesh "
+                            "(replicate on dim 0, shard on dim 1)")
+        shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
+        return shard, (shard, replicate)
+    if process_group is not None:
+        raise bad_value("process_group", process_group, "HYBRID_SHARD needs two groups",
+                        "pass process_group=(shard_group, replicate_group), a 2-D device_mesh, "
+                        "or None under torchrun (ranks per host from LOCAL_WORLD_SIZE)")
+    world = _group(None, None, device)
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    size = dist.get_world_size(world)
+    if raw is None or not raw.isdigit() or int(raw) < 1 or size % int(raw):
+        raise bad_value("LOCAL_WORLD_SIZE", raw, f"HYBRID_SHARD with process_group=None shards "
+                        f"over each host's ranks: a positive divisor of the world size {size}",
+                        "launch with torchrun, or pass process_group=(shard_group, "
+                        "replicate_group)")
+    return world, int(raw)
+
+
 def resolve(kw):
     """kw: the constructor's keyword arguments -> UnitConfig."""
     strategy = normalize_enum("sharding_strategy", kw["sharding_strategy"], ShardingStrategy,
                               "ShardingStrategy", allow_none=True) or ShardingStrategy.FULL_SHARD
-    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        raise not_built("sharding_strategy", strategy, "hybrid sharding is not built yet; use "
-                        "FULL_SHARD, SHARD_GRAD_OP, SHARD_OPTIM or NO_SHARD")
     prefetch = normalize_enum("backward_prefetch", kw["backward_prefetch"], BackwardPrefetch,
                               "BackwardPrefetch", allow_none=True)
     mp = normalize_dataclass("mixed_precision", kw["mixed_precision"], MixedPrecision,
@@ -145,6 +190,15 @@ def resolve(kw):
     backend = backend_for_device(requested_backend(kw.get("comm_backend")), device)
     if device.type == "cuda":
         _cuda_limits(strategy, offload)
+    hybrid = None
+    if strategy in HYBRID:
+        if offload is not None and offload.offload_params and device.type == "cuda":
+            raise not_built("cpu_offload", offload, f"parameter offload with {strategy.name} on "
+                            "a CUDA device is not built yet", "use FULL_SHARD with it")
+        group, hybrid = _hybrid(kw["process_group"], kw["device_mesh"], device)
+        strategy = HYBRID[strategy]
+    else:
+        group = _group(kw["process_group"], kw["device_mesh"], device)
     # Read only when the shm backend is set up, which is a collective: a bad
     # value must fail here, on every rank alike, not halfway through it.
     comm_timeout_s()
@@ -156,10 +210,11 @@ def resolve(kw):
         limit_all_gathers=_bool("limit_all_gathers", kw["limit_all_gathers"]),
         use_orig_params=use_orig,
         device=device,
-        group=_group(kw["process_group"], kw["device_mesh"], device),
+        group=group,
         comm_backend=backend,
         mixed_precision=mp,
         offload_params=bool(offload is not None and offload.offload_params),
+        hybrid=hybrid,
     )
 
 

@@ -40,8 +40,11 @@ def bad_type(arg, value, allowed, fix=None):
     return ConfigTypeError(msg)
 
 
-def not_built(arg, value, why):
-    return NotBuiltError(f"flatshard: {arg}={value!r} is not supported by this version: {why}")
+def not_built(arg, value, why, fix=None):
+    msg = f"flatshard: {arg}={value!r} is not supported by this version: {why}"
+    if fix:
+        msg += f". {fix}"
+    return NotBuiltError(msg)
 
 
 class StateDictError(RuntimeError):

@@ -73,7 +73,13 @@ def units_of(module):
 
 
 def settings_of(fs):
-    return fs.__dict__.get(_SETTINGS, DEFAULT)
+    settings = fs.__dict__.get(_SETTINGS, DEFAULT)
+    if fs._cfg.hybrid is not None and settings.state_dict_type is not \
+            StateDictType.FULL_STATE_DICT:
+        raise not_built("state_dict_type", settings.state_dict_type, "sharded and local state "
+                        "dicts of HYBRID_SHARD models are not built yet; use "
+                        "StateDictType.FULL_STATE_DICT")
+    return settings
 
 
 def get_state_dict_type(module):
