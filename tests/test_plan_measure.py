@@ -18,7 +18,7 @@ CASES = {
 }
 
 
-def _measure(strategy, case, optimizer, param_dtype, reduce_dtype=None):
+def _measure(strategy, case, optimizer, param_dtype, reduce_dtype=None, hybrid_group=None):
     kw = CASES[case]
     policy = flatshard.ModuleWrapPolicy({Block})
     world = dist.get_world_size()
@@ -26,10 +26,18 @@ def _measure(strategy, case, optimizer, param_dtype, reduce_dtype=None):
         meta = build(**kw)
     mp = (MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                          buffer_dtype=param_dtype) if param_dtype else None)
+    extra = dict(hybrid_group=hybrid_group) if hybrid_group else {}
     predicted = plan(meta, world_size=world, strategy=strategy, auto_wrap_policy=policy,
-                     optimizer=optimizer, mixed_precision=mp, comm_backend="torch")
-    model = FSDP(build(**kw), auto_wrap_policy=policy, sharding_strategy=ShardingStrategy[strategy],
-                 device_id=torch.device("cpu"), mixed_precision=mp, comm_backend="torch")
+                     optimizer=optimizer, mixed_precision=mp, comm_backend="torch", **extra)
+    import os
+    if hybrid_group:  # the wrapper takes the ranks per host from torchrun's variable
+        os.environ["LOCAL_WORLD_SIZE"] = str(hybrid_group)
+    try:
+        model = FSDP(build(**kw), auto_wrap_policy=policy,
+                     sharding_strategy=ShardingStrategy[strategy], device_id=torch.device("cpu"),
+                     mixed_precision=mp, comm_backend="torch")
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
     w = watch(model)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw" else
            torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
@@ -127,3 +135,21 @@ def test_check_after_a_step_and_what_it_refuses(dist_pool):
         assert all(r.rstrip().endswith("ok") for r in rows), text
         assert len(refused) == 2
         assert "amsgrad" in refused[0] and "use_orig_params" in refused[1]
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_hybrid_shard_predicted_equal_measured(dist_pool, param_dtype):
+    """HYBRID_SHARD over 2 groups of 2 ranks: each rank holds what FULL_SHARD
+    over 2 ranks holds."""
+    for case in CASES:
+        res = dist_pool(4).run(_measure, "HYBRID_SHARD", case, "adamw", param_dtype, None, 2,
+                               timeout=300)
+        for r in res:
+            pred, meas = r["predicted"], r["measured"]
+            for k in ("params", "grads", "optim"):
+                assert pred[k] == meas[k], (case, k, pred, meas)
+            if case == "plain":  # identical blocks: the peak the planner names is reached
+                assert pred["gathered"] == meas["gathered"], (pred, meas)
+            else:  # an upper bound over the two largest units
+                assert meas["gathered"] <= pred["gathered"]
+            assert "MISMATCH" not in r["watch_report"], r["watch_report"]
