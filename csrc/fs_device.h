@@ -71,6 +71,9 @@ typedef struct {
 } fs_device_api;
 
 #define FS_DEVICE_API_CAPSULE "flatshard.fs_device_api"
+
+/* The host's table (device_host.c). */
+extern const fs_device_api fs_host_device_api;
 /* An fs_comm* exported by its owner (flatshard._C.Comm.capsule(),
  * flatshard._C_cuda.NcclComm.capsule()); valid while the owner lives. */
 #define FS_COMM_CAPSULE "flatshard.fs_comm"

@@ -29,7 +29,7 @@
  * still write it). The all-gather input (lp_shard) is only rewritten by the
  * unit's next gather, which comes after one of those.
  *
- * A reduction can be deferred too (reduce_grad(..., defer=True)): the work
+ * (py_unit_reduce.c) A reduction can be deferred too (reduce_grad(..., defer=True)): the work
  * that follows the collective (dividing, casting, accumulating into the
  * shard gradient) is enqueued on the backend's own stream after it, and
  * every buffer it touches (autograd's gradient, the reduce-dtype copy, the
@@ -37,74 +37,18 @@
  * for its mark (wait_reduced()), which the caller does before the unit's
  * next reduction and at the end of backward: the backward compute of the
  * units before it runs meanwhile, one reduction in flight. */
-#include "fs_py.h"
+#include "py_unit.h"
 
 #include <stdlib.h>
 
 #include "copy.h"
-#include "unit_fsm.h"
-
-/* [Note: mixed precision] With a compute dtype other than the parameters'
- * (MixedPrecision.param_dtype), the shard stays the full-precision master and
- * forward/backward run on `lp`: the shard is cast in one pass into lp_shard
- * and that is all-gathered, so the collective moves the low-precision bytes.
- * `full` (full precision) is gathered only on request (summon_full_params,
- * state dicts). Gradients arrive in the compute dtype, are reduced in the
- * reduce dtype and accumulated into the full-precision shard gradient. */
-typedef struct {
-    PyObject *shard;      /* 1-D tensor, shard_numel: the local shard (persistent) */
-    PyObject *full;       /* 1-D tensor, padded_numel; the shard itself under NO_SHARD */
-    PyObject *storage;    /* full.untyped_storage() */
-    PyObject *lp;         /* padded_numel in the compute dtype, or NULL */
-    PyObject *lp_storage; /* lp.untyped_storage() */
-    int64_t shard_numel;
-    int64_t padded_numel;
-    fs_dtype dtype;       /* parameters, shard, full, shard gradient */
-    fs_dtype compute;     /* lp's dtype (== dtype without mixed precision) */
-    fs_dtype reduce;      /* gradient reduction dtype */
-    void *lp_shard;       /* shard_numel in the compute dtype: all-gather input */
-    void *red_in;         /* padded_numel in the reduce dtype, when it differs from compute
-                           * (host only: on a device it is taken per reduction) */
-    void *red_out;        /* shard_numel in the reduce dtype, when it differs from dtype */
-    PyObject *lp_shard_t; /* the tensors holding lp_shard / red_out on a device */
-    PyObject *red_out_t;
-} unit_group;
-
-typedef struct {
-    PyObject_HEAD
-    fs_unit_cfg cfg;
-    fs_unit_fsm fsm;
-    PyObject *name;
-    CommObject *comm;
-    CommObject *replicate;  /* HYBRID_SHARD: the Comm across replicas, or NULL */
-    Py_ssize_t ngroups;
-    unit_group *groups;
-    int unsharded;          /* the compute buffers (lp, else full) are live and gathered */
-    int full_unsharded;     /* the full-precision buffers are live and gathered */
-    void *scratch;          /* reduce-scatter landing area when accumulating */
-    size_t scratch_bytes;
-    PyObject *scratch_t;    /* the tensor holding scratch on a device */
-    PyObject *empty;        /* device units: empty(numel, dtype_code) -> tensor */
-    void *gather_event;     /* device units: the mark of a deferred gather */
-    int gather_pending;     /* the caller's stream has not waited for it yet */
-    void *reduce_event;     /* the mark of deferred reductions */
-    int reduce_pending;
-    PyObject *held;         /* list: what deferred reductions use, until waited for */
-    PyObject *gather_held;  /* list: what a deferred gather uses, until waited for */
-    int offload;            /* shards and their gradients in host memory (CPUOffload) */
-    int replicated;         /* NO_SHARD: every rank's shard is the whole buffer */
-    int host_pending;       /* a gradient copy to host memory the host has not waited for */
-    unsigned long long n_all_gather, n_reduce;
-} UnitObject;
-
-static fs_mod_state *mstate(UnitObject *u) { return fs_state_from_type(Py_TYPE(u)); }
 
 /* ---------------------------------------------------------------------------
  * buffers and kernels: host loops, or the device's (fs_device.h) */
 
 /* numel elements of t: a tensor from u->empty on a device (*owner holds it;
  * a previous one is released), else malloc'd host memory (*owner NULL). */
-static void *take(UnitObject *u, int64_t numel, fs_dtype t, PyObject **owner)
+void *fs_unit_take(UnitObject *u, int64_t numel, fs_dtype t, PyObject **owner)
 {
     if (!u->empty) {
         void *p = malloc(numel ? (size_t)numel * fs_dtype_size(t) : 1);
@@ -124,7 +68,7 @@ static void *take(UnitObject *u, int64_t numel, fs_dtype t, PyObject **owner)
 }
 
 /* On a device, enqueued on `stream`. */
-static fs_status k_cast_on(UnitObject *u, void *stream, void *dst, fs_dtype dt, const void *src,
+fs_status fs_unit_cast(UnitObject *u, void *stream, void *dst, fs_dtype dt, const void *src,
                            fs_dtype st, int64_t n)
 {
     const fs_device_api *d = u->comm->dev;
@@ -140,7 +84,7 @@ static fs_status k_cast_on(UnitObject *u, void *stream, void *dst, fs_dtype dt, 
 
 /* On a device, enqueued on `stream` (the caller's, or the backend's own for
  * work that follows a deferred collective). */
-static fs_status k_scale_accumulate(UnitObject *u, void *stream, void *dst, fs_dtype dt,
+fs_status fs_unit_scale_accumulate(UnitObject *u, void *stream, void *dst, fs_dtype dt,
                                     const void *src, fs_dtype st, int64_t n, double scale,
                                     int accumulate)
 {
@@ -156,29 +100,8 @@ static fs_status k_scale_accumulate(UnitObject *u, void *stream, void *dst, fs_d
     return s;
 }
 
-/* A bfloat16/float16 reduction of total_numel elements on a device stages
- * through float32 (comm.h): lend the backend that much for one call. */
-static int lend_workspace(UnitObject *u, fs_dtype t, int64_t total_numel, PyObject **owner)
-{
-    const fs_device_api *d = u->comm->dev;
-    if (!d || (t != FS_BF16 && t != FS_F16))
-        return 0;
-    void *p = take(u, total_numel, FS_F32, owner);
-    if (!p)
-        return -1;
-    d->set_workspace(u->comm->comm, p, (size_t)total_numel * 4);
-    return 0;
-}
-
-static void return_workspace(UnitObject *u, PyObject **owner)
-{
-    if (*owner)
-        u->comm->dev->set_workspace(u->comm->comm, NULL, 0);
-    Py_CLEAR(*owner);
-}
-
 /* Add context to the exception now set: which unit, which operation. */
-static PyObject *annotate(UnitObject *u, const char *what, Py_ssize_t g)
+PyObject *fs_unit_annotate(UnitObject *u, const char *what, Py_ssize_t g)
 {
     PyObject *t, *v, *tb;
     PyErr_Fetch(&t, &v, &tb);
@@ -299,11 +222,11 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
             u->cfg.strategy = FS_SHARD_GRAD_OP;
             u->unsharded = 0;
         }
-        if ((g->lp && !u->replicated && !(g->lp_shard = take(u, sn, g->compute,
+        if ((g->lp && !u->replicated && !(g->lp_shard = fs_unit_take(u, sn, g->compute,
                                                                &g->lp_shard_t))) ||
             (g->reduce != g->compute && !u->empty &&
-             !(g->red_in = take(u, pn, g->reduce, NULL))) ||
-            (g->reduce != g->dtype && !(g->red_out = take(u, sn, g->reduce, &g->red_out_t))))
+             !(g->red_in = fs_unit_take(u, pn, g->reduce, NULL))) ||
+            (g->reduce != g->dtype && !(g->red_out = fs_unit_take(u, sn, g->reduce, &g->red_out_t))))
             goto fail;
         g->shard_numel = sn;
         g->padded_numel = pn;
@@ -380,7 +303,7 @@ static PyObject *Unit_step(UnitObject *u, PyObject *args)
     fs_unit_state before = u->fsm.state;
     fs_status s = fs_unit_step(&u->cfg, &u->fsm, ev, flags, group, u->unsharded, &actions);
     if (s != FS_OK)
-        return fs_raise(mstate(u), s, "unit '%U': event %s (group %d) in state %s", u->name,
+        return fs_raise(fs_unit_mstate(u), s, "unit '%U': event %s (group %d) in state %s", u->name,
                         fs_event_name(ev), group, fs_unit_state_name(before));
     return PyLong_FromUnsignedLong(actions);
 }
@@ -409,68 +332,12 @@ static int wait_gathered(UnitObject *u)
     s = u->comm->dev->wait(u->gather_event, u->comm->stream, c->last_error,
                            sizeof c->last_error);
     if (s != FS_OK) {
-        fs_raise(mstate(u), s, "waiting for a prefetched all-gather: %s", c->last_error);
-        annotate(u, "unshard", 0);
+        fs_raise(fs_unit_mstate(u), s, "waiting for a prefetched all-gather: %s", c->last_error);
+        fs_unit_annotate(u, "unshard", 0);
         return -1;
     }
     u->gather_pending = 0;
     return PyList_SetSlice(u->gather_held, 0, PyList_GET_SIZE(u->gather_held), NULL);
-}
-
-/* HYBRID_SHARD: sum a reduce-scattered shard gradient across the replicas
- * too (its sum over the shard group is in buf). */
-static fs_status across_replicas(UnitObject *u, void *buf, int64_t count, fs_dtype t,
-                                 const char *uname)
-{
-    fs_status s = FS_OK;
-    PyObject *ws = NULL;
-    if (!u->replicate)
-        return FS_OK;
-    if (u->replicate->dev && (t == FS_BF16 || t == FS_F16)) { /* f32 staging, lent */
-        void *p = take(u, count, FS_F32, &ws);
-        if (!p)
-            return FS_ERR_PYTHON;
-        u->replicate->dev->set_workspace(u->replicate->comm, p, (size_t)count * 4);
-    }
-    FS_COMM_RECORD(u->replicate, s, FS_LOP_ALL_REDUCE, uname, count, t,
-                   fs_comm_all_reduce(u->replicate->comm, buf, count, t, FS_RED_SUM));
-    if (ws)
-        u->replicate->dev->set_workspace(u->replicate->comm, NULL, 0);
-    Py_XDECREF(ws);
-    if (s != FS_OK && s != FS_ERR_PYTHON)
-        snprintf(u->comm->comm->last_error, sizeof u->comm->comm->last_error,
-                 "across replicas: %s", u->replicate->comm->last_error);
-    return s;
-}
-
-/* The caller's stream waits for deferred reductions; their buffers go back. */
-static int wait_reduced(UnitObject *u)
-{
-    if (!u->reduce_pending && !u->host_pending)
-        return 0;
-    fs_comm *c = u->comm->comm;
-    if (fs_comm_bind_stream(u->comm) < 0)
-        return -1;
-    fs_status s = FS_OK;
-    if (u->reduce_pending)
-        s = u->comm->dev->wait(u->reduce_event, u->comm->stream, c->last_error,
-                               sizeof c->last_error);
-    /* offload: the host (its optimizer) reads the gradients copied out */
-    if (s == FS_OK && u->host_pending)
-        s = u->comm->dev->synchronize(u->comm->stream, c->last_error, sizeof c->last_error);
-    if (s != FS_OK) {
-        fs_raise(mstate(u), s, "waiting for a gradient reduction: %s", c->last_error);
-        annotate(u, "reduce-scatter", 0);
-        return -1;
-    }
-    u->reduce_pending = u->host_pending = 0;
-    return PyList_SetSlice(u->held, 0, PyList_GET_SIZE(u->held), NULL);
-}
-
-/* Keep `o` (may be NULL) alive until the caller's stream waited. */
-static int hold(UnitObject *u, PyObject *o)
-{
-    return o ? PyList_Append(u->held, o) : 0;
 }
 
 static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, int keep);
@@ -490,8 +357,8 @@ static PyObject *gather(UnitObject *u, int full_precision, int defer)
     fs_status s = d->record(c, &u->gather_event, c->last_error, sizeof c->last_error);
     if (s != FS_OK) {
         Py_DECREF(r);
-        fs_raise(mstate(u), s, "marking a prefetched all-gather: %s", c->last_error);
-        return annotate(u, "unshard", 0);
+        fs_raise(fs_unit_mstate(u), s, "marking a prefetched all-gather: %s", c->last_error);
+        return fs_unit_annotate(u, "unshard", 0);
     }
     u->gather_pending = 1;
     return r;
@@ -502,7 +369,7 @@ static PyObject *gather(UnitObject *u, int full_precision, int defer)
 static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, int keep)
 {
     if (fs_comm_bind_stream(u->comm) < 0)
-        return annotate(u, "unshard", 0);
+        return fs_unit_annotate(u, "unshard", 0);
     for (Py_ssize_t i = 0; i < u->ngroups; i++) {
         unit_group *g = &u->groups[i];
         int use_lp = g->lp && !full_precision;
@@ -515,18 +382,18 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, 
             if ((allocate && resize(g->lp_storage, g->padded_numel *
                                     (int64_t)fs_dtype_size(g->compute)) < 0) ||
                 fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(g->lp, &dp) < 0)
-                return annotate(u, "unshard", i);
-            if ((s = k_cast_on(u, u->comm->stream, dp, g->compute, sp, g->dtype,
+                return fs_unit_annotate(u, "unshard", i);
+            if ((s = fs_unit_cast(u, u->comm->stream, dp, g->compute, sp, g->dtype,
                                g->padded_numel)) != FS_OK) {
-                fs_raise(mstate(u), s, "cast: %s", u->comm->comm->last_error);
-                return annotate(u, "unshard", i);
+                fs_raise(fs_unit_mstate(u), s, "cast: %s", u->comm->comm->last_error);
+                return fs_unit_annotate(u, "unshard", i);
             }
             continue;
         }
         if ((allocate && resize(use_lp ? g->lp_storage : g->storage,
                                 g->padded_numel * (int64_t)fs_dtype_size(t)) < 0) ||
             fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(use_lp ? g->lp : g->full, &dp) < 0)
-            return annotate(u, "unshard", i);
+            return fs_unit_annotate(u, "unshard", i);
         fs_status s = FS_OK;
         PyObject *staged = NULL; /* released after the gather (kept if it is deferred) */
         /* A deferred gather of host shards copies and casts on the backend's
@@ -535,10 +402,10 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, 
         if (u->offload) { /* the host shard, staged on the device for this gather */
             const fs_device_api *d = u->comm->dev;
             fs_comm *c = u->comm->comm;
-            void *stage = take(u, g->shard_numel, g->dtype, &staged);
+            void *stage = fs_unit_take(u, g->shard_numel, g->dtype, &staged);
             if (!stage || (keep && PyList_Append(u->gather_held, staged) < 0)) {
                 Py_XDECREF(staged);
-                return annotate(u, "unshard", i);
+                return fs_unit_annotate(u, "unshard", i);
             }
             if (keep && (s = d->follow_caller(c, c->last_error, sizeof c->last_error)) == FS_OK)
                 on = d->comm_stream(c);
@@ -548,7 +415,7 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, 
             sp = stage;
         }
         if (s == FS_OK && use_lp) { /* one pass: the master shard, cast to the compute dtype */
-            s = k_cast_on(u, on, g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
+            s = fs_unit_cast(u, on, g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
             sp = g->lp_shard;
         }
         /* Not in place: the shard is its own buffer, so that resharding can
@@ -561,8 +428,8 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, 
          * allocator reuses the block in that stream's order. */
         Py_XDECREF(staged);
         if (s != FS_OK) {
-            fs_raise(mstate(u), s, "all_gather: %s", u->comm->comm->last_error);
-            annotate(u, "all-gather", i);
+            fs_raise(fs_unit_mstate(u), s, "all_gather: %s", u->comm->comm->last_error);
+            fs_unit_annotate(u, "all-gather", i);
             return fs_comm_failed(u->comm);
         }
         u->n_all_gather++;
@@ -611,7 +478,7 @@ static PyObject *Unit_regather(UnitObject *u, PyObject *Py_UNUSED(a))
     if (mixed && u->full_unsharded && !u->replicated) {
         for (Py_ssize_t i = 0; i < u->ngroups; i++)
             if (resize(u->groups[i].storage, 0) < 0)
-                return annotate(u, "regather", i);
+                return fs_unit_annotate(u, "regather", i);
         u->full_unsharded = 0;
     }
     int live = u->unsharded;
@@ -642,175 +509,9 @@ static PyObject *Unit_reshard(UnitObject *u, PyObject *Py_UNUSED(a))
     for (Py_ssize_t i = 0; i < u->ngroups; i++)
         if ((!u->replicated && resize(u->groups[i].storage, 0) < 0) ||
             (u->groups[i].lp && resize(u->groups[i].lp_storage, 0) < 0))
-            return annotate(u, "reshard", i);
+            return fs_unit_annotate(u, "reshard", i);
     u->unsharded = 0;
     u->full_unsharded = u->replicated; /* NO_SHARD's full buffer is the shard: kept */
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(reduce_grad_doc,
-             "reduce_grad(group, grad, out, accumulate, defer=False)\n"
-             "Average the unsharded gradient `grad` (padded_numel) over the group into the\n"
-             "shard gradient `out` (shard_numel): out = (accumulate ? out : 0) + mean.\n"
-             "`grad` is used as scratch and left undefined. defer (device units): the current\n"
-             "stream does not wait for it until wait_reduced() ([Note: deferred collectives]).");
-static PyObject *Unit_reduce_grad(UnitObject *u, PyObject *args)
-{
-    Py_ssize_t gi;
-    PyObject *grad, *out;
-    int accumulate, defer = 0;
-    if (!PyArg_ParseTuple(args, "nOOp|p", &gi, &grad, &out, &accumulate, &defer))
-        return NULL;
-    if (gi < 0 || gi >= u->ngroups)
-        return PyErr_Format(PyExc_IndexError, "unit '%U': no group %zd", u->name, gi);
-    const fs_device_api *d = u->comm->dev;
-    /* (HYBRID_SHARD: two backends, each with its own stream: not deferred) */
-    defer = defer && d && !u->replicate;
-    unit_group *g = &u->groups[gi];
-    fs_comm *c = u->comm->comm;
-    void *gp, *op;
-    if (fs_tensor_ptr(grad, &gp) < 0 || fs_tensor_ptr(out, &op) < 0 ||
-        fs_comm_bind_stream(u->comm) < 0 || (u->replicate && fs_comm_bind_stream(u->replicate) < 0))
-        return NULL;
-    void *pre = u->comm->stream;                      /* before the collective */
-    void *post = defer ? d->comm_stream(c) : pre;     /* after it */
-    /* offload: reduce into device memory, then copy to the host gradient */
-    void *host_op = NULL;
-    PyObject *dev_out_t = NULL;
-    if (u->offload) {
-        if (accumulate)
-            return PyErr_Format(PyExc_ValueError, "unit '%U': with parameter offload, "
-                                "gradients are not accumulated across backward passes",
-                                u->name);
-        host_op = op;
-        if (!(op = take(u, g->shard_numel, g->dtype, &dev_out_t)))
-            return NULL;
-    }
-    /* the mean over every rank holding a replica of this shard too */
-    const double inv = 1.0 / (c->world_size * (u->replicate ? u->replicate->comm->world_size : 1));
-    const char *uname = PyUnicode_AsUTF8(u->name); /* for the ledger */
-    PyObject *red_in_t = NULL, *ws_t = NULL; /* a device's per-reduction buffers */
-    fs_status s = FS_OK;
-    /* The gradient arrives in the compute dtype; the collective runs in the
-     * reduce dtype. fp16 sums are divided first (they could overflow), the
-     * others after, in f32 or better ([Note: mixed precision]). */
-    void *src = gp;
-    double post_scale = inv;
-    if (g->reduce != g->compute || g->reduce == FS_F16) {
-        void *dst = gp;
-        if (g->reduce != g->compute && !(dst = u->empty ? take(u, g->padded_numel, g->reduce,
-                                                                 &red_in_t) : g->red_in)) {
-            Py_XDECREF(dev_out_t);
-            return NULL;
-        }
-        s = k_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute, g->padded_numel, inv, 0);
-        src = dst;
-        post_scale = 1.0;
-    }
-    const int no_shard = u->replicated;
-    if (s == FS_OK && (!no_shard || c->world_size > 1) &&
-        lend_workspace(u, g->reduce, g->padded_numel, &ws_t) < 0) {
-        Py_XDECREF(red_in_t);
-        Py_XDECREF(dev_out_t);
-        return NULL;
-    }
-    if (defer)
-        d->set_defer(c, 1);
-    if (s != FS_OK) {
-    } else if (no_shard) { /* summed in the reduce dtype, in place */
-        if (c->world_size > 1) /* one rank's sum is its own gradient */
-            FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_REDUCE, uname, g->padded_numel, g->reduce,
-                           fs_comm_all_reduce(c, src, g->padded_numel, g->reduce, FS_RED_SUM));
-        if (s == FS_OK)
-            s = k_scale_accumulate(u, post, op, g->dtype, src, g->reduce, g->shard_numel,
-                                   post_scale, accumulate);
-    } else if (g->reduce != g->dtype) {
-        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->reduce,
-                       fs_comm_reduce_scatter(c, src, g->red_out, g->shard_numel, g->reduce,
-                                              FS_RED_SUM));
-        if (s == FS_OK)
-            s = across_replicas(u, g->red_out, g->shard_numel, g->reduce, uname);
-        if (s == FS_OK)
-            s = k_scale_accumulate(u, post, op, g->dtype, g->red_out, g->reduce, g->shard_numel,
-                                   post_scale, accumulate);
-    } else if (!accumulate) {
-        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
-                       fs_comm_reduce_scatter(c, src, op, g->shard_numel, g->dtype, FS_RED_SUM));
-        if (s == FS_OK)
-            s = across_replicas(u, op, g->shard_numel, g->dtype, uname);
-        if (s == FS_OK && post_scale != 1.0)
-            s = k_scale_accumulate(u, post, op, g->dtype, op, g->dtype, g->shard_numel,
-                                   post_scale, 0);
-    } else {
-        size_t need = (size_t)g->shard_numel * fs_dtype_size(g->dtype);
-        void *p = u->scratch;
-        /* a deferred reduction may still read the old scratch: hold it */
-        if (need > u->scratch_bytes &&
-            ((defer && hold(u, u->scratch_t) < 0) ||
-             !(p = u->empty ? take(u, g->shard_numel, g->dtype, &u->scratch_t)
-                            : realloc(u->scratch, need ? need : 1)))) {
-            if (!u->empty && !PyErr_Occurred())
-                PyErr_NoMemory();
-            if (defer)
-                d->set_defer(c, 0);
-            Py_XDECREF(red_in_t);
-            Py_XDECREF(dev_out_t);
-            return_workspace(u, &ws_t);
-            return NULL;
-        }
-        if (need > u->scratch_bytes) {
-            u->scratch = p;
-            u->scratch_bytes = need;
-        }
-        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
-                       fs_comm_reduce_scatter(c, src, u->scratch, g->shard_numel, g->dtype,
-                                              FS_RED_SUM));
-        if (s == FS_OK)
-            s = across_replicas(u, u->scratch, g->shard_numel, g->dtype, uname);
-        if (s == FS_OK)
-            s = k_scale_accumulate(u, post, op, g->dtype, u->scratch, g->dtype, g->shard_numel,
-                                   post_scale, 1);
-    }
-    if (s == FS_OK && host_op) {
-        s = d->copy(host_op, op, (size_t)g->shard_numel * fs_dtype_size(g->dtype), post,
-                    c->last_error, sizeof c->last_error);
-        u->host_pending = 1; /* the host waits before reading it (wait_reduced) */
-    }
-    if (defer) {
-        d->set_defer(c, 0);
-        if (s == FS_OK)
-            s = d->record(c, &u->reduce_event, c->last_error, sizeof c->last_error);
-        if (s == FS_OK) { /* what the enqueued work reads and writes stays alive */
-            u->reduce_pending = 1;
-            if (hold(u, grad) < 0 || hold(u, out) < 0 || hold(u, red_in_t) < 0 ||
-                hold(u, ws_t) < 0 || hold(u, dev_out_t) < 0) {
-                Py_XDECREF(red_in_t);
-                Py_XDECREF(dev_out_t);
-                return_workspace(u, &ws_t);
-                return NULL;
-            }
-        }
-    }
-    Py_XDECREF(dev_out_t);
-    Py_XDECREF(red_in_t);
-    if (ws_t)
-        return_workspace(u, &ws_t);
-    if (s != FS_OK) {
-        fs_raise(mstate(u), s, "gradient reduction: %s", c->last_error);
-        annotate(u, u->replicated ? "all-reduce" : "reduce-scatter", gi);
-        return fs_comm_failed(u->comm);
-    }
-    u->n_reduce++;
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(wait_reduced_doc,
-             "wait_reduced(): the current stream waits for deferred gradient reductions, and\n"
-             "their buffers are released (a no-op when none is pending, and on the host).");
-static PyObject *Unit_wait_reduced(UnitObject *u, PyObject *Py_UNUSED(a))
-{
-    if (wait_reduced(u) < 0)
-        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -853,11 +554,12 @@ static PyMethodDef Unit_methods[] = {
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
     {"ready", (PyCFunction)Unit_ready, METH_NOARGS, ready_doc},
-    {"wait_reduced", (PyCFunction)Unit_wait_reduced, METH_NOARGS, wait_reduced_doc},
+    {"wait_reduced", (PyCFunction)fs_unit_wait_reduced, METH_NOARGS,
+     fs_unit_wait_reduced_doc},
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS,
      "reshard(): free every full buffer (no-op if sharded or NO_SHARD)."},
-    {"reduce_grad", (PyCFunction)Unit_reduce_grad, METH_VARARGS, reduce_grad_doc},
+    {"reduce_grad", (PyCFunction)fs_unit_reduce_grad, METH_VARARGS, fs_unit_reduce_grad_doc},
     {NULL},
 };
 

@@ -1,0 +1,260 @@
+/* py_unit_reduce.c - flatshard._C.Unit's gradient reductions: the unsharded
+ * gradient averaged over the group into the shard gradient (reduce-scatter,
+ * or all-reduce under NO_SHARD), in the reduce dtype, across replicas too
+ * under HYBRID_SHARD, deferred on a device ([Note: deferred collectives] in
+ * py_unit.c), copied out to host memory under parameter offload. */
+#include "py_unit.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+/* A bfloat16/float16 reduction of total_numel elements on a device stages
+ * through float32 (comm.h): lend the backend that much for one call. */
+static int lend_workspace(UnitObject *u, fs_dtype t, int64_t total_numel, PyObject **owner)
+{
+    const fs_device_api *d = u->comm->dev;
+    if (!d || (t != FS_BF16 && t != FS_F16))
+        return 0;
+    void *p = fs_unit_take(u, total_numel, FS_F32, owner);
+    if (!p)
+        return -1;
+    d->set_workspace(u->comm->comm, p, (size_t)total_numel * 4);
+    return 0;
+}
+
+static void return_workspace(UnitObject *u, PyObject **owner)
+{
+    if (*owner)
+        u->comm->dev->set_workspace(u->comm->comm, NULL, 0);
+    Py_CLEAR(*owner);
+}
+
+/* HYBRID_SHARD: sum a reduce-scattered shard gradient across the replicas
+ * too (its sum over the shard group is in buf). */
+static fs_status across_replicas(UnitObject *u, void *buf, int64_t count, fs_dtype t,
+                                 const char *uname)
+{
+    fs_status s = FS_OK;
+    PyObject *ws = NULL;
+    if (!u->replicate)
+        return FS_OK;
+    if (u->replicate->dev && (t == FS_BF16 || t == FS_F16)) { /* f32 staging, lent */
+        void *p = fs_unit_take(u, count, FS_F32, &ws);
+        if (!p)
+            return FS_ERR_PYTHON;
+        u->replicate->dev->set_workspace(u->replicate->comm, p, (size_t)count * 4);
+    }
+    FS_COMM_RECORD(u->replicate, s, FS_LOP_ALL_REDUCE, uname, count, t,
+                   fs_comm_all_reduce(u->replicate->comm, buf, count, t, FS_RED_SUM));
+    if (ws)
+        u->replicate->dev->set_workspace(u->replicate->comm, NULL, 0);
+    Py_XDECREF(ws);
+    if (s != FS_OK && s != FS_ERR_PYTHON)
+        snprintf(u->comm->comm->last_error, sizeof u->comm->comm->last_error,
+                 "across replicas: %s", u->replicate->comm->last_error);
+    return s;
+}
+
+/* The caller's stream waits for deferred reductions; their buffers go back. */
+static int wait_reduced(UnitObject *u)
+{
+    if (!u->reduce_pending && !u->host_pending)
+        return 0;
+    fs_comm *c = u->comm->comm;
+    if (fs_comm_bind_stream(u->comm) < 0)
+        return -1;
+    fs_status s = FS_OK;
+    if (u->reduce_pending)
+        s = u->comm->dev->wait(u->reduce_event, u->comm->stream, c->last_error,
+                               sizeof c->last_error);
+    /* offload: the host (its optimizer) reads the gradients copied out */
+    if (s == FS_OK && u->host_pending)
+        s = u->comm->dev->synchronize(u->comm->stream, c->last_error, sizeof c->last_error);
+    if (s != FS_OK) {
+        fs_raise(fs_unit_mstate(u), s, "waiting for a gradient reduction: %s", c->last_error);
+        fs_unit_annotate(u, "reduce-scatter", 0);
+        return -1;
+    }
+    u->reduce_pending = u->host_pending = 0;
+    return PyList_SetSlice(u->held, 0, PyList_GET_SIZE(u->held), NULL);
+}
+
+/* Keep `o` (may be NULL) alive until the caller's stream waited. */
+static int hold(UnitObject *u, PyObject *o)
+{
+    return o ? PyList_Append(u->held, o) : 0;
+}
+
+/* ---------------------------------------------------------------------------
+ * the methods */
+
+const char fs_unit_reduce_grad_doc[] =
+    "reduce_grad(group, grad, out, accumulate, defer=False)\n"
+    "Average the unsharded gradient `grad` (padded_numel) over the group into the\n"
+    "shard gradient `out` (shard_numel): out = (accumulate ? out : 0) + mean.\n"
+    "`grad` is used as scratch and left undefined. defer (device units): the current\n"
+    "stream does not wait for it until wait_reduced() ([Note: deferred collectives]).";
+
+
+PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
+{
+    Py_ssize_t gi;
+    PyObject *grad, *out;
+    int accumulate, defer = 0;
+    if (!PyArg_ParseTuple(args, "nOOp|p", &gi, &grad, &out, &accumulate, &defer))
+        return NULL;
+    if (gi < 0 || gi >= u->ngroups)
+        return PyErr_Format(PyExc_IndexError, "unit '%U': no group %zd", u->name, gi);
+    const fs_device_api *d = u->comm->dev;
+    /* (HYBRID_SHARD: two backends, each with its own stream: not deferred) */
+    defer = defer && d && !u->replicate;
+    unit_group *g = &u->groups[gi];
+    fs_comm *c = u->comm->comm;
+    void *gp, *op;
+    if (fs_tensor_ptr(grad, &gp) < 0 || fs_tensor_ptr(out, &op) < 0 ||
+        fs_comm_bind_stream(u->comm) < 0 || (u->replicate && fs_comm_bind_stream(u->replicate) < 0))
+        return NULL;
+    void *pre = u->comm->stream;                      /* before the collective */
+    void *post = defer ? d->comm_stream(c) : pre;     /* after it */
+    /* offload: reduce into device memory, then copy to the host gradient */
+    void *host_op = NULL;
+    PyObject *dev_out_t = NULL;
+    if (u->offload) {
+        if (accumulate)
+            return PyErr_Format(PyExc_ValueError, "unit '%U': with parameter offload, "
+                                "gradients are not accumulated across backward passes",
+                                u->name);
+        host_op = op;
+        if (!(op = fs_unit_take(u, g->shard_numel, g->dtype, &dev_out_t)))
+            return NULL;
+    }
+    /* the mean over every rank holding a replica of this shard too */
+    const double inv = 1.0 / (c->world_size * (u->replicate ? u->replicate->comm->world_size : 1));
+    const char *uname = PyUnicode_AsUTF8(u->name); /* for the ledger */
+    PyObject *red_in_t = NULL, *ws_t = NULL; /* a device's per-reduction buffers */
+    fs_status s = FS_OK;
+    /* The gradient arrives in the compute dtype; the collective runs in the
+     * reduce dtype. fp16 sums are divided first (they could overflow), the
+     * others after, in f32 or better ([Note: mixed precision]). */
+    void *src = gp;
+    double post_scale = inv;
+    if (g->reduce != g->compute || g->reduce == FS_F16) {
+        void *dst = gp;
+        if (g->reduce != g->compute && !(dst = u->empty ? fs_unit_take(u, g->padded_numel, g->reduce,
+                                                                 &red_in_t) : g->red_in)) {
+            Py_XDECREF(dev_out_t);
+            return NULL;
+        }
+        s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute, g->padded_numel, inv, 0);
+        src = dst;
+        post_scale = 1.0;
+    }
+    const int no_shard = u->replicated;
+    if (s == FS_OK && (!no_shard || c->world_size > 1) &&
+        lend_workspace(u, g->reduce, g->padded_numel, &ws_t) < 0) {
+        Py_XDECREF(red_in_t);
+        Py_XDECREF(dev_out_t);
+        return NULL;
+    }
+    if (defer)
+        d->set_defer(c, 1);
+    if (s != FS_OK) {
+    } else if (no_shard) { /* summed in the reduce dtype, in place */
+        if (c->world_size > 1) /* one rank's sum is its own gradient */
+            FS_COMM_RECORD(u->comm, s, FS_LOP_ALL_REDUCE, uname, g->padded_numel, g->reduce,
+                           fs_comm_all_reduce(c, src, g->padded_numel, g->reduce, FS_RED_SUM));
+        if (s == FS_OK)
+            s = fs_unit_scale_accumulate(u, post, op, g->dtype, src, g->reduce, g->shard_numel,
+                                   post_scale, accumulate);
+    } else if (g->reduce != g->dtype) {
+        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->reduce,
+                       fs_comm_reduce_scatter(c, src, g->red_out, g->shard_numel, g->reduce,
+                                              FS_RED_SUM));
+        if (s == FS_OK)
+            s = across_replicas(u, g->red_out, g->shard_numel, g->reduce, uname);
+        if (s == FS_OK)
+            s = fs_unit_scale_accumulate(u, post, op, g->dtype, g->red_out, g->reduce, g->shard_numel,
+                                   post_scale, accumulate);
+    } else if (!accumulate) {
+        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
+                       fs_comm_reduce_scatter(c, src, op, g->shard_numel, g->dtype, FS_RED_SUM));
+        if (s == FS_OK)
+            s = across_replicas(u, op, g->shard_numel, g->dtype, uname);
+        if (s == FS_OK && post_scale != 1.0)
+            s = fs_unit_scale_accumulate(u, post, op, g->dtype, op, g->dtype, g->shard_numel,
+                                   post_scale, 0);
+    } else {
+        size_t need = (size_t)g->shard_numel * fs_dtype_size(g->dtype);
+        void *p = u->scratch;
+        /* a deferred reduction may still read the old scratch: hold it */
+        if (need > u->scratch_bytes &&
+            ((defer && hold(u, u->scratch_t) < 0) ||
+             !(p = u->empty ? fs_unit_take(u, g->shard_numel, g->dtype, &u->scratch_t)
+                            : realloc(u->scratch, need ? need : 1)))) {
+            if (!u->empty && !PyErr_Occurred())
+                PyErr_NoMemory();
+            if (defer)
+                d->set_defer(c, 0);
+            Py_XDECREF(red_in_t);
+            Py_XDECREF(dev_out_t);
+            return_workspace(u, &ws_t);
+            return NULL;
+        }
+        if (need > u->scratch_bytes) {
+            u->scratch = p;
+            u->scratch_bytes = need;
+        }
+        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
+                       fs_comm_reduce_scatter(c, src, u->scratch, g->shard_numel, g->dtype,
+                                              FS_RED_SUM));
+        if (s == FS_OK)
+            s = across_replicas(u, u->scratch, g->shard_numel, g->dtype, uname);
+        if (s == FS_OK)
+            s = fs_unit_scale_accumulate(u, post, op, g->dtype, u->scratch, g->dtype, g->shard_numel,
+                                   post_scale, 1);
+    }
+    if (s == FS_OK && host_op) {
+        s = d->copy(host_op, op, (size_t)g->shard_numel * fs_dtype_size(g->dtype), post,
+                    c->last_error, sizeof c->last_error);
+        u->host_pending = 1; /* the host waits before reading it (wait_reduced) */
+    }
+    if (defer) {
+        d->set_defer(c, 0);
+        if (s == FS_OK)
+            s = d->record(c, &u->reduce_event, c->last_error, sizeof c->last_error);
+        if (s == FS_OK) { /* what the enqueued work reads and writes stays alive */
+            u->reduce_pending = 1;
+            if (hold(u, grad) < 0 || hold(u, out) < 0 || hold(u, red_in_t) < 0 ||
+                hold(u, ws_t) < 0 || hold(u, dev_out_t) < 0) {
+                Py_XDECREF(red_in_t);
+                Py_XDECREF(dev_out_t);
+                return_workspace(u, &ws_t);
+                return NULL;
+            }
+        }
+    }
+    Py_XDECREF(dev_out_t);
+    Py_XDECREF(red_in_t);
+    if (ws_t)
+        return_workspace(u, &ws_t);
+    if (s != FS_OK) {
+        fs_raise(fs_unit_mstate(u), s, "gradient reduction: %s", c->last_error);
+        fs_unit_annotate(u, u->replicated ? "all-reduce" : "reduce-scatter", gi);
+        return fs_comm_failed(u->comm);
+    }
+    u->n_reduce++;
+    Py_RETURN_NONE;
+}
+
+const char fs_unit_wait_reduced_doc[] =
+    "wait_reduced(): the current stream waits for deferred gradient reductions, and\n"
+    "their buffers are released (a no-op when none is pending, and on the host).";
+
+
+PyObject *fs_unit_wait_reduced(UnitObject *u, PyObject *Py_UNUSED(a))
+{
+    if (wait_reduced(u) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
