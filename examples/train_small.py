@@ -110,7 +110,9 @@ def main():
     keys = ["params", "grads", "optim", "unsharded"]
     mine = torch.tensor([mem[k] for k in keys], dtype=torch.int64)
     every = torch.empty(world * len(keys), dtype=torch.int64)
-    dist.all_gather_into_tensor(every, mine)
+    # torch 2.13 names it all_gather_single; 2.11 all_gather_into_tensor
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(every, mine)
     lines = [(r, dict(zip(keys, row.tolist()))) for r, row in enumerate(every.view(world, -1))]
     if rank == 0:
         print(f"throughput: {tokens / elapsed:,.0f} tokens/s over {args.steps - 1} steps")
