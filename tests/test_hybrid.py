@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-from flatshard import FSDP, MixedPrecision, NotBuiltError, ShardingStrategy
+from flatshard import FSDP, MixedPrecision, ShardingStrategy
 from toy_models import Block, build
 
 RTOL, SCALE_ATOL = 2e-6, 2e-6
@@ -146,7 +146,7 @@ def test_hybrid_matches_torch_fsdp(dist_pool, mp):
         assert loss_diff <= 1e-6 and pdiff <= 1e-6, (loss_diff, pdiff)
 
 
-def _sync_and_state_dicts():
+def _sync_module_states():
     torch.manual_seed(dist.get_rank())  # a different initialization on every rank
     from toy_models import Net
     model = FSDP(Net(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
@@ -154,17 +154,58 @@ def _sync_and_state_dicts():
                  sync_module_states=True)
     torch.manual_seed(0)
     want = Net().state_dict()  # rank 0's initialization
-    same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
-    refused = None
+    return all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+def test_hybrid_sync_module_states(dist_pool):
+    assert all(dist_pool(4).run(_sync_module_states))  # every rank holds rank 0's weights
+
+
+def _hybrid_model(how):
+    kw = dict(auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
+              sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    if how == "pair":
+        kw["process_group"] = _groups()
+    elif how == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+        kw["device_mesh"] = init_device_mesh("cpu", (2, 2))
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
-        with FSDP.state_dict_type(model, flatshard.StateDictType.SHARDED_STATE_DICT):
-            model.state_dict()
-    except NotBuiltError as e:
-        refused = str(e)
-    return same, refused
+        return FSDP(build(), **kw)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
 
 
-def test_hybrid_sync_module_states_and_state_dicts(dist_pool):
-    for same, refused in dist_pool(4).run(_sync_and_state_dicts):
-        assert same  # every rank holds rank 0's weights
-        assert refused and "HYBRID_SHARD" in refused and "state_dict_type" in refused
+def _checkpoint_round_trip(path, how):
+    rank = dist.get_rank()
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    batches = _batches(4)
+    model = _hybrid_model(how)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, opt, batches[:2], mine)
+    flatshard.save_checkpoint(path, model, opt)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    after = _train(model, opt, batches[2:], mine)
+    # a fresh hybrid model resumes bit for bit
+    again = _hybrid_model(how)
+    opt2 = torch.optim.AdamW(again.parameters(), lr=0.01)
+    flatshard.load_checkpoint(path, again, opt2)
+    resumed = _train(again, opt2, batches[2:], mine)
+    # and plain FULL_SHARD over all 4 ranks reads the same weights
+    plain = FSDP(build(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    flatshard.load_checkpoint(path, plain)
+    same = all(torch.equal(v, saved[k]) for k, v in plain.state_dict().items())
+    # the sharded state dict: DTensors on the (replicate, shard) mesh
+    with FSDP.state_dict_type(model, flatshard.StateDictType.SHARDED_STATE_DICT):
+        placements = {str(v.placements) for v in model.state_dict().values()
+                      if hasattr(v, "placements") and v.dim()}
+    return after == resumed, same, sorted(placements)
+
+
+@pytest.mark.parametrize("how", ["2", "pair", "mesh"])
+def test_hybrid_checkpoints_resume_and_reshard(dist_pool, tmp_path, how):
+    for resumed, plain_same, placements in dist_pool(4).run(_checkpoint_round_trip,
+                                                            str(tmp_path / "ckpt"), how):
+        assert resumed and plain_same
+        assert placements == ["(Replicate(), Shard(dim=0))"]

@@ -32,7 +32,12 @@ TMP = ".tmp-"
 
 
 def _group(model):
-    return units_of(model)[0]._cfg.group
+    """The group the checkpoint is written over: the model's, or under
+    HYBRID_SHARD every rank (DCP writes each replicated chunk once)."""
+    units = units_of(model)
+    if any(u._cfg.hybrid is not None for u in units):
+        return dist.group.WORLD
+    return units[0]._cfg.group
 
 
 def _state(model, optimizer, extra):

@@ -39,8 +39,9 @@ class UnitConfig:
     mixed_precision: Optional[MixedPrecision] = None
     offload_params: bool = False  # CPUOffload(offload_params=True)
     # HYBRID_SHARD (strategy is then FULL_SHARD or SHARD_GRAD_OP inside the
-    # shard group): (shard group, replicate group), or the ranks per host
-    # (LOCAL_WORLD_SIZE) when the groups are made at wrap time (fsdp.py).
+    # shard group): (shard group, replicate group, 2-D DeviceMesh or None),
+    # or the ranks per host (LOCAL_WORLD_SIZE) when the groups are made at
+    # wrap time (fsdp.py).
     hybrid: object = None
 
 
@@ -151,13 +152,13 @@ def _hybrid(process_group, device_mesh, device):
             raise bad_type("process_group", process_group, "a (shard group, replicate group) "
                            "pair of torch.distributed ProcessGroups")
         shard, replicate = (_group(g, None, device) for g in process_group)
-        return shard, (shard, replicate)
+        return shard, (shard, replicate, None)
     if device_mesh is not None:
         if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 2:
             raise bad_value("device_mesh", device_mesh, "HYBRID_SHARD takes a 2-D mesh "
                             "(replicate on dim 0, shard on dim 1)")
         shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
-        return shard, (shard, replicate)
+        return shard, (shard, replicate, device_mesh)
     if process_group is not None:
         raise bad_value("process_group", process_group, "HYBRID_SHARD needs two groups",
                         "pass process_group=(shard_group, replicate_group), a 2-D device_mesh, "

@@ -302,7 +302,7 @@ def _hybrid_groups(spec):
     ranks with one local rank across hosts replicate (every rank makes every
     group, in one order, as torch.distributed requires)."""
     if isinstance(spec, tuple):
-        return spec
+        return spec[:2]
     world, rank = dist.get_world_size(), dist.get_rank()
     key = (spec, world)
     if key not in _HYBRID_GROUPS:
@@ -365,8 +365,8 @@ class FullyShardedDataParallel(nn.Module):
     HYBRID_SHARD / _HYBRID_SHARD_ZERO2 shard inside a group and all-reduce
     the gradient shards across replicas: process_group=(shard_group,
     replicate_group), a 2-D device_mesh (replicate, shard), or None under
-    torchrun (each host's LOCAL_WORLD_SIZE ranks shard); their state dicts
-    are FULL_STATE_DICT only.
+    torchrun (each host's LOCAL_WORLD_SIZE ranks shard); sharded state
+    dicts hold DTensors on the 2-D (replicate, shard) mesh.
 
     flatshard's own keyword: comm_backend "auto" (default; on CPU shared
     memory when all ranks are on one host, else the process group; on a
@@ -420,8 +420,10 @@ class FullyShardedDataParallel(nn.Module):
     def _setup(self, up):
         module, cfg = up.module, up.cfg
         group, comm, replicate, replicas_only = _comms(cfg)
-        if group is not cfg.group:  # HYBRID_SHARD: what the unit's collectives run over
-            cfg = dataclasses.replace(cfg, group=group)
+        if cfg.hybrid is not None:  # the group the unit's collectives run over; with
+            # one rank per host or one host, the unit is plain NO_SHARD / sharded
+            cfg = dataclasses.replace(cfg, group=group,
+                                      hybrid=None if replicate is None else cfg.hybrid)
         self._fsdp_wrapped_module = module
         self._cfg = cfg
         self._root_state = None

@@ -73,13 +73,7 @@ def units_of(module):
 
 
 def settings_of(fs):
-    settings = fs.__dict__.get(_SETTINGS, DEFAULT)
-    if fs._cfg.hybrid is not None and settings.state_dict_type is not \
-            StateDictType.FULL_STATE_DICT:
-        raise not_built("state_dict_type", settings.state_dict_type, "sharded and local state "
-                        "dicts of HYBRID_SHARD models are not built yet; use "
-                        "StateDictType.FULL_STATE_DICT")
-    return settings
+    return fs.__dict__.get(_SETTINGS, DEFAULT)
 
 
 def get_state_dict_type(module):
@@ -155,27 +149,51 @@ _MESHES = {}
 
 
 def mesh_of(fs):
-    """The 1-D DeviceMesh over a unit's process group (cached)."""
+    """The DeviceMesh of a unit's sharded state: 1-D over its process group,
+    or under HYBRID_SHARD 2-D (replicate, shard) (cached)."""
     from torch.distributed.device_mesh import DeviceMesh
-    group = fs._cfg.group
+    group, hybrid = fs._cfg.group, fs._cfg.hybrid
     hit = _MESHES.get(id(group))
     if hit is None or hit[0] is not group:
-        hit = (group, DeviceMesh.from_group(group, fs._cfg.device.type))
+        if hybrid is None:
+            mesh = DeviceMesh.from_group(group, fs._cfg.device.type)
+        elif isinstance(hybrid, tuple) and hybrid[2] is not None:
+            mesh = hybrid[2]  # the user's own 2-D mesh
+        else:
+            mesh = _hybrid_mesh(fs)
+        hit = (group, mesh)
         _MESHES[id(group)] = hit
     return hit[1]
 
 
+def _hybrid_mesh(fs):
+    """The 2-D mesh of HYBRID_SHARD groups: a row per shard group, the
+    replicas of a shard rank down a column (every rank tells its shard
+    group's ranks: a collective, as state dicts are)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from .fsdp import _hybrid_groups
+    shard, replicate = _hybrid_groups(fs._cfg.hybrid)
+    rows = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(
+        rows, torch.distributed.get_process_group_ranks(shard))
+    layout = torch.tensor(sorted({tuple(r) for r in rows}))
+    return DeviceMesh.from_group([replicate, shard], fs._cfg.device.type, mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
+
+
 def to_dtensor(full, mesh):
     """A whole tensor (the same on every rank) -> a DTensor holding this rank's
-    Shard(0) chunk, copied (the whole tensor is freed next); 0-dim ones are
+    Shard(0) chunk (on the mesh's last dim; replicated on a 2-D mesh's
+    first), copied (the whole tensor is freed next); 0-dim ones are
     replicated."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     full = full.detach()
+    rep = [Replicate()] * mesh.ndim
     if full.dim() == 0:
-        return DTensor.from_local(full.clone(), mesh, [Replicate()], run_check=False)
-    cut = DTensor.from_local(full, mesh, [Replicate()], run_check=False).redistribute(
-        mesh, [Shard(0)])
-    return DTensor.from_local(cut.to_local().clone(), mesh, [Shard(0)], run_check=False,
+        return DTensor.from_local(full.clone(), mesh, rep, run_check=False)
+    cut_on = rep[:-1] + [Shard(0)]
+    cut = DTensor.from_local(full, mesh, rep, run_check=False).redistribute(mesh, cut_on)
+    return DTensor.from_local(cut.to_local().clone(), mesh, cut_on, run_check=False,
                               shape=cut.shape, stride=cut.stride())
 
 
