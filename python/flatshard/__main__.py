@@ -25,14 +25,14 @@ def doctor_report():
     except ImportError:
         cuda_built = "no (none in this build)"
     shm = sys.platform.startswith("linux") and os.path.isdir("/dev/shm")
+    nccl = "nccl (units on CUDA devices)" if cuda_built == "yes" else \
+        "nccl (not built: no nvcc at install)"
     return [
         f"flatshard {__version__}",
         f"python {platform.python_version()}, torch {torch.__version__}",
         f"CPU SIMD for reductions and optimizers: {_C.simd_level()}",
         f"collective backends: torch (any process group), "
-        f"shm ({'available' if shm else 'not available: needs Linux /dev/shm'}), "
-        "nccl (kernels and communicator built, but the wrappers do not place units on CUDA "
-        "devices yet)" if cuda_built == "yes" else "nccl (not built)",
+        f"shm ({'available' if shm else 'not available: needs Linux /dev/shm'}), {nccl}",
         f"CUDA kernels built: {cuda_built}; torch sees CUDA: {torch.cuda.is_available()}",
         cuda_line(),
     ]
