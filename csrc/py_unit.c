@@ -69,7 +69,7 @@ void *fs_unit_take(UnitObject *u, int64_t numel, fs_dtype t, PyObject **owner)
 
 /* On a device, enqueued on `stream`. */
 fs_status fs_unit_cast(UnitObject *u, void *stream, void *dst, fs_dtype dt, const void *src,
-                           fs_dtype st, int64_t n)
+                       fs_dtype st, int64_t n)
 {
     const fs_device_api *d = u->comm->dev;
     fs_comm *c = u->comm->comm;
@@ -85,8 +85,8 @@ fs_status fs_unit_cast(UnitObject *u, void *stream, void *dst, fs_dtype dt, cons
 /* On a device, enqueued on `stream` (the caller's, or the backend's own for
  * work that follows a deferred collective). */
 fs_status fs_unit_scale_accumulate(UnitObject *u, void *stream, void *dst, fs_dtype dt,
-                                    const void *src, fs_dtype st, int64_t n, double scale,
-                                    int accumulate)
+                                   const void *src, fs_dtype st, int64_t n, double scale,
+                                   int accumulate)
 {
     const fs_device_api *d = u->comm->dev;
     fs_comm *c = u->comm->comm;
@@ -222,11 +222,12 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
             u->cfg.strategy = FS_SHARD_GRAD_OP;
             u->unsharded = 0;
         }
-        if ((g->lp && !u->replicated && !(g->lp_shard = fs_unit_take(u, sn, g->compute,
-                                                               &g->lp_shard_t))) ||
+        if ((g->lp && !u->replicated &&
+             !(g->lp_shard = fs_unit_take(u, sn, g->compute, &g->lp_shard_t))) ||
             (g->reduce != g->compute && !u->empty &&
              !(g->red_in = fs_unit_take(u, pn, g->reduce, NULL))) ||
-            (g->reduce != g->dtype && !(g->red_out = fs_unit_take(u, sn, g->reduce, &g->red_out_t))))
+            (g->reduce != g->dtype &&
+             !(g->red_out = fs_unit_take(u, sn, g->reduce, &g->red_out_t))))
             goto fail;
         g->shard_numel = sn;
         g->padded_numel = pn;
@@ -384,7 +385,7 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, 
                 fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(g->lp, &dp) < 0)
                 return fs_unit_annotate(u, "unshard", i);
             if ((s = fs_unit_cast(u, u->comm->stream, dp, g->compute, sp, g->dtype,
-                               g->padded_numel)) != FS_OK) {
+                                  g->padded_numel)) != FS_OK) {
                 fs_raise(fs_unit_mstate(u), s, "cast: %s", u->comm->comm->last_error);
                 return fs_unit_annotate(u, "unshard", i);
             }

@@ -140,12 +140,14 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
     double post_scale = inv;
     if (g->reduce != g->compute || g->reduce == FS_F16) {
         void *dst = gp;
-        if (g->reduce != g->compute && !(dst = u->empty ? fs_unit_take(u, g->padded_numel, g->reduce,
-                                                                 &red_in_t) : g->red_in)) {
+        if (g->reduce != g->compute &&
+            !(dst = u->empty ? fs_unit_take(u, g->padded_numel, g->reduce, &red_in_t)
+                             : g->red_in)) {
             Py_XDECREF(dev_out_t);
             return NULL;
         }
-        s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute, g->padded_numel, inv, 0);
+        s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute, g->padded_numel,
+                                     inv, 0);
         src = dst;
         post_scale = 1.0;
     }
@@ -165,53 +167,45 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
                            fs_comm_all_reduce(c, src, g->padded_numel, g->reduce, FS_RED_SUM));
         if (s == FS_OK)
             s = fs_unit_scale_accumulate(u, post, op, g->dtype, src, g->reduce, g->shard_numel,
-                                   post_scale, accumulate);
-    } else if (g->reduce != g->dtype) {
-        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->reduce,
-                       fs_comm_reduce_scatter(c, src, g->red_out, g->shard_numel, g->reduce,
-                                              FS_RED_SUM));
-        if (s == FS_OK)
-            s = across_replicas(u, g->red_out, g->shard_numel, g->reduce, uname);
-        if (s == FS_OK)
-            s = fs_unit_scale_accumulate(u, post, op, g->dtype, g->red_out, g->reduce, g->shard_numel,
-                                   post_scale, accumulate);
-    } else if (!accumulate) {
-        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
-                       fs_comm_reduce_scatter(c, src, op, g->shard_numel, g->dtype, FS_RED_SUM));
-        if (s == FS_OK)
-            s = across_replicas(u, op, g->shard_numel, g->dtype, uname);
-        if (s == FS_OK && post_scale != 1.0)
-            s = fs_unit_scale_accumulate(u, post, op, g->dtype, op, g->dtype, g->shard_numel,
-                                   post_scale, 0);
+                                         post_scale, accumulate);
     } else {
-        size_t need = (size_t)g->shard_numel * fs_dtype_size(g->dtype);
-        void *p = u->scratch;
-        /* a deferred reduction may still read the old scratch: hold it */
-        if (need > u->scratch_bytes &&
-            ((defer && hold(u, u->scratch_t) < 0) ||
-             !(p = u->empty ? fs_unit_take(u, g->shard_numel, g->dtype, &u->scratch_t)
-                            : realloc(u->scratch, need ? need : 1)))) {
-            if (!u->empty && !PyErr_Occurred())
-                PyErr_NoMemory();
-            if (defer)
-                d->set_defer(c, 0);
-            Py_XDECREF(red_in_t);
-            Py_XDECREF(dev_out_t);
-            return_workspace(u, &ws_t);
-            return NULL;
+        /* Where the reduce-scatter lands: the shard gradient itself when it
+         * starts empty and keeps the dtype; else a buffer added into it. */
+        void *land = op;
+        fs_dtype lt = g->dtype;
+        if (g->reduce != g->dtype) {
+            land = g->red_out;
+            lt = g->reduce;
+        } else if (accumulate) {
+            size_t need = (size_t)g->shard_numel * fs_dtype_size(g->dtype);
+            void *p = u->scratch;
+            /* a deferred reduction may still read the old scratch: hold it */
+            if (need > u->scratch_bytes &&
+                ((defer && hold(u, u->scratch_t) < 0) ||
+                 !(p = u->empty ? fs_unit_take(u, g->shard_numel, g->dtype, &u->scratch_t)
+                                : realloc(u->scratch, need ? need : 1)))) {
+                if (!u->empty && !PyErr_Occurred())
+                    PyErr_NoMemory();
+                if (defer)
+                    d->set_defer(c, 0);
+                Py_XDECREF(red_in_t);
+                Py_XDECREF(dev_out_t);
+                return_workspace(u, &ws_t);
+                return NULL;
+            }
+            if (need > u->scratch_bytes) {
+                u->scratch = p;
+                u->scratch_bytes = need;
+            }
+            land = u->scratch;
         }
-        if (need > u->scratch_bytes) {
-            u->scratch = p;
-            u->scratch_bytes = need;
-        }
-        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, g->dtype,
-                       fs_comm_reduce_scatter(c, src, u->scratch, g->shard_numel, g->dtype,
-                                              FS_RED_SUM));
+        FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, lt,
+                       fs_comm_reduce_scatter(c, src, land, g->shard_numel, lt, FS_RED_SUM));
         if (s == FS_OK)
-            s = across_replicas(u, u->scratch, g->shard_numel, g->dtype, uname);
-        if (s == FS_OK)
-            s = fs_unit_scale_accumulate(u, post, op, g->dtype, u->scratch, g->dtype, g->shard_numel,
-                                   post_scale, 1);
+            s = across_replicas(u, land, g->shard_numel, lt, uname);
+        if (s == FS_OK && (land != op || post_scale != 1.0))
+            s = fs_unit_scale_accumulate(u, post, op, g->dtype, land, lt, g->shard_numel,
+                                         post_scale, land == op ? 0 : accumulate);
     }
     if (s == FS_OK && host_op) {
         s = d->copy(host_op, op, (size_t)g->shard_numel * fs_dtype_size(g->dtype), post,
