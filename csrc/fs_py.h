@@ -50,6 +50,15 @@ typedef struct {
  * for host Comms. -1 with an exception set if stream_fn failed. */
 int fs_comm_bind_stream(CommObject *self);
 
+/* A bfloat16/float16 reduction on a device stages through float32 (comm.h):
+ * lend the backend total_numel floats from self->empty for one call (*owner
+ * keeps them; NULL and a no-op for other dtypes and host Comms). -1 with an
+ * exception set on failure. After the call, give them back: the caller's
+ * stream already waits for the collective, so the allocator reuses them in
+ * that stream's order (a deferred collective keeps *owner alive instead). */
+int fs_comm_lend_workspace(CommObject *self, int t, long long total_numel, PyObject **owner);
+void fs_comm_return_workspace(CommObject *self, PyObject **owner);
+
 fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out);
 /* `ledger` (may be NULL): the shm backend publishes its newest entry to the
  * other ranks at each collective, and checks that theirs match. */

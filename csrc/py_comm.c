@@ -46,9 +46,7 @@ static PyObject *device_comm(PyTypeObject *tp, int rank, int world, PyObject *ca
     return (PyObject *)self;
 }
 
-/* A bfloat16/float16 reduction on a device stages through float32 (comm.h):
- * lend the backend total_numel floats for one call; *owner keeps them. */
-static int lend(CommObject *self, int t, long long total_numel, PyObject **owner)
+int fs_comm_lend_workspace(CommObject *self, int t, long long total_numel, PyObject **owner)
 {
     *owner = NULL;
     if (!self->dev || (t != FS_BF16 && t != FS_F16))
@@ -63,9 +61,7 @@ static int lend(CommObject *self, int t, long long total_numel, PyObject **owner
     return 0;
 }
 
-/* After the call: the caller's stream already waits for the collective, so
- * the staging goes back to the allocator in that stream's order. */
-static void unlend(CommObject *self, PyObject **owner)
+void fs_comm_return_workspace(CommObject *self, PyObject **owner)
 {
     if (*owner)
         self->dev->set_workspace(self->comm, NULL, 0);
@@ -212,13 +208,13 @@ static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KKLip|s", &sp, &rp, &n, &t, &avg, &tag))
         return NULL;
     PyObject *ws;
-    if (fs_comm_bind_stream(self) < 0 || lend(self, t, n * self->comm->world_size, &ws) < 0)
+    if (fs_comm_bind_stream(self) < 0 || fs_comm_lend_workspace(self, t, n * self->comm->world_size, &ws) < 0)
         return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_REDUCE_SCATTER, tag, n, t,
                    fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
                                           avg ? FS_RED_AVG : FS_RED_SUM));
-    unlend(self, &ws);
+    fs_comm_return_workspace(self, &ws);
     return done(self, s, "reduce_scatter", tag);
 }
 
@@ -232,12 +228,12 @@ static PyObject *Comm_all_reduce(CommObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KLip|s", &p, &n, &t, &avg, &tag))
         return NULL;
     PyObject *ws;
-    if (fs_comm_bind_stream(self) < 0 || lend(self, t, n, &ws) < 0)
+    if (fs_comm_bind_stream(self) < 0 || fs_comm_lend_workspace(self, t, n, &ws) < 0)
         return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_ALL_REDUCE, tag, n, t,
                    fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM));
-    unlend(self, &ws);
+    fs_comm_return_workspace(self, &ws);
     return done(self, s, "all_reduce", tag);
 }
 

@@ -8,47 +8,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-/* A bfloat16/float16 reduction of total_numel elements on a device stages
- * through float32 (comm.h): lend the backend that much for one call. */
-static int lend_workspace(UnitObject *u, fs_dtype t, int64_t total_numel, PyObject **owner)
-{
-    const fs_device_api *d = u->comm->dev;
-    if (!d || (t != FS_BF16 && t != FS_F16))
-        return 0;
-    void *p = fs_unit_take(u, total_numel, FS_F32, owner);
-    if (!p)
-        return -1;
-    d->set_workspace(u->comm->comm, p, (size_t)total_numel * 4);
-    return 0;
-}
-
-static void return_workspace(UnitObject *u, PyObject **owner)
-{
-    if (*owner)
-        u->comm->dev->set_workspace(u->comm->comm, NULL, 0);
-    Py_CLEAR(*owner);
-}
-
 /* HYBRID_SHARD: sum a reduce-scattered shard gradient across the replicas
  * too (its sum over the shard group is in buf). */
 static fs_status across_replicas(UnitObject *u, void *buf, int64_t count, fs_dtype t,
                                  const char *uname)
 {
     fs_status s = FS_OK;
-    PyObject *ws = NULL;
+    PyObject *ws;
     if (!u->replicate)
         return FS_OK;
-    if (u->replicate->dev && (t == FS_BF16 || t == FS_F16)) { /* f32 staging, lent */
-        void *p = fs_unit_take(u, count, FS_F32, &ws);
-        if (!p)
-            return FS_ERR_PYTHON;
-        u->replicate->dev->set_workspace(u->replicate->comm, p, (size_t)count * 4);
-    }
+    if (fs_comm_lend_workspace(u->replicate, t, count, &ws) < 0)
+        return FS_ERR_PYTHON;
     FS_COMM_RECORD(u->replicate, s, FS_LOP_ALL_REDUCE, uname, count, t,
                    fs_comm_all_reduce(u->replicate->comm, buf, count, t, FS_RED_SUM));
-    if (ws)
-        u->replicate->dev->set_workspace(u->replicate->comm, NULL, 0);
-    Py_XDECREF(ws);
+    fs_comm_return_workspace(u->replicate, &ws);
     if (s != FS_OK && s != FS_ERR_PYTHON)
         snprintf(u->comm->comm->last_error, sizeof u->comm->comm->last_error,
                  "across replicas: %s", u->replicate->comm->last_error);
@@ -153,7 +126,7 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
     }
     const int no_shard = u->replicated;
     if (s == FS_OK && (!no_shard || c->world_size > 1) &&
-        lend_workspace(u, g->reduce, g->padded_numel, &ws_t) < 0) {
+        fs_comm_lend_workspace(u->comm, g->reduce, g->padded_numel, &ws_t) < 0) {
         Py_XDECREF(red_in_t);
         Py_XDECREF(dev_out_t);
         return NULL;
@@ -190,7 +163,7 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
                     d->set_defer(c, 0);
                 Py_XDECREF(red_in_t);
                 Py_XDECREF(dev_out_t);
-                return_workspace(u, &ws_t);
+                fs_comm_return_workspace(u->comm, &ws_t);
                 return NULL;
             }
             if (need > u->scratch_bytes) {
@@ -222,15 +195,14 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
                 hold(u, ws_t) < 0 || hold(u, dev_out_t) < 0) {
                 Py_XDECREF(red_in_t);
                 Py_XDECREF(dev_out_t);
-                return_workspace(u, &ws_t);
+                fs_comm_return_workspace(u->comm, &ws_t);
                 return NULL;
             }
         }
     }
     Py_XDECREF(dev_out_t);
     Py_XDECREF(red_in_t);
-    if (ws_t)
-        return_workspace(u, &ws_t);
+    fs_comm_return_workspace(u->comm, &ws_t);
     if (s != FS_OK) {
         fs_raise(fs_unit_mstate(u), s, "gradient reduction: %s", c->last_error);
         fs_unit_annotate(u, u->replicated ? "all-reduce" : "reduce-scatter", gi);
