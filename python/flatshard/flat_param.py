@@ -106,6 +106,9 @@ class FlatGroup:
         # use_orig_params=True: gradient shard and the views handed out of it.
         self.grad_buf = None
         self.grad_views = None
+        # NO_SHARD + param_dtype, use_orig_params=False: views of the full
+        # buffer that the modules show outside forward (unit.py, made once).
+        self.resting_views = None
         # SHARD_OPTIM (zero1.py): the whole averaged gradient; the shard's
         # gradient is a view of this rank's slice of it.
         self.whole_grad = None

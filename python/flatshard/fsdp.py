@@ -355,8 +355,8 @@ class FullyShardedDataParallel(nn.Module):
     NO_SHARD, and SHARD_OPTIM (ZeRO-1, flatshard's own); cpu_offload (on a
     CUDA device the shards and gradients stay in pinned host memory, staged
     on the device for each gather; not with NO_SHARD or SHARD_OPTIM there);
-    auto_wrap_policy (torch's or flatshard's
-    policies); backward_prefetch; forward_prefetch; limit_all_gathers
+    auto_wrap_policy (torch's or flatshard's policies); backward_prefetch;
+    forward_prefetch; limit_all_gathers
     (collectives are ordered on the caller's stream, so at most one
     all-gather is ever in flight); ignored_modules / ignored_states;
     param_init_fn; device_id (CPU, or a CUDA device with flatshard's NCCL

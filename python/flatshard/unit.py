@@ -74,9 +74,13 @@ class UnitRuntime:
     def _resting_views(self, g):
         """use_orig_params=False: what the modules show outside forward. The
         whole parameters where they are kept (NO_SHARD: the full buffer, the
-        full-precision one under mixed precision; ZeRO-1), else None."""
+        full-precision one under mixed precision; ZeRO-1), else None. The
+        full-precision views of NO_SHARD + param_dtype are made once: they
+        are put back after every forward."""
         if self.no_shard and g.lp is not None:
-            return g.unsharded_views(g.full)
+            if g.resting_views is None:
+                g.resting_views = g.unsharded_views(g.full)
+            return g.resting_views
         return g.unsharded_views() if self.no_shard or self.shard_optim else None
 
     def _use_sharded_params(self):
