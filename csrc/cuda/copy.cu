@@ -21,10 +21,10 @@ cudaError_t cast_from(void *dst, const void *src, fs_dtype src_t, int64_t n, cud
     int g = grid_for(n);
     D *d = (D *)dst;
     switch (src_t) {
-    case FS_F32: cast_kernel<<<g, kThreads, 0, s>>>(d, (const float *)src, n); break;
-    case FS_F16: cast_kernel<<<g, kThreads, 0, s>>>(d, (const __half *)src, n); break;
-    case FS_BF16: cast_kernel<<<g, kThreads, 0, s>>>(d, (const __nv_bfloat16 *)src, n); break;
-    case FS_F64: cast_kernel<<<g, kThreads, 0, s>>>(d, (const double *)src, n); break;
+    case FS_F32: FS_LAUNCH(cast_kernel, g, s)(d, (const float *)src, n); break;
+    case FS_F16: FS_LAUNCH(cast_kernel, g, s)(d, (const __half *)src, n); break;
+    case FS_BF16: FS_LAUNCH(cast_kernel, g, s)(d, (const __nv_bfloat16 *)src, n); break;
+    case FS_F64: FS_LAUNCH(cast_kernel, g, s)(d, (const double *)src, n); break;
     default: return cudaErrorInvalidValue;
     }
     return launched();
@@ -34,7 +34,7 @@ __global__ void scale_acc_f32(float *dst, const float *src, int64_t n, float k, 
 {
     int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        dst[i] = (acc ? dst[i] : 0.0f) + k * src[i];
+        dst[i] = acc ? dst[i] + k * src[i] : k * src[i]; /* no 0 + x: -0 stays -0 */
 }
 
 __global__ void scale_acc_any(void *dst, int dt, const void *src, int st, int64_t n, double k,
@@ -128,7 +128,7 @@ cudaError_t segments(void *flat, fs_dtype flat_t, const fs_cuda_segment *seg, in
         }
         if (total == 0)
             continue;
-        segments_kernel<<<grid_for(total), kThreads, 0, stream>>>(tab, flat, flat_t, unpack);
+        FS_LAUNCH(segments_kernel, grid_for(total), stream)(tab, flat, flat_t, unpack);
         cudaError_t e = launched();
         if (e != cudaSuccess)
             return e;
@@ -166,11 +166,11 @@ extern "C" cudaError_t fs_cuda_scale_accumulate(void *dst, fs_dtype dst_t, const
     if (n == 0)
         return cudaSuccess;
     if (dst_t == FS_F32 && src_t == FS_F32)
-        scale_acc_f32<<<grid_for(n), kThreads, 0, stream>>>((float *)dst, (const float *)src, n,
-                                                            (float)scale, accumulate);
+        FS_LAUNCH(scale_acc_f32, grid_for(n), stream)((float *)dst, (const float *)src, n,
+                                                      (float)scale, accumulate);
     else
-        scale_acc_any<<<grid_for(n), kThreads, 0, stream>>>(dst, dst_t, src, src_t, n, scale,
-                                                            accumulate);
+        FS_LAUNCH(scale_acc_any, grid_for(n), stream)(dst, dst_t, src, src_t, n, scale,
+                                                      accumulate);
     return launched();
 }
 

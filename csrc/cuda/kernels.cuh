@@ -1,7 +1,13 @@
 /* kernels.cuh - what the .cu files share: launch sizing, and element
  * loads, stores and conversions between flatshard's dtypes (fs_dtype.h).
  * Elementwise kernels are memory-bound: grid-stride loops with 64-bit
- * indices over a grid sized to fill the device. */
+ * indices over a grid sized to fill the device.
+ *
+ * Launches go through FS_LAUNCH(kernel, grid, stream)(args...), kThreads
+ * threads a block, no dynamic shared memory. Under nvcc it is the <<<>>>
+ * launch. Any other C++ compiler builds the kernels as host code for the
+ * tests (tests/cuda_emu/: the same sources, every block's threads run as
+ * fibers), which then supplies FS_LAUNCH and the CUDA headers. */
 #ifndef FS_KERNELS_CUH
 #define FS_KERNELS_CUH
 
@@ -10,6 +16,10 @@
 #include <cuda_runtime.h>
 
 #include "fs_cuda.h"
+
+#ifdef __CUDACC__
+#define FS_LAUNCH(kernel, grid, stream) kernel<<<(grid), kThreads, 0, (stream)>>>
+#endif
 
 namespace {
 

@@ -198,8 +198,8 @@ extern "C" cudaError_t fs_cuda_adam_step(const fs_cuda_adam_args *a, cudaStream_
     int vec = aligned16(a->param) && aligned16(a->grad) && aligned16(a->exp_avg) &&
               aligned16(a->exp_avg_sq) && (!a->max_exp_avg_sq || aligned16(a->max_exp_avg_sq));
     static int per_sm; /* about 40 registers a thread: fewer than 8 blocks fit */
-    adam_kernel<<<grid_for(vec ? a->n / 4 + 1 : a->n, occupancy(adam_kernel, &per_sm)), kThreads,
-                  0, stream>>>(*a, k, vec);
+    const int grid = grid_for(vec ? a->n / 4 + 1 : a->n, occupancy(adam_kernel, &per_sm));
+    FS_LAUNCH(adam_kernel, grid, stream)(*a, k, vec);
     return launched();
 }
 
@@ -211,7 +211,7 @@ extern "C" cudaError_t fs_cuda_sgd_step(const fs_cuda_sgd_args *a, cudaStream_t 
         return cudaErrorInvalidValue;
     if (a->n == 0)
         return cudaSuccess;
-    sgd_kernel<<<grid_for(a->n), kThreads, 0, stream>>>(*a);
+    FS_LAUNCH(sgd_kernel, grid_for(a->n), stream)(*a);
     return launched();
 }
 
@@ -223,6 +223,6 @@ extern "C" cudaError_t fs_cuda_norm_partial(const void *x, fs_dtype t, int64_t n
     cudaError_t e = cudaMemsetAsync(out, 0, sizeof(double), stream);
     if (e != cudaSuccess || n == 0)
         return e;
-    norm_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, t, n, inf != 0, out);
+    FS_LAUNCH(norm_kernel, grid_for(n), stream)(x, t, n, inf != 0, out);
     return launched();
 }

@@ -1,0 +1,2 @@
+/* cuda_bf16.h - for the host build of the kernels (fs_emu.h). */
+#include "fs_emu.h"
