@@ -3,7 +3,8 @@
 The same sources are compiled by the host C++ compiler against
 tests/cuda_emu/ (CUDA's runtime and device builtins over host memory, each
 block's threads run as fibers so barriers and warp shuffles keep their
-meaning) and called through their C entry points with CPU tensors. Grids
+meaning; tests/cuda_emu/emu_build.py) and called through their C entry
+points with CPU tensors on the NULL stream, which runs work at once. Grids
 are a few blocks, so every grid-stride loop goes round several times.
 
 References are independent of the kernels: torch's casts and optimizers,
@@ -11,9 +12,7 @@ float64 sums, and the CPU core's scalar optimizer path. Each output buffer
 has guard elements on both sides that must come back untouched. On a GPU,
 tests/test_cuda.py runs the same kernels on the device."""
 import ctypes
-import os
-import shutil
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,9 @@ import torch
 
 from flatshard import _C
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "csrc" / "cuda" / "copy.cu", ROOT / "csrc" / "cuda" / "optim.cu"]
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
+import emu_build  # noqa: E402
+
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3,
          torch.uint8: 4, torch.int32: 5, torch.int64: 6}
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -61,19 +61,10 @@ class SgdArgs(ctypes.Structure):
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx or not all(s.exists() for s in SOURCES):
-        pytest.skip("needs a C++ compiler and the csrc/ sources")
-    out = tmp_path_factory.mktemp("cuda_emu") / "libfs_cuda_emu.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wall",
-           "-Wno-unknown-pragmas", "-I", str(ROOT / "tests" / "cuda_emu"), "-I",
-           str(ROOT / "csrc"), "-x", "c++", *map(str, SOURCES), "-x", "none",
-           str(ROOT / "tests" / "cuda_emu" / "emu.cc"), "-o", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, f"host build of the CUDA kernels failed:\n{r.stderr[-4000:]}"
-    assert "warning" not in r.stderr, r.stderr[-4000:]
-    so = ctypes.CDLL(str(out))
+def lib():
+    if not emu_build.available():
+        pytest.skip("needs gcc/g++ and the csrc/ sources")
+    so = ctypes.CDLL(str(emu_build.build() / "libfs_cuda_kernels.so"))
     p, i, i64, d = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
     sigs = {"fs_cuda_cast": [p, i, p, i, i64, p],
             "fs_cuda_scale_accumulate": [p, i, p, i, i64, d, i, p],

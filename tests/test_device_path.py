@@ -22,8 +22,12 @@ from toy_models import Block, build
 
 
 class _DeviceComms:
-    """Make every wrapper built inside use the host table's device Comm
-    (one per host Comm, as units of one group share their Comm)."""
+    """Make every wrapper built inside use a device Comm made by make(group,
+    host Comm): by default the host table's over the host Comm (one per host
+    Comm, as units of one group share their Comm)."""
+
+    def __init__(self, make=None):
+        self.make = make or (lambda group, host: host_device_comm(host))
 
     def __enter__(self):
         self.saved = ffsdp.comm_for
@@ -32,7 +36,7 @@ class _DeviceComms:
         def comm_for(group, backend, device=None):
             host = self.saved(group, backend, device)
             if id(host) not in made:
-                made[id(host)] = (host, host_device_comm(host))
+                made[id(host)] = (host, self.make(group, host))
             return made[id(host)][1]
 
         ffsdp.comm_for = comm_for
@@ -43,9 +47,11 @@ class _DeviceComms:
 
 
 def _train(kw, device_path, steps=4, accumulate=False):
+    """device_path: False (host Comms), True (the host table's device
+    Comms) or a make(group, host Comm) for _DeviceComms."""
     torch.manual_seed(0)
     model = build()
-    ctx = _DeviceComms() if device_path else None
+    ctx = _DeviceComms(None if device_path is True else device_path) if device_path else None
     if ctx:
         ctx.__enter__()
     try:
@@ -159,9 +165,9 @@ def _both(case, accumulate):
     return _both_kw(CASES[case], accumulate)
 
 
-def _both_kw(kw, accumulate):
+def _both_kw(kw, accumulate, device_path=True):
     host = _train(kw, False, accumulate=accumulate)
-    dev = _train(kw, True, accumulate=accumulate)
+    dev = _train(kw, device_path, accumulate=accumulate)
     same = host[0] == dev[0] and all(torch.equal(a, b) for a, b in zip(host[1], dev[1])) and \
         host[2].keys() == dev[2].keys() and all(torch.equal(host[2][k], dev[2][k])
                                                 for k in host[2])
@@ -248,17 +254,19 @@ def test_device_comm_construction_errors(dist_pool):
 # fully_shard: the same device path for its segment copies (device.pack/unpack)
 
 def _fully_shard_train(device_path, mp, raf):
+    """device_path: False, True (the host table) or make(group, host Comm)."""
     import flatshard.fsdp2 as ffsdp2
     from flatshard import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     model = build()
     saved = ffsdp2.comm_for
     made = {}
+    make = device_path if callable(device_path) else lambda group, host: host_device_comm(host)
 
     def comm_for(group, backend, device=None):
         host = saved(group, backend, device)
         if id(host) not in made:
-            made[id(host)] = (host, host_device_comm(host))
+            made[id(host)] = (host, make(group, host))
         return made[id(host)][1]
 
     if device_path:
@@ -289,9 +297,9 @@ def _fully_shard_train(device_path, mp, raf):
     return losses, state, len(made)
 
 
-def _fully_shard_both(mp, raf):
+def _fully_shard_both(mp, raf, device_path=True):
     host = _fully_shard_train(False, mp, raf)
-    dev = _fully_shard_train(True, mp, raf)
+    dev = _fully_shard_train(device_path, mp, raf)
     return host[0] == dev[0] and all(torch.equal(host[1][k], dev[1][k]) for k in host[1]), \
         dev[2], host[0]
 

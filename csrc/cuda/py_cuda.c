@@ -257,6 +257,13 @@ static PyMethodDef module_methods[] = {
 /* ---------------------------------------------------------------------------
  * the device table for flatshard._C's units (fs_device.h) */
 
+/* Its name, which flatshard's Python layer keys on. The tests' host build of
+ * this file (tests/cuda_emu/), whose "device" memory is host memory, sets
+ * another. */
+#ifndef FS_CUDA_DEVICE_NAME
+#define FS_CUDA_DEVICE_NAME "cuda"
+#endif
+
 static fs_status dev_result(cudaError_t e, const char *op, char *err, size_t cap)
 {
     if (e == cudaSuccess)
@@ -332,7 +339,7 @@ static fs_status dev_follow_caller(struct fs_comm *c, char *err, size_t cap)
 }
 
 static const fs_device_api device_api = {
-    FS_DEVICE_API_VERSION, "cuda", dev_cast, dev_scale_accumulate, dev_set_caller_stream,
+    FS_DEVICE_API_VERSION, FS_CUDA_DEVICE_NAME, dev_cast, dev_scale_accumulate, dev_set_caller_stream,
     fs_nccl_set_workspace, fs_nccl_set_defer, dev_record, dev_wait, dev_event_free,
     dev_comm_stream, dev_copy, dev_synchronize, dev_follow_caller,
 };

@@ -1,2 +1,2 @@
-/* cuda_runtime_api.h - for the host build of the kernels (fs_emu.h). */
-#include "fs_emu.h"
+/* cuda_runtime_api.h - for the host build of csrc/cuda/ (fs_emu_rt.h). */
+#include "fs_emu_rt.h"

@@ -23,6 +23,7 @@
 #include <functional>
 
 #include "fs_dtype.h"
+#include "fs_emu_rt.h"
 
 using std::isnan;
 
@@ -33,71 +34,25 @@ using std::isnan;
 #define __shared__ static
 
 /* ---------------------------------------------------------------------------
- * runtime */
-
-typedef enum cudaError {
-    cudaSuccess = 0,
-    cudaErrorInvalidValue = 1,
-    cudaErrorNotReady = 600,
-} cudaError_t;
-
-typedef struct fs_emu_stream *cudaStream_t;
-
-enum cudaMemcpyKind {
-    cudaMemcpyHostToHost = 0,
-    cudaMemcpyHostToDevice = 1,
-    cudaMemcpyDeviceToHost = 2,
-    cudaMemcpyDeviceToDevice = 3,
-    cudaMemcpyDefault = 4,
-};
-
-enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+ * runtime (emu_rt.cc) */
 
 /* Small on purpose: grids of a few blocks make every grid-stride loop go
  * round more than once. */
 #define FS_EMU_SMS 2
 #define FS_EMU_BLOCKS_PER_SM 2
 
-inline cudaError_t cudaGetDevice(int *dev)
-{
-    *dev = 0;
-    return cudaSuccess;
-}
-
-inline cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev)
-{
-    (void)dev;
-    if (attr != cudaDevAttrMultiProcessorCount)
-        return cudaErrorInvalidValue;
-    *value = FS_EMU_SMS;
-    return cudaSuccess;
-}
-
+#define cudaOccupancyMaxActiveBlocksPerMultiprocessor fs_emu_occupancy
 template <typename K>
-inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *n, K kernel, int threads,
-                                                                 size_t smem)
+inline cudaError_t fs_emu_occupancy(int *n, K kernel, int threads, size_t smem)
 {
     (void)kernel, (void)threads, (void)smem;
     *n = FS_EMU_BLOCKS_PER_SM;
     return cudaSuccess;
 }
 
-inline cudaError_t cudaGetLastError(void) { return cudaSuccess; }
-
-inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
-                                   cudaStream_t stream)
-{
-    (void)kind, (void)stream;
-    memmove(dst, src, bytes);
-    return cudaSuccess;
-}
-
-inline cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t stream)
-{
-    (void)stream;
-    memset(dst, value, bytes);
-    return cudaSuccess;
-}
+/* Runs `work` in stream order: now on the NULL stream, when the stream is
+ * waited for otherwise. */
+void fs_emu_enqueue(cudaStream_t s, std::function<void()> work);
 
 /* ---------------------------------------------------------------------------
  * launch geometry and the fiber scheduler (emu.cc) */
@@ -118,22 +73,28 @@ void fs_emu_barrier(int warp_scope);
 /* The shuffle's exchange slot of thread t (8 bytes). */
 void *fs_emu_slot(unsigned t);
 
+/* A launch queues the whole grid on its stream; the arguments are copied
+ * at the launch, as CUDA copies them. */
 template <typename F> struct fs_emu_launcher {
     int grid, block;
+    cudaStream_t stream;
     F kernel;
     template <typename... A> void operator()(A... args)
     {
-        fs_emu_run(grid, block, [&] { kernel(args...); });
+        const int g = grid, b = block;
+        F k = kernel;
+        fs_emu_enqueue(stream, [=] { fs_emu_run(g, b, [&] { k(args...); }); });
     }
 };
 
-template <typename F> fs_emu_launcher<F> fs_emu_launch(int grid, int block, F kernel)
+template <typename F>
+fs_emu_launcher<F> fs_emu_launch(int grid, int block, cudaStream_t stream, F kernel)
 {
-    return fs_emu_launcher<F>{grid, block, kernel};
+    return fs_emu_launcher<F>{grid, block, stream, kernel};
 }
 
-#define FS_LAUNCH(kernel, grid, stream)                                                    \
-    ((void)(stream), fs_emu_launch((grid), kThreads, [&](auto... a_) { kernel(a_...); }))
+#define FS_LAUNCH(kernel, grid, stream) \
+    fs_emu_launch((grid), kThreads, (stream), [](auto... a_) { kernel(a_...); })
 
 /* ---------------------------------------------------------------------------
  * device builtins */

@@ -1,0 +1,343 @@
+"""flatshard._C_cuda without a GPU: the module as setup.py builds it (the
+CPython glue, the NCCL backend of csrc/cuda/comm_nccl.c, the device table of
+the units, the kernels), compiled for the host against tests/cuda_emu/: a
+CUDA runtime over host memory and a libnccl over flatshard's shared-memory
+backend (tests/cuda_emu/build.py).
+
+The emulated streams run their work only when it is waited for, as a GPU
+runs it later than the host issues it: a unit that reads a gathered buffer
+without making its stream wait for the collective reads stale memory, and
+the training below stops matching the host path bit for bit. Faults (an
+NCCL call that fails, an asynchronous error, a peer that never joins) are
+injected to check that each becomes an exception naming the collective and
+that the communicator is aborted rather than left to hang.
+
+On a GPU, test_cuda.py and test_cuda_wrapper.py run the real thing."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
+import emu_build  # noqa: E402
+
+import test_device_path as tdp  # noqa: E402
+from flatshard import _C  # noqa: E402
+from flatshard.device import empty_fn  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not emu_build.available(),
+                                reason="needs gcc/g++ and the csrc/ sources")
+F32, F16, BF16, F64 = 0, 1, 2, 3
+NCCL_INVALID_USAGE, NCCL_SYSTEM_ERROR, NCCL_REMOTE_ERROR = 5, 2, 6
+
+
+@pytest.fixture(scope="module")
+def emu():
+    mod, rt, _ = emu_build.load()
+    yield mod, rt
+    for what in (b"nccl_fail", b"nccl_async", b"event_never_ready", b"launch_error"):
+        rt.fs_emu_fault(what, 0)
+
+
+def _nccl_comm(group=None, timeout_s=60.0):
+    """An emulated NcclComm over `group` (every rank calls it)."""
+    mod, _, _ = emu_build.load()
+    group = group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    uid = [mod.nccl_unique_id() if dist.get_rank() == ranks[0] else None]
+    dist.broadcast_object_list(uid, src=ranks[0], group=group)
+    return mod.NcclComm(dist.get_rank(group), len(ranks), uid[0], 0, timeout_s)
+
+
+def _device_comm(group, host):
+    """What flatshard.device.cuda_comm makes on a GPU, on the host build."""
+    mod, _, _ = emu_build.load()
+    nccl = _nccl_comm(group)
+    return _C.Comm("device", nccl.rank, nccl.world_size, capsule=nccl.capsule(), owner=nccl,
+                   device_api=mod.device_api, stream_fn=lambda: 0,
+                   empty=empty_fn(torch.device("cpu")))
+
+
+# ---------------------------------------------------------------------------
+# the units' device path through the CUDA table and the NCCL backend
+
+def _train_both(case, accumulate):
+    import os
+    _, rt, _ = emu_build.load()
+    if case == "hybrid":  # 2 "hosts" of 2 ranks: shard inside, all-reduce across
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        kw = dict(sharding_strategy=tdp.ShardingStrategy.HYBRID_SHARD,
+                  mixed_precision=tdp.MixedPrecision(param_dtype=torch.bfloat16,
+                                                     buffer_dtype=torch.bfloat16))
+    else:
+        kw = tdp.CASES[case]
+    try:
+        same, losses, host_comms, dev_comms, ledger, seen, reduced = tdp._both_kw(
+            kw, accumulate, device_path=_device_comm)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    return same, losses, dev_comms, seen, reduced, rt.fs_emu_pending()
+
+
+def _fully_shard_both(mp, raf):
+    _, rt, _ = emu_build.load()
+    same, n_comms, losses = tdp._fully_shard_both(mp, raf, device_path=_device_comm)
+    return same, n_comms, losses, rt.fs_emu_pending()
+
+
+@pytest.mark.parametrize("case", sorted(tdp.CASES))
+def test_units_through_the_cuda_table_and_nccl_backend_match_the_host(dist_pool, case):
+    emu_build.build()  # once, before the ranks look for it
+    for same, losses, dev_comms, seen, reduced, pending in dist_pool(2).run(
+            _train_both, case, False):
+        assert dev_comms == [emu_build.DEVICE_NAME]
+        assert same, case
+        assert losses[-1] < losses[0]
+        assert pending == 0  # nothing issued was left unwaited
+        assert seen and not any(own for own, _ in seen)
+        assert any(other for _, other in seen) == (case == "forward_prefetch")
+        if not case.startswith(("no_shard", "zero1")):
+            assert reduced[1] and any(reduced[1])
+
+
+@pytest.mark.parametrize("case", ["bf16_fp32_reduce", "cpu_offload_bf16", "hybrid"])
+def test_emulated_device_path_with_accumulation_on_four_ranks(dist_pool, case):
+    emu_build.build()
+    for same, losses, dev_comms, *_, pending in dist_pool(4).run(_train_both, case, True):
+        assert same and pending == 0
+        assert dev_comms == [emu_build.DEVICE_NAME]
+
+
+@pytest.mark.parametrize("mp,raf", [(None, True), ("bf16_reduce", True), (None, 2)])
+def test_fully_shard_through_the_cuda_table_and_nccl_backend(dist_pool, mp, raf):
+    emu_build.build()
+    for same, n_comms, losses, pending in dist_pool(2).run(_fully_shard_both, mp, raf):
+        assert n_comms >= 1 and same and pending == 0
+        assert losses[-1] < losses[0]
+
+
+# ---------------------------------------------------------------------------
+# the NCCL backend's collectives, against float64 references
+
+def _collectives():
+    mod, rt, _ = emu_build.load()
+    comm = _nccl_comm()
+    r, w = comm.rank, comm.world_size
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(w * 6, generator=g) for _ in range(w)]  # every rank's input, known
+    mine = data[r].clone()
+
+    got = torch.zeros(w * 6)
+    comm.all_gather(mine[:6].data_ptr(), got.data_ptr(), 6, F32, "gather test", stream=0)
+    out["all_gather"] = torch.equal(got, torch.cat([d[:6] for d in data]))
+
+    want = sum(d.double() for d in data)
+    shard = torch.zeros(6)
+    comm.reduce_scatter(mine.data_ptr(), shard.data_ptr(), 6, F32, True, stream=0)
+    out["rs_avg"] = (shard.double() - want[r * 6:(r + 1) * 6] / w).abs().max().item()
+
+    # bfloat16: widened into the float32 workspace, reduced, narrowed once
+    lp = [d.to(torch.bfloat16) for d in data]
+    ws = torch.empty(w * 6)
+    comm.set_workspace(ws.data_ptr(), ws.numel() * 4)
+    shard_lp = torch.zeros(6, dtype=torch.bfloat16)
+    send = lp[r].clone()
+    comm.reduce_scatter(send.data_ptr(), shard_lp.data_ptr(), 6, BF16, False, stream=0)
+    want_lp = sum(x.float() for x in lp)[r * 6:(r + 1) * 6].to(torch.bfloat16)
+    out["rs_bf16"] = torch.equal(shard_lp, want_lp)
+
+    buf = lp[r].clone()
+    comm.all_reduce(buf.data_ptr(), buf.numel(), BF16, True, stream=0)
+    out["ar_bf16"] = torch.equal(buf, (sum(x.float() for x in lp) *
+                                       torch.tensor(1.0 / w)).to(torch.bfloat16))
+    comm.set_workspace(0, 0)
+
+    b = mine.double() if r == w - 1 else torch.zeros(w * 6, dtype=torch.float64)
+    comm.broadcast(b.data_ptr(), b.numel(), F64, w - 1, stream=0)
+    out["broadcast"] = torch.equal(b, data[w - 1].double())
+
+    # a group: both all-gathers run when it ends, in order
+    a1, a2 = torch.zeros(w * 2), torch.zeros(w * 3)
+    comm.group_start(stream=0)
+    comm.all_gather(mine[:2].data_ptr(), a1.data_ptr(), 2, F32, stream=0)
+    comm.all_gather(mine[2:5].data_ptr(), a2.data_ptr(), 3, F32, stream=0)
+    comm.group_end()
+    out["group"] = torch.equal(a1, torch.cat([d[:2] for d in data])) and \
+        torch.equal(a2, torch.cat([d[2:5] for d in data]))
+    comm.barrier()
+    comm.wait(10.0)
+    out["pending"] = rt.fs_emu_pending()
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_nccl_backend_collectives(dist_pool, world):
+    emu_build.build()
+    for out in dist_pool(world).run(_collectives):
+        assert out["all_gather"] and out["rs_bf16"] and out["ar_bf16"]
+        assert out["broadcast"] and out["group"]
+        assert out["rs_avg"] < 1e-6
+        assert out["pending"] == 0
+
+
+# ---------------------------------------------------------------------------
+# failures: named, and the communicator aborted instead of hanging
+
+def _one_rank(mod, timeout_s=60.0):
+    return mod.NcclComm(0, 1, mod.nccl_unique_id(), 0, timeout_s)
+
+
+def test_a_failed_call_names_the_collective_and_usage_errors_keep_the_comm(emu):
+    mod, rt = emu
+    comm = _one_rank(mod)
+    x, y = torch.ones(4), torch.zeros(4)
+    rt.fs_emu_fault(b"nccl_fail", NCCL_INVALID_USAGE)
+    with pytest.raises(mod.NcclError) as e:
+        comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.3 forward", stream=0)
+    msg = str(e.value)
+    assert "all_gather for 'blocks.3 forward'" in msg and "ncclAllGather" in msg
+    assert "invalid usage" in msg and "rank 0 of 1" in msg
+    comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)  # still usable
+    assert torch.equal(y, x)
+    comm.close()
+
+
+def test_a_system_error_aborts_the_communicator(emu):
+    mod, rt = emu
+    comm = _one_rank(mod)
+    x = torch.ones(4)
+    rt.fs_emu_fault(b"nccl_fail", NCCL_SYSTEM_ERROR)
+    with pytest.raises(mod.NcclError, match="ncclAllReduce.*unhandled system error"):
+        comm.all_reduce(x.data_ptr(), 4, F32, False, "clip", stream=0)
+    with pytest.raises(mod.NcclError, match="aborted after an earlier failure"):
+        comm.all_reduce(x.data_ptr(), 4, F32, False, stream=0)
+    comm.close()
+
+
+def test_an_asynchronous_error_is_reported_at_the_next_call(emu):
+    mod, rt = emu
+    comm = _one_rank(mod)
+    x = torch.ones(4)
+    rt.fs_emu_fault(b"nccl_async", NCCL_REMOTE_ERROR)
+    try:
+        with pytest.raises(mod.NcclError) as e:
+            comm.broadcast(x.data_ptr(), 4, F32, 0, "sync_module_states", stream=0)
+    finally:
+        rt.fs_emu_fault(b"nccl_async", 0)
+    msg = str(e.value)
+    assert "asynchronous error of an earlier collective" in msg
+    assert "remote process exited" in msg and "injected asynchronous error" in msg
+    with pytest.raises(mod.NcclError, match="aborted"):
+        comm.broadcast(x.data_ptr(), 4, F32, 0, stream=0)
+    comm.close()
+
+
+def test_a_collective_that_never_finishes_times_out_and_aborts(emu):
+    """A peer that never joins: the collective stays queued. The host's wait
+    gives up after the timeout instead of hanging, and aborts."""
+    import time
+    mod, rt = emu
+    comm = _one_rank(mod, timeout_s=1.0)
+    x, y = torch.ones(4), torch.zeros(4)
+    rt.fs_emu_fault(b"event_never_ready", 1)
+    try:
+        comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)  # issued: returns
+        t0 = time.monotonic()
+        with pytest.raises(mod.NcclError) as e:
+            comm.barrier("end of step")
+        took = time.monotonic() - t0
+    finally:
+        rt.fs_emu_fault(b"event_never_ready", 0)
+    assert "did not finish within 1 s" in str(e.value) and "aborted" in str(e.value)
+    assert "barrier for 'end of step'" in str(e.value)
+    assert 0.9 < took < 30
+    with pytest.raises(mod.NcclError, match="aborted"):
+        comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)
+    comm.close()
+
+
+def test_misuse_is_refused_with_what_to_do(emu):
+    mod, rt = emu
+    comm = _one_rank(mod)
+    x = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(mod.NcclError, match="float32 workspace of 32 bytes, set 0"):
+        comm.reduce_scatter(x.data_ptr(), x.data_ptr(), 8, BF16, True, stream=0)
+    comm.group_start(stream=0)
+    with pytest.raises(mod.NcclError, match="inside a group is not supported"):
+        comm.all_reduce(x.data_ptr(), 8, BF16, False, stream=0)
+    with pytest.raises(mod.NcclError, match="not allowed inside a group"):
+        comm.barrier()
+    with pytest.raises(mod.NcclError, match="a group is already open"):
+        comm.group_start(stream=0)
+    comm.group_end()
+    with pytest.raises(mod.NcclError, match="no group is open"):
+        comm.group_end()
+    comm.close()
+    with pytest.raises(mod.NcclError, match="closed"):
+        comm.barrier()
+
+
+def test_a_failed_kernel_launch_is_a_cuda_error_naming_the_op(emu):
+    mod, rt = emu
+    a, b = torch.ones(4), torch.zeros(4, dtype=torch.bfloat16)
+    rt.fs_emu_fault(b"launch_error", 1)
+    with pytest.raises(mod.CudaError, match="cast: cudaErrorLaunchFailure"):
+        mod.cast(b.data_ptr(), BF16, a.data_ptr(), F32, 4, 0)
+    mod.cast(b.data_ptr(), BF16, a.data_ptr(), F32, 4, 0)
+    assert torch.equal(b, a.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------
+# the kernels through the module's Python entry points (argument glue)
+
+def test_module_optimizers_match_the_cpu_core(emu):
+    mod, _ = emu
+    n = 1031
+    torch.manual_seed(0)
+    p, g = torch.randn(n), torch.randn(n)
+    m, v = torch.randn(n) * 0.1, torch.rand(n) * 0.1
+    mx = torch.rand(n) * 0.1
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-6, weight_decay=0.1, step=3,
+              decoupled=True, maximize=False)
+    want = [t.clone() for t in (p, g, m, v, mx)]
+    want_copy = torch.zeros(n, dtype=torch.float16)
+    _C.adam_step(*[t.data_ptr() for t in want], want_copy.data_ptr(), F16, n, simd="scalar",
+                 **hp)
+    got = [t.clone() for t in (p, g, m, v, mx)]
+    copy = torch.zeros(n, dtype=torch.float16)
+    mod.adam_step(*[t.data_ptr() for t in got], copy.data_ptr(), F16, n, stream=0, **hp)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(copy, want_copy)
+
+    sp, sbuf = p.clone(), torch.zeros(n)
+    cp, cbuf = p.clone(), torch.zeros(n)
+    for first in (True, False):
+        kw = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True,
+                  maximize=False, first_step=first)
+        mod.sgd_step(sp.data_ptr(), g.data_ptr(), sbuf.data_ptr(), 0, BF16, n, stream=0, **kw)
+        _C.sgd_step(cp.data_ptr(), g.data_ptr(), cbuf.data_ptr(), 0, BF16, n, **kw)
+    assert torch.equal(sp, cp) and torch.equal(sbuf, cbuf)
+
+    out = torch.zeros(1, dtype=torch.float64)
+    mod.norm_partial(g.data_ptr(), F32, n, False, out.data_ptr(), 0)
+    assert out.item() == pytest.approx((g.double() ** 2).sum().item(), rel=1e-12)
+
+
+def test_module_pack_unpack_split_long_tables(emu):
+    mod, _ = emu
+    ts = [torch.randn(k + 1) for k in range(150)]  # more segments than one launch takes
+    total = sum(t.numel() for t in ts) + 10
+    flat = torch.full((total,), 7.0, dtype=torch.bfloat16)
+    segs, pos = [], 0
+    for t in ts:
+        segs.append((t.data_ptr(), 0, pos, t.numel(), F32))
+        pos += t.numel()
+    segs.append((0, 0, pos, 10, BF16))  # padding: zeros
+    mod.pack(flat.data_ptr(), BF16, segs, 0)
+    assert torch.equal(flat, torch.cat(ts + [torch.zeros(10)]).to(torch.bfloat16))
+    outs = [torch.zeros_like(t) for t in ts]
+    mod.unpack(flat.data_ptr(), BF16, [(o.data_ptr(),) + s[1:] for o, s in zip(outs, segs)], 0)
+    assert all(torch.equal(o, t.to(torch.bfloat16).float()) for o, t in zip(outs, ts))
