@@ -48,6 +48,10 @@ struct fs_comm {
     int world_size;
     void *impl;
     char last_error[512]; /* backend's own words for the last FS_ERR_BACKEND */
+    /* What the collective being issued is for (a unit's name, a tag), set by
+     * the caller around each call, or NULL; a backend that reports later
+     * (the NCCL watchdog) copies it. */
+    const char *what;
 };
 
 fs_status fs_comm_all_gather(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t);

@@ -83,8 +83,10 @@ fs_status fs_shm_unlink(const char *name);
 #define FS_COMM_RECORD(self, s, op, unit, count, dtype, expr)                        \
     do {                                                                           \
         uint64_t fs_seq_ = fs_ledger_issue(&(self)->ledger, op, unit, count, dtype); \
+        (self)->comm->what = (unit);                                               \
         FS_COMM_CALL(self, s, expr);                                               \
-        fs_ledger_finish(&(self)->ledger, fs_seq_, s);                             \
+        (self)->comm->what = NULL;                                                 \
+        fs_ledger_finish(&(self)->ledger, fs_seq_, s, (self)->dev != NULL);        \
     } while (0)
 
 /* A collective through `self` failed and its exception is set: add this

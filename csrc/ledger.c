@@ -31,11 +31,12 @@ uint64_t fs_ledger_issue(fs_ledger *l, fs_ledger_op op, const char *unit, int64_
     return e->seq;
 }
 
-void fs_ledger_finish(fs_ledger *l, uint64_t seq, fs_status s)
+void fs_ledger_finish(fs_ledger *l, uint64_t seq, fs_status s, int on_device)
 {
     fs_ledger_entry *e = (fs_ledger_entry *)fs_ledger_get(l, seq);
     if (e)
-        e->state = s == FS_OK ? FS_LEDGER_COMPLETED : FS_LEDGER_FAILED;
+        e->state = s != FS_OK ? FS_LEDGER_FAILED
+                   : on_device ? FS_LEDGER_ENQUEUED : FS_LEDGER_COMPLETED;
 }
 
 const fs_ledger_entry *fs_ledger_get(const fs_ledger *l, uint64_t seq)
@@ -54,7 +55,7 @@ const char *fs_ledger_op_name(fs_ledger_op op)
 
 const char *fs_ledger_state_name(fs_ledger_state s)
 {
-    static const char *names[] = {"issued", "completed", "failed"};
+    static const char *names[] = {"issued", "completed", "failed", "enqueued"};
     return (unsigned)s < sizeof names / sizeof *names ? names[s] : "unknown";
 }
 

@@ -32,7 +32,14 @@ typedef enum {
     FS_LOP_BARRIER,
 } fs_ledger_op;
 
-typedef enum { FS_LEDGER_ISSUED, FS_LEDGER_COMPLETED, FS_LEDGER_FAILED } fs_ledger_state;
+/* ENQUEUED: a device backend accepted it onto its stream; it finishes
+ * later, unseen by the ledger (the NCCL watchdog times it). */
+typedef enum {
+    FS_LEDGER_ISSUED,
+    FS_LEDGER_COMPLETED,
+    FS_LEDGER_FAILED,
+    FS_LEDGER_ENQUEUED,
+} fs_ledger_state;
 
 typedef struct {
     uint64_t seq;  /* 1, 2, ... per Comm; 0: empty slot */
@@ -55,8 +62,9 @@ void fs_ledger_init(fs_ledger *l);
 uint64_t fs_ledger_issue(fs_ledger *l, fs_ledger_op op, const char *unit, int64_t count,
                          fs_dtype t);
 
-/* Mark collective `seq` completed (s == FS_OK) or failed. */
-void fs_ledger_finish(fs_ledger *l, uint64_t seq, fs_status s);
+/* Mark collective `seq` completed (s == FS_OK; enqueued when on_device) or
+ * failed. */
+void fs_ledger_finish(fs_ledger *l, uint64_t seq, fs_status s, int on_device);
 
 /* Entry `seq`, or NULL if it was never recorded or has left the ring. */
 const fs_ledger_entry *fs_ledger_get(const fs_ledger *l, uint64_t seq);

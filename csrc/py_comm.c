@@ -270,9 +270,9 @@ static PyObject *Comm_barrier(CommObject *self, PyObject *args)
 
 PyDoc_STRVAR(ledger_doc,
              "ledger() -> list of dicts, oldest first: the last collectives issued through this\n"
-             "Comm, each {seq, op, unit, bytes, dtype, state} (state: issued, completed or\n"
-             "failed). `bytes` is the count argument in bytes (per rank for all_gather and\n"
-             "reduce_scatter).");
+             "Comm, each {seq, op, unit, bytes, dtype, state} (state: issued, completed,\n"
+             "failed, or on a device enqueued: on the stream, finishing later). `bytes` is the\n"
+             "count argument in bytes (per rank for all_gather and reduce_scatter).");
 static PyObject *Comm_ledger(CommObject *self, PyObject *Py_UNUSED(a))
 {
     const fs_ledger *l = &self->ledger;

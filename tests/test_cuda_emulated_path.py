@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
 import emu_build  # noqa: E402
 
 import test_device_path as tdp  # noqa: E402
+from test_diagnostics import assert_documented, full_text  # noqa: E402
 from flatshard import _C  # noqa: E402
 from flatshard.device import empty_fn  # noqa: E402
 
@@ -258,6 +259,61 @@ def test_a_collective_that_never_finishes_times_out_and_aborts(emu):
     with pytest.raises(mod.NcclError, match="aborted"):
         comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)
     comm.close()
+
+
+def _stall_until_the_watchdog_fires(rt, issue, timeout_s):
+    """Issue a collective that never finishes, then let the host do other
+    things (no flatshard call) past the timeout."""
+    import time
+    rt.fs_emu_fault(b"event_never_ready", 1)
+    try:
+        issue()  # returns: the collective is only queued
+        time.sleep(timeout_s * 2.5)
+    finally:
+        rt.fs_emu_fault(b"event_never_ready", 0)
+
+
+def test_the_watchdog_aborts_a_collective_nobody_waits_for(emu, capfd):
+    """On a GPU the host runs ahead of a stuck collective until some host
+    wait (e.g. loss.item()) blocks inside torch. The communicator's watchdog
+    thread times every collective, aborts the communicator (which frees that
+    wait) and says which collective it was; the next call raises it."""
+    mod, rt = emu
+    comm = _one_rank(mod, timeout_s=1.0)
+    x, y = torch.ones(4), torch.zeros(4)
+    comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "warm-up", stream=0)  # finishes
+    _stall_until_the_watchdog_fires(
+        rt, lambda: comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.3 forward",
+                                    stream=0), 1.0)
+    printed = capfd.readouterr().err
+    assert "flatshard watchdog: rank 0: NCCL all_gather for 'blocks.3 forward' (collective 2 " \
+        "on this communicator) did not finish within 1 s" in printed
+    with pytest.raises(mod.NcclError) as e:
+        comm.all_reduce(x.data_ptr(), 4, F32, False, "clip", stream=0)
+    msg = str(e.value)
+    assert "all_reduce for 'clip'" in msg and "aborted by its watchdog" in msg
+    assert "all_gather for 'blocks.3 forward'" in msg and "a peer died" in msg
+    comm.close()
+
+
+def test_the_watchdog_names_the_unit_behind_a_device_comm(emu, capfd):
+    """Through the units' Comm (flatshard._C.Comm over the NCCL backend), the
+    collective is named by what the ledger records: the unit or the tag."""
+    from flatshard.comm import all_reduce_
+    mod, rt = emu
+    nccl = _one_rank(mod, timeout_s=1.0)
+    comm = _C.Comm("device", 0, 1, capsule=nccl.capsule(), owner=nccl,
+                   device_api=mod.device_api, stream_fn=lambda: 0,
+                   empty=empty_fn(torch.device("cpu")))
+    t = torch.ones(8)
+    _stall_until_the_watchdog_fires(rt, lambda: all_reduce_(comm, t, tag="layers.7"), 1.0)
+    printed = capfd.readouterr().err
+    assert "NCCL all_reduce for 'layers.7' (collective 1" in printed
+    with pytest.raises(_C.CoreError, match="aborted by its watchdog.*layers.7") as e:
+        all_reduce_(comm, t, tag="next")
+    assert_documented("nccl-watchdog", printed + "\n" + full_text(e.value))
+    del comm
+    nccl.close()
 
 
 def test_misuse_is_refused_with_what_to_do(emu):

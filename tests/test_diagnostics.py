@@ -67,6 +67,7 @@ GUIDE_ENTRIES = {
     "rank-not-arrived": "test_a_rank_that_stops_issuing_is_named_at_the_timeout",
     "rank-died": "test_a_dead_rank_is_named_with_the_unit",
     "gloo-timeout": "test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout",
+    "nccl-watchdog": "test_cuda_emulated_path.py",
     "out-of-memory": "test_oom.py",
 }
 

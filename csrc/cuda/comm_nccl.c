@@ -11,10 +11,14 @@
  * Errors: a failed NCCL call, or an asynchronous error seen when issuing or
  * waiting, is reported with NCCL's own words in last_error; anything but a
  * usage error aborts the communicator (ncclCommAbort) so peers fail instead
- * of hanging. Waits poll with a timeout and abort when it passes.
+ * of hanging. Waits poll with a timeout and abort when it passes. A
+ * collective nobody waits for on the host is timed by the communicator's
+ * watchdog thread (nccl_watchdog.c), which aborts too; the next call then
+ * fails with the watchdog's verdict, naming the collective that hung.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +27,7 @@
 #include "../comm.h"
 #include "fs_cuda.h"
 #include "fs_nccl.h"
+#include "nccl_watchdog.h"
 
 /* ---------------------------------------------------------------------------
  * the communicator */
@@ -38,8 +43,9 @@ typedef struct {
     float *scratch; /* one float, for barrier */
     int in_group;
     int defer; /* the caller's stream does not wait (it waits on a recorded mark) */
-    int aborted;
+    _Atomic int aborted; /* set once, by the issuing thread or the watchdog */
     double timeout_s;
+    fs_watchdog *watch;
 } nccl_impl;
 
 static double now_s(void)
@@ -52,12 +58,34 @@ static double now_s(void)
 static void n_abort(fs_comm *c, const char *why)
 {
     nccl_impl *m = c->impl;
-    if (m->aborted)
+    if (atomic_exchange(&m->aborted, 1))
         return;
-    m->aborted = 1;
     fs_nccl.CommAbort(m->comm);
     if (why && *why)
         snprintf(c->last_error, sizeof c->last_error, "aborted: %s", why);
+}
+
+/* The watchdog's abort, from its thread: last_error belongs to the issuing
+ * thread, which reads the verdict at its next call (refused()). */
+static void watch_abort(void *ctx)
+{
+    nccl_impl *m = ((fs_comm *)ctx)->impl;
+    if (!atomic_exchange(&m->aborted, 1))
+        fs_nccl.CommAbort(m->comm);
+}
+
+/* A call on an aborted communicator: say why it was aborted. */
+static fs_status refused(fs_comm *c, const char *op)
+{
+    nccl_impl *m = c->impl;
+    char verdict[480];
+    if (fs_watchdog_fired(m->watch, verdict, sizeof verdict))
+        snprintf(c->last_error, sizeof c->last_error,
+                 "%s: the NCCL communicator was aborted by its watchdog: %s", op, verdict);
+    else
+        snprintf(c->last_error, sizeof c->last_error,
+                 "%s: the NCCL communicator was aborted after an earlier failure", op);
+    return FS_ERR_BACKEND;
 }
 
 static fs_status cuda_fail(fs_comm *c, const char *op, cudaError_t e)
@@ -113,11 +141,8 @@ static ncclDataType_t nccl_dtype(fs_dtype t)
 static fs_status enter(fs_comm *c, const char *op)
 {
     nccl_impl *m = c->impl;
-    if (m->aborted) {
-        snprintf(c->last_error, sizeof c->last_error,
-                 "%s: the NCCL communicator was aborted after an earlier failure", op);
-        return FS_ERR_BACKEND;
-    }
+    if (atomic_load(&m->aborted))
+        return refused(c, op);
     cudaError_t e = cudaSetDevice(m->device);
     if (e != cudaSuccess)
         return cuda_fail(c, op, e);
@@ -130,11 +155,15 @@ static fs_status enter(fs_comm *c, const char *op)
     return FS_OK;
 }
 
-/* After: the caller's stream waits for the collective. */
+/* After: the watchdog times the collective; the caller's stream waits for
+ * it (unless deferred). */
 static fs_status leave(fs_comm *c, const char *op)
 {
     nccl_impl *m = c->impl;
-    if (m->in_group || m->defer)
+    if (m->in_group) /* timed as one, at group_end */
+        return FS_OK;
+    fs_watchdog_track(m->watch, m->stream, op, c->what);
+    if (m->defer)
         return FS_OK;
     cudaError_t e;
     if ((e = cudaEventRecord(m->done, m->stream)) != cudaSuccess ||
@@ -250,11 +279,8 @@ static fs_status n_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, i
 fs_status fs_nccl_wait(fs_comm *c, double timeout_s)
 {
     nccl_impl *m = c->impl;
-    if (m->aborted) {
-        snprintf(c->last_error, sizeof c->last_error,
-                 "wait: the NCCL communicator was aborted after an earlier failure");
-        return FS_ERR_BACKEND;
-    }
+    if (atomic_load(&m->aborted))
+        return refused(c, "wait");
     CUDA_TRY(c, "wait", cudaSetDevice(m->device));
     CUDA_TRY(c, "wait", cudaEventRecord(m->done, m->stream));
     const double start = now_s();
@@ -301,10 +327,12 @@ static fs_status n_barrier(fs_comm *c)
 static void n_destroy(fs_comm *c)
 {
     nccl_impl *m = c->impl;
+    fs_watchdog_stop(m->watch); /* first: it may abort the communicator */
+    m->watch = NULL;
     if (m->comm) {
         /* ncclCommDestroy waits for pending work: abort instead when it has
          * not finished in time (or the process is already failing). */
-        if (!m->aborted && fs_nccl_wait(c, m->timeout_s) == FS_OK)
+        if (!atomic_load(&m->aborted) && fs_nccl_wait(c, m->timeout_s) == FS_OK)
             fs_nccl.CommDestroy(m->comm);
         else
             n_abort(c, NULL);
@@ -373,6 +401,10 @@ fs_status fs_comm_nccl_create(const unsigned char id[128], int rank, int world_s
                  device, fs_nccl.GetErrorString(r), detail && *detail ? ": " : "",
                  detail ? detail : "");
         m->comm = NULL;
+        n_destroy(c);
+        return FS_ERR_BACKEND;
+    }
+    if (!(m->watch = fs_watchdog_start(device, rank, timeout_s, watch_abort, c, err, cap))) {
         n_destroy(c);
         return FS_ERR_BACKEND;
     }

@@ -78,11 +78,13 @@ static PyObject *done(NcclCommObject *self, fs_status s, const char *op, const c
 
 /* Run a collective without the GIL (enqueueing can wait for peers while
  * NCCL connects on first use), ordered against `stream`. */
-#define NCCL_CALL(self, s, stream, expr)                              \
-    do {                                                              \
+#define NCCL_CALL(self, s, stream, tag, expr)                        \
+    do {                                                                 \
         fs_nccl_set_caller_stream((self)->comm, (cudaStream_t)(stream)); \
-        Py_BEGIN_ALLOW_THREADS s = (expr);                            \
-        Py_END_ALLOW_THREADS                                          \
+        (self)->comm->what = *(tag) ? (tag) : NULL;                      \
+        Py_BEGIN_ALLOW_THREADS s = (expr);                               \
+        Py_END_ALLOW_THREADS                                             \
+        (self)->comm->what = NULL;                                       \
     } while (0)
 
 #define STREAM_DOC "\n`stream`: the caller's stream (int handle); the collective runs on the\n" \
@@ -101,7 +103,8 @@ static PyObject *NcclComm_all_gather(NcclCommObject *self, PyObject *args, PyObj
                                      &stream) || live(self) < 0)
         return NULL;
     fs_status s;
-    NCCL_CALL(self, s, stream, fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
+    NCCL_CALL(self, s, stream, tag,
+              fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
     return done(self, s, "all_gather", tag);
 }
 
@@ -120,8 +123,9 @@ static PyObject *NcclComm_reduce_scatter(NcclCommObject *self, PyObject *args, P
                                      &stream) || live(self) < 0)
         return NULL;
     fs_status s;
-    NCCL_CALL(self, s, stream, fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
-                                                      avg ? FS_RED_AVG : FS_RED_SUM));
+    NCCL_CALL(self, s, stream, tag,
+              fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
+                                     avg ? FS_RED_AVG : FS_RED_SUM));
     return done(self, s, "reduce_scatter", tag);
 }
 
@@ -138,8 +142,8 @@ static PyObject *NcclComm_all_reduce(NcclCommObject *self, PyObject *args, PyObj
                                      &stream) || live(self) < 0)
         return NULL;
     fs_status s;
-    NCCL_CALL(self, s, stream, fs_comm_all_reduce(self->comm, (void *)p, n, t,
-                                                  avg ? FS_RED_AVG : FS_RED_SUM));
+    NCCL_CALL(self, s, stream, tag,
+              fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM));
     return done(self, s, "all_reduce", tag);
 }
 
@@ -155,7 +159,7 @@ static PyObject *NcclComm_broadcast(NcclCommObject *self, PyObject *args, PyObje
                                      &stream) || live(self) < 0)
         return NULL;
     fs_status s;
-    NCCL_CALL(self, s, stream, fs_comm_broadcast(self->comm, (void *)p, n, t, root));
+    NCCL_CALL(self, s, stream, tag, fs_comm_broadcast(self->comm, (void *)p, n, t, root));
     return done(self, s, "broadcast", tag);
 }
 
@@ -169,7 +173,7 @@ static PyObject *NcclComm_barrier(NcclCommObject *self, PyObject *args, PyObject
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|s$K", kwlist, &tag, &stream) || live(self) < 0)
         return NULL;
     fs_status s;
-    NCCL_CALL(self, s, stream, fs_comm_barrier(self->comm));
+    NCCL_CALL(self, s, stream, tag, fs_comm_barrier(self->comm));
     return done(self, s, "barrier", tag);
 }
 
@@ -194,7 +198,7 @@ static PyObject *NcclComm_group_start(NcclCommObject *self, PyObject *args, PyOb
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$K", kwlist, &stream) || live(self) < 0)
         return NULL;
     fs_status s;
-    NCCL_CALL(self, s, stream, fs_nccl_group_start(self->comm));
+    NCCL_CALL(self, s, stream, "", fs_nccl_group_start(self->comm));
     return done(self, s, "group_start", "");
 }
 

@@ -1,13 +1,18 @@
 /* emu_rt.cc - the CUDA runtime of fs_emu_rt.h over host memory: one device,
  * streams as queues of work, events as positions in a queue, and the
- * faults the tests inject. One thread uses it at a time (each rank is a
- * process), as flatshard's units do. */
+ * faults the tests inject. Every call holds one lock. Queued work runs only
+ * on the thread that loaded this library (the rank's main thread, which
+ * issues everything): another thread (the NCCL watchdog) querying an event
+ * sees how far that thread has got, as a host thread watching a GPU would. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <pthread.h>
+
 #include <deque>
 #include <map>
+#include <mutex>
 #include <string>
 
 #include "fs_emu.h"
@@ -25,13 +30,19 @@ struct fs_emu_event {
 
 namespace {
 
+std::recursive_mutex mu;
+const pthread_t main_thread = pthread_self();
+#define LOCK std::lock_guard<std::recursive_mutex> lock_(mu)
+
+bool on_main_thread() { return pthread_equal(pthread_self(), main_thread); }
+
 std::map<std::string, int> faults;
 std::deque<cudaStream_t> streams;
 
 /* Runs s's work up to position pos (work queued by that work included). */
 void run_until(cudaStream_t s, unsigned long long pos)
 {
-    if (!s || s->running)
+    if (!s || s->running || !on_main_thread())
         return;
     s->running = 1;
     while (s->done < pos && !s->work.empty()) {
@@ -49,6 +60,7 @@ bool stalled() { return fs_emu_fault_value("event_never_ready") != 0; }
 
 void fs_emu_enqueue(cudaStream_t s, std::function<void()> work)
 {
+    LOCK;
     if (!s) {
         work();
         return;
@@ -59,16 +71,22 @@ void fs_emu_enqueue(cudaStream_t s, std::function<void()> work)
 
 extern "C" {
 
-void fs_emu_fault(const char *what, int value) { faults[what] = value; }
+void fs_emu_fault(const char *what, int value)
+{
+    LOCK;
+    faults[what] = value;
+}
 
 int fs_emu_fault_value(const char *what)
 {
+    LOCK;
     auto it = faults.find(what);
     return it == faults.end() ? 0 : it->second;
 }
 
 int fs_emu_take_fault(const char *what)
 {
+    LOCK;
     int v = fs_emu_fault_value(what);
     faults.erase(what);
     return v;
@@ -76,6 +94,7 @@ int fs_emu_take_fault(const char *what)
 
 long fs_emu_pending(void)
 {
+    LOCK;
     long n = 0;
     for (cudaStream_t s : streams)
         n += (long)s->work.size();
@@ -84,6 +103,7 @@ long fs_emu_pending(void)
 
 cudaError_t cudaGetDevice(int *dev)
 {
+    LOCK;
     *dev = 0;
     return cudaSuccess;
 }
@@ -92,12 +112,14 @@ cudaError_t cudaSetDevice(int dev) { return dev == 0 ? cudaSuccess : cudaErrorIn
 
 cudaError_t cudaGetDeviceCount(int *n)
 {
+    LOCK;
     *n = 1;
     return cudaSuccess;
 }
 
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev)
 {
+    LOCK;
     if (attr != cudaDevAttrMultiProcessorCount || dev != 0)
         return cudaErrorInvalidValue;
     *value = FS_EMU_SMS;
@@ -106,18 +128,21 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev)
 
 cudaError_t cudaRuntimeGetVersion(int *v)
 {
+    LOCK;
     *v = 12080;
     return cudaSuccess;
 }
 
 cudaError_t cudaDriverGetVersion(int *v)
 {
+    LOCK;
     *v = 12080;
     return cudaSuccess;
 }
 
 cudaError_t cudaGetLastError(void)
 {
+    LOCK;
     return fs_emu_take_fault("launch_error") ? cudaErrorLaunchFailure : cudaSuccess;
 }
 
@@ -151,6 +176,7 @@ const char *cudaGetErrorString(cudaError_t e)
 
 cudaError_t cudaMalloc(void **p, size_t bytes)
 {
+    LOCK;
     *p = nullptr;
     if (posix_memalign(p, 256, bytes ? bytes : 1) != 0)
         return cudaErrorMemoryAllocation;
@@ -159,6 +185,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes)
 
 cudaError_t cudaFree(void *p)
 {
+    LOCK;
     free(p);
     return cudaSuccess;
 }
@@ -166,6 +193,7 @@ cudaError_t cudaFree(void *p)
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t s)
 {
+    LOCK;
     (void)kind;
     if (bytes && (!dst || !src))
         return cudaErrorInvalidValue;
@@ -175,6 +203,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
 
 cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s)
 {
+    LOCK;
     if (bytes && !dst)
         return cudaErrorInvalidValue;
     fs_emu_enqueue(s, [=] { memset(dst, value, bytes); });
@@ -183,6 +212,7 @@ cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s)
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
 {
+    LOCK;
     (void)flags;
     *s = new fs_emu_stream;
     streams.push_back(*s);
@@ -191,6 +221,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
 
 cudaError_t cudaStreamDestroy(cudaStream_t s)
 {
+    LOCK;
     if (!s)
         return cudaErrorInvalidResourceHandle;
     if (!stalled())
@@ -206,6 +237,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s)
 {
+    LOCK;
     if (s && stalled()) {
         fprintf(stderr, "fs_emu: cudaStreamSynchronize on a stalled stream would never return\n");
         abort();
@@ -217,6 +249,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s)
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
 {
+    LOCK;
     (void)flags;
     if (!e)
         return cudaErrorInvalidResourceHandle;
@@ -235,6 +268,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags)
 {
+    LOCK;
     (void)flags;
     *e = new fs_emu_event;
     return cudaSuccess;
@@ -242,12 +276,14 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags)
 
 cudaError_t cudaEventDestroy(cudaEvent_t e)
 {
+    LOCK;
     delete e;
     return cudaSuccess;
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 {
+    LOCK;
     if (!e)
         return cudaErrorInvalidResourceHandle;
     e->stream = s;
@@ -257,6 +293,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 
 cudaError_t cudaEventQuery(cudaEvent_t e)
 {
+    LOCK;
     if (!e)
         return cudaErrorInvalidResourceHandle;
     if (!e->stream)
