@@ -325,7 +325,8 @@ static PyObject *py_dim0_copy_in(PyObject *m, PyObject *args)
 PyDoc_STRVAR(reduce_sum_doc,
              "reduce_sum(dst_ptr, dtype, src_ptrs, numel, scale, simd='auto')\n"
              "dst = scale * (src0 + src1 + ...), summed in order in f32 (f64 for f64).\n"
-             "simd: 'auto' (best for this CPU), 'avx2' or 'scalar' (the reference).");
+             "simd: 'auto' (best for this CPU), 'avx2' or 'scalar' (the reference); 'avx512'\n"
+             "runs the AVX2 loop (a memory-bound sum gains nothing wider).");
 static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
 {
     unsigned long long dp;
@@ -336,9 +337,12 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
     const char *simd_name = "auto";
     if (!PyArg_ParseTuple(args, "KiOLd|s", &dp, &t, &srcs_obj, &n, &scale, &simd_name))
         return NULL;
-    fs_simd simd = strcmp(simd_name, "scalar") == 0 ? FS_SIMD_SCALAR : fs_simd_best();
-    if (strcmp(simd_name, "avx2") == 0 && fs_simd_best() != FS_SIMD_AVX2)
-        return PyErr_Format(PyExc_ValueError, "reduce_sum: this CPU has no AVX2/F16C");
+    int level = fs_simd_parse(simd_name);
+    if (level < 0)
+        return PyErr_Format(PyExc_ValueError, "reduce_sum: simd='%s': %s", simd_name,
+                            level == -1 ? "expected 'auto', 'scalar', 'avx2' or 'avx512'"
+                                        : "this CPU lacks it");
+    fs_simd simd = (fs_simd)level;
     Py_ssize_t k;
     int64_t *ptrs = int64_list(srcs_obj, &k, "reduce_sum: src_ptrs must be a sequence");
     if (!ptrs)

@@ -1,4 +1,5 @@
-/* optim_cpu.c - see optim.h. Scalar reference, AVX2 kernels, thread split. */
+/* optim_cpu.c - see optim.h. Scalar reference, AVX2 and AVX-512 kernels,
+ * thread split. */
 #include "optim.h"
 
 #include <math.h>
@@ -12,6 +13,18 @@
 
 /* Below this many elements per thread, more threads cost more than they save. */
 #define FS_MIN_PER_THREAD (1 << 16)
+
+/* The SIMD loops read four or five streams at once, more than a core's
+ * hardware prefetchers keep ahead of: each loop asks for the lines this many
+ * elements (4 KiB) ahead itself. On a 2-core Xeon it took the AdamW step over
+ * 2^26 parameters from about 64 to 57 ms (benchmarks/RESULTS.md). Prefetches
+ * past the end of a buffer are harmless: they never fault. */
+#define FS_PREFETCH_AHEAD 1024
+
+#ifdef FS_X86
+#define FS_PREFETCH(ptr, i) _mm_prefetch((const char *)((ptr) + (i) + FS_PREFETCH_AHEAD), \
+                                         _MM_HINT_T0)
+#endif
 
 static inline void store_copy(void *copy, fs_dtype t, int64_t i, float v)
 {
@@ -105,6 +118,14 @@ __attribute__((target("avx2,f16c"))) static int64_t adam_avx2(const fs_adam_buff
     const int l2 = !h->decoupled && h->weight_decay != 0.0f;
     int64_t i = lo;
     for (; i + 8 <= hi; i += 8) {
+        if ((i & 15) == 0) { /* one 64-byte line per stream every other iteration */
+            FS_PREFETCH(b->grad, i);
+            FS_PREFETCH(b->param, i);
+            FS_PREFETCH(b->exp_avg, i);
+            FS_PREFETCH(b->exp_avg_sq, i);
+            if (b->max_exp_avg_sq)
+                FS_PREFETCH(b->max_exp_avg_sq, i);
+        }
         __m256 g = _mm256_loadu_ps(b->grad + i);
         if (h->maximize)
             g = _mm256_xor_ps(g, sign);
@@ -128,6 +149,75 @@ __attribute__((target("avx2,f16c"))) static int64_t adam_avx2(const fs_adam_buff
         _mm256_storeu_ps(b->param + i, p);
         if (b->copy)
             store_copy8(b->copy, b->copy_dtype, i, p);
+    }
+    return i;
+}
+
+/* The AVX-512 version of the two above: 16 lanes, the same operations in
+ * the same order (no FMA), so the same bits. The bf16 rounding is done on
+ * integers rather than with vcvtneps2bf16, which flushes subnormal inputs. */
+__attribute__((target("avx512f,avx512bw"))) static void store_copy16(void *copy, fs_dtype t,
+                                                                     int64_t i, __m512 v)
+{
+    __m256i out;
+    if (t == FS_F16) {
+        out = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    } else {
+        __m512i u = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+        __mmask16 nan = _mm512_cmpgt_epi32_mask(
+            _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        r = _mm512_mask_blend_epi32(
+            nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+        out = _mm512_cvtepi32_epi16(r);
+    }
+    _mm256_storeu_si256((__m256i *)((uint16_t *)copy + i), out);
+}
+
+__attribute__((target("avx512f,avx512bw"))) static int64_t adam_avx512(const fs_adam_buffers *b,
+                                                                      const fs_adam_hparams *h,
+                                                                      const adam_consts *k,
+                                                                      int64_t lo, int64_t hi)
+{
+    const __m512 b1c = _mm512_set1_ps(1.0f - h->beta1), b2 = _mm512_set1_ps(h->beta2),
+                 b2c = _mm512_set1_ps(1.0f - h->beta2), eps = _mm512_set1_ps(h->eps),
+                 bc2 = _mm512_set1_ps(k->inv_bc2_sqrt), ss = _mm512_set1_ps(k->step_size),
+                 decay = _mm512_set1_ps(k->decay), wd = _mm512_set1_ps(h->weight_decay);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    const int l2 = !h->decoupled && h->weight_decay != 0.0f;
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        FS_PREFETCH(b->grad, i);
+        FS_PREFETCH(b->param, i);
+        FS_PREFETCH(b->exp_avg, i);
+        FS_PREFETCH(b->exp_avg_sq, i);
+        if (b->max_exp_avg_sq)
+            FS_PREFETCH(b->max_exp_avg_sq, i);
+        __m512 g = _mm512_loadu_ps(b->grad + i);
+        if (h->maximize)
+            g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
+        __m512 p = _mm512_loadu_ps(b->param + i);
+        if (h->decoupled)
+            p = _mm512_mul_ps(p, decay);
+        else if (l2)
+            g = _mm512_add_ps(g, _mm512_mul_ps(wd, p));
+        __m512 m = _mm512_loadu_ps(b->exp_avg + i);
+        m = _mm512_add_ps(m, _mm512_mul_ps(b1c, _mm512_sub_ps(g, m)));
+        __m512 v = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(b->exp_avg_sq + i)),
+                                 _mm512_mul_ps(_mm512_mul_ps(b2c, g), g));
+        _mm512_storeu_ps(b->exp_avg + i, m);
+        _mm512_storeu_ps(b->exp_avg_sq + i, v);
+        if (b->max_exp_avg_sq) {
+            v = _mm512_max_ps(_mm512_loadu_ps(b->max_exp_avg_sq + i), v);
+            _mm512_storeu_ps(b->max_exp_avg_sq + i, v);
+        }
+        __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), bc2), eps);
+        p = _mm512_sub_ps(p, _mm512_mul_ps(ss, _mm512_div_ps(m, denom)));
+        _mm512_storeu_ps(b->param + i, p);
+        if (b->copy)
+            store_copy16(b->copy, b->copy_dtype, i, p);
     }
     return i;
 }
@@ -172,8 +262,10 @@ static void run_slice(const slice_job *j)
     int64_t i = j->lo;
     if (j->kind == 0) {
 #ifdef FS_X86
-        if (j->simd == FS_SIMD_AVX2)
-            i = adam_avx2(j->buffers, j->hparams, j->consts, j->lo, j->hi);
+        if (j->simd >= FS_SIMD_AVX512)
+            i = adam_avx512(j->buffers, j->hparams, j->consts, i, j->hi);
+        if (j->simd >= FS_SIMD_AVX2)
+            i = adam_avx2(j->buffers, j->hparams, j->consts, i, j->hi);
 #endif
         adam_scalar(j->buffers, j->hparams, j->consts, i, j->hi);
     } else {
@@ -227,7 +319,8 @@ fs_status fs_adam_step(const fs_adam_buffers *b, const fs_adam_hparams *h, fs_si
                                      b->copy_dtype != FS_F16))
         return FS_ERR_INVALID_ARG;
     adam_consts k = adam_derive(h);
-    slice_job base = {0, b, h, &k, simd == FS_SIMD_AVX2 ? fs_simd_best() : FS_SIMD_SCALAR, 0, 0};
+    const fs_simd best = fs_simd_best();
+    slice_job base = {0, b, h, &k, simd > best ? best : simd, 0, 0};
     return split_run(base, b->n, threads);
 }
 

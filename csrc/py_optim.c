@@ -5,9 +5,17 @@
 
 #include "optim.h"
 
-static fs_simd parse_simd(const char *name)
+/* The level `name` asks for, or -1 with ValueError set. */
+static int parse_simd(const char *name)
 {
-    return name && strcmp(name, "scalar") == 0 ? FS_SIMD_SCALAR : fs_simd_best();
+    int level = fs_simd_parse(name);
+    if (level == -1)
+        PyErr_Format(PyExc_ValueError, "simd='%s': expected 'auto', 'scalar', 'avx2' or "
+                     "'avx512'", name);
+    else if (level == -2)
+        PyErr_Format(PyExc_ValueError, "simd='%s': this CPU lacks it (best: '%s')", name,
+                     fs_simd_name(fs_simd_best()));
+    return level < 0 ? -1 : level;
 }
 
 PyDoc_STRVAR(adam_step_doc,
@@ -15,7 +23,9 @@ PyDoc_STRVAR(adam_step_doc,
              "          lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize,\n"
              "          threads=1, simd='auto')\n"
              "One fused Adam (decoupled=False) or AdamW (decoupled=True) step; pointers are\n"
-             "ints (0 for max_exp_avg_sq without amsgrad, and for no low-precision copy).");
+             "ints (0 for max_exp_avg_sq without amsgrad, and for no low-precision copy).\n"
+             "simd: 'auto' (the best this CPU has), 'avx512', 'avx2' or 'scalar' (the\n"
+             "reference); every level gives the same bits.");
 static PyObject *py_adam_step(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "copy",
@@ -30,12 +40,15 @@ static PyObject *py_adam_step(PyObject *m, PyObject *args, PyObject *kw)
                                      &mx, &cp, &cdt, &n, &lr, &b1, &b2, &eps, &wd, &step,
                                      &decoupled, &maximize, &threads, &simd))
         return NULL;
+    int level = parse_simd(simd);
+    if (level < 0)
+        return NULL;
     fs_adam_buffers b = {(float *)p, (const float *)g, (float *)ea, (float *)eas,
                          (float *)mx, (void *)cp, (fs_dtype)cdt, n};
     fs_adam_hparams h = {lr, b1, b2, eps, wd, step, decoupled, maximize};
     fs_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = fs_adam_step(&b, &h, parse_simd(simd), threads);
+    s = fs_adam_step(&b, &h, (fs_simd)level, threads);
     Py_END_ALLOW_THREADS
     if (s != FS_OK)
         return fs_raise(fs_state_from_module(m), s, "adam_step: need n >= 0, step >= 1, "

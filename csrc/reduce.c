@@ -6,7 +6,12 @@
 #define FS_X86 1
 #endif
 
-const char *fs_simd_name(fs_simd s) { return s == FS_SIMD_AVX2 ? "avx2" : "scalar"; }
+#include <string.h>
+
+const char *fs_simd_name(fs_simd s)
+{
+    return s == FS_SIMD_AVX512 ? "avx512" : s == FS_SIMD_AVX2 ? "avx2" : "scalar";
+}
 
 fs_simd fs_simd_best(void)
 {
@@ -14,14 +19,28 @@ fs_simd fs_simd_best(void)
     static int level = -1;
     if (level < 0) {
         __builtin_cpu_init();
-        level = (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-                    ? FS_SIMD_AVX2
-                    : FS_SIMD_SCALAR;
+        level = FS_SIMD_SCALAR;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+            level = FS_SIMD_AVX2;
+            if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+                level = FS_SIMD_AVX512;
+        }
     }
     return (fs_simd)level;
 #else
     return FS_SIMD_SCALAR;
 #endif
+}
+
+int fs_simd_parse(const char *name)
+{
+    static const char *names[] = {"scalar", "avx2", "avx512"};
+    if (!name || strcmp(name, "auto") == 0)
+        return fs_simd_best();
+    for (int k = 0; k < 3; k++)
+        if (strcmp(name, names[k]) == 0)
+            return k <= (int)fs_simd_best() ? k : -2;
+    return -1;
 }
 
 /* ---------------------------------------------------------------------------
@@ -135,7 +154,7 @@ fs_status fs_reduce_sum(void *dst, const void *const *srcs, int nsrc, int64_t n,
     }
     int64_t done = 0;
 #ifdef FS_X86
-    if (simd == FS_SIMD_AVX2 && fs_simd_best() == FS_SIMD_AVX2)
+    if (simd >= FS_SIMD_AVX2 && fs_simd_best() >= FS_SIMD_AVX2)
         done = reduce_avx2(dst, srcs, nsrc, n, t, (float)scale);
 #else
     (void)simd;

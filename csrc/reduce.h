@@ -15,14 +15,20 @@
 #include "fs_dtype.h"
 #include "fs_status.h"
 
+/* Ordered: a level includes the ones below it. */
 typedef enum {
     FS_SIMD_SCALAR = 0,
-    FS_SIMD_AVX2 = 1, /* AVX2 + F16C */
+    FS_SIMD_AVX2 = 1,   /* AVX2 + F16C */
+    FS_SIMD_AVX512 = 2, /* + AVX-512 F and BW (the optimizers; reductions use AVX2) */
 } fs_simd;
 
 /* Best level this CPU supports (detected once). */
 fs_simd fs_simd_best(void);
 const char *fs_simd_name(fs_simd s);
+/* "auto" (the best), "scalar", "avx2" or "avx512" -> the level, capped at
+ * the best this CPU has; -1 for an unknown name, -2 for a level this CPU
+ * lacks. */
+int fs_simd_parse(const char *name);
 
 /* nsrc >= 1; dst may be one of the sources. Float dtypes only. */
 fs_status fs_reduce_sum(void *dst, const void *const *srcs, int nsrc, int64_t n, fs_dtype t,

@@ -10,7 +10,8 @@ from flatshard import _C, ConfigError, optim as fo
 from parity import run_case
 
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 97, 1031, (1 << 16) * 2 + 13]
-AVX2 = _C.simd_level() == "avx2"
+# every SIMD level this CPU has, the reference first
+LEVELS = ["scalar", "avx2", "avx512"][:["scalar", "avx2", "avx512"].index(_C.simd_level()) + 1]
 
 
 def _buffers(n, seed):
@@ -24,8 +25,7 @@ def _buffers(n, seed):
                           (True, False, True, torch.float16), (False, False, False, None)])
 def test_adam_kernel_simd_and_threads_match_scalar(n, decoupled, maximize, amsgrad, copy):
     outs = []
-    for simd, threads in [("scalar", 1)] + ([("auto", 1), ("auto", 2)] if AVX2 else
-                                           [("auto", 2)]):
+    for simd, threads in [(level, 1) for level in LEVELS] + [("auto", 2)]:
         p, grad, m, mx, v = _buffers(n, n)
         mx = mx.abs() if amsgrad else None
         out = torch.empty(n, dtype=copy) if copy else None
@@ -156,3 +156,13 @@ def _clip_with_ignored_module():
 
 def test_clip_grad_norm_counts_unsharded_parameters_once(dist_pool):
     assert max(dist_pool(2).run(_clip_with_ignored_module)) < 1e-6
+
+
+def test_simd_level_names_are_checked():
+    p = torch.zeros(4)
+    with pytest.raises(ValueError, match="simd='avx1024': expected 'auto', 'scalar', 'avx2' or "
+                                         "'avx512'"):
+        _C.adam_step(*(p.data_ptr(),) * 4, 0, 0, _C.BF16, 4, simd="avx1024")
+    if _C.simd_level() != "avx512":
+        with pytest.raises(ValueError, match="this CPU lacks it"):
+            _C.adam_step(*(p.data_ptr(),) * 4, 0, 0, _C.BF16, 4, simd="avx512")

@@ -39,15 +39,16 @@ def test_reduce_sum_matches_float32_reference(dtype, n, nsrc):
         acc = acc + s.to(acc_t)
     want = (acc * (scale if dtype == torch.float64 else torch.tensor(scale, dtype=acc_t))).to(dtype)
     outs = {}
-    levels = ["scalar"] + (["avx2"] if _C.simd_level() == "avx2" else [])
+    levels = ["scalar", "avx2", "avx512"][:["scalar", "avx2", "avx512"].index(
+        _C.simd_level()) + 1]
     for level in levels:
         out = torch.empty(n, dtype=dtype)
         _C.reduce_sum(out.data_ptr(), dtype_code(dtype), [s.data_ptr() for s in srcs], n, scale,
                       level)
         outs[level] = out
         assert torch.equal(out, want), (level, out, want)
-    if len(outs) == 2:  # SIMD and scalar give the same bits
-        assert torch.equal(outs["scalar"].view(-1), outs["avx2"].view(-1))
+    for level in levels[1:]:  # SIMD and scalar give the same bits
+        assert torch.equal(outs["scalar"].view(-1), outs[level].view(-1))
 
 
 def test_reduce_sum_in_place_and_nan():

@@ -79,7 +79,8 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999
                 out_copy=None, threads=None, simd="auto"):
     """One fused step on flat buffers (all contiguous fp32 CPU of one size).
     step: the step number after this update (1 on the first). out_copy: a
-    bf16/fp16 tensor of the same size that receives the updated parameters."""
+    bf16/fp16 tensor of the same size that receives the updated parameters.
+    simd: 'auto' (the best this CPU has), 'avx512', 'avx2' or 'scalar'."""
     n = param.numel()
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg),
                     ("exp_avg_sq", exp_avg_sq)) + ((("max_exp_avg_sq", max_exp_avg_sq),)
