@@ -261,16 +261,23 @@ def test_a_collective_that_never_finishes_times_out_and_aborts(emu):
     comm.close()
 
 
-def _stall_until_the_watchdog_fires(rt, issue, timeout_s):
+def _stall_until_the_watchdog_fires(rt, issue, capfd):
     """Issue a collective that never finishes, then let the host do other
-    things (no flatshard call) past the timeout."""
+    things (no flatshard call) until the watchdog speaks; what it printed."""
     import time
     rt.fs_emu_fault(b"event_never_ready", 1)
+    printed = ""
     try:
+        t0 = time.monotonic()
         issue()  # returns: the collective is only queued
-        time.sleep(timeout_s * 2.5)
+        while "flatshard watchdog" not in printed and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+            printed += capfd.readouterr().err
+        took = time.monotonic() - t0
     finally:
         rt.fs_emu_fault(b"event_never_ready", 0)
+    assert took >= 0.95  # not before the timeout (1 s)
+    return printed
 
 
 def test_the_watchdog_aborts_a_collective_nobody_waits_for(emu, capfd):
@@ -282,10 +289,9 @@ def test_the_watchdog_aborts_a_collective_nobody_waits_for(emu, capfd):
     comm = _one_rank(mod, timeout_s=1.0)
     x, y = torch.ones(4), torch.zeros(4)
     comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "warm-up", stream=0)  # finishes
-    _stall_until_the_watchdog_fires(
+    printed = _stall_until_the_watchdog_fires(
         rt, lambda: comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.3 forward",
-                                    stream=0), 1.0)
-    printed = capfd.readouterr().err
+                                    stream=0), capfd)
     assert "flatshard watchdog: rank 0: NCCL all_gather for 'blocks.3 forward' (collective 2 " \
         "on this communicator) did not finish within 1 s" in printed
     with pytest.raises(mod.NcclError) as e:
@@ -306,8 +312,8 @@ def test_the_watchdog_names_the_unit_behind_a_device_comm(emu, capfd):
                    device_api=mod.device_api, stream_fn=lambda: 0,
                    empty=empty_fn(torch.device("cpu")))
     t = torch.ones(8)
-    _stall_until_the_watchdog_fires(rt, lambda: all_reduce_(comm, t, tag="layers.7"), 1.0)
-    printed = capfd.readouterr().err
+    printed = _stall_until_the_watchdog_fires(rt, lambda: all_reduce_(comm, t, tag="layers.7"),
+                                              capfd)
     assert "NCCL all_reduce for 'layers.7' (collective 1" in printed
     with pytest.raises(_C.CoreError, match="aborted by its watchdog.*layers.7") as e:
         all_reduce_(comm, t, tag="next")

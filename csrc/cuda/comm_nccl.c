@@ -18,6 +18,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +45,10 @@ typedef struct {
     int in_group;
     int defer; /* the caller's stream does not wait (it waits on a recorded mark) */
     _Atomic int aborted; /* set once, by the issuing thread or the watchdog */
+    /* ncclCommAbort frees the communicator and may come from the watchdog's
+     * thread: NCCL calls and the abort hold this, and no call is made on an
+     * aborted communicator. */
+    pthread_mutex_t mu;
     double timeout_s;
     fs_watchdog *watch;
 } nccl_impl;
@@ -58,20 +63,30 @@ static double now_s(void)
 static void n_abort(fs_comm *c, const char *why)
 {
     nccl_impl *m = c->impl;
-    if (atomic_exchange(&m->aborted, 1))
-        return;
-    fs_nccl.CommAbort(m->comm);
-    if (why && *why)
+    pthread_mutex_lock(&m->mu);
+    const int was = atomic_exchange(&m->aborted, 1);
+    if (!was)
+        fs_nccl.CommAbort(m->comm);
+    pthread_mutex_unlock(&m->mu);
+    if (!was && why && *why)
         snprintf(c->last_error, sizeof c->last_error, "aborted: %s", why);
 }
 
 /* The watchdog's abort, from its thread: last_error belongs to the issuing
- * thread, which reads the verdict at its next call (refused()). */
+ * thread, which reads the verdict at its next call (refused()). If that
+ * thread is stuck inside an NCCL call (holding the lock) for as long again,
+ * abort anyway: ncclCommAbort is what unblocks it. */
 static void watch_abort(void *ctx)
 {
     nccl_impl *m = ((fs_comm *)ctx)->impl;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)m->timeout_s + 1;
+    const int locked = pthread_mutex_timedlock(&m->mu, &until) == 0;
     if (!atomic_exchange(&m->aborted, 1))
         fs_nccl.CommAbort(m->comm);
+    if (locked)
+        pthread_mutex_unlock(&m->mu);
 }
 
 /* A call on an aborted communicator: say why it was aborted. */
@@ -101,9 +116,15 @@ static fs_status cuda_fail(fs_comm *c, const char *op, cudaError_t e)
 static fs_status nccl_fail_x(fs_comm *c, const char *op, ncclResult_t r, int force_abort)
 {
     nccl_impl *m = c->impl;
-    const char *detail = fs_nccl.GetLastError ? fs_nccl.GetLastError(m->comm) : "";
+    char detail[256] = "";
+    pthread_mutex_lock(&m->mu);
+    if (fs_nccl.GetLastError && !atomic_load(&m->aborted)) {
+        const char *d = fs_nccl.GetLastError(m->comm);
+        snprintf(detail, sizeof detail, "%s", d ? d : "");
+    }
+    pthread_mutex_unlock(&m->mu);
     snprintf(c->last_error, sizeof c->last_error, "%s: NCCL error %d (%s)%s%s", op, (int)r,
-             fs_nccl.GetErrorString(r), detail && *detail ? ": " : "", detail ? detail : "");
+             fs_nccl.GetErrorString(r), *detail ? ": " : "", detail);
     if (force_abort || (r != ncclInvalidArgument && r != ncclInvalidUsage))
         n_abort(c, NULL);
     return FS_ERR_BACKEND;
@@ -117,8 +138,14 @@ static fs_status nccl_fail(fs_comm *c, const char *op, ncclResult_t r)
 static fs_status check_async(fs_comm *c, const char *op)
 {
     nccl_impl *m = c->impl;
-    ncclResult_t a = ncclSuccess;
-    ncclResult_t r = fs_nccl.CommGetAsyncError(m->comm, &a);
+    ncclResult_t a = ncclSuccess, r = ncclSuccess;
+    pthread_mutex_lock(&m->mu);
+    const int gone = atomic_load(&m->aborted);
+    if (!gone)
+        r = fs_nccl.CommGetAsyncError(m->comm, &a);
+    pthread_mutex_unlock(&m->mu);
+    if (gone)
+        return refused(c, op);
     if (r != ncclSuccess)
         return nccl_fail(c, op, r);
     if (a != ncclSuccess && a != ncclInProgress) {
@@ -172,11 +199,18 @@ static fs_status leave(fs_comm *c, const char *op)
     return FS_OK;
 }
 
-#define NCCL_TRY(c, op, call)                  \
-    do {                                       \
-        ncclResult_t r_ = (call);              \
-        if (r_ != ncclSuccess)                 \
-            return nccl_fail(c, op, r_);       \
+/* An NCCL call on c's communicator, under its lock, never after an abort. */
+#define NCCL_TRY(c, op, call)                                 \
+    do {                                                      \
+        nccl_impl *m_ = (c)->impl;                            \
+        pthread_mutex_lock(&m_->mu);                          \
+        const int gone_ = atomic_load(&m_->aborted);          \
+        const ncclResult_t r_ = gone_ ? ncclSuccess : (call); \
+        pthread_mutex_unlock(&m_->mu);                        \
+        if (gone_)                                            \
+            return refused(c, op);                            \
+        if (r_ != ncclSuccess)                                \
+            return nccl_fail(c, op, r_);                      \
     } while (0)
 
 #define CUDA_TRY(c, op, call)                  \
@@ -346,6 +380,7 @@ static void n_destroy(fs_comm *c)
         cudaEventDestroy(m->done);
     if (m->stream)
         cudaStreamDestroy(m->stream);
+    pthread_mutex_destroy(&m->mu);
     free(m);
     free(c);
 }
@@ -373,6 +408,7 @@ fs_status fs_comm_nccl_create(const unsigned char id[128], int rank, int world_s
         free(m);
         return FS_ERR_NO_MEMORY;
     }
+    pthread_mutex_init(&m->mu, NULL);
     m->device = device;
     m->timeout_s = timeout_s;
     c->ops = &nccl_ops;
