@@ -82,10 +82,10 @@ def _train_both(case, accumulate):
     return same, losses, dev_comms, seen, reduced, rt.fs_emu_pending()
 
 
-def _fully_shard_both(mp, raf):
+def _fully_shard_both(mp, raf, prefetch=False):
     _, rt, _ = emu_build.load()
-    same, n_comms, losses = tdp._fully_shard_both(mp, raf, device_path=_device_comm)
-    return same, n_comms, losses, rt.fs_emu_pending()
+    same, n_comms, losses, deferred = tdp._fully_shard_both(mp, raf, _device_comm, prefetch)
+    return same, n_comms, losses, rt.fs_emu_pending(), deferred[1]
 
 
 @pytest.mark.parametrize("case", sorted(tdp.CASES))
@@ -111,12 +111,67 @@ def test_emulated_device_path_with_accumulation_on_four_ranks(dist_pool, case):
         assert dev_comms == [emu_build.DEVICE_NAME]
 
 
-@pytest.mark.parametrize("mp,raf", [(None, True), ("bf16_reduce", True), (None, 2)])
-def test_fully_shard_through_the_cuda_table_and_nccl_backend(dist_pool, mp, raf):
+@pytest.mark.parametrize("mp,raf,prefetch", [(None, True, False), ("bf16_reduce", True, False),
+                                             (None, 2, False), (None, True, True),
+                                             ("bf16", False, True)])
+def test_fully_shard_through_the_cuda_table_and_nccl_backend(dist_pool, mp, raf, prefetch):
+    """With prefetch, the gathers of the next module are deferred: a copy-out
+    that did not wait for its gather would read stale memory here."""
     emu_build.build()
-    for same, n_comms, losses, pending in dist_pool(2).run(_fully_shard_both, mp, raf):
+    for same, n_comms, losses, pending, deferred in dist_pool(2).run(
+            _fully_shard_both, mp, raf, prefetch):
         assert n_comms >= 1 and same and pending == 0
         assert losses[-1] < losses[0]
+        assert (deferred > 0) == prefetch
+
+
+def _async_unshard():
+    """unshard(async_op=True) on a device: the handle's wait() is what makes
+    the module's parameters readable; the module's forward then reuses them."""
+    import flatshard.fsdp2 as ffsdp2
+    from flatshard import fully_shard
+    from toy_models import build
+    torch.manual_seed(0)
+    saved = ffsdp2.comm_for
+    made = {}
+
+    def comm_for(group, backend, device=None):
+        host = saved(group, backend, device)
+        if id(host) not in made:
+            made[id(host)] = _device_comm(group, host)
+        return made[id(host)]
+    ffsdp2.comm_for = comm_for
+    try:
+        model = build()
+        want = [p.detach().clone() for p in model.blocks[1].parameters()]
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
+    finally:
+        ffsdp2.comm_for = saved
+    handle = model.blocks[1].unshard(async_op=True)
+    group = model.blocks[1]._fsdp_state().group
+    pending_before = group.pending is not None
+    handle.wait()
+    got = [p.detach().clone() for p in group.unsharded]
+    same = len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    out = model(torch.randn(4, 5)).sum().item()
+    dev = next(iter(made.values()))
+    misuse = []
+    for bad in ("not a mark", object()):
+        try:
+            dev.wait_mark(bad)
+        except TypeError as e:
+            misuse.append(str(e))
+    dev.wait_mark(None)
+    return pending_before, group.pending is None, same, out == out, misuse
+
+
+def test_unshard_async_op_defers_until_the_handle_waits(dist_pool):
+    emu_build.build()
+    for pending_before, cleared, same, finite, misuse in dist_pool(2).run(_async_unshard):
+        assert pending_before and cleared and same and finite
+        assert len(misuse) == 2 and "all_gather_deferred returned" in misuse[0]
 
 
 # ---------------------------------------------------------------------------

@@ -253,8 +253,10 @@ def test_device_comm_construction_errors(dist_pool):
 # ---------------------------------------------------------------------------
 # fully_shard: the same device path for its segment copies (device.pack/unpack)
 
-def _fully_shard_train(device_path, mp, raf):
-    """device_path: False, True (the host table) or make(group, host Comm)."""
+def _fully_shard_train(device_path, mp, raf, prefetch=False):
+    """device_path: False, True (the host table) or make(group, host Comm).
+    prefetch: each block prefetches the next in forward and the one before
+    in backward (deferred all-gathers on a device)."""
     import flatshard.fsdp2 as ffsdp2
     from flatshard import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
@@ -280,6 +282,11 @@ def _fully_shard_train(device_path, mp, raf):
         for b in list(model.blocks) + [model.head]:  # head: its input cast to bf16
             fully_shard(b, **kw)
         fully_shard(model, **kw)
+        if prefetch:
+            mods = list(model.blocks) + [model.head]
+            for a, b in zip(mods, mods[1:]):
+                a.set_modules_to_forward_prefetch([b])
+                b.set_modules_to_backward_prefetch([a])
     finally:
         ffsdp2.comm_for = saved
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -294,14 +301,17 @@ def _fully_shard_train(device_path, mp, raf):
         losses.append(loss.item())
     state = {k: v.full_tensor() for k, v in model.state_dict().items()
              if hasattr(v, "full_tensor")}
-    return losses, state, len(made)
+    from flatshard.fsdp2_state import state_of
+    deferred = sum(state_of(m).group.n_deferred for m in model.modules()
+                   if state_of(m) is not None and state_of(m).group is not None)
+    return losses, state, len(made), deferred
 
 
-def _fully_shard_both(mp, raf, device_path=True):
-    host = _fully_shard_train(False, mp, raf)
-    dev = _fully_shard_train(device_path, mp, raf)
-    return host[0] == dev[0] and all(torch.equal(host[1][k], dev[1][k]) for k in host[1]), \
-        dev[2], host[0]
+def _fully_shard_both(mp, raf, device_path=True, prefetch=False):
+    host = _fully_shard_train(False, mp, raf, prefetch)
+    dev = _fully_shard_train(device_path, mp, raf, prefetch)
+    same = host[0] == dev[0] and all(torch.equal(host[1][k], dev[1][k]) for k in host[1])
+    return same, dev[2], host[0], (host[3], dev[3])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -310,6 +320,17 @@ def _fully_shard_both(mp, raf, device_path=True):
 def test_fully_shard_device_path_trains_bit_identically(dist_pool, world, mp, raf):
     if raf == 2 and world != 2:
         pytest.skip("reshard_after_forward=2 needs an even world")
-    for same, n_device_comms, losses in dist_pool(world).run(_fully_shard_both, mp, raf):
+    for same, n_device_comms, losses, _ in dist_pool(world).run(_fully_shard_both, mp, raf):
         assert n_device_comms >= 1 and same
         assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("mp", [None, "bf16_reduce"])
+def test_fully_shard_prefetch_defers_gathers_on_a_device(dist_pool, mp):
+    """set_modules_to_forward/backward_prefetch: on a device Comm the
+    prefetched all-gathers are deferred (the copy-out waits for them at the
+    module's own unshard); on a host Comm they complete at once."""
+    for same, _, losses, (host_deferred, dev_deferred) in dist_pool(2).run(
+            _fully_shard_both, mp, True, True, True):
+        assert same and losses[-1] < losses[0]
+        assert host_deferred == 0 and dev_deferred > 0

@@ -304,12 +304,19 @@ def broadcast_(comm, tensor, root=0, tag=""):
         tensor.detach().copy_(flat.view_as(tensor))
 
 
-def all_gather_into(comm, out, inp, tag=""):
+def all_gather_into(comm, out, inp, tag="", defer=False):
+    """out = every rank's inp, in rank order. defer=True on a device Comm:
+    the caller's stream does not wait for it; the returned mark goes to
+    comm.wait_mark() before anything reads out (keep inp and out alive until
+    then). Otherwise (or on a host Comm) it has completed: None."""
     ip, n, code = _flat(inp, "input", comm)
     op, on, ocode = _flat(out, "output", comm)
     if ocode != code or on != n * comm.world_size:
         raise ValueError("flatshard: all_gather output must be world_size times the input")
+    if defer:
+        return comm.all_gather_deferred(ip, op, n, code, tag)
     comm.all_gather(ip, op, n, code, tag)
+    return None
 
 
 def reduce_scatter_into(comm, out, inp, average=True, tag=""):

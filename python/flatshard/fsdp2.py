@@ -40,10 +40,17 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class UnshardHandle:
-    """What unshard(async_op=True) returns. flatshard's all-gather has
-    completed when unshard returns, so wait() has nothing left to do."""
+    """What unshard(async_op=True) returns. On a CUDA device the all-gather
+    may still be running: wait() makes the current stream wait for it (so
+    does the module's next forward). On CPU it has completed already."""
+
+    def __init__(self, state=None):
+        self._state = state
 
     def wait(self):
+        st, self._state = self._state, None
+        if st is not None and st.group is not None:
+            st.group.wait_unsharded()
         return None
 
 
@@ -60,14 +67,15 @@ class FSDPModule:
     def unshard(self, async_op=False):
         """All-gather this module's parameters and register the unsharded
         ones until reshard() (or the next reshard point of the step). With
-        `async_op=True` an UnshardHandle is returned (its wait() returns at
-        once: CPU collectives complete before the call returns)."""
+        `async_op=True` an UnshardHandle is returned: on a CUDA device the
+        all-gather runs beside later work until its wait() (or the module's
+        forward); on CPU it has completed already."""
         _check_bool("async_op", async_op)
         st = self._fsdp_state()
         if st.root is None:
             st.lazy_init()
-        st.unshard()
-        return UnshardHandle() if async_op else None
+        st.unshard(defer=async_op)
+        return UnshardHandle(st) if async_op else None
 
     def reshard(self):
         self._fsdp_state().reshard()

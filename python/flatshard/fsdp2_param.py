@@ -95,6 +95,8 @@ class ParamGroup:
         self.full = None       # flat unsharded buffer (compute dtype), made at first unshard
         self.unsharded = None  # its per-parameter leaf Parameters
         self.is_unsharded = False
+        self.pending = None    # a deferred all-gather: (mark, its buffers, the copy-out)
+        self.n_deferred = 0
         self.sharded = [self._shard(i, p) for i, p in enumerate(params)]
         self.divide_factor = None
         # int reshard_after_forward: after forward keep 1/k of the unsharded buffer,
@@ -122,6 +124,7 @@ class ParamGroup:
     def refresh_sharded(self):
         """After nn.Module._apply (to_empty, to, float...): re-read the
         registered sharded parameters, which may be new objects."""
+        self.wait_unsharded()
         for i, aliases in enumerate(self.aliases):
             m, attr = aliases[0]
             p = m._parameters[attr]
@@ -151,11 +154,15 @@ class ParamGroup:
                                                requires_grad=sp.requires_grad))
         self.full.untyped_storage().resize_(0)
 
-    def unshard(self):
+    def unshard(self, defer=False):
         """One all-gather of every rank's block (the shards cast to the
         compute dtype in C), then each parameter copied out of the gathered
-        blocks into the unsharded buffer, also in C."""
+        blocks into the unsharded buffer, also in C. defer (a prefetch): on a
+        device Comm the caller's stream does not wait for the all-gather; the
+        copy-out waits for it at wait_unsharded() (the next unshard, reshard,
+        or the module's own forward)."""
         if self.is_unsharded:
+            self.wait_unsharded()
             return
         if self.full is None:
             self._make_full()
@@ -174,7 +181,7 @@ class ParamGroup:
         gathered = torch.empty(self.block_numel * self.world, dtype=self.compute_dtype,
                                device=self.full.device)
         if self.comm.device is not None:
-            self._unshard_device(block, gathered)
+            self._unshard_device(block, gathered, defer)
             self.is_unsharded = True
             self.set_views()
             return
@@ -191,13 +198,14 @@ class ParamGroup:
         self.is_unsharded = True
         self.set_views()
 
-    def _unshard_device(self, block, gathered):
+    def _unshard_device(self, block, gathered, defer):
         tensors, offsets = [], []
         for i, e in enumerate(self.entries):
             _chunk_segments(tensors, offsets, self.local(i).detach().contiguous().view(-1), e,
                             e[3])
         device_pack(block, tensors, offsets)
-        all_gather_into(self.comm, gathered, block, tag="fully_shard.unshard")
+        mark = all_gather_into(self.comm, gathered, block, tag="fully_shard.unshard",
+                               defer=defer)
         self.n_all_gathers += 1
         outs, offsets = [], []
         for i, e in enumerate(self.entries):
@@ -207,6 +215,20 @@ class ParamGroup:
                     outs.append(self.full.narrow(0, self.offsets[i] + begin * e[1],
                                                  rows * e[1]))
                     offsets.append(r * self.block_numel + e[3])
+        if mark is None:
+            device_unpack(gathered, outs, offsets)
+        else:  # block and gathered live until the caller's stream waited for the gather
+            self.pending = (mark, block, gathered, outs, offsets)
+            self.n_deferred += 1
+
+    def wait_unsharded(self):
+        """A deferred all-gather: the caller's stream waits for it, then the
+        copy-out into the unsharded buffer is enqueued after it."""
+        if self.pending is None:
+            return
+        mark, _, gathered, outs, offsets = self.pending
+        self.pending = None
+        self.comm.wait_mark(mark)
         device_unpack(gathered, outs, offsets)
 
     def n_trainable(self):
@@ -229,6 +251,7 @@ class ParamGroup:
                 m.__dict__.pop(attr, None)
 
     def reshard(self):
+        self.wait_unsharded()  # its buffers go back only after the caller's stream waited
         self.clear_views()
         self.post_chunk = None
         if self.is_unsharded:
@@ -240,6 +263,7 @@ class ParamGroup:
         group's size) and free the rest."""
         if not self.is_unsharded:
             return
+        self.wait_unsharded()
         k = self.post_comm.world_size
         n = self.full_alloc // k
         chunk = self.full.narrow(0, self.post_comm.rank * n, n).clone()

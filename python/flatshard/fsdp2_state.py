@@ -89,16 +89,22 @@ class FSDPState:
     # ------------------------------------------------------------------
     # unshard with the post-backward hooks attached
 
-    def unshard(self):
+    def unshard(self, defer=False):
+        """defer: a prefetch (the caller's stream waits at the next
+        unshard of this state, see ParamGroup.unshard)."""
         g = self.group
-        if g is None or g.is_unsharded:
+        if g is None:
+            return
+        if g.is_unsharded:
+            if not defer:
+                g.wait_unsharded()
             return
         if g.local(0).is_meta:
             raise ConfigError(
                 f"flatshard: fully_shard module {type(self.modules[0]).__name__} still has its "
                 "parameters on the meta device; call module.to_empty(device='cpu') and "
                 "reset_parameters() on its submodules before the first forward or unshard")
-        g.unshard()
+        g.unshard(defer)
         if self.hooked_full is not g.full:  # new unsharded parameters (first unshard, _apply)
             self.hooked_full, self.hooked = g.full, set()
         for i, p in enumerate(g.unsharded):  # trainable ones; a frozen one may be unfrozen
@@ -123,7 +129,7 @@ class FSDPState:
             args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
         self.unshard()
         for st in self.forward_prefetch:
-            st.unshard()
+            st.unshard(defer=True)
         return args, kwargs
 
     def post_forward(self, output):
@@ -157,7 +163,7 @@ class FSDPState:
         if self.unshard_in_backward:
             self.unshard()
         for st in self.backward_prefetch:
-            st.unshard()
+            st.unshard(defer=True)
         return None
 
     def _make_grad_hook(self, i):
