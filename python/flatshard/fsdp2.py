@@ -44,8 +44,7 @@ class UnshardHandle:
     may still be running: wait() makes the current stream wait for it (so
     does the module's next forward). On CPU it has completed already."""
 
-    def __init__(self, state=None):
-        self._state = state
+    _state = None  # the FSDPState whose deferred all-gather wait() waits for
 
     def wait(self):
         st, self._state = self._state, None
@@ -75,7 +74,11 @@ class FSDPModule:
         if st.root is None:
             st.lazy_init()
         st.unshard(defer=async_op)
-        return UnshardHandle(st) if async_op else None
+        if not async_op:
+            return None
+        handle = UnshardHandle()
+        handle._state = st
+        return handle
 
     def reshard(self):
         self._fsdp_state().reshard()
