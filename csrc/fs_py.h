@@ -95,6 +95,20 @@ fs_status fs_shm_unlink(const char *name);
  * NULL, with the exception still set. */
 PyObject *fs_comm_failed(CommObject *self);
 
+/* The optional last argument of each collective: what it is for (ledger). */
+#define TAG_DOC "\n`tag` (optional) says what it is for, in the ledger and in errors."
+
+/* None after a successful collective; else raise naming op and tag, with
+ * the ledger's note (fs_comm_failed), and NULL. */
+PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char *tag);
+
+/* py_comm_defer.c: Comm methods (and their docstrings). */
+PyObject *fs_comm_all_gather_deferred(CommObject *self, PyObject *args);
+PyObject *fs_comm_reduce_scatter_deferred(CommObject *self, PyObject *args);
+PyObject *fs_comm_wait_mark(CommObject *self, PyObject *mark);
+extern const char fs_comm_all_gather_deferred_doc[], fs_comm_reduce_scatter_deferred_doc[],
+    fs_comm_wait_mark_doc[];
+
 int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);
 int fs_optim_add(PyObject *module); /* py_optim.c */

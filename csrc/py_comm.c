@@ -165,7 +165,7 @@ PyObject *fs_comm_failed(CommObject *self)
     return NULL;
 }
 
-static PyObject *done(CommObject *self, fs_status s, const char *op, const char *tag)
+PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char *tag)
 {
     if (s == FS_OK)
         Py_RETURN_NONE;
@@ -175,8 +175,6 @@ static PyObject *done(CommObject *self, fs_status s, const char *op, const char 
     return fs_comm_failed(self);
 }
 
-/* The optional last argument of each collective: what it is for (ledger). */
-#define TAG_DOC "\n`tag` (optional) says what it is for, in the ledger and in errors."
 
 PyDoc_STRVAR(all_gather_doc, "all_gather(send_ptr, recv_ptr, count, dtype, tag='')\n"
                              "recv holds world_size*count; rank r's send lands at recv + r*count."
@@ -194,79 +192,7 @@ static PyObject *Comm_all_gather(CommObject *self, PyObject *args)
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_ALL_GATHER, tag, n, t,
                    fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
-    return done(self, s, "all_gather", tag);
-}
-
-/* [Note: deferred collectives] of py_unit.c, for the Python layer (fully_shard's
- * prefetches): a mark is a capsule holding the device's event, freed with it. */
-#define MARK_CAPSULE "flatshard.device_mark"
-
-static void mark_free(PyObject *cap)
-{
-    void *ev = PyCapsule_GetPointer(cap, MARK_CAPSULE);
-    const fs_device_api *d = PyCapsule_GetContext(cap);
-    if (ev && d)
-        d->event_free(ev);
-}
-
-PyDoc_STRVAR(all_gather_deferred_doc,
-             "all_gather_deferred(send_ptr, recv_ptr, count, dtype, tag='') -> mark or None\n"
-             "all_gather, but on a device Comm the caller's stream does not wait for it: pass the\n"
-             "returned mark to wait_mark() before anything reads recv, and keep send and recv\n"
-             "alive until then. On a host Comm the all-gather has completed; None." TAG_DOC);
-static PyObject *Comm_all_gather_deferred(CommObject *self, PyObject *args)
-{
-    unsigned long long sp, rp;
-    long long n;
-    int t;
-    const char *tag = "";
-    if (!PyArg_ParseTuple(args, "KKLi|s", &sp, &rp, &n, &t, &tag))
-        return NULL;
-    if (fs_comm_bind_stream(self) < 0)
-        return NULL;
-    const fs_device_api *d = self->dev;
-    fs_status s;
-    if (d)
-        d->set_defer(self->comm, 1);
-    FS_COMM_RECORD(self, s, FS_LOP_ALL_GATHER, tag, n, t,
-                   fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
-    if (d)
-        d->set_defer(self->comm, 0);
-    if (s != FS_OK || !d)
-        return done(self, s, "all_gather", tag);
-    void *ev = NULL;
-    s = d->record(self->comm, &ev, self->comm->last_error, sizeof self->comm->last_error);
-    if (s != FS_OK) {
-        if (ev)
-            d->event_free(ev);
-        return done(self, s, "all_gather (marking it)", tag);
-    }
-    PyObject *mark = PyCapsule_New(ev, MARK_CAPSULE, mark_free);
-    if (!mark || PyCapsule_SetContext(mark, (void *)d) < 0) {
-        if (!mark)
-            d->event_free(ev);
-        Py_XDECREF(mark);
-        return NULL;
-    }
-    return mark;
-}
-
-PyDoc_STRVAR(wait_mark_doc,
-             "wait_mark(mark): the caller's stream waits (on the device, not the host) for the\n"
-             "deferred collective of all_gather_deferred(); None is allowed (nothing to wait for).");
-static PyObject *Comm_wait_mark(CommObject *self, PyObject *mark)
-{
-    if (mark == Py_None)
-        Py_RETURN_NONE;
-    if (!self->dev || !PyCapsule_IsValid(mark, MARK_CAPSULE) ||
-        PyCapsule_GetContext(mark) != (void *)self->dev)
-        return PyErr_Format(PyExc_TypeError, "wait_mark: mark must be what this device Comm's "
-                            "all_gather_deferred returned");
-    if (fs_comm_bind_stream(self) < 0)
-        return NULL;
-    fs_status s = self->dev->wait(PyCapsule_GetPointer(mark, MARK_CAPSULE), self->stream,
-                                  self->comm->last_error, sizeof self->comm->last_error);
-    return done(self, s, "waiting for a deferred all_gather", "");
+    return fs_comm_done(self, s, "all_gather", tag);
 }
 
 PyDoc_STRVAR(reduce_scatter_doc,
@@ -287,7 +213,7 @@ static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
                    fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
                                           avg ? FS_RED_AVG : FS_RED_SUM));
     fs_comm_return_workspace(self, &ws);
-    return done(self, s, "reduce_scatter", tag);
+    return fs_comm_done(self, s, "reduce_scatter", tag);
 }
 
 PyDoc_STRVAR(all_reduce_doc, "all_reduce(ptr, count, dtype, average, tag='')" TAG_DOC);
@@ -306,7 +232,7 @@ static PyObject *Comm_all_reduce(CommObject *self, PyObject *args)
     FS_COMM_RECORD(self, s, FS_LOP_ALL_REDUCE, tag, n, t,
                    fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM));
     fs_comm_return_workspace(self, &ws);
-    return done(self, s, "all_reduce", tag);
+    return fs_comm_done(self, s, "all_reduce", tag);
 }
 
 PyDoc_STRVAR(broadcast_doc, "broadcast(ptr, count, dtype, root, tag=''): root is a rank of this "
@@ -324,7 +250,7 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_BROADCAST, tag, n, t,
                    fs_comm_broadcast(self->comm, (void *)p, n, t, root));
-    return done(self, s, "broadcast", tag);
+    return fs_comm_done(self, s, "broadcast", tag);
 }
 
 PyDoc_STRVAR(barrier_doc, "barrier(tag='')" TAG_DOC);
@@ -337,7 +263,7 @@ static PyObject *Comm_barrier(CommObject *self, PyObject *args)
         return NULL;
     fs_status s;
     FS_COMM_RECORD(self, s, FS_LOP_BARRIER, tag, 0, FS_U8, fs_comm_barrier(self->comm));
-    return done(self, s, "barrier", tag);
+    return fs_comm_done(self, s, "barrier", tag);
 }
 
 PyDoc_STRVAR(ledger_doc,
@@ -421,9 +347,11 @@ static PyMethodDef Comm_methods[] = {
     {"capsule", (PyCFunction)Comm_capsule, METH_NOARGS, capsule_doc},
     {"abort", (PyCFunction)Comm_abort, METH_VARARGS, abort_doc},
     {"all_gather", (PyCFunction)Comm_all_gather, METH_VARARGS, all_gather_doc},
-    {"all_gather_deferred", (PyCFunction)Comm_all_gather_deferred, METH_VARARGS,
-     all_gather_deferred_doc},
-    {"wait_mark", (PyCFunction)Comm_wait_mark, METH_O, wait_mark_doc},
+    {"all_gather_deferred", (PyCFunction)fs_comm_all_gather_deferred, METH_VARARGS,
+     fs_comm_all_gather_deferred_doc},
+    {"reduce_scatter_deferred", (PyCFunction)fs_comm_reduce_scatter_deferred, METH_VARARGS,
+     fs_comm_reduce_scatter_deferred_doc},
+    {"wait_mark", (PyCFunction)fs_comm_wait_mark, METH_O, fs_comm_wait_mark_doc},
     {"reduce_scatter", (PyCFunction)Comm_reduce_scatter, METH_VARARGS, reduce_scatter_doc},
     {"all_reduce", (PyCFunction)Comm_all_reduce, METH_VARARGS, all_reduce_doc},
     {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, broadcast_doc},

@@ -115,14 +115,16 @@ def test_emulated_device_path_with_accumulation_on_four_ranks(dist_pool, case):
                                              (None, 2, False), (None, True, True),
                                              ("bf16", False, True)])
 def test_fully_shard_through_the_cuda_table_and_nccl_backend(dist_pool, mp, raf, prefetch):
-    """With prefetch, the gathers of the next module are deferred: a copy-out
-    that did not wait for its gather would read stale memory here."""
+    """Reductions are deferred (one in flight), and with prefetch the gathers
+    of the next module too: a copy-out or a gradient read that did not wait
+    for its collective would read stale memory here."""
     emu_build.build()
     for same, n_comms, losses, pending, deferred in dist_pool(2).run(
             _fully_shard_both, mp, raf, prefetch):
         assert n_comms >= 1 and same and pending == 0
         assert losses[-1] < losses[0]
-        assert (deferred > 0) == prefetch
+        assert (deferred[0] > 0) == prefetch  # gathers deferred only when prefetched
+        assert deferred[1] > 0  # every reduction is
 
 
 def _async_unshard():
@@ -171,7 +173,7 @@ def test_unshard_async_op_defers_until_the_handle_waits(dist_pool):
     emu_build.build()
     for pending_before, cleared, same, finite, misuse in dist_pool(2).run(_async_unshard):
         assert pending_before and cleared and same and finite
-        assert len(misuse) == 2 and "all_gather_deferred returned" in misuse[0]
+        assert len(misuse) == 2 and "reduce_scatter_deferred returned" in misuse[0]
 
 
 # ---------------------------------------------------------------------------

@@ -319,12 +319,17 @@ def all_gather_into(comm, out, inp, tag="", defer=False):
     return None
 
 
-def reduce_scatter_into(comm, out, inp, average=True, tag=""):
+def reduce_scatter_into(comm, out, inp, average=True, tag="", defer=False):
+    """out = this rank's part of the sum (average) of every rank's inp.
+    defer: as for all_gather_into."""
     ip, n, code = _flat(inp, "input", comm)
     op, on, ocode = _flat(out, "output", comm)
     if ocode != code or n != on * comm.world_size:
         raise ValueError("flatshard: reduce_scatter input must be world_size times the output")
+    if defer:
+        return comm.reduce_scatter_deferred(ip, op, on, code, average, tag)
     comm.reduce_scatter(ip, op, on, code, average, tag)
+    return None
 
 
 def all_reduce_(comm, tensor, average=False, tag=""):

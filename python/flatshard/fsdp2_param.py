@@ -97,6 +97,8 @@ class ParamGroup:
         self.is_unsharded = False
         self.pending = None    # a deferred all-gather: (mark, its buffers, the copy-out)
         self.n_deferred = 0
+        self.reducing = None   # a reduce-scatter to finish: (mark, its buffers, which grads)
+        self.n_deferred_reduces = 0
         self.sharded = [self._shard(i, p) for i, p in enumerate(params)]
         self.divide_factor = None
         # int reshard_after_forward: after forward keep 1/k of the unsharded buffer,
@@ -276,13 +278,17 @@ class ParamGroup:
     def has_unsharded_grads(self):
         return self.unsharded is not None and any(p.grad is not None for p in self.unsharded)
 
-    def reduce_grads(self):
+    def reduce_grads(self, defer=False):
         """Reduce-scatter the unsharded gradients (averaged over the data-
         parallel ranks, or divided by the set factor) into the sharded
-        parameters' .grad (DTensors), accumulating onto what is there."""
+        parameters' .grad (DTensors), accumulating onto what is there.
+        defer: on a device Comm the caller's stream does not wait for the
+        reduce-scatter; finish_reduce() (the root calls it before the next
+        group's reduction and at the end of backward) waits and lands the
+        result. Returns whether one is left to finish."""
         grads = [p.grad for p in self.unsharded]
         if all(g is None for g in grads):
-            return
+            return False
         rdt = self.reduce_dtype
         device = self.full.device
         alloc = torch.empty if all(g is not None for g in grads) else torch.zeros
@@ -306,18 +312,38 @@ class ParamGroup:
             device_pack(rs_in, tensors, offsets)
         out = torch.empty(self.block_numel, dtype=rdt, device=device)
         factor = self.divide_factor
-        reduce_scatter_into(self.comm, out, rs_in, average=factor is None,
-                            tag="fully_shard.reduce_grad")
+        mark = reduce_scatter_into(self.comm, out, rs_in, average=factor is None,
+                                   tag="fully_shard.reduce_grad",
+                                   defer=defer and self.comm.device is not None)
         self.n_reduce_scatters += 1
+        for i, g in enumerate(grads):
+            if g is not None:
+                self.unsharded[i].grad = None  # packed into rs_in: not needed any more
+        self.reducing = (mark, rs_in, out, [g is not None for g in grads])
+        if mark is None:
+            self.finish_reduce()
+            return False
+        self.n_deferred_reduces += 1
+        return True
+
+    def finish_reduce(self):
+        """The second half of reduce_grads: wait for a deferred reduce-scatter,
+        then the cross-replica all-reduce, the divide factor, and the sharded
+        gradients."""
+        if self.reducing is None:
+            return
+        mark, _, out, has_grad = self.reducing
+        self.reducing = None
+        self.comm.wait_mark(mark)
+        factor = self.divide_factor
         if self.replicate_comm is not None:
             all_reduce_(self.replicate_comm, out, average=factor is None,
                         tag="fully_shard.all_reduce_grad")
         if factor is not None:
             out.div_(factor)
         for i, e in enumerate(self.entries):
-            if grads[i] is None:
+            if not has_grad[i]:
                 continue
-            self.unsharded[i].grad = None
             sp = self.sharded[i]
             local = self.local(i)
             g = out.narrow(0, e[3], e[5] * e[1]).view(local.shape).to(local.dtype, copy=True)

@@ -58,6 +58,7 @@ class FSDPState:
         self.root = None
         self.states = None                # the root's: every state of its tree
         self.callback_queued = False
+        self.reducing = None              # the root's: the state whose reduction is in flight
         self.ready = set()                # trainable parameters whose gradient arrived
         self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
         self.hooked = set()               # ... on these parameters
@@ -174,11 +175,22 @@ class FSDPState:
         return hook
 
     def _post_backward(self):
+        """Reduce (on a device: deferred, one reduction in flight, so it runs
+        beside the backward of the modules before this one) and reshard."""
         self.ready.clear()
         if self.requires_gradient_sync:
-            self.group.reduce_grads()
+            root = self.root or self
+            root.finish_reducing()  # the previous group's, before this one is issued
+            if self.group.reduce_grads(defer=True):
+                root.reducing = self
         if self.reshard_after_backward:
             self.group.reshard()
+
+    def finish_reducing(self):
+        """Root only: land the reduction left in flight, if any."""
+        st, self.reducing = self.reducing, None
+        if st is not None:
+            st.group.finish_reduce()
 
     def _finalize(self):
         """Root only, once the autograd engine is done with this backward."""
@@ -191,3 +203,4 @@ class FSDPState:
                 st._post_backward()
             elif st.reshard_after_backward:
                 g.reshard()
+        self.finish_reducing()  # every sharded gradient is in place when backward returns
