@@ -102,12 +102,11 @@ PyObject *fs_comm_failed(CommObject *self);
  * the ledger's note (fs_comm_failed), and NULL. */
 PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char *tag);
 
-/* py_comm_defer.c: Comm methods (and their docstrings). */
-PyObject *fs_comm_all_gather_deferred(CommObject *self, PyObject *args);
-PyObject *fs_comm_reduce_scatter_deferred(CommObject *self, PyObject *args);
+/* py_comm_defer.c: Comm.all_gather / reduce_scatter with their arguments,
+ * deferred (returning a mark) when defer and on a device; Comm.wait_mark. */
+PyObject *fs_comm_issue_all_gather(CommObject *self, PyObject *args, int defer);
+PyObject *fs_comm_issue_reduce_scatter(CommObject *self, PyObject *args, int defer);
 PyObject *fs_comm_wait_mark(CommObject *self, PyObject *mark);
-extern const char fs_comm_all_gather_deferred_doc[], fs_comm_reduce_scatter_deferred_doc[],
-    fs_comm_wait_mark_doc[];
 
 int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);

@@ -181,40 +181,41 @@ PyDoc_STRVAR(all_gather_doc, "all_gather(send_ptr, recv_ptr, count, dtype, tag='
                              TAG_DOC);
 static PyObject *Comm_all_gather(CommObject *self, PyObject *args)
 {
-    unsigned long long sp, rp;
-    long long n;
-    int t;
-    const char *tag = "";
-    if (!PyArg_ParseTuple(args, "KKLi|s", &sp, &rp, &n, &t, &tag))
-        return NULL;
-    if (fs_comm_bind_stream(self) < 0)
-        return NULL;
-    fs_status s;
-    FS_COMM_RECORD(self, s, FS_LOP_ALL_GATHER, tag, n, t,
-                   fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
-    return fs_comm_done(self, s, "all_gather", tag);
+    return fs_comm_issue_all_gather(self, args, 0);
+}
+
+PyDoc_STRVAR(all_gather_deferred_doc,
+             "all_gather_deferred(send_ptr, recv_ptr, count, dtype, tag='') -> mark or None\n"
+             "all_gather, but on a device Comm the caller's stream does not wait for it: pass the\n"
+             "returned mark to wait_mark() before anything reads recv, and keep send and recv\n"
+             "alive until then. On a host Comm the all-gather has completed; None." TAG_DOC);
+static PyObject *Comm_all_gather_deferred(CommObject *self, PyObject *args)
+{
+    return fs_comm_issue_all_gather(self, args, 1);
 }
 
 PyDoc_STRVAR(reduce_scatter_doc,
              "reduce_scatter(send_ptr, recv_ptr, recv_count, dtype, average, tag='')" TAG_DOC);
 static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
 {
-    unsigned long long sp, rp;
-    long long n;
-    int t, avg;
-    const char *tag = "";
-    if (!PyArg_ParseTuple(args, "KKLip|s", &sp, &rp, &n, &t, &avg, &tag))
-        return NULL;
-    PyObject *ws;
-    if (fs_comm_bind_stream(self) < 0 || fs_comm_lend_workspace(self, t, n * self->comm->world_size, &ws) < 0)
-        return NULL;
-    fs_status s;
-    FS_COMM_RECORD(self, s, FS_LOP_REDUCE_SCATTER, tag, n, t,
-                   fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
-                                          avg ? FS_RED_AVG : FS_RED_SUM));
-    fs_comm_return_workspace(self, &ws);
-    return fs_comm_done(self, s, "reduce_scatter", tag);
+    return fs_comm_issue_reduce_scatter(self, args, 0);
 }
+
+PyDoc_STRVAR(reduce_scatter_deferred_doc,
+             "reduce_scatter_deferred(send_ptr, recv_ptr, recv_count, dtype, average, tag='')\n"
+             "    -> mark or None\n"
+             "reduce_scatter, deferred as all_gather_deferred is (keep send and recv alive until\n"
+             "wait_mark(); the mark keeps the float32 staging of a low-precision reduction)."
+             TAG_DOC);
+static PyObject *Comm_reduce_scatter_deferred(CommObject *self, PyObject *args)
+{
+    return fs_comm_issue_reduce_scatter(self, args, 1);
+}
+
+PyDoc_STRVAR(wait_mark_doc,
+             "wait_mark(mark): the caller's stream waits (on the device, not the host) for the\n"
+             "deferred collective of all_gather_deferred() or reduce_scatter_deferred(); None is\n"
+             "allowed (nothing to wait for).");
 
 PyDoc_STRVAR(all_reduce_doc, "all_reduce(ptr, count, dtype, average, tag='')" TAG_DOC);
 static PyObject *Comm_all_reduce(CommObject *self, PyObject *args)
@@ -347,11 +348,11 @@ static PyMethodDef Comm_methods[] = {
     {"capsule", (PyCFunction)Comm_capsule, METH_NOARGS, capsule_doc},
     {"abort", (PyCFunction)Comm_abort, METH_VARARGS, abort_doc},
     {"all_gather", (PyCFunction)Comm_all_gather, METH_VARARGS, all_gather_doc},
-    {"all_gather_deferred", (PyCFunction)fs_comm_all_gather_deferred, METH_VARARGS,
-     fs_comm_all_gather_deferred_doc},
-    {"reduce_scatter_deferred", (PyCFunction)fs_comm_reduce_scatter_deferred, METH_VARARGS,
-     fs_comm_reduce_scatter_deferred_doc},
-    {"wait_mark", (PyCFunction)fs_comm_wait_mark, METH_O, fs_comm_wait_mark_doc},
+    {"all_gather_deferred", (PyCFunction)Comm_all_gather_deferred, METH_VARARGS,
+     all_gather_deferred_doc},
+    {"reduce_scatter_deferred", (PyCFunction)Comm_reduce_scatter_deferred, METH_VARARGS,
+     reduce_scatter_deferred_doc},
+    {"wait_mark", (PyCFunction)fs_comm_wait_mark, METH_O, wait_mark_doc},
     {"reduce_scatter", (PyCFunction)Comm_reduce_scatter, METH_VARARGS, reduce_scatter_doc},
     {"all_reduce", (PyCFunction)Comm_all_reduce, METH_VARARGS, all_reduce_doc},
     {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, broadcast_doc},

@@ -1,8 +1,7 @@
-/* py_comm_defer.c - the deferred collectives of flatshard._C.Comm for the
- * Python layer (fully_shard on a device): all_gather_deferred,
- * reduce_scatter_deferred and wait_mark, the same protocol the units follow
- * in C ([Note: deferred collectives] in py_unit.c). On a host Comm they are
- * the plain, completed collectives. */
+/* py_comm_defer.c - flatshard._C.Comm's all-gather and reduce-scatter, plain
+ * or deferred, and wait_mark: for the Python layer (fully_shard on a device)
+ * the protocol the units follow in C ([Note: deferred collectives] in
+ * py_unit.c). Deferred on a host Comm is plain: completed, no mark. */
 #include "fs_py.h"
 
 /* [Note: deferred collectives] of py_unit.c, for the Python layer (fully_shard):
@@ -51,12 +50,20 @@ static PyObject *make_mark(CommObject *self, PyObject *held, const char *op, con
     return cap;
 }
 
-const char fs_comm_all_gather_deferred_doc[] = PyDoc_STR(
-             "all_gather_deferred(send_ptr, recv_ptr, count, dtype, tag='') -> mark or None\n"
-             "all_gather, but on a device Comm the caller's stream does not wait for it: pass the\n"
-             "returned mark to wait_mark() before anything reads recv, and keep send and recv\n"
-             "alive until then. On a host Comm the all-gather has completed; None." TAG_DOC);
-PyObject *fs_comm_all_gather_deferred(CommObject *self, PyObject *args)
+/* A deferred collective on a device Comm: the caller's stream does not wait. */
+static void defer_begin(CommObject *self, int defer)
+{
+    if (defer)
+        self->dev->set_defer(self->comm, 1);
+}
+
+static void defer_end(CommObject *self, int defer)
+{
+    if (defer)
+        self->dev->set_defer(self->comm, 0);
+}
+
+PyObject *fs_comm_issue_all_gather(CommObject *self, PyObject *args, int defer)
 {
     unsigned long long sp, rp;
     long long n;
@@ -66,26 +73,18 @@ PyObject *fs_comm_all_gather_deferred(CommObject *self, PyObject *args)
         return NULL;
     if (fs_comm_bind_stream(self) < 0)
         return NULL;
-    const fs_device_api *d = self->dev;
+    defer = defer && self->dev;
     fs_status s;
-    if (d)
-        d->set_defer(self->comm, 1);
+    defer_begin(self, defer);
     FS_COMM_RECORD(self, s, FS_LOP_ALL_GATHER, tag, n, t,
                    fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
-    if (d)
-        d->set_defer(self->comm, 0);
-    if (s != FS_OK || !d)
+    defer_end(self, defer);
+    if (s != FS_OK || !defer)
         return fs_comm_done(self, s, "all_gather", tag);
     return make_mark(self, NULL, "all_gather (marking it)", tag);
 }
 
-const char fs_comm_reduce_scatter_deferred_doc[] = PyDoc_STR(
-             "reduce_scatter_deferred(send_ptr, recv_ptr, recv_count, dtype, average, tag='')\n"
-             "    -> mark or None\n"
-             "reduce_scatter, deferred as all_gather_deferred is (keep send and recv alive until\n"
-             "wait_mark(); the mark keeps the float32 staging of a low-precision reduction)."
-             TAG_DOC);
-PyObject *fs_comm_reduce_scatter_deferred(CommObject *self, PyObject *args)
+PyObject *fs_comm_issue_reduce_scatter(CommObject *self, PyObject *args, int defer)
 {
     unsigned long long sp, rp;
     long long n;
@@ -97,29 +96,22 @@ PyObject *fs_comm_reduce_scatter_deferred(CommObject *self, PyObject *args)
     if (fs_comm_bind_stream(self) < 0 ||
         fs_comm_lend_workspace(self, t, n * self->comm->world_size, &ws) < 0)
         return NULL;
-    const fs_device_api *d = self->dev;
+    defer = defer && self->dev;
     fs_status s;
-    if (d)
-        d->set_defer(self->comm, 1);
+    defer_begin(self, defer);
     FS_COMM_RECORD(self, s, FS_LOP_REDUCE_SCATTER, tag, n, t,
                    fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
                                           avg ? FS_RED_AVG : FS_RED_SUM));
-    if (d) {
-        d->set_defer(self->comm, 0);
-        if (ws) /* the backend lets go of it; the mark keeps it until waited for */
-            d->set_workspace(self->comm, NULL, 0);
-    }
-    if (s != FS_OK || !d) {
-        Py_XDECREF(ws);
+    defer_end(self, defer);
+    if (s != FS_OK || !defer) {
+        fs_comm_return_workspace(self, &ws);
         return fs_comm_done(self, s, "reduce_scatter", tag);
     }
+    if (ws) /* the backend lets go of it; the mark keeps it until waited for */
+        self->dev->set_workspace(self->comm, NULL, 0);
     return make_mark(self, ws, "reduce_scatter (marking it)", tag);
 }
 
-const char fs_comm_wait_mark_doc[] = PyDoc_STR(
-             "wait_mark(mark): the caller's stream waits (on the device, not the host) for the\n"
-             "deferred collective of all_gather_deferred() or reduce_scatter_deferred(); None is\n"
-             "allowed (nothing to wait for).");
 PyObject *fs_comm_wait_mark(CommObject *self, PyObject *mark)
 {
     if (mark == Py_None)

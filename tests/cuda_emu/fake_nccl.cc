@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "fs_emu.h"
+#include "cuda/fs_nccl.h"
 
 extern "C" {
 #include "comm.h"
@@ -23,21 +24,6 @@ fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t 
 }
 
 #define EXPORT extern "C" __attribute__((visibility("default")))
-
-typedef enum {
-    ncclSuccess = 0,
-    ncclUnhandledCudaError = 1,
-    ncclSystemError = 2,
-    ncclInternalError = 3,
-    ncclInvalidArgument = 4,
-    ncclInvalidUsage = 5,
-    ncclRemoteError = 6,
-    ncclInProgress = 7,
-} ncclResult_t;
-
-typedef struct {
-    char internal[128];
-} ncclUniqueId;
 
 static const fs_dtype dtypes[] = {FS_U8,  FS_U8,  FS_I32, FS_I32, FS_I64,
                                   FS_I64, FS_F16, FS_F32, FS_F64, FS_BF16};
@@ -54,7 +40,7 @@ static ncclResult_t fault(void)
     return (ncclResult_t)fs_emu_take_fault("nccl_fail");
 }
 
-static ncclResult_t run(ncclComm *c, cudaStream_t s, const char *op, int dt,
+static ncclResult_t run(ncclComm *c, cudaStream_t s, const char *op, ncclDataType_t dt,
                         std::function<fs_status(fs_comm *)> body)
 {
     if (!c || dt < 0 || dt > 9)
@@ -154,8 +140,8 @@ EXPORT const char *ncclGetErrorString(ncclResult_t r)
 
 EXPORT const char *ncclGetLastError(ncclComm *c) { return c ? c->last : ""; }
 
-EXPORT ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, int dt,
-                                  ncclComm *c, cudaStream_t s)
+EXPORT ncclResult_t ncclAllGather(const void *send, void *recv, size_t count,
+                                  ncclDataType_t dt, ncclComm *c, cudaStream_t s)
 {
     const size_t bytes = count * fs_dtype_size(dtypes[dt < 0 || dt > 9 ? 0 : dt]);
     return run(c, s, "ncclAllGather", dt, [=](fs_comm *shm) {
@@ -163,20 +149,22 @@ EXPORT ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, in
     });
 }
 
-EXPORT ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, int dt, int op,
-                                      ncclComm *c, cudaStream_t s)
+EXPORT ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count,
+                                      ncclDataType_t dt, ncclRedOp_t op, ncclComm *c,
+                                      cudaStream_t s)
 {
-    if (op != 0) /* flatshard only sums */
+    if (op != ncclSum) /* flatshard only sums */
         return ncclInvalidArgument;
     return run(c, s, "ncclReduceScatter", dt, [=](fs_comm *shm) {
         return fs_comm_reduce_scatter(shm, send, recv, (int64_t)count, dtypes[dt], FS_RED_SUM);
     });
 }
 
-EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, int dt, int op,
-                                  ncclComm *c, cudaStream_t s)
+EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count,
+                                  ncclDataType_t dt, ncclRedOp_t op, ncclComm *c,
+                                  cudaStream_t s)
 {
-    if (op != 0)
+    if (op != ncclSum)
         return ncclInvalidArgument;
     return run(c, s, "ncclAllReduce", dt, [=](fs_comm *shm) {
         if (send != recv)
@@ -185,8 +173,8 @@ EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, in
     });
 }
 
-EXPORT ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, int dt, int root,
-                                  ncclComm *c, cudaStream_t s)
+EXPORT ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count,
+                                  ncclDataType_t dt, int root, ncclComm *c, cudaStream_t s)
 {
     return run(c, s, "ncclBroadcast", dt, [=](fs_comm *shm) {
         const size_t bytes = count * fs_dtype_size(dtypes[dt]);
