@@ -276,5 +276,5 @@ def test_doctor_reports_the_build():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     from flatshard import _C
-    assert f"CPU SIMD for reductions and optimizers: {_C.simd_level()}" in out.stdout
+    assert f"CPU SIMD: optimizers {_C.simd_level()}, reductions " in out.stdout
     assert f"torch {torch.__version__}" in out.stdout and "shm (available" in out.stdout

@@ -30,7 +30,8 @@ def doctor_report():
     return [
         f"flatshard {__version__}",
         f"python {platform.python_version()}, torch {torch.__version__}",
-        f"CPU SIMD for reductions and optimizers: {_C.simd_level()}",
+        f"CPU SIMD: optimizers {_C.simd_level()}, reductions "
+        f"{'avx2' if _C.simd_level() == 'avx512' else _C.simd_level()}",
         f"collective backends: torch (any process group), "
         f"shm ({'available' if shm else 'not available: needs Linux /dev/shm'}), {nccl}",
         f"CUDA kernels built: {cuda_built}; torch sees CUDA: {torch.cuda.is_available()}",
