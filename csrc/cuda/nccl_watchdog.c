@@ -81,6 +81,8 @@ static void *watch_main(void *arg)
         cudaError_t e = retire(w);
         if (e == cudaSuccess)
             continue;
+        if (e == cudaErrorCudartUnloading || e == cudaErrorContextIsDestroyed)
+            break; /* the process is exiting: nothing left to watch, nobody to tell */
         const watch_rec *r = &w->ring[w->head];
         const double age = now_s() - r->issued;
         if (e == cudaErrorNotReady && age <= w->timeout_s)

@@ -152,6 +152,8 @@ const char *cudaGetErrorName(cudaError_t e)
     case cudaSuccess: return "cudaSuccess";
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorCudartUnloading: return "cudaErrorCudartUnloading";
+    case cudaErrorContextIsDestroyed: return "cudaErrorContextIsDestroyed";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady: return "cudaErrorNotReady";
@@ -166,6 +168,8 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorCudartUnloading: return "driver shutting down";
+    case cudaErrorContextIsDestroyed: return "context is destroyed";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorNotReady: return "device not ready";

@@ -22,9 +22,11 @@ typedef enum cudaError {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
+    cudaErrorCudartUnloading = 4,
     cudaErrorInvalidDevice = 101,
     cudaErrorInvalidResourceHandle = 400,
     cudaErrorNotReady = 600,
+    cudaErrorContextIsDestroyed = 709,
     cudaErrorLaunchFailure = 719,
 } cudaError_t;
 
