@@ -38,7 +38,8 @@ NCCL_INVALID_USAGE, NCCL_SYSTEM_ERROR, NCCL_REMOTE_ERROR = 5, 2, 6
 def emu():
     mod, rt, _ = emu_build.load()
     yield mod, rt
-    for what in (b"nccl_fail", b"nccl_async", b"event_never_ready", b"launch_error"):
+    for what in (b"nccl_fail", b"nccl_async", b"event_never_ready", b"launch_error",
+                 b"event_error"):
         rt.fs_emu_fault(what, 0)
 
 
@@ -377,6 +378,37 @@ def test_the_watchdog_names_the_unit_behind_a_device_comm(emu, capfd):
     assert_documented("nccl-watchdog", printed + "\n" + full_text(e.value))
     del comm
     nccl.close()
+
+
+def test_the_watchdog_reports_a_device_fault_at_once_and_ignores_process_exit(emu, capfd):
+    """A device fault under a collective is reported without waiting for the
+    timeout; the runtime unloading (process exit) stops the watchdog quietly."""
+    import time
+    mod, rt = emu
+    x, y = torch.ones(4), torch.zeros(4)
+    for code, fires in ((4, False), (719, True)):  # cudaErrorCudartUnloading, LaunchFailure
+        comm = _one_rank(mod, timeout_s=30.0)
+        rt.fs_emu_fault(b"event_error", code)
+        try:
+            comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.0", stream=0)
+            printed, t0 = "", time.monotonic()
+            while time.monotonic() - t0 < (10 if fires else 1.5):
+                time.sleep(0.05)
+                printed += capfd.readouterr().err
+                if "flatshard watchdog" in printed:
+                    break
+        finally:
+            rt.fs_emu_fault(b"event_error", 0)
+        if fires:
+            assert "NCCL all_gather for 'blocks.0' (collective 1 on this communicator) failed " \
+                "on the device: cudaErrorLaunchFailure" in printed
+            assert time.monotonic() - t0 < 10  # not the 30 s timeout
+            with pytest.raises(mod.NcclError, match="aborted by its watchdog"):
+                comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)
+        else:
+            assert printed == ""
+            comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)  # not aborted
+        comm.close()
 
 
 def test_misuse_is_refused_with_what_to_do(emu):

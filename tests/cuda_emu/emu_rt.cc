@@ -302,6 +302,8 @@ cudaError_t cudaEventQuery(cudaEvent_t e)
         return cudaErrorInvalidResourceHandle;
     if (!e->stream)
         return cudaSuccess;
+    if (int code = fs_emu_fault_value("event_error"))
+        return (cudaError_t)code;
     if (stalled())
         return e->stream->done >= e->pos ? cudaSuccess : cudaErrorNotReady;
     run_until(e->stream, e->pos); /* a device makes progress on its own */

@@ -97,6 +97,8 @@ cudaError_t cudaEventQuery(cudaEvent_t e);
  * `value`; 0 clears it. "event_never_ready": created streams stop making
  * progress (a peer that never joins), events on them stay not ready.
  * "launch_error": the next cudaGetLastError returns cudaErrorLaunchFailure.
+ * "event_error": querying an event on a created stream returns `value` (a
+ * cudaError_t: a device fault, or the runtime unloading at exit).
  * Read by the fake NCCL (fake_nccl.cc): "nccl_fail" (the next NCCL call
  * returns `value`), "nccl_async" (the communicator reports `value` as an
  * asynchronous error). */
