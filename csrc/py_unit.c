@@ -278,6 +278,8 @@ static void Unit_dealloc(UnitObject *u)
         u->comm->dev->event_free(u->gather_event);
     if (u->reduce_event)
         u->comm->dev->event_free(u->reduce_event);
+    if (u->scatter_event)
+        u->comm->dev->event_free(u->scatter_event);
     Py_XDECREF(u->held);
     Py_XDECREF(u->gather_held);
     Py_XDECREF(u->scratch_t);

@@ -51,6 +51,8 @@ typedef struct {
     void *gather_event;     /* device units: the mark of a deferred gather */
     int gather_pending;     /* the caller's stream has not waited for it yet */
     void *reduce_event;     /* the mark of deferred reductions */
+    void *scatter_event;    /* HYBRID_SHARD: the reduce-scatter the replicas' all-reduce
+                               follows (the two communicators have their own streams) */
     int reduce_pending;
     PyObject *held;         /* list: what deferred reductions use, until waited for */
     PyObject *gather_held;  /* list: what a deferred gather uses, until waited for */

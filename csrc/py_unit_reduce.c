@@ -8,23 +8,45 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+static int hold(UnitObject *u, PyObject *o);
+
 /* HYBRID_SHARD: sum a reduce-scattered shard gradient across the replicas
- * too (its sum over the shard group is in buf). */
+ * too (its sum over the shard group is in buf). Deferred, the replicas'
+ * stream first waits for the reduce-scatter on the shard group's stream,
+ * and what follows runs on the replicas' stream (*post). */
 static fs_status across_replicas(UnitObject *u, void *buf, int64_t count, fs_dtype t,
-                                 const char *uname)
+                                 const char *uname, int defer, void **post)
 {
     fs_status s = FS_OK;
     PyObject *ws;
     if (!u->replicate)
         return FS_OK;
+    const fs_device_api *d = u->comm->dev;
+    fs_comm *c = u->comm->comm, *rc = u->replicate->comm;
+    if (defer &&
+        ((s = d->record(c, &u->scatter_event, c->last_error, sizeof c->last_error)) != FS_OK ||
+         (s = d->wait(u->scatter_event, d->comm_stream(rc), c->last_error,
+                      sizeof c->last_error)) != FS_OK))
+        return s;
     if (fs_comm_lend_workspace(u->replicate, t, count, &ws) < 0)
         return FS_ERR_PYTHON;
+    if (defer)
+        d->set_defer(rc, 1);
     FS_COMM_RECORD(u->replicate, s, FS_LOP_ALL_REDUCE, uname, count, t,
-                   fs_comm_all_reduce(u->replicate->comm, buf, count, t, FS_RED_SUM));
-    fs_comm_return_workspace(u->replicate, &ws);
+                   fs_comm_all_reduce(rc, buf, count, t, FS_RED_SUM));
+    if (defer) {
+        d->set_defer(rc, 0);
+        *post = d->comm_stream(rc);
+        if (hold(u, ws) < 0) /* read on the replicas' stream until waited for */
+            s = FS_ERR_PYTHON;
+        if (ws)
+            d->set_workspace(rc, NULL, 0);
+        Py_XDECREF(ws);
+    } else {
+        fs_comm_return_workspace(u->replicate, &ws);
+    }
     if (s != FS_OK && s != FS_ERR_PYTHON)
-        snprintf(u->comm->comm->last_error, sizeof u->comm->comm->last_error,
-                 "across replicas: %s", u->replicate->comm->last_error);
+        snprintf(c->last_error, sizeof c->last_error, "across replicas: %s", rc->last_error);
     return s;
 }
 
@@ -79,8 +101,7 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
     if (gi < 0 || gi >= u->ngroups)
         return PyErr_Format(PyExc_IndexError, "unit '%U': no group %zd", u->name, gi);
     const fs_device_api *d = u->comm->dev;
-    /* (HYBRID_SHARD: two backends, each with its own stream: not deferred) */
-    defer = defer && d && !u->replicate;
+    defer = defer && d;
     unit_group *g = &u->groups[gi];
     fs_comm *c = u->comm->comm;
     void *gp, *op;
@@ -175,7 +196,7 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
         FS_COMM_RECORD(u->comm, s, FS_LOP_REDUCE_SCATTER, uname, g->shard_numel, lt,
                        fs_comm_reduce_scatter(c, src, land, g->shard_numel, lt, FS_RED_SUM));
         if (s == FS_OK)
-            s = across_replicas(u, land, g->shard_numel, lt, uname);
+            s = across_replicas(u, land, g->shard_numel, lt, uname, defer, &post);
         if (s == FS_OK && (land != op || post_scale != 1.0))
             s = fs_unit_scale_accumulate(u, post, op, g->dtype, land, lt, g->shard_numel,
                                          post_scale, land == op ? 0 : accumulate);
@@ -187,8 +208,10 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
     }
     if (defer) {
         d->set_defer(c, 0);
+        /* the mark goes on the stream the last of the work went to */
+        fs_comm *last = u->replicate && !no_shard ? u->replicate->comm : c;
         if (s == FS_OK)
-            s = d->record(c, &u->reduce_event, c->last_error, sizeof c->last_error);
+            s = d->record(last, &u->reduce_event, c->last_error, sizeof c->last_error);
         if (s == FS_OK) { /* what the enqueued work reads and writes stays alive */
             u->reduce_pending = 1;
             if (hold(u, grad) < 0 || hold(u, out) < 0 || hold(u, red_in_t) < 0 ||

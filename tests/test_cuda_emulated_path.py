@@ -107,9 +107,13 @@ def test_units_through_the_cuda_table_and_nccl_backend_match_the_host(dist_pool,
 @pytest.mark.parametrize("case", ["bf16_fp32_reduce", "cpu_offload_bf16", "hybrid"])
 def test_emulated_device_path_with_accumulation_on_four_ranks(dist_pool, case):
     emu_build.build()
-    for same, losses, dev_comms, *_, pending in dist_pool(4).run(_train_both, case, True):
+    for same, losses, dev_comms, seen, reduced, pending in dist_pool(4).run(
+            _train_both, case, True):
         assert same and pending == 0
         assert dev_comms == [emu_build.DEVICE_NAME]
+        # deferred, one in flight (hybrid too: the replicas' all-reduce follows
+        # the reduce-scatter across the two communicators' streams)
+        assert any(reduced[1])
 
 
 @pytest.mark.parametrize("mp,raf,prefetch", [(None, True, False), ("bf16_reduce", True, False),
