@@ -348,15 +348,21 @@ def _plan(units, c):
         gb, gf = _gathered_units(units, lp, st, 1, prefetch)
         gf = "param_dtype copies: " + gf
     add("params_gathered", "gathered units (peak)", gb, "device", gf)
-    ub = max([sum(flat_layout(g.numels, g.elem_bytes, shard_p)[1] *
-                  (elem(g, True) + (c["reduce_bytes"] or 0)) for g in u.groups if g.trainable)
-              for u in units] + [0])
+    per_unit = sorted(sum(flat_layout(g.numels, g.elem_bytes, shard_p)[1] *
+                          (elem(g, True) + (c["reduce_bytes"] or 0))
+                          for g in u.groups if g.trainable) for u in units)
+    # On a device the reductions are deferred with one in flight: the unit
+    # before keeps its buffers while the next one's gradient is made.
+    in_flight = c["comm_backend"] == "nccl" and len(per_unit) > 1
+    ub = sum(per_unit[-2:]) if in_flight else (per_unit[-1] if per_unit else 0)
     if zero:
         add("grad_unreduced", "unreduced gradient (peak)", 0, "device",
             "not counted: the paper's model-state accounting (reduced in small buckets)")
     else:
         add("grad_unreduced", "unreduced gradient (peak)", ub, "device",
-            "estimate: the largest unit's full gradient in param_dtype"
+            "estimate: the " + ("two largest units' (one reduction in flight on a device)"
+                                if in_flight else "largest unit's")
+            + " full gradient in param_dtype"
             + (" + its reduce_dtype copy" if c["reduce_bytes"] else "") + " before reduction")
     if c["comm_backend"] == "shm" and w > 1:
         add("comm_buffers", "shm staging slot", c["slot_bytes"], "host",
