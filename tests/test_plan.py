@@ -139,3 +139,14 @@ def test_rank_lists_what_fits_fastest_first():
 def test_bad_arguments_are_named(kw, arg):
     with pytest.raises(ConfigError, match=arg):
         plan(**kw)
+
+
+def test_a_device_keeps_one_reduction_in_flight():
+    """On the nccl backend a unit's reduction is deferred while the next
+    unit's gradient is made: the unreduced-gradient estimate counts the two
+    largest units; on the host backends, the largest one."""
+    kw = dict(params=4e6, units=4, world_size=4, strategy="FULL_SHARD", mixed_precision="bf16")
+    one = plan(comm_backend="shm", **kw)["grad_unreduced"]
+    two = plan(comm_backend="nccl", **kw)["grad_unreduced"]
+    assert one > 0 and two == 2 * one  # equal units
+    assert plan(comm_backend="nccl", **{**kw, "units": 1})["grad_unreduced"] == 4 * one
