@@ -120,16 +120,19 @@ def test_emulated_device_path_with_accumulation_on_four_ranks(dist_pool, case):
                                              (None, 2, False), (None, True, True),
                                              ("bf16", False, True)])
 def test_fully_shard_through_the_cuda_table_and_nccl_backend(dist_pool, mp, raf, prefetch):
-    """Reductions are deferred (one in flight), and with prefetch the gathers
-    of the next module too: a copy-out or a gradient read that did not wait
-    for its collective would read stale memory here."""
+    """Reductions are deferred (one in flight), and the gathers of the next
+    module (the user's prefetch lists, else the next in the last forward's
+    order): a copy-out or a gradient read that did not wait for its
+    collective would read stale memory here."""
     emu_build.build()
     for same, n_comms, losses, pending, deferred in dist_pool(2).run(
             _fully_shard_both, mp, raf, prefetch):
         assert n_comms >= 1 and same and pending == 0
         assert losses[-1] < losses[0]
-        assert (deferred[0] > 0) == prefetch  # gathers deferred only when prefetched
-        assert deferred[1] > 0  # every reduction is
+        # gathers are deferred whenever prefetched: by the user's lists, or
+        # implicitly (the next module in the last forward's order), and every
+        # reduction is
+        assert deferred[0] > 0 and deferred[1] > 0
 
 
 def _async_unshard():
@@ -172,6 +175,72 @@ def _async_unshard():
             misuse.append(str(e))
     dev.wait_mark(None)
     return pending_before, group.pending is None, same, out == out, misuse
+
+
+class _Skippy(torch.nn.Module):
+    """Three blocks; block 1 is skipped when skip is set (a data-dependent
+    branch around a sharded module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(3))
+        self.skip = False
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            if not (self.skip and i == 1):
+                x = torch.tanh(b(x))
+        return x
+
+
+def _skipped_prefetch():
+    """The implicit prefetch follows the last forward's order; a module it
+    prefetched that this forward skips is resharded when the forward ends,
+    and training matches the host path."""
+    import flatshard.fsdp2 as ffsdp2
+    from flatshard import fully_shard
+    results = []
+    for device in (False, True):
+        torch.manual_seed(0)
+        saved, made = ffsdp2.comm_for, {}
+
+        def comm_for(group, backend, device_=None):
+            host = saved(group, backend, device_)
+            if device and id(host) not in made:
+                made[id(host)] = _device_comm(group, host)
+            return made.get(id(host), host)
+        ffsdp2.comm_for = comm_for
+        try:
+            model = _Skippy()
+            for b in model.blocks:
+                fully_shard(b)
+            fully_shard(model)
+        finally:
+            ffsdp2.comm_for = saved
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        losses, left = [], []
+        for step in range(4):
+            model.skip = step == 2
+            grp = model.blocks[1]._fsdp_state().group
+            before = grp.n_deferred
+            loss = model(torch.randn(3, 6, generator=g)).square().mean()
+            if step == 2:  # block 1 was prefetched (on the device) and not used
+                left.append((grp.n_deferred - before, grp.is_unsharded, grp.pending is None))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        results.append((losses, left))
+    return results
+
+
+def test_an_implicit_prefetch_of_a_skipped_module_is_undone(dist_pool):
+    emu_build.build()
+    for (host_losses, _), (dev_losses, left) in dist_pool(2).run(_skipped_prefetch):
+        assert dev_losses == host_losses
+        # prefetched once by block 0, then resharded when the forward ended
+        assert left == [(1, False, True)]
 
 
 def test_unshard_async_op_defers_until_the_handle_waits(dist_pool):

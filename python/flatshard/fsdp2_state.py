@@ -50,8 +50,8 @@ class FSDPState:
         self.requires_gradient_sync = True
         self.unshard_in_backward = True
         self.is_last_backward = True
-        self.forward_prefetch = []
-        self.backward_prefetch = []
+        self.forward_prefetch = None      # None: implicit (see _implicit), else the user's list
+        self.backward_prefetch = None
         self.post_optim_event = None
         self.mp = mp_policy
         self.is_root = None
@@ -59,6 +59,9 @@ class FSDPState:
         self.states = None                # the root's: every state of its tree
         self.callback_queued = False
         self.reducing = None              # the root's: the state whose reduction is in flight
+        self.order = []                   # the root's: states in this forward's order
+        self.last_order = []              # the root's: ... in the previous forward's
+        self.prefetched = []              # the root's: implicitly prefetched this forward
         self.ready = set()                # trainable parameters whose gradient arrived
         self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
         self.hooked = set()               # ... on these parameters
@@ -120,16 +123,42 @@ class FSDPState:
     # ------------------------------------------------------------------
     # forward
 
+    # ------------------------------------------------------------------
+    # implicit prefetch (devices only)
+
+    def _implicit(self, step):
+        """Without a prefetch list set by the user, on a device: the state
+        next in the previous forward's order (step 1), or the one before it
+        (step -1, for backward), as torch's FSDP2 overlaps them by default.
+        Its all-gather is deferred, so it runs beside this module's compute.
+        Host collectives are synchronous: nothing to overlap, none."""
+        root = self.root or self
+        order = root.last_order
+        if self not in order:
+            return []
+        i = order.index(self) + step
+        st = order[i] if 0 <= i < len(order) else None
+        if st is None or st.group is None or st.group.comm.device is None:
+            return []
+        return [st]
+
     def pre_forward(self, args, kwargs):
         self.lazy_init()
+        root = self.root or self
         if self.is_root:
             ev, self.post_optim_event = self.post_optim_event, None
             if ev is not None:
                 ev.synchronize()
+            self.order, self.prefetched = [], []
+        if self not in root.order:
+            root.order.append(self)
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
         self.unshard()
-        for st in self.forward_prefetch:
+        implicit = self.forward_prefetch is None
+        for st in self._implicit(1) if implicit else self.forward_prefetch:
+            if implicit and st.group is not None and not st.group.is_unsharded:
+                root.prefetched.append(st)
             st.unshard(defer=True)
         return args, kwargs
 
@@ -141,6 +170,12 @@ class FSDPState:
                 self.group.reshard_to_post_forward()
         elif raf or not grad:
             self.reshard()
+        if self.is_root:  # the forward is over: keep its order; drop unused prefetches
+            self.last_order = self.order
+            for st in self.prefetched:
+                if st not in self.order and st.reshard_after_forward is not False:
+                    st.reshard()
+            self.prefetched = []
         if grad:
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
@@ -163,7 +198,8 @@ class FSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(root._finalize)
         if self.unshard_in_backward:
             self.unshard()
-        for st in self.backward_prefetch:
+        for st in (self._implicit(-1) if self.backward_prefetch is None
+                   else self.backward_prefetch):
             st.unshard(defer=True)
         return None
 
