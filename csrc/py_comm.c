@@ -175,7 +175,6 @@ PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char
     return fs_comm_failed(self);
 }
 
-
 PyDoc_STRVAR(all_gather_doc, "all_gather(send_ptr, recv_ptr, count, dtype, tag='')\n"
                              "recv holds world_size*count; rank r's send lands at recv + r*count."
                              TAG_DOC);

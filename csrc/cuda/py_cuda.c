@@ -341,8 +341,7 @@ static fs_status dev_follow_caller(struct fs_comm *c, char *err, size_t cap)
 static const fs_device_api device_api = {
     FS_DEVICE_API_VERSION, FS_CUDA_DEVICE_NAME, dev_cast, dev_scale_accumulate,
     dev_set_caller_stream, fs_nccl_set_workspace, fs_nccl_set_defer, dev_record, dev_wait,
-    dev_event_free,
-    dev_comm_stream, dev_copy, dev_synchronize, dev_follow_caller,
+    dev_event_free, dev_comm_stream, dev_copy, dev_synchronize, dev_follow_caller,
 };
 
 static int module_exec(PyObject *m)

@@ -78,7 +78,7 @@ static PyObject *done(NcclCommObject *self, fs_status s, const char *op, const c
 
 /* Run a collective without the GIL (enqueueing can wait for peers while
  * NCCL connects on first use), ordered against `stream`. */
-#define NCCL_CALL(self, s, stream, tag, expr)                        \
+#define NCCL_CALL(self, s, stream, tag, expr)                            \
     do {                                                                 \
         fs_nccl_set_caller_stream((self)->comm, (cudaStream_t)(stream)); \
         (self)->comm->what = *(tag) ? (tag) : NULL;                      \

@@ -26,6 +26,7 @@ from .comm import DTYPE_CODES, broadcast_, comm_for, dtype_code
 from .device import empty_fn
 from .errors import ConfigError, ConfigTypeError, bad_type, bad_value, not_built
 from .flat_param import Alias, FlatGroup
+from .order import ForwardOrder
 from .options import BackwardPrefetch, ShardingStrategy
 from .unit import UnitRuntime
 from .wrap import targets
@@ -71,8 +72,7 @@ class RootState:
     def __init__(self, owner, units):
         self.owner = owner
         self.units = units
-        self.order, self.position = [], {}
-        self._current = None
+        self.order = ForwardOrder()
         self.final_queued = False
         self.reducing = None  # the unit whose deferred reduction is in flight
 
@@ -87,24 +87,17 @@ class RootState:
     def begin_forward(self):
         if self.final_queued:  # the last backward never finished: clean up
             self._final()
-        self._current = []
+        self.order.begin()
 
     def end_forward(self):
-        if self._current:
-            self.order = self._current
-            self.position = {id(u): i for i, u in enumerate(self.order)}
-        self._current = None
+        self.order.end()
 
     def record_forward(self, unit):
         """Note that `unit` runs now; return the unit that ran after it last time."""
-        if self._current is not None and (not self._current or self._current[-1] is not unit):
-            self._current.append(unit)
-        i = self.position.get(id(unit))
-        return self.order[i + 1] if i is not None and i + 1 < len(self.order) else None
+        return self.order.record(unit)
 
     def previous_in_forward(self, unit):
-        i = self.position.get(id(unit))
-        return self.order[i - 1] if i else None
+        return self.order.previous(unit)
 
     def queue_final_callback(self):
         if not self.final_queued:

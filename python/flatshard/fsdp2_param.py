@@ -163,8 +163,9 @@ class ParamGroup:
         device Comm the caller's stream does not wait for the all-gather; the
         copy-out waits for it at wait_unsharded() (the next unshard, reshard,
         or the module's own forward)."""
-        if self.is_unsharded:
-            self.wait_unsharded()
+        if self.is_unsharded:  # a pending gather is waited for, unless this is a prefetch too
+            if not defer:
+                self.wait_unsharded()
             return
         if self.full is None:
             self._make_full()

@@ -21,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import ConfigError
+from .order import ForwardOrder
 
 STATE_ATTR = "_flatshard_fsdp2_state"
 
@@ -59,8 +60,7 @@ class FSDPState:
         self.states = None                # the root's: every state of its tree
         self.callback_queued = False
         self.reducing = None              # the root's: the state whose reduction is in flight
-        self.order = []                   # the root's: states in this forward's order
-        self.last_order = []              # the root's: ... in the previous forward's
+        self.order = ForwardOrder()       # the root's: the order states ran in (prefetch)
         self.prefetched = []              # the root's: implicitly prefetched this forward
         self.ready = set()                # trainable parameters whose gradient arrived
         self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
@@ -99,9 +99,8 @@ class FSDPState:
         g = self.group
         if g is None:
             return
-        if g.is_unsharded:
-            if not defer:
-                g.wait_unsharded()
+        if g.is_unsharded:  # waits for a pending gather, unless this is a prefetch too
+            g.unshard(defer)
             return
         if g.local(0).is_meta:
             raise ConfigError(
@@ -121,26 +120,21 @@ class FSDPState:
             self.group.reshard()
 
     # ------------------------------------------------------------------
-    # forward
-
-    # ------------------------------------------------------------------
     # implicit prefetch (devices only)
 
-    def _implicit(self, step):
+    @staticmethod
+    def _implicit(st):
         """Without a prefetch list set by the user, on a device: the state
-        next in the previous forward's order (step 1), or the one before it
-        (step -1, for backward), as torch's FSDP2 overlaps them by default.
-        Its all-gather is deferred, so it runs beside this module's compute.
-        Host collectives are synchronous: nothing to overlap, none."""
-        root = self.root or self
-        order = root.last_order
-        if self not in order:
-            return []
-        i = order.index(self) + step
-        st = order[i] if 0 <= i < len(order) else None
+        that ran next in the previous forward (or, in backward, before), as
+        torch's FSDP2 overlaps them by default. Its all-gather is deferred,
+        so it runs beside this module's compute. Host collectives are
+        synchronous: nothing to overlap, none."""
         if st is None or st.group is None or st.group.comm.device is None:
             return []
         return [st]
+
+    # ------------------------------------------------------------------
+    # forward
 
     def pre_forward(self, args, kwargs):
         self.lazy_init()
@@ -149,15 +143,15 @@ class FSDPState:
             ev, self.post_optim_event = self.post_optim_event, None
             if ev is not None:
                 ev.synchronize()
-            self.order, self.prefetched = [], []
-        if self not in root.order:
-            root.order.append(self)
+            self.order.begin()
+            self.prefetched = []
+        nxt = root.order.record(self)
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
         self.unshard()
         implicit = self.forward_prefetch is None
-        for st in self._implicit(1) if implicit else self.forward_prefetch:
-            if implicit and st.group is not None and not st.group.is_unsharded:
+        for st in self._implicit(nxt) if implicit else self.forward_prefetch:
+            if implicit and not st.group.is_unsharded:
                 root.prefetched.append(st)
             st.unshard(defer=True)
         return args, kwargs
@@ -171,9 +165,9 @@ class FSDPState:
         elif raf or not grad:
             self.reshard()
         if self.is_root:  # the forward is over: keep its order; drop unused prefetches
-            self.last_order = self.order
+            self.order.end()
             for st in self.prefetched:
-                if st not in self.order and st.reshard_after_forward is not False:
+                if not self.order.ran(st) and st.reshard_after_forward is not False:
                     st.reshard()
             self.prefetched = []
         if grad:
@@ -198,7 +192,7 @@ class FSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(root._finalize)
         if self.unshard_in_backward:
             self.unshard()
-        for st in (self._implicit(-1) if self.backward_prefetch is None
+        for st in (self._implicit(root.order.previous(self)) if self.backward_prefetch is None
                    else self.backward_prefetch):
             st.unshard(defer=True)
         return None

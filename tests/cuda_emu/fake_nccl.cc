@@ -143,8 +143,8 @@ EXPORT const char *ncclGetLastError(ncclComm *c) { return c ? c->last : ""; }
 EXPORT ncclResult_t ncclAllGather(const void *send, void *recv, size_t count,
                                   ncclDataType_t dt, ncclComm *c, cudaStream_t s)
 {
-    const size_t bytes = count * fs_dtype_size(dtypes[dt < 0 || dt > 9 ? 0 : dt]);
     return run(c, s, "ncclAllGather", dt, [=](fs_comm *shm) {
+        const size_t bytes = count * fs_dtype_size(dtypes[dt]);
         return fs_comm_all_gather(shm, send, recv, (int64_t)bytes, FS_U8);
     });
 }
