@@ -34,6 +34,8 @@ fs_status fs_cast(void *dst, fs_dtype dst_t, const void *src, fs_dtype src_t, in
         return FS_ERR_INVALID_ARG;
     if (n == 0)
         return FS_OK;
+    if (!dst || !src) /* e.g. a tensor subclass's data_ptr() */
+        return FS_ERR_INVALID_ARG;
     if (dst_t == src_t) {
         memmove(dst, src, (size_t)n * fs_dtype_size(dst_t));
         return FS_OK;
@@ -68,7 +70,7 @@ fs_status fs_cast(void *dst, fs_dtype dst_t, const void *src, fs_dtype src_t, in
 
 fs_status fs_zero(void *dst, fs_dtype t, int64_t n)
 {
-    if (n < 0 || fs_dtype_size(t) == 0)
+    if (n < 0 || fs_dtype_size(t) == 0 || (n && !dst))
         return FS_ERR_INVALID_ARG;
     if (n)
         memset(dst, 0, (size_t)n * fs_dtype_size(t));
@@ -78,7 +80,8 @@ fs_status fs_zero(void *dst, fs_dtype t, int64_t n)
 fs_status fs_scale_accumulate(void *dst, fs_dtype dst_t, const void *src, fs_dtype src_t,
                               int64_t n, double scale, int accumulate)
 {
-    if (n < 0 || !fs_dtype_is_float(dst_t) || !fs_dtype_is_float(src_t))
+    if (n < 0 || !fs_dtype_is_float(dst_t) || !fs_dtype_is_float(src_t) ||
+        (n && (!dst || !src)))
         return FS_ERR_INVALID_ARG;
     if (dst_t == FS_F32 && src_t == FS_F32) { /* the hot path: vectorised */
         float *d = dst;
@@ -113,14 +116,15 @@ fs_status fs_gather_pieces(void *dst, fs_dtype dst_t, int64_t dst_numel, const f
                            int64_t n)
 {
     size_t es = fs_dtype_size(dst_t);
-    if (es == 0 || dst_numel < 0)
+    if (es == 0 || dst_numel < 0 || (dst_numel && !dst))
         return FS_ERR_INVALID_ARG;
     /* Pieces arrive in flat order (layout.c emits them so); zero the gaps
      * between them as we go instead of a second pass over the buffer. */
     int64_t covered = 0;
     for (int64_t i = 0; i < n; i++) {
         const fs_piece *p = &pieces[i];
-        if (p->numel < 0 || p->dst_offset < covered || p->dst_offset + p->numel > dst_numel)
+        if (p->numel < 0 || p->dst_offset < covered || p->dst_offset + p->numel > dst_numel ||
+            (p->numel && !p->src))
             return FS_ERR_INVALID_ARG;
         FS_CHECK(fs_zero((char *)dst + covered * es, dst_t, p->dst_offset - covered));
         size_t ss = fs_dtype_size(p->src_t);
@@ -136,6 +140,8 @@ fs_status fs_dim0_copy_out(void *dst, fs_dtype dst_t, const void *gathered, fs_d
 {
     size_t es = fs_dtype_size(t), ds = fs_dtype_size(dst_t);
     int64_t out = 0;
+    if (e->dim0 > 0 && e->row_numel > 0 && (!dst || !gathered))
+        return FS_ERR_INVALID_ARG; /* offsets below would turn NULL into a wild pointer */
     for (int64_t r = 0; r < world_size; r++) {
         int64_t b, rows;
         fs_dim0_rows(e->dim0, world_size, r, &b, &rows);
@@ -154,6 +160,8 @@ fs_status fs_dim0_copy_in(void *block, fs_dtype t, const void *src, fs_dtype src
     char *chunk = (char *)block + e->block_offset * es;
     int64_t held = e->local_rows * e->row_numel;
     int64_t padded = e->chunk_rows * e->row_numel;
+    if ((padded > 0 && !block) || (held > 0 && !src))
+        return FS_ERR_INVALID_ARG; /* offsets below would turn NULL into a wild pointer */
     FS_CHECK(fs_cast(chunk, t, (const char *)src + e->local_row_begin * e->row_numel * ss, src_t,
                      held));
     return fs_zero(chunk + held * es, t, padded - held);

@@ -16,7 +16,7 @@ static inline double load(const void *x, fs_dtype t, int64_t i)
 
 fs_status fs_norm_partial(const void *x, fs_dtype t, int64_t n, int inf, double *out)
 {
-    if (n < 0 || !fs_dtype_is_float(t))
+    if (n < 0 || !fs_dtype_is_float(t) || (n > 0 && !x))
         return FS_ERR_INVALID_ARG;
     double acc[4] = {0, 0, 0, 0};
     int64_t i = 0;

@@ -148,6 +148,13 @@ fs_status fs_reduce_sum(void *dst, const void *const *srcs, int nsrc, int64_t n,
 {
     if (nsrc < 1 || n < 0 || !fs_dtype_is_float(t))
         return FS_ERR_INVALID_ARG;
+    if (n > 0) {
+        if (!dst)
+            return FS_ERR_INVALID_ARG;
+        for (int i = 0; i < nsrc; i++)
+            if (!srcs[i])
+                return FS_ERR_INVALID_ARG;
+    }
     if (t == FS_F64) {
         reduce_f64(dst, srcs, nsrc, n, scale);
         return FS_OK;

@@ -28,6 +28,7 @@ from .errors import ConfigError, ConfigTypeError, bad_type, bad_value, not_built
 from .flat_param import Alias, FlatGroup
 from .order import ForwardOrder
 from .options import BackwardPrefetch, ShardingStrategy
+from .tensors import check_plain
 from .unit import UnitRuntime
 from .wrap import targets
 
@@ -263,7 +264,10 @@ def _plan(module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states, 
     ignored_mods, ignored_params = _expand_ignored(module, ignored_modules, ignored_states)
     _materialize(module, param_init_fn, ignored_mods)
     for n, p in module.named_parameters():
-        if p not in ignored_params and p.device != cfg.device:
+        if p in ignored_params:
+            continue
+        check_plain(p, f"parameter {n}", "FullyShardedDataParallel")
+        if p.device != cfg.device:
             raise bad_value("device_id", cfg.device, f"parameter {n} is on {p.device}",
                             f"move the module to {cfg.device} before wrapping")
     ctx = _WrapContext(ignored_mods, ignored_params)
@@ -279,6 +283,8 @@ def _plan(module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states, 
     plan.append(_UnitPlan(module, "", cfg, _collect(module, "", ctx, unit_set)))
     lines = [f"options: sync_module_states={sync_module_states}"]
     if sync_module_states:  # buffers are broadcast too
+        for n, b in module.named_buffers():
+            check_plain(b, f"buffer {n}", "FullyShardedDataParallel(sync_module_states=True)")
         lines += [f"  buffer {n} {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
                   for n, b in module.named_buffers()]
     for up in plan:

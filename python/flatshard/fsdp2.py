@@ -32,6 +32,7 @@ from .comm import backend_for_device, comm_for, requested_backend
 from .errors import bad_type, bad_value, not_built
 from .fsdp2_param import ParamGroup
 from .fsdp2_state import STATE_ATTR, FSDPState, state_of
+from .tensors import check_plain
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
            "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
@@ -391,6 +392,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         if isinstance(p, DTensor):
             raise bad_value("module", label, f"parameter {name} is already a "
                             "DTensor; fully_shard on tensor-parallel parameters is not built")
+        check_plain(p, f"parameter {name}", "fully_shard")
         if p.dim() == 0:
             raise bad_value("module", label, f"parameter {name} is 0-d; "
                             "dim-0 sharding needs at least one dimension", "reshape it to (1,)")

@@ -1,0 +1,48 @@
+"""What a tensor must be before its data pointer reaches the C core.
+
+The C core reads and writes raw memory: it trusts that a pointer is the
+start of `numel` elements of a known dtype, laid out densely. A tensor
+subclass breaks that silently. A wrapper subclass (torch's TwoTensor,
+float8 or NF4 weights, DTensor) has no storage of its own and reports a null
+data pointer; another subclass may keep its data elsewhere. So every API
+entry point checks its tensors here first and refuses the rest with an error
+that names the tensor, instead of letting C crash the process.
+"""
+import torch
+import torch.nn as nn
+
+from .comm import DTYPE_CODES
+from .errors import NotBuiltError
+
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+
+def check_plain(t, what, api):
+    """Raise NotBuiltError unless `t` is a plain strided tensor of a dtype the
+    C core knows, on the CPU, a CUDA device or the meta device (shapes only).
+
+    what: how the user names it ("parameter 'layers.0.weight'");
+    api: the entry point refusing it ("fully_shard")."""
+    kind = type(t)
+    if kind not in _PLAIN_TYPES:
+        raise NotBuiltError(
+            f"flatshard: {api}: {what} is a {kind.__module__}.{kind.__qualname__} (a tensor "
+            f"subclass); flatshard shards plain torch.Tensor / nn.Parameter data only, and "
+            f"does not run a subclass's own all-gather (fsdp_pre_all_gather) protocol. "
+            f"Keep such modules out of the wrap (ignored_params / ignored_states) or use "
+            f"plain parameters")
+    if t.layout is not torch.strided:
+        raise NotBuiltError(f"flatshard: {api}: {what} has layout {t.layout}; only "
+                            f"torch.strided (dense) tensors are supported")
+    if t.dtype not in DTYPE_CODES:
+        raise NotBuiltError(f"flatshard: {api}: {what} has dtype {t.dtype}; supported: "
+                            f"{', '.join(str(d) for d in DTYPE_CODES)}")
+    if t.device.type not in ("cpu", "cuda", "meta"):
+        raise NotBuiltError(f"flatshard: {api}: {what} is on {t.device}; supported: "
+                            f"cpu, cuda")
+
+
+def check_all_plain(named_tensors, api, kind="parameter"):
+    """check_plain for each (name, tensor)."""
+    for name, t in named_tensors:
+        check_plain(t, f"{kind} {name!r}", api)
