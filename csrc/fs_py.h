@@ -17,6 +17,10 @@ typedef struct {
     PyObject *StateError; /* an event the unit state machine refuses */
     PyObject *CommType;
     PyObject *UnitType;
+    PyObject *FlatEntryType;  /* layout records (py_layout.c) */
+    PyObject *FlatLayoutType;
+    PyObject *Dim0EntryType;
+    PyObject *Dim0LayoutType;
 } fs_mod_state;
 
 extern PyModuleDef fs_module_def;
@@ -111,5 +115,10 @@ PyObject *fs_comm_wait_mark(CommObject *self, PyObject *mark);
 int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);
 int fs_optim_add(PyObject *module); /* py_optim.c */
+int fs_layout_add(PyObject *module, fs_mod_state *st); /* py_layout.c */
+
+/* A sequence of ints as a malloc'd int64 array (*n elements); NULL with an
+ * exception set (`what` is the TypeError's text). */
+int64_t *fs_int64_list(PyObject *obj, Py_ssize_t *n, const char *what);
 
 #endif

@@ -60,9 +60,9 @@ static PyObject *raise_mod(PyObject *m, fs_status s, const char *what)
 }
 
 /* ---------------------------------------------------------------------------
- * layouts */
+ * argument conversion shared by the glue */
 
-static int64_t *int64_list(PyObject *obj, Py_ssize_t *n, const char *what)
+int64_t *fs_int64_list(PyObject *obj, Py_ssize_t *n, const char *what)
 {
     PyObject *seq = PySequence_Fast(obj, what);
     if (!seq)
@@ -84,109 +84,6 @@ static int64_t *int64_list(PyObject *obj, Py_ssize_t *n, const char *what)
     }
     Py_DECREF(seq);
     return v;
-}
-
-PyDoc_STRVAR(layout_flat_doc,
-             "layout_flat(numels, world_size, rank, align_numel) -> (layout, entries)\n"
-             "FSDP1 layout (csrc/layout.h). layout: dict of unpadded_numel, shard_numel,\n"
-             "padded_numel, shard_begin. entries: one tuple per parameter of\n"
-             "(numel, flat_offset, shard_offset, param_offset, piece_numel).");
-static PyObject *py_layout_flat(PyObject *m, PyObject *args)
-{
-    PyObject *numels_obj;
-    long long world, rank, align;
-    if (!PyArg_ParseTuple(args, "OLLL", &numels_obj, &world, &rank, &align))
-        return NULL;
-    Py_ssize_t n;
-    int64_t *numels = int64_list(numels_obj, &n, "layout_flat: numels must be a sequence");
-    if (!numels)
-        return NULL;
-    fs_flat_entry *e = malloc(sizeof *e * (size_t)(n ? n : 1));
-    PyObject *res = NULL, *list = NULL;
-    fs_flat_layout lay;
-    if (!e) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    fs_status s = fs_layout_flat(numels, n, world, rank, align, e, &lay);
-    if (s != FS_OK) {
-        raise_mod(m, s, "layout_flat: need world_size >= 1, 0 <= rank < world_size, "
-                        "align_numel >= 1, numels >= 0");
-        goto done;
-    }
-    if (!(list = PyList_New(n)))
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue("(LLLLL)", (long long)e[i].numel, (long long)e[i].flat_offset,
-                                    (long long)e[i].shard_offset, (long long)e[i].param_offset,
-                                    (long long)e[i].piece_numel);
-        if (!t)
-            goto done;
-        PyList_SET_ITEM(list, i, t);
-    }
-    res = Py_BuildValue("({sLsLsLsL}O)", "unpadded_numel", (long long)lay.unpadded_numel,
-                        "shard_numel", (long long)lay.shard_numel, "padded_numel",
-                        (long long)lay.padded_numel, "shard_begin", (long long)lay.shard_begin,
-                        list);
-done:
-    Py_XDECREF(list);
-    free(e);
-    free(numels);
-    return res;
-}
-
-PyDoc_STRVAR(layout_dim0_doc,
-             "layout_dim0(dim0s, row_numels, world_size, rank, align_numel) -> (layout, entries)\n"
-             "FSDP2 layout (csrc/layout.h). layout: dict of block_numel, gathered_numel.\n"
-             "entries: (dim0, row_numel, chunk_rows, block_offset, local_row_begin, local_rows).");
-static PyObject *py_layout_dim0(PyObject *m, PyObject *args)
-{
-    PyObject *d_obj, *r_obj;
-    long long world, rank, align;
-    if (!PyArg_ParseTuple(args, "OOLLL", &d_obj, &r_obj, &world, &rank, &align))
-        return NULL;
-    Py_ssize_t n, n2;
-    int64_t *d = int64_list(d_obj, &n, "layout_dim0: dim0s must be a sequence");
-    if (!d)
-        return NULL;
-    int64_t *r = int64_list(r_obj, &n2, "layout_dim0: row_numels must be a sequence");
-    fs_dim0_entry *e = NULL;
-    PyObject *res = NULL, *list = NULL;
-    if (!r)
-        goto done;
-    if (n2 != n) {
-        PyErr_SetString(PyExc_ValueError, "layout_dim0: dim0s and row_numels differ in length");
-        goto done;
-    }
-    if (!(e = malloc(sizeof *e * (size_t)(n ? n : 1)))) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    fs_dim0_layout lay;
-    fs_status s = fs_layout_dim0(d, r, n, world, rank, align, e, &lay);
-    if (s != FS_OK) {
-        raise_mod(m, s, "layout_dim0: need world_size >= 1, 0 <= rank < world_size, "
-                        "align_numel >= 1, sizes >= 0");
-        goto done;
-    }
-    if (!(list = PyList_New(n)))
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue("(LLLLLL)", (long long)e[i].dim0, (long long)e[i].row_numel,
-                                    (long long)e[i].chunk_rows, (long long)e[i].block_offset,
-                                    (long long)e[i].local_row_begin, (long long)e[i].local_rows);
-        if (!t)
-            goto done;
-        PyList_SET_ITEM(list, i, t);
-    }
-    res = Py_BuildValue("({sLsL}O)", "block_numel", (long long)lay.block_numel, "gathered_numel",
-                        (long long)lay.gathered_numel, list);
-done:
-    Py_XDECREF(list);
-    free(e);
-    free(r);
-    free(d);
-    return res;
 }
 
 /* ---------------------------------------------------------------------------
@@ -344,7 +241,7 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
                                         : "this CPU lacks it");
     fs_simd simd = (fs_simd)level;
     Py_ssize_t k;
-    int64_t *ptrs = int64_list(srcs_obj, &k, "reduce_sum: src_ptrs must be a sequence");
+    int64_t *ptrs = fs_int64_list(srcs_obj, &k, "reduce_sum: src_ptrs must be a sequence");
     if (!ptrs)
         return NULL;
     const void **srcs = malloc(sizeof(void *) * (size_t)(k ? k : 1));
@@ -444,8 +341,6 @@ static PyObject *py_fsm_step(PyObject *m, PyObject *args)
 }
 
 static PyMethodDef module_methods[] = {
-    {"layout_flat", py_layout_flat, METH_VARARGS, layout_flat_doc},
-    {"layout_dim0", py_layout_dim0, METH_VARARGS, layout_dim0_doc},
     {"cast", py_cast, METH_VARARGS, cast_doc},
     {"scale_accumulate", py_scale_accumulate, METH_VARARGS, scale_accumulate_doc},
     {"gather_pieces", py_gather_pieces, METH_VARARGS, gather_pieces_doc},
@@ -498,6 +393,7 @@ static int module_exec(PyObject *m)
     if (!st->StateError || PyModule_AddObjectRef(m, "StateError", st->StateError) < 0)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
+        fs_layout_add(m, st) < 0 ||
         fs_disk_add(m) < 0 ||
         add_constants(m) < 0)
         return -1;
@@ -514,6 +410,10 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->StateError);
     Py_VISIT(st->CommType);
     Py_VISIT(st->UnitType);
+    Py_VISIT(st->FlatEntryType);
+    Py_VISIT(st->FlatLayoutType);
+    Py_VISIT(st->Dim0EntryType);
+    Py_VISIT(st->Dim0LayoutType);
     return 0;
 }
 
@@ -524,6 +424,10 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->StateError);
     Py_CLEAR(st->CommType);
     Py_CLEAR(st->UnitType);
+    Py_CLEAR(st->FlatEntryType);
+    Py_CLEAR(st->FlatLayoutType);
+    Py_CLEAR(st->Dim0EntryType);
+    Py_CLEAR(st->Dim0LayoutType);
     return 0;
 }
 

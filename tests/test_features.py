@@ -112,7 +112,7 @@ def _memory_case(strategy, use_orig):
              for g in m._unit.groups]
     shards = sum(g.shard_numel for m in fs.modules() if isinstance(m, FSDP)
                  for g in m._unit.groups)
-    pieces = sum(e[4] for m in fs.modules() if isinstance(m, FSDP) for g in m._unit.groups
+    pieces = sum(e.piece_numel for m in fs.modules() if isinstance(m, FSDP) for g in m._unit.groups
                  for e in g.entries)
     return {"total": total, "after": after, "fulls": fulls, "shards": shards, "pieces": pieces,
             "peak_unsharded": max(seen_unsharded), "world": world}

@@ -34,16 +34,20 @@ def test_flat_layout_matches_concat_and_chunk(numels, world, align):
     covered = [torch.zeros(n, dtype=torch.int64) for n in numels]
     for rank in range(world):
         layout, entries = _C.layout_flat(numels, world, rank, align)
-        assert layout == {"unpadded_numel": end, "shard_numel": shard,
-                          "padded_numel": shard * world, "shard_begin": shard * rank}
+        assert (layout.unpadded_numel, layout.shard_numel, layout.padded_numel,
+                layout.shard_begin) == (end, shard, shard * world, shard * rank)
+        assert tuple(layout) == (end, shard, shard * world, shard * rank)  # layout.h's order
         ref_shard = flat.chunk(world)[rank] if shard else flat[:0]
         got = torch.empty(shard, dtype=torch.float64)
-        pieces = [(p.data_ptr(), _C.F64, e[3], e[2], e[4])
-                  for p, e in zip(params, entries) if e[4]]
+        pieces = [(p.data_ptr(), _C.F64, e.param_offset, e.shard_offset, e.piece_numel)
+                  for p, e in zip(params, entries) if e.piece_numel]
         got.fill_(float("nan"))
         _C.gather_pieces(got.data_ptr(), _C.F64, shard, pieces)
         assert torch.equal(got, ref_shard)  # padding zeroed, pieces in place
-        for i, (numel, flat_off, shard_off, param_off, piece) in enumerate(entries):
+        for i, e in enumerate(entries):
+            numel, flat_off, shard_off, param_off, piece = (
+                e.numel, e.flat_offset, e.shard_offset, e.param_offset, e.piece_numel)
+            assert tuple(e) == (numel, flat_off, shard_off, param_off, piece)
             assert numel == numels[i] and flat_off == offsets[i] and flat_off % align == 0
             assert 0 <= shard_off <= shard and shard_off + piece <= shard
             covered[i][param_off:param_off + piece] += 1
@@ -69,9 +73,11 @@ def test_dim0_layout_matches_torch_chunk_and_roundtrips(world, align):
     blocks = []
     for rank in range(world):
         layout, entries = _C.layout_dim0(dim0, rows, world, rank, align)
-        block = torch.full((layout["block_numel"],), float("nan"))
+        assert layout.gathered_numel == layout.block_numel * world
+        block = torch.full((layout.block_numel,), float("nan"))
         for p, e in zip(params, entries):
-            d0, row, chunk_rows, off, begin, held = e
+            d0, row, chunk_rows, off, held = (e.dim0, e.row_numel, e.chunk_rows, e.block_offset,
+                                              e.local_rows)
             assert off % align == 0 and chunk_rows == -(-d0 // world)
             chunks = torch.chunk(p.reshape(d0, row), world, dim=0) if d0 else ()
             ref = chunks[rank] if rank < len(chunks) else p.reshape(d0, row)[:0]
@@ -93,6 +99,6 @@ def test_dim0_layout_matches_torch_chunk_and_roundtrips(world, align):
 def test_dim0_copy_casts_to_bf16():
     p = torch.randn(5, 3, dtype=torch.float64)
     layout, entries = _C.layout_dim0([5], [3], 2, 1, 1)
-    block = torch.empty(layout["block_numel"], dtype=torch.bfloat16)
+    block = torch.empty(layout.block_numel, dtype=torch.bfloat16)
     _C.dim0_copy_in(block.data_ptr(), dtype_code(torch.bfloat16), p.data_ptr(), _C.F64, entries[0])
     assert torch.equal(block[:6], p[3:].reshape(-1).to(torch.bfloat16))

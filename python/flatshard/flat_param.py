@@ -50,10 +50,10 @@ class FlatGroup:
         align = max(1, ALIGN_BYTES // params[0].element_size())
         srank = rank if shard_world > 1 else 0
         layout, entries = _C.layout_flat(self.numels, shard_world, srank, align)
-        self.shard_numel = layout["shard_numel"]
-        self.padded_numel = layout["padded_numel"]
-        self.unpadded_numel = layout["unpadded_numel"]
-        self.entries = entries  # (numel, flat_offset, shard_offset, param_offset, piece_numel)
+        self.shard_numel = layout.shard_numel
+        self.padded_numel = layout.padded_numel
+        self.unpadded_numel = layout.unpadded_numel
+        self.entries = entries  # [_C.FlatEntry] (csrc/layout.h)
 
         # The shard is the optimizer-visible parameter when use_orig_params=False.
         self.shard_device = torch.device("cpu") if host_shards else device
@@ -62,14 +62,15 @@ class FlatGroup:
         with torch.no_grad():
             srcs = [p.detach().contiguous() for p in params]
             if self.shard.device.type == "cpu" and all(s.device.type == "cpu" for s in srcs):
-                pieces = [(s.data_ptr(), code, e[3], e[2], e[4])
-                          for s, e in zip(srcs, entries) if e[4] > 0]
+                pieces = [(s.data_ptr(), code, e.param_offset, e.shard_offset, e.piece_numel)
+                          for s, e in zip(srcs, entries) if e.piece_numel > 0]
                 _C.gather_pieces(self.shard.data_ptr(), code, self.shard_numel, pieces)
             else:  # device memory: the same pieces, with torch's copies (once, at wrap)
                 self.shard.zero_()
                 for s, e in zip(srcs, entries):
-                    if e[4] > 0:
-                        self.shard.narrow(0, e[2], e[4]).copy_(s.view(-1).narrow(0, e[3], e[4]))
+                    if e.piece_numel > 0:
+                        self.shard.narrow(0, e.shard_offset, e.piece_numel).copy_(
+                            s.view(-1).narrow(0, e.param_offset, e.piece_numel))
             del srcs
         floating = self.dtype.is_floating_point
         self.compute_dtype = param_dtype if floating and param_dtype else self.dtype
@@ -94,12 +95,12 @@ class FlatGroup:
         # split per forward, then a view per parameter.
         sizes, pos = [], 0
         self.view_slots = []
-        for numel, off, *_ in entries:
-            if off > pos:
-                sizes.append(off - pos)
+        for e in entries:
+            if e.flat_offset > pos:
+                sizes.append(e.flat_offset - pos)
             self.view_slots.append(len(sizes))
-            sizes.append(numel)
-            pos = off + numel
+            sizes.append(e.numel)
+            pos = e.flat_offset + e.numel
         if self.padded_numel > pos:
             sizes.append(self.padded_numel - pos)
         self.split_sizes = sizes
@@ -130,5 +131,5 @@ class FlatGroup:
         """Parameter i's piece of a shard-sized tensor (1-D, or its original
         shape when the whole parameter is local: NO_SHARD)."""
         e = self.entries[i]
-        v = tensor.narrow(0, e[2], e[4])
+        v = tensor.narrow(0, e.shard_offset, e.piece_numel)
         return v.view(self.shapes[i]) if shaped else v

@@ -35,13 +35,14 @@ from .flat_param import ALIGN_BYTES
 def _entry_from(entry, local_row_begin):
     """The same entry with another first row: dim0_copy_in reads rows from
     local_row_begin of its source, which is 0 for a rank's own shard."""
-    return entry[:4] + (local_row_begin,) + entry[5:]
+    return (entry.dim0, entry.row_numel, entry.chunk_rows, entry.block_offset, local_row_begin,
+            entry.local_rows)
 
 
 def _chunk_segments(tensors, offsets, src, entry, at):
     """Segments writing src (a rank's rows of one parameter, flat) and the
     zero padding of its chunk at `at` (device path of dim0_copy_in)."""
-    held, padded = entry[5] * entry[1], entry[2] * entry[1]
+    held, padded = entry.local_rows * entry.row_numel, entry.chunk_rows * entry.row_numel
     if held:
         tensors.append(src)
         offsets.append(at)
@@ -52,8 +53,8 @@ def _chunk_segments(tensors, offsets, src, entry, at):
 
 def _rows(entry, world, r):
     """(first row, rows) of rank r for a parameter (fs_dim0_rows)."""
-    begin = min(entry[2] * r, entry[0])
-    return begin, min(entry[2] * (r + 1), entry[0]) - begin
+    begin = min(entry.chunk_rows * r, entry.dim0)
+    return begin, min(entry.chunk_rows * (r + 1), entry.dim0) - begin
 
 
 class ParamGroup:
@@ -82,7 +83,7 @@ class ParamGroup:
         for r in range(self.world):
             layout, entries = _C.layout_dim0(dim0s, rows, self.world, r, align)
             self.rank_entries.append(entries)
-        self.block_numel = layout["block_numel"]
+        self.block_numel = layout.block_numel
         self.entries = self.rank_entries[self.rank]
         # Offsets of each unsharded parameter in the flat unsharded buffer.
         self.offsets, pos = [], 0
@@ -115,7 +116,7 @@ class ParamGroup:
     def _shard(self, i, p):
         e = self.entries[i]
         with torch.no_grad():
-            local = p.detach()[e[4]:e[4] + e[5]].clone()
+            local = p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows].clone()
         d = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                shape=self.shapes[i], stride=_contiguous_stride(self.shapes[i]))
         return nn.Parameter(d, requires_grad=p.requires_grad)
@@ -205,7 +206,7 @@ class ParamGroup:
         tensors, offsets = [], []
         for i, e in enumerate(self.entries):
             _chunk_segments(tensors, offsets, self.local(i).detach().contiguous().view(-1), e,
-                            e[3])
+                            e.block_offset)
         device_pack(block, tensors, offsets)
         mark = all_gather_into(self.comm, gathered, block, tag="fully_shard.unshard",
                                defer=defer)
@@ -215,9 +216,9 @@ class ParamGroup:
             for r in range(self.world):
                 begin, rows = _rows(e, self.world, r)
                 if rows:
-                    outs.append(self.full.narrow(0, self.offsets[i] + begin * e[1],
-                                                 rows * e[1]))
-                    offsets.append(r * self.block_numel + e[3])
+                    outs.append(self.full.narrow(0, self.offsets[i] + begin * e.row_numel,
+                                                 rows * e.row_numel))
+                    offsets.append(r * self.block_numel + e.block_offset)
         if mark is None:
             device_unpack(gathered, outs, offsets)
         else:  # block and gathered live until the caller's stream waited for the gather
@@ -304,8 +305,8 @@ class ParamGroup:
                 e = self.rank_entries[r][i]
                 if self.comm.device is not None:
                     _chunk_segments(tensors, offsets, g.view(-1).narrow(
-                        0, min(e[4] * e[1], g.numel()), e[5] * e[1]), e,
-                        r * self.block_numel + e[3])
+                        0, min(e.local_row_begin * e.row_numel, g.numel()),
+                        e.local_rows * e.row_numel), e, r * self.block_numel + e.block_offset)
                     continue
                 _C.dim0_copy_in(rs_in.data_ptr() + r * self.block_numel * es, rcode,
                                 g.data_ptr(), dtype_code(g.dtype), e)
@@ -347,7 +348,7 @@ class ParamGroup:
                 continue
             sp = self.sharded[i]
             local = self.local(i)
-            g = out.narrow(0, e[3], e[5] * e[1]).view(local.shape).to(local.dtype, copy=True)
+            g = out.narrow(0, e.block_offset, e.local_rows * e.row_numel).view(local.shape).to(local.dtype, copy=True)
             if sp.grad is None:
                 sp.grad = DTensor.from_local(g, self.mesh, self.placements, run_check=False,
                                              shape=self.shapes[i],

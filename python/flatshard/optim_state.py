@@ -154,11 +154,11 @@ def _gather_group(entries, mesh):
     fulls = {n: all_gather_shard(fs, t) for n, t in local.items()}
     out = {}
     for i, key in held:
-        e = g.entries[i]  # (numel, flat_offset, shard_offset, param_offset, piece_numel)
+        e = g.entries[i]
         st = {}
         for n in order:
             if n in fulls:
-                v = fulls[n].narrow(0, e[1], e[0]).view(g.shapes[i])
+                v = fulls[n].narrow(0, e.flat_offset, e.numel).view(g.shapes[i])
                 st[n] = to_dtensor(v, mesh) if mesh is not None else v.clone()
             elif i in other.get(n, {}):
                 st[n] = _copy(other[n][i])
@@ -263,7 +263,7 @@ def _local_state(slot, saved, errors):
         shard = torch.zeros(g.shard_numel, dtype=v.dtype)
         for i, key, st in present:
             e = g.entries[i]
-            shard.narrow(0, e[2], e[4]).copy_(_cut(whole(st[n]), g, i, key, n, errors))
+            shard.narrow(0, e.shard_offset, e.piece_numel).copy_(_cut(whole(st[n]), g, i, key, n, errors))
         out[n] = shard
     return out
 
@@ -283,5 +283,5 @@ def _cut(value, g, i, key, name, errors):
     if tuple(value.shape) != tuple(g.shapes[i]):
         errors.append(f"state {key}.{name} has shape {list(value.shape)}, the parameter "
                       f"{list(g.shapes[i])}")
-        return torch.zeros(e[4], dtype=value.dtype)
-    return value.reshape(-1).narrow(0, e[3], e[4]).clone()
+        return torch.zeros(e.piece_numel, dtype=value.dtype)
+    return value.reshape(-1).narrow(0, e.param_offset, e.piece_numel).clone()

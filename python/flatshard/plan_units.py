@@ -16,7 +16,7 @@ def flat_layout(numels, elem_bytes, shard_world):
     padded = shard * world."""
     align = max(1, ALIGN_BYTES // elem_bytes)
     layout, _ = _C.layout_flat([int(n) for n in numels], shard_world, 0, align)
-    return layout["shard_numel"], layout["padded_numel"]
+    return layout.shard_numel, layout.padded_numel
 
 
 @dataclass

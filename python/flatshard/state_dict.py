@@ -411,5 +411,6 @@ def _copy_into_shards(targets, state_dict):
         if i is None:
             shard.copy_(value)
             continue
-        e = g.entries[i]  # (numel, flat_offset, shard_offset, param_offset, piece_numel)
-        shard.narrow(0, e[2], e[4]).copy_(value.reshape(-1).narrow(0, e[3], e[4]))
+        e = g.entries[i]
+        shard.narrow(0, e.shard_offset, e.piece_numel).copy_(
+            value.reshape(-1).narrow(0, e.param_offset, e.piece_numel))
