@@ -299,7 +299,8 @@ def _parity(mesh_shape=None, backend=None, steps=2):
     if backend:
         os.environ["FLATSHARD_COMM_BACKEND"] = backend
     try:
-        mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
+        names = ("replicate", "shard") if mesh_shape and len(mesh_shape) == 2 else None
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names) if mesh_shape else None
         ref, model = Net(), _sharded(mesh)
     finally:
         if backend:

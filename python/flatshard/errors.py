@@ -14,6 +14,12 @@ class ConfigTypeError(ConfigError, TypeError):
     """A constructor argument or option has the wrong type."""
 
 
+class ConfigAssertionError(ConfigError, AssertionError):
+    """A ConfigError where torch raises AssertionError for the same input
+    (fully_shard's 2-D mesh without mesh_dim_names), so code written against
+    either keeps catching it."""
+
+
 class NotBuiltError(ConfigError):
     """An option asks for a feature this version of flatshard does not have.
 

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from .comm import backend_for_device, comm_for, requested_backend
-from .errors import bad_type, bad_value, not_built
+from .errors import ConfigAssertionError, bad_type, bad_value, not_built
 from .fsdp2_param import ParamGroup
 from .fsdp2_state import STATE_ATTR, FSDPState, state_of
 from .tensors import check_plain
@@ -266,8 +266,14 @@ def _check_mesh(mesh, device_type):
             raise not_built("mesh", mesh, "a CUDA mesh needs flatshard built with nvcc and a "
                             "CUDA device visible to torch")
     if mesh.ndim not in (1, 2):
-        raise bad_value("mesh", mesh, f"a {mesh.ndim}-D mesh; expected 1-D (FSDP) or 2-D "
-                        "(hybrid: replicate on dim 0, shard on dim 1)")
+        raise bad_value("mesh", mesh, f"a {mesh.ndim}-D mesh; fully_shard expects a 1D or 2D "
+                        "DeviceMesh (1-D: FSDP; 2-D: hybrid, replicate on dim 0 and shard on "
+                        "dim 1)")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ConfigAssertionError(
+            f"flatshard: mesh={mesh!r} is not allowed; a 2-D mesh needs names for its "
+            "dimensions (Please init the 2D mesh for HSDP with mesh_dim_names specified). "
+            "Pass mesh_dim_names=('replicate', 'shard') to init_device_mesh")
     return mesh
 
 
@@ -394,8 +400,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                             "DTensor; fully_shard on tensor-parallel parameters is not built")
         check_plain(p, f"parameter {name}", "fully_shard")
         if p.dim() == 0:
-            raise bad_value("module", label, f"parameter {name} is 0-d; "
-                            "dim-0 sharding needs at least one dimension", "reshape it to (1,)")
+            raise bad_value("module", label, f"parameter {name} is 0-d; dim-0 sharding needs "
+                            "at least one dimension (fully_shard doesn't support scalar "
+                            "parameters)", f"Change {name} to a 1D tensor with numel equal to 1")
         if p.device.type != "meta" and p.device != want:
             raise bad_value("module", label, f"parameter {name} is on {p.device}, and the "
                             f"mesh's collectives move {want} memory",

@@ -99,6 +99,10 @@ class ParamGroup:
         self.pending = None    # a deferred all-gather: (mark, its buffers, the copy-out)
         self.n_deferred = 0
         self.reducing = None   # a reduce-scatter to finish: (mark, its buffers, which grads)
+        # [Note: accumulation dtype] Without gradient sync, unreduced gradients
+        # are summed in the reduce dtype (float32 under bf16 param_dtype), as
+        # torch's FSDP2 does: bf16 sums would lose bits every microbatch.
+        self.accumulated = [None] * len(params)
         self.n_deferred_reduces = 0
         self.sharded = [self._shard(i, p) for i, p in enumerate(params)]
         self.divide_factor = None
@@ -278,7 +282,25 @@ class ParamGroup:
     # gradients
 
     def has_unsharded_grads(self):
-        return self.unsharded is not None and any(p.grad is not None for p in self.unsharded)
+        return self.unsharded is not None and (
+            any(p.grad is not None for p in self.unsharded) or
+            any(a is not None for a in self.accumulated))
+
+    def accumulate_unsharded_grads(self):
+        """Add this backward's gradients onto the reduce-dtype sums kept from
+        earlier backwards without sync [Note: accumulation dtype]."""
+        for i, p in enumerate(self.unsharded or ()):
+            if self.accumulated[i] is not None and p.grad is not None:
+                self.accumulated[i] += p.grad
+                p.grad = None
+
+    def to_accumulated_grads(self):
+        """No sync this time: keep gradients of another dtype than the
+        reduce dtype as reduce-dtype sums [Note: accumulation dtype]."""
+        for i, p in enumerate(self.unsharded or ()):
+            if p.grad is not None and p.grad.dtype != self.reduce_dtype:
+                self.accumulated[i] = p.grad.to(self.reduce_dtype)
+                p.grad = None
 
     def reduce_grads(self, defer=False):
         """Reduce-scatter the unsharded gradients (averaged over the data-
@@ -288,9 +310,10 @@ class ParamGroup:
         reduce-scatter; finish_reduce() (the root calls it before the next
         group's reduction and at the end of backward) waits and lands the
         result. Returns whether one is left to finish."""
-        grads = [p.grad for p in self.unsharded]
+        grads = [a if a is not None else p.grad for a, p in zip(self.accumulated, self.unsharded)]
         if all(g is None for g in grads):
             return False
+        self.accumulated = [None] * len(grads)
         rdt = self.reduce_dtype
         device = self.full.device
         alloc = torch.empty if all(g is not None for g in grads) else torch.zeros

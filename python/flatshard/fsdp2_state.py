@@ -208,6 +208,7 @@ class FSDPState:
         """Reduce (on a device: deferred, one reduction in flight, so it runs
         beside the backward of the modules before this one) and reshard."""
         self.ready.clear()
+        self.group.accumulate_unsharded_grads()
         if self.requires_gradient_sync:
             root = self.root or self
             root.finish_reducing()  # the previous group's, before this one is issued
@@ -215,6 +216,8 @@ class FSDPState:
                 root.reducing = self
         if self.reshard_after_backward:
             self.group.reshard()
+        if not self.requires_gradient_sync:
+            self.group.to_accumulated_grads()
 
     def finish_reducing(self):
         """Root only: land the reduction left in flight, if any."""
