@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .comm import backend_for_device, comm_for, requested_backend
 from .errors import ConfigAssertionError, bad_type, bad_value, not_built
+from .fsdp2_extension import has_extension
 from .fsdp2_param import ParamGroup
 from .fsdp2_state import STATE_ATTR, FSDPState, state_of
 from .tensors import check_plain
@@ -398,7 +399,15 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         if isinstance(p, DTensor):
             raise bad_value("module", label, f"parameter {name} is already a "
                             "DTensor; fully_shard on tensor-parallel parameters is not built")
-        check_plain(p, f"parameter {name}", "fully_shard")
+        if has_extension(p):  # its class all-gathers for itself (fsdp2_extension.py)
+            if isinstance(reshard_after_forward, int) and \
+                    not isinstance(reshard_after_forward, bool):
+                raise not_built("reshard_after_forward", reshard_after_forward,
+                                f"parameter {name} all-gathers through its class's "
+                                "fsdp_pre_all_gather, which has no post-forward group (as "
+                                "in torch)", "use True or False")
+        else:
+            check_plain(p, f"parameter {name}", "fully_shard")
         if p.dim() == 0:
             raise bad_value("module", label, f"parameter {name} is 0-d; dim-0 sharding needs "
                             "at least one dimension (fully_shard doesn't support scalar "
@@ -422,7 +431,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             replicate = _comm(mesh.get_group(0), mesh)
         else:
             shard, replicate = _comm(mesh.get_group(0), mesh), None
-        group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy)
+        group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy, names)
         group.post_comm = post_comm
         group.register_sharded()
     state = FSDPState(modules, group, raf, mp_policy)

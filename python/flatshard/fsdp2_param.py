@@ -30,6 +30,7 @@ from . import _C
 from .comm import all_gather_into, all_reduce_, dtype_code, reduce_scatter_into
 from .device import pack as device_pack, unpack as device_unpack
 from .flat_param import ALIGN_BYTES
+from .fsdp2_extension import Extension, has_extension
 
 
 def _entry_from(entry, local_row_begin):
@@ -61,7 +62,7 @@ class ParamGroup:
     """params: unique parameters of one dtype (registration order);
     aliases[i]: every (module, attr) where params[i] is registered."""
 
-    def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy):
+    def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy, names=None):
         self.mesh = mesh
         self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
         self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
@@ -85,11 +86,26 @@ class ParamGroup:
             self.rank_entries.append(entries)
         self.block_numel = layout.block_numel
         self.entries = self.rank_entries[self.rank]
+        # Parameters whose class all-gathers for itself (fsdp2_extension.py):
+        # no room in the gather block nor in the unsharded buffer, but their
+        # plain gradients take the reduce-scatter with the rest.
+        names = names or [str(i) for i in range(len(params))]
+        self.ext = {i: Extension(p, names[i], aliases[i][0][0], mp_policy,
+                                 self.entries[i].chunk_rows)
+                    for i, p in enumerate(params) if has_extension(p)}
+        if self.ext:
+            layout, self.gather_entries = _C.layout_dim0(
+                dim0s, [0 if i in self.ext else r for i, r in enumerate(rows)], self.world,
+                self.rank, align)
+            self.gather_block_numel = layout.block_numel
+        else:
+            self.gather_entries, self.gather_block_numel = self.entries, self.block_numel
         # Offsets of each unsharded parameter in the flat unsharded buffer.
         self.offsets, pos = [], 0
-        for p in params:
+        for i, p in enumerate(params):
             self.offsets.append(pos)
-            pos += -(-p.numel() // align) * align
+            if i not in self.ext:
+                pos += -(-p.numel() // align) * align
         self.full_numel = pos
         # Padded so that any divisor of the world can split it (int reshard_after_forward).
         self.full_alloc = -(-pos // (align * self.world)) * align * self.world
@@ -120,7 +136,13 @@ class ParamGroup:
     def _shard(self, i, p):
         e = self.entries[i]
         with torch.no_grad():
-            local = p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows].clone()
+            if i in self.ext:  # torch's way: rows of a zero-padded chunk, as the class expects
+                padded = p.detach().new_zeros((e.chunk_rows, *p.shape[1:]))
+                padded[:e.local_rows].copy_(
+                    p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows])
+                local = padded.narrow(0, 0, e.local_rows)
+            else:
+                local = p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows].clone()
         d = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                shape=self.shapes[i], stride=_contiguous_stride(self.shapes[i]))
         return nn.Parameter(d, requires_grad=p.requires_grad)
@@ -141,6 +163,8 @@ class ParamGroup:
         if self.full is not None:
             self.full, self.unsharded = None, None
             self.is_unsharded = False
+        for x in self.ext.values():
+            x.reset()
         self.post_chunk = None
 
     def register_sharded(self):
@@ -155,7 +179,10 @@ class ParamGroup:
         device = self.local(0).device
         self.full = torch.empty(self.full_alloc, dtype=self.compute_dtype, device=device)
         self.unsharded = []
-        for off, shape, sp in zip(self.offsets, self.shapes, self.sharded):
+        for i, (off, shape, sp) in enumerate(zip(self.offsets, self.shapes, self.sharded)):
+            if i in self.ext:  # made by its class at the first gather
+                self.unsharded.append(None)
+                continue
             n = int(torch.Size(shape).numel())
             self.unsharded.append(nn.Parameter(self.full.narrow(0, off, n).view(shape),
                                                requires_grad=sp.requires_grad))
@@ -184,50 +211,71 @@ class ParamGroup:
             self.is_unsharded = True
             self.set_views()
             return
+        self._unshard_extensions()
         code = dtype_code(self.compute_dtype)
-        block = torch.empty(self.block_numel, dtype=self.compute_dtype, device=self.full.device)
-        gathered = torch.empty(self.block_numel * self.world, dtype=self.compute_dtype,
+        block = torch.empty(self.gather_block_numel, dtype=self.compute_dtype,
+                            device=self.full.device)
+        gathered = torch.empty(self.gather_block_numel * self.world, dtype=self.compute_dtype,
                                device=self.full.device)
         if self.comm.device is not None:
             self._unshard_device(block, gathered, defer)
             self.is_unsharded = True
             self.set_views()
             return
-        for i, e in enumerate(self.entries):
+        for i, e in enumerate(self.gather_entries):
+            if i in self.ext:
+                continue
             src = self.local(i).detach().contiguous()
             _C.dim0_copy_in(block.data_ptr(), code, src.data_ptr(), dtype_code(src.dtype),
                             _entry_from(e, 0))
         all_gather_into(self.comm, gathered, block, tag="fully_shard.unshard")
         self.n_all_gathers += 1
         base = self.full.data_ptr()
-        for i, e in enumerate(self.entries):
-            _C.dim0_copy_out(base + self.offsets[i] * es, code, gathered.data_ptr(), code,
-                             self.world, self.block_numel, e)
+        for i, e in enumerate(self.gather_entries):
+            if i not in self.ext:
+                _C.dim0_copy_out(base + self.offsets[i] * es, code, gathered.data_ptr(), code,
+                                 self.world, self.gather_block_numel, e)
         self.is_unsharded = True
         self.set_views()
 
     def _unshard_device(self, block, gathered, defer):
         tensors, offsets = [], []
-        for i, e in enumerate(self.entries):
-            _chunk_segments(tensors, offsets, self.local(i).detach().contiguous().view(-1), e,
-                            e.block_offset)
+        for i, e in enumerate(self.gather_entries):
+            if i not in self.ext:
+                _chunk_segments(tensors, offsets, self.local(i).detach().contiguous().view(-1),
+                                e, e.block_offset)
         device_pack(block, tensors, offsets)
         mark = all_gather_into(self.comm, gathered, block, tag="fully_shard.unshard",
                                defer=defer)
         self.n_all_gathers += 1
         outs, offsets = [], []
-        for i, e in enumerate(self.entries):
+        for i, e in enumerate(self.gather_entries):
             for r in range(self.world):
                 begin, rows = _rows(e, self.world, r)
-                if rows:
+                if rows and i not in self.ext:
                     outs.append(self.full.narrow(0, self.offsets[i] + begin * e.row_numel,
                                                  rows * e.row_numel))
-                    offsets.append(r * self.block_numel + e.block_offset)
+                    offsets.append(r * self.gather_block_numel + e.block_offset)
         if mark is None:
             device_unpack(gathered, outs, offsets)
         else:  # block and gathered live until the caller's stream waited for the gather
             self.pending = (mark, block, gathered, outs, offsets)
             self.n_deferred += 1
+
+    def _unshard_extensions(self):
+        """Each extension parameter's own all-gather and rebuild (done at
+        once, also on a device: the class's Python runs on the result)."""
+        for i, x in self.ext.items():
+            self.unsharded[i] = x.gather(
+                self.comm, self.local(i), self._shard_mesh(), self.shapes[i],
+                _contiguous_stride(self.shapes[i]), self.compute_dtype,
+                self.sharded[i].requires_grad)
+
+    def _shard_mesh(self):
+        """The mesh of the shard dimension (torch passes it to the class)."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        return self.mesh[self.mesh.mesh_dim_names[-1]]
 
     def wait_unsharded(self):
         """A deferred all-gather: the caller's stream waits for it, then the
@@ -264,6 +312,8 @@ class ParamGroup:
         self.post_chunk = None
         if self.is_unsharded:
             self.full.untyped_storage().resize_(0)
+            for x in self.ext.values():
+                x.free()
             self.is_unsharded = False
 
     def reshard_to_post_forward(self):

@@ -27,10 +27,10 @@ def check_plain(t, what, api):
     if kind not in _PLAIN_TYPES:
         raise NotBuiltError(
             f"flatshard: {api}: {what} is a {kind.__module__}.{kind.__qualname__} (a tensor "
-            f"subclass); flatshard shards plain torch.Tensor / nn.Parameter data only, and "
-            f"does not run a subclass's own all-gather (fsdp_pre_all_gather) protocol. "
-            f"Keep such modules out of the wrap (ignored_params / ignored_states) or use "
-            f"plain parameters")
+            f"subclass); flatshard moves plain torch.Tensor / nn.Parameter data only, except "
+            f"that fully_shard runs a subclass that defines torch's all-gather extension "
+            f"(fsdp_pre_all_gather and fsdp_post_all_gather). Keep such modules out of the "
+            f"wrap (ignored_params / ignored_states) or use plain parameters")
     if t.layout is not torch.strided:
         raise NotBuiltError(f"flatshard: {api}: {what} has layout {t.layout}; only "
                             f"torch.strided (dense) tensors are supported")
