@@ -26,12 +26,12 @@ __all__ = [
 
 # State dicts and checkpoints (summon.py, state_dict.py, optim_state.py, checkpoint.py).
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from .errors import StateDictError  # noqa: E402
+from .errors import StateDictError, UnsafeFileError  # noqa: E402
 from .options import (FullOptimStateDictConfig, LocalOptimStateDictConfig,  # noqa: E402
                       OptimStateDictConfig, ShardedOptimStateDictConfig)
 from .state_dict import StateDictSettings  # noqa: E402
 
-__all__ += ["StateDictError", "StateDictSettings", "OptimStateDictConfig",
+__all__ += ["StateDictError", "UnsafeFileError", "StateDictSettings", "OptimStateDictConfig",
             "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig",
             "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 

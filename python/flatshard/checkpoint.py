@@ -12,7 +12,8 @@ A save writes into the temporary directory, renames it once DCP has written
 every rank's files and the metadata, then points LATEST at it, and only then
 removes older checkpoints: a crash or kill at any moment leaves LATEST
 naming a complete checkpoint. Model entries are SHARDED_STATE_DICT DTensors,
-so DCP reshards them for whatever world size loads them.
+so DCP reshards them for whatever world size loads them. Loading trusts
+none of these files: see [Note: untrusted files] in safe_load.py.
 """
 import os
 import shutil
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from .errors import bad_type, bad_value
 from .options import StateDictType
 from .optim_state import optim_state_dict, optim_state_dict_to_load
+from .safe_load import dcp_load, inside, is_plain, reader
 from .state_dict import mismatch_error, state_dict_type, units_of
 
 LATEST = "LATEST"
@@ -55,12 +57,16 @@ def _check_extra(extra):
     if not isinstance(extra, Mapping) or not all(isinstance(k, str) and "." not in k
                                                  for k in extra):
         raise bad_type("extra", extra, "a dict with str keys without dots (values: tensors or "
-                       "picklable objects, the same on every rank)")
+                       "plain data, the same on every rank)")
     for k, v in extra.items():
         if not _terminal(v):  # DCP would split it into entries of its own
             raise bad_value(f"extra[{k!r}]", type(v).__name__, "dicts, and lists holding "
                             "tensors or dicts, are not stored whole",
                             "store it as a tuple, or as several keys")
+        if not torch.is_tensor(v) and not is_plain(v):  # load_checkpoint would refuse it
+            raise bad_value(f"extra[{k!r}]", type(v).__name__, "load_checkpoint unpickles "
+                            "only plain data (numbers, strings, tuples, lists and dicts of "
+                            "them, tensors), never other objects", "store its fields instead")
 
 
 def save_checkpoint(path, model, optimizer=None, extra=None):
@@ -130,7 +136,7 @@ def _commit(path, name):
 
 def latest_checkpoint(path):
     """The checkpoint directory `path` stands for: itself if it is a DCP
-    checkpoint, else the one its LATEST file names."""
+    checkpoint, else the one its LATEST file names (inside `path`)."""
     if os.path.exists(os.path.join(path, ".metadata")):
         return path
     try:
@@ -140,20 +146,21 @@ def latest_checkpoint(path):
         raise FileNotFoundError(f"flatshard: no checkpoint at {path!r}: it has neither a "
                                 f"{LATEST} file (written by flatshard.save_checkpoint) nor DCP "
                                 ".metadata") from None
-    return os.path.join(path, name)
+    return inside(path, name, repr(os.path.join(path, LATEST)))
 
 
 def load_checkpoint(path, model, optimizer=None):
     """Load what save_checkpoint wrote (on any number of ranks) from `path`
     (a checkpoint directory, or the directory above it: the latest complete
-    one is taken, see latest_checkpoint) into `model` and `optimizer`; returns the saved `extra` dict ({} if none). Every name,
-    shape and dtype is checked against the checkpoint first: a mismatch
-    raises StateDictError naming the first mismatching keys, and nothing
-    is loaded."""
-    import torch.distributed.checkpoint as dcp  # here: importing it costs about a second
+    one is taken, see latest_checkpoint) into `model` and `optimizer`;
+    returns the saved `extra` dict ({} if none). Every name, shape and dtype
+    is checked against the checkpoint first: a mismatch raises
+    StateDictError naming the first mismatching keys, and nothing is loaded.
+    Nothing in the files is trusted ([Note: untrusted files] in
+    safe_load.py): what a checkpoint may not hold raises UnsafeFileError."""
     ckpt = latest_checkpoint(path)
-    reader = dcp.FileSystemReader(ckpt)
-    saved = reader.read_metadata().state_dict_metadata
+    storage = reader(ckpt)
+    saved = storage.read_metadata().state_dict_metadata
     fresh = optimizer is not None and not optimizer.state
     if fresh:
         _init_optim_state(optimizer)
@@ -161,7 +168,7 @@ def load_checkpoint(path, model, optimizer=None):
         with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             state = _template(model, optimizer, saved)
             _check(ckpt, saved, state, optimizer is not None)
-            dcp.load(state, storage_reader=reader, process_group=_group(model))
+            dcp_load(state, storage, process_group=_group(model))
             model.load_state_dict(state["model"])
             if optimizer is not None:
                 optimizer.load_state_dict(

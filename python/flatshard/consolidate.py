@@ -4,7 +4,8 @@ process group and no GPU (`python -m flatshard consolidate in_dir out_path`).
 What is read: what flatshard.save_checkpoint writes (the directory holding
 LATEST, or one checkpoint in it), or any torch.distributed.checkpoint (DCP)
 directory of a state dict, saved as {"model": state_dict, ...} or as the
-state dict itself. What is written: the model's tensors only, under the plain
+state dict itself; nothing in it is trusted ([Note: untrusted files] in
+safe_load.py). What is written: the model's tensors only, under the plain
 model's keys, as torch.save writes them (.pt) or as safetensors.
 
 Streaming: DCP's metadata gives every entry's shape and dtype, so the output's
@@ -24,6 +25,7 @@ import warnings
 
 import torch
 
+from . import safe_load
 from .checkpoint import latest_checkpoint
 from .errors import bad_value
 
@@ -55,7 +57,7 @@ def consolidate(in_dir, out_path, fmt=None, overwrite=False):
     if not os.path.isdir(os.path.dirname(os.path.abspath(out_path))):
         raise FileNotFoundError(f"flatshard: out_path={out_path!r}: its directory does not "
                                 "exist")
-    reader = _reader(ckpt)
+    reader = safe_load.reader(ckpt)  # reads .metadata once, not once per tensor
     entries = _model_entries(in_dir, reader.read_metadata())
     write = _write_safetensors if fmt == "safetensors" else _write_pt
     _write_atomically(out_path, lambda f: write(f, entries, reader))
@@ -87,15 +89,6 @@ def _checkpoint(in_dir):
                         "checkpoint)") from None
 
 
-def _reader(path):
-    """A DCP reader of `path` that reads .metadata once, not once per tensor."""
-    from torch.distributed.checkpoint import FileSystemReader  # importing costs a second
-    reader = FileSystemReader(path)
-    metadata = reader.read_metadata()
-    reader.read_metadata = lambda *args, **kwargs: metadata
-    return reader
-
-
 def _model_entries(in_dir, metadata):
     """{plain key: (DCP key, its TensorStorageMetadata)}, in the checkpoint's
     order: the entries under the top-level "model" key if there is one, else
@@ -118,14 +111,12 @@ def _model_entries(in_dir, metadata):
 
 def _load(reader, key, md):
     """One whole tensor, assembled by DCP from every shard that holds a part."""
-    import torch.distributed.checkpoint as dcp
     tensor = torch.empty(md.size, dtype=md.properties.dtype)
-    # The key is already flat: unflattening would compare it with every key of the
-    # checkpoint, once per tensor.
-    planner = dcp.DefaultLoadPlanner(flatten_state_dict=False)
     with warnings.catch_warnings():  # no_dist is the point: no process group here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({key: tensor}, storage_reader=reader, planner=planner, no_dist=True)
+        # The key is already flat: unflattening would compare it with every key of the
+        # checkpoint, once per tensor.
+        safe_load.dcp_load({key: tensor}, reader, flatten_state_dict=False, no_dist=True)
     return tensor
 
 

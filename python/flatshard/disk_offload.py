@@ -15,6 +15,9 @@ optimizer.state_dict() refers to the current generation by name and pins it
 a process killed at any point leaves the checkpoint's file intact, and
 load_state_dict() in a new process adopts it. Names carry a random token:
 a resumed run never reuses the name of a file an older checkpoint refers to.
+The name a state dict gives is adopted only if it is a generation file inside
+DiskOffload.path ([Note: untrusted files] in safe_load.py): an adopted file is
+read as the moments and deleted once released.
 An I/O error in the middle of a step raises OSError and leaves the
 parameters partly updated: resume from the checkpoint.
 
@@ -22,6 +25,7 @@ One directory per optimizer (per rank): a lock file refuses a second user.
 """
 import fcntl
 import os
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -29,8 +33,10 @@ import torch
 
 from . import _C
 from .errors import bad_type, bad_value, not_built
+from .safe_load import inside
 
 _F32 = 4
+_GENERATION = re.compile(r"gen-(\d+)-[0-9a-f]+\.bin")  # what step() names a generation
 
 
 @dataclass(frozen=True)
@@ -186,7 +192,10 @@ class DiskState:
                             f"use DiskOffload(chunk_bytes={ref['chunk_numel'] * 8})")
         name = ref["file"]
         if name is not None:
-            path = self._path(name)
+            path = inside(self.dir, name, "the state dict's disk_offload.file")
+            if _GENERATION.fullmatch(name) is None:
+                raise bad_value("load_state_dict", f"disk_offload.file={name!r}", "it is not "
+                                "the name of a generation file (gen-<seq>-<token>.bin)")
             if not os.path.exists(path):
                 raise bad_value("load_state_dict", path, "the state file the checkpoint refers "
                                 "to is not in DiskOffload.path", "point DiskOffload(path=...) "
@@ -194,7 +203,7 @@ class DiskState:
             if os.path.getsize(path) != self.total_bytes:
                 raise bad_value("load_state_dict", path, f"it has {os.path.getsize(path)} "
                                 f"bytes, the layout needs {self.total_bytes}")
-            self.seq = max(self.seq, int(name.split("-")[1]))
+            self.seq = max(self.seq, int(_GENERATION.fullmatch(name).group(1)))
         for old in {self.current, self.pinned} - {None, name}:
             os.unlink(self._path(old))
         self.current = self.pinned = name

@@ -3,7 +3,7 @@ value given, what is allowed and, where there is one, the fix."""
 from ._C import CoreError, StateError
 
 __all__ = ["ConfigError", "ConfigTypeError", "CoreError", "StateError", "NotBuiltError",
-           "StateDictError"]
+           "StateDictError", "UnsafeFileError"]
 
 
 class ConfigError(ValueError):
@@ -57,3 +57,11 @@ class StateDictError(RuntimeError):
     """A state dict or checkpoint does not match the model: names the first
     missing, unexpected or mismatching keys. A RuntimeError, as torch's
     load_state_dict raises."""
+
+
+class UnsafeFileError(ConfigError):
+    """A file flatshard reads (a checkpoint's metadata or one of its entries,
+    a LATEST file, a state dict's file name) holds what flatshard does not
+    load from a file someone else may have written: a pickled object other
+    than plain data, or a name that leads out of its directory. Names the
+    file or key and why; nothing in it was run or read."""
