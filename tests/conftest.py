@@ -1,7 +1,16 @@
 import os
 import sys
 
-import pytest
+# The tests' tolerances assume one intra-op thread (reductions split across
+# threads round differently), so they set it themselves rather than rely on
+# the caller's environment. Before torch is imported, so that OpenMP reads it;
+# the pool's ranks are spawned with this environment.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 # pytest's default "prepend" import mode already puts tests/ on sys.path; make
 # sure of it (e.g. under --import-mode=importlib), because the pool's worker

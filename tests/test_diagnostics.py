@@ -4,8 +4,11 @@ of step at run time (shm: at the first collective that differs; gloo: at
 the group's timeout), and docs/troubleshooting.md, whose every message is
 checked against the error a test triggers."""
 import datetime
+import multiprocessing
 import os
 import re
+import signal
+import socket
 import time
 
 import pytest
@@ -336,8 +339,51 @@ def test_a_dead_rank_is_named_on_the_torch_backend_too(dist_pool, tmp_path):
         dist_pool(2).run(_rank1_dies, str(report), "torch", timeout=60)
     took, msg = read_report(report)
     assert "rank 1: did not report" in msg and "it died" in msg, msg
+    assert re.search(r"rank 1 \(pid \d+\) died", msg), msg  # seen from this host
     assert "rank 0: all_gather" in msg or "rank 0: reduce_scatter" in msg, msg
     assert took < 6.0  # within the group's 5 s timeout at the latest
+
+
+def _rank0_dies_with_the_store(rank, port, report_path):
+    """A rank of a job whose store is a TCP store in rank 0's process (tcp://
+    and env:// rendezvous), on the torch backend: rank 0 is killed."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=20))
+    model = _wrapped("torch")
+    _steps(model, skip=None, steps=1)
+    dist.barrier()  # both ranks have finished the good step
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    msg, took = _steps(model, skip=None, steps=1)
+    write_report(report_path, took, msg)
+    os._exit(0)  # the process group cannot be torn down without its store
+
+
+def test_a_dead_rank_0_is_named_on_the_torch_backend_with_its_store(tmp_path):
+    with socket.socket() as s:  # a free port for rank 0's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = tmp_path / "rank1.txt"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank0_dies_with_the_store, args=(r, port, str(report)),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 120
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert procs[0].exitcode == -signal.SIGKILL, procs[0].exitcode
+    took, msg = read_report(report)
+    assert (f"rank 0 (pid {procs[0].pid}) died; it also hosted the process group's TCP store "
+            f"(127.0.0.1:{port})") in msg, msg
+    assert "rank 1's last collectives on this torch Comm" in msg, msg
+    assert took < 5.0
 
 
 def test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout(dist_pool):

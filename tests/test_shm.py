@@ -1,7 +1,10 @@
 """The shared-memory backend: its reduction kernels against float64, backend
 selection and its errors, and failure handling (a rank that never arrives,
-a rank that dies) with no segment left behind."""
+a rank that dies, a rank that dies or is interrupted during the set-up)
+with no segment left behind."""
+import datetime
 import os
+import signal
 import time
 
 import pytest
@@ -17,8 +20,28 @@ from flatshard.comm import dtype_code
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-def leftover_segments():
-    return [n for n in os.listdir("/dev/shm") if n.startswith("flatshard-")]
+# Ranks whose segments this module checks; other flatshard jobs on the same
+# machine have segments of their own, which are none of these tests' business.
+_PIDS = set()
+
+
+def _pid():
+    return os.getpid()
+
+
+def pool_pids(pool):
+    """Start the pool if it is down; -> its ranks' pids, remembered for the
+    module's last check."""
+    pids = pool.run(_pid)
+    _PIDS.update(pids)
+    return pids
+
+
+def leftover_segments(pids):
+    """Segments of these processes in /dev/shm (a segment's name carries the
+    pid of the rank that created it)."""
+    return [n for n in os.listdir("/dev/shm")
+            if any(n.startswith(f"flatshard-{pid}-") for pid in pids)]
 
 
 # ---------------------------------------------------------------------------
@@ -134,6 +157,7 @@ def _missing_rank(timeout_s):
 
 
 def test_a_rank_that_never_arrives_is_named_within_the_timeout(dist_pool):
+    pids = pool_pids(dist_pool(3))
     res = dist_pool(3).run(_missing_rank, 1.5)
     msg0, took0 = res[0]
     assert "rank 1" in msg0 and "has not arrived" in msg0 and "all_gather" in msg0, msg0
@@ -141,7 +165,7 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(dist_pool):
     # Rank 1, arriving late, learns the cause instead of waiting out its own timeout.
     msg1, took1 = res[1]
     assert "aborted" in msg1 and "rank 1" in msg1 and took1 < 1.5 + 1.0 + 2.0
-    assert not leftover_segments()
+    assert not leftover_segments(pids)
 
 
 def _dies(report_path):
@@ -160,13 +184,111 @@ def _dies(report_path):
 
 def test_a_dead_rank_is_named_by_the_others(dist_pool, tmp_path):
     report = tmp_path / "rank0.txt"
+    pids = pool_pids(dist_pool(2))
     with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
         dist_pool(2).run(_dies, str(report), timeout=60)
     took, msg = read_report(report)
     assert "rank 1 (pid" in msg and "died" in msg and "barrier" in msg, msg
     assert took < 5.0  # noticed by liveness checks, not by the 300 s timeout
-    assert not leftover_segments()
+    assert not leftover_segments(pids)
+
+
+# ---------------------------------------------------------------------------
+# failures during the set-up: [Note: shm set-up] in comm.py
+
+
+class _FailingCall:
+    """Stands in for a module comm.py uses (_C or dist): its attribute
+    `name` fails, before or after the real call, by `how`: 'kill' (SIGKILL,
+    no clean-up at all) or 'interrupt' (KeyboardInterrupt, as from Ctrl-C)."""
+
+    def __init__(self, module, name, after, how):
+        self._module, self._name, self._after, self._how = module, name, after, how
+
+    def __getattr__(self, attr):
+        real = getattr(self._module, attr)
+        if attr != self._name:
+            return real
+
+        def call(*args, **kwargs):
+            out = real(*args, **kwargs) if self._after else None
+            if self._how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise KeyboardInterrupt
+        return call
+
+
+# step -> (the rank that fails, the module attribute comm.py calls there,
+# whether it fails after that call)
+SETUP_STEPS = {
+    "rank0_after_create": (0, "_C", "Comm", True),
+    "rank1_after_name": (1, "dist", "broadcast", True),
+    "rank1_before_attach": (1, "_C", "Comm", False),
+    "rank1_after_attach": (1, "_C", "Comm", True),
+}
+GROUP_TIMEOUT_S = 3  # how long a rank waits for a peer that was interrupted and went on
+
+
+def _setup_fails(step, how, report_path):
+    rank, (who, module, name, after) = dist.get_rank(), SETUP_STEPS[step]
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    real = getattr(fcomm, module)
+    if rank == who:
+        setattr(fcomm, module, _FailingCall(real, name, after, how))
+    start = time.monotonic()
+    try:
+        fcomm.comm_for(group, "shm")
+        msg = "no error"
+    except KeyboardInterrupt:
+        msg = "interrupted"
+    except Exception as e:
+        msg = str(e)
+    finally:
+        setattr(fcomm, module, real)
+    if rank != who:
+        write_report(report_path, time.monotonic() - start, msg)
+    return msg
+
+
+@pytest.mark.parametrize("how", ["kill", "interrupt"])
+@pytest.mark.parametrize("step", list(SETUP_STEPS))
+def test_a_rank_lost_during_set_up_leaves_no_segment(dist_pool, tmp_path, step, how):
+    pool, who = dist_pool(2), SETUP_STEPS[step][0]
+    pids = pool_pids(pool)
+    before = set(leftover_segments(pids))  # an earlier test's leak is not this case's
+    report = tmp_path / "survivor.txt"
+    if how == "kill":
+        with pytest.raises(AssertionError, match=f"rank {who} died with exit code -9"):
+            pool.run(_setup_fails, step, how, str(report), timeout=60)
+    else:
+        assert pool.run(_setup_fails, step, how, str(report), timeout=60)[who] == "interrupted"
+    took, msg = read_report(report)  # the survivor got to the end of its set-up
+    assert msg != "no error" and took < GROUP_TIMEOUT_S + 5.0, msg
+    assert sorted(set(leftover_segments(pids)) - before) == []
+
+
+def _slot_bytes_on_rank1_only():
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    if dist.get_rank() == 1:
+        os.environ[fcomm.ENV_SLOT] = "junk"
+    try:
+        fcomm.comm_for(group, "shm")
+        return "no error"
+    except Exception as e:
+        return str(e)
+    finally:
+        os.environ.pop(fcomm.ENV_SLOT, None)
+
+
+def test_a_setting_bad_on_one_rank_fails_the_set_up_everywhere(dist_pool):
+    pool = dist_pool(2)
+    pids = pool_pids(pool)
+    before = set(leftover_segments(pids))
+    msg0, msg1 = pool.run(_slot_bytes_on_rank1_only, timeout=60)
+    assert sorted(set(leftover_segments(pids)) - before) == []
+    assert "could not set up the shm backend" in msg1 and "FLATSHARD_SHM_SLOT_BYTES" in msg1
+    assert "could not set up the shm backend (another rank failed)" in msg0
 
 
 def test_no_segment_left_in_dev_shm():
-    assert not leftover_segments()
+    assert _PIDS and not leftover_segments(_PIDS)

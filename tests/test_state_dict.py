@@ -119,7 +119,12 @@ def _summon_with_grads():
     before = {n: p.grad.clone() for n, p in fs.named_parameters()}
     with FSDP.summon_full_params(fs, with_grads=True, writeback=False):
         for n, p in fs.named_parameters():
-            torch.testing.assert_close(p.grad, want[_plain(n)], rtol=2e-6, atol=1e-7)
+            # Two half-batch means averaged vs one whole-batch mean differ by
+            # float32 rounding, relative to the gradient's scale (parity.py's rule).
+            want_n = want[_plain(n)]
+            scale = want_n.abs().max().item() if want_n.numel() else 0.0
+            atol = max(1e-7, 2e-6 * scale)
+            torch.testing.assert_close(p.grad, want_n, rtol=2e-6, atol=atol)
     for n, p in fs.named_parameters():  # the gradient pieces are back, unchanged
         assert torch.equal(p.grad, before[n]), n
     return True

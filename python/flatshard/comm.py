@@ -12,14 +12,16 @@ environment variable when the argument is not given):
   "torch"  the process group itself (gloo), through `_torch_collective`
   "nccl"   CUDA devices (device.py, cuda_nccl.py): flatshard's own NCCL
            communicator; "auto" picks it for units on a CUDA device
-Every shm wait gives up after FLATSHARD_COMM_TIMEOUT seconds (default 300)
-with an error naming the rank that did not arrive and where it is. Every
-collective is recorded in the Comm's ledger (Comm.ledger()); a failed one
-reports where each rank was (diagnostics.py).
+Every shm wait gives up after FLATSHARD_COMM_TIMEOUT seconds (default 300;
+the process group's own timeout where that is shorter) with an error naming
+the rank that did not arrive and where it is. Every collective is recorded
+in the Comm's ledger (Comm.ledger()); a failed one reports where each rank
+was (diagnostics.py).
 FLATSHARD_SHM_SLOT_BYTES sets each rank's staging slot in the segment
 (default 8 MiB; transfers larger than half of it go in chunks).
 """
 import atexit
+import math
 import os
 import socket
 import sys
@@ -38,6 +40,9 @@ ENV_BACKEND = "FLATSHARD_COMM_BACKEND"
 ENV_TIMEOUT = "FLATSHARD_COMM_TIMEOUT"
 ENV_SLOT = "FLATSHARD_SHM_SLOT_BYTES"
 DEFAULT_TIMEOUT_S = 300.0
+# Under a second, healthy ranks on a loaded host time out; past a week, a hang
+# is as good as unbounded (and float('inf') would fail every wait at once).
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 86400.0
 # Staging per rank in the shm segment: two halves, one chunk in flight each.
 DEFAULT_SLOT_BYTES = 8 << 20
 
@@ -154,10 +159,33 @@ def comm_timeout_s():
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise bad_value(ENV_TIMEOUT, raw, "expected a positive number of seconds")
+        value = math.nan
+    if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:  # also refuses nan
+        raise bad_value(ENV_TIMEOUT, raw, f"expected a number of seconds from {MIN_TIMEOUT_S:g} "
+                        f"to {MAX_TIMEOUT_S:g} (one week)")
     return value
+
+
+def group_timeout_s(group):
+    """The process group's own timeout (its backend's), or None where the
+    backend does not say."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
+def wait_timeout(group):
+    """-> (seconds, what set them): how long any wait flatshard starts for
+    `group` may last. FLATSHARD_COMM_TIMEOUT, capped by the group's own
+    timeout: a rank that gave up on the group (its collectives timed out)
+    must not leave its peers waiting on flatshard's longer one."""
+    mine, theirs = comm_timeout_s(), group_timeout_s(group)
+    if theirs is not None and theirs < mine:
+        return theirs, "the process group's timeout"
+    return mine, ENV_TIMEOUT
 
 
 def shm_slot_bytes():
@@ -180,6 +208,13 @@ def _host_identity():
     return f"{socket.gethostname()}|{boot}"
 
 
+def _pid_namespace():
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _all_gather_bytes(text, group, width=128):
     raw = text.encode()[:width].ljust(width, b"\0")
     mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -189,32 +224,48 @@ def _all_gather_bytes(text, group, width=128):
             for i in range(dist.get_world_size(group))]
 
 
-def _make_shm(group):
+def _shm_comm(name, rank, world, timeout_s, create=False):
+    """-> (Comm or None, error text): this rank's end of the segment."""
+    try:
+        return _C.Comm("shm", rank, world, name=name, create=create,
+                       slot_bytes=shm_slot_bytes(), timeout_s=timeout_s), ""
+    except Exception as e:  # e.g. a FLATSHARD_SHM_SLOT_BYTES that only this rank has wrong
+        return None, str(e)
+
+
+def _ok_everywhere(err, group):
+    ok = torch.tensor([0 if err else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return ok.item() == 1
+
+
+def _make_shm(group, timeout_s):
+    """[Note: shm set-up] Once every rank has mapped the segment its name
+    is gone (csrc/comm_shm.c: the last to map it removes it). Until then a
+    rank that dies, raises or is interrupted must not leave the name behind,
+    and a SIGKILL runs no clean-up of its own, so every rank learns the name
+    *before* rank 0 creates it, and every rank removes it (a no-op where it
+    is already gone) when it leaves the set-up, however it leaves: the ranks
+    that survive a dead peer fail in a collective (gloo's connection reset,
+    or its timeout) and remove it then."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     name_t = torch.zeros(64, dtype=torch.uint8)
-    comm, err = None, ""
     if rank == 0:
         name = f"/flatshard-{os.getpid()}-{uuid.uuid4().hex[:16]}"
-        try:
-            comm = _C.Comm("shm", 0, world, name=name, create=True, slot_bytes=shm_slot_bytes(),
-                           timeout_s=comm_timeout_s())
-            name_t[:len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
-        except (_C.CoreError, OSError) as e:
-            err = str(e)
-    ranks = dist.get_process_group_ranks(group)
-    dist.broadcast(name_t, src=ranks[0], group=group)
+        name_t[:len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+    dist.broadcast(name_t, src=dist.get_process_group_ranks(group)[0], group=group)
     name = bytes(name_t.tolist()).rstrip(b"\0").decode()
-    if rank != 0 and name:
-        try:
-            comm = _C.Comm("shm", rank, world, name=name, slot_bytes=shm_slot_bytes(),
-                           timeout_s=comm_timeout_s())
-        except (_C.CoreError, OSError) as e:
-            err = str(e)
-    ok = torch.tensor([0 if err or comm is None else 1], dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if ok.item() == 0:
-        if name:
-            _C.shm_unlink(name)  # nobody will map it now
+    comm, err = None, ""
+    try:
+        if rank == 0:
+            comm, err = _shm_comm(name, 0, world, timeout_s, create=True)
+        ok = _ok_everywhere(err, group)  # created: the others may attach
+        if ok and rank != 0:
+            comm, err = _shm_comm(name, rank, world, timeout_s)
+        ok = ok and _ok_everywhere(err, group)
+    finally:
+        _C.shm_unlink(name)
+    if not ok:
         raise RuntimeError(f"flatshard: rank {rank} could not set up the shm backend"
                            f"{': ' + err if err else ' (another rank failed)'}; "
                            f"set comm_backend='torch' to use the process group instead")
@@ -261,8 +312,13 @@ def comm_for(group, backend="torch", device=None):
     if hit is not None and hit[0] is group:
         return hit[1]
     chosen = backend
+    # Every rank's host and pid: for the choice, and for failure reports,
+    # which can then tell a dead rank on this host when the store is gone
+    # (a pid means something only in its pid namespace).
+    peers = [p.split("|", 2) for p in _all_gather_bytes(
+        f"{os.getpid()}|{_pid_namespace()}|{_host_identity()}", group, width=256)]
+    hosts = [host for _, _, host in peers]
     if backend in ("auto", "shm"):
-        hosts = _all_gather_bytes(_host_identity(), group)
         one_host = len(set(hosts)) == 1 and sys.platform.startswith("linux")
         if backend == "shm" and not one_host:
             raise bad_value("comm_backend", "shm", "the ranks of the group are not all on one "
@@ -272,12 +328,14 @@ def comm_for(group, backend="torch", device=None):
     if chosen == "nccl":
         raise bad_value("comm_backend", "nccl", "the NCCL backend moves CUDA memory; no CUDA "
                         "device was given", "use 'auto', 'shm' or 'torch' for CPU tensors")
+    timeout_s = wait_timeout(group)[0]
     if chosen == "shm":
-        comm = _make_shm(group)
+        comm = _make_shm(group, timeout_s)
     else:
         comm = _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group),
                        fn=_torch_collective(group))
-    diagnostics.install(comm, group, f"{group.group_name}/{backend}", comm_timeout_s())
+    diagnostics.install(comm, group, f"{group.group_name}/{backend}", timeout_s,
+                        [(f"{host}|{ns}", int(pid)) for pid, ns, host in peers])
     _COMMS[key] = (group, comm)
     return comm
 

@@ -16,8 +16,9 @@ ranks agree, so that it stays cheap on thousands of ranks:
   2. it compares its post with rank 0's, adds 1 to the round's "differ"
      counter if they differ and 1 to its "arrived" counter; the last rank to
      arrive marks the round done. A rank whose validation failed re-raises;
-  3. the others wait for "done" (up to FLATSHARD_COMM_TIMEOUT, then the
-     error names the ranks that never posted). Nobody differs: done;
+  3. the others wait for "done" (up to FLATSHARD_COMM_TIMEOUT or the group's
+     own timeout, whichever is shorter, then the error names the ranks that
+     never posted). Nobody differs: done;
   4. else every rank reads every post: an error posted by a rank is raised
      everywhere naming it; otherwise every rank posts its full description
      and all raise the same error, naming the ranks and the first line that
@@ -30,7 +31,7 @@ from itertools import zip_longest
 
 import torch.distributed as dist
 
-from .comm import ENV_TIMEOUT, comm_timeout_s
+from .comm import wait_timeout
 from .errors import ConfigError
 
 _ROUNDS = {}  # group name -> constructions so far on this rank
@@ -54,6 +55,7 @@ def agree(group, plan):
     n = _ROUNDS.get(group.group_name, 0)
     _ROUNDS[group.group_name] = n + 1
     store, prefix = _store(group), f"flatshard/wrap/{n}/"
+    timeout = wait_timeout(group)
     failed = None
     try:
         result, lines = plan()
@@ -62,14 +64,14 @@ def agree(group, plan):
         failed, post = e, f"E{type(e).__name__}: {e}"
     store.set(f"{prefix}{rank}", post)
     if rank != 0:
-        _wait(store, prefix, [0], world, rank, "reach the wrap of this model")
+        _wait(store, prefix, [0], world, rank, "reach the wrap of this model", timeout)
     differ = post.startswith("E") or post != store.get(f"{prefix}0").decode()
     store.add(f"{prefix}differ", int(differ))
     if store.add(f"{prefix}arrived", 1) == world:
         store.set(f"{prefix}done", "1")
     if failed is not None:
         raise failed
-    _wait(store, prefix, ["done"], world, rank, "reach the wrap of this model")
+    _wait(store, prefix, ["done"], world, rank, "reach the wrap of this model", timeout)
     if store.add(f"{prefix}differ", 0) == 0:
         return result
     posts = [store.get(f"{prefix}{r}").decode() for r in range(world)]
@@ -78,22 +80,28 @@ def agree(group, plan):
             raise ConfigError(f"flatshard: rank {r} failed to wrap this model, so no rank can: "
                               f"{p[1:]}")
     store.set(f"{prefix}desc/{rank}", "\n".join(lines))
-    _wait(store, f"{prefix}desc/", range(world), world, rank, "describe its model")
+    _wait(store, f"{prefix}desc/", range(world), world, rank, "describe its model", timeout)
     texts = [store.get(f"{prefix}desc/{r}").decode().split("\n") for r in range(world)]
     raise ConfigError(_difference(posts, texts))
 
 
-def _wait(store, prefix, keys, world, rank, what):
+def _wait(store, prefix, keys, world, rank, what, timeout):
     """Wait for prefix+key for each key; on the timeout, name the ranks whose
-    own post (prefix+rank) is missing."""
-    timeout = comm_timeout_s()
+    own post (prefix+rank) is missing. timeout: (seconds, what set them)."""
+    seconds, source = timeout
     try:
-        store.wait([f"{prefix}{k}" for k in keys], datetime.timedelta(seconds=timeout))
-    except Exception:  # the store's timeout error type varies with the store
+        store.wait([f"{prefix}{k}" for k in keys], datetime.timedelta(seconds=seconds))
+    except Exception as e:  # the store's timeout error type varies with the store
         missing = [r for r in range(world) if not store.check([f"{prefix}{r}"])]
+        if not missing:  # every rank posted: the wait failed for a reason of its own
+            raise ConfigError(
+                f"flatshard: rank {rank} could not wait for the other ranks to {what}, "
+                f"although every rank posted its description ({type(e).__name__}: {e}); "
+                "a rank that failed or is stuck in this agreement shows this way (see its own "
+                "error)") from e
         raise ConfigError(
-            f"flatshard: {_ranks(missing)} did not {what} within {timeout:g} s "
-            f"({ENV_TIMEOUT}) while rank {rank} did: every rank must construct the same FSDP "
+            f"flatshard: {_ranks(missing)} did not {what} within {seconds:g} s "
+            f"({source}) while rank {rank} did: every rank must construct the same FSDP "
             "models in the same order; a rank that failed or is stuck before this point "
             "shows this way too (see its own error)") from None
 

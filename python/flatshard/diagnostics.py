@@ -10,31 +10,72 @@ much later finds the earlier ones' ledgers already posted), and adds a
 note saying where each rank is and the first collective at which they
 differ, e.g. that rank 1 is in all_gather #41 for 'blocks.3' while rank 0
 is in all_gather #41 for 'blocks.2'. The store is separate from the
-collectives, so it still works when they do not.
+collectives, so it still works when they do not, unless the rank that
+hosts it died (a TCP store lives in global rank 0's process): the note
+then says so. Either way it names each rank on this host that died, and
+its pid, as the shm backend does in its own message.
 """
 import json
+import os
 import time
 
 GRACE_S = 0.5  # how long a failing rank waits for the other ranks' ledgers, at most
 SHOWN = 3      # entries shown per rank
 
 
-def install(comm, group, label, timeout_s):
+def install(comm, group, label, timeout_s, peers=None):
     """Report through `group`'s store under `label` (the same on every rank);
-    timeout_s: the collectives' own timeout, which bounds the grace too."""
-    comm.on_failure = _Reporter(group, label, min(GRACE_S, timeout_s))
+    timeout_s: the collectives' own timeout, which bounds the grace too;
+    peers: each rank's (host, pid), by rank in the group, or None."""
+    comm.on_failure = _Reporter(group, label, min(GRACE_S, timeout_s), peers)
+
+
+def _alive(pid):
+    """A process that exists and is not a zombie (ranks are often siblings,
+    so a dead one lingers as a zombie until their parent reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def _store_host(group):
+    """-> (rank in `group`, "address:port") of the process hosting the
+    group's TCP store, or None (another kind of store, hosted by no rank, or
+    by a rank outside the group). torch's tcp:// and env:// rendezvous start
+    the store in global rank 0; under torchrun the agent hosts it instead."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    store = c10d._get_process_group_store(group)
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore) or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    if 0 not in dist.get_process_group_ranks(group):
+        return None
+    return dist.get_group_rank(group, 0), f"{store.host}:{store.port}"
 
 
 class _Reporter:
-    def __init__(self, group, label, grace):
+    def __init__(self, group, label, grace, peers):
         self.group, self.label, self.grace = group, label, grace
+        self.peers = peers
         self.note = None  # the comparison is made once: later failures are its echoes
 
     def __call__(self, comm, exc):
         if self.note is None:
             try:
-                self.note = self._compare(comm)
-            except Exception as e:  # the store is gone too: say so, keep the real error
+                self.note = self._note(comm)
+            except Exception as e:  # keep the real error whatever happens here
                 self.note = f"flatshard: could not compare ledgers across ranks: {e}"
         exc.add_note(self.note)
 
@@ -44,6 +85,44 @@ class _Reporter:
         from torch.distributed import distributed_c10d as c10d
         store = c10d._get_process_group_store(self.group)
         store.set(f"flatshard/stopped/{self.label}/{comm.rank}", why)
+
+    def _dead(self, comm, wait_s, watch=None):
+        """{rank: pid} of the ranks on this host whose process has ended.
+        Waits up to wait_s for a death (of rank `watch`, if given) to show:
+        a peer's sockets close, which is what failed the collective, a
+        moment before its process is gone."""
+        if not self.peers:
+            return {}
+        here = self.peers[comm.rank][0]
+        ours = {r: pid for r, (host, pid) in enumerate(self.peers)
+                if host == here and r != comm.rank}
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = {r: pid for r, pid in ours.items() if not _alive(pid)}
+            if (watch in dead if watch is not None else dead) or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
+
+    def _note(self, comm):
+        host = _store_host(self.group)
+        holder = host[0] if host is not None and host[0] != comm.rank else None
+        dead = self._dead(comm, 0.0)
+        if holder not in dead:  # (a dead store fails slowly or noisily: not asked then)
+            try:
+                return "\n".join([self._compare(comm)] + _deaths(self._dead(comm, 0.0)))
+            except Exception as e:
+                failed = f"flatshard: could not compare ledgers across ranks: {e}"
+                if holder is None:
+                    return "\n".join([failed] + _deaths(self._dead(comm, self.grace)))
+                dead = self._dead(comm, self.grace, watch=holder)
+                if holder not in dead:  # on another host: its death cannot be seen from here
+                    return "\n".join([failed, f"  rank {holder} hosts the process group's TCP "
+                                      f"store ({host[1]}), so that rank, or its host, most "
+                                      "likely died"] + _deaths(dead))
+        pid = dead.pop(holder)
+        return "\n".join([f"flatshard: rank {holder} (pid {pid}) died; it also hosted the process "
+                          f"group's TCP store ({host[1]}), so the ranks' ledgers cannot be "
+                          "compared"] + _deaths(dead))
 
     def _compare(self, comm):
         from torch.distributed import distributed_c10d as c10d
@@ -59,6 +138,10 @@ class _Reporter:
         causes = [f"  rank {r} stopped: {store.get(k).decode()}" for r, k in enumerate(stopped)
                   if r != comm.rank and store.check([k])]
         return "\n".join([report(ledgers, comm.world_size, self.grace)] + causes)
+
+
+def _deaths(dead):
+    return [f"  rank {r} (pid {pid}) died" for r, pid in sorted(dead.items())]
 
 
 def _fmt(e):
