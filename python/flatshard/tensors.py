@@ -12,14 +12,15 @@ import torch
 import torch.nn as nn
 
 from .comm import DTYPE_CODES
-from .errors import NotBuiltError
+from .errors import ConfigTypeError, NotBuiltError
 
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 
 
 def check_plain(t, what, api):
-    """Raise NotBuiltError unless `t` is a plain strided tensor of a dtype the
-    C core knows, on the CPU, a CUDA device or the meta device (shapes only).
+    """Raise NotBuiltError unless `t` is a plain strided tensor on the CPU, a
+    CUDA device or the meta device (shapes only), and ConfigTypeError unless
+    its dtype is one the C core knows.
 
     what: how the user names it ("parameter 'layers.0.weight'");
     api: the entry point refusing it ("fully_shard")."""
@@ -34,8 +35,8 @@ def check_plain(t, what, api):
     if t.layout is not torch.strided:
         raise NotBuiltError(f"flatshard: {api}: {what} has layout {t.layout}; only "
                             f"torch.strided (dense) tensors are supported")
-    if t.dtype not in DTYPE_CODES:
-        raise NotBuiltError(f"flatshard: {api}: {what} has dtype {t.dtype}; supported: "
+    if t.dtype not in DTYPE_CODES:  # a TypeError too, as the C core's dtype table raises
+        raise ConfigTypeError(f"flatshard: {api}: {what} has dtype {t.dtype}; supported: "
                             f"{', '.join(str(d) for d in DTYPE_CODES)}")
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise NotBuiltError(f"flatshard: {api}: {what} is on {t.device}; supported: "
