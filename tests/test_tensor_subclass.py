@@ -110,3 +110,34 @@ def test_core_refuses_null_data_pointers(call, args):
 def test_zero_length_null_pointers_stay_legal():
     _C.cast(0, _C.F32, 0, _C.F32, 0)
     _C.gather_pieces(0, _C.F32, 0, [])
+
+
+def _comm_calls(backend):
+    """Each collective of flatshard.comm handed a subclass tensor: the error
+    message of each, by call."""
+    from flatshard import comm
+    c = comm.comm_for(dist.group.WORLD, backend)
+    sub = TwoTensor(torch.ones(4), torch.ones(4))
+    plain = torch.zeros(8)
+    calls = {
+        "broadcast_": lambda: comm.broadcast_(c, sub),
+        "all_reduce_": lambda: comm.all_reduce_(c, sub),
+        "all_gather_into": lambda: comm.all_gather_into(c, plain, sub),
+        "reduce_scatter_into": lambda: comm.reduce_scatter_into(c, sub, plain),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except NotBuiltError as e:
+            out[name] = str(e)
+    comm.all_reduce_(c, plain)  # the Comm is still in step on every rank
+    return out
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_collectives_refuse_subclass_tensors(dist_pool, backend):
+    for out in dist_pool(2).run(_comm_calls, backend, timeout=TIMEOUT):
+        for name, msg in out.items():
+            assert msg is not None and "subclass" in msg and "TwoTensor" in msg, (name, msg)

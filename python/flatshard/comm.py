@@ -34,6 +34,7 @@ from torch.utils.dlpack import from_dlpack
 
 from . import _C, diagnostics
 from .errors import bad_type, bad_value
+from .tensors import DTYPE_CODES, check_plain, dtype_code  # noqa: F401 (re-exported)
 
 BACKENDS = ("auto", "shm", "torch", "nccl")
 ENV_BACKEND = "FLATSHARD_COMM_BACKEND"
@@ -45,20 +46,6 @@ DEFAULT_TIMEOUT_S = 300.0
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 86400.0
 # Staging per rank in the shm segment: two halves, one chunk in flight each.
 DEFAULT_SLOT_BYTES = 8 << 20
-
-DTYPE_CODES = {
-    torch.float32: _C.F32, torch.float16: _C.F16, torch.bfloat16: _C.BF16,
-    torch.float64: _C.F64, torch.uint8: _C.U8, torch.int32: _C.I32, torch.int64: _C.I64,
-}
-
-
-def dtype_code(dtype):
-    try:
-        return DTYPE_CODES[dtype]
-    except KeyError:
-        raise TypeError(f"flatshard: dtype {dtype} is not supported by the C core; "
-                        f"supported: {', '.join(str(d) for d in DTYPE_CODES)}") from None
-
 
 def _flat_all_gather():
     # torch 2.13 renamed the flat collectives (*_single); 2.11 has the old names.
@@ -341,6 +328,7 @@ def comm_for(group, backend="torch", device=None):
 
 
 def _flat(t, arg, comm):
+    check_plain(t, arg, "flatshard.comm")
     if not t.is_contiguous():
         raise ValueError(f"flatshard: {arg} must be contiguous")
     if (t.device.type == "cuda") != (comm.device == "cuda"):
@@ -354,6 +342,7 @@ def _flat(t, arg, comm):
 
 def broadcast_(comm, tensor, root=0, tag=""):
     """Broadcast a contiguous tensor of any dtype in place, as raw bytes."""
+    check_plain(tensor, "tensor", "flatshard.comm.broadcast_")
     flat = tensor.detach().contiguous().view(-1)
     raw = flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
     _flat(raw, "tensor", comm)

@@ -11,10 +11,24 @@ that names the tensor, instead of letting C crash the process.
 import torch
 import torch.nn as nn
 
-from .comm import DTYPE_CODES
+from . import _C
 from .errors import ConfigTypeError, NotBuiltError
 
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+# The one table of dtypes the C core moves and computes on (csrc/fs_dtype.h).
+DTYPE_CODES = {
+    torch.float32: _C.F32, torch.float16: _C.F16, torch.bfloat16: _C.BF16,
+    torch.float64: _C.F64, torch.uint8: _C.U8, torch.int32: _C.I32, torch.int64: _C.I64,
+}
+
+
+def dtype_code(dtype):
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise TypeError(f"flatshard: dtype {dtype} is not supported by the C core; "
+                        f"supported: {', '.join(str(d) for d in DTYPE_CODES)}") from None
 
 
 def check_plain(t, what, api):
@@ -37,13 +51,8 @@ def check_plain(t, what, api):
                             f"torch.strided (dense) tensors are supported")
     if t.dtype not in DTYPE_CODES:  # a TypeError too, as the C core's dtype table raises
         raise ConfigTypeError(f"flatshard: {api}: {what} has dtype {t.dtype}; supported: "
-                            f"{', '.join(str(d) for d in DTYPE_CODES)}")
+                              f"{', '.join(str(d) for d in DTYPE_CODES)}")
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise NotBuiltError(f"flatshard: {api}: {what} is on {t.device}; supported: "
                             f"cpu, cuda")
 
-
-def check_all_plain(named_tensors, api, kind="parameter"):
-    """check_plain for each (name, tensor)."""
-    for name, t in named_tensors:
-        check_plain(t, f"{kind} {name!r}", api)
