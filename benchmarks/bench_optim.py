@@ -1,20 +1,31 @@
-"""AdamW step over 2^26 fp32 parameters: flatshard's fused C step vs torch's
-AdamW (foreach=True and fused=True), against a measured memory-copy ceiling.
+"""AdamW step over 2^20, 2^24 and 2^26 fp32 parameters: flatshard's fused C
+step vs torch's AdamW (foreach=True and fused=True) and, when DeepSpeed is
+installed, DeepSpeedCPUAdam (adamw_mode=True), against a measured
+memory-copy ceiling.
 
-    python3 benchmarks/bench_optim.py [--log2 26] [--threads 2] [--reps 5]
+    python3 benchmarks/bench_optim.py [--log2 20 24 26] [--threads 2] [--reps 5]
 
-A pure fp32 AdamW step reads param, grad, exp_avg, exp_avg_sq and writes
-param, exp_avg, exp_avg_sq: 28 bytes per parameter, so its speed limit is the
-machine's memory bandwidth. The ceiling is the faster of two streaming loops
-on buffers of the same size, counted as bytes read + written: `dst.copy_(src)`
-(whose stores also read dst first, uncounted, as every store to memory not
-already in cache does) and `a.add_(b)` (reads a and b, writes a: every byte
-moved is counted, as in the optimizer step). Also timed: the step that also
-writes a bf16 copy of the updated parameters (the offload / mixed-precision
-case; 30 bytes per parameter): flatshard in one pass vs torch's fused step
-followed by a separate `copy_`.
+Hyperparameters as in LLM pre-training: lr 1e-3, betas (0.9, 0.95), eps
+1e-8, weight decay 0.1. A pure fp32 AdamW step reads param, grad, exp_avg,
+exp_avg_sq and writes param, exp_avg, exp_avg_sq: 28 bytes per parameter, so
+its speed limit is the machine's memory bandwidth. The ceiling is the faster
+of two streaming loops on buffers of the same size, counted as bytes read +
+written: `dst.copy_(src)` (whose stores also read dst first, uncounted, as
+every store to memory not already in cache does) and `a.add_(b)` (reads a
+and b, writes a: every byte moved is counted, as in the optimizer step).
+Also timed: the step that also writes a bf16 copy of the updated parameters
+(the offload / mixed-precision case; 30 bytes per parameter): flatshard in
+one pass vs torch's fused step followed by a separate `copy_`.
+
+flatshard chooses its loop variant by timing candidates on the first step of
+each size class and, for large classes, its thread split on the next few
+whole steps (all warm-up here, reported apart); the choices and their timings
+are printed after the tables. DeepSpeed is optional and never required: its CPU
+Adam op is built on first use (DS_ACCELERATOR=cpu, a C++ compiler).
 """
 import argparse
+import os
+import platform
 import shlex
 import statistics
 import sys
@@ -23,6 +34,8 @@ import time
 import torch
 
 import flatshard.optim as fo
+
+HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def median_time(fn, reps):
@@ -35,38 +48,58 @@ def median_time(fn, reps):
     return statistics.median(times)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--log2", type=int, default=26)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    n = 1 << args.log2
-    print("command: python3 " + " ".join(shlex.quote(a) for a in sys.argv))
-    print(f"torch {torch.__version__}, {n:,} fp32 parameters, {args.threads} threads, "
-          f"median of {args.reps} interleaved rounds")
+def cpu_model():
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    flags = set(fields.get("flags", "").split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')}, {isa}, {os.cpu_count()} logical CPUs)")
+
+
+def deepspeed_adam():
+    """DeepSpeedCPUAdam, or None with the reason when it cannot be used here."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as e:  # not installed, or its op does not build here
+        return None, f"{type(e).__name__}: {e}".splitlines()[0]
+    return DeepSpeedCPUAdam, None
+
+
+def bench_size(log2, args, ds_adam):
+    n = 1 << log2
     src, dst = torch.randn(n), torch.empty(n)
     copy_bw = 2 * 4 * n / median_time(lambda: dst.copy_(src), args.reps)
     add_bw = 3 * 4 * n / median_time(lambda: dst.add_(src), args.reps)
     ceiling = max(copy_bw, add_bw)
     del src, dst
-    print(f"ceiling: {ceiling / 1e9:.2f} GB/s read + write (copy_ {copy_bw / 1e9:.2f}, "
-          f"add_ {add_bw / 1e9:.2f})")
+    print(f"\n2^{log2} = {n:,} fp32 parameters; ceiling {ceiling / 1e9:.2f} GB/s read + write "
+          f"(copy_ {copy_bw / 1e9:.2f}, add_ {add_bw / 1e9:.2f})")
 
     # Every contender gets its own parameter and state, all built first and
     # then timed in interleaved rounds, so that allocation order and machine
     # noise fall on all of them alike.
     grad = torch.randn(n)
-    low = torch.empty(n, dtype=torch.bfloat16)
+    low = torch.zeros(n, dtype=torch.bfloat16)
+    names = ["torch foreach", "torch fused", "flatshard"] + \
+        (["DeepSpeedCPUAdam"] if ds_adam else []) + ["torch fused + copy_ bf16"]
     steps = {}
-    for name in ("torch foreach", "torch fused", "flatshard", "torch fused + copy_ bf16"):
+    for name in names:
         p = torch.randn(n)
         p.grad = grad
         if name == "flatshard":
-            opt = fo.AdamW([p], lr=1e-3, threads=args.threads)
+            opt = fo.AdamW([p], **HP, threads=args.threads)
+        elif name == "DeepSpeedCPUAdam":
+            opt = ds_adam([p], **HP, adamw_mode=True)
         else:
-            opt = torch.optim.AdamW([p], lr=1e-3, foreach=name == "torch foreach",
+            opt = torch.optim.AdamW([p], **HP, foreach=name == "torch foreach",
                                     fused=name != "torch foreach")
         if "copy_" in name:
             steps[name] = (lambda o, q: lambda: (o.step(), low.copy_(q)))(opt, p)
@@ -77,12 +110,26 @@ def main():
 
     def fused_with_copy():
         st["step"] += 1
-        fo.adamw_step_(p, grad, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=1e-3,
+        fo.adamw_step_(p, grad, st["exp_avg"], st["exp_avg_sq"], st["step"], **HP,
                        out_copy=low, threads=args.threads)
     steps["flatshard + bf16 copy"] = fused_with_copy
     times = {name: [] for name in steps}
     for fn in steps.values():
-        fn()  # warm-up: first touch of the state
+        fn()  # warm-up: first touch of the state; flatshard's calibration step
+    # flatshard tries its thread splits on the next whole steps of a large
+    # class (csrc/optim_tune.c, [Note: tuning]): warm-up too, in the same
+    # interleaved order as the timed rounds, so that the trials meet what
+    # the timed steps meet (e.g. torch's OpenMP threads still spinning).
+    def tuned(copy):
+        return any(r["kind"] == "adam" and r["copy"] == copy and r["size_log2"] == log2
+                   for r in fo.tune_report())
+    rounds = 1
+    while rounds < 40 and not (tuned("none") and tuned("bfloat16")):
+        for fn in steps.values():
+            fn()
+        rounds += 1
+    print(f"warm-up: {rounds} interleaved rounds (flatshard's calibrating step, then its "
+          f"thread-split trials)")
     for _ in range(args.reps):
         for name, fn in steps.items():
             t = time.perf_counter()
@@ -90,15 +137,37 @@ def main():
             times[name].append(time.perf_counter() - t)
     rows = {name: statistics.median(ts) for name, ts in times.items()}
 
-    print(f"\n{'step':>26} {'ms':>9} {'GB/s':>7} {'/ceiling':>9}")
+    print(f"{'step':>26} {'ms':>9} {'min ms':>9} {'GB/s':>7} {'/ceiling':>9}")
     for name, t in rows.items():
         moved = (30 if "copy" in name else 28) * n
-        print(f"{name:>26} {t * 1e3:9.1f} {moved / t / 1e9:7.2f} {moved / t / ceiling:9.2f}")
+        print(f"{name:>26} {t * 1e3:9.2f} {min(times[name]) * 1e3:9.2f} "
+              f"{moved / t / 1e9:7.2f} {moved / t / ceiling:9.2f}")
     f = rows["flatshard"]
-    print(f"\nflatshard vs torch fused: {rows['torch fused'] / f:.2f}x faster; "
-          f"vs torch foreach: {rows['torch foreach'] / f:.2f}x faster")
-    print(f"flatshard + bf16 copy vs torch fused + copy_: "
-          f"{rows['torch fused + copy_ bf16'] / rows['flatshard + bf16 copy']:.2f}x faster")
+    print(f"flatshard vs torch fused: {rows['torch fused'] / f:.2f}x faster; "
+          f"vs torch foreach: {rows['torch foreach'] / f:.2f}x"
+          + (f"; vs DeepSpeedCPUAdam: {rows['DeepSpeedCPUAdam'] / f:.2f}x" if ds_adam else ""))
+    print(f"flatshard + bf16 copy: {rows['flatshard + bf16 copy'] / f:.2f}x flatshard's plain "
+          f"step; {rows['torch fused + copy_ bf16'] / rows['flatshard + bf16 copy']:.2f}x "
+          f"faster than torch fused + copy_")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log2", type=int, nargs="+", default=[20, 24, 26])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print("command: python3 " + " ".join(shlex.quote(a) for a in sys.argv))
+    print(f"CPU: {cpu_model()}")
+    ds_adam, why = deepspeed_adam()
+    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.reps} "
+          f"interleaved rounds; DeepSpeedCPUAdam: "
+          + ("timed" if ds_adam else f"not timed ({why})"))
+    for log2 in args.log2:
+        bench_size(log2, args, ds_adam)
+    print("\nflatshard's loop variants, as measured on each class's first step:")
+    print("\n".join(fo.describe_tuning()))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,22 @@
  * after many steps). Optionally the same pass writes a bf16/fp16 copy of the
  * updated parameters (the low-precision weights of mixed precision/offload).
  *
- * SIMD level is chosen at run time (reduce.h's fs_simd); the scalar path is
- * the reference. Large buffers are split over `threads` POSIX threads; the
- * caller releases the GIL. Indices are 64-bit.
+ * How fast a memory-bound loop runs depends on the machine more than on the
+ * code: the vector width, unrolling, software prefetch distance, streaming
+ * (non-temporal) stores of the copy, the number of threads and how they
+ * split the buffers each win on one CPU and lose on another. Each of those
+ * is a field of fs_optim_variant; optim_cpu.c runs any variant and
+ * optim_tune.c picks one per process and size class by timing the
+ * candidates on the first step of that class ([Note: tuning] there).
+ * Every variant gives the scalar reference's bits: same operations in the
+ * same order, no FMA, and each element is updated by exactly one of them.
+ *
+ * Indices are 64-bit. The caller releases the GIL.
  */
 #ifndef FS_OPTIM_H
 #define FS_OPTIM_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include "fs_dtype.h"
 #include "fs_status.h"
@@ -37,9 +46,6 @@ typedef struct {
     int64_t n;
 } fs_adam_buffers;
 
-fs_status fs_adam_step(const fs_adam_buffers *b, const fs_adam_hparams *h, fs_simd simd,
-                       int threads);
-
 typedef struct {
     float lr, momentum, dampening, weight_decay;
     int nesterov, maximize;
@@ -47,14 +53,94 @@ typedef struct {
 } fs_sgd_hparams;
 
 typedef struct {
-    float *param;
-    const float *grad;
-    float *momentum_buf; /* NULL when momentum == 0 */
-    void *copy;
+    float *param;        /* (n) updated in place */
+    const float *grad;   /* (n) */
+    float *momentum_buf; /* (n) NULL when momentum == 0 */
+    void *copy;          /* (n) as fs_adam_buffers' */
     fs_dtype copy_dtype;
     int64_t n;
 } fs_sgd_buffers;
 
+typedef enum { FS_OPTIM_ADAM = 0, FS_OPTIM_SGD = 1 } fs_optim_kind;
+
+/* One step of either optimizer: the unit that variants run and tuning times. */
+typedef struct {
+    fs_optim_kind kind;
+    fs_adam_buffers adam; /* kind == FS_OPTIM_ADAM */
+    fs_adam_hparams adam_h;
+    fs_sgd_buffers sgd;   /* kind == FS_OPTIM_SGD */
+    fs_sgd_hparams sgd_h;
+} fs_optim_job;
+
+/* One way to run the loop. Name form (fs_optim_variant_name/_parse):
+ * "avx512.u2.pf1024.nt.t2.c0" = simd.u<unroll>.pf<prefetch_bytes>.<st|nt>.<t|omp><threads>
+ * .c<chunk_numel>. */
+typedef struct {
+    fs_simd simd;        /* instruction set; capped at what the CPU has */
+    int unroll;          /* vectors per loop iteration: 1, 2 or 4 */
+    int prefetch_bytes;  /* software prefetch distance per stream; 0: hardware prefetch only */
+    int stream_copy;     /* 1: non-temporal stores for the write-only low-precision copy */
+    int threads;         /* threads that share the step (>= 1) */
+    int omp;             /* 1: those threads are the process's OpenMP team (torch's
+                          * intra-op threads, already started), when the process has
+                          * an OpenMP runtime; 0: threads started for the step */
+    int64_t chunk_numel; /* 0: one contiguous slice per thread; else chunks of this many
+                          * elements (a multiple of 16) claimed by whichever thread is free */
+} fs_optim_variant;
+
+#define FS_OPTIM_VARIANT_NAME_MAX 64
+
+/* ---------------------------------------------------------------------------
+ * optim_cpu.c: run a given variant */
+
+/* Elements [lo, hi) of the job's update with variant v. 0 <= lo <= hi <= n. */
+fs_status fs_optim_run(const fs_optim_job *job, int64_t lo, int64_t hi, const fs_optim_variant *v);
+/* Checks the job's buffers and hparams (n >= 0, step >= 1, copy dtype). */
+fs_status fs_optim_check(const fs_optim_job *job);
+/* The variant used before (or without) tuning: the widest SIMD, no prefetch,
+ * regular stores, `threads` contiguous slices on threads started for it. */
+fs_optim_variant fs_optim_default_variant(fs_simd simd, int threads);
+/* 1 when this process has an OpenMP runtime that omp variants can use. */
+int fs_optim_have_omp(void);
+/* "name" -> variant; FS_ERR_INVALID_ARG for a malformed name or field. */
+fs_status fs_optim_variant_parse(const char *name, fs_optim_variant *out);
+void fs_optim_variant_name(const fs_optim_variant *v, char out[FS_OPTIM_VARIANT_NAME_MAX]);
+
+/* ---------------------------------------------------------------------------
+ * optim_tune.c: the tuned steps (what the optimizers call) and their record */
+
+/* One step with the variant chosen for this size class, calibrating it on
+ * this step if the class is new. simd caps the instruction set (fs_simd_best()
+ * for no cap); threads caps the thread count. */
+fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads);
+fs_status fs_adam_step(const fs_adam_buffers *b, const fs_adam_hparams *h, fs_simd simd,
+                       int threads);
 fs_status fs_sgd_step(const fs_sgd_buffers *b, const fs_sgd_hparams *h, fs_simd simd, int threads);
+
+/* What calibration decided, for diagnostics: one record per size class. */
+#define FS_TUNE_MAX_CANDIDATES 32
+typedef struct {
+    fs_optim_kind kind;
+    int size_log2;     /* the class: steps of 2^size_log2 .. 2^(size_log2+1)-1 elements */
+    int copy_dtype;    /* -1: no copy; else the fs_dtype of the copy */
+    int amsgrad;
+    int threads_max;
+    fs_simd simd_max;
+    int64_t tuned_numel; /* n of the step that calibrated the class */
+    int in_place;        /* 1: timed on slices of that step; 0: on scratch copies of it */
+    int tuned;           /* 0: calibration could not run (no memory); the default is used */
+    fs_optim_variant chosen;
+    int ncandidates;
+    struct {
+        int stage;                /* 0 simd/unroll, 1 prefetch, 2 copy stores, 3 threads */
+        fs_optim_variant variant;
+        double ns_per_elem;       /* best of the rounds */
+    } candidates[FS_TUNE_MAX_CANDIDATES];
+} fs_tune_record;
+
+/* Copies up to `cap` records into out; returns how many classes are tuned. */
+int fs_tune_records(fs_tune_record *out, int cap);
+/* Forgets every choice: the next step of each class calibrates again. */
+void fs_tune_reset(void);
 
 #endif

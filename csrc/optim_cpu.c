@@ -1,30 +1,30 @@
-/* optim_cpu.c - see optim.h. Scalar reference, AVX2 and AVX-512 kernels,
- * thread split. */
+/* optim_cpu.c - see optim.h. The kernels (scalar reference, AVX2, AVX-512)
+ * of Adam/AdamW and SGD, each runnable in every variant of fs_optim_variant,
+ * and the thread split. Which variant runs is decided in optim_tune.c, not
+ * here. */
+#define _GNU_SOURCE /* RTLD_DEFAULT */
 #include "optim.h"
 
+#include <dlfcn.h>
 #include <math.h>
 #include <pthread.h>
-#include <stdlib.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define FS_X86 1
 #endif
 
-/* Below this many elements per thread, more threads cost more than they save. */
-#define FS_MIN_PER_THREAD (1 << 16)
-
-/* The SIMD loops read four or five streams at once, more than a core's
- * hardware prefetchers keep ahead of: each loop asks for the lines this many
- * elements (4 KiB) ahead itself. On a 2-core Xeon it took the AdamW step over
- * 2^26 parameters from about 64 to 57 ms (benchmarks/RESULTS.md). Prefetches
- * past the end of a buffer are harmless: they never fault. */
-#define FS_PREFETCH_AHEAD 1024
-
-#ifdef FS_X86
-#define FS_PREFETCH(ptr, i) _mm_prefetch((const char *)((ptr) + (i) + FS_PREFETCH_AHEAD), \
-                                         _MM_HINT_T0)
-#endif
+/* [Note: same bits]
+ * Every path computes each element with the same f32 operations in the
+ * same order as the scalar loop: the vector loops use separate mul and add
+ * intrinsics (the build is ISO C, so the compiler does not contract them
+ * into FMA), bf16 rounding on integers as fs_f32_to_bf16, and the scalar
+ * loop finishes whatever a vector loop leaves (tails, alignment peels).
+ * Variants only change which instructions move the bytes and which thread
+ * updates which element, so they all give the scalar path's bits. */
 
 static inline void store_copy(void *copy, fs_dtype t, int64_t i, float v)
 {
@@ -35,7 +35,7 @@ static inline void store_copy(void *copy, fs_dtype t, int64_t i, float v)
 }
 
 /* ---------------------------------------------------------------------------
- * Adam / AdamW */
+ * Adam / AdamW: scalar reference */
 
 typedef struct {
     float step_size, inv_bc2_sqrt, decay; /* derived once per step */
@@ -82,149 +82,8 @@ static void adam_scalar(const fs_adam_buffers *b, const fs_adam_hparams *h, cons
     }
 }
 
-#ifdef FS_X86
-__attribute__((target("avx2,f16c"))) static void store_copy8(void *copy, fs_dtype t, int64_t i,
-                                                             __m256 v)
-{
-    __m128i out;
-    if (t == FS_F16) {
-        out = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-    } else {
-        __m256i u = _mm256_castps_si256(v);
-        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        __m256i r = _mm256_srli_epi32(
-            _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));
-        r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16),
-                                                  _mm256_set1_epi32(0x40)), nan);
-        out = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
-    }
-    _mm_storeu_si128((__m128i *)((uint16_t *)copy + i), out);
-}
-
-/* Same operations in the same order as adam_scalar (no FMA contraction:
- * mul and add are separate intrinsics), so both paths give the same bits. */
-__attribute__((target("avx2,f16c"))) static int64_t adam_avx2(const fs_adam_buffers *b,
-                                                               const fs_adam_hparams *h,
-                                                               const adam_consts *k, int64_t lo,
-                                                               int64_t hi)
-{
-    const __m256 b1c = _mm256_set1_ps(1.0f - h->beta1), b2 = _mm256_set1_ps(h->beta2),
-                 b2c = _mm256_set1_ps(1.0f - h->beta2), eps = _mm256_set1_ps(h->eps),
-                 bc2 = _mm256_set1_ps(k->inv_bc2_sqrt), ss = _mm256_set1_ps(k->step_size),
-                 decay = _mm256_set1_ps(k->decay), wd = _mm256_set1_ps(h->weight_decay),
-                 sign = _mm256_set1_ps(-0.0f);
-    const int l2 = !h->decoupled && h->weight_decay != 0.0f;
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) {
-        if ((i & 15) == 0) { /* one 64-byte line per stream every other iteration */
-            FS_PREFETCH(b->grad, i);
-            FS_PREFETCH(b->param, i);
-            FS_PREFETCH(b->exp_avg, i);
-            FS_PREFETCH(b->exp_avg_sq, i);
-            if (b->max_exp_avg_sq)
-                FS_PREFETCH(b->max_exp_avg_sq, i);
-        }
-        __m256 g = _mm256_loadu_ps(b->grad + i);
-        if (h->maximize)
-            g = _mm256_xor_ps(g, sign);
-        __m256 p = _mm256_loadu_ps(b->param + i);
-        if (h->decoupled)
-            p = _mm256_mul_ps(p, decay);
-        else if (l2)
-            g = _mm256_add_ps(g, _mm256_mul_ps(wd, p));
-        __m256 m = _mm256_loadu_ps(b->exp_avg + i);
-        m = _mm256_add_ps(m, _mm256_mul_ps(b1c, _mm256_sub_ps(g, m)));
-        __m256 v = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(b->exp_avg_sq + i)),
-                                 _mm256_mul_ps(_mm256_mul_ps(b2c, g), g));
-        _mm256_storeu_ps(b->exp_avg + i, m);
-        _mm256_storeu_ps(b->exp_avg_sq + i, v);
-        if (b->max_exp_avg_sq) {
-            v = _mm256_max_ps(_mm256_loadu_ps(b->max_exp_avg_sq + i), v);
-            _mm256_storeu_ps(b->max_exp_avg_sq + i, v);
-        }
-        __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), bc2), eps);
-        p = _mm256_sub_ps(p, _mm256_mul_ps(ss, _mm256_div_ps(m, denom)));
-        _mm256_storeu_ps(b->param + i, p);
-        if (b->copy)
-            store_copy8(b->copy, b->copy_dtype, i, p);
-    }
-    return i;
-}
-
-/* The AVX-512 version of the two above: 16 lanes, the same operations in
- * the same order (no FMA), so the same bits. The bf16 rounding is done on
- * integers rather than with vcvtneps2bf16, which flushes subnormal inputs. */
-__attribute__((target("avx512f,avx512bw"))) static void store_copy16(void *copy, fs_dtype t,
-                                                                     int64_t i, __m512 v)
-{
-    __m256i out;
-    if (t == FS_F16) {
-        out = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-    } else {
-        __m512i u = _mm512_castps_si512(v);
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-        __mmask16 nan = _mm512_cmpgt_epi32_mask(
-            _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-        r = _mm512_mask_blend_epi32(
-            nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-        out = _mm512_cvtepi32_epi16(r);
-    }
-    _mm256_storeu_si256((__m256i *)((uint16_t *)copy + i), out);
-}
-
-__attribute__((target("avx512f,avx512bw"))) static int64_t adam_avx512(const fs_adam_buffers *b,
-                                                                      const fs_adam_hparams *h,
-                                                                      const adam_consts *k,
-                                                                      int64_t lo, int64_t hi)
-{
-    const __m512 b1c = _mm512_set1_ps(1.0f - h->beta1), b2 = _mm512_set1_ps(h->beta2),
-                 b2c = _mm512_set1_ps(1.0f - h->beta2), eps = _mm512_set1_ps(h->eps),
-                 bc2 = _mm512_set1_ps(k->inv_bc2_sqrt), ss = _mm512_set1_ps(k->step_size),
-                 decay = _mm512_set1_ps(k->decay), wd = _mm512_set1_ps(h->weight_decay);
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    const int l2 = !h->decoupled && h->weight_decay != 0.0f;
-    int64_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-        FS_PREFETCH(b->grad, i);
-        FS_PREFETCH(b->param, i);
-        FS_PREFETCH(b->exp_avg, i);
-        FS_PREFETCH(b->exp_avg_sq, i);
-        if (b->max_exp_avg_sq)
-            FS_PREFETCH(b->max_exp_avg_sq, i);
-        __m512 g = _mm512_loadu_ps(b->grad + i);
-        if (h->maximize)
-            g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
-        __m512 p = _mm512_loadu_ps(b->param + i);
-        if (h->decoupled)
-            p = _mm512_mul_ps(p, decay);
-        else if (l2)
-            g = _mm512_add_ps(g, _mm512_mul_ps(wd, p));
-        __m512 m = _mm512_loadu_ps(b->exp_avg + i);
-        m = _mm512_add_ps(m, _mm512_mul_ps(b1c, _mm512_sub_ps(g, m)));
-        __m512 v = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(b->exp_avg_sq + i)),
-                                 _mm512_mul_ps(_mm512_mul_ps(b2c, g), g));
-        _mm512_storeu_ps(b->exp_avg + i, m);
-        _mm512_storeu_ps(b->exp_avg_sq + i, v);
-        if (b->max_exp_avg_sq) {
-            v = _mm512_max_ps(_mm512_loadu_ps(b->max_exp_avg_sq + i), v);
-            _mm512_storeu_ps(b->max_exp_avg_sq + i, v);
-        }
-        __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), bc2), eps);
-        p = _mm512_sub_ps(p, _mm512_mul_ps(ss, _mm512_div_ps(m, denom)));
-        _mm512_storeu_ps(b->param + i, p);
-        if (b->copy)
-            store_copy16(b->copy, b->copy_dtype, i, p);
-    }
-    return i;
-}
-#endif
-
 /* ---------------------------------------------------------------------------
- * SGD */
+ * SGD: scalar reference */
 
 static void sgd_scalar(const fs_sgd_buffers *b, const fs_sgd_hparams *h, int64_t lo, int64_t hi)
 {
@@ -246,88 +105,610 @@ static void sgd_scalar(const fs_sgd_buffers *b, const fs_sgd_hparams *h, int64_t
     }
 }
 
+/* What one range of a step needs, shared by its threads. */
+typedef struct {
+    const fs_optim_job *job;
+    adam_consts k;
+    fs_optim_variant v;
+    int stream; /* non-temporal copy stores in effect (variant asks and there is a copy) */
+} range_ctx;
+
+#ifdef FS_X86
+#define FS_AVX2 __attribute__((target("avx2,f16c")))
+#define FS_AVX512 __attribute__((target("avx512f,avx512bw")))
+#define FS_INLINE static inline __attribute__((always_inline))
+#define FS_PF(ptr, i) _mm_prefetch((const char *)((ptr) + (i)), _MM_HINT_T0)
+
+/* ---------------------------------------------------------------------------
+ * AVX2 kernels: 8 lanes */
+
+FS_AVX2 FS_INLINE __m128i half8(__m256 v, fs_dtype t)
+{
+    if (t == FS_F16)
+        return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)),
+                           nan);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+
+FS_AVX2 FS_INLINE void copy8(void *copy, fs_dtype t, int64_t i, __m256 p, int stream)
+{
+    __m128i *dst = (__m128i *)((uint16_t *)copy + i);
+    if (stream)
+        _mm_stream_si128(dst, half8(p, t));
+    else
+        _mm_storeu_si128(dst, half8(p, t));
+}
+
+typedef struct {
+    __m256 b1c, b2, b2c, eps, bc2, ss, decay, wd, sign;
+} adam_k8;
+
+FS_AVX2 FS_INLINE void adam8(const fs_adam_buffers *b, const fs_adam_hparams *h, int l2,
+                             const adam_k8 *c, int64_t i, int stream)
+{
+    __m256 g = _mm256_loadu_ps(b->grad + i);
+    if (h->maximize)
+        g = _mm256_xor_ps(g, c->sign);
+    __m256 p = _mm256_loadu_ps(b->param + i);
+    if (h->decoupled)
+        p = _mm256_mul_ps(p, c->decay);
+    else if (l2)
+        g = _mm256_add_ps(g, _mm256_mul_ps(c->wd, p));
+    __m256 m = _mm256_loadu_ps(b->exp_avg + i);
+    m = _mm256_add_ps(m, _mm256_mul_ps(c->b1c, _mm256_sub_ps(g, m)));
+    __m256 v = _mm256_add_ps(_mm256_mul_ps(c->b2, _mm256_loadu_ps(b->exp_avg_sq + i)),
+                             _mm256_mul_ps(_mm256_mul_ps(c->b2c, g), g));
+    _mm256_storeu_ps(b->exp_avg + i, m);
+    _mm256_storeu_ps(b->exp_avg_sq + i, v);
+    if (b->max_exp_avg_sq) {
+        v = _mm256_max_ps(_mm256_loadu_ps(b->max_exp_avg_sq + i), v);
+        _mm256_storeu_ps(b->max_exp_avg_sq + i, v);
+    }
+    __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), c->bc2), c->eps);
+    p = _mm256_sub_ps(p, _mm256_mul_ps(c->ss, _mm256_div_ps(m, denom)));
+    _mm256_storeu_ps(b->param + i, p);
+    if (b->copy)
+        copy8(b->copy, b->copy_dtype, i, p, stream);
+}
+
+/* One line (16 floats) of each stream at element j. */
+FS_INLINE void adam_prefetch(const fs_adam_buffers *b, int64_t j)
+{
+    FS_PF(b->grad, j);
+    FS_PF(b->param, j);
+    FS_PF(b->exp_avg, j);
+    FS_PF(b->exp_avg_sq, j);
+    if (b->max_exp_avg_sq)
+        FS_PF(b->max_exp_avg_sq, j);
+}
+
+/* Prefetches past the end of a buffer are harmless: they never fault. */
+FS_AVX2 static int64_t adam_avx2(const range_ctx *x, int64_t lo, int64_t hi)
+{
+    const fs_adam_buffers *b = &x->job->adam;
+    const fs_adam_hparams *h = &x->job->adam_h;
+    const adam_k8 c = {_mm256_set1_ps(1.0f - h->beta1), _mm256_set1_ps(h->beta2),
+                       _mm256_set1_ps(1.0f - h->beta2), _mm256_set1_ps(h->eps),
+                       _mm256_set1_ps(x->k.inv_bc2_sqrt), _mm256_set1_ps(x->k.step_size),
+                       _mm256_set1_ps(x->k.decay), _mm256_set1_ps(h->weight_decay),
+                       _mm256_set1_ps(-0.0f)};
+    const int l2 = !h->decoupled && h->weight_decay != 0.0f, st = x->stream;
+    const int64_t ahead = x->v.prefetch_bytes / 4;
+    int64_t i = lo;
+    if (x->v.unroll >= 4) {
+        for (; i + 32 <= hi; i += 32) {
+            if (ahead) {
+                adam_prefetch(b, i + ahead);
+                adam_prefetch(b, i + ahead + 16);
+            }
+            adam8(b, h, l2, &c, i, st);
+            adam8(b, h, l2, &c, i + 8, st);
+            adam8(b, h, l2, &c, i + 16, st);
+            adam8(b, h, l2, &c, i + 24, st);
+        }
+    }
+    if (x->v.unroll >= 2) {
+        for (; i + 16 <= hi; i += 16) {
+            if (ahead)
+                adam_prefetch(b, i + ahead);
+            adam8(b, h, l2, &c, i, st);
+            adam8(b, h, l2, &c, i + 8, st);
+        }
+    }
+    for (; i + 8 <= hi; i += 8) {
+        if (ahead && ((i - lo) & 15) == 0)
+            adam_prefetch(b, i + ahead);
+        adam8(b, h, l2, &c, i, st);
+    }
+    return i;
+}
+
+typedef struct {
+    __m256 lr, mom, damp, wd, sign;
+} sgd_k8;
+
+FS_AVX2 FS_INLINE void sgd8(const fs_sgd_buffers *b, const fs_sgd_hparams *h, const sgd_k8 *c,
+                            int64_t i, int stream)
+{
+    __m256 g = _mm256_loadu_ps(b->grad + i);
+    if (h->maximize)
+        g = _mm256_xor_ps(g, c->sign);
+    __m256 p = _mm256_loadu_ps(b->param + i);
+    if (h->weight_decay != 0.0f)
+        g = _mm256_add_ps(g, _mm256_mul_ps(c->wd, p));
+    if (b->momentum_buf) {
+        __m256 buf = h->first_step ? g : _mm256_add_ps(
+            _mm256_mul_ps(c->mom, _mm256_loadu_ps(b->momentum_buf + i)), _mm256_mul_ps(c->damp, g));
+        _mm256_storeu_ps(b->momentum_buf + i, buf);
+        g = h->nesterov ? _mm256_add_ps(g, _mm256_mul_ps(c->mom, buf)) : buf;
+    }
+    p = _mm256_sub_ps(p, _mm256_mul_ps(c->lr, g));
+    _mm256_storeu_ps(b->param + i, p);
+    if (b->copy)
+        copy8(b->copy, b->copy_dtype, i, p, stream);
+}
+
+FS_INLINE void sgd_prefetch(const fs_sgd_buffers *b, int64_t j)
+{
+    FS_PF(b->grad, j);
+    FS_PF(b->param, j);
+    if (b->momentum_buf)
+        FS_PF(b->momentum_buf, j);
+}
+
+FS_AVX2 static int64_t sgd_avx2(const range_ctx *x, int64_t lo, int64_t hi)
+{
+    const fs_sgd_buffers *b = &x->job->sgd;
+    const fs_sgd_hparams *h = &x->job->sgd_h;
+    const sgd_k8 c = {_mm256_set1_ps(h->lr), _mm256_set1_ps(h->momentum),
+                      _mm256_set1_ps(1.0f - h->dampening), _mm256_set1_ps(h->weight_decay),
+                      _mm256_set1_ps(-0.0f)};
+    const int st = x->stream;
+    const int64_t ahead = x->v.prefetch_bytes / 4;
+    int64_t i = lo;
+    if (x->v.unroll >= 4) {
+        for (; i + 32 <= hi; i += 32) {
+            if (ahead) {
+                sgd_prefetch(b, i + ahead);
+                sgd_prefetch(b, i + ahead + 16);
+            }
+            sgd8(b, h, &c, i, st);
+            sgd8(b, h, &c, i + 8, st);
+            sgd8(b, h, &c, i + 16, st);
+            sgd8(b, h, &c, i + 24, st);
+        }
+    }
+    if (x->v.unroll >= 2) {
+        for (; i + 16 <= hi; i += 16) {
+            if (ahead)
+                sgd_prefetch(b, i + ahead);
+            sgd8(b, h, &c, i, st);
+            sgd8(b, h, &c, i + 8, st);
+        }
+    }
+    for (; i + 8 <= hi; i += 8) {
+        if (ahead && ((i - lo) & 15) == 0)
+            sgd_prefetch(b, i + ahead);
+        sgd8(b, h, &c, i, st);
+    }
+    return i;
+}
+
+/* ---------------------------------------------------------------------------
+ * AVX-512 kernels: 16 lanes. The bf16 rounding is done on integers rather
+ * than with vcvtneps2bf16, which flushes subnormal inputs. */
+
+FS_AVX512 FS_INLINE __m256i half16(__m512 v, fs_dtype t)
+{
+    if (t == FS_F16)
+        return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_blend_epi32(nan, r,
+                                _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+FS_AVX512 FS_INLINE void copy16(void *copy, fs_dtype t, int64_t i, __m512 p, int stream)
+{
+    __m256i *dst = (__m256i *)((uint16_t *)copy + i);
+    if (stream)
+        _mm256_stream_si256(dst, half16(p, t));
+    else
+        _mm256_storeu_si256(dst, half16(p, t));
+}
+
+typedef struct {
+    __m512 b1c, b2, b2c, eps, bc2, ss, decay, wd;
+    __m512i sign;
+} adam_k16;
+
+FS_AVX512 FS_INLINE void adam16(const fs_adam_buffers *b, const fs_adam_hparams *h, int l2,
+                                const adam_k16 *c, int64_t i, int stream)
+{
+    __m512 g = _mm512_loadu_ps(b->grad + i);
+    if (h->maximize)
+        g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), c->sign));
+    __m512 p = _mm512_loadu_ps(b->param + i);
+    if (h->decoupled)
+        p = _mm512_mul_ps(p, c->decay);
+    else if (l2)
+        g = _mm512_add_ps(g, _mm512_mul_ps(c->wd, p));
+    __m512 m = _mm512_loadu_ps(b->exp_avg + i);
+    m = _mm512_add_ps(m, _mm512_mul_ps(c->b1c, _mm512_sub_ps(g, m)));
+    __m512 v = _mm512_add_ps(_mm512_mul_ps(c->b2, _mm512_loadu_ps(b->exp_avg_sq + i)),
+                             _mm512_mul_ps(_mm512_mul_ps(c->b2c, g), g));
+    _mm512_storeu_ps(b->exp_avg + i, m);
+    _mm512_storeu_ps(b->exp_avg_sq + i, v);
+    if (b->max_exp_avg_sq) {
+        v = _mm512_max_ps(_mm512_loadu_ps(b->max_exp_avg_sq + i), v);
+        _mm512_storeu_ps(b->max_exp_avg_sq + i, v);
+    }
+    __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), c->bc2), c->eps);
+    p = _mm512_sub_ps(p, _mm512_mul_ps(c->ss, _mm512_div_ps(m, denom)));
+    _mm512_storeu_ps(b->param + i, p);
+    if (b->copy)
+        copy16(b->copy, b->copy_dtype, i, p, stream);
+}
+
+FS_AVX512 static int64_t adam_avx512(const range_ctx *x, int64_t lo, int64_t hi)
+{
+    const fs_adam_buffers *b = &x->job->adam;
+    const fs_adam_hparams *h = &x->job->adam_h;
+    const adam_k16 c = {_mm512_set1_ps(1.0f - h->beta1), _mm512_set1_ps(h->beta2),
+                        _mm512_set1_ps(1.0f - h->beta2), _mm512_set1_ps(h->eps),
+                        _mm512_set1_ps(x->k.inv_bc2_sqrt), _mm512_set1_ps(x->k.step_size),
+                        _mm512_set1_ps(x->k.decay), _mm512_set1_ps(h->weight_decay),
+                        _mm512_set1_epi32((int)0x80000000u)};
+    const int l2 = !h->decoupled && h->weight_decay != 0.0f, st = x->stream;
+    const int64_t ahead = x->v.prefetch_bytes / 4;
+    int64_t i = lo;
+    if (x->v.unroll >= 4) {
+        for (; i + 64 <= hi; i += 64) {
+            if (ahead)
+                for (int64_t k = 0; k < 64; k += 16)
+                    adam_prefetch(b, i + ahead + k);
+            adam16(b, h, l2, &c, i, st);
+            adam16(b, h, l2, &c, i + 16, st);
+            adam16(b, h, l2, &c, i + 32, st);
+            adam16(b, h, l2, &c, i + 48, st);
+        }
+    }
+    if (x->v.unroll >= 2) {
+        for (; i + 32 <= hi; i += 32) {
+            if (ahead) {
+                adam_prefetch(b, i + ahead);
+                adam_prefetch(b, i + ahead + 16);
+            }
+            adam16(b, h, l2, &c, i, st);
+            adam16(b, h, l2, &c, i + 16, st);
+        }
+    }
+    for (; i + 16 <= hi; i += 16) {
+        if (ahead)
+            adam_prefetch(b, i + ahead);
+        adam16(b, h, l2, &c, i, st);
+    }
+    return i;
+}
+
+typedef struct {
+    __m512 lr, mom, damp, wd;
+    __m512i sign;
+} sgd_k16;
+
+FS_AVX512 FS_INLINE void sgd16(const fs_sgd_buffers *b, const fs_sgd_hparams *h,
+                               const sgd_k16 *c, int64_t i, int stream)
+{
+    __m512 g = _mm512_loadu_ps(b->grad + i);
+    if (h->maximize)
+        g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), c->sign));
+    __m512 p = _mm512_loadu_ps(b->param + i);
+    if (h->weight_decay != 0.0f)
+        g = _mm512_add_ps(g, _mm512_mul_ps(c->wd, p));
+    if (b->momentum_buf) {
+        __m512 buf = h->first_step ? g : _mm512_add_ps(
+            _mm512_mul_ps(c->mom, _mm512_loadu_ps(b->momentum_buf + i)), _mm512_mul_ps(c->damp, g));
+        _mm512_storeu_ps(b->momentum_buf + i, buf);
+        g = h->nesterov ? _mm512_add_ps(g, _mm512_mul_ps(c->mom, buf)) : buf;
+    }
+    p = _mm512_sub_ps(p, _mm512_mul_ps(c->lr, g));
+    _mm512_storeu_ps(b->param + i, p);
+    if (b->copy)
+        copy16(b->copy, b->copy_dtype, i, p, stream);
+}
+
+FS_AVX512 static int64_t sgd_avx512(const range_ctx *x, int64_t lo, int64_t hi)
+{
+    const fs_sgd_buffers *b = &x->job->sgd;
+    const fs_sgd_hparams *h = &x->job->sgd_h;
+    const sgd_k16 c = {_mm512_set1_ps(h->lr), _mm512_set1_ps(h->momentum),
+                       _mm512_set1_ps(1.0f - h->dampening), _mm512_set1_ps(h->weight_decay),
+                       _mm512_set1_epi32((int)0x80000000u)};
+    const int st = x->stream;
+    const int64_t ahead = x->v.prefetch_bytes / 4;
+    int64_t i = lo;
+    if (x->v.unroll >= 4) {
+        for (; i + 64 <= hi; i += 64) {
+            if (ahead)
+                for (int64_t k = 0; k < 64; k += 16)
+                    sgd_prefetch(b, i + ahead + k);
+            sgd16(b, h, &c, i, st);
+            sgd16(b, h, &c, i + 16, st);
+            sgd16(b, h, &c, i + 32, st);
+            sgd16(b, h, &c, i + 48, st);
+        }
+    }
+    if (x->v.unroll >= 2) {
+        for (; i + 32 <= hi; i += 32) {
+            if (ahead) {
+                sgd_prefetch(b, i + ahead);
+                sgd_prefetch(b, i + ahead + 16);
+            }
+            sgd16(b, h, &c, i, st);
+            sgd16(b, h, &c, i + 16, st);
+        }
+    }
+    for (; i + 16 <= hi; i += 16) {
+        if (ahead)
+            sgd_prefetch(b, i + ahead);
+        sgd16(b, h, &c, i, st);
+    }
+    return i;
+}
+#endif /* FS_X86 */
+
+/* ---------------------------------------------------------------------------
+ * one range on one thread */
+
+static void scalar_range(const range_ctx *x, int64_t lo, int64_t hi)
+{
+    if (x->job->kind == FS_OPTIM_ADAM)
+        adam_scalar(&x->job->adam, &x->job->adam_h, &x->k, lo, hi);
+    else
+        sgd_scalar(&x->job->sgd, &x->job->sgd_h, lo, hi);
+}
+
+static void run_range(const range_ctx *x, int64_t lo, int64_t hi)
+{
+    int64_t i = lo;
+#ifdef FS_X86
+    if (x->v.simd >= FS_SIMD_AVX2 && lo < hi) {
+        if (x->stream) {
+            /* Streaming stores need aligned addresses (16 bytes for AVX2's 8
+             * halves, 32 for AVX-512's 16): the scalar loop takes the head. */
+            const void *copy = x->job->kind == FS_OPTIM_ADAM ? x->job->adam.copy
+                                                             : x->job->sgd.copy;
+            const uintptr_t mask = x->v.simd >= FS_SIMD_AVX512 ? 31 : 15;
+            int64_t head = lo;
+            while (head < hi && ((uintptr_t)((const uint16_t *)copy + head) & mask))
+                head++;
+            scalar_range(x, lo, head);
+            i = head;
+        }
+        const int adam = x->job->kind == FS_OPTIM_ADAM;
+        if (x->v.simd >= FS_SIMD_AVX512)
+            i = adam ? adam_avx512(x, i, hi) : sgd_avx512(x, i, hi);
+        i = adam ? adam_avx2(x, i, hi) : sgd_avx2(x, i, hi);
+    }
+#endif
+    scalar_range(x, i, hi);
+}
+
 /* ---------------------------------------------------------------------------
  * thread split */
 
 typedef struct {
-    int kind; /* 0 adam, 1 sgd */
-    const void *buffers, *hparams;
-    const adam_consts *consts;
-    fs_simd simd;
-    int64_t lo, hi;
-} slice_job;
+    const range_ctx *x;
+    int64_t lo, hi;     /* contiguous: this thread's slice */
+    atomic_llong *next; /* chunked: the first element nobody has claimed */
+} slice;
 
-static void run_slice(const slice_job *j)
+static void slice_work(const slice *s)
 {
-    int64_t i = j->lo;
-    if (j->kind == 0) {
-#ifdef FS_X86
-        if (j->simd >= FS_SIMD_AVX512)
-            i = adam_avx512(j->buffers, j->hparams, j->consts, i, j->hi);
-        if (j->simd >= FS_SIMD_AVX2)
-            i = adam_avx2(j->buffers, j->hparams, j->consts, i, j->hi);
-#endif
-        adam_scalar(j->buffers, j->hparams, j->consts, i, j->hi);
+    if (s->next) {
+        const int64_t chunk = s->x->v.chunk_numel;
+        for (;;) {
+            int64_t lo = atomic_fetch_add_explicit(s->next, chunk, memory_order_relaxed);
+            if (lo >= s->hi)
+                break;
+            run_range(s->x, lo, lo + chunk < s->hi ? lo + chunk : s->hi);
+        }
     } else {
-        sgd_scalar(j->buffers, j->hparams, i, j->hi); /* compiler-vectorised */
+        run_range(s->x, s->lo, s->hi);
     }
+#ifdef FS_X86
+    if (s->x->stream)
+        _mm_sfence(); /* streaming stores are weakly ordered: drain them before the join */
+#endif
 }
 
 static void *slice_main(void *arg)
 {
-    run_slice(arg);
+    slice_work(arg);
     return NULL;
 }
 
-static fs_status split_run(slice_job base, int64_t n, int threads)
+/* [Note: OpenMP team]
+ * Right after torch's own parallel work (the backward pass, or a torch
+ * optimizer) its OpenMP threads spin for a while waiting for more. A thread
+ * we start then shares a core with a spinner and the step waits for it; the
+ * spinner itself is idle and ready. So a variant may run its threads as the
+ * process's OpenMP team instead: GOMP_parallel, looked up at run time in
+ * whatever OpenMP runtime the process has loaded (torch's libgomp, or a
+ * runtime with libgomp's entry points), never linked. Whether that wins is
+ * for the tuning to measure; without such a runtime the variants start their
+ * own threads. */
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned nthreads,
+                                 unsigned flags);
+typedef int (*omp_int_fn)(void);
+
+static struct {
+    gomp_parallel_fn parallel;
+    omp_int_fn thread_num, num_threads;
+} omp_rt;
+static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
+
+static void omp_lookup(void)
 {
-    if (threads < 1)
-        threads = 1;
-    int64_t max_threads = n / FS_MIN_PER_THREAD;
-    if (threads > max_threads)
-        threads = max_threads < 1 ? 1 : (int)max_threads;
-    if (threads > 64)
-        threads = 64;
-    slice_job jobs[64];
-    pthread_t tids[64];
-    /* Slices start on 16-element boundaries so vector loops stay aligned. */
-    int64_t per = (n / threads + 15) / 16 * 16;
-    int started = 0;
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = base;
-        jobs[t].lo = t * per < n ? t * per : n;
-        jobs[t].hi = t == threads - 1 ? n : ((t + 1) * per < n ? (t + 1) * per : n);
+    gomp_parallel_fn par = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    omp_int_fn num = (omp_int_fn)dlsym(RTLD_DEFAULT, "omp_get_thread_num");
+    omp_int_fn count = (omp_int_fn)dlsym(RTLD_DEFAULT, "omp_get_num_threads");
+    if (par && num && count) {
+        omp_rt.parallel = par;
+        omp_rt.thread_num = num;
+        omp_rt.num_threads = count;
     }
+}
+
+int fs_optim_have_omp(void)
+{
+    pthread_once(&omp_once, omp_lookup);
+    return omp_rt.parallel != NULL;
+}
+
+typedef struct {
+    const range_ctx *x;
+    int64_t lo, hi;
+    atomic_llong *next; /* chunked, else NULL */
+} team_job;
+
+/* Each member of the team takes its slice of however many members the
+ * runtime gave (it may give fewer than asked), or claims chunks. */
+static void team_main(void *arg)
+{
+    const team_job *j = arg;
+    slice s = {j->x, j->lo, j->hi, j->next};
+    if (!j->next) {
+        const int64_t t = omp_rt.thread_num(), nt = omp_rt.num_threads();
+        const int64_t per = ((j->hi - j->lo) / nt + 15) / 16 * 16;
+        const int64_t a = j->lo + t * per, b = a + per;
+        s.lo = a < j->hi ? a : j->hi;
+        s.hi = t == nt - 1 || b > j->hi ? j->hi : b;
+    }
+    slice_work(&s);
+}
+
+#define FS_MAX_THREADS 64
+
+static fs_simd simd_cap(fs_simd s)
+{
+    const fs_simd best = fs_simd_best();
+    return s > best ? best : s;
+}
+
+fs_status fs_optim_check(const fs_optim_job *job)
+{
+    if (job->kind == FS_OPTIM_ADAM) {
+        const fs_adam_buffers *b = &job->adam;
+        if (b->n < 0 || job->adam_h.step < 1 ||
+            (b->copy && b->copy_dtype != FS_BF16 && b->copy_dtype != FS_F16))
+            return FS_ERR_INVALID_ARG;
+        return FS_OK;
+    }
+    if (job->kind == FS_OPTIM_SGD) {
+        const fs_sgd_buffers *b = &job->sgd;
+        if (b->n < 0 || (b->copy && b->copy_dtype != FS_BF16 && b->copy_dtype != FS_F16))
+            return FS_ERR_INVALID_ARG;
+        return FS_OK;
+    }
+    return FS_ERR_INVALID_ARG;
+}
+
+fs_status fs_optim_run(const fs_optim_job *job, int64_t lo, int64_t hi, const fs_optim_variant *v)
+{
+    const int64_t n = job->kind == FS_OPTIM_ADAM ? job->adam.n : job->sgd.n;
+    if (lo < 0 || hi < lo || hi > n || v->threads < 1 || v->chunk_numel < 0 ||
+        v->chunk_numel % 16 != 0 || v->prefetch_bytes < 0 ||
+        (v->unroll != 1 && v->unroll != 2 && v->unroll != 4))
+        return FS_ERR_INVALID_ARG;
+    range_ctx x = {job, {0, 0, 0}, *v, 0};
+    x.v.simd = simd_cap(v->simd);
+    const void *copy = job->kind == FS_OPTIM_ADAM ? job->adam.copy : job->sgd.copy;
+    x.stream = v->stream_copy && copy && x.v.simd >= FS_SIMD_AVX2;
+    if (job->kind == FS_OPTIM_ADAM)
+        x.k = adam_derive(&job->adam_h);
+
+    const int64_t len = hi - lo;
+    int threads = v->threads > FS_MAX_THREADS ? FS_MAX_THREADS : v->threads;
+    if (threads > (len + 15) / 16) /* at least one vector each */
+        threads = len > 16 ? (int)((len + 15) / 16) : 1;
+    atomic_llong next;
+    atomic_init(&next, lo);
+    const int chunked = v->chunk_numel > 0 && threads > 1;
+    if (v->omp && threads > 1 && fs_optim_have_omp()) {
+        team_job tj = {&x, lo, hi, chunked ? &next : NULL};
+        omp_rt.parallel(team_main, &tj, (unsigned)threads, 0);
+        return FS_OK;
+    }
+    slice s[FS_MAX_THREADS];
+    pthread_t tids[FS_MAX_THREADS];
+    /* Contiguous slices start on 16-element boundaries so vector loops stay
+     * aligned when the buffers are. */
+    const int64_t per = (len / threads + 15) / 16 * 16;
+    for (int t = 0; t < threads; t++) {
+        int64_t a = lo + t * per, b = lo + (t + 1) * per;
+        s[t] = (slice){&x, a < hi ? a : hi, t == threads - 1 || b > hi ? hi : b,
+                       chunked ? &next : NULL};
+        if (chunked)
+            s[t].hi = hi;
+    }
+    int started = 0;
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[t], NULL, slice_main, &jobs[t]) != 0)
+        if (pthread_create(&tids[t], NULL, slice_main, &s[t]) != 0)
             break;
         started = t;
     }
-    /* Slices whose thread could not start run here, after our own. */
-    run_slice(&jobs[0]);
-    for (int t = started + 1; t < threads; t++)
-        run_slice(&jobs[t]);
+    slice_work(&s[0]);
+    /* Contiguous slices whose thread could not start run here, after our
+     * own (chunked ones were claimed by the running threads). */
+    if (!chunked)
+        for (int t = started + 1; t < threads; t++)
+            slice_work(&s[t]);
     for (int t = 1; t <= started; t++)
         pthread_join(tids[t], NULL);
     return FS_OK;
 }
 
-fs_status fs_adam_step(const fs_adam_buffers *b, const fs_adam_hparams *h, fs_simd simd,
-                       int threads)
+fs_optim_variant fs_optim_default_variant(fs_simd simd, int threads)
 {
-    if (b->n < 0 || h->step < 1 || (b->copy && b->copy_dtype != FS_BF16 &&
-                                     b->copy_dtype != FS_F16))
-        return FS_ERR_INVALID_ARG;
-    adam_consts k = adam_derive(h);
-    const fs_simd best = fs_simd_best();
-    slice_job base = {0, b, h, &k, simd > best ? best : simd, 0, 0};
-    return split_run(base, b->n, threads);
+    fs_optim_variant v = {simd_cap(simd), 1, 0, 0, threads < 1 ? 1 : threads, 0, 0};
+    return v;
 }
 
-fs_status fs_sgd_step(const fs_sgd_buffers *b, const fs_sgd_hparams *h, fs_simd simd, int threads)
+void fs_optim_variant_name(const fs_optim_variant *v, char out[FS_OPTIM_VARIANT_NAME_MAX])
 {
-    if (b->n < 0 || (b->copy && b->copy_dtype != FS_BF16 && b->copy_dtype != FS_F16))
+    snprintf(out, FS_OPTIM_VARIANT_NAME_MAX, "%s.u%d.pf%d.%s.%s%d.c%lld", fs_simd_name(v->simd),
+             v->unroll, v->prefetch_bytes, v->stream_copy ? "nt" : "st", v->omp ? "omp" : "t",
+             v->threads, (long long)v->chunk_numel);
+}
+
+fs_status fs_optim_variant_parse(const char *name, fs_optim_variant *out)
+{
+    char simd[16], stores[3], team[4];
+    int unroll, pf, threads, used = 0;
+    long long chunk;
+    if (!name || sscanf(name, "%15[a-z0-9].u%d.pf%d.%2[a-z].%3[a-z]%d.c%lld%n", simd, &unroll,
+                        &pf, stores, team, &threads, &chunk, &used) != 7 || name[used] != '\0')
         return FS_ERR_INVALID_ARG;
-    slice_job base = {1, b, h, NULL, simd, 0, 0};
-    return split_run(base, b->n, threads);
+    int level = fs_simd_parse(simd);
+    int nt = strcmp(stores, "nt") == 0, omp = strcmp(team, "omp") == 0;
+    if (level < 0 || strcmp(simd, "auto") == 0 || (!nt && strcmp(stores, "st") != 0) ||
+        (!omp && strcmp(team, "t") != 0) || (unroll != 1 && unroll != 2 && unroll != 4) ||
+        pf < 0 || pf > (1 << 20) || threads < 1 || threads > FS_MAX_THREADS || chunk < 0 ||
+        chunk % 16 != 0)
+        return FS_ERR_INVALID_ARG;
+    *out = (fs_optim_variant){(fs_simd)level, unroll, pf, nt, threads, omp, chunk};
+    return FS_OK;
 }

@@ -1,6 +1,7 @@
 /* py_optim.c - flatshard._C entry points of the fused CPU optimizer steps
- * (optim_cpu.c). Buffers cross as data pointers of contiguous fp32 tensors;
- * python/flatshard/optim.py checks them. The GIL is released for the step. */
+ * (optim_cpu.c, chosen per size class by optim_tune.c). Buffers cross as
+ * data pointers of contiguous fp32 tensors; python/flatshard/optim.py checks
+ * them. The GIL is released for the step. */
 #include "fs_py.h"
 
 #include "optim.h"
@@ -18,70 +19,165 @@ static int parse_simd(const char *name)
     return level < 0 ? -1 : level;
 }
 
+/* Runs `job`: with the named variant when `variant` is not NULL (after
+ * checking the name), else with the tuned one under the simd/threads caps. */
+static PyObject *run_job(PyObject *m, const fs_optim_job *job, const char *simd, int threads,
+                         const char *variant, const char *what)
+{
+    int level = parse_simd(simd);
+    if (level < 0)
+        return NULL;
+    fs_optim_variant v;
+    if (variant && fs_optim_variant_parse(variant, &v) != FS_OK) {
+        PyErr_Format(PyExc_ValueError, "variant='%s': expected simd.u<1|2|4>.pf<bytes>.<st|nt>."
+                     "t<threads>.c<chunk, a multiple of 16> with a simd level this CPU has "
+                     "(best: '%s'), e.g. 'avx2.u2.pf0.nt.t2.c0'", variant,
+                     fs_simd_name(fs_simd_best()));
+        return NULL;
+    }
+    fs_status s = fs_optim_check(job);
+    if (s == FS_OK) {
+        Py_BEGIN_ALLOW_THREADS
+        if (variant)
+            s = fs_optim_run(job, 0, job->kind == FS_OPTIM_ADAM ? job->adam.n : job->sgd.n, &v);
+        else
+            s = fs_optim_step(job, (fs_simd)level, threads);
+        Py_END_ALLOW_THREADS
+    }
+    if (s != FS_OK)
+        return fs_raise(fs_state_from_module(m), s, "%s", what);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(adam_step_doc,
              "adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, copy, copy_dtype, n, *,\n"
              "          lr, beta1, beta2, eps, weight_decay, step, decoupled, maximize,\n"
-             "          threads=1, simd='auto')\n"
+             "          threads=1, simd='auto', variant=None)\n"
              "One fused Adam (decoupled=False) or AdamW (decoupled=True) step; pointers are\n"
              "ints (0 for max_exp_avg_sq without amsgrad, and for no low-precision copy).\n"
-             "simd: 'auto' (the best this CPU has), 'avx512', 'avx2' or 'scalar' (the\n"
-             "reference); every level gives the same bits.");
+             "The loop variant is the one timed fastest for this size class in this process\n"
+             "(the first step of a class calibrates it); simd caps its instruction set\n"
+             "('auto': the best this CPU has, 'avx512', 'avx2', or 'scalar': the reference)\n"
+             "and threads its thread count. variant: a name (optim_tune_records) that forces\n"
+             "one variant instead. Every variant gives the same bits.");
 static PyObject *py_adam_step(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "copy",
                              "copy_dtype", "n", "lr", "beta1", "beta2", "eps", "weight_decay",
-                             "step", "decoupled", "maximize", "threads", "simd", NULL};
+                             "step", "decoupled", "maximize", "threads", "simd", "variant", NULL};
     unsigned long long p, g, ea, eas, mx, cp;
     int cdt, decoupled = 1, maximize = 0, threads = 1;
     long long n, step = 1;
     float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.0f;
-    const char *simd = "auto";
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKiL|$fffffLppis", kwlist, &p, &g, &ea, &eas,
-                                     &mx, &cp, &cdt, &n, &lr, &b1, &b2, &eps, &wd, &step,
-                                     &decoupled, &maximize, &threads, &simd))
+    const char *simd = "auto", *variant = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKiL|$fffffLppisz", kwlist, &p, &g, &ea,
+                                     &eas, &mx, &cp, &cdt, &n, &lr, &b1, &b2, &eps, &wd, &step,
+                                     &decoupled, &maximize, &threads, &simd, &variant))
         return NULL;
-    int level = parse_simd(simd);
-    if (level < 0)
-        return NULL;
-    fs_adam_buffers b = {(float *)p, (const float *)g, (float *)ea, (float *)eas,
-                         (float *)mx, (void *)cp, (fs_dtype)cdt, n};
-    fs_adam_hparams h = {lr, b1, b2, eps, wd, step, decoupled, maximize};
-    fs_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = fs_adam_step(&b, &h, (fs_simd)level, threads);
-    Py_END_ALLOW_THREADS
-    if (s != FS_OK)
-        return fs_raise(fs_state_from_module(m), s, "adam_step: need n >= 0, step >= 1, "
-                        "copy dtype bfloat16 or float16");
-    Py_RETURN_NONE;
+    fs_optim_job j = {FS_OPTIM_ADAM,
+                      {(float *)p, (const float *)g, (float *)ea, (float *)eas, (float *)mx,
+                       (void *)cp, (fs_dtype)cdt, n},
+                      {lr, b1, b2, eps, wd, step, decoupled, maximize}};
+    return run_job(m, &j, simd, threads, variant, "adam_step: need n >= 0, step >= 1, copy "
+                   "dtype bfloat16 or float16");
 }
 
 PyDoc_STRVAR(sgd_step_doc,
              "sgd_step(param, grad, momentum_buf, copy, copy_dtype, n, *, lr, momentum,\n"
-             "         dampening, weight_decay, nesterov, maximize, first_step, threads=1)\n"
-             "One fused SGD step (torch's rule; momentum_buf 0 when momentum == 0).");
+             "         dampening, weight_decay, nesterov, maximize, first_step, threads=1,\n"
+             "         simd='auto', variant=None)\n"
+             "One fused SGD step (torch's rule; momentum_buf 0 when momentum == 0); the\n"
+             "variant is chosen as adam_step's.");
 static PyObject *py_sgd_step(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"param", "grad", "momentum_buf", "copy", "copy_dtype", "n", "lr",
                              "momentum", "dampening", "weight_decay", "nesterov", "maximize",
-                             "first_step", "threads", NULL};
+                             "first_step", "threads", "simd", "variant", NULL};
     unsigned long long p, g, buf, cp;
     int cdt, nesterov = 0, maximize = 0, first = 0, threads = 1;
     long long n;
     float lr = 1e-3f, mom = 0.0f, damp = 0.0f, wd = 0.0f;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKiL|$ffffpppi", kwlist, &p, &g, &buf, &cp,
+    const char *simd = "auto", *variant = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKiL|$ffffpppisz", kwlist, &p, &g, &buf, &cp,
                                      &cdt, &n, &lr, &mom, &damp, &wd, &nesterov, &maximize,
-                                     &first, &threads))
+                                     &first, &threads, &simd, &variant))
         return NULL;
-    fs_sgd_buffers b = {(float *)p, (const float *)g, (float *)buf, (void *)cp, (fs_dtype)cdt, n};
-    fs_sgd_hparams h = {lr, mom, damp, wd, nesterov, maximize, first};
-    fs_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = fs_sgd_step(&b, &h, FS_SIMD_SCALAR, threads);
-    Py_END_ALLOW_THREADS
-    if (s != FS_OK)
-        return fs_raise(fs_state_from_module(m), s, "sgd_step: need n >= 0, copy dtype "
-                        "bfloat16 or float16");
+    fs_optim_job j = {FS_OPTIM_SGD, {0}, {0},
+                      {(float *)p, (const float *)g, (float *)buf, (void *)cp, (fs_dtype)cdt, n},
+                      {lr, mom, damp, wd, nesterov, maximize, first}};
+    return run_job(m, &j, simd, threads, variant, "sgd_step: need n >= 0, copy dtype bfloat16 "
+                   "or float16");
+}
+
+static PyObject *variant_str(const fs_optim_variant *v)
+{
+    char name[FS_OPTIM_VARIANT_NAME_MAX];
+    fs_optim_variant_name(v, name);
+    return PyUnicode_FromString(name);
+}
+
+static PyObject *record_dict(const fs_tune_record *r)
+{
+    static const char *stages[] = {"simd/unroll", "prefetch", "copy stores", "threads"};
+    PyObject *cands = PyList_New(0);
+    for (int k = 0; cands && k < r->ncandidates; k++) {
+        PyObject *name = variant_str(&r->candidates[k].variant);
+        PyObject *c = name ? Py_BuildValue("{s:s,s:O,s:d}", "stage",
+                                           stages[r->candidates[k].stage], "variant", name,
+                                           "ns_per_elem", r->candidates[k].ns_per_elem)
+                           : NULL;
+        Py_XDECREF(name);
+        if (!c || PyList_Append(cands, c) < 0) {
+            Py_XDECREF(c);
+            Py_CLEAR(cands);
+            break;
+        }
+        Py_DECREF(c);
+    }
+    PyObject *chosen = cands ? variant_str(&r->chosen) : NULL;
+    PyObject *d = chosen ? Py_BuildValue(
+        "{s:s,s:i,s:s,s:O,s:i,s:s,s:L,s:s,s:O,s:O,s:O}", "kind",
+        r->kind == FS_OPTIM_ADAM ? "adam" : "sgd", "size_log2", r->size_log2, "copy",
+        r->copy_dtype < 0 ? "none" : r->copy_dtype == FS_BF16 ? "bfloat16" : "float16",
+        "amsgrad", r->amsgrad ? Py_True : Py_False, "threads_max", r->threads_max, "simd_max",
+        fs_simd_name(r->simd_max), "tuned_numel", (long long)r->tuned_numel, "timed_on",
+        r->in_place ? "the step's own buffers" : "a scratch copy of the step",
+        "tuned", r->tuned ? Py_True : Py_False, "chosen", chosen, "candidates", cands) : NULL;
+    Py_XDECREF(chosen);
+    Py_XDECREF(cands);
+    return d;
+}
+
+PyDoc_STRVAR(optim_tune_records_doc,
+             "optim_tune_records() -> [dict]: per size class tuned in this process, the\n"
+             "class (kind, size_log2, copy, amsgrad, threads_max, simd_max), how it was\n"
+             "timed, the chosen variant, and every candidate's best time (ns per element).");
+static PyObject *py_optim_tune_records(PyObject *m, PyObject *Py_UNUSED(a))
+{
+    fs_tune_record *recs = NULL;
+    int count = fs_tune_records(NULL, 0);
+    PyObject *out = PyList_New(0);
+    if (out && count > 0) {
+        recs = PyMem_Malloc(sizeof(fs_tune_record) * (size_t)count);
+        if (!recs) {
+            Py_DECREF(out);
+            return PyErr_NoMemory();
+        }
+        count = fs_tune_records(recs, count); /* may have grown: take what fits */
+        for (int k = 0; k < count && out; k++) {
+            PyObject *d = record_dict(&recs[k]);
+            if (!d || PyList_Append(out, d) < 0)
+                Py_CLEAR(out);
+            Py_XDECREF(d);
+        }
+    }
+    PyMem_Free(recs);
+    return out;
+}
+
+static PyObject *py_optim_tune_reset(PyObject *m, PyObject *Py_UNUSED(a))
+{
+    fs_tune_reset();
     Py_RETURN_NONE;
 }
 
@@ -90,6 +186,9 @@ static PyMethodDef optim_methods[] = {
      adam_step_doc},
     {"sgd_step", (PyCFunction)(void (*)(void))py_sgd_step, METH_VARARGS | METH_KEYWORDS,
      sgd_step_doc},
+    {"optim_tune_records", py_optim_tune_records, METH_NOARGS, optim_tune_records_doc},
+    {"optim_tune_reset", py_optim_tune_reset, METH_NOARGS,
+     "optim_tune_reset(): forget every size class's variant (the next step calibrates again)"},
     {NULL},
 };
 

@@ -11,6 +11,36 @@ def _consolidate(args):
     print(f"flatshard: wrote {out} ({os.path.getsize(out):,} bytes)")
 
 
+def optimizer_tuning_lines(log2=23):
+    """Time the CPU optimizer loop's variants here, as the first step of a
+    2^log2-element class does in training, and say what won and by how much."""
+    import torch
+
+    from . import _C, optim
+    n = 1 << log2
+    threads = torch.get_num_threads()
+    p, g, m, v = (torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n))
+    low = torch.zeros(n, dtype=torch.bfloat16)
+
+    def tuned(kind, copy):
+        return any(r["kind"] == kind and r["copy"] == copy and r["tuned_numel"] == n
+                   for r in optim.tune_report())
+    # Large classes choose their thread split over their first few whole steps.
+    for step in range(1, 65):
+        if tuned("adam", "none") and tuned("adam", "bfloat16") and tuned("sgd", "none"):
+            break
+        for copy in (None, low):
+            optim.adamw_step_(p, g, m, v, step, lr=1e-3, out_copy=copy, threads=threads)
+        _C.sgd_step(p.data_ptr(), g.data_ptr(), m.data_ptr(), 0, _C.BF16, n, lr=1e-3,
+                    momentum=0.9, threads=threads)
+    mine = [r for r in optim.tune_report() if r["size_log2"] == log2 and r["tuned_numel"] == n]
+    return [f"CPU optimizer loop, measured now ({threads} threads; each process measures "
+            f"each size class at its first steps; ns/element: the fastest round, the median "
+            f"round for thread splits, timed on whole steps):"] + \
+        ["  " + line.replace("AdamW/Adam", "AdamW").replace("bfloat16 copy", "bf16 copy")
+         for line in optim.describe_tuning(mine)]
+
+
 def doctor_report():
     """What this installation was built with and can run, one line each."""
     import platform
@@ -36,7 +66,7 @@ def doctor_report():
         f"shm ({'available' if shm else 'not available: needs Linux /dev/shm'}), {nccl}",
         f"CUDA kernels built: {cuda_built}; torch sees CUDA: {torch.cuda.is_available()}",
         cuda_line(),
-    ]
+    ] + optimizer_tuning_lines()
 
 
 def _doctor(args):

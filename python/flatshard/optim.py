@@ -2,12 +2,14 @@
 
 Same arguments, state names and state_dict format as torch's, so a torch
 script swaps the class and keeps its checkpoints. Each step is one pass of C
-(csrc/optim_cpu.c) per parameter, SIMD chosen at run time, split over
-`threads` threads with the GIL released; on flatshard's flat shards one call
-updates a whole shard. Parameters and gradients must be contiguous fp32
-tensors, on the CPU or on a CUDA device, where each step is one fused kernel
-per parameter (csrc/cuda/optim.cu, through flatshard.cuda) enqueued on the
-current stream; anything else is refused with an error naming the parameter.
+(csrc/optim_cpu.c) per parameter, split over up to `threads` threads with the
+GIL released; on flatshard's flat shards one call updates a whole shard. How
+the loop runs (SIMD width, unrolling, prefetch, copy stores, thread split) is
+measured per size class in each process (csrc/optim_tune.c, tune_report()).
+Parameters and gradients must be contiguous fp32 tensors, on the CPU or on a
+CUDA device, where each step is one fused kernel per parameter
+(csrc/cuda/optim.cu, through flatshard.cuda) enqueued on the current stream;
+anything else is refused with an error naming the parameter.
 
 `adamw_step_` is the functional form, which can also write a bf16/fp16 copy
 of the updated parameters in the same pass.
@@ -22,7 +24,7 @@ from .comm import dtype_code
 from .disk_offload import DiskOffload
 from .errors import bad_type, bad_value
 
-__all__ = ["AdamW", "Adam", "SGD", "DiskOffload"]
+__all__ = ["AdamW", "Adam", "SGD", "DiskOffload", "tune_report"]
 
 
 def _threads(threads):
@@ -76,11 +78,16 @@ def _call_closure(closure):
 
 def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999), eps=1e-8,
                 weight_decay=1e-2, decoupled=True, maximize=False, max_exp_avg_sq=None,
-                out_copy=None, threads=None, simd="auto"):
+                out_copy=None, threads=None, simd="auto", variant=None):
     """One fused step on flat buffers (all contiguous fp32 CPU of one size).
     step: the step number after this update (1 on the first). out_copy: a
     bf16/fp16 tensor of the same size that receives the updated parameters.
-    simd: 'auto' (the best this CPU has), 'avx512', 'avx2' or 'scalar'."""
+    threads: the most threads the step may use (default: torch's intra-op
+    count). simd: the widest instruction set it may use: 'auto' (the best this
+    CPU has), 'avx512', 'avx2' or 'scalar' (the reference loop). Within those
+    caps the loop variant is the one measured fastest for this size class in
+    this process (tune_report()). variant: a variant name that forces one
+    instead (for tests and measurements); every variant gives the same bits."""
     n = param.numel()
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg),
                     ("exp_avg_sq", exp_avg_sq)) + ((("max_exp_avg_sq", max_exp_avg_sq),)
@@ -99,7 +106,36 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999
                  max_exp_avg_sq.data_ptr() if max_exp_avg_sq is not None else 0, copy_ptr,
                  copy_code, n, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
                  weight_decay=weight_decay, step=int(step), decoupled=decoupled,
-                 maximize=maximize, threads=_threads(threads), simd=simd)
+                 maximize=maximize, threads=_threads(threads), simd=simd, variant=variant)
+
+
+def tune_report():
+    """What this process measured to choose its loop variants: one dict per
+    size class (kind, size_log2, copy, amsgrad, threads_max, simd_max), with
+    the variant chosen, how it was timed, and every candidate's best time in
+    ns per element. The first step of each class calibrates it, its next
+    few steps try its thread splits, and it is listed once those are done."""
+    return _C.optim_tune_records()
+
+
+def describe_tuning(records=None):
+    """tune_report() as text lines: per class, the choice, then each stage's
+    candidates, fastest first (what `python -m flatshard doctor` prints)."""
+    lines = []
+    for r in tune_report() if records is None else records:
+        what = ("AdamW/Adam" if r["kind"] == "adam" else "SGD") + \
+            (" + amsgrad" if r["amsgrad"] else "") + \
+            ("" if r["copy"] == "none" else f" + {r['copy']} copy")
+        lines.append(f"{what}, 2^{r['size_log2']} elements ({r['tuned_numel']:,} timed on "
+                     f"{r['timed_on']}), up to {r['threads_max']} threads, {r['simd_max']}: "
+                     f"chosen {r['chosen']}" + ("" if r["tuned"] else " (default: no memory "
+                                                 "to time the candidates)"))
+        for stage in dict.fromkeys(c["stage"] for c in r["candidates"]):
+            cands = sorted((c for c in r["candidates"] if c["stage"] == stage),
+                           key=lambda c: c["ns_per_elem"])
+            lines.append(f"  {stage:>11}: " + ", ".join(
+                f"{c['variant']} {c['ns_per_elem']:.3f}" for c in cands) + " ns/element")
+    return lines
 
 
 class _Adam(torch.optim.Optimizer):

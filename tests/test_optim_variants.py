@@ -1,0 +1,166 @@
+"""Variants of the fused CPU optimizer loop (csrc/optim_cpu.c) and their
+run-time choice (csrc/optim_tune.c): every variant, forced by name, against
+the scalar reference variant, bit for bit, on awkward sizes and unaligned
+views; the tuned step against the reference; what tuning records."""
+import itertools
+
+import pytest
+import torch
+
+from flatshard import _C, optim as fo
+from flatshard.comm import dtype_code
+
+REFERENCE = "scalar.u1.pf0.st.t1.c0"
+LEVELS = ["scalar", "avx2", "avx512"][:["scalar", "avx2", "avx512"].index(_C.simd_level()) + 1]
+# Each field of a variant at each of its kinds of value: SIMD level, unroll,
+# prefetch (none, one line, a page ahead), copy stores, and threads (started
+# for the step, or the process's OpenMP team) with contiguous slices or with
+# 32-element chunks claimed in turn.
+VARIANTS = [f"{s}.u{u}.pf{pf}.{st}.{t}.c{c}" for s, u, pf, st, (t, c) in itertools.product(
+    LEVELS, (1, 2, 4), (0, 64, 4096), ("st", "nt"),
+    (("t1", 0), ("t3", 0), ("t3", 32), ("omp3", 0), ("omp3", 32)))]
+SIZES = [0, 1, 15, 16, 17, 33, 63, 65, 97, 1031]
+
+
+def _views(n, seed, offset):
+    """Buffers of n elements starting `offset` elements into their storage,
+    so that vector loads and streaming-store peels meet unaligned addresses."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n + offset, generator=g)[offset:] for _ in range(4)] + \
+        [torch.rand(n + offset, generator=g)[offset:]]
+
+
+def _adam(n, variant, offset, copy, decoupled, maximize, amsgrad, threads=3):
+    p, grad, m, mx, v = _views(n, n + offset, offset)
+    mx = mx.abs() if amsgrad else None
+    out = torch.empty(n + offset, dtype=copy)[offset:] if copy else None
+    for step in (1, 2, 3):
+        fo.adamw_step_(p, grad, m, v, step, lr=0.01, betas=(0.8, 0.95), eps=1e-6,
+                       weight_decay=0.1, decoupled=decoupled, maximize=maximize,
+                       max_exp_avg_sq=mx, out_copy=out, threads=threads, variant=variant)
+    return [t for t in (p, m, v, mx, out) if t is not None]
+
+
+def _sgd(n, variant, offset, copy, momentum, nesterov, maximize, threads=3):
+    g = torch.Generator().manual_seed(n)
+    p, grad, buf = (torch.randn(n + offset, generator=g)[offset:] for _ in range(3))
+    out = torch.empty(n + offset, dtype=copy)[offset:] if copy else None
+    for first in (True, False, False):
+        _C.sgd_step(p.data_ptr(), grad.data_ptr(), buf.data_ptr() if momentum else 0,
+                    out.data_ptr() if copy else 0, dtype_code(copy) if copy else _C.BF16, n,
+                    lr=0.05, momentum=momentum, dampening=0.0 if nesterov else 0.1,
+                    weight_decay=0.01, nesterov=nesterov, maximize=maximize, first_step=first,
+                    threads=threads, variant=variant)
+    return [t for t in (p, buf if momentum else None, out) if t is not None]
+
+
+def _same_bits(got, want):
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32),
+                           b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32))
+
+
+ADAM_OPTIONS = [(torch.bfloat16, True, False, False), (torch.float16, False, True, True),
+                (None, True, False, True)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_adam_variant_gives_the_reference_bits(variant):
+    for n, offset, (copy, decoupled, maximize, amsgrad) in itertools.product(
+            SIZES, (0, 3), ADAM_OPTIONS):
+        want = _adam(n, REFERENCE, offset, copy, decoupled, maximize, amsgrad)
+        _same_bits(_adam(n, variant, offset, copy, decoupled, maximize, amsgrad), want)
+        if copy:  # the copy is the updated parameter, rounded
+            assert torch.equal(want[-1], want[0].to(copy))
+
+
+SGD_OPTIONS = [(torch.bfloat16, 0.9, False, False), (torch.float16, 0.9, True, True),
+               (None, 0.0, False, False)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_sgd_variant_gives_the_reference_bits(variant):
+    for n, offset, (copy, momentum, nesterov, maximize) in itertools.product(
+            SIZES, (0, 3), SGD_OPTIONS):
+        want = _sgd(n, REFERENCE, offset, copy, momentum, nesterov, maximize)
+        _same_bits(_sgd(n, variant, offset, copy, momentum, nesterov, maximize), want)
+        if copy:
+            assert torch.equal(want[-1], want[0].to(copy))
+
+
+def _records(kind, n):
+    return [r for r in _C.optim_tune_records()
+            if r["kind"] == kind and r["size_log2"] == n.bit_length() - 1]
+
+
+def _winner(stage):
+    fastest = min(stage, key=lambda c: c["ns_per_elem"])
+    return (fastest if fastest["ns_per_elem"] < stage[0]["ns_per_elem"] * 0.95
+            else stage[0])["variant"]
+
+
+@pytest.mark.parametrize("n,timed_on", [(1031, "a scratch copy of the step"),
+                                        ((1 << 22) + 13, "the step's own buffers")])
+def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, timed_on):
+    # The calibrating step (the first of its class), the thread-split trial
+    # steps after it and the steps with the chosen variant all give the
+    # reference's bits; the class is listed once its trials are done.
+    _C.optim_tune_reset()
+    for _ in range(32):
+        adam, sgd = _records("adam", n), _records("sgd", n)
+        if len(adam) == 2 and len(sgd) == 1:
+            break
+        for copy in (None, torch.bfloat16):
+            want = _adam(n, REFERENCE, 0, copy, True, False, False)
+            _same_bits(_adam(n, None, 0, copy, True, False, False, threads=2), want)
+        want = _sgd(n, REFERENCE, 0, torch.float16, 0.9, False, False)
+        _same_bits(_sgd(n, None, 0, torch.float16, 0.9, False, False, threads=2), want)
+    assert sorted(r["copy"] for r in adam) == ["bfloat16", "none"] and \
+        [r["copy"] for r in sgd] == ["float16"]
+    for r in adam + sgd:
+        assert r["tuned"] and r["timed_on"] == timed_on and r["tuned_numel"] == n
+        assert r["threads_max"] == 2 and r["simd_max"] == _C.simd_level()
+        names = [c["variant"] for c in r["candidates"]]
+        assert r["chosen"] in names and all(c["ns_per_elem"] > 0 for c in r["candidates"])
+        stages = {c["stage"] for c in r["candidates"]}
+        assert "threads" in stages
+        if r["copy"] != "none" and _C.simd_level() != "scalar":
+            assert {"simd/unroll", "prefetch", "copy stores"} <= stages
+        # each stage starts from the winner of the one before, and the chosen
+        # variant wins the last: the fastest, unless within 5% of the stage's
+        # first candidate (the incumbent)
+        order = list(dict.fromkeys(c["stage"] for c in r["candidates"]))
+        by_stage = [[c for c in r["candidates"] if c["stage"] == st] for st in order]
+        for before, after in zip(by_stage, by_stage[1:]):
+            assert _winner(before) in [c["variant"] for c in after]
+        assert _winner(by_stage[-1]) == r["chosen"]
+
+
+def test_simd_cap_limits_the_candidates():
+    _C.optim_tune_reset()
+    p = torch.zeros(64)
+    for step in range(1, 9):  # the calibrating step, then the thread trial steps
+        fo.adamw_step_(p, p.clone(), p.clone(), p.clone(), step, lr=0.1, simd="scalar",
+                       threads=1)
+    rec = [r for r in _C.optim_tune_records() if r["simd_max"] == "scalar"]
+    assert rec and all(c["variant"].startswith("scalar.") for c in rec[0]["candidates"])
+
+
+@pytest.mark.parametrize("name", ["avx2", "avx2.u3.pf0.st.t1.c0", "avx2.u8.pf0.st.t1.c0",
+                                  "avx2.u1.pf0.xx.t1.c0",
+                                  "avx2.u1.pf0.st.mp2.c0",
+                                  "avx2.u1.pf0.st.t0.c0", "avx2.u1.pf0.st.t1.c17",
+                                  "auto.u1.pf0.st.t1.c0", "avx1024.u1.pf0.st.t1.c0",
+                                  "avx2.u1.pf0.st.t1.c0 "])
+def test_malformed_variant_names_are_refused(name):
+    p = torch.zeros(8)
+    with pytest.raises(ValueError, match="variant="):
+        fo.adamw_step_(p, p.clone(), p.clone(), p.clone(), 1, lr=0.1, variant=name)
+
+
+def test_doctor_reports_the_measured_choice():
+    from flatshard.__main__ import optimizer_tuning_lines
+    lines = optimizer_tuning_lines(log2=16)
+    text = "\n".join(lines)
+    assert "AdamW" in text and "bf16 copy" in text and "SGD" in text
+    assert "chosen" in text and "ns/element" in text
