@@ -141,3 +141,24 @@ def test_collectives_refuse_subclass_tensors(dist_pool, backend):
     for out in dist_pool(2).run(_comm_calls, backend, timeout=TIMEOUT):
         for name, msg in out.items():
             assert msg is not None and "subclass" in msg and "TwoTensor" in msg, (name, msg)
+
+
+@pytest.mark.parametrize("opt", ["AdamW", "Adam", "SGD"])
+def test_fused_optimizers_refuse_subclass_parameters(opt):
+    from flatshard import optim
+    p = nn.Parameter(TwoTensor(torch.ones(4), torch.ones(4)))
+    p.grad = TwoTensor(torch.ones(4), torch.ones(4))
+    o = getattr(optim, opt)([p], lr=0.1)
+    with pytest.raises(NotBuiltError, match=r"group 0 parameter 0 is a .*TwoTensor"):
+        o.step()
+
+
+def test_fused_step_function_refuses_subclass_buffers():
+    from flatshard import optim
+    plain = [torch.zeros(4) for _ in range(4)]
+    sub = TwoTensor(torch.ones(4), torch.ones(4))
+    for i in range(4):
+        args = list(plain)
+        args[i] = sub
+        with pytest.raises(NotBuiltError, match="subclass"):
+            optim.adamw_step_(*args, 1, lr=0.1)

@@ -23,6 +23,7 @@ from . import _C, cuda, disk_offload
 from .comm import dtype_code
 from .disk_offload import DiskOffload
 from .errors import bad_type, bad_value
+from .tensors import check_plain
 
 __all__ = ["AdamW", "Adam", "SGD", "DiskOffload", "tune_report"]
 
@@ -37,6 +38,8 @@ def _threads(threads):
 
 def _check_tensor(owner, what, i, t, cuda_ok=False):
     devices = ("cpu", "cuda") if cuda_ok else ("cpu",)
+    if torch.is_tensor(t):
+        check_plain(t, f"{what} {i}", owner)
     if not torch.is_tensor(t) or t.dtype != torch.float32 or t.device.type not in devices \
             or not t.is_contiguous() or t.is_sparse:
         desc = (f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', non-contiguous'}"
