@@ -379,6 +379,7 @@ static int add_constants(PyObject *m)
 }
 
 int fs_disk_add(PyObject *module); /* py_disk.c */
+int fs_unit_pool_add(PyObject *module); /* py_unit_pool.c */
 
 static int module_exec(PyObject *m)
 {
@@ -394,7 +395,7 @@ static int module_exec(PyObject *m)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
         fs_layout_add(m, st) < 0 ||
-        fs_disk_add(m) < 0 ||
+        fs_disk_add(m) < 0 || fs_unit_pool_add(m) < 0 ||
         add_constants(m) < 0)
         return -1;
     PyObject *api = PyCapsule_New((void *)&fs_host_device_api, FS_DEVICE_API_CAPSULE, NULL);

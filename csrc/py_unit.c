@@ -2,12 +2,13 @@
  * state machine (unit_fsm.c), driving unshard / reshard / gradient reduction
  * through a Comm.
  *
- * Memory: a group's unsharded buffer is a torch tensor whose storage is
- * resized to zero bytes when resharded and back when unsharded. Views of it
+ * Memory: a group's unsharded buffer is a torch tensor whose storage holds
+ * zero bytes when resharded and the whole buffer when unsharded. Views of it
  * (the parameters seen by forward, and the tensors autograd saved) stay
  * valid across the cycle, so nothing has to be re-saved and no stream-
- * lifetime tricks are needed. Storage resizing is the one torch call made
- * from here, through the storage object's resize_ method.
+ * lifetime tricks are needed. fs_unit_set_storage (py_unit_pool.c) is the one
+ * place the bytes change hands: host memory from flatshard's pool ([Note:
+ * pooled storage]), a device's through the storage's resize_.
  *
  * Device memory: when the Comm is bound to a device (Comm(kind='device'),
  * e.g. CUDA with NCCL), casts and accumulations go through the device's
@@ -224,8 +225,6 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         }
         if ((g->lp && !u->replicated &&
              !(g->lp_shard = fs_unit_take(u, sn, g->compute, &g->lp_shard_t))) ||
-            (g->reduce != g->compute && !u->empty &&
-             !(g->red_in = fs_unit_take(u, pn, g->reduce, NULL))) ||
             (g->reduce != g->dtype &&
              !(g->red_out = fs_unit_take(u, sn, g->reduce, &g->red_out_t))))
             goto fail;
@@ -265,7 +264,6 @@ static void Unit_dealloc(UnitObject *u)
         Py_XDECREF(u->groups[i].lp_storage);
         if (!u->empty) { /* else the tensors below own them */
             free(u->groups[i].lp_shard);
-            free(u->groups[i].red_in);
             free(u->groups[i].red_out);
         }
         Py_XDECREF(u->groups[i].lp_shard_t);
@@ -313,13 +311,6 @@ static PyObject *Unit_step(UnitObject *u, PyObject *args)
 
 /* ---------------------------------------------------------------------------
  * data movement */
-
-static int resize(PyObject *storage, int64_t nbytes)
-{
-    PyObject *r = PyObject_CallMethod(storage, "resize_", "L", (long long)nbytes);
-    Py_XDECREF(r);
-    return r ? 0 : -1;
-}
 
 /* Gather every group's shard into `full` (full_precision) or into its compute
  * buffer (lp under mixed precision, cast first; else full). */
@@ -382,8 +373,8 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, 
             if (!use_lp)
                 continue; /* the full buffer is the shard */
             fs_status s;
-            if ((allocate && resize(g->lp_storage, g->padded_numel *
-                                    (int64_t)fs_dtype_size(g->compute)) < 0) ||
+            if ((allocate && fs_unit_set_storage(u, g->lp_storage, g->padded_numel *
+                                                 (int64_t)fs_dtype_size(g->compute)) < 0) ||
                 fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(g->lp, &dp) < 0)
                 return fs_unit_annotate(u, "unshard", i);
             if ((s = fs_unit_cast(u, u->comm->stream, dp, g->compute, sp, g->dtype,
@@ -393,8 +384,8 @@ static PyObject *gather_groups(UnitObject *u, int full_precision, int allocate, 
             }
             continue;
         }
-        if ((allocate && resize(use_lp ? g->lp_storage : g->storage,
-                                g->padded_numel * (int64_t)fs_dtype_size(t)) < 0) ||
+        if ((allocate && fs_unit_set_storage(u, use_lp ? g->lp_storage : g->storage,
+                                             g->padded_numel * (int64_t)fs_dtype_size(t)) < 0) ||
             fs_tensor_ptr(g->shard, &sp) < 0 || fs_tensor_ptr(use_lp ? g->lp : g->full, &dp) < 0)
             return fs_unit_annotate(u, "unshard", i);
         fs_status s = FS_OK;
@@ -480,7 +471,7 @@ static PyObject *Unit_regather(UnitObject *u, PyObject *Py_UNUSED(a))
     int mixed = u->ngroups > 0 && u->groups[0].lp != NULL;
     if (mixed && u->full_unsharded && !u->replicated) {
         for (Py_ssize_t i = 0; i < u->ngroups; i++)
-            if (resize(u->groups[i].storage, 0) < 0)
+            if (fs_unit_set_storage(u, u->groups[i].storage, 0) < 0)
                 return fs_unit_annotate(u, "regather", i);
         u->full_unsharded = 0;
     }
@@ -510,8 +501,8 @@ static PyObject *Unit_reshard(UnitObject *u, PyObject *Py_UNUSED(a))
     if (wait_gathered(u) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < u->ngroups; i++)
-        if ((!u->replicated && resize(u->groups[i].storage, 0) < 0) ||
-            (u->groups[i].lp && resize(u->groups[i].lp_storage, 0) < 0))
+        if ((!u->replicated && fs_unit_set_storage(u, u->groups[i].storage, 0) < 0) ||
+            (u->groups[i].lp && fs_unit_set_storage(u, u->groups[i].lp_storage, 0) < 0))
             return fs_unit_annotate(u, "reshard", i);
     u->unsharded = 0;
     u->full_unsharded = u->replicated; /* NO_SHARD's full buffer is the shard: kept */

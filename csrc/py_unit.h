@@ -26,8 +26,6 @@ typedef struct {
     fs_dtype compute;     /* lp's dtype (== dtype without mixed precision) */
     fs_dtype reduce;      /* gradient reduction dtype */
     void *lp_shard;       /* shard_numel in the compute dtype: all-gather input */
-    void *red_in;         /* padded_numel in the reduce dtype, when it differs from compute
-                           * (host only: on a device it is taken per reduction) */
     void *red_out;        /* shard_numel in the reduce dtype, when it differs from dtype */
     PyObject *lp_shard_t; /* the tensors holding lp_shard / red_out on a device */
     PyObject *red_out_t;
@@ -78,6 +76,16 @@ fs_status fs_unit_cast(UnitObject *u, void *stream, void *dst, fs_dtype dt, cons
 fs_status fs_unit_scale_accumulate(UnitObject *u, void *stream, void *dst, fs_dtype dt,
                                    const void *src, fs_dtype st, int64_t n, double scale,
                                    int accumulate);
+/* py_unit_pool.c, [Note: pooled storage]: give a gathered buffer's storage
+ * nbytes (from the host pool; a device's through resize_), or take them
+ * away (0). -1 with an exception set on failure. */
+int fs_unit_set_storage(UnitObject *u, PyObject *storage, int64_t nbytes);
+/* Host staging for one reduction, from the pool; NULL with an exception set. */
+void *fs_unit_take_staging(UnitObject *u, int64_t nbytes);
+void fs_unit_give_staging(void *p);
+/* The pool's module functions (pool_stats, pool_trim, ...). */
+int fs_unit_pool_add(PyObject *module);
+
 /* Add "during <what> of unit ..." to the exception now set; returns NULL. */
 PyObject *fs_unit_annotate(UnitObject *u, const char *what, Py_ssize_t g);
 

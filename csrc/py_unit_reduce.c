@@ -126,6 +126,7 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
     const double inv = 1.0 / (c->world_size * (u->replicate ? u->replicate->comm->world_size : 1));
     const char *uname = PyUnicode_AsUTF8(u->name); /* for the ledger */
     PyObject *red_in_t = NULL, *ws_t = NULL; /* a device's per-reduction buffers */
+    void *staging = NULL; /* the host's: the reduce-dtype copy, from the pool */
     fs_status s = FS_OK;
     /* The gradient arrives in the compute dtype; the collective runs in the
      * reduce dtype. fp16 sums are divided first (they could overflow), the
@@ -136,7 +137,8 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
         void *dst = gp;
         if (g->reduce != g->compute &&
             !(dst = u->empty ? fs_unit_take(u, g->padded_numel, g->reduce, &red_in_t)
-                             : g->red_in)) {
+                             : (staging = fs_unit_take_staging(
+                                    u, g->padded_numel * (int64_t)fs_dtype_size(g->reduce))))) {
             Py_XDECREF(dev_out_t);
             return NULL;
         }
@@ -150,6 +152,7 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
         fs_comm_lend_workspace(u->comm, g->reduce, g->padded_numel, &ws_t) < 0) {
         Py_XDECREF(red_in_t);
         Py_XDECREF(dev_out_t);
+        fs_unit_give_staging(staging);
         return NULL;
     }
     if (defer)
@@ -184,6 +187,7 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
                     d->set_defer(c, 0);
                 Py_XDECREF(red_in_t);
                 Py_XDECREF(dev_out_t);
+                fs_unit_give_staging(staging);
                 fs_comm_return_workspace(u->comm, &ws_t);
                 return NULL;
             }
@@ -225,6 +229,7 @@ PyObject *fs_unit_reduce_grad(UnitObject *u, PyObject *args)
     }
     Py_XDECREF(dev_out_t);
     Py_XDECREF(red_in_t);
+    fs_unit_give_staging(staging);
     fs_comm_return_workspace(u->comm, &ws_t);
     if (s != FS_OK) {
         fs_raise(fs_unit_mstate(u), s, "gradient reduction: %s", c->last_error);

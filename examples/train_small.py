@@ -4,7 +4,9 @@
 
 Every transformer block is its own unit (gathered just in time, freed after);
 prints the loss per step, tokens/s, and each rank's memory for parameters,
-gradients and optimizer state, measured from torch's own storages.
+gradients and optimizer state, measured from torch's own storages, next to
+the process's resident memory (now and its peak), which also holds the
+runtime, the activations and whatever the C library keeps.
 """
 import argparse
 import os
@@ -107,8 +109,8 @@ def main():
     elapsed = time.perf_counter() - start if start else float("nan")
     # Right after a step: gradients are still held (zero_grad comes first in a step).
     mem = flatshard.memory_stats(model, opt)
-    keys = ["params", "grads", "optim", "unsharded"]
-    mine = torch.tensor([mem[k] for k in keys], dtype=torch.int64)
+    keys = ["params", "grads", "optim", "unsharded", "resident", "peak_resident"]
+    mine = torch.tensor([mem[k] or 0 for k in keys], dtype=torch.int64)
     every = torch.empty(world * len(keys), dtype=torch.int64)
     # torch 2.13 names it all_gather_single; 2.11 all_gather_into_tensor
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -118,10 +120,11 @@ def main():
         print(f"throughput: {tokens / elapsed:,.0f} tokens/s over {args.steps - 1} steps")
         full = n_params * 4
         print(f"per-rank memory (KiB)  [unsharded fp32 model: {full / 1024:,.0f} KiB]")
-        print("rank   params    grads    optim  unsharded-now")
+        print("rank   params    grads    optim  unsharded-now   resident  peak-resident")
         for r, m in lines:
             print(f"{r:4d} {m['params'] / 1024:8,.0f} {m['grads'] / 1024:8,.0f} "
-                  f"{m['optim'] / 1024:8,.0f} {m['unsharded'] / 1024:10,.0f}")
+                  f"{m['optim'] / 1024:8,.0f} {m['unsharded'] / 1024:14,.0f} "
+                  f"{m['resident'] / 1024:10,.0f} {m['peak_resident'] / 1024:14,.0f}")
     dist.destroy_process_group()
 
 

@@ -67,8 +67,12 @@ def test_demo_trains_and_reports():
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert "tokens/s" in out
-    rows = re.findall(r"^\s+(\d)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+0$", out, flags=re.M)
+    rows = re.findall(r"^\s+(\d)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+0\s+([\d,]+)\s+([\d,]+)$",
+                      out, flags=re.M)
     assert [r[0] for r in rows] == ["0", "1"]  # both ranks, nothing left unsharded
+    for r in rows:  # resident memory beside the logical bytes, within its peak
+        resident, peak = (int(x.replace(",", "")) for x in r[4:])
+        assert 0 < resident <= peak
 
 
 def shell_commands():

@@ -1,7 +1,13 @@
 """Live memory per rank, measured from torch's own storages (not from
 flatshard's bookkeeping), so tests and benchmarks can hold the sharding
-against what is really allocated."""
+against what is really allocated; and the process's resident memory beside
+it, which is what the operating system (and an out-of-memory killer) sees."""
+import os
+import resource
+
 import torch
+
+from . import _C
 
 
 def _storage_bytes(tensors):
@@ -24,14 +30,32 @@ def _gathered_buffers(unit):
             t.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr()]
 
 
+def resident_bytes():
+    """(now, peak): this process's resident memory (/proc/self/statm) and its
+    peak so far (getrusage ru_maxrss); None where the system has neither."""
+    try:
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        now = None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return now, peak or None
+
+
 def memory_stats(model, optimizer=None):
     """Bytes this rank holds for the wrapped `model` (and `optimizer`, whose
     state tensors are counted when given), by role:
 
-    params     storages of the parameters the optimizer sees (the shards)
-    unsharded  full (gathered) buffers live right now: 0 after reshard
-    grads      gradient storages, including unreduced full gradients
-    optim      optimizer state tensors
+    params         storages of the parameters the optimizer sees (the shards)
+    unsharded      full (gathered) buffers live right now: 0 after reshard
+    grads          gradient storages, including unreduced full gradients
+    optim          optimizer state tensors
+    pool_cached    free gather buffers flatshard keeps resident for the next
+                   unit's gather (host; 0 between steps)
+    resident       the whole process's resident memory now: the roles above,
+                   activations, the runtime (Python, torch, libraries) and
+                   whatever the C library's heap has not returned
+    peak_resident  the process's peak resident memory so far
     """
     from .fsdp import FullyShardedDataParallel
     fulls, pending = [], []
@@ -49,7 +73,14 @@ def memory_stats(model, optimizer=None):
     if optimizer is not None:
         out["optim"] = _storage_bytes(v for st in optimizer.state.values()
                                       for v in st.values() if torch.is_tensor(v))
+    out["pool_cached"] = _C.pool_stats()["cached_bytes"]
+    out["resident"], out["peak_resident"] = resident_bytes()
     return out
+
+
+def format_stats(stats):
+    """memory_stats' dict as one line of MiB, for printing."""
+    return "  ".join(f"{k}={v / 2**20:,.0f}MiB" for k, v in stats.items() if v is not None)
 
 
 def _mib(n):

@@ -83,6 +83,15 @@ class Plan:
         return sum(ln.bytes for ln in self.lines if ln.where == where)
 
     @property
+    def peak_rss(self):
+        """Training on CPU, where every line but disk is host memory: the
+        process's predicted peak resident bytes (the measured runtime
+        included); None unless plan() was given runtime_bytes."""
+        if not any(ln.key == "runtime" for ln in self.lines):
+            return None
+        return sum(ln.bytes for ln in self.lines if ln.where != "disk")
+
+    @property
     def model_states(self):
         """params + grads + fp32 master + optimizer moments, wherever they live."""
         return sum(self[k] for k in MODEL_STATES)
@@ -121,7 +130,11 @@ def _gathered_units(units, elem_of, strategy, shard_world, prefetch):
 
 def _activations(c):
     """Korthikanti et al. 2022 per transformer layer: s*b*h*(34 + 5*a*s/h)
-    bytes with 16-bit activations; an estimate."""
+    bytes with 16-bit activations; an estimate. A measured figure
+    (activation_bytes, from plan_measure.SavedActivations) replaces it."""
+    if c["activation_bytes"]:
+        return c["activation_bytes"], ("measured: the bytes autograd saved for backward in "
+                                       "one forward (flatshard.plan.SavedActivations)")
     b, s, h, L = c["batch_size"], c["seq_len"], c["hidden"], c["layers"]
     if None in (b, s, h, L):
         return 0, "not estimated: give batch_size, seq_len, hidden and layers"
@@ -182,7 +195,7 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
          units=None, activation_checkpointing=False, batch_size=None, seq_len=None, hidden=None,
          layers=None, heads=None, vocab=None, flash_attention=False, backward_prefetch=True,
          forward_prefetch=False, comm_backend="shm", slot_bytes=None, disk_chunks=4,
-         disk_chunk_bytes=64 << 20):
+         disk_chunk_bytes=64 << 20, runtime_bytes=None, activation_bytes=None):
     """Per-rank memory of one configuration -> Plan (bytes, with formulas).
 
     model or params: an nn.Module (meta device fine; wrapped by
@@ -196,6 +209,12 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
     offload_optimizer: "cpu" (master + moments on host) or "disk" (on disk;
     the host holds disk_chunks staging chunks). batch_size/seq_len/hidden/
     layers[/heads/vocab]: per-rank activation estimate for a transformer.
+    runtime_bytes: the process's resident bytes before the model is built,
+    measured once (flatshard.memory.resident_bytes()); adds the runtime and
+    the loss's buffers, and Plan.peak_rss becomes the predicted peak
+    resident memory of a rank training on CPU. activation_bytes: the bytes
+    autograd saves in one forward, measured (SavedActivations), in place of
+    the transformer estimate.
     """
     c = _resolve(locals())
     if model is not None:
@@ -251,7 +270,8 @@ def _resolve(kw):
         raise bad_value("offload_optimizer", c["offload_optimizer"], "offload_params=True "
                         "already puts the optimizer state on the host", "give one of them")
     for k in ("units", "batch_size", "seq_len", "hidden", "layers", "heads", "vocab",
-              "slot_bytes", "disk_chunks", "disk_chunk_bytes"):
+              "slot_bytes", "disk_chunks", "disk_chunk_bytes", "runtime_bytes",
+              "activation_bytes"):
         v = c[k]
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise bad_value(k, v, "expected a positive int or None")
@@ -372,6 +392,20 @@ def _plan(units, c):
             f"not counted: the {c['comm_backend']} backend's own buffers")
     ab, af = _activations(dict(c, act_bytes=mp or c["dtype_bytes"]))
     add("activations", "activations", ab, "device", af)
+    if c["runtime_bytes"]:
+        # [Note: resident prediction] The process's peak resident memory on
+        # CPU: everything above is host memory there, at its peak together
+        # only at the start of backward, where the gradients are not made
+        # yet but the loss's buffers are; the two cancel to within the
+        # estimate's error for transformer training (tests/test_plan_rss.py).
+        add("runtime", "runtime (measured)", c["runtime_bytes"], "host",
+            "measured once: the process's resident bytes before the model is built (Python, "
+            "torch, imported libraries, the process group)")
+        if c["vocab"] and c["batch_size"] and c["seq_len"]:
+            s_, b_, v_ = c["seq_len"], c["batch_size"], c["vocab"]
+            add("loss_buffers", "loss backward over the vocabulary", 2 * 4 * s_ * b_ * v_,
+                "device", "estimate: the gradients of the loss's log-softmax and of the "
+                "logits, fp32, made at the start of backward: 2*4*s*b*V")
     # Offload: move the lines to the host (or disk).
     moved = ()
     if c["offload_params"]:
@@ -403,5 +437,6 @@ def _plan(units, c):
 
 # Predicted against measured, on a wrapped model (plan_measure.py); ranking
 # configurations under a memory limit (plan_rank.py).
-from .plan_measure import check, predict, watch, watch_from_env  # noqa: E402,F401
+from .plan_measure import (SavedActivations, check, predict, watch,  # noqa: E402,F401
+                           watch_from_env)
 from .plan_rank import rank  # noqa: E402,F401

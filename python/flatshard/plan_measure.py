@@ -148,6 +148,49 @@ class Watch:
         return "\n".join(lines)
 
 
+class SavedActivations:
+    """Counts the bytes autograd saves for backward while active (each
+    storage once), the parameters and flatshard's own buffers (shards,
+    gathered units) apart: a measured activation figure for the planner.
+
+        with flatshard.plan.SavedActivations(model) as act:
+            loss = model(batch).loss
+        plan = flatshard.plan.predict(model, opt, activation_bytes=act.bytes, ...)
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.bytes = 0
+        self._seen = set()
+        self._ctx = None
+
+    def _owned(self):
+        ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        for m in self.model.modules():
+            unit = getattr(m, "_unit", None)
+            for g in getattr(unit, "groups", ()):
+                ptrs.update(t.untyped_storage().data_ptr() for t in (g.shard, g.full, g.lp)
+                            if t is not None)
+        return ptrs
+
+    def _pack(self, t):
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr and ptr not in self._seen and ptr not in self._owned():
+            self._seen.add(ptr)
+            self.bytes += s.nbytes()
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        self._ctx = None
+
+
 def check(model, optimizer):
     """Model states predicted vs measured on this rank, as text; call after
     optimizer.step() (gathered peaks need a watch from before the step)."""

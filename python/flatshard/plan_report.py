@@ -29,6 +29,9 @@ def plan_table(p, explain=True):
     for where in ("device", "host", "disk"):
         if p.total(where) or where == "device":
             rows.append(f"  {'total ' + where:<34}{_gib(p.total(where)):>10}")
+    if p.peak_rss is not None:
+        rows.append(f"  {'peak resident on CPU':<34}{_gib(p.peak_rss):>10}"
+                    + ("  every line but disk, at once" if explain else ""))
     rows.append(f"  communication per step: {_gib(p.comm_bytes)} GiB sent per rank"
                 + (f" ({p.comm_formula})" if explain else ""))
     if p.transfer_bytes:

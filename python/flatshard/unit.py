@@ -23,6 +23,36 @@ from .options import BackwardPrefetch
 _GRAD = _C.FLAG_GRAD_ENABLED
 
 
+class _HeapTrim:
+    """[Note: heap trim] What backward frees on the host (activations, each
+    unit's unsharded gradient) came from torch's allocator, that is the C
+    library's heap, which keeps it, while requests as large as a unit's
+    gradient are mapped anew beside it: the process grows by what the heap
+    holds free. After a unit's gradient is reduced the free pages are handed
+    back (_C.heap_trim) once TRIM_BYTES of units have been freed since the
+    last trim, when the unit that ran first in forward is done (only the
+    root's work is left, with its large gradients), and at the end of
+    backward. Not after every unit: a trim costs a walk of the heap, and the
+    pages it hands back are faulted in again by the next unit."""
+    TRIM_BYTES = 64 << 20
+
+    def __init__(self):
+        self.pending = 0
+
+    def freed(self, unit):
+        self.pending += sum(g.padded_numel * g.compute.element_size() for g in unit.groups)
+        prev = unit.root.previous_in_forward(unit) if unit.root is not None else None
+        if self.pending >= self.TRIM_BYTES or prev is None or prev.c.is_root:
+            self.trim()
+
+    def trim(self):
+        self.pending = 0
+        _C.heap_trim()
+
+
+_HEAP = _HeapTrim()
+
+
 def _is_alloc_failure(e):
     text = str(e).lower()
     return isinstance(e, MemoryError) or "not enough memory" in text or \
@@ -70,6 +100,11 @@ class UnitRuntime:
                 for a in aliases:
                     del a.module._parameters[a.attr]
                     a.module.__dict__[a.attr] = views[i] if views is not None else None
+            # The shard holds the values now: the original parameters keep
+            # their shape and dtype (for names and checks) but not their
+            # memory, which would otherwise be a whole unsharded model.
+            for p in g.params:
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
 
     def _resting_views(self, g):
         """use_orig_params=False: what the modules show outside forward. The
@@ -218,6 +253,8 @@ class UnitRuntime:
                 self._reduce(self.groups[gi], grad)
         if act & _C.ACT_RESHARD:
             self._reshard()
+            if self.c.comm.device is None:
+                _HEAP.freed(self)
 
     def _reduce(self, g, grad):
         """On a device the reduction is deferred ([Note: deferred collectives]
@@ -269,6 +306,11 @@ class UnitRuntime:
         act = self.c.step(_C.EV_FINALIZE, 0)
         if act & _C.ACT_RESHARD:
             self._reshard()
+        # Between steps the host keeps only its model states: the pool's
+        # cached blocks go back once no unit holds one ([Note: pool cache]).
+        _C.pool_trim(True)
+        if self.c.comm.device is None and _HEAP.pending:
+            _HEAP.trim()
 
     def _reshard(self):
         self._clear_unsharded_views()

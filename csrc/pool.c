@@ -1,0 +1,224 @@
+/* pool.c - the host pool of unit-lifetime blocks (pool.h): one anonymous
+ * mapping per block, a small cache of free ones. Not a general allocator:
+ * a handful of sizes (one per unit group) and tens of blocks, so a linear
+ * table is all the bookkeeping needed. */
+#define _GNU_SOURCE
+#include "pool.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+static size_t page_bytes(void)
+{
+    long n = sysconf(_SC_PAGESIZE);
+    return n > 0 ? (size_t)n : 4096;
+}
+
+/* Blocks of at least this many bytes are whole, aligned huge pages: a
+ * unit's buffer then costs a few hundred faults to make resident, not tens
+ * of thousands (where transparent huge pages are enabled at all). */
+#define FS_POOL_HUGE_BYTES ((size_t)2 << 20)
+
+/* A resident mapping of `bytes` (a page multiple; a huge-page multiple from
+ * FS_POOL_HUGE_BYTES on), or MAP_FAILED. */
+static void *map_block(size_t bytes)
+{
+    const int prot = PROT_READ | PROT_WRITE, flags = MAP_PRIVATE | MAP_ANONYMOUS;
+    if (bytes < FS_POOL_HUGE_BYTES) /* faulted in by the kernel in one call */
+        return mmap(NULL, bytes, prot, flags | MAP_POPULATE, -1, 0);
+    const size_t span = bytes + FS_POOL_HUGE_BYTES; /* room to align */
+    char *m = mmap(NULL, span, prot, flags, -1, 0);
+    if (m == MAP_FAILED)
+        return MAP_FAILED;
+    const uintptr_t mask = FS_POOL_HUGE_BYTES - 1;
+    char *a = (char *)(((uintptr_t)m + mask) & ~mask);
+    if (a > m)
+        munmap(m, (size_t)(a - m));
+    if (m + span > a + bytes)
+        munmap(a + bytes, (size_t)(m + span - (a + bytes)));
+#ifdef MADV_HUGEPAGE
+    madvise(a, bytes, MADV_HUGEPAGE); /* advice: without it, plain pages */
+#endif
+#ifdef MADV_POPULATE_WRITE
+    madvise(a, bytes, MADV_POPULATE_WRITE); /* else faulted in by first use */
+#endif
+    return a;
+}
+
+void fs_pool_init(fs_pool *p, int keep_blocks)
+{
+    memset(p, 0, sizeof *p);
+    pthread_mutex_init(&p->lock, NULL);
+    p->keep_blocks = keep_blocks < 0 ? 0 : keep_blocks;
+}
+
+void fs_pool_destroy(fs_pool *p)
+{
+    for (size_t i = 0; i < p->nblocks; i++)
+        munmap(p->blocks[i].ptr, p->blocks[i].bytes);
+    free(p->blocks);
+    pthread_mutex_destroy(&p->lock);
+    memset(p, 0, sizeof *p);
+}
+
+/* Caller holds the lock. */
+static void unmap_at(fs_pool *p, size_t i)
+{
+    fs_pool_block b = p->blocks[i];
+    munmap(b.ptr, b.bytes);
+    p->stats.cached_bytes -= b.bytes;
+    p->stats.unmaps++;
+    p->blocks[i] = p->blocks[--p->nblocks];
+}
+
+static size_t cached_count(const fs_pool *p)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < p->nblocks; i++)
+        n += !p->blocks[i].in_use;
+    return n;
+}
+
+/* Caller holds the lock: [Note: pool cache]. */
+static void enforce_keep(fs_pool *p)
+{
+    while (cached_count(p) > (size_t)p->keep_blocks) {
+        size_t oldest = p->nblocks;
+        for (size_t i = 0; i < p->nblocks; i++)
+            if (!p->blocks[i].in_use &&
+                (oldest == p->nblocks || p->blocks[i].freed_at < p->blocks[oldest].freed_at))
+                oldest = i;
+        unmap_at(p, oldest);
+    }
+}
+
+fs_status fs_pool_take(fs_pool *p, size_t nbytes, int cacheable, void **out)
+{
+    const size_t pg = page_bytes();
+    if (nbytes == 0)
+        nbytes = 1;
+    if (nbytes > SIZE_MAX - 2 * FS_POOL_HUGE_BYTES)
+        return FS_ERR_NO_MEMORY;
+    size_t bytes = (nbytes + pg - 1) / pg * pg;
+    if (bytes >= FS_POOL_HUGE_BYTES)
+        bytes = (bytes + FS_POOL_HUGE_BYTES - 1) / FS_POOL_HUGE_BYTES * FS_POOL_HUGE_BYTES;
+    fs_status s = FS_OK;
+    pthread_mutex_lock(&p->lock);
+    size_t hit = p->nblocks;
+    for (size_t i = 0; i < p->nblocks; i++) /* the most recently freed: warmest in cache */
+        if (!p->blocks[i].in_use && p->blocks[i].bytes == bytes &&
+            (hit == p->nblocks || p->blocks[i].freed_at > p->blocks[hit].freed_at))
+            hit = i;
+    if (hit < p->nblocks) {
+        p->blocks[hit].in_use = 1;
+        p->blocks[hit].cacheable = cacheable;
+        p->stats.cached_bytes -= bytes;
+        p->stats.reuses++;
+    } else {
+        if (p->nblocks == p->cap) {
+            size_t cap = p->cap ? 2 * p->cap : 16;
+            fs_pool_block *nb = realloc(p->blocks, cap * sizeof *nb);
+            if (!nb) {
+                s = FS_ERR_NO_MEMORY;
+                goto done;
+            }
+            p->blocks = nb;
+            p->cap = cap;
+        }
+        /* Faulted in here, rather than a page at a time by the all-gather
+         * that writes it. */
+        void *m = map_block(bytes);
+        if (m == MAP_FAILED) {
+            s = FS_ERR_NO_MEMORY;
+            goto done;
+        }
+        hit = p->nblocks++;
+        p->blocks[hit] = (fs_pool_block){m, bytes, 0, 1, cacheable};
+        p->stats.maps++;
+    }
+    p->stats.live_bytes += bytes;
+    if (p->stats.live_bytes > p->stats.peak_live_bytes)
+        p->stats.peak_live_bytes = p->stats.live_bytes;
+    *out = p->blocks[hit].ptr;
+done:
+    pthread_mutex_unlock(&p->lock);
+    return s;
+}
+
+fs_status fs_pool_give(fs_pool *p, void *ptr)
+{
+    fs_status s = FS_ERR_INVALID_ARG;
+    pthread_mutex_lock(&p->lock);
+    for (size_t i = 0; i < p->nblocks; i++) {
+        fs_pool_block *b = &p->blocks[i];
+        if (b->ptr != ptr || !b->in_use)
+            continue;
+        b->in_use = 0;
+        b->freed_at = ++p->gives;
+        p->stats.live_bytes -= b->bytes;
+        p->stats.cached_bytes += b->bytes;
+        if (b->cacheable)
+            enforce_keep(p);
+        else
+            unmap_at(p, i);
+        s = FS_OK;
+        break;
+    }
+    pthread_mutex_unlock(&p->lock);
+    return s;
+}
+
+static size_t trim_locked(fs_pool *p)
+{
+    size_t released = 0;
+    for (size_t i = p->nblocks; i-- > 0;)
+        if (!p->blocks[i].in_use) {
+            released += p->blocks[i].bytes;
+            unmap_at(p, i);
+        }
+    return released;
+}
+
+size_t fs_pool_trim(fs_pool *p)
+{
+    pthread_mutex_lock(&p->lock);
+    size_t r = trim_locked(p);
+    pthread_mutex_unlock(&p->lock);
+    return r;
+}
+
+size_t fs_pool_trim_idle(fs_pool *p)
+{
+    pthread_mutex_lock(&p->lock);
+    int gathering = 0;
+    for (size_t i = 0; i < p->nblocks; i++)
+        gathering |= p->blocks[i].in_use && p->blocks[i].cacheable;
+    size_t r = gathering ? 0 : trim_locked(p);
+    pthread_mutex_unlock(&p->lock);
+    return r;
+}
+
+fs_pool_stats fs_pool_get_stats(fs_pool *p)
+{
+    pthread_mutex_lock(&p->lock);
+    fs_pool_stats s = p->stats;
+    pthread_mutex_unlock(&p->lock);
+    return s;
+}
+
+void fs_pool_reset_peak(fs_pool *p)
+{
+    pthread_mutex_lock(&p->lock);
+    p->stats.peak_live_bytes = p->stats.live_bytes;
+    pthread_mutex_unlock(&p->lock);
+}
+
+void fs_pool_set_keep(fs_pool *p, int keep_blocks)
+{
+    pthread_mutex_lock(&p->lock);
+    p->keep_blocks = keep_blocks < 0 ? 0 : keep_blocks;
+    enforce_keep(p);
+    pthread_mutex_unlock(&p->lock);
+}

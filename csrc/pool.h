@@ -1,0 +1,79 @@
+/* pool.h - host memory for buffers that live as long as one unit's gather
+ * (the unsharded buffer, its low-precision copy, reduction staging).
+ *
+ * Why not malloc: glibc serves a large request with mmap only until the
+ * first such block is freed; then it raises its mmap threshold to that size
+ * (up to 32 MiB), and every later unit-sized buffer comes from the heap,
+ * where what resharding frees stays in the process. Here every block is its
+ * own mapping: a block handed back is either kept, resident, for the next
+ * gather of the same size (no page faults, no zeroing), or unmapped, which
+ * returns its pages to the system at once.
+ *
+ * [Note: pool cache] At most `keep_blocks` free blocks stay mapped (the next
+ * unit's gather and one prefetch); a give beyond that unmaps the block freed
+ * longest ago. fs_pool_trim_idle() unmaps every free block when no gather
+ * holds one (the end of a backward pass), so that between steps the process
+ * holds only its model states.
+ *
+ * Pure allocator logic: no Python, no torch; thread-safe (a block may be
+ * handed back from whichever thread drops the last tensor over it). */
+#ifndef FS_POOL_H
+#define FS_POOL_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fs_status.h"
+
+typedef struct {
+    void *ptr;
+    size_t bytes;      /* mapped length: the request rounded up to whole pages
+                        * (whole 2 MiB huge pages from 2 MiB on) */
+    uint64_t freed_at; /* the pool's give counter when it was handed back */
+    int in_use;
+    int cacheable;     /* kept for reuse when handed back; else unmapped at once */
+} fs_pool_block;
+
+typedef struct {
+    size_t live_bytes;      /* handed out now */
+    size_t cached_bytes;    /* free, mapped and resident, kept for the next take */
+    size_t peak_live_bytes; /* since creation, or since fs_pool_reset_peak */
+    uint64_t maps;          /* blocks mapped (each one page-faulted in once) */
+    uint64_t reuses;        /* takes served from the cache */
+    uint64_t unmaps;        /* blocks returned to the system */
+} fs_pool_stats;
+
+typedef struct {
+    pthread_mutex_t lock;
+    fs_pool_block *blocks; /* every mapped block, in use or cached */
+    size_t nblocks, cap;
+    int keep_blocks;       /* [Note: pool cache] */
+    uint64_t gives;
+    fs_pool_stats stats;
+} fs_pool;
+
+void fs_pool_init(fs_pool *p, int keep_blocks);
+/* Unmaps every block, in use or not: only when nothing refers to them. */
+void fs_pool_destroy(fs_pool *p);
+
+/* A page-aligned block of at least nbytes (>= 1), resident (faulted in) and
+ * with undefined contents: a cached block of the same rounded size if there
+ * is one, else a new mapping. cacheable: kept for the next take when handed
+ * back (gathers, which recur within a step); 0 for buffers that live until
+ * the step ends (gradient shards), unmapped when handed back. */
+fs_status fs_pool_take(fs_pool *p, size_t nbytes, int cacheable, void **out);
+/* Hand back a block from fs_pool_take. FS_ERR_INVALID_ARG for a pointer the
+ * pool did not hand out (nothing changes). */
+fs_status fs_pool_give(fs_pool *p, void *ptr);
+/* Unmap every free block if no cacheable block is in use (no gather is
+ * live); returns the bytes released. */
+size_t fs_pool_trim_idle(fs_pool *p);
+/* Unmap every free block; returns the bytes released. */
+size_t fs_pool_trim(fs_pool *p);
+
+fs_pool_stats fs_pool_get_stats(fs_pool *p);
+void fs_pool_reset_peak(fs_pool *p);
+void fs_pool_set_keep(fs_pool *p, int keep_blocks);
+
+#endif

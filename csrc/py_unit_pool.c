@@ -1,0 +1,279 @@
+/* py_unit_pool.c - host units' unsharded buffers from flatshard's pool
+ * (pool.h) instead of torch's CPU allocator, and the module functions that
+ * show and steer the pool.
+ *
+ * [Note: pooled storage] A unit's full (or lp) buffer is a torch storage
+ * that views and autograd-saved tensors refer to, so its StorageImpl must
+ * stay the same object across reshard/unshard; only the memory behind it
+ * changes. Unsharding takes a block from the pool, wraps it as a DLPack
+ * tensor (whose deleter hands the block back) and swaps that tensor's data
+ * pointer into the unit's storage (UntypedStorage._swap_data_ptr_, the
+ * mechanism torch's CUDA-graph trees use for the same purpose); resharding
+ * swaps in a fresh empty storage and drops it, which runs the deleter. So
+ * a resharded buffer still has a zero-byte storage, which is what the rest
+ * of flatshard reads as "resharded". Device units keep storage resize_
+ * (torch's caching allocator already reuses device blocks). */
+#include "py_unit.h"
+
+#include <stdlib.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
+#include "dlpack.h"
+#include "pool.h"
+
+/* One pool per process, like the C library's heap it stands in for: the
+ * deleter of a pooled tensor may run on any thread, after any Unit is gone. */
+static fs_pool pool;
+static int pool_ready;
+static PyObject *from_dlpack; /* torch.utils.dlpack.from_dlpack */
+static PyObject *storage_type; /* torch.UntypedStorage */
+
+/* Gathers in flight at once: the unit being used and one prefetched. */
+#define FS_POOL_KEEP_BLOCKS 2
+
+typedef struct {
+    DLManagedTensor managed;
+    int64_t shape[1];
+    void *block;
+} pooled_dl;
+
+static void pooled_dl_delete(DLManagedTensor *self)
+{
+    pooled_dl *o = self->manager_ctx;
+    fs_pool_give(&pool, o->block);
+    free(o);
+}
+
+static void capsule_destructor(PyObject *cap)
+{
+    /* Renamed to "used_dltensor" once torch took ownership. */
+    if (PyCapsule_IsValid(cap, "dltensor")) {
+        DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+        m->deleter(m);
+    }
+}
+
+static int torch_refs(void)
+{
+    if (from_dlpack)
+        return 0;
+    PyObject *dl = PyImport_ImportModule("torch.utils.dlpack");
+    PyObject *torch = dl ? PyImport_ImportModule("torch") : NULL;
+    if (torch) {
+        from_dlpack = PyObject_GetAttrString(dl, "from_dlpack");
+        storage_type = from_dlpack ? PyObject_GetAttrString(torch, "UntypedStorage") : NULL;
+    }
+    Py_XDECREF(dl);
+    Py_XDECREF(torch);
+    if (!storage_type)
+        Py_CLEAR(from_dlpack);
+    return from_dlpack ? 0 : -1;
+}
+
+/* A new uint8 storage over a pool block of nbytes; the block goes back to
+ * the pool when torch drops the storage's data pointer. */
+static PyObject *pooled_storage(int64_t nbytes, int cacheable)
+{
+    if (torch_refs() < 0)
+        return NULL;
+    pooled_dl *o = calloc(1, sizeof *o);
+    if (!o)
+        return PyErr_NoMemory();
+    fs_status s;
+    Py_BEGIN_ALLOW_THREADS /* mapping and faulting in a unit's pages takes a while */
+    s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
+    Py_END_ALLOW_THREADS
+    if (s != FS_OK) {
+        free(o);
+        return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host memory "
+                            "for an unsharded buffer: not enough memory", (long long)nbytes);
+    }
+    o->shape[0] = nbytes;
+    DLTensor *d = &o->managed.dl_tensor;
+    d->data = o->block;
+    d->device.device_type = FS_kDLCPU;
+    d->ndim = 1;
+    d->shape = o->shape;
+    d->dtype = (DLDataType){FS_kDLUInt, 8, 1};
+    o->managed.manager_ctx = o;
+    o->managed.deleter = pooled_dl_delete;
+    PyObject *cap = PyCapsule_New(&o->managed, "dltensor", capsule_destructor);
+    if (!cap) {
+        pooled_dl_delete(&o->managed);
+        return NULL;
+    }
+    PyObject *t = PyObject_CallOneArg(from_dlpack, cap);
+    Py_DECREF(cap); /* torch owns the block now, or the destructor gave it back */
+    if (!t)
+        return NULL;
+    PyObject *st = PyObject_CallMethod(t, "untyped_storage", NULL);
+    Py_DECREF(t);
+    return st;
+}
+
+static int swap_into(PyObject *storage, PyObject *other)
+{
+    PyObject *r = PyObject_CallMethod(storage, "_swap_data_ptr_", "O", other);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+static int64_t storage_nbytes(PyObject *storage)
+{
+    PyObject *r = PyObject_CallMethod(storage, "nbytes", NULL);
+    if (!r)
+        return -1;
+    long long n = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return n;
+}
+
+int fs_unit_set_storage(UnitObject *u, PyObject *storage, int64_t nbytes)
+{
+    if (u->empty) { /* a device: torch's allocator, [Note: pooled storage] */
+        PyObject *r = PyObject_CallMethod(storage, "resize_", "L", (long long)nbytes);
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    int64_t now = storage_nbytes(storage);
+    if (now < 0)
+        return -1;
+    if (now == nbytes)
+        return 0;
+    PyObject *other = NULL;
+    if (now > 0) { /* back to zero bytes first; the block returns to the pool */
+        if (torch_refs() < 0 || !(other = PyObject_CallFunction(storage_type, "i", 0)) ||
+            swap_into(storage, other) < 0) {
+            Py_XDECREF(other);
+            return -1;
+        }
+        Py_CLEAR(other);
+    }
+    if (nbytes == 0)
+        return 0;
+    if (!(other = pooled_storage(nbytes, 1)))
+        return -1;
+    int rc = swap_into(storage, other);
+    Py_DECREF(other); /* holds the zero-byte data pointer now, or the block on failure */
+    return rc;
+}
+
+void *fs_unit_take_staging(UnitObject *u, int64_t nbytes)
+{
+    void *p = NULL;
+    if (fs_pool_take(&pool, (size_t)nbytes, 1, &p) != FS_OK)
+        return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host "
+                            "memory for unit '%U': not enough memory", (long long)nbytes,
+                            u->name);
+    return p;
+}
+
+void fs_unit_give_staging(void *p)
+{
+    if (p)
+        fs_pool_give(&pool, p);
+}
+
+/* ---------------------------------------------------------------------------
+ * module functions */
+
+PyDoc_STRVAR(pool_stats_doc,
+             "pool_stats() -> dict: the host pool of unsharded buffers: live_bytes (handed\n"
+             "out now), cached_bytes (free, kept resident for the next gather),\n"
+             "peak_live_bytes, and counts of maps, reuses and unmaps.");
+static PyObject *py_pool_stats(PyObject *m, PyObject *Py_UNUSED(a))
+{
+    fs_pool_stats s = fs_pool_get_stats(&pool);
+    return Py_BuildValue("{sKsKsKsKsKsK}", "live_bytes", (unsigned long long)s.live_bytes,
+                         "cached_bytes", (unsigned long long)s.cached_bytes, "peak_live_bytes",
+                         (unsigned long long)s.peak_live_bytes, "maps",
+                         (unsigned long long)s.maps, "reuses", (unsigned long long)s.reuses,
+                         "unmaps", (unsigned long long)s.unmaps);
+}
+
+PyDoc_STRVAR(pool_trim_doc, "pool_trim(idle_only=False) -> bytes returned to the system: unmap\n"
+                            "the free cached blocks (idle_only: only when none is in use).");
+static PyObject *py_pool_trim(PyObject *m, PyObject *args)
+{
+    int idle_only = 0;
+    if (!PyArg_ParseTuple(args, "|p", &idle_only))
+        return NULL;
+    size_t r = idle_only ? fs_pool_trim_idle(&pool) : fs_pool_trim(&pool);
+    return PyLong_FromSize_t(r);
+}
+
+PyDoc_STRVAR(pool_reset_peak_doc, "pool_reset_peak(): peak_live_bytes restarts from now.");
+static PyObject *py_pool_reset_peak(PyObject *m, PyObject *Py_UNUSED(a))
+{
+    fs_pool_reset_peak(&pool);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(pool_set_keep_doc,
+             "pool_set_keep(blocks): how many free blocks the pool keeps resident\n"
+             "(default 2: the next unit's gather and one prefetch).");
+static PyObject *py_pool_set_keep(PyObject *m, PyObject *args)
+{
+    int keep;
+    if (!PyArg_ParseTuple(args, "i", &keep))
+        return NULL;
+    if (keep < 0)
+        return PyErr_Format(PyExc_ValueError, "pool_set_keep: blocks must be >= 0, got %d", keep);
+    fs_pool_set_keep(&pool, keep);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(pool_storage_doc,
+             "pool_storage(nbytes, cache=True) -> UntypedStorage over a pool block: the\n"
+             "block goes back to the pool when the storage's memory is dropped, and is\n"
+             "kept for the next request of its size (cache) or unmapped at once.");
+static PyObject *py_pool_storage(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"nbytes", "cache", NULL};
+    long long n;
+    int cache = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|p", kwlist, &n, &cache))
+        return NULL;
+    if (n <= 0)
+        return PyErr_Format(PyExc_ValueError, "pool_storage: nbytes must be > 0, got %lld", n);
+    return pooled_storage(n, cache);
+}
+
+PyDoc_STRVAR(heap_trim_doc,
+             "heap_trim() -> bool: hand the C library heap's free pages back to the system\n"
+             "(glibc's malloc_trim; False where there is none). What torch frees in a\n"
+             "backward pass (activations, unit gradients) stays in that heap otherwise, and\n"
+             "the next large request is mapped anew beside it.");
+static PyObject *py_heap_trim(PyObject *m, PyObject *Py_UNUSED(a))
+{
+#ifdef __GLIBC__
+    Py_BEGIN_ALLOW_THREADS
+    malloc_trim(0);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
+static PyMethodDef pool_methods[] = {
+    {"heap_trim", py_heap_trim, METH_NOARGS, heap_trim_doc},
+    {"pool_stats", py_pool_stats, METH_NOARGS, pool_stats_doc},
+    {"pool_trim", py_pool_trim, METH_VARARGS, pool_trim_doc},
+    {"pool_reset_peak", py_pool_reset_peak, METH_NOARGS, pool_reset_peak_doc},
+    {"pool_set_keep", py_pool_set_keep, METH_VARARGS, pool_set_keep_doc},
+    {"pool_storage", (PyCFunction)(void (*)(void))py_pool_storage, METH_VARARGS | METH_KEYWORDS,
+     pool_storage_doc},
+    {NULL},
+};
+
+int fs_unit_pool_add(PyObject *module)
+{
+    if (!pool_ready) {
+        fs_pool_init(&pool, FS_POOL_KEEP_BLOCKS);
+        pool_ready = 1;
+    }
+    return PyModule_AddFunctions(module, pool_methods);
+}
