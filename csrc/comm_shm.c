@@ -496,6 +496,16 @@ fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t 
         shm_unlink(name);
         goto fail;
     }
+    /* A segment still being created (opened, not yet sized) or of another
+     * size must not be mapped: touching a mapping past the file's end is
+     * SIGBUS, not an error. The attaching side may retry. */
+    struct stat sb;
+    if (!create && (fstat(fd, &sb) != 0 || (size_t)sb.st_size < total)) {
+        snprintf(err, err_cap, "shm segment %s is not ready: %lld of %zu bytes", name,
+                 (long long)sb.st_size, total);
+        st = FS_ERR_BACKEND;
+        goto fail;
+    }
     void *base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (base == MAP_FAILED) {
         st = fail_errno(err, err_cap, "mmap", name);

@@ -28,6 +28,7 @@
 static fs_pool pool;
 static int pool_ready;
 static PyObject *from_dlpack; /* torch.utils.dlpack.from_dlpack */
+static int have_swap = -1;    /* torch's UntypedStorage has _swap_data_ptr_ (else resize_) */
 static PyObject *storage_type; /* torch.UntypedStorage */
 
 /* Gathers in flight at once: the unit being used and one prefetched. */
@@ -69,6 +70,8 @@ static int torch_refs(void)
     Py_XDECREF(torch);
     if (!storage_type)
         Py_CLEAR(from_dlpack);
+    else
+        have_swap = PyObject_HasAttrString(storage_type, "_swap_data_ptr_");
     return from_dlpack ? 0 : -1;
 }
 
@@ -132,7 +135,11 @@ static int64_t storage_nbytes(PyObject *storage)
 
 int fs_unit_set_storage(UnitObject *u, PyObject *storage, int64_t nbytes)
 {
-    if (u->empty) { /* a device: torch's allocator, [Note: pooled storage] */
+    if (!u->empty && torch_refs() < 0)
+        return -1;
+    /* A device: torch's allocator, [Note: pooled storage]. A torch without
+     * _swap_data_ptr_ (older releases) takes the same path on the host. */
+    if (u->empty || !have_swap) {
         PyObject *r = PyObject_CallMethod(storage, "resize_", "L", (long long)nbytes);
         Py_XDECREF(r);
         return r ? 0 : -1;

@@ -292,3 +292,29 @@ def test_a_setting_bad_on_one_rank_fails_the_set_up_everywhere(dist_pool):
 
 def test_no_segment_left_in_dev_shm():
     assert _PIDS and not leftover_segments(_PIDS)
+
+
+def test_attaching_to_a_segment_not_yet_sized_is_an_error_not_a_crash(tmp_path):
+    """Between the creator's shm_open and its ftruncate the segment exists with
+    0 bytes; an attacher that mapped it would die of SIGBUS on first touch.
+    It must get an error it can retry on. Run in a child so a crash fails
+    the test instead of killing pytest."""
+    import subprocess
+    import sys
+    import uuid
+    name = f"flatshard-{os.getpid()}-unsized-{uuid.uuid4().hex[:8]}"
+    path = os.path.join("/dev/shm", name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.close(fd)
+    try:
+        code = ("from flatshard import _C\n"
+                "try:\n"
+                f"    _C.Comm('shm', 1, 2, name='/{name}', slot_bytes=1 << 16, timeout_s=5)\n"
+                "except _C.CoreError as e:\n"
+                "    print('refused:', e)\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, (proc.returncode, proc.stderr)
+        assert "refused:" in proc.stdout and "not ready" in proc.stdout, proc.stdout
+    finally:
+        os.unlink(path)
