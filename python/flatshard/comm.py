@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
-from . import _C, diagnostics
+from . import _C, diagnostics, envvars
 from .errors import bad_type, bad_value
 from .tensors import DTYPE_CODES, check_plain, dtype_code  # noqa: F401 (re-exported)
 
@@ -115,7 +115,7 @@ def requested_backend(value):
     """The comm_backend argument (or, when None, the environment) -> a name."""
     arg = "comm_backend"
     if value is None:
-        value, arg = os.environ.get(ENV_BACKEND, "auto"), ENV_BACKEND
+        value, arg = envvars.read(ENV_BACKEND) or "auto", ENV_BACKEND
     if not isinstance(value, str):
         raise bad_type(arg, value, f"one of {', '.join(map(repr, BACKENDS))}")
     if value not in BACKENDS:
@@ -140,7 +140,7 @@ def backend_for_device(value, device, arg="comm_backend"):
 
 
 def comm_timeout_s():
-    raw = os.environ.get(ENV_TIMEOUT)
+    raw = envvars.read(ENV_TIMEOUT)
     if raw is None:
         return DEFAULT_TIMEOUT_S
     try:
@@ -176,7 +176,7 @@ def wait_timeout(group):
 
 
 def shm_slot_bytes():
-    raw = os.environ.get(ENV_SLOT)
+    raw = envvars.read(ENV_SLOT)
     if raw is None:
         return DEFAULT_SLOT_BYTES
     if not raw.isdigit() or int(raw) < 4096:

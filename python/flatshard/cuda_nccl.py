@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import cuda
+from . import cuda, envvars
 from .comm import comm_timeout_s, dtype_code
 from .errors import bad_value, not_built
 
@@ -34,8 +34,9 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 def nccl_library_path():
     """Where libnccl.so.2 is: env override, the one loaded in this process
     (torch's), the nvidia-nccl wheel's, or None (default search path)."""
-    if os.environ.get(ENV_LIBRARY):
-        return os.environ[ENV_LIBRARY]
+    chosen = envvars.read(ENV_LIBRARY)
+    if chosen:
+        return chosen
     try:
         with open("/proc/self/maps") as f:
             for line in f:

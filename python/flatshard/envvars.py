@@ -5,6 +5,7 @@ tests/test_reference.py checks that every FLATSHARD_* name in the sources
 (and setup.py) is here, so a new variable cannot go undocumented. Arguments always win over the
 environment; a malformed value is a ConfigError naming the variable.
 """
+import os
 
 ENV = {
     "FLATSHARD_COMM_BACKEND": (
@@ -38,3 +39,13 @@ ENV = {
         "Build time. GPU architectures for nvcc, separated by ';' or ',' (e.g. '80;90'); "
         "PTX for the newest is included so later GPUs can run it."),
 }
+
+
+def read(name):
+    """The one place flatshard reads its environment: the raw value of a
+    FLATSHARD_* variable listed in ENV, or None when it is unset. Read at
+    each call (lazily), so a variable set after import still counts; its
+    owner parses it and names it in any error."""
+    if name not in ENV:
+        raise KeyError(f"flatshard: {name} is not in envvars.ENV; document it there first")
+    return os.environ.get(name)

@@ -17,10 +17,10 @@ FLATSHARD_MEMORY_REPORT=1 makes `watch_from_env(model)` return a watch
 (None otherwise); examples/train_small.py uses it.
 """
 import inspect
-import os
 
 import torch
 
+from . import envvars
 from .errors import bad_type, not_built
 from .memory import _gathered_buffers, memory_stats
 from .plan import _plan, _resolve, plan
@@ -204,4 +204,4 @@ def watch(model):
 
 def watch_from_env(model):
     """A Watch when FLATSHARD_MEMORY_REPORT=1, else None."""
-    return Watch(model) if os.environ.get(ENV, "") == "1" else None
+    return Watch(model) if envvars.read(ENV) == "1" else None
