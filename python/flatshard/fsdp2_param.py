@@ -52,12 +52,6 @@ def _chunk_segments(tensors, offsets, src, entry, at):
         offsets.append(at + held)
 
 
-def _rows(entry, world, r):
-    """(first row, rows) of rank r for a parameter (fs_dim0_rows)."""
-    begin = min(entry.chunk_rows * r, entry.dim0)
-    return begin, min(entry.chunk_rows * (r + 1), entry.dim0) - begin
-
-
 class ParamGroup:
     """params: unique parameters of one dtype (registration order);
     aliases[i]: every (module, attr) where params[i] is registered."""
@@ -251,7 +245,9 @@ class ParamGroup:
         outs, offsets = [], []
         for i, e in enumerate(self.gather_entries):
             for r in range(self.world):
-                begin, rows = _rows(e, self.world, r)
+                # rank r's rows of parameter i, from layout.c (fs_dim0_rows)
+                theirs = self.rank_entries[r][i]
+                begin, rows = theirs.local_row_begin, theirs.local_rows
                 if rows and i not in self.ext:
                     outs.append(self.full.narrow(0, self.offsets[i] + begin * e.row_numel,
                                                  rows * e.row_numel))
