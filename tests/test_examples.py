@@ -11,8 +11,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(script, *args, timeout=300):
+def torchrun(script, *args, timeout=300, extra_path=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join([str(extra_path)] + [
+            p for p in [os.environ.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(script)] + list(args), cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -39,10 +42,18 @@ def test_torch_fsdp_script_runs_unchanged(tmp_path, script, precision):
     theirs, changed = as_torch_script(ours, tmp_path, "from flatshard import",
                                       "from torch.distributed.fsdp import")
     assert changed == 1
+    # torch's own run gets the exit grace flatshard gives itself
+    # (comm._let_workers_finish): without it a gloo worker thread can outlive
+    # the interpreter and abort the process after the script has finished.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit, time\natexit.register(time.sleep, 0.2)\n")
     runs = {}
     for name, script in (("flatshard", ours), ("torch", theirs)):
         save = tmp_path / f"{name}.pt"
-        out = torchrun(script, "--steps", "6", "--precision", precision, "--save", str(save))
+        out = torchrun(script, "--steps", "6", "--precision", precision, "--save", str(save),
+                       extra_path=site if name == "torch" else None)
         runs[name] = ([float(x) for x in re.findall(r"loss (\d+\.\d+)", out)],
                       [float(x) for x in re.findall(r"grad_norm (\d+\.\d+)", out)],
                       torch.load(save))
