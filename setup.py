@@ -18,6 +18,12 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# csrc/: core (pure arithmetic: layout, casts, reductions), engine (the unit
+# engine, no Python), backends (collectives), optim (CPU optimizers), glue
+# (the CPython module), cuda (kernels and NCCL). Each folder is on the
+# include path, so a header is named by its file alone.
+C_DIRS = ["core", "engine", "backends", "optim", "glue"]
+INCLUDE_DIRS = [os.path.join("csrc", d) for d in C_DIRS]
 C_FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
            "-Wno-missing-field-initializers", "-Wno-format-truncation",
            "-fvisibility=hidden"]
@@ -69,7 +75,8 @@ class BuildExt(build_ext):
         os.makedirs(self.build_temp, exist_ok=True)
         objs = [os.path.join(self.build_temp, os.path.basename(src) + ".o") for src in cu]
         cmds = [[nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                 *cuda_archs(), "-I", os.path.join(HERE, "csrc"), "-c", src, "-o", obj]
+                 *cuda_archs(), *[f for d in INCLUDE_DIRS for f in ("-I", os.path.join(HERE, d))],
+                 "-c", src, "-o", obj]
                 for src, obj in zip(cu, objs)]
         for cmd in cmds:
             print(" ".join(cmd))
@@ -86,8 +93,8 @@ class BuildExt(build_ext):
 
 
 def extensions():
-    c_sources = sorted(glob.glob("csrc/*.c"))
-    exts = [Extension("flatshard._C", c_sources, include_dirs=["csrc"],
+    c_sources = sorted(s for d in INCLUDE_DIRS for s in glob.glob(os.path.join(d, "*.c")))
+    exts = [Extension("flatshard._C", c_sources, include_dirs=INCLUDE_DIRS,
                       extra_compile_args=C_FLAGS)]
     cu_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     nvcc = find_nvcc()
@@ -98,8 +105,9 @@ def extensions():
         # (csrc/cuda/comm_nccl.c). comm.c is the core's argument checking.
         exts.append(Extension(
             "flatshard._C_cuda",
-            sorted(glob.glob("csrc/cuda/*.c")) + ["csrc/comm.c", "csrc/status.c"] + cu_sources,
-            include_dirs=["csrc", os.path.join(home, "include")],
+            sorted(glob.glob("csrc/cuda/*.c")) + ["csrc/backends/comm.c", "csrc/core/status.c"] +
+            cu_sources,
+            include_dirs=INCLUDE_DIRS + ["csrc/cuda", os.path.join(home, "include")],
             library_dirs=[os.path.join(home, "lib64")],
             libraries=["cudart_static", "stdc++", "dl", "rt", "pthread"],
             extra_compile_args=C_FLAGS))

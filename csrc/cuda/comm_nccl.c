@@ -25,7 +25,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../comm.h"
+#include "comm.h"
 #include "fs_cuda.h"
 #include "fs_nccl.h"
 #include "nccl_watchdog.h"

@@ -15,9 +15,9 @@
 #include <stdint.h>
 #include <cuda_runtime_api.h>
 
-#include "../fs_device.h"
-#include "../fs_dtype.h"
-#include "../fs_status.h"
+#include "fs_device.h"
+#include "fs_dtype.h"
+#include "fs_status.h"
 
 #ifdef __cplusplus
 extern "C" {

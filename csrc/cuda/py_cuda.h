@@ -6,7 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "../comm.h"
+#include "comm.h"
 #include "fs_cuda.h"
 
 #if PY_VERSION_HEX < 0x030D0000

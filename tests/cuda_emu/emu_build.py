@@ -18,6 +18,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CSRC = ROOT / "csrc"
 CUDA = CSRC / "cuda"
+# setup.py's C folders, each on the include path
+C_DIRS = [CSRC / d for d in ("core", "engine", "backends", "optim", "glue")]
 # The device table's name in this build: flatshard's Python layer treats
 # "cuda" Comms as moving CUDA tensors; these move host memory.
 DEVICE_NAME = "cuda-on-host"
@@ -40,7 +42,7 @@ def available():
 
 def _sources():
     return sorted(glob.glob(str(HERE / "*.h")) + glob.glob(str(HERE / "*.cc")) + [__file__] +
-                  glob.glob(str(CSRC / "*.[ch]")) + glob.glob(str(CUDA / "*")))
+                  [p for d in C_DIRS for p in glob.glob(str(d / "*.[ch]"))] + glob.glob(str(CUDA / "*")))
 
 
 def _digest():
@@ -60,7 +62,7 @@ def _run(cmd, cwd):
 
 def _build(out):
     cc, cxx = compilers()
-    inc = ["-I", str(HERE), "-I", str(CSRC)]
+    inc = ["-I", str(HERE), "-I", str(CUDA)] + [f for d in C_DIRS for f in ("-I", str(d))]
     py = ["-I", sysconfig.get_paths()["include"]]
     rpath = ["-L", out, "-lfs_cudart_emu", "-Wl,-rpath,$ORIGIN"]
     # the runtime: streams, events, memory, the fiber scheduler
@@ -76,10 +78,11 @@ def _build(out):
         objs.append(obj)
     _run([cxx, "-shared", *objs, *rpath, "-o", "libfs_cuda_kernels.so"], out)
     # a libnccl over the shared-memory backend
-    core = ["comm_shm.c", "comm.c", "ledger.c", "reduce.c", "status.c", "copy.c", "layout.c"]
+    core = ["backends/comm_shm.c", "backends/comm.c", "backends/ledger.c", "core/reduce.c",
+            "core/status.c", "core/copy.c", "core/layout.c"]
     core_objs = []
     for name in core:
-        obj = "core_" + name.replace(".c", ".o")
+        obj = "core_" + Path(name).stem + ".o"
         _run([cc, *C_FLAGS, *inc, "-c", str(CSRC / name), "-o", obj], out)
         core_objs.append(obj)
     _run([cxx, *CXX_FLAGS, *inc, "-c", str(HERE / "fake_nccl.cc"), "-o", "fake_nccl.o"], out)
@@ -87,8 +90,8 @@ def _build(out):
           "-o", "libnccl_fake.so"], out)
     # flatshard._C_cuda, as setup.py builds it, with the host runtime
     ext_objs = []
-    for src in sorted(glob.glob(str(CUDA / "*.c"))) + [str(CSRC / "comm.c"),
-                                                       str(CSRC / "status.c")]:
+    for src in sorted(glob.glob(str(CUDA / "*.c"))) + [str(CSRC / "backends" / "comm.c"),
+                                                       str(CSRC / "core" / "status.c")]:
         obj = "ext_" + Path(src).stem + ".o"
         _run([cc, *C_FLAGS, *inc, *py, f"-DFS_CUDA_DEVICE_NAME=\"{DEVICE_NAME}\"", "-c", src,
               "-o", obj], out)

@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "fs_emu.h"
-#include "cuda/fs_nccl.h"
+#include "fs_nccl.h"
 
 extern "C" {
 #include "comm.h"
