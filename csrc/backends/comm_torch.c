@@ -7,7 +7,8 @@
  * issues the torch.distributed call and waits for it. Reductions are always
  * asked for as SUM and averaged here, because gloo's AVG silently sums.
  *
- * Runs with the GIL held (it calls Python). Not for the hot path of GPU jobs.
+ * Takes the GIL for each call (it calls Python), so it may be called with or
+ * without it. Not for the hot path of GPU jobs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -91,6 +92,7 @@ static fs_status call(fs_comm *c, const char *op, void *a, int64_t an, void *b, 
     torch_impl *impl = c->impl;
     PyObject *ca = NULL, *cb = NULL, *res = NULL;
     fs_status st = FS_ERR_PYTHON;
+    PyGILState_STATE gil = PyGILState_Ensure();
     if (a && !(ca = fs_dlpack_capsule(a, an, t)))
         goto done;
     if (b && !(cb = fs_dlpack_capsule(b, bn, t)))
@@ -102,6 +104,7 @@ done:
     Py_XDECREF(res);
     Py_XDECREF(cb);
     Py_XDECREF(ca);
+    PyGILState_Release(gil);
     return st;
 }
 

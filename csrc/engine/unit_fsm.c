@@ -30,8 +30,11 @@ static int in_backward(fs_unit_state s)
 fs_status fs_unit_step(const fs_unit_cfg *cfg, fs_unit_fsm *m, fs_event ev, unsigned flags,
                        int group, int is_unsharded, unsigned *actions)
 {
-    /* NO_SHARD units are never sharded: unshard/reshard requests vanish. */
-    const unsigned movable = cfg->strategy == FS_NO_SHARD ? 0u : (FS_ACT_UNSHARD | FS_ACT_RESHARD);
+    /* NO_SHARD and SHARD_OPTIM units are never resharded: unshard/reshard
+     * requests vanish. */
+    const unsigned movable = cfg->strategy == FS_NO_SHARD || cfg->strategy == FS_SHARD_OPTIM
+                                 ? 0u
+                                 : (FS_ACT_UNSHARD | FS_ACT_RESHARD);
     const int grad = (flags & FS_FLAG_GRAD_ENABLED) != 0;
     unsigned act = 0;
     *actions = 0;

@@ -21,11 +21,14 @@
 #include <stdint.h>
 #include "fs_status.h"
 
-/* Values match torch's ShardingStrategy. */
+/* Values match torch's ShardingStrategy (hybrid is a second link, not a
+ * strategy here); SHARD_OPTIM, which torch does not have, follows them. */
 typedef enum {
     FS_FULL_SHARD = 1,    /* ZeRO-3: reshard after forward and after backward */
     FS_SHARD_GRAD_OP = 2, /* ZeRO-2: keep unsharded from forward to backward */
     FS_NO_SHARD = 3,      /* DDP: never sharded; gradients all-reduced */
+    FS_SHARD_OPTIM = 6,   /* ZeRO-1: parameters gathered once and kept whole; gradients
+                             all-reduced whole; only the optimizer's shard is sharded */
 } fs_strategy;
 
 typedef enum {

@@ -374,12 +374,13 @@ static int add_constants(PyObject *m)
     C("STATE_BACKWARD_PRE", FS_STATE_BACKWARD_PRE); C("STATE_BACKWARD_POST", FS_STATE_BACKWARD_POST);
     C("STATE_SUMMON", FS_STATE_SUMMON);
     C("FULL_SHARD", FS_FULL_SHARD); C("SHARD_GRAD_OP", FS_SHARD_GRAD_OP); C("NO_SHARD", FS_NO_SHARD);
+    C("SHARD_OPTIM", FS_SHARD_OPTIM);
 #undef C
     return 0;
 }
 
 int fs_disk_add(PyObject *module); /* py_disk.c */
-int fs_unit_pool_add(PyObject *module); /* py_unit_pool.c */
+int fs_glue_pool_add(PyObject *module); /* py_unit_pool.c */
 
 static int module_exec(PyObject *m)
 {
@@ -395,7 +396,7 @@ static int module_exec(PyObject *m)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
         fs_layout_add(m, st) < 0 ||
-        fs_disk_add(m) < 0 || fs_unit_pool_add(m) < 0 ||
+        fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
         add_constants(m) < 0)
         return -1;
     PyObject *api = PyCapsule_New((void *)&fs_host_device_api, FS_DEVICE_API_CAPSULE, NULL);

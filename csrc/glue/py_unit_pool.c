@@ -133,13 +133,13 @@ static int64_t storage_nbytes(PyObject *storage)
     return n;
 }
 
-int fs_unit_set_storage(UnitObject *u, PyObject *storage, int64_t nbytes)
+int fs_glue_set_storage(PyObject *storage, int64_t nbytes, int on_device)
 {
-    if (!u->empty && torch_refs() < 0)
+    if (!on_device && torch_refs() < 0)
         return -1;
     /* A device: torch's allocator, [Note: pooled storage]. A torch without
      * _swap_data_ptr_ (older releases) takes the same path on the host. */
-    if (u->empty || !have_swap) {
+    if (on_device || !have_swap) {
         PyObject *r = PyObject_CallMethod(storage, "resize_", "L", (long long)nbytes);
         Py_XDECREF(r);
         return r ? 0 : -1;
@@ -167,17 +167,17 @@ int fs_unit_set_storage(UnitObject *u, PyObject *storage, int64_t nbytes)
     return rc;
 }
 
-void *fs_unit_take_staging(UnitObject *u, int64_t nbytes)
+void *fs_glue_take_staging(int64_t nbytes)
 {
     void *p = NULL;
     if (fs_pool_take(&pool, (size_t)nbytes, 1, &p) != FS_OK)
         return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host "
-                            "memory for unit '%U': not enough memory", (long long)nbytes,
-                            u->name);
+                            "memory for a gradient reduction: not enough memory",
+                            (long long)nbytes);
     return p;
 }
 
-void fs_unit_give_staging(void *p)
+void fs_glue_give_staging(void *p)
 {
     if (p)
         fs_pool_give(&pool, p);
@@ -276,7 +276,7 @@ static PyMethodDef pool_methods[] = {
     {NULL},
 };
 
-int fs_unit_pool_add(PyObject *module)
+int fs_glue_pool_add(PyObject *module)
 {
     if (!pool_ready) {
         fs_pool_init(&pool, FS_POOL_KEEP_BLOCKS);

@@ -1,0 +1,93 @@
+/* engine.h - what the unit engine needs from the program around it.
+ *
+ * The engine (unit.c, unit_reduce.c, dim0.c) owns sharding: it gathers,
+ * frees, reduces and defers, for every strategy and both layouts, on the
+ * host and through a device table (fs_device.h). It holds no Python object
+ * and includes no Python header. What only the host program can do (give a
+ * tensor's storage its bytes, hand out memory for one operation, keep an
+ * object alive) comes through one fs_env table given when a unit is made:
+ * the CPython glue fills it with torch calls (glue/py_unit_env.c), the C
+ * driver test (tests/engine/driver.c) with malloc.
+ *
+ * Handles: the engine never looks inside one. A tensor handle stands for a
+ * tensor the host owns (a shard, an unsharded buffer, a gradient passed in);
+ * a storage handle for the storage whose bytes come and go; a taken handle
+ * for memory from env->take. The engine gives each handle it was lent back
+ * through env->release exactly once, at the end of the call, or when a
+ * deferred collective that uses it has been waited for.
+ *
+ * Threads: engine calls may run without the host's interpreter lock; every
+ * env entry is called on the calling thread and takes what it needs itself.
+ */
+#ifndef FS_ENGINE_H
+#define FS_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "fs_device.h"
+#include "fs_dtype.h"
+#include "fs_status.h"
+#include "ledger.h"
+
+/* FS_ERR_HOST: an env entry failed and reported in its own way (the glue
+ * leaves a Python exception set); the engine adds no text of its own. */
+#define FS_ERR_HOST FS_ERR_PYTHON
+
+typedef struct {
+    void *ctx;
+    /* A tensor handle's current data pointer (it can change between calls:
+     * a model moved, a state dict loaded with assign). */
+    fs_status (*data)(void *ctx, void *tensor, void **ptr);
+    /* Give `storage` nbytes (0: take them away); *data: where they are now. */
+    fs_status (*set_storage)(void *ctx, void *storage, int64_t nbytes, void **data);
+    /* nbytes (at least one) of memory on the unit's device (FS_TAKE_* flags);
+     * *handle owns it until released. */
+    fs_status (*take)(void *ctx, int64_t nbytes, unsigned flags, void **data, void **handle);
+    /* Hand a handle back (taken memory; a tensor lent to a deferred call). */
+    void (*release)(void *ctx, void *handle);
+    /* An extra reference to a tensor handle, to hold it past the call. */
+    void *(*hold)(void *ctx, void *tensor);
+} fs_env;
+
+enum {
+    FS_TAKE_ZERO = 1,      /* zero-filled */
+    FS_TAKE_TRANSIENT = 2, /* given back within the call (host: from the pool) */
+};
+
+/* A group of ranks as the engine sees it: the backend, its ledger (may be
+ * NULL), the device table (NULL: host memory) and the caller's stream the
+ * host bound for this call (fs_device.h: set_caller_stream). */
+typedef struct {
+    fs_comm *comm;
+    fs_ledger *ledger;
+    const fs_device_api *dev;
+    void *stream;
+} fs_link;
+
+/* Run a collective on a link, recorded in its ledger under `what`. */
+#define FS_LINK_RUN(link, s, op, tag, count, dtype, expr)                                   \
+    do {                                                                                  \
+        fs_link *fs_l_ = (link);                                                          \
+        uint64_t fs_seq_ = fs_l_->ledger ? fs_ledger_issue(fs_l_->ledger, op, tag, count, \
+                                                           dtype)                         \
+                                         : 0;                                             \
+        fs_l_->comm->what = (tag);                                                        \
+        s = (expr);                                                                       \
+        fs_l_->comm->what = NULL;                                                         \
+        if (fs_l_->ledger)                                                                \
+            fs_ledger_finish(fs_l_->ledger, fs_seq_, s, fs_l_->dev != NULL);              \
+    } while (0)
+
+/* A list of handles held until a deferred collective is waited for. */
+typedef struct {
+    void **h;
+    int n, cap;
+} fs_held;
+
+int fs_held_add(fs_held *l, void *h);             /* -1: out of memory */
+void fs_held_release(fs_held *l, const fs_env *env); /* release all, keep capacity */
+void fs_held_free(fs_held *l, const fs_env *env);
+
+#endif

@@ -1,0 +1,402 @@
+/* unit.c - see unit.h: a unit's groups, its state machine, and the gathers
+ * and frees that follow from it. Gradient reductions are in unit_reduce.c.
+ * No Python: what the host must do comes through u->env (engine.h). */
+#include "unit.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "copy.h"
+#include "unit_internal.h"
+
+/* ---------------------------------------------------------------------------
+ * held handles */
+
+int fs_held_add(fs_held *l, void *h)
+{
+    if (!h)
+        return 0;
+    if (l->n == l->cap) {
+        int cap = l->cap ? 2 * l->cap : 8;
+        void **p = realloc(l->h, (size_t)cap * sizeof *p);
+        if (!p)
+            return -1;
+        l->h = p;
+        l->cap = cap;
+    }
+    l->h[l->n++] = h;
+    return 0;
+}
+
+void fs_held_release(fs_held *l, const fs_env *env)
+{
+    /* A release may run host code that frees what the list holds: empty the
+     * list first. */
+    int n = l->n;
+    l->n = 0;
+    for (int i = 0; i < n; i++)
+        env->release(env->ctx, l->h[i]);
+}
+
+void fs_held_free(fs_held *l, const fs_env *env)
+{
+    fs_held_release(l, env);
+    free(l->h);
+    l->h = NULL;
+    l->cap = 0;
+}
+
+/* ---------------------------------------------------------------------------
+ * errors and kernels */
+
+fs_status fs_unit_fail(fs_unit *u, fs_status s, const char *what, int group, const char *fmt,
+                       ...)
+{
+    u->err_what = what;
+    u->err_group = group;
+    u->err_collective = 0;
+    if (s == FS_ERR_HOST || !fmt) {
+        u->err[0] = '\0';
+        return s;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(u->err, sizeof u->err, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+fs_status fs_unit_fail_comm(fs_unit *u, fs_status s, const char *what, int group,
+                            const char *fmt, const char *detail)
+{
+    fs_unit_fail(u, s, what, group, fmt, detail);
+    u->err_collective = 1;
+    return s;
+}
+
+/* copy.h's loops on the host, the device table's kernels on `stream`. */
+fs_status fs_unit_cast(fs_unit *u, void *stream, void *dst, fs_dtype dt, const void *src,
+                       fs_dtype st, int64_t n)
+{
+    const fs_device_api *d = u->link.dev;
+    fs_comm *c = u->link.comm;
+    if (d)
+        return d->cast(dst, dt, src, st, n, stream, c->last_error, sizeof c->last_error);
+    return fs_cast(dst, dt, src, st, n);
+}
+
+fs_status fs_unit_scale_accumulate(fs_unit *u, void *stream, void *dst, fs_dtype dt,
+                                   const void *src, fs_dtype st, int64_t n, double scale,
+                                   int accumulate)
+{
+    const fs_device_api *d = u->link.dev;
+    fs_comm *c = u->link.comm;
+    if (d)
+        return d->scale_accumulate(dst, dt, src, st, n, scale, accumulate, stream,
+                                   c->last_error, sizeof c->last_error);
+    return fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
+}
+
+static fs_status take(fs_unit *u, int64_t numel, fs_dtype t, void **data, void **handle)
+{
+    int64_t nbytes = numel * (int64_t)fs_dtype_size(t);
+    return u->env.take(u->env.ctx, nbytes ? nbytes : 1, 0, data, handle);
+}
+
+static void drop(fs_unit *u, void **handle)
+{
+    if (*handle)
+        u->env.release(u->env.ctx, *handle);
+    *handle = NULL;
+}
+
+/* ---------------------------------------------------------------------------
+ * life */
+
+fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
+                       fs_link replicate, fs_strategy strategy, uint64_t grad_mask,
+                       const fs_unit_group *groups, int ngroups, int offload)
+{
+    memset(u, 0, sizeof *u);
+    snprintf(u->name, sizeof u->name, "%s", name);
+    u->env = env;
+    u->link = link;
+    u->replicate = replicate;
+    u->offload = offload;
+    if (strategy != FS_FULL_SHARD && strategy != FS_SHARD_GRAD_OP &&
+        strategy != FS_NO_SHARD && strategy != FS_SHARD_OPTIM)
+        return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", -1,
+                            "strategy %d is not FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or "
+                            "SHARD_OPTIM", (int)strategy);
+    if (ngroups < 0 || ngroups > 64)
+        return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", -1,
+                            "at most 64 groups, got %d", ngroups);
+    if (!(u->groups = calloc(ngroups ? (size_t)ngroups : 1, sizeof *u->groups)))
+        return fs_unit_fail(u, FS_ERR_NO_MEMORY, "construction", -1, "out of host memory");
+    memcpy(u->groups, groups, (size_t)ngroups * sizeof *groups);
+    u->ngroups = ngroups;
+    u->cfg.strategy = strategy;
+    u->cfg.grad_mask = grad_mask;
+    fs_unit_fsm_init(&u->fsm);
+    /* NO_SHARD buffers are always whole; sharded ones start sharded. Under
+     * mixed precision NO_SHARD's compute buffer (lp) is a cast of the whole
+     * shard, made at forward and freed after backward like SHARD_GRAD_OP's
+     * gather: the state machine runs as SHARD_GRAD_OP, the data movement
+     * stays NO_SHARD's (a local cast; an all-reduce for gradients). */
+    u->replicated = strategy == FS_NO_SHARD;
+    u->unsharded = u->replicated;
+    const int world = link.comm->world_size;
+    for (int i = 0; i < ngroups; i++) {
+        fs_unit_group *g = &u->groups[i];
+        g->lp_shard = g->red_out = g->lp_shard_h = g->red_out_h = NULL;
+        if ((g->compute != g->dtype) != (g->lp != NULL) || !fs_dtype_is_float(g->reduce))
+            return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", i,
+                                "a compute dtype other than the parameters' needs an lp buffer");
+        if (fs_dtype_size(g->dtype) == 0 || g->shard_numel < 0 ||
+            g->padded_numel != g->shard_numel * (u->replicated ? 1 : world))
+            return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", i,
+                                "inconsistent sizes/dtype");
+        if (g->lp && u->replicated) { /* lp, not the full buffer, is what moves */
+            u->cfg.strategy = FS_SHARD_GRAD_OP;
+            u->unsharded = 0;
+        }
+        fs_status s = FS_OK;
+        if (g->lp && !u->replicated)
+            s = take(u, g->shard_numel, g->compute, &g->lp_shard, &g->lp_shard_h);
+        if (s == FS_OK && g->reduce != g->dtype)
+            s = take(u, g->shard_numel, g->reduce, &g->red_out, &g->red_out_h);
+        if (s != FS_OK)
+            return fs_unit_fail(u, s, "construction", i, "out of memory");
+        /* One rank with full == shard has nothing to move: only NO_SHARD fits. */
+        if (!u->replicated && world == 1 && !g->lp && !offload)
+            return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", i,
+                                "one rank has nothing to shard; use NO_SHARD");
+    }
+    u->full_unsharded = u->replicated || u->unsharded; /* NO_SHARD: full is the shard */
+    return FS_OK;
+}
+
+void fs_unit_destroy(fs_unit *u)
+{
+    if (u->link.comm) {
+        fs_held_free(&u->held, &u->env);
+        fs_held_free(&u->gather_held, &u->env);
+    }
+    for (int i = 0; i < u->ngroups; i++) {
+        fs_unit_group *g = &u->groups[i];
+        drop(u, &g->lp_shard_h);
+        drop(u, &g->red_out_h);
+    }
+    if (u->env.release)
+        drop(u, &u->scratch_h);
+    const fs_device_api *d = u->link.dev;
+    if (d) {
+        if (u->gather_event)
+            d->event_free(u->gather_event);
+        if (u->reduce_event)
+            d->event_free(u->reduce_event);
+        if (u->scatter_event)
+            d->event_free(u->scatter_event);
+    }
+    free(u->groups);
+    u->groups = NULL;
+    u->ngroups = 0;
+}
+
+fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsigned *actions)
+{
+    fs_unit_state before = u->fsm.state;
+    fs_status s = fs_unit_step(&u->cfg, &u->fsm, ev, flags, group, u->unsharded, actions);
+    if (s != FS_OK)
+        return fs_unit_fail(u, s, "state machine", group, "unit '%s': event %s (group %d) in "
+                            "state %s", u->name, fs_event_name(ev), group,
+                            fs_unit_state_name(before));
+    return FS_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * gathers */
+
+/* The caller's stream waits for a deferred gather ([Note: deferred collectives]). */
+static fs_status wait_gathered(fs_unit *u)
+{
+    if (!u->gather_pending)
+        return FS_OK;
+    fs_comm *c = u->link.comm;
+    fs_status s = u->link.dev->wait(u->gather_event, u->link.stream, c->last_error,
+                                    sizeof c->last_error);
+    if (s != FS_OK)
+        return fs_unit_fail(u, s, "unshard", 0, "waiting for a prefetched all-gather: %s",
+                            c->last_error);
+    u->gather_pending = 0;
+    fs_held_release(&u->gather_held, &u->env);
+    return FS_OK;
+}
+
+fs_status fs_unit_ready(fs_unit *u)
+{
+    return wait_gathered(u);
+}
+
+/* Gather every group's shard into `full` (full_precision) or into its
+ * compute buffer (lp under mixed precision, cast first; else full).
+ * allocate: give the gathered buffers their storage first (0: it is live).
+ * keep: a deferred gather, whose per-gather buffers are held until waited. */
+static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int keep)
+{
+    const fs_env *e = &u->env;
+    fs_comm *c = u->link.comm;
+    for (int i = 0; i < u->ngroups; i++) {
+        fs_unit_group *g = &u->groups[i];
+        int use_lp = g->lp && !full_precision;
+        fs_dtype t = use_lp ? g->compute : g->dtype;
+        void *storage = use_lp ? g->lp_storage : g->storage;
+        int64_t nbytes = g->padded_numel * (int64_t)fs_dtype_size(t);
+        void *sp, *dp;
+        fs_status s;
+        if (u->replicated) { /* NO_SHARD: no collective, the whole shard is cast */
+            if (!use_lp)
+                continue; /* the full buffer is the shard */
+            if ((allocate && (s = e->set_storage(e->ctx, storage, nbytes, &dp)) != FS_OK) ||
+                (s = e->data(e->ctx, g->shard, &sp)) != FS_OK ||
+                (s = e->data(e->ctx, g->lp, &dp)) != FS_OK)
+                return fs_unit_fail(u, s, "unshard", i, NULL);
+            if ((s = fs_unit_cast(u, u->link.stream, dp, g->compute, sp, g->dtype,
+                                  g->padded_numel)) != FS_OK)
+                return fs_unit_fail(u, s, "unshard", i, "cast: %s", c->last_error);
+            continue;
+        }
+        if ((allocate && (s = e->set_storage(e->ctx, storage, nbytes, &dp)) != FS_OK) ||
+            (s = e->data(e->ctx, g->shard, &sp)) != FS_OK ||
+            (s = e->data(e->ctx, use_lp ? g->lp : g->full, &dp)) != FS_OK)
+            return fs_unit_fail(u, s, "unshard", i, NULL);
+        s = FS_OK;
+        void *staged = NULL; /* released after the gather (held if it is deferred) */
+        /* A deferred gather of host shards copies and casts on the backend's
+         * stream, after the caller's work so far: beside the caller's compute. */
+        void *on = u->link.stream;
+        if (u->offload) { /* the host shard, staged on the device for this gather */
+            const fs_device_api *d = u->link.dev;
+            void *stage;
+            if ((s = take(u, g->shard_numel, g->dtype, &stage, &staged)) != FS_OK)
+                return fs_unit_fail(u, s, "unshard", i, "out of device memory");
+            if (keep && fs_held_add(&u->gather_held, staged) < 0) {
+                drop(u, &staged);
+                return fs_unit_fail(u, FS_ERR_NO_MEMORY, "unshard", i, "out of host memory");
+            }
+            if (keep) {
+                staged = NULL; /* the held list owns it now */
+                if ((s = d->follow_caller(c, c->last_error, sizeof c->last_error)) == FS_OK)
+                    on = d->comm_stream(c);
+            }
+            if (s == FS_OK)
+                s = d->copy(stage, sp, (size_t)g->shard_numel * fs_dtype_size(g->dtype), on,
+                            c->last_error, sizeof c->last_error);
+            sp = stage;
+        }
+        if (s == FS_OK && use_lp) { /* one pass: the master shard, cast to the compute dtype */
+            s = fs_unit_cast(u, on, g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
+            sp = g->lp_shard;
+        }
+        /* Not in place: the shard is its own buffer, so that resharding can
+         * drop the whole unsharded storage. */
+        if (s == FS_OK)
+            FS_LINK_RUN(&u->link, s, FS_LOP_ALL_GATHER, u->name, g->shard_numel, t,
+                        fs_comm_all_gather(c, sp, dp, g->shard_numel, t));
+        /* Not held: the caller's stream waits for the gather, and the
+         * allocator reuses the block in that stream's order. */
+        drop(u, &staged);
+        if (s != FS_OK)
+            return fs_unit_fail_comm(u, s, "all-gather", i, "all_gather: %s", c->last_error);
+        u->n_all_gather++;
+    }
+    return FS_OK;
+}
+
+static fs_status gather(fs_unit *u, int full_precision, int defer)
+{
+    const fs_device_api *d = u->link.dev;
+    defer = defer && d;
+    if (!defer)
+        return gather_groups(u, full_precision, 1, 0);
+    fs_comm *c = u->link.comm;
+    d->set_defer(c, 1);
+    fs_status s = gather_groups(u, full_precision, 1, 1);
+    d->set_defer(c, 0);
+    if (s != FS_OK)
+        return s;
+    if ((s = d->record(c, &u->gather_event, c->last_error, sizeof c->last_error)) != FS_OK)
+        return fs_unit_fail(u, s, "unshard", 0, "marking a prefetched all-gather: %s",
+                            c->last_error);
+    u->gather_pending = 1;
+    return FS_OK;
+}
+
+static int is_mixed(const fs_unit *u)
+{
+    return u->ngroups > 0 && u->groups[0].lp != NULL;
+}
+
+fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch)
+{
+    int mixed = is_mixed(u);
+    int *live = full_precision && mixed ? &u->full_unsharded : &u->unsharded;
+    fs_status s;
+    if (!prefetch && (s = wait_gathered(u)) != FS_OK)
+        return s;
+    if (*live)
+        return FS_OK;
+    if ((s = gather(u, full_precision, prefetch && !full_precision)) != FS_OK)
+        return s;
+    *live = 1;
+    if (!mixed)
+        u->full_unsharded = 1;
+    return FS_OK;
+}
+
+fs_status fs_unit_regather(fs_unit *u)
+{
+    if (u->cfg.strategy == FS_NO_SHARD) /* the full buffer is the shard itself */
+        return FS_OK;
+    fs_status s;
+    if ((s = wait_gathered(u)) != FS_OK)
+        return s;
+    int mixed = is_mixed(u);
+    if (mixed && u->full_unsharded && !u->replicated) {
+        for (int i = 0; i < u->ngroups; i++) {
+            void *none;
+            if ((s = u->env.set_storage(u->env.ctx, u->groups[i].storage, 0, &none)) != FS_OK)
+                return fs_unit_fail(u, s, "regather", i, NULL);
+        }
+        u->full_unsharded = 0;
+    }
+    if ((s = gather_groups(u, 0, !u->unsharded, 0)) != FS_OK)
+        return s;
+    u->unsharded = 1;
+    if (!mixed)
+        u->full_unsharded = 1;
+    return FS_OK;
+}
+
+fs_status fs_unit_reshard(fs_unit *u)
+{
+    if ((!u->unsharded && !u->full_unsharded) || u->cfg.strategy == FS_NO_SHARD ||
+        u->cfg.strategy == FS_SHARD_OPTIM)
+        return FS_OK;
+    fs_status s;
+    if ((s = wait_gathered(u)) != FS_OK)
+        return s;
+    for (int i = 0; i < u->ngroups; i++) {
+        fs_unit_group *g = &u->groups[i];
+        void *none;
+        if ((!u->replicated &&
+             (s = u->env.set_storage(u->env.ctx, g->storage, 0, &none)) != FS_OK) ||
+            (g->lp && (s = u->env.set_storage(u->env.ctx, g->lp_storage, 0, &none)) != FS_OK))
+            return fs_unit_fail(u, s, "reshard", i, NULL);
+    }
+    u->unsharded = 0;
+    u->full_unsharded = u->replicated; /* NO_SHARD's full buffer is the shard: kept */
+    return FS_OK;
+}

@@ -1,0 +1,118 @@
+/* unit.h - the unit engine: one FSDP1 unit's flat groups, sharded between
+ * uses and gathered just in time, driven by its state machine (unit_fsm.h).
+ *
+ * One engine for every strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD,
+ * ZERO1 (whole parameters and gradients, the optimizer state sharded),
+ * hybrid (a second link across replicas), on the host and through a device
+ * table, with CPU offload of the shards. fully_shard's per-parameter groups
+ * are dim0.h's; both report to the same state machine and the same links.
+ *
+ * Memory ([Note: freeing without invalidating]): a group's unsharded buffer
+ * is a host storage whose bytes come and go through env->set_storage; the
+ * views of it the host made (parameters, tensors autograd saved) stay valid
+ * across reshard/unshard because the storage object is kept. The shard is
+ * persistent; so are the compute-dtype shard and the reduction output the
+ * engine takes once (env->take) under mixed precision.
+ *
+ * [Note: mixed precision] With a compute dtype other than the parameters',
+ * the shard stays the full-precision master and forward/backward run on
+ * `lp`: the shard is cast in one pass into lp_shard and that is gathered, so
+ * the collective moves the low-precision bytes. `full` (full precision) is
+ * gathered only on request (summon, state dicts). Gradients arrive in the
+ * compute dtype, are reduced in the reduce dtype and accumulated into the
+ * full-precision shard gradient.
+ *
+ * [Note: deferred collectives] On a device, a prefetch issues its gathers
+ * without making the caller's stream wait, and marks them (gather_event);
+ * the caller's stream waits for the mark where the buffers are next used
+ * (ready, a plain unshard, reshard). A deferred reduction enqueues the work
+ * after the collective (divide, cast, accumulate) on the backend's stream
+ * and holds every buffer it touches until wait_reduced. */
+#ifndef FS_UNIT_H
+#define FS_UNIT_H
+
+#include "engine.h"
+#include "unit_fsm.h"
+
+typedef struct {
+    void *shard;          /* tensor handle: 1-D, shard_numel of dtype (persistent) */
+    void *full;           /* tensor handle: padded_numel of dtype; the shard under NO_SHARD */
+    void *storage;        /* storage handle of full */
+    void *lp;             /* tensor handle: padded_numel of compute, or NULL */
+    void *lp_storage;     /* storage handle of lp */
+    int64_t shard_numel;
+    int64_t padded_numel;
+    fs_dtype dtype;       /* parameters, shard, full, shard gradient */
+    fs_dtype compute;     /* lp's dtype (== dtype without mixed precision) */
+    fs_dtype reduce;      /* gradient reduction dtype */
+    void *lp_shard;       /* shard_numel of compute: the all-gather input */
+    void *lp_shard_h;
+    void *red_out;        /* shard_numel of reduce, when it differs from dtype */
+    void *red_out_h;
+} fs_unit_group;
+
+typedef struct {
+    char name[128];       /* the module path, for the ledger and errors */
+    fs_env env;
+    fs_link link;         /* the shard group */
+    fs_link replicate;    /* HYBRID_SHARD: across replicas (comm NULL otherwise) */
+    fs_unit_cfg cfg;
+    fs_unit_fsm fsm;
+    int ngroups;
+    fs_unit_group *groups;
+    int replicated;       /* NO_SHARD: every rank's shard is the whole buffer */
+    int offload;          /* shards and their gradients in host memory (CPUOffload) */
+    int unsharded;        /* the compute buffers (lp, else full) are live and gathered */
+    int full_unsharded;   /* the full-precision buffers are live and gathered */
+    void *scratch;        /* reduce-scatter landing area when accumulating */
+    void *scratch_h;
+    int64_t scratch_bytes;
+    void *gather_event;   /* device: the mark of a deferred gather */
+    int gather_pending;
+    void *reduce_event;   /* device: the mark of deferred reductions */
+    void *scatter_event;  /* HYBRID_SHARD: the reduce-scatter the replicas' all-reduce follows */
+    int reduce_pending;
+    int host_pending;     /* offload: a copy to host memory the host has not waited for */
+    fs_held held;         /* what deferred reductions use, until waited for */
+    fs_held gather_held;  /* what a deferred gather uses, until waited for */
+    unsigned long long n_all_gather, n_reduce;
+    char err[512];        /* what the last failure was, in words */
+    const char *err_what; /* which operation failed ("all-gather", ...) */
+    int err_group;
+    int err_collective;   /* it failed in or around a collective (the ledger has it) */
+} fs_unit;
+
+/* Strategy and groups are checked here; on failure u->err says why. The
+ * groups array is copied; its handles belong to the unit from now on (the
+ * host keeps them alive until fs_unit_destroy). */
+fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
+                       fs_link replicate, fs_strategy strategy, uint64_t grad_mask,
+                       const fs_unit_group *groups, int ngroups, int offload);
+void fs_unit_destroy(fs_unit *u);
+
+/* The state machine (unit_fsm.h), on this unit's configuration. */
+fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsigned *actions);
+
+/* Gather every group: the compute buffers, or the full-precision ones
+ * (full_precision: summon, state dicts). A no-op when live, but for waiting
+ * on a prefetch. prefetch: on a device, do not make the caller's stream wait
+ * until fs_unit_ready, a plain unshard or reshard. */
+fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch);
+/* Gather the compute buffers again into their live storage (ZERO1 after an
+ * optimizer step, after a state dict load); a live full-precision gather
+ * under mixed precision is stale then, and is freed. */
+fs_status fs_unit_regather(fs_unit *u);
+fs_status fs_unit_ready(fs_unit *u);
+/* Free every unsharded buffer (no-op if sharded, NO_SHARD or ZERO1). */
+fs_status fs_unit_reshard(fs_unit *u);
+
+/* Average the unsharded gradient `grad` (padded_numel of compute) over the
+ * group into `out`: the shard gradient (shard_numel of dtype), or under
+ * ZERO1 the whole gradient (padded_numel of dtype). out = (accumulate ? out :
+ * 0) + mean. `grad` is scratch, left undefined. Both are tensor handles; a
+ * deferred reduction (defer, on a device) holds them until wait_reduced. */
+fs_status fs_unit_reduce(fs_unit *u, int group, void *grad, void *out, int accumulate,
+                         int defer);
+fs_status fs_unit_wait_reduced(fs_unit *u);
+
+#endif

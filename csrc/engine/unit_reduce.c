@@ -1,0 +1,240 @@
+/* unit_reduce.c - a unit's gradient reductions: the unsharded gradient
+ * averaged over the group into the shard gradient (reduce-scatter), or into
+ * the whole gradient (all-reduce: NO_SHARD, SHARD_OPTIM), in the reduce
+ * dtype, across replicas too under HYBRID_SHARD, deferred on a device
+ * ([Note: deferred collectives] in unit.h), copied out to host memory under
+ * parameter offload. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "unit_internal.h"
+
+/* bfloat16/float16 reductions on a device stage through float32 (comm.h):
+ * lend the backend count floats for one collective; *h owns them. */
+static fs_status lend_workspace(fs_unit *u, fs_link *l, fs_dtype t, int64_t count, void **h)
+{
+    *h = NULL;
+    if (!l->dev || (t != FS_BF16 && t != FS_F16))
+        return FS_OK;
+    void *p;
+    fs_status s = u->env.take(u->env.ctx, (count ? count : 1) * 4, 0, &p, h);
+    if (s == FS_OK)
+        l->dev->set_workspace(l->comm, p, (size_t)count * 4);
+    return s;
+}
+
+/* After the collective: the caller's stream already waits for it (not
+ * deferred), so the allocator may reuse the block; a deferred one holds it. */
+static fs_status return_workspace(fs_unit *u, fs_link *l, void **h, int defer)
+{
+    if (!*h)
+        return FS_OK;
+    l->dev->set_workspace(l->comm, NULL, 0);
+    if (defer) {
+        if (fs_held_add(&u->held, *h) < 0)
+            return FS_ERR_NO_MEMORY;
+    } else {
+        u->env.release(u->env.ctx, *h);
+    }
+    *h = NULL;
+    return FS_OK;
+}
+
+/* HYBRID_SHARD: sum a reduce-scattered shard gradient across the replicas
+ * too (its sum over the shard group is in buf). Deferred, the replicas'
+ * stream first waits for the reduce-scatter on the shard group's stream,
+ * and what follows runs on the replicas' stream (*post). */
+static fs_status across_replicas(fs_unit *u, void *buf, int64_t count, fs_dtype t, int defer,
+                                 void **post)
+{
+    fs_link *r = &u->replicate;
+    if (!r->comm)
+        return FS_OK;
+    const fs_device_api *d = u->link.dev;
+    fs_comm *c = u->link.comm, *rc = r->comm;
+    fs_status s = FS_OK;
+    if (defer &&
+        ((s = d->record(c, &u->scatter_event, c->last_error, sizeof c->last_error)) != FS_OK ||
+         (s = d->wait(u->scatter_event, d->comm_stream(rc), c->last_error,
+                      sizeof c->last_error)) != FS_OK))
+        return s;
+    void *ws;
+    if ((s = lend_workspace(u, r, t, count, &ws)) != FS_OK)
+        return s;
+    if (defer)
+        d->set_defer(rc, 1);
+    FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, u->name, count, t,
+                fs_comm_all_reduce(rc, buf, count, t, FS_RED_SUM));
+    if (defer) {
+        d->set_defer(rc, 0);
+        *post = d->comm_stream(rc); /* ws is read on the replicas' stream until waited for */
+    }
+    fs_status s2 = return_workspace(u, r, &ws, defer);
+    if (s == FS_OK)
+        s = s2;
+    if (s == FS_ERR_BACKEND)
+        snprintf(c->last_error, sizeof c->last_error, "across replicas: %s", rc->last_error);
+    return s;
+}
+
+fs_status fs_unit_wait_reduced(fs_unit *u)
+{
+    if (!u->reduce_pending && !u->host_pending)
+        return FS_OK;
+    fs_comm *c = u->link.comm;
+    const fs_device_api *d = u->link.dev;
+    fs_status s = FS_OK;
+    if (u->reduce_pending)
+        s = d->wait(u->reduce_event, u->link.stream, c->last_error, sizeof c->last_error);
+    /* offload: the host (its optimizer) reads the gradients copied out */
+    if (s == FS_OK && u->host_pending)
+        s = d->synchronize(u->link.stream, c->last_error, sizeof c->last_error);
+    if (s != FS_OK)
+        return fs_unit_fail(u, s, "reduce-scatter", 0, "waiting for a gradient reduction: %s",
+                            c->last_error);
+    u->reduce_pending = u->host_pending = 0;
+    fs_held_release(&u->held, &u->env);
+    return FS_OK;
+}
+
+/* Where an accumulating reduce-scatter lands: u->scratch, grown to nbytes.
+ * A deferred reduction may still read the old scratch: it is held. */
+static fs_status scratch(fs_unit *u, int64_t nbytes, int defer)
+{
+    if (nbytes <= u->scratch_bytes)
+        return FS_OK;
+    if (u->scratch_h) {
+        if (defer) {
+            if (fs_held_add(&u->held, u->scratch_h) < 0)
+                return FS_ERR_NO_MEMORY;
+        } else {
+            u->env.release(u->env.ctx, u->scratch_h);
+        }
+        u->scratch_h = NULL;
+        u->scratch = NULL;
+        u->scratch_bytes = 0;
+    }
+    fs_status s = u->env.take(u->env.ctx, nbytes ? nbytes : 1, 0, &u->scratch, &u->scratch_h);
+    if (s == FS_OK)
+        u->scratch_bytes = nbytes;
+    return s;
+}
+
+fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumulate, int defer)
+{
+    if (gi < 0 || gi >= u->ngroups)
+        return fs_unit_fail(u, FS_ERR_INVALID_ARG, "reduce-scatter", gi, "unit '%s': no group "
+                            "%d", u->name, gi);
+    const fs_env *e = &u->env;
+    const fs_device_api *d = u->link.dev;
+    defer = defer && d;
+    fs_unit_group *g = &u->groups[gi];
+    fs_comm *c = u->link.comm;
+    const int whole = u->replicated || u->cfg.strategy == FS_SHARD_OPTIM; /* all-reduce */
+    const char *what = whole ? "all-reduce" : "reduce-scatter";
+    void *gp, *op;
+    fs_status s;
+    if ((s = e->data(e->ctx, grad, &gp)) != FS_OK || (s = e->data(e->ctx, out, &op)) != FS_OK)
+        return fs_unit_fail(u, s, what, gi, NULL);
+    void *pre = u->link.stream;                  /* before the collective */
+    void *post = defer ? d->comm_stream(c) : pre; /* after it */
+    /* the elements `out` gets: SHARD_OPTIM keeps the whole gradient */
+    const int64_t out_numel = u->cfg.strategy == FS_SHARD_OPTIM ? g->padded_numel : g->shard_numel;
+    /* offload: reduce into device memory, then copy to the host gradient */
+    void *host_op = NULL, *dev_out_h = NULL;
+    if (u->offload) {
+        if (accumulate)
+            return fs_unit_fail(u, FS_ERR_INVALID_ARG, what, gi, "unit '%s': with parameter "
+                                "offload, gradients are not accumulated across backward "
+                                "passes", u->name);
+        host_op = op;
+        if ((s = e->take(e->ctx, out_numel * (int64_t)fs_dtype_size(g->dtype), 0, &op,
+                         &dev_out_h)) != FS_OK)
+            return fs_unit_fail(u, s, what, gi, "out of device memory");
+    }
+    /* the mean over every rank holding a replica of this shard too */
+    const double inv = 1.0 / (c->world_size *
+                              (u->replicate.comm ? u->replicate.comm->world_size : 1));
+    void *red_in_h = NULL, *ws_h = NULL; /* per-reduction buffers */
+    /* The gradient arrives in the compute dtype; the collective runs in the
+     * reduce dtype. fp16 sums are divided first (they could overflow), the
+     * others after, in f32 or better ([Note: mixed precision]). */
+    void *src = gp;
+    double post_scale = inv;
+    if (g->reduce != g->compute || g->reduce == FS_F16) {
+        void *dst = gp;
+        if (g->reduce != g->compute)
+            s = e->take(e->ctx, g->padded_numel * (int64_t)fs_dtype_size(g->reduce),
+                        FS_TAKE_TRANSIENT, &dst, &red_in_h);
+        if (s == FS_OK)
+            s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute,
+                                         g->padded_numel, inv, 0);
+        src = dst;
+        post_scale = 1.0;
+    }
+    if (s == FS_OK && (!whole || c->world_size > 1))
+        s = lend_workspace(u, &u->link, g->reduce, g->padded_numel, &ws_h);
+    if (defer)
+        d->set_defer(c, 1);
+    if (s != FS_OK) {
+    } else if (whole) { /* summed in the reduce dtype, in place */
+        if (c->world_size > 1) /* one rank's sum is its own gradient */
+            FS_LINK_RUN(&u->link, s, FS_LOP_ALL_REDUCE, u->name, g->padded_numel, g->reduce,
+                        fs_comm_all_reduce(c, src, g->padded_numel, g->reduce, FS_RED_SUM));
+        if (s == FS_OK)
+            s = fs_unit_scale_accumulate(u, post, op, g->dtype, src, g->reduce, out_numel,
+                                         post_scale, accumulate);
+    } else {
+        /* Where the reduce-scatter lands: the shard gradient itself when it
+         * starts empty and keeps the dtype; else a buffer added into it. */
+        void *land = op;
+        fs_dtype lt = g->dtype;
+        if (g->reduce != g->dtype) {
+            land = g->red_out;
+            lt = g->reduce;
+        } else if (accumulate) {
+            if ((s = scratch(u, g->shard_numel * (int64_t)fs_dtype_size(g->dtype), defer)) ==
+                FS_OK)
+                land = u->scratch;
+        }
+        if (s == FS_OK)
+            FS_LINK_RUN(&u->link, s, FS_LOP_REDUCE_SCATTER, u->name, g->shard_numel, lt,
+                        fs_comm_reduce_scatter(c, src, land, g->shard_numel, lt, FS_RED_SUM));
+        if (s == FS_OK)
+            s = across_replicas(u, land, g->shard_numel, lt, defer, &post);
+        if (s == FS_OK && (land != op || post_scale != 1.0))
+            s = fs_unit_scale_accumulate(u, post, op, g->dtype, land, lt, g->shard_numel,
+                                         post_scale, land == op ? 0 : accumulate);
+    }
+    if (s == FS_OK && host_op) {
+        s = d->copy(host_op, op, (size_t)out_numel * fs_dtype_size(g->dtype), post,
+                    c->last_error, sizeof c->last_error);
+        u->host_pending = 1; /* the host waits before reading it (wait_reduced) */
+    }
+    fs_status ws_s = return_workspace(u, &u->link, &ws_h, defer && s == FS_OK);
+    if (s == FS_OK)
+        s = ws_s;
+    if (defer) {
+        d->set_defer(c, 0);
+        /* the mark goes on the stream the last of the work went to */
+        fs_comm *last = u->replicate.comm && !whole ? u->replicate.comm : c;
+        if (s == FS_OK)
+            s = d->record(last, &u->reduce_event, c->last_error, sizeof c->last_error);
+        if (s == FS_OK) { /* what the enqueued work reads and writes stays alive */
+            u->reduce_pending = 1;
+            void *hg = e->hold(e->ctx, grad), *ho = e->hold(e->ctx, out);
+            if (fs_held_add(&u->held, hg) < 0 || fs_held_add(&u->held, ho) < 0 ||
+                fs_held_add(&u->held, red_in_h) < 0 || fs_held_add(&u->held, dev_out_h) < 0)
+                s = FS_ERR_NO_MEMORY; /* not reached in practice; the handles leak */
+            red_in_h = dev_out_h = NULL;
+        }
+    }
+    if (red_in_h)
+        e->release(e->ctx, red_in_h);
+    if (dev_out_h)
+        e->release(e->ctx, dev_out_h);
+    if (s != FS_OK)
+        return fs_unit_fail_comm(u, s, what, gi, "gradient reduction: %s", c->last_error);
+    u->n_reduce++;
+    return FS_OK;
+}

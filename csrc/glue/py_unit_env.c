@@ -1,0 +1,97 @@
+/* py_unit_env.c - the engine's host table (engine.h) over torch: tensors'
+ * data pointers, storages given and taken their bytes ([Note: pooled
+ * storage] in py_unit_pool.c), memory for one operation, references held
+ * across a deferred collective. Engine calls run without the GIL; each
+ * entry takes it. Every handle the engine releases is a Python object: a
+ * tensor, or a capsule over host memory. */
+#include "py_unit.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define GIL_BEGIN PyGILState_STATE gil_ = PyGILState_Ensure()
+#define GIL_END PyGILState_Release(gil_)
+
+static fs_status env_data(void *ctx, void *tensor, void **ptr)
+{
+    GIL_BEGIN;
+    int rc = fs_tensor_ptr((PyObject *)tensor, ptr);
+    GIL_END;
+    return rc < 0 ? FS_ERR_HOST : FS_OK;
+}
+
+static fs_status env_set_storage(void *ctx, void *storage, int64_t nbytes, void **data)
+{
+    UnitObject *u = ctx;
+    GIL_BEGIN;
+    int rc = fs_glue_set_storage((PyObject *)storage, nbytes, u->empty != NULL);
+    *data = NULL;
+    GIL_END;
+    return rc < 0 ? FS_ERR_HOST : FS_OK;
+}
+
+/* Host memory as a Python object: a capsule whose destructor frees it. */
+static void host_free(PyObject *cap)
+{
+    free(PyCapsule_GetPointer(cap, "flatshard.host"));
+}
+static void staging_free(PyObject *cap)
+{
+    fs_glue_give_staging(PyCapsule_GetPointer(cap, "flatshard.staging"));
+}
+
+static fs_status env_take(void *ctx, int64_t nbytes, unsigned flags, void **data, void **handle)
+{
+    UnitObject *u = ctx;
+    PyObject *h = NULL;
+    void *p = NULL;
+    GIL_BEGIN;
+    if (u->empty) { /* torch's allocator on the device: its statistics stay true */
+        if ((h = PyObject_CallFunction(u->empty, "Li", (long long)nbytes, FS_U8)) &&
+            (flags & FS_TAKE_ZERO)) {
+            PyObject *r = PyObject_CallMethod(h, "zero_", NULL);
+            Py_XDECREF(r);
+            if (!r)
+                Py_CLEAR(h);
+        }
+        if (h && fs_tensor_ptr(h, &p) < 0)
+            Py_CLEAR(h);
+    } else if (flags & FS_TAKE_TRANSIENT) { /* a reduction's staging: the pool's */
+        if ((p = fs_glue_take_staging(nbytes))) {
+            if (flags & FS_TAKE_ZERO)
+                memset(p, 0, (size_t)nbytes);
+            if (!(h = PyCapsule_New(p, "flatshard.staging", staging_free)))
+                fs_glue_give_staging(p);
+        }
+    } else {
+        p = flags & FS_TAKE_ZERO ? calloc(1, (size_t)nbytes) : malloc((size_t)nbytes);
+        if (!p)
+            PyErr_NoMemory();
+        else if (!(h = PyCapsule_New(p, "flatshard.host", host_free)))
+            free(p);
+    }
+    GIL_END;
+    *data = p;
+    *handle = h;
+    return h ? FS_OK : FS_ERR_HOST;
+}
+
+static void env_release(void *ctx, void *handle)
+{
+    GIL_BEGIN;
+    Py_XDECREF((PyObject *)handle);
+    GIL_END;
+}
+
+static void *env_hold(void *ctx, void *tensor)
+{
+    GIL_BEGIN;
+    Py_XINCREF((PyObject *)tensor);
+    GIL_END;
+    return tensor;
+}
+
+fs_env fs_glue_env(UnitObject *u)
+{
+    return (fs_env){u, env_data, env_set_storage, env_take, env_release, env_hold};
+}
