@@ -80,6 +80,14 @@ typedef struct {
             fs_ledger_finish(fs_l_->ledger, fs_seq_, s, fs_l_->dev != NULL);              \
     } while (0)
 
+/* copy.h's fs_cast / fs_scale_accumulate: the host loops, or the link's
+ * device kernels enqueued on `stream` (a failure's words in comm->last_error). */
+fs_status fs_link_cast(const fs_link *l, void *stream, void *dst, fs_dtype dt, const void *src,
+                       fs_dtype st, int64_t n);
+fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs_dtype dt,
+                                   const void *src, fs_dtype st, int64_t n, double scale,
+                                   int accumulate);
+
 /* A list of handles held until a deferred collective is waited for. */
 typedef struct {
     void **h;

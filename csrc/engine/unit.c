@@ -76,27 +76,36 @@ fs_status fs_unit_fail_comm(fs_unit *u, fs_status s, const char *what, int group
     return s;
 }
 
-/* copy.h's loops on the host, the device table's kernels on `stream`. */
+fs_status fs_link_cast(const fs_link *l, void *stream, void *dst, fs_dtype dt, const void *src,
+                       fs_dtype st, int64_t n)
+{
+    if (l->dev)
+        return l->dev->cast(dst, dt, src, st, n, stream, l->comm->last_error,
+                            sizeof l->comm->last_error);
+    return fs_cast(dst, dt, src, st, n);
+}
+
+fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs_dtype dt,
+                                   const void *src, fs_dtype st, int64_t n, double scale,
+                                   int accumulate)
+{
+    if (l->dev)
+        return l->dev->scale_accumulate(dst, dt, src, st, n, scale, accumulate, stream,
+                                        l->comm->last_error, sizeof l->comm->last_error);
+    return fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
+}
+
 fs_status fs_unit_cast(fs_unit *u, void *stream, void *dst, fs_dtype dt, const void *src,
                        fs_dtype st, int64_t n)
 {
-    const fs_device_api *d = u->link.dev;
-    fs_comm *c = u->link.comm;
-    if (d)
-        return d->cast(dst, dt, src, st, n, stream, c->last_error, sizeof c->last_error);
-    return fs_cast(dst, dt, src, st, n);
+    return fs_link_cast(&u->link, stream, dst, dt, src, st, n);
 }
 
 fs_status fs_unit_scale_accumulate(fs_unit *u, void *stream, void *dst, fs_dtype dt,
                                    const void *src, fs_dtype st, int64_t n, double scale,
                                    int accumulate)
 {
-    const fs_device_api *d = u->link.dev;
-    fs_comm *c = u->link.comm;
-    if (d)
-        return d->scale_accumulate(dst, dt, src, st, n, scale, accumulate, stream,
-                                   c->last_error, sizeof c->last_error);
-    return fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
+    return fs_link_scale_accumulate(&u->link, stream, dst, dt, src, st, n, scale, accumulate);
 }
 
 static fs_status take(fs_unit *u, int64_t numel, fs_dtype t, void **data, void **handle)

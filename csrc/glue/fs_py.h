@@ -10,6 +10,7 @@
 #include "comm.h"
 #include "fs_device.h"
 #include "fs_status.h"
+#include "layout.h"
 #include "ledger.h"
 
 typedef struct {
@@ -21,6 +22,7 @@ typedef struct {
     PyObject *FlatLayoutType;
     PyObject *Dim0EntryType;
     PyObject *Dim0LayoutType;
+    PyObject *Dim0GroupType;  /* py_dim0.c */
 } fs_mod_state;
 
 extern PyModuleDef fs_module_def;
@@ -116,6 +118,9 @@ int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);
 int fs_optim_add(PyObject *module); /* py_optim.c */
 int fs_layout_add(PyObject *module, fs_mod_state *st); /* py_layout.c */
+int fs_dim0_type_add(PyObject *module, fs_mod_state *st); /* py_dim0.c */
+/* py_layout.c: a Dim0Entry record; NULL with an exception set. */
+PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e);
 
 /* A sequence of ints as a malloc'd int64 array (*n elements); NULL with an
  * exception set (`what` is the TypeError's text). */

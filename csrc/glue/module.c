@@ -395,7 +395,7 @@ static int module_exec(PyObject *m)
     if (!st->StateError || PyModule_AddObjectRef(m, "StateError", st->StateError) < 0)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
-        fs_layout_add(m, st) < 0 ||
+        fs_layout_add(m, st) < 0 || fs_dim0_type_add(m, st) < 0 ||
         fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
         add_constants(m) < 0)
         return -1;
@@ -416,6 +416,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->FlatLayoutType);
     Py_VISIT(st->Dim0EntryType);
     Py_VISIT(st->Dim0LayoutType);
+    Py_VISIT(st->Dim0GroupType);
     return 0;
 }
 
@@ -430,6 +431,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->FlatLayoutType);
     Py_CLEAR(st->Dim0EntryType);
     Py_CLEAR(st->Dim0LayoutType);
+    Py_CLEAR(st->Dim0GroupType);
     return 0;
 }
 

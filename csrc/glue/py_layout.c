@@ -75,6 +75,13 @@ static PyObject *record(PyObject *type, const int64_t *v, int n)
     return r;
 }
 
+PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e)
+{
+    int64_t v[6] = {e->dim0, e->row_numel, e->chunk_rows, e->block_offset, e->local_row_begin,
+                    e->local_rows};
+    return record(st->Dim0EntryType, v, 6);
+}
+
 /* ---------------------------------------------------------------------------
  * entry points */
 
@@ -164,9 +171,7 @@ static PyObject *py_layout_dim0(PyObject *m, PyObject *args)
     if (!(list = PyList_New(n)))
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t v[6] = {e[i].dim0, e[i].row_numel, e[i].chunk_rows, e[i].block_offset,
-                        e[i].local_row_begin, e[i].local_rows};
-        PyObject *rec = record(st->Dim0EntryType, v, 6);
+        PyObject *rec = fs_dim0_entry_record(st, &e[i]);
         if (!rec)
             goto done;
         PyList_SET_ITEM(list, i, rec);

@@ -169,7 +169,7 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     if (self->replicate)
         rep = (fs_link){self->replicate->comm, &self->replicate->ledger, self->replicate->dev,
                         NULL};
-    fs_status s = fs_unit_init(&self->u, PyUnicode_AsUTF8(name), fs_glue_env(self), link, rep,
+    fs_status s = fs_unit_init(&self->u, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty), link, rep,
                                strategy, grad_mask, gs, (int)n, offload);
     self->ready = 1;
     free(gs);

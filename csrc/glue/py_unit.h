@@ -19,9 +19,9 @@ typedef struct {
     int ready;             /* fs_unit_init ran (dealloc destroys it) */
 } UnitObject;
 
-/* py_unit_env.c: the engine's host table over torch. ctx is the UnitObject
- * (its `empty` decides device or host memory). */
-fs_env fs_glue_env(UnitObject *u);
+/* py_unit_env.c: the engine's host table over torch. `empty`: the address
+ * of the owner's allocator callable (NULL there: host memory). */
+fs_env fs_glue_env(PyObject **empty);
 
 /* py_unit_pool.c, [Note: pooled storage]: give a gathered buffer's storage
  * nbytes (from the host pool; a device's through resize_), or take them

@@ -3,7 +3,8 @@
  * storage] in py_unit_pool.c), memory for one operation, references held
  * across a deferred collective. Engine calls run without the GIL; each
  * entry takes it. Every handle the engine releases is a Python object: a
- * tensor, or a capsule over host memory. */
+ * tensor, or a capsule over host memory. ctx is the address of the owner's
+ * `empty` (device memory from it; NULL: host memory). */
 #include "py_unit.h"
 
 #include <stdlib.h>
@@ -22,9 +23,9 @@ static fs_status env_data(void *ctx, void *tensor, void **ptr)
 
 static fs_status env_set_storage(void *ctx, void *storage, int64_t nbytes, void **data)
 {
-    UnitObject *u = ctx;
+    PyObject *empty = *(PyObject **)ctx;
     GIL_BEGIN;
-    int rc = fs_glue_set_storage((PyObject *)storage, nbytes, u->empty != NULL);
+    int rc = fs_glue_set_storage((PyObject *)storage, nbytes, empty != NULL);
     *data = NULL;
     GIL_END;
     return rc < 0 ? FS_ERR_HOST : FS_OK;
@@ -42,12 +43,12 @@ static void staging_free(PyObject *cap)
 
 static fs_status env_take(void *ctx, int64_t nbytes, unsigned flags, void **data, void **handle)
 {
-    UnitObject *u = ctx;
+    PyObject *empty = *(PyObject **)ctx;
     PyObject *h = NULL;
     void *p = NULL;
     GIL_BEGIN;
-    if (u->empty) { /* torch's allocator on the device: its statistics stay true */
-        if ((h = PyObject_CallFunction(u->empty, "Li", (long long)nbytes, FS_U8)) &&
+    if (empty) { /* torch's allocator on the device: its statistics stay true */
+        if ((h = PyObject_CallFunction(empty, "Li", (long long)nbytes, FS_U8)) &&
             (flags & FS_TAKE_ZERO)) {
             PyObject *r = PyObject_CallMethod(h, "zero_", NULL);
             Py_XDECREF(r);
@@ -91,7 +92,7 @@ static void *env_hold(void *ctx, void *tensor)
     return tensor;
 }
 
-fs_env fs_glue_env(UnitObject *u)
+fs_env fs_glue_env(PyObject **empty)
 {
-    return (fs_env){u, env_data, env_set_storage, env_take, env_release, env_hold};
+    return (fs_env){empty, env_data, env_set_storage, env_take, env_release, env_hold};
 }

@@ -1,0 +1,422 @@
+/* dim0.c - see dim0.h: fully_shard's groups on the engine. No Python. */
+#include "dim0.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static fs_status fail(fs_dim0_group *g, fs_status s, const char *what, int collective,
+                      const char *fmt, ...)
+{
+    g->err_what = what;
+    g->err_collective = collective;
+    g->err[0] = '\0';
+    if (s != FS_ERR_HOST && fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(g->err, sizeof g->err, fmt, ap);
+        va_end(ap);
+    }
+    return s;
+}
+
+static void drop(fs_dim0_group *g, void **h)
+{
+    if (*h)
+        g->env.release(g->env.ctx, *h);
+    *h = NULL;
+}
+
+fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link link,
+                       fs_link replicate, int nparams, const int64_t *dim0,
+                       const int64_t *row_numel, const int *gathered, int64_t align,
+                       fs_dtype compute, fs_dtype reduce)
+{
+    memset(g, 0, sizeof *g);
+    snprintf(g->name, sizeof g->name, "%s", name);
+    g->env = env;
+    g->link = link;
+    g->replicate = replicate;
+    g->compute = compute;
+    g->reduce = reduce;
+    const int world = link.comm->world_size, rank = link.comm->rank;
+    size_t n = nparams > 0 ? (size_t)nparams : 1;
+    g->params = calloc(n, sizeof *g->params);
+    g->entries = calloc(n * (size_t)world, sizeof *g->entries);
+    g->gentries = calloc(n, sizeof *g->gentries);
+    g->outs = calloc(n, sizeof *g->outs);
+    g->out_t = calloc(n, sizeof *g->out_t);
+    g->accumulate = calloc(n, sizeof *g->accumulate);
+    int64_t *grows = calloc(n, sizeof *grows);
+    if (!g->params || !g->entries || !g->gentries || !g->outs || !g->out_t || !g->accumulate ||
+        !grows) {
+        free(grows);
+        return fail(g, FS_ERR_NO_MEMORY, "construction", 0, "out of host memory");
+    }
+    g->nparams = nparams;
+    fs_dim0_layout lay;
+    fs_status s = FS_OK;
+    for (int r = 0; r < world && s == FS_OK; r++)
+        s = fs_layout_dim0(dim0, row_numel, nparams, world, r, align,
+                           g->entries + (size_t)r * n, &lay);
+    g->block_numel = lay.block_numel;
+    /* the gather leaves out the extensions' rows */
+    for (int i = 0; i < nparams; i++)
+        grows[i] = gathered[i] ? row_numel[i] : 0;
+    if (s == FS_OK)
+        s = fs_layout_dim0(dim0, grows, nparams, world, rank, align, g->gentries, &lay);
+    free(grows);
+    if (s != FS_OK)
+        return fail(g, s, "construction", 0, "bad parameter shapes or alignment");
+    g->gather_block_numel = lay.block_numel;
+    /* each gathered parameter whole in the unsharded buffer, aligned */
+    int64_t pos = 0;
+    for (int i = 0; i < nparams; i++) {
+        fs_dim0_param *p = &g->params[i];
+        p->dim0 = dim0[i];
+        p->row_numel = row_numel[i];
+        p->gathered = gathered[i];
+        p->full_offset = pos;
+        if (p->gathered)
+            pos += (p->dim0 * p->row_numel + align - 1) / align * align;
+    }
+    /* padded so that any divisor of the world can split it (int reshard_after_forward) */
+    g->full_alloc = (pos + align * world - 1) / (align * world) * align * world;
+    return FS_OK;
+}
+
+void fs_dim0_destroy(fs_dim0_group *g)
+{
+    if (g->env.release) {
+        drop(g, &g->block_h);
+        drop(g, &g->gathered_h);
+        drop(g, &g->rs_in_h);
+        drop(g, &g->rs_out_h);
+        for (int i = 0; i < g->nparams && g->outs; i++)
+            drop(g, &g->outs[i]);
+    }
+    if (g->link.dev) {
+        if (g->gather_event)
+            g->link.dev->event_free(g->gather_event);
+        if (g->reduce_event)
+            g->link.dev->event_free(g->reduce_event);
+    }
+    free(g->params);
+    free(g->entries);
+    free(g->gentries);
+    free(g->outs);
+    free(g->out_t);
+    free(g->accumulate);
+    memset(g, 0, sizeof *g);
+}
+
+void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards)
+{
+    for (int i = 0; i < g->nparams; i++)
+        g->params[i].shard = shards[i];
+}
+
+void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage)
+{
+    g->full = full;
+    g->storage = storage;
+}
+
+/* ---------------------------------------------------------------------------
+ * gather */
+
+/* Each rank's rows of every gathered parameter, from the gathered blocks
+ * into the unsharded buffer. */
+static fs_status copy_out(fs_dim0_group *g, void *stream)
+{
+    const int world = g->link.comm->world_size;
+    const size_t es = fs_dtype_size(g->compute);
+    void *full;
+    fs_status s = g->env.data(g->env.ctx, g->full, &full);
+    if (s != FS_OK)
+        return fail(g, s, "unshard", 0, NULL);
+    for (int i = 0; i < g->nparams; i++) {
+        const fs_dim0_param *p = &g->params[i];
+        const fs_dim0_entry *e = &g->gentries[i];
+        if (!p->gathered)
+            continue;
+        for (int r = 0; r < world; r++) {
+            int64_t begin, rows;
+            fs_dim0_rows(p->dim0, world, r, &begin, &rows);
+            if (!rows || !p->row_numel)
+                continue;
+            const char *src = (const char *)g->gathered +
+                              (r * g->gather_block_numel + e->block_offset) * es;
+            char *dst = (char *)full + (p->full_offset + begin * p->row_numel) * es;
+            if ((s = fs_link_cast(&g->link, stream, dst, g->compute, src, g->compute,
+                                  rows * p->row_numel)) != FS_OK)
+                return fail(g, s, "unshard", 0, "copy-out: %s", g->link.comm->last_error);
+        }
+    }
+    return FS_OK;
+}
+
+fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
+{
+    const fs_env *e = &g->env;
+    fs_link *l = &g->link;
+    fs_comm *c = l->comm;
+    const int world = c->world_size;
+    const size_t es = fs_dtype_size(g->compute);
+    defer = defer && l->dev;
+    fs_status s;
+    if (g->unsharded) /* a pending gather is waited for, unless this is a prefetch too */
+        return defer ? FS_OK : fs_dim0_wait(g);
+    void *none;
+    if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &none)) != FS_OK)
+        return fail(g, s, "unshard", 0, NULL);
+    if (!g->block_h && (s = e->take(e->ctx, g->gather_block_numel * (int64_t)es, FS_TAKE_ZERO,
+                                    &g->block, &g->block_h)) != FS_OK)
+        return fail(g, s, "unshard", 0, "out of memory");
+    for (int i = 0; i < g->nparams; i++) { /* the local rows, cast; the padding stays zero */
+        const fs_dim0_entry *en = &g->gentries[i];
+        void *src;
+        if (!g->params[i].gathered || !en->local_rows || !en->row_numel)
+            continue;
+        if ((s = e->data(e->ctx, g->params[i].shard, &src)) != FS_OK)
+            return fail(g, s, "unshard", 0, NULL);
+        if ((s = fs_link_cast(l, l->stream, (char *)g->block + en->block_offset * es,
+                              g->compute, src, shard_t[i], en->local_rows * en->row_numel)) !=
+            FS_OK)
+            return fail(g, s, "unshard", 0, "copy-in: %s", c->last_error);
+    }
+    if ((s = e->take(e->ctx, g->gather_block_numel * world * (int64_t)es,
+                     defer ? 0 : FS_TAKE_TRANSIENT, &g->gathered, &g->gathered_h)) != FS_OK)
+        return fail(g, s, "unshard", 0, "out of memory");
+    if (defer)
+        l->dev->set_defer(c, 1);
+    FS_LINK_RUN(l, s, FS_LOP_ALL_GATHER, g->name, g->gather_block_numel, g->compute,
+                fs_comm_all_gather(c, g->block, g->gathered, g->gather_block_numel, g->compute));
+    if (defer) {
+        l->dev->set_defer(c, 0);
+        if (s == FS_OK)
+            s = l->dev->record(c, &g->gather_event, c->last_error, sizeof c->last_error);
+    }
+    if (s != FS_OK) {
+        drop(g, &g->gathered_h);
+        return fail(g, s, "all-gather", 1, "all_gather: %s", c->last_error);
+    }
+    g->n_all_gather++;
+    g->unsharded = 1;
+    if (defer) {
+        g->gather_pending = 1;
+        g->n_deferred_gather++;
+        return FS_OK;
+    }
+    s = copy_out(g, l->stream);
+    drop(g, &g->gathered_h);
+    return s;
+}
+
+fs_status fs_dim0_wait(fs_dim0_group *g)
+{
+    if (!g->gather_pending)
+        return FS_OK;
+    fs_comm *c = g->link.comm;
+    g->gather_pending = 0;
+    fs_status s = g->link.dev->wait(g->gather_event, g->link.stream, c->last_error,
+                                    sizeof c->last_error);
+    if (s != FS_OK) {
+        drop(g, &g->gathered_h);
+        return fail(g, s, "unshard", 0, "waiting for a prefetched all-gather: %s",
+                    c->last_error);
+    }
+    s = copy_out(g, g->link.stream);
+    drop(g, &g->gathered_h); /* the caller's stream orders its reuse */
+    return s;
+}
+
+fs_status fs_dim0_reshard(fs_dim0_group *g)
+{
+    fs_status s = fs_dim0_wait(g); /* its buffers go back only after the stream waited */
+    if (s != FS_OK || !g->unsharded)
+        return s;
+    void *none;
+    if ((s = g->env.set_storage(g->env.ctx, g->storage, 0, &none)) != FS_OK)
+        return fail(g, s, "reshard", 0, NULL);
+    g->unsharded = 0;
+    return FS_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * reduce */
+
+static fs_status lend(fs_dim0_group *g, fs_link *l, int64_t count, void **h)
+{
+    *h = NULL;
+    if (!l->dev || (g->reduce != FS_BF16 && g->reduce != FS_F16))
+        return FS_OK;
+    void *p;
+    fs_status s = g->env.take(g->env.ctx, (count ? count : 1) * 4, 0, &p, h);
+    if (s == FS_OK)
+        l->dev->set_workspace(l->comm, p, (size_t)count * 4);
+    return s;
+}
+
+static void unlend(fs_dim0_group *g, fs_link *l, void **h)
+{
+    if (*h)
+        l->dev->set_workspace(l->comm, NULL, 0);
+    drop(g, h);
+}
+
+/* After the reduce-scatter: across replicas, the scale, each sharded gradient. */
+static fs_status finish(fs_dim0_group *g)
+{
+    fs_link *l = &g->link;
+    fs_comm *c = l->comm;
+    fs_status s = FS_OK;
+    const int world = c->world_size, rank = c->rank;
+    const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1;
+    double scale = g->factor > 0 ? 1.0 / g->factor : 1.0 / world;
+    if (g->replicate.comm) {
+        fs_link *r = &g->replicate;
+        void *ws;
+        if ((s = lend(g, r, g->block_numel, &ws)) != FS_OK)
+            return fail(g, s, "all-reduce", 0, "out of memory");
+        FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->name, g->block_numel, g->reduce,
+                    fs_comm_all_reduce(r->comm, g->rs_out, g->block_numel, g->reduce,
+                                       FS_RED_SUM));
+        unlend(g, r, &ws);
+        if (s != FS_OK)
+            return fail(g, s, "all-reduce", 1, "all_reduce across replicas: %s",
+                        r->comm->last_error);
+        if (g->factor <= 0)
+            scale /= r->comm->world_size;
+    }
+    const size_t rs = fs_dtype_size(g->reduce);
+    for (int i = 0; i < g->nparams && s == FS_OK; i++) {
+        const fs_dim0_entry *e = &g->entries[(size_t)rank * n + i];
+        void *dst;
+        if (!g->outs[i] || !e->local_rows || !e->row_numel)
+            continue;
+        if ((s = g->env.data(g->env.ctx, g->outs[i], &dst)) != FS_OK)
+            return fail(g, s, "reduce-scatter", 0, NULL);
+        s = fs_link_scale_accumulate(l, l->stream, dst, g->out_t[i],
+                                     (char *)g->rs_out + e->block_offset * rs, g->reduce,
+                                     e->local_rows * e->row_numel, scale, g->accumulate[i]);
+        if (s != FS_OK)
+            return fail(g, s, "reduce-scatter", 0, "gradient: %s", c->last_error);
+    }
+    return s;
+}
+
+static void release_reduction(fs_dim0_group *g)
+{
+    drop(g, &g->rs_in_h);
+    drop(g, &g->rs_out_h);
+    for (int i = 0; i < g->nparams; i++)
+        drop(g, &g->outs[i]);
+}
+
+fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
+                         void *const *outs, const fs_dtype *out_t, const int *accumulate,
+                         double factor, int defer)
+{
+    const fs_env *e = &g->env;
+    fs_link *l = &g->link;
+    fs_comm *c = l->comm;
+    const int world = c->world_size;
+    const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1, rs = fs_dtype_size(g->reduce);
+    defer = defer && l->dev;
+    fs_status s;
+    if (g->reduce_pending && (s = fs_dim0_finish_reduce(g)) != FS_OK)
+        return s;
+    void *rs_in;
+    /* zeroed: the padding, and the rows of parameters without a gradient */
+    if ((s = e->take(e->ctx, g->block_numel * world * (int64_t)rs,
+                     FS_TAKE_ZERO | (defer ? 0 : FS_TAKE_TRANSIENT), &rs_in, &g->rs_in_h)) !=
+            FS_OK ||
+        (s = e->take(e->ctx, g->block_numel * (int64_t)rs, defer ? 0 : FS_TAKE_TRANSIENT,
+                     &g->rs_out, &g->rs_out_h)) != FS_OK) {
+        release_reduction(g);
+        return fail(g, s, "reduce-scatter", 0, "out of memory");
+    }
+    for (int i = 0; i < g->nparams; i++) {
+        void *src;
+        if (!grads[i])
+            continue;
+        if ((s = e->data(e->ctx, grads[i], &src)) != FS_OK) {
+            release_reduction(g);
+            return fail(g, s, "reduce-scatter", 0, NULL);
+        }
+        size_t gs = fs_dtype_size(grad_t[i]);
+        for (int r = 0; r < world; r++) {
+            const fs_dim0_entry *en = &g->entries[(size_t)r * n + i];
+            if (!en->local_rows || !en->row_numel)
+                continue;
+            s = fs_link_cast(l, l->stream,
+                             (char *)rs_in + (r * g->block_numel + en->block_offset) * rs,
+                             g->reduce,
+                             (const char *)src + en->local_row_begin * en->row_numel * gs,
+                             grad_t[i], en->local_rows * en->row_numel);
+            if (s != FS_OK) {
+                release_reduction(g);
+                return fail(g, s, "reduce-scatter", 0, "copy-in: %s", c->last_error);
+            }
+        }
+    }
+    for (int i = 0; i < g->nparams; i++) {
+        g->outs[i] = outs[i] ? e->hold(e->ctx, outs[i]) : NULL;
+        g->out_t[i] = out_t[i];
+        g->accumulate[i] = accumulate[i];
+    }
+    g->factor = factor;
+    void *ws;
+    if ((s = lend(g, l, g->block_numel * world, &ws)) != FS_OK) {
+        release_reduction(g);
+        return fail(g, s, "reduce-scatter", 0, "out of memory");
+    }
+    if (defer)
+        l->dev->set_defer(c, 1);
+    FS_LINK_RUN(l, s, FS_LOP_REDUCE_SCATTER, g->name, g->block_numel, g->reduce,
+                fs_comm_reduce_scatter(c, rs_in, g->rs_out, g->block_numel, g->reduce,
+                                       FS_RED_SUM));
+    if (defer) {
+        l->dev->set_defer(c, 0);
+        if (s == FS_OK)
+            s = l->dev->record(c, &g->reduce_event, c->last_error, sizeof c->last_error);
+    }
+    if (ws) /* a deferred collective reads it until waited for (g->ws_h) */
+        l->dev->set_workspace(c, NULL, 0);
+    if (s != FS_OK) {
+        drop(g, &ws);
+        release_reduction(g);
+        return fail(g, s, "reduce-scatter", 1, "reduce_scatter: %s", c->last_error);
+    }
+    g->n_reduce_scatter++;
+    if (defer) {
+        g->ws_h = ws;
+        g->reduce_pending = 1;
+        g->n_deferred_reduce++;
+        return FS_OK;
+    }
+    drop(g, &ws);
+    s = finish(g);
+    release_reduction(g);
+    return s;
+}
+
+fs_status fs_dim0_finish_reduce(fs_dim0_group *g)
+{
+    if (!g->reduce_pending)
+        return FS_OK;
+    fs_comm *c = g->link.comm;
+    g->reduce_pending = 0;
+    fs_status s = g->link.dev->wait(g->reduce_event, g->link.stream, c->last_error,
+                                    sizeof c->last_error);
+    drop(g, &g->ws_h);
+    if (s != FS_OK)
+        s = fail(g, s, "reduce-scatter", 0, "waiting for a gradient reduction: %s",
+                 c->last_error);
+    else
+        s = finish(g);
+    release_reduction(g);
+    return s;
+}

@@ -1,0 +1,101 @@
+/* dim0.h - the engine's fully_shard group: parameters sharded on dim 0
+ * (torch FSDP2's per-parameter layout, layout.h DIM0), gathered with one
+ * all-gather into one unsharded buffer and reduced with one reduce-scatter.
+ *
+ * Layout: parameter i is cut on dim 0 into chunks of ceil(dim0 / world)
+ * rows; rank r's all-gather input (its block) holds its chunk of every
+ * parameter, each padded to the common row count. The unsharded buffer holds
+ * every parameter whole, each starting at a multiple of the alignment.
+ * Gather: each local shard is cast into the block (the compute dtype), the
+ * blocks are all-gathered, and each rank's rows copied out into the
+ * unsharded buffer. Reduce: every rank's rows of each unsharded gradient are
+ * cast into that rank's block of the reduce-scatter input (the reduce
+ * dtype), reduce-scattered (summed), summed across replicas (HSDP), scaled
+ * (the mean, or the divide factor the user set) and cast into each sharded
+ * gradient, added to what is there when asked.
+ *
+ * Parameters whose tensor class gathers for itself (torch's extension
+ * protocol: flatshard/fsdp2/extension.py) have no room in the block nor the
+ * unsharded buffer; their gradients take the reduce-scatter with the rest.
+ *
+ * The same code runs on the host and on a device (the link's table): every
+ * copy is a cast of a contiguous range; the block's padding is zero from
+ * its first use and never written. On a device a gather can be deferred (a
+ * prefetch: the copy-out waits for fs_dim0_wait) and so can a reduction (the
+ * steps after the collective wait for fs_dim0_finish_reduce). */
+#ifndef FS_DIM0_H
+#define FS_DIM0_H
+
+#include "engine.h"
+#include "layout.h"
+
+typedef struct {
+    int64_t dim0, row_numel;
+    int gathered;         /* 0: its class gathers it (an extension) */
+    int64_t full_offset;  /* its start in the unsharded buffer, elements */
+    void *shard;          /* tensor handle: this rank's rows, contiguous */
+} fs_dim0_param;
+
+typedef struct {
+    char name[128];
+    fs_env env;
+    fs_link link;          /* the shard group */
+    fs_link replicate;     /* HSDP: across replicas (comm NULL otherwise) */
+    int nparams;
+    fs_dim0_param *params;
+    fs_dim0_entry *entries;  /* world x nparams: each rank's entries (reduce layout) */
+    fs_dim0_entry *gentries; /* nparams: this rank's gather entries (extensions: no rows) */
+    int64_t block_numel, gather_block_numel;
+    int64_t full_alloc;      /* the unsharded buffer, elements of compute */
+    fs_dtype compute, reduce;
+    void *full;              /* tensor handle of the unsharded buffer (NULL until set) */
+    void *storage;           /* its storage handle */
+    int unsharded;
+    void *block, *block_h;   /* persistent all-gather input (padding zero) */
+    /* a deferred gather: the copy-out waits for the mark */
+    void *gather_event, *gathered, *gathered_h;
+    int gather_pending;
+    /* a deferred reduction: what follows the reduce-scatter waits for finish */
+    void *reduce_event;
+    int reduce_pending;
+    void *rs_in_h, *rs_out, *rs_out_h, *ws_h;
+    void **outs;             /* nparams tensor handles (held) or NULL */
+    fs_dtype *out_t;
+    int *accumulate;
+    double factor;           /* > 0: divide by it instead of averaging */
+    unsigned long long n_all_gather, n_reduce_scatter, n_deferred_gather, n_deferred_reduce;
+    char err[512];
+    const char *err_what;
+    int err_collective;
+} fs_dim0_group;
+
+/* dim0[i], row_numel[i], gathered[i] for nparams parameters; align: every
+ * parameter's start in the block and the unsharded buffer, in elements. */
+fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link link,
+                       fs_link replicate, int nparams, const int64_t *dim0,
+                       const int64_t *row_numel, const int *gathered, int64_t align,
+                       fs_dtype compute, fs_dtype reduce);
+void fs_dim0_destroy(fs_dim0_group *g);
+
+/* The local shards (tensor handles, nparams), and the unsharded buffer
+ * (tensor and storage handles), set again after the host moved them. */
+void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards);
+void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage);
+
+/* One all-gather of every rank's block, then the copy-out into the
+ * unsharded buffer (given its storage first). defer: a device prefetch. */
+fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer);
+fs_status fs_dim0_wait(fs_dim0_group *g);
+fs_status fs_dim0_reshard(fs_dim0_group *g);
+
+/* grads[i]: the unsharded gradient (tensor handle, dtype grad_t[i], the
+ * parameter's shape) or NULL; outs[i]: the sharded gradient to write
+ * (out_t[i], this rank's rows) or NULL; accumulate[i]: add to it. factor >
+ * 0: divide the sum by it, else average. defer: on a device the steps after
+ * the collective wait for fs_dim0_finish_reduce. */
+fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
+                         void *const *outs, const fs_dtype *out_t, const int *accumulate,
+                         double factor, int defer);
+fs_status fs_dim0_finish_reduce(fs_dim0_group *g);
+
+#endif

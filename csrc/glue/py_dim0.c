@@ -1,0 +1,421 @@
+/* py_dim0.c - flatshard._C.Dim0Group: the Python face of one fully_shard
+ * group on the engine (engine/dim0.h). Argument parsing and the Python
+ * objects behind the handles; the engine does the work without the GIL. */
+#include "py_unit.h"
+
+#include <stdlib.h>
+
+#include "dim0.h"
+
+typedef struct {
+    PyObject_HEAD
+    fs_dim0_group g;
+    PyObject *name;
+    CommObject *comm;
+    CommObject *replicate;
+    PyObject *empty;       /* device groups: empty(numel, dtype_code) -> tensor */
+    PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
+    fs_dtype *shard_t;
+    PyObject *full, *storage;
+    int ready;
+} Dim0Object;
+
+static int bind(Dim0Object *self)
+{
+    if (fs_comm_bind_stream(self->comm) < 0 ||
+        (self->replicate && fs_comm_bind_stream(self->replicate) < 0))
+        return -1;
+    self->g.link.stream = self->comm->stream;
+    if (self->replicate)
+        self->g.replicate.stream = self->replicate->stream;
+    return 0;
+}
+
+static PyObject *done(Dim0Object *self, fs_status s)
+{
+    if (s == FS_OK)
+        Py_RETURN_NONE;
+    if (s == FS_ERR_HOST && !PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "flatshard: a torch call failed without an error");
+    fs_raise(fs_state_from_type(Py_TYPE(self)), s, "%s", self->g.err);
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (v) {
+        fs_comm *c = self->comm->comm;
+        PyObject *note = PyUnicode_FromFormat(
+            "flatshard: during %s of fully_shard group '%U' (rank %d of %d)",
+            self->g.err_what ? self->g.err_what : "an operation", self->name, c->rank,
+            c->world_size);
+        PyObject *r = note ? PyObject_CallMethod(v, "add_note", "O", note) : NULL;
+        Py_XDECREF(r);
+        Py_XDECREF(note);
+        PyErr_Clear();
+    }
+    PyErr_Restore(t, v, tb);
+    return self->g.err_collective ? fs_comm_failed(self->comm) : NULL;
+}
+
+#define RUN(s, call)                   \
+    do {                               \
+        Py_BEGIN_ALLOW_THREADS s = (call); \
+        Py_END_ALLOW_THREADS           \
+    } while (0)
+
+static int dtype_arg(PyObject *o, fs_dtype *t)
+{
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < 0 || v >= FS_DTYPE_COUNT) {
+        PyErr_Format(PyExc_ValueError, "Dim0Group: invalid dtype code %ld", v);
+        return -1;
+    }
+    *t = (fs_dtype)v;
+    return 0;
+}
+
+static PyObject *Dim0_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"name", "comm", "dim0", "row_numel", "gathered", "align",
+                             "compute_dtype", "reduce_dtype", "empty", "replicate", NULL};
+    PyObject *name, *comm, *dims, *rows, *gathered, *empty = Py_None, *replicate = Py_None;
+    long long align;
+    int cdt, rdt;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "UOOOOLii|$OO", kwlist, &name, &comm, &dims,
+                                     &rows, &gathered, &align, &cdt, &rdt, &empty, &replicate))
+        return NULL;
+    fs_mod_state *st = fs_state_from_type(tp);
+    if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType) ||
+        (replicate != Py_None && !PyObject_TypeCheck(replicate, (PyTypeObject *)st->CommType)))
+        return PyErr_Format(PyExc_TypeError, "Dim0Group: comm and replicate must be "
+                            "flatshard._C.Comm");
+    if ((((CommObject *)comm)->dev != NULL) != (empty != Py_None))
+        return PyErr_Format(PyExc_TypeError, "Dim0Group: a Comm bound to a device needs "
+                            "empty=callable(numel, dtype_code) -> tensor, and only such a Comm");
+    if (cdt < 0 || cdt >= FS_DTYPE_COUNT || rdt < 0 || rdt >= FS_DTYPE_COUNT || align < 1)
+        return PyErr_Format(PyExc_ValueError, "Dim0Group: invalid dtype code or alignment");
+    Py_ssize_t n = 0, n2 = 0, n3 = 0;
+    int64_t *d0 = fs_int64_list(dims, &n, "Dim0Group: dim0 must be a sequence of ints");
+    int64_t *rn = d0 ? fs_int64_list(rows, &n2, "Dim0Group: row_numel must be ints") : NULL;
+    int64_t *ga = rn ? fs_int64_list(gathered, &n3, "Dim0Group: gathered must be ints") : NULL;
+    int *gi = ga ? calloc(n ? (size_t)n : 1, sizeof *gi) : NULL;
+    Dim0Object *self = NULL;
+    if (!gi)
+        goto out;
+    if (n != n2 || n != n3) {
+        PyErr_SetString(PyExc_ValueError, "Dim0Group: dim0, row_numel, gathered differ in length");
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        gi[i] = ga[i] != 0;
+    if (!(self = (Dim0Object *)tp->tp_alloc(tp, 0)))
+        goto out;
+    self->name = Py_NewRef(name);
+    self->comm = (CommObject *)Py_NewRef(comm);
+    self->replicate = replicate != Py_None ? (CommObject *)Py_NewRef(replicate) : NULL;
+    self->empty = empty != Py_None ? Py_NewRef(empty) : NULL;
+    if (!(self->shard_t = calloc(n ? (size_t)n : 1, sizeof *self->shard_t))) {
+        PyErr_NoMemory();
+        Py_CLEAR(self);
+        goto out;
+    }
+    fs_link link = {self->comm->comm, &self->comm->ledger, self->comm->dev, NULL};
+    fs_link rep = {0};
+    if (self->replicate)
+        rep = (fs_link){self->replicate->comm, &self->replicate->ledger, self->replicate->dev,
+                        NULL};
+    fs_status s = fs_dim0_init(&self->g, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
+                               link, rep, (int)n, d0, rn, gi, align, cdt, rdt);
+    self->ready = 1;
+    if (s != FS_OK) {
+        fs_raise(st, s, "Dim0Group %U: %s", name, self->g.err);
+        Py_CLEAR(self);
+    }
+out:
+    free(d0);
+    free(rn);
+    free(ga);
+    free(gi);
+    return (PyObject *)self;
+}
+
+static void Dim0_dealloc(Dim0Object *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->ready)
+        fs_dim0_destroy(&self->g);
+    free(self->shard_t);
+    Py_XDECREF(self->shards);
+    Py_XDECREF(self->full);
+    Py_XDECREF(self->storage);
+    Py_XDECREF(self->empty);
+    Py_XDECREF(self->name);
+    Py_XDECREF(self->comm);
+    Py_XDECREF(self->replicate);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+PyDoc_STRVAR(set_shards_doc,
+             "set_shards(tensors, dtype_codes): each parameter's local rows (contiguous),\n"
+             "read at every gather; set again when the module moved them.");
+static PyObject *Dim0_set_shards(Dim0Object *self, PyObject *args)
+{
+    PyObject *ts, *codes;
+    if (!PyArg_ParseTuple(args, "OO", &ts, &codes))
+        return NULL;
+    PyObject *tup = PySequence_Tuple(ts), *ct = tup ? PySequence_Tuple(codes) : NULL;
+    if (!ct) {
+        Py_XDECREF(tup);
+        return NULL;
+    }
+    int n = self->g.nparams;
+    if (PyTuple_GET_SIZE(tup) != n || PyTuple_GET_SIZE(ct) != n) {
+        Py_DECREF(tup);
+        Py_DECREF(ct);
+        return PyErr_Format(PyExc_ValueError, "set_shards: %d tensors and codes expected", n);
+    }
+    void **h = calloc(n ? (size_t)n : 1, sizeof *h);
+    for (int i = 0; h && i < n; i++) {
+        h[i] = PyTuple_GET_ITEM(tup, i);
+        if (dtype_arg(PyTuple_GET_ITEM(ct, i), &self->shard_t[i]) < 0) {
+            free(h);
+            Py_DECREF(tup);
+            Py_DECREF(ct);
+            return NULL;
+        }
+    }
+    Py_DECREF(ct);
+    if (!h) {
+        Py_DECREF(tup);
+        return PyErr_NoMemory();
+    }
+    fs_dim0_set_shards(&self->g, h);
+    free(h);
+    Py_XSETREF(self->shards, tup);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_full_doc, "set_full(tensor): the unsharded buffer (full_alloc elements of the\n"
+                           "compute dtype); its storage's bytes come and go.");
+static PyObject *Dim0_set_full(Dim0Object *self, PyObject *full)
+{
+    PyObject *st = PyObject_CallMethod(full, "untyped_storage", NULL);
+    if (!st)
+        return NULL;
+    Py_XSETREF(self->full, Py_NewRef(full));
+    Py_XSETREF(self->storage, st);
+    self->g.unsharded = 0;
+    fs_dim0_set_full(&self->g, self->full, self->storage);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Dim0_unshard(Dim0Object *self, PyObject *args)
+{
+    int defer = 0;
+    if (!PyArg_ParseTuple(args, "|p", &defer))
+        return NULL;
+    if (!self->full || !self->shards)
+        return PyErr_Format(PyExc_RuntimeError, "Dim0Group %U: set_shards and set_full first",
+                            self->name);
+    if (bind(self) < 0)
+        return NULL;
+    fs_status s;
+    RUN(s, fs_dim0_unshard(&self->g, self->shard_t, defer));
+    return done(self, s);
+}
+
+static PyObject *Dim0_wait(Dim0Object *self, PyObject *Py_UNUSED(a))
+{
+    if (!self->g.gather_pending)
+        Py_RETURN_NONE;
+    if (bind(self) < 0)
+        return NULL;
+    fs_status s;
+    RUN(s, fs_dim0_wait(&self->g));
+    return done(self, s);
+}
+
+static PyObject *Dim0_reshard(Dim0Object *self, PyObject *Py_UNUSED(a))
+{
+    if (!self->g.unsharded && !self->g.gather_pending)
+        Py_RETURN_NONE;
+    if (bind(self) < 0)
+        return NULL;
+    fs_status s;
+    RUN(s, fs_dim0_reshard(&self->g));
+    return done(self, s);
+}
+
+PyDoc_STRVAR(reduce_doc,
+             "reduce(grads, grad_codes, outs, out_codes, accumulate, factor=0.0, defer=False)\n"
+             "One reduce-scatter of every parameter's unsharded gradient (None: none) into\n"
+             "the sharded gradients `outs` (None: not written), added to them where\n"
+             "accumulate[i]; the mean over the ranks (and replicas), or the sum divided by\n"
+             "factor when factor > 0. defer (a device): the steps after the collective\n"
+             "wait for finish_reduce().");
+static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args)
+{
+    PyObject *grads, *gcodes, *outs, *ocodes, *accs;
+    double factor = 0.0;
+    int defer = 0;
+    if (!PyArg_ParseTuple(args, "OOOOO|dp", &grads, &gcodes, &outs, &ocodes, &accs, &factor,
+                          &defer))
+        return NULL;
+    int n = self->g.nparams;
+    PyObject *seq[5] = {PySequence_Fast(grads, "reduce: grads must be a sequence"), NULL, NULL,
+                        NULL, NULL};
+    PyObject *src[5] = {grads, gcodes, outs, ocodes, accs};
+    void **gh = calloc(2 * (size_t)(n ? n : 1), sizeof *gh), **oh = gh ? gh + (n ? n : 1) : NULL;
+    fs_dtype *gt = calloc(2 * (size_t)(n ? n : 1), sizeof *gt), *ot = gt ? gt + (n ? n : 1) : NULL;
+    int *acc = calloc((size_t)(n ? n : 1), sizeof *acc);
+    PyObject *r = NULL;
+    for (int k = 1; k < 5 && seq[k - 1]; k++)
+        seq[k] = PySequence_Fast(src[k], "reduce: arguments must be sequences");
+    if (!seq[4] || !gh || !gt || !acc) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto out;
+    }
+    for (int k = 0; k < 5; k++)
+        if (PySequence_Fast_GET_SIZE(seq[k]) != n) {
+            PyErr_Format(PyExc_ValueError, "reduce: every argument has %d items", n);
+            goto out;
+        }
+    for (int i = 0; i < n; i++) {
+        PyObject *g = PySequence_Fast_GET_ITEM(seq[0], i), *o = PySequence_Fast_GET_ITEM(seq[2], i);
+        gh[i] = g == Py_None ? NULL : g;
+        oh[i] = o == Py_None ? NULL : o;
+        if ((gh[i] && dtype_arg(PySequence_Fast_GET_ITEM(seq[1], i), &gt[i]) < 0) ||
+            (oh[i] && dtype_arg(PySequence_Fast_GET_ITEM(seq[3], i), &ot[i]) < 0) ||
+            (acc[i] = PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq[4], i))) < 0)
+            goto out;
+    }
+    if (bind(self) < 0)
+        goto out;
+    fs_status s;
+    RUN(s, fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor, defer));
+    r = done(self, s);
+out:
+    for (int k = 0; k < 5; k++)
+        Py_XDECREF(seq[k]);
+    free(gh);
+    free(gt);
+    free(acc);
+    return r;
+}
+
+static PyObject *Dim0_finish_reduce(Dim0Object *self, PyObject *Py_UNUSED(a))
+{
+    if (!self->g.reduce_pending)
+        Py_RETURN_NONE;
+    if (bind(self) < 0)
+        return NULL;
+    fs_status s;
+    RUN(s, fs_dim0_finish_reduce(&self->g));
+    return done(self, s);
+}
+
+static PyObject *Dim0_get_entries(Dim0Object *self, void *c)
+{
+    fs_mod_state *st = fs_state_from_type(Py_TYPE(self));
+    int n = self->g.nparams, rank = self->g.link.comm->rank;
+    PyObject *l = PyList_New(n);
+    for (int i = 0; l && i < n; i++) {
+        PyObject *rec = fs_dim0_entry_record(st, &self->g.entries[(size_t)rank * n + i]);
+        if (!rec) {
+            Py_CLEAR(l);
+            break;
+        }
+        PyList_SET_ITEM(l, i, rec);
+    }
+    return l;
+}
+
+static PyObject *Dim0_get_offsets(Dim0Object *self, void *c)
+{
+    PyObject *t = PyTuple_New(self->g.nparams);
+    for (int i = 0; t && i < self->g.nparams; i++) {
+        PyObject *x = PyLong_FromLongLong(self->g.params[i].full_offset);
+        if (!x) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, i, x);
+    }
+    return t;
+}
+
+static PyObject *Dim0_get_full_alloc(Dim0Object *self, void *c)
+{
+    return PyLong_FromLongLong(self->g.full_alloc);
+}
+static PyObject *Dim0_get_unsharded(Dim0Object *self, void *c)
+{
+    return PyBool_FromLong(self->g.unsharded);
+}
+static PyObject *Dim0_get_gather_pending(Dim0Object *self, void *c)
+{
+    return PyBool_FromLong(self->g.gather_pending);
+}
+static PyObject *Dim0_get_reduce_pending(Dim0Object *self, void *c)
+{
+    return PyBool_FromLong(self->g.reduce_pending);
+}
+static PyObject *Dim0_get_counts(Dim0Object *self, void *c)
+{
+    return Py_BuildValue("{sKsKsKsK}", "all_gather", self->g.n_all_gather, "reduce_scatter",
+                         self->g.n_reduce_scatter, "deferred_gather", self->g.n_deferred_gather,
+                         "deferred_reduce", self->g.n_deferred_reduce);
+}
+
+static PyMethodDef Dim0_methods[] = {
+    {"set_shards", (PyCFunction)Dim0_set_shards, METH_VARARGS, set_shards_doc},
+    {"set_full", (PyCFunction)Dim0_set_full, METH_O, set_full_doc},
+    {"unshard", (PyCFunction)Dim0_unshard, METH_VARARGS,
+     "unshard(defer=False): gather into the unsharded buffer (defer: a device prefetch)."},
+    {"wait", (PyCFunction)Dim0_wait, METH_NOARGS,
+     "wait(): a deferred gather: the stream waits, then the copy-out is enqueued."},
+    {"reshard", (PyCFunction)Dim0_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},
+    {"reduce", (PyCFunction)Dim0_reduce, METH_VARARGS, reduce_doc},
+    {"finish_reduce", (PyCFunction)Dim0_finish_reduce, METH_NOARGS,
+     "finish_reduce(): wait for a deferred reduce-scatter and write the gradients."},
+    {NULL},
+};
+
+static PyGetSetDef Dim0_getset[] = {
+    {"entries", (getter)Dim0_get_entries, NULL, "this rank's Dim0Entry per parameter", NULL},
+    {"offsets", (getter)Dim0_get_offsets, NULL, "each parameter's start in the unsharded buffer",
+     NULL},
+    {"full_alloc", (getter)Dim0_get_full_alloc, NULL, "elements of the unsharded buffer", NULL},
+    {"is_unsharded", (getter)Dim0_get_unsharded, NULL, "gathered (maybe pending)", NULL},
+    {"gather_pending", (getter)Dim0_get_gather_pending, NULL, "a deferred gather", NULL},
+    {"reduce_pending", (getter)Dim0_get_reduce_pending, NULL, "a deferred reduction", NULL},
+    {"counts", (getter)Dim0_get_counts, NULL, "collectives issued", NULL},
+    {NULL},
+};
+
+static PyType_Slot Dim0_slots[] = {
+    {Py_tp_new, Dim0_new},
+    {Py_tp_dealloc, Dim0_dealloc},
+    {Py_tp_methods, Dim0_methods},
+    {Py_tp_getset, Dim0_getset},
+    {Py_tp_doc, "Dim0Group(name, comm, dim0, row_numel, gathered, align, compute_dtype,\n"
+                "reduce_dtype, *, empty=None, replicate=None): one fully_shard group on the\n"
+                "engine (engine/dim0.h)."},
+    {0, NULL},
+};
+
+static PyType_Spec Dim0_spec = {
+    "flatshard._C.Dim0Group", sizeof(Dim0Object), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, Dim0_slots,
+};
+
+int fs_dim0_type_add(PyObject *module, fs_mod_state *st)
+{
+    st->Dim0GroupType = PyType_FromModuleAndSpec(module, &Dim0_spec, NULL);
+    if (!st->Dim0GroupType)
+        return -1;
+    return PyModule_AddObjectRef(module, "Dim0Group", st->Dim0GroupType);
+}
