@@ -214,6 +214,30 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
     return s;
 }
 
+fs_status fs_dim0_unshard_from(fs_dim0_group *g, fs_link *post, void *chunk)
+{
+    const fs_env *e = &g->env;
+    const size_t es = fs_dtype_size(g->compute);
+    const int64_t count = g->full_alloc / post->comm->world_size;
+    void *src, *dst, *none;
+    fs_status s;
+    if ((s = fs_dim0_wait(g)) != FS_OK)
+        return s;
+    if (g->unsharded)
+        return FS_OK;
+    if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &none)) != FS_OK ||
+        (s = e->data(e->ctx, chunk, &src)) != FS_OK || (s = e->data(e->ctx, g->full, &dst)) != FS_OK)
+        return fail(g, s, "unshard", 0, NULL);
+    FS_LINK_RUN(post, s, FS_LOP_ALL_GATHER, g->name, count, g->compute,
+                fs_comm_all_gather(post->comm, src, dst, count, g->compute));
+    if (s != FS_OK)
+        return fail(g, s, "all-gather", 1, "all_gather after forward: %s",
+                    post->comm->last_error);
+    g->n_post_gather++;
+    g->unsharded = 1;
+    return FS_OK;
+}
+
 fs_status fs_dim0_wait(fs_dim0_group *g)
 {
     if (!g->gather_pending)

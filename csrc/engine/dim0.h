@@ -63,7 +63,8 @@ typedef struct {
     fs_dtype *out_t;
     int *accumulate;
     double factor;           /* > 0: divide by it instead of averaging */
-    unsigned long long n_all_gather, n_reduce_scatter, n_deferred_gather, n_deferred_reduce;
+    unsigned long long n_all_gather, n_reduce_scatter, n_deferred_gather, n_deferred_reduce,
+        n_post_gather;
     char err[512];
     const char *err_what;
     int err_collective;
@@ -86,6 +87,10 @@ void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage);
  * unsharded buffer (given its storage first). defer: a device prefetch. */
 fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer);
 fs_status fs_dim0_wait(fs_dim0_group *g);
+/* int reshard_after_forward: the unsharded buffer gathered again over a
+ * smaller group `post`, from the 1/post-size chunk this rank kept (tensor
+ * handle, full_alloc / post world elements of compute). */
+fs_status fs_dim0_unshard_from(fs_dim0_group *g, fs_link *post, void *chunk);
 fs_status fs_dim0_reshard(fs_dim0_group *g);
 
 /* grads[i]: the unsharded gradient (tensor handle, dtype grad_t[i], the

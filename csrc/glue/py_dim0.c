@@ -226,6 +226,28 @@ static PyObject *Dim0_unshard(Dim0Object *self, PyObject *args)
     return done(self, s);
 }
 
+static PyObject *Dim0_unshard_from(Dim0Object *self, PyObject *args)
+{
+    PyObject *comm, *chunk;
+    if (!PyArg_ParseTuple(args, "OO", &comm, &chunk))
+        return NULL;
+    fs_mod_state *st = fs_state_from_type(Py_TYPE(self));
+    if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType) ||
+        ((CommObject *)comm)->dev != self->comm->dev)
+        return PyErr_Format(PyExc_TypeError, "unshard_from: comm must be a flatshard._C.Comm "
+                            "on this group's device");
+    CommObject *pc = (CommObject *)comm;
+    if (self->g.full_alloc % pc->comm->world_size)
+        return PyErr_Format(PyExc_ValueError, "unshard_from: a group of %d does not divide "
+                            "the unsharded buffer", pc->comm->world_size);
+    if (bind(self) < 0 || fs_comm_bind_stream(pc) < 0)
+        return NULL;
+    fs_link post = {pc->comm, &pc->ledger, pc->dev, pc->stream};
+    fs_status s;
+    RUN(s, fs_dim0_unshard_from(&self->g, &post, chunk));
+    return done(self, s);
+}
+
 static PyObject *Dim0_wait(Dim0Object *self, PyObject *Py_UNUSED(a))
 {
     if (!self->g.gather_pending)
@@ -365,9 +387,10 @@ static PyObject *Dim0_get_reduce_pending(Dim0Object *self, void *c)
 }
 static PyObject *Dim0_get_counts(Dim0Object *self, void *c)
 {
-    return Py_BuildValue("{sKsKsKsK}", "all_gather", self->g.n_all_gather, "reduce_scatter",
+    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.n_all_gather, "reduce_scatter",
                          self->g.n_reduce_scatter, "deferred_gather", self->g.n_deferred_gather,
-                         "deferred_reduce", self->g.n_deferred_reduce);
+                         "deferred_reduce", self->g.n_deferred_reduce, "post_gather",
+                         self->g.n_post_gather);
 }
 
 static PyMethodDef Dim0_methods[] = {
@@ -375,6 +398,9 @@ static PyMethodDef Dim0_methods[] = {
     {"set_full", (PyCFunction)Dim0_set_full, METH_O, set_full_doc},
     {"unshard", (PyCFunction)Dim0_unshard, METH_VARARGS,
      "unshard(defer=False): gather into the unsharded buffer (defer: a device prefetch)."},
+    {"unshard_from", (PyCFunction)Dim0_unshard_from, METH_VARARGS,
+     "unshard_from(comm, chunk): gather the unsharded buffer over `comm` from the chunk\n"
+     "this rank kept after forward (int reshard_after_forward)."},
     {"wait", (PyCFunction)Dim0_wait, METH_NOARGS,
      "wait(): a deferred gather: the stream waits, then the copy-out is enqueued."},
     {"reshard", (PyCFunction)Dim0_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},

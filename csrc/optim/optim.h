@@ -74,7 +74,7 @@ typedef struct {
 
 /* One way to run the loop. Name form (fs_optim_variant_name/_parse):
  * "avx512.u2.pf1024.nt.t2.c0" = simd.u<unroll>.pf<prefetch_bytes>.<st|nt>.<t|omp><threads>
- * .c<chunk_numel>. */
+ * .c<chunk_numel>, where simd "avx512bf16" is avx512 with bf16_insn. */
 typedef struct {
     fs_simd simd;        /* instruction set; capped at what the CPU has */
     int unroll;          /* vectors per loop iteration: 1, 2 or 4 */
@@ -86,6 +86,9 @@ typedef struct {
                           * an OpenMP runtime; 0: threads started for the step */
     int64_t chunk_numel; /* 0: one contiguous slice per thread; else chunks of this many
                           * elements (a multiple of 16) claimed by whichever thread is free */
+    int bf16_insn;       /* 1: the AVX-512 loop rounds a bf16 copy with vcvtneps2bf16
+                          * (AVX512_BF16), same bits; needs simd avx512 and a CPU that has
+                          * it (fs_optim_have_bf16_insn); no effect without a bf16 copy */
 } fs_optim_variant;
 
 #define FS_OPTIM_VARIANT_NAME_MAX 64
@@ -102,6 +105,8 @@ fs_status fs_optim_check(const fs_optim_job *job);
 fs_optim_variant fs_optim_default_variant(fs_simd simd, int threads);
 /* 1 when this process has an OpenMP runtime that omp variants can use. */
 int fs_optim_have_omp(void);
+/* 1 when the CPU has AVX512_BF16 (and AVX512DQ, AVX-512 F/BW): bf16_insn variants run. */
+int fs_optim_have_bf16_insn(void);
 /* "name" -> variant; FS_ERR_INVALID_ARG for a malformed name or field. */
 fs_status fs_optim_variant_parse(const char *name, fs_optim_variant *out);
 void fs_optim_variant_name(const fs_optim_variant *v, char out[FS_OPTIM_VARIANT_NAME_MAX]);

@@ -110,7 +110,8 @@ typedef struct {
     const fs_optim_job *job;
     adam_consts k;
     fs_optim_variant v;
-    int stream; /* non-temporal copy stores in effect (variant asks and there is a copy) */
+    int stream;    /* non-temporal copy stores in effect (variant asks and there is a copy) */
+    int bf16_insn; /* AVX-512 kernels round a bf16 copy with vcvtneps2bf16 (variant asks, CPU has it) */
 } range_ctx;
 
 #ifdef FS_X86
@@ -302,8 +303,10 @@ FS_AVX2 static int64_t sgd_avx2(const range_ctx *x, int64_t lo, int64_t hi)
 }
 
 /* ---------------------------------------------------------------------------
- * AVX-512 kernels: 16 lanes. The bf16 rounding is done on integers rather
- * than with vcvtneps2bf16, which flushes subnormal inputs. */
+ * AVX-512 kernels: 16 lanes, compiled twice (FS_KERNELS512 below): once for
+ * AVX-512 F/BW, where the bf16 copy is rounded on integers as half16 does,
+ * and once more with AVX512_BF16 for the variants that round it with
+ * vcvtneps2bf16 / vcvtne2ps2bf16 ([Note: bf16 instruction]). */
 
 FS_AVX512 FS_INLINE __m256i half16(__m512 v, fs_dtype t)
 {
@@ -320,13 +323,79 @@ FS_AVX512 FS_INLINE __m256i half16(__m512 v, fs_dtype t)
     return _mm512_cvtepi32_epi16(r);
 }
 
-FS_AVX512 FS_INLINE void copy16(void *copy, fs_dtype t, int64_t i, __m512 p, int stream)
+/* 32 or 64 bytes of the copy at element i: non-temporal stores need the
+ * address aligned to their size (run_range's head peel sees to it). */
+FS_AVX512 FS_INLINE void put16(void *copy, int64_t i, __m256i h, int stream)
 {
     __m256i *dst = (__m256i *)((uint16_t *)copy + i);
     if (stream)
-        _mm256_stream_si256(dst, half16(p, t));
+        _mm256_stream_si256(dst, h);
     else
-        _mm256_storeu_si256(dst, half16(p, t));
+        _mm256_storeu_si256(dst, h);
+}
+
+FS_AVX512 FS_INLINE void put32(void *copy, int64_t i, __m512i h, int stream)
+{
+    __m512i *dst = (__m512i *)((uint16_t *)copy + i);
+    if (stream)
+        _mm512_stream_si512(dst, h);
+    else
+        _mm512_storeu_si512(dst, h);
+}
+
+/* The copy of 16 updated parameters at element i, and of 32 (p0: i..i+15,
+ * p1: i+16..i+31) as one 64-byte line's worth. */
+FS_AVX512 FS_INLINE void copy16(void *copy, fs_dtype t, int64_t i, __m512 p, int stream)
+{
+    put16(copy, i, half16(p, t), stream);
+}
+
+FS_AVX512 FS_INLINE void copy32(void *copy, fs_dtype t, int64_t i, __m512 p0, __m512 p1,
+                                int stream)
+{
+    put32(copy, i, _mm512_inserti64x4(_mm512_castsi256_si512(half16(p0, t)), half16(p1, t), 1),
+          stream);
+}
+
+/* [Note: bf16 instruction]
+ * vcvtneps2bf16 rounds f32 to bf16 to nearest even in one instruction
+ * (vcvtne2ps2bf16: 32 of them, two vectors into one), instead of half16's
+ * eight integer operations. Its results are fs_f32_to_bf16's except for
+ * subnormal inputs, which it flushes to a signed zero where the reference
+ * rounds them to a bf16 subnormal; NaNs come out quiet with sign and payload
+ * kept, as the reference's, on the CPUs tested, but are no part of what the
+ * instruction is relied on for. So a vector holding either class of input
+ * (vfpclassps: QNaN, SNaN, denormal) is rounded by half16 instead: a branch
+ * that real parameters never take, and the same bits either way. Used only
+ * where the CPU reports AVX512_BF16 (and AVX512DQ for vfpclassps):
+ * fs_optim_have_bf16_insn(); variants name it as simd "avx512bf16". */
+#define FS_AVX512BF __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+#define FS_BF16_SPECIAL 0xA1 /* vfpclassps categories: QNaN | denormal | SNaN */
+
+FS_AVX512BF FS_INLINE void copy16_bf(void *copy, fs_dtype t, int64_t i, __m512 p, int stream)
+{
+    if (t != FS_BF16 || _mm512_fpclass_ps_mask(p, FS_BF16_SPECIAL)) {
+        copy16(copy, t, i, p, stream);
+        return;
+    }
+    __m256bh h = _mm512_cvtneps_pbh(p);
+    __m256i bits;
+    memcpy(&bits, &h, sizeof bits);
+    put16(copy, i, bits, stream);
+}
+
+FS_AVX512BF FS_INLINE void copy32_bf(void *copy, fs_dtype t, int64_t i, __m512 p0, __m512 p1,
+                                     int stream)
+{
+    if (t != FS_BF16 || (_mm512_fpclass_ps_mask(p0, FS_BF16_SPECIAL) |
+                         _mm512_fpclass_ps_mask(p1, FS_BF16_SPECIAL))) {
+        copy32(copy, t, i, p0, p1, stream);
+        return;
+    }
+    __m512bh h = _mm512_cvtne2ps_pbh(p1, p0); /* p0 in the low half */
+    __m512i bits;
+    memcpy(&bits, &h, sizeof bits);
+    put32(copy, i, bits, stream);
 }
 
 typedef struct {
@@ -334,8 +403,10 @@ typedef struct {
     __m512i sign;
 } adam_k16;
 
-FS_AVX512 FS_INLINE void adam16(const fs_adam_buffers *b, const fs_adam_hparams *h, int l2,
-                                const adam_k16 *c, int64_t i, int stream)
+/* Elements i..i+15 of the update, but for the copy: returns the updated
+ * parameters for the caller to copy. */
+FS_AVX512 FS_INLINE __m512 adam16(const fs_adam_buffers *b, const fs_adam_hparams *h, int l2,
+                                  const adam_k16 *c, int64_t i)
 {
     __m512 g = _mm512_loadu_ps(b->grad + i);
     if (h->maximize)
@@ -358,49 +429,7 @@ FS_AVX512 FS_INLINE void adam16(const fs_adam_buffers *b, const fs_adam_hparams 
     __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), c->bc2), c->eps);
     p = _mm512_sub_ps(p, _mm512_mul_ps(c->ss, _mm512_div_ps(m, denom)));
     _mm512_storeu_ps(b->param + i, p);
-    if (b->copy)
-        copy16(b->copy, b->copy_dtype, i, p, stream);
-}
-
-FS_AVX512 static int64_t adam_avx512(const range_ctx *x, int64_t lo, int64_t hi)
-{
-    const fs_adam_buffers *b = &x->job->adam;
-    const fs_adam_hparams *h = &x->job->adam_h;
-    const adam_k16 c = {_mm512_set1_ps(1.0f - h->beta1), _mm512_set1_ps(h->beta2),
-                        _mm512_set1_ps(1.0f - h->beta2), _mm512_set1_ps(h->eps),
-                        _mm512_set1_ps(x->k.inv_bc2_sqrt), _mm512_set1_ps(x->k.step_size),
-                        _mm512_set1_ps(x->k.decay), _mm512_set1_ps(h->weight_decay),
-                        _mm512_set1_epi32((int)0x80000000u)};
-    const int l2 = !h->decoupled && h->weight_decay != 0.0f, st = x->stream;
-    const int64_t ahead = x->v.prefetch_bytes / 4;
-    int64_t i = lo;
-    if (x->v.unroll >= 4) {
-        for (; i + 64 <= hi; i += 64) {
-            if (ahead)
-                for (int64_t k = 0; k < 64; k += 16)
-                    adam_prefetch(b, i + ahead + k);
-            adam16(b, h, l2, &c, i, st);
-            adam16(b, h, l2, &c, i + 16, st);
-            adam16(b, h, l2, &c, i + 32, st);
-            adam16(b, h, l2, &c, i + 48, st);
-        }
-    }
-    if (x->v.unroll >= 2) {
-        for (; i + 32 <= hi; i += 32) {
-            if (ahead) {
-                adam_prefetch(b, i + ahead);
-                adam_prefetch(b, i + ahead + 16);
-            }
-            adam16(b, h, l2, &c, i, st);
-            adam16(b, h, l2, &c, i + 16, st);
-        }
-    }
-    for (; i + 16 <= hi; i += 16) {
-        if (ahead)
-            adam_prefetch(b, i + ahead);
-        adam16(b, h, l2, &c, i, st);
-    }
-    return i;
+    return p;
 }
 
 typedef struct {
@@ -408,8 +437,8 @@ typedef struct {
     __m512i sign;
 } sgd_k16;
 
-FS_AVX512 FS_INLINE void sgd16(const fs_sgd_buffers *b, const fs_sgd_hparams *h,
-                               const sgd_k16 *c, int64_t i, int stream)
+FS_AVX512 FS_INLINE __m512 sgd16(const fs_sgd_buffers *b, const fs_sgd_hparams *h,
+                                 const sgd_k16 *c, int64_t i)
 {
     __m512 g = _mm512_loadu_ps(b->grad + i);
     if (h->maximize)
@@ -425,49 +454,115 @@ FS_AVX512 FS_INLINE void sgd16(const fs_sgd_buffers *b, const fs_sgd_hparams *h,
     }
     p = _mm512_sub_ps(p, _mm512_mul_ps(c->lr, g));
     _mm512_storeu_ps(b->param + i, p);
-    if (b->copy)
-        copy16(b->copy, b->copy_dtype, i, p, stream);
+    return p;
 }
 
-FS_AVX512 static int64_t sgd_avx512(const range_ctx *x, int64_t lo, int64_t hi)
+/* The unrolled loop over [i, hi), shared by the two compilations of each
+ * kernel: UPDATE16(i) updates 16 elements and returns their parameters,
+ * PREFETCH(j) fetches a line of each stream at element j, COPY16/COPY32
+ * store the copy (16 elements, or 32 as one line). Needs i, hi, ahead,
+ * copy, ct and st in scope. */
+#define FS_LOOP512(UPDATE16, PREFETCH, COPY16, COPY32)                                     \
+    do {                                                                                   \
+        if (x->v.unroll >= 4) {                                                            \
+            for (; i + 64 <= hi; i += 64) {                                                \
+                if (ahead)                                                                 \
+                    for (int64_t k = 0; k < 64; k += 16)                                   \
+                        PREFETCH(i + ahead + k);                                           \
+                __m512 p0 = UPDATE16(i), p1 = UPDATE16(i + 16);                            \
+                if (copy)                                                                  \
+                    COPY32(copy, ct, i, p0, p1, st);                                       \
+                __m512 p2 = UPDATE16(i + 32), p3 = UPDATE16(i + 48);                       \
+                if (copy)                                                                  \
+                    COPY32(copy, ct, i + 32, p2, p3, st);                                  \
+            }                                                                              \
+        }                                                                                  \
+        if (x->v.unroll >= 2) {                                                            \
+            for (; i + 32 <= hi; i += 32) {                                                \
+                if (ahead) {                                                               \
+                    PREFETCH(i + ahead);                                                   \
+                    PREFETCH(i + ahead + 16);                                              \
+                }                                                                          \
+                __m512 p0 = UPDATE16(i), p1 = UPDATE16(i + 16);                            \
+                if (copy)                                                                  \
+                    COPY32(copy, ct, i, p0, p1, st);                                       \
+            }                                                                              \
+        }                                                                                  \
+        for (; i + 16 <= hi; i += 16) {                                                    \
+            if (ahead)                                                                     \
+                PREFETCH(i + ahead);                                                       \
+            __m512 p0 = UPDATE16(i);                                                       \
+            if (copy)                                                                      \
+                COPY16(copy, ct, i, p0, st);                                               \
+        }                                                                                  \
+    } while (0)
+
+#define FS_ADAM16(j) adam16(b, h, l2, &c, (j))
+#define FS_ADAM_PF(j) adam_prefetch(b, (j))
+#define FS_SGD16(j) sgd16(b, h, &c, (j))
+#define FS_SGD_PF(j) sgd_prefetch(b, (j))
+
+/* adam_<suffix> and sgd_<suffix> with target ATTR and copy stores COPY16/COPY32. */
+#define FS_KERNELS512(SUFFIX, ATTR, COPY16, COPY32)                                         \
+    ATTR static int64_t adam_##SUFFIX(const range_ctx *x, int64_t lo, int64_t hi)          \
+    {                                                                                      \
+        const fs_adam_buffers *b = &x->job->adam;                                          \
+        const fs_adam_hparams *h = &x->job->adam_h;                                        \
+        const adam_k16 c = {_mm512_set1_ps(1.0f - h->beta1), _mm512_set1_ps(h->beta2),     \
+                            _mm512_set1_ps(1.0f - h->beta2), _mm512_set1_ps(h->eps),       \
+                            _mm512_set1_ps(x->k.inv_bc2_sqrt),                             \
+                            _mm512_set1_ps(x->k.step_size), _mm512_set1_ps(x->k.decay),    \
+                            _mm512_set1_ps(h->weight_decay),                               \
+                            _mm512_set1_epi32((int)0x80000000u)};                          \
+        const int l2 = !h->decoupled && h->weight_decay != 0.0f, st = x->stream;           \
+        const int64_t ahead = x->v.prefetch_bytes / 4;                                     \
+        void *const copy = b->copy;                                                        \
+        const fs_dtype ct = b->copy_dtype;                                                 \
+        int64_t i = lo;                                                                    \
+        FS_LOOP512(FS_ADAM16, FS_ADAM_PF, COPY16, COPY32);                                 \
+        return i;                                                                          \
+    }                                                                                      \
+    ATTR static int64_t sgd_##SUFFIX(const range_ctx *x, int64_t lo, int64_t hi)           \
+    {                                                                                      \
+        const fs_sgd_buffers *b = &x->job->sgd;                                            \
+        const fs_sgd_hparams *h = &x->job->sgd_h;                                          \
+        const sgd_k16 c = {_mm512_set1_ps(h->lr), _mm512_set1_ps(h->momentum),             \
+                           _mm512_set1_ps(1.0f - h->dampening),                            \
+                           _mm512_set1_ps(h->weight_decay),                                \
+                           _mm512_set1_epi32((int)0x80000000u)};                           \
+        const int st = x->stream;                                                          \
+        const int64_t ahead = x->v.prefetch_bytes / 4;                                     \
+        void *const copy = b->copy;                                                        \
+        const fs_dtype ct = b->copy_dtype;                                                 \
+        int64_t i = lo;                                                                    \
+        FS_LOOP512(FS_SGD16, FS_SGD_PF, COPY16, COPY32);                                   \
+        return i;                                                                          \
+    }
+
+FS_KERNELS512(avx512, FS_AVX512, copy16, copy32)
+FS_KERNELS512(avx512bf, FS_AVX512BF, copy16_bf, copy32_bf)
+
+/* AVX512_BF16 and AVX512DQ, with AVX-512 F/BW (fs_simd_best). */
+static int detect_bf16_insn(void)
 {
-    const fs_sgd_buffers *b = &x->job->sgd;
-    const fs_sgd_hparams *h = &x->job->sgd_h;
-    const sgd_k16 c = {_mm512_set1_ps(h->lr), _mm512_set1_ps(h->momentum),
-                       _mm512_set1_ps(1.0f - h->dampening), _mm512_set1_ps(h->weight_decay),
-                       _mm512_set1_epi32((int)0x80000000u)};
-    const int st = x->stream;
-    const int64_t ahead = x->v.prefetch_bytes / 4;
-    int64_t i = lo;
-    if (x->v.unroll >= 4) {
-        for (; i + 64 <= hi; i += 64) {
-            if (ahead)
-                for (int64_t k = 0; k < 64; k += 16)
-                    sgd_prefetch(b, i + ahead + k);
-            sgd16(b, h, &c, i, st);
-            sgd16(b, h, &c, i + 16, st);
-            sgd16(b, h, &c, i + 32, st);
-            sgd16(b, h, &c, i + 48, st);
-        }
-    }
-    if (x->v.unroll >= 2) {
-        for (; i + 32 <= hi; i += 32) {
-            if (ahead) {
-                sgd_prefetch(b, i + ahead);
-                sgd_prefetch(b, i + ahead + 16);
-            }
-            sgd16(b, h, &c, i, st);
-            sgd16(b, h, &c, i + 16, st);
-        }
-    }
-    for (; i + 16 <= hi; i += 16) {
-        if (ahead)
-            sgd_prefetch(b, i + ahead);
-        sgd16(b, h, &c, i, st);
-    }
-    return i;
+    if (fs_simd_best() < FS_SIMD_AVX512)
+        return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
 }
 #endif /* FS_X86 */
+
+int fs_optim_have_bf16_insn(void)
+{
+#ifdef FS_X86
+    static int have = -1;
+    if (have < 0)
+        have = detect_bf16_insn();
+    return have;
+#else
+    return 0;
+#endif
+}
 
 /* ---------------------------------------------------------------------------
  * one range on one thread */
@@ -487,10 +582,11 @@ static void run_range(const range_ctx *x, int64_t lo, int64_t hi)
     if (x->v.simd >= FS_SIMD_AVX2 && lo < hi) {
         if (x->stream) {
             /* Streaming stores need aligned addresses (16 bytes for AVX2's 8
-             * halves, 32 for AVX-512's 16): the scalar loop takes the head. */
+             * halves, 64 for AVX-512's 32 in a line, then 32 for its last 16):
+             * the scalar loop takes the head. */
             const void *copy = x->job->kind == FS_OPTIM_ADAM ? x->job->adam.copy
                                                              : x->job->sgd.copy;
-            const uintptr_t mask = x->v.simd >= FS_SIMD_AVX512 ? 31 : 15;
+            const uintptr_t mask = x->v.simd >= FS_SIMD_AVX512 ? 63 : 15;
             int64_t head = lo;
             while (head < hi && ((uintptr_t)((const uint16_t *)copy + head) & mask))
                 head++;
@@ -498,7 +594,9 @@ static void run_range(const range_ctx *x, int64_t lo, int64_t hi)
             i = head;
         }
         const int adam = x->job->kind == FS_OPTIM_ADAM;
-        if (x->v.simd >= FS_SIMD_AVX512)
+        if (x->v.simd >= FS_SIMD_AVX512 && x->bf16_insn)
+            i = adam ? adam_avx512bf(x, i, hi) : sgd_avx512bf(x, i, hi);
+        else if (x->v.simd >= FS_SIMD_AVX512)
             i = adam ? adam_avx512(x, i, hi) : sgd_avx512(x, i, hi);
         i = adam ? adam_avx2(x, i, hi) : sgd_avx2(x, i, hi);
     }
@@ -633,10 +731,14 @@ fs_status fs_optim_run(const fs_optim_job *job, int64_t lo, int64_t hi, const fs
         v->chunk_numel % 16 != 0 || v->prefetch_bytes < 0 ||
         (v->unroll != 1 && v->unroll != 2 && v->unroll != 4))
         return FS_ERR_INVALID_ARG;
-    range_ctx x = {job, {0, 0, 0}, *v, 0};
+    range_ctx x = {job, {0, 0, 0}, *v, 0, 0};
     x.v.simd = simd_cap(v->simd);
     const void *copy = job->kind == FS_OPTIM_ADAM ? job->adam.copy : job->sgd.copy;
+    const fs_dtype copy_dtype = job->kind == FS_OPTIM_ADAM ? job->adam.copy_dtype
+                                                           : job->sgd.copy_dtype;
     x.stream = v->stream_copy && copy && x.v.simd >= FS_SIMD_AVX2;
+    x.bf16_insn = v->bf16_insn && copy && copy_dtype == FS_BF16 &&
+                  x.v.simd >= FS_SIMD_AVX512 && fs_optim_have_bf16_insn();
     if (job->kind == FS_OPTIM_ADAM)
         x.k = adam_derive(&job->adam_h);
 
@@ -683,14 +785,15 @@ fs_status fs_optim_run(const fs_optim_job *job, int64_t lo, int64_t hi, const fs
 
 fs_optim_variant fs_optim_default_variant(fs_simd simd, int threads)
 {
-    fs_optim_variant v = {simd_cap(simd), 1, 0, 0, threads < 1 ? 1 : threads, 0, 0};
+    fs_optim_variant v = {simd_cap(simd), 1, 0, 0, threads < 1 ? 1 : threads, 0, 0, 0};
     return v;
 }
 
 void fs_optim_variant_name(const fs_optim_variant *v, char out[FS_OPTIM_VARIANT_NAME_MAX])
 {
-    snprintf(out, FS_OPTIM_VARIANT_NAME_MAX, "%s.u%d.pf%d.%s.%s%d.c%lld", fs_simd_name(v->simd),
-             v->unroll, v->prefetch_bytes, v->stream_copy ? "nt" : "st", v->omp ? "omp" : "t",
+    const char *simd = v->bf16_insn && v->simd >= FS_SIMD_AVX512 ? "avx512bf16"
+                                                                 : fs_simd_name(v->simd);
+    snprintf(out, FS_OPTIM_VARIANT_NAME_MAX, "%s.u%d.pf%d.%s.%s%d.c%lld", simd, v->unroll, v->prefetch_bytes, v->stream_copy ? "nt" : "st", v->omp ? "omp" : "t",
              v->threads, (long long)v->chunk_numel);
 }
 
@@ -702,13 +805,15 @@ fs_status fs_optim_variant_parse(const char *name, fs_optim_variant *out)
     if (!name || sscanf(name, "%15[a-z0-9].u%d.pf%d.%2[a-z].%3[a-z]%d.c%lld%n", simd, &unroll,
                         &pf, stores, team, &threads, &chunk, &used) != 7 || name[used] != '\0')
         return FS_ERR_INVALID_ARG;
-    int level = fs_simd_parse(simd);
+    /* "avx512bf16": AVX-512 with the bf16 instructions, where the CPU has them. */
+    const int bf16 = strcmp(simd, "avx512bf16") == 0;
+    int level = bf16 ? (fs_optim_have_bf16_insn() ? FS_SIMD_AVX512 : -2) : fs_simd_parse(simd);
     int nt = strcmp(stores, "nt") == 0, omp = strcmp(team, "omp") == 0;
     if (level < 0 || strcmp(simd, "auto") == 0 || (!nt && strcmp(stores, "st") != 0) ||
         (!omp && strcmp(team, "t") != 0) || (unroll != 1 && unroll != 2 && unroll != 4) ||
         pf < 0 || pf > (1 << 20) || threads < 1 || threads > FS_MAX_THREADS || chunk < 0 ||
         chunk % 16 != 0)
         return FS_ERR_INVALID_ARG;
-    *out = (fs_optim_variant){(fs_simd)level, unroll, pf, nt, threads, omp, chunk};
+    *out = (fs_optim_variant){(fs_simd)level, unroll, pf, nt, threads, omp, chunk, bf16};
     return FS_OK;
 }

@@ -259,6 +259,27 @@ static fs_status scratch_job(const fs_optim_job *j, scratch *s, fs_optim_job *ou
 /* ---------------------------------------------------------------------------
  * calibration */
 
+static int same_variant(const fs_optim_variant *a, const fs_optim_variant *b)
+{
+    return a->simd == b->simd && a->unroll == b->unroll &&
+           a->prefetch_bytes == b->prefetch_bytes && a->stream_copy == b->stream_copy &&
+           a->threads == b->threads && a->omp == b->omp && a->chunk_numel == b->chunk_numel &&
+           a->bf16_insn == b->bf16_insn;
+}
+
+/* The variant a class starts from: the widest SIMD the caps allow (with the
+ * bf16 instruction for a bf16 copy where the CPU has it: [Note: bf16
+ * instruction] in optim_cpu.c; the same bits with fewer instructions, so it
+ * is not a candidate to time against the integer rounding), no prefetch,
+ * regular stores, all threads in contiguous slices. */
+static fs_optim_variant class_default(const fs_tune_record *r)
+{
+    fs_optim_variant v = fs_optim_default_variant(r->simd_max, r->threads_max);
+    v.bf16_insn = r->copy_dtype == (int)FS_BF16 && v.simd >= FS_SIMD_AVX512 &&
+                  fs_optim_have_bf16_insn();
+    return v;
+}
+
 /* The fastest of `nc` times, but the first unless beaten by TUNE_MARGIN. */
 static int pick(const double *t, int nc)
 {
@@ -301,7 +322,7 @@ static void record_stage(fs_tune_record *r, int stage, const fs_optim_variant *c
 static fs_status calibrate(const fs_optim_job *j, fs_tune_record *r)
 {
     const int64_t n = job_numel(j);
-    fs_optim_variant best = fs_optim_default_variant(r->simd_max, r->threads_max);
+    fs_optim_variant best = class_default(r);
     r->tuned_numel = n;
     r->chosen = best;
     const int64_t ncand = count_candidates(r, n, 3);
@@ -360,7 +381,7 @@ static fs_status calibrate(const fs_optim_job *j, fs_tune_record *r)
         }
         /* The incumbent (the first candidate, the earlier stages' choice)
          * keeps its rounds from those stages too: its score is its fastest. */
-        if (memcmp(&cand[0], &best, sizeof best) == 0 && best_t < t_best[0])
+        if (same_variant(&cand[0], &best) && best_t < t_best[0])
             t_best[0] = best_t;
         const int win = pick(t_best, nc);
         best_t = t_best[win];
@@ -446,7 +467,7 @@ fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads)
     fs_tune_record key = class_of(job, simd, threads);
 
     tune_entry *mine = NULL, *trials = NULL;
-    fs_optim_variant v = fs_optim_default_variant(simd, threads);
+    fs_optim_variant v = class_default(&key);
     pthread_mutex_lock(&tune_lock);
     int k = 0;
     for (; k < TUNE_CLASSES && tune_table[k].state != 0; k++)

@@ -1,0 +1,172 @@
+"""Per-unit cost: 64 tiny units, each unit's hooks and collectives against its compute.
+
+    python3 benchmarks/bench_overhead.py [--steps 50] [--warmup 5] [--units 64]
+        [--impl unwrapped,fsdp1,fully_shard,torch-fully_shard]
+
+The model is `units` blocks of relu(Linear(32, 32)(x)) + x, batch 8, float32.
+Two ranks on one host (a gloo process group; flatshard on its default
+shared-memory backend), one thread each. Every impl runs in the same two
+processes, one after the other, forward + backward only (no optimizer: the
+point is what wrapping adds around each unit), each step starting at a
+barrier and counted as the slower rank's time. "unwrapped" is the same model
+with no sharding at all; the others wrap every block and the root:
+"fsdp1" is flatshard.FullyShardedDataParallel (FULL_SHARD, one unit per
+block), "fully_shard" is flatshard.fully_shard on each block and the root,
+"torch-fully_shard" is torch's own. Printed: the median and spread of the
+step time and the ratio to "unwrapped"; and the first loss of each, which
+must agree (same seed, same math).
+"""
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by the ranks
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+WORLD = 2
+IMPLS = ("unwrapped", "fsdp1", "fully_shard", "torch-fully_shard")
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) + x
+
+
+class Tiny(nn.Module):
+    def __init__(self, units, d=32):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(units))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def build(impl, units):
+    torch.manual_seed(0)
+    model = Tiny(units)
+    if impl == "fsdp1":
+        import flatshard
+        from flatshard import ModuleWrapPolicy
+        return flatshard.FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    if impl in ("fully_shard", "torch-fully_shard"):
+        if impl == "fully_shard":
+            from flatshard import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def run_impl(impl, rank, args):
+    model = build(impl, args.units)
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(8, 32, generator=g)
+    times, first = [], None
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(x).square().mean()
+        loss.backward()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        for p in model.parameters():
+            p.grad = None
+        if first is None:
+            first = loss.item()
+        if step >= args.warmup:
+            times.append(dt.item() * 1e3)
+    del model
+    return times, first
+
+
+def worker(rank, port, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        res = {}
+        # interleaved rounds, so that a slow spell of the machine hits every impl
+        for _ in range(args.rounds):
+            for impl in args.impl:
+                try:
+                    t, first = run_impl(impl, rank, args)
+                except Exception as e:  # one failing impl does not end the run
+                    res.setdefault(impl, {"error": f"{type(e).__name__}: {e}"})
+                    continue
+                r = res.setdefault(impl, {"times": [], "first": first})
+                r["times"] += t
+        if rank == 0:
+            out.put(res)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every impl")
+    p.add_argument("--units", type=int, default=64)
+    p.add_argument("--impl", default=",".join(IMPLS))
+    args = p.parse_args()
+    args.impl = [i for i in args.impl.split(",") if i]
+    bad = [i for i in args.impl if i not in IMPLS]
+    if bad:
+        p.error(f"--impl: unknown {bad}; choose from {', '.join(IMPLS)}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(WORLD)]
+    for pr in procs:
+        pr.start()
+    res = out.get(timeout=1800)
+    for pr in procs:
+        pr.join()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                if ln.startswith("model name")), "unknown CPU")
+    print(f"# {cpu}; torch {torch.__version__}; {WORLD} ranks, 1 thread each; "
+          f"{args.units} units of Linear(32, 32), batch 8, forward + backward")
+    print(f"# {args.rounds} interleaved rounds x {args.steps} timed steps per impl")
+    base = statistics.median(res["unwrapped"]["times"]) if "times" in res.get("unwrapped", {}) \
+        else None
+    print("| impl | median ms | p10-p90 ms | x unwrapped | first loss |")
+    print("|---|---|---|---|---|")
+    for impl in args.impl:
+        r = res.get(impl, {})
+        if "error" in r and "times" not in r:
+            print(f"| {impl} | failed: {r['error'][:80]} | | | |")
+            continue
+        t = sorted(r["times"])
+        med = statistics.median(t)
+        lo, hi = t[len(t) // 10], t[(9 * len(t)) // 10]
+        ratio = f"{med / base:.2f}" if base else "-"
+        print(f"| {impl} | {med:.2f} | {lo:.2f}-{hi:.2f} | {ratio} | {r['first']:.6f} |")
+
+
+if __name__ == "__main__":
+    main()
