@@ -42,7 +42,7 @@ def worker(rank, world, port, sizes, queue):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from flatshard import comm as fcomm
+    from flatshard.runtime import comm as fcomm
     rows = []
     comms = {b: fcomm.comm_for(dist.group.WORLD, b) for b in ("shm", "torch")}
     for size in sizes:

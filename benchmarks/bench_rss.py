@@ -129,7 +129,7 @@ class _Phases:
 
 
 def _trace_units(phases):
-    from flatshard.unit import UnitRuntime
+    from flatshard.fsdp.unit import UnitRuntime
     for name in ("unshard", "_reshard", "_reduce"):
         orig = getattr(UnitRuntime, name)
 

@@ -160,7 +160,7 @@ def variant_main(name, steps, warmup, tiny=False):
 def adamw_main(log2n, reps):
     import torch
     sys.path.insert(0, os.path.join(ROOT, "python"))
-    from flatshard import cuda as fcuda
+    from flatshard.runtime import cuda as fcuda
 
     n = 1 << log2n
     dev = torch.device("cuda", 0)

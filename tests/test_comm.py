@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flatshard import comm as fcomm
+from flatshard.runtime import comm as fcomm
 
 SIZES = [0, 1, 7, 13, 1001, 40_009]
 SMALL_SLOT = 64 << 10  # "shm_small": 32 KiB halves, so 40_009 elements go in chunks

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from flatshard import _C
-from flatshard.comm import dtype_code
+from flatshard.tensors import dtype_code
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 1023]

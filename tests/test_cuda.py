@@ -1,4 +1,4 @@
-"""The CUDA path (csrc/cuda/, flatshard.cuda, flatshard.cuda_nccl).
+"""The CUDA path (csrc/cuda/, flatshard.runtime.cuda, flatshard.runtime.cuda_nccl).
 
 The first tests run everywhere: the extension must have been built wherever
 nvcc is installed, import without a GPU, and refuse bad input with clear
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import flatshard
-from flatshard import _C, cuda, cuda_nccl
-from flatshard.comm import backend_for_device, requested_backend
+from flatshard import _C
+from flatshard.runtime import cuda, cuda_nccl
+from flatshard.runtime.comm import backend_for_device, requested_backend
 
 GPU = torch.cuda.is_available()
 need_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device visible to torch")

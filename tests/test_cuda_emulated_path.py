@@ -26,7 +26,7 @@ import emu_build  # noqa: E402
 import test_device_path as tdp  # noqa: E402
 from test_diagnostics import assert_documented, full_text  # noqa: E402
 from flatshard import _C  # noqa: E402
-from flatshard.device import empty_fn  # noqa: E402
+from flatshard.runtime.device import empty_fn  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not emu_build.available(),
                                 reason="needs gcc/g++ and the csrc/ sources")
@@ -54,7 +54,7 @@ def _nccl_comm(group=None, timeout_s=60.0):
 
 
 def _device_comm(group, host):
-    """What flatshard.device.cuda_comm makes on a GPU, on the host build."""
+    """What flatshard.runtime.device.cuda_comm makes on a GPU, on the host build."""
     mod, _, _ = emu_build.load()
     nccl = _nccl_comm(group)
     return _C.Comm("device", nccl.rank, nccl.world_size, capsule=nccl.capsule(), owner=nccl,
@@ -138,7 +138,7 @@ def test_fully_shard_through_the_cuda_table_and_nccl_backend(dist_pool, mp, raf,
 def _async_unshard():
     """unshard(async_op=True) on a device: the handle's wait() is what makes
     the module's parameters readable; the module's forward then reuses them."""
-    import flatshard.fsdp2 as ffsdp2
+    import flatshard.fsdp2.api as ffsdp2
     from flatshard import fully_shard
     from toy_models import build
     torch.manual_seed(0)
@@ -197,7 +197,7 @@ def _skipped_prefetch():
     """The implicit prefetch follows the last forward's order; a module it
     prefetched that this forward skips is resharded when the forward ends,
     and training matches the host path."""
-    import flatshard.fsdp2 as ffsdp2
+    import flatshard.fsdp2.api as ffsdp2
     from flatshard import fully_shard
     results = []
     for device in (False, True):
@@ -436,7 +436,7 @@ def test_the_watchdog_aborts_a_collective_nobody_waits_for(emu, capfd):
 def test_the_watchdog_names_the_unit_behind_a_device_comm(emu, capfd):
     """Through the units' Comm (flatshard._C.Comm over the NCCL backend), the
     collective is named by what the ledger records: the unit or the tag."""
-    from flatshard.comm import all_reduce_
+    from flatshard.runtime.comm import all_reduce_
     mod, rt = emu
     nccl = _one_rank(mod, timeout_s=1.0)
     comm = _C.Comm("device", 0, 1, capsule=nccl.capsule(), owner=nccl,

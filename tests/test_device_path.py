@@ -1,5 +1,5 @@
 """The units' device path, run on CPU: a Comm(kind='device') over a host
-backend with the host table (flatshard.device.host_device_comm).
+backend with the host table (flatshard.runtime.device.host_device_comm).
 
 On a CUDA device the units take their buffers from torch's allocator per
 reduction, enqueue casts and accumulations through the device's table, lend
@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-import flatshard.fsdp as ffsdp
+import flatshard.fsdp.api as ffsdp
+import flatshard.fsdp.groups as fgroups
 from flatshard import FSDP, MixedPrecision, ShardingStrategy
-from flatshard.device import host_device_comm
+from flatshard.runtime.device import host_device_comm
 from toy_models import Block, build
 
 
@@ -30,7 +31,7 @@ class _DeviceComms:
         self.make = make or (lambda group, host: host_device_comm(host))
 
     def __enter__(self):
-        self.saved = ffsdp.comm_for
+        self.saved = fgroups.comm_for
         made = {}
 
         def comm_for(group, backend, device=None):
@@ -39,11 +40,11 @@ class _DeviceComms:
                 made[id(host)] = (host, self.make(group, host))
             return made[id(host)][1]
 
-        ffsdp.comm_for = comm_for
+        fgroups.comm_for = comm_for
         return self
 
     def __exit__(self, *exc):
-        ffsdp.comm_for = self.saved
+        fgroups.comm_for = self.saved
 
 
 def _train(kw, device_path, steps=4, accumulate=False):
@@ -208,7 +209,7 @@ def test_device_path_with_accumulation_on_other_world_sizes(dist_pool, world, ca
 
 def _errors():
     from flatshard import _C
-    from flatshard.comm import comm_for, all_reduce_
+    from flatshard.runtime.comm import comm_for, all_reduce_
     host = comm_for(dist.group.WORLD, "torch")
     dev = host_device_comm(host)
     out = []
@@ -257,7 +258,7 @@ def _fully_shard_train(device_path, mp, raf, prefetch=False):
     """device_path: False, True (the host table) or make(group, host Comm).
     prefetch: each block prefetches the next in forward and the one before
     in backward (deferred all-gathers on a device)."""
-    import flatshard.fsdp2 as ffsdp2
+    import flatshard.fsdp2.api as ffsdp2
     from flatshard import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     model = build()
@@ -301,7 +302,7 @@ def _fully_shard_train(device_path, mp, raf, prefetch=False):
         losses.append(loss.item())
     state = {k: v.full_tensor() for k, v in model.state_dict().items()
              if hasattr(v, "full_tensor")}
-    from flatshard.fsdp2_state import state_of
+    from flatshard.fsdp2.state import state_of
     groups = [state_of(m).group for m in model.modules()
               if state_of(m) is not None and state_of(m).group is not None]
     deferred = (sum(g.n_deferred for g in groups), sum(g.n_deferred_reduces for g in groups))

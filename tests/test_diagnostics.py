@@ -1,5 +1,5 @@
 """Failures that name their cause: wrap-time consistency across ranks
-(consistency.py), the collective ledger (csrc/ledger.c), ranks that go out
+(runtime/consistency.py), the collective ledger (csrc/ledger.c), ranks that go out
 of step at run time (shm: at the first collective that differs; gloo: at
 the group's timeout), and docs/troubleshooting.md, whose every message is
 checked against the error a test triggers."""
@@ -19,7 +19,8 @@ import torch.nn as nn
 import flatshard
 from dist_pool import read_report, write_report
 from flatshard import _C, FSDP, ConfigError, CoreError, ModuleWrapPolicy
-from flatshard import comm as fcomm
+from flatshard.runtime import comm as fcomm
+from flatshard.runtime import timeout as ftimeout
 from toy_models import Block, build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,11 +206,11 @@ def _wrap_mismatches():
 
     def missing():
         if rank == 0:
-            os.environ[fcomm.ENV_TIMEOUT] = "1"
+            os.environ[ftimeout.ENV_TIMEOUT] = "1"
             try:
                 FSDP(build(), process_group=group)
             finally:
-                del os.environ[fcomm.ENV_TIMEOUT]
+                del os.environ[ftimeout.ENV_TIMEOUT]
     attempt("missing", missing)
     # Every rank counted the same wraps on the default group: the next agrees.
     attempt("after", lambda: FSDP(build(), auto_wrap_policy=policy))
@@ -265,12 +266,12 @@ def _wrapped(backend, group_timeout=None):
     """Branchy on a group of its own (its Comm ends aborted), 2 s timeouts."""
     kw = {} if group_timeout is None else dict(timeout=datetime.timedelta(seconds=group_timeout))
     group = dist.new_group(backend="gloo", **kw)
-    os.environ[fcomm.ENV_TIMEOUT] = "2"
+    os.environ[ftimeout.ENV_TIMEOUT] = "2"
     try:
         return FSDP(Branchy(), process_group=group, comm_backend=backend,
                     auto_wrap_policy=ModuleWrapPolicy({Layer}))
     finally:
-        del os.environ[fcomm.ENV_TIMEOUT]
+        del os.environ[ftimeout.ENV_TIMEOUT]
 
 
 def _steps(model, skip, steps=2):

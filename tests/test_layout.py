@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flatshard import _C
-from flatshard.comm import dtype_code
+from flatshard.tensors import dtype_code
 
 SIZES = [
     [0], [1], [3], [0, 0], [1, 0, 1], [2, 3, 5, 7, 11, 13], [97], [16], [15, 17],

@@ -1,17 +1,46 @@
-"""Variants of the fused CPU optimizer loop (csrc/optim_cpu.c) and their
-run-time choice (csrc/optim_tune.c): every variant, forced by name, against
-the scalar reference variant, bit for bit, on awkward sizes and unaligned
-views; the tuned step against the reference; what tuning records."""
+"""Variants of the fused CPU optimizer loop (csrc/optim/optim_cpu.c) and their
+run-time choice (csrc/optim/optim_tune.c): every variant, forced by name,
+against the scalar reference variant, bit for bit, on awkward sizes and
+unaligned views; the bf16 copy's rounding on every path (integer arithmetic,
+and vcvtneps2bf16 where the CPU has AVX512_BF16) on the values where
+roundings differ; the tuned step against the reference; what tuning
+records."""
 import itertools
 
 import pytest
 import torch
 
 from flatshard import _C, optim as fo
-from flatshard.comm import dtype_code
+from flatshard.tensors import dtype_code
 
 REFERENCE = "scalar.u1.pf0.st.t1.c0"
 LEVELS = ["scalar", "avx2", "avx512"][:["scalar", "avx2", "avx512"].index(_C.simd_level()) + 1]
+
+
+def _cpu_runs(simd):
+    """Whether variants may name this simd level here (avx512bf16: the CPU
+    has AVX512_BF16; a level the CPU lacks is refused by name)."""
+    p = torch.zeros(0)
+    try:
+        fo.adamw_step_(p, p, p, p, 1, lr=0.1, variant=f"{simd}.u1.pf0.st.t1.c0")
+    except ValueError:
+        return False
+    return True
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# AVX-512 with the bf16 copy rounded by vcvtneps2bf16: where the CPU has it
+BF16_INSN = _cpu_runs("avx512bf16")
+if BF16_INSN:
+    LEVELS.append("avx512bf16")
 # Each field of a variant at each of its kinds of value: SIMD level, unroll,
 # prefetch (none, one line, a page ahead), copy stores, and threads (started
 # for the step, or the process's OpenMP team) with contiguous slices or with
@@ -88,6 +117,89 @@ def test_every_sgd_variant_gives_the_reference_bits(variant):
             assert torch.equal(want[-1], want[0].to(copy))
 
 
+# f32 bit patterns where roundings to bf16 part ways: NaNs (quiet, signalling,
+# either sign, with payloads, one whose payload's top bits round up),
+# infinities, zeros, subnormals (which vcvtneps2bf16 flushes to zero: the
+# kernels round those on integers), the smallest normal, the largest finite
+# (rounds to inf) and its neighbours, and ties that round to even both ways.
+SPECIAL_F32 = [
+    0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FC12345, 0xFF812345, 0x7FBFFFFF, 0x7FFFFFFF,
+    0x7F800000, 0xFF800000, 0x00000000, 0x80000000,
+    0x00000001, 0x80000001, 0x00008000, 0x00018000, 0x00007FFF, 0x00400000, 0x807FFFFF,
+    0x007FFFFF, 0x007F8000, 0x00800000, 0x80800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F7FFF,
+    0x7F7F8000, 0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0xBF808000, 0xBF818000]
+
+
+def _special_params(n, seed, where):
+    """n f32 values, mostly ordinary, with SPECIAL_F32 placed so that vectors
+    with and without them (and specials in vector heads, tails and the
+    scalar tail) all occur."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randn(n, generator=g).view(torch.int32)
+    special = torch.tensor(SPECIAL_F32, dtype=torch.int64).to(torch.int32)
+    if where == "dense":  # all of them, repeated
+        idx = torch.arange(n)
+        bits = special[idx % len(special)].clone()
+    else:  # a few, scattered: most vectors ordinary
+        idx = torch.randperm(n, generator=g)[:min(n, 3 * len(special))]
+        bits[idx] = special[torch.arange(len(idx)) % len(special)]
+    return bits.view(torch.float32)
+
+
+@pytest.mark.parametrize("simd", LEVELS)
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_bf16_copy_rounds_special_values_as_the_reference(simd, kind):
+    # A step that leaves the parameters as they are (lr 0, zero gradient and
+    # state), so its bf16 copy is the rounding of the chosen bit patterns,
+    # through every unroll, store kind and alignment of this level's kernels.
+    variants = [REFERENCE] + [f"{simd}.u{u}.pf0.{st}.{t}.c{c}" for u in (1, 2, 4)
+                              for st in ("st", "nt") for t, c in (("t1", 0), ("t3", 32))]
+    for n, offset, where in itertools.product((1031, 4096 + 77), (0, 3, 16), ("dense", "sparse")):
+        outs = []
+        for variant in variants:
+            p = torch.empty(n + offset)[offset:]
+            p.copy_(_special_params(n, n + offset, where))
+            zero = torch.zeros(n)
+            out = torch.full((n + offset,), 0x5555, dtype=torch.int16)[offset:].view(
+                torch.bfloat16)
+            if kind == "adam":
+                fo.adamw_step_(p, zero, zero.clone(), zero.clone(), 1, lr=0.0, weight_decay=0.1,
+                               out_copy=out, threads=3, variant=variant)
+            else:
+                _C.sgd_step(p.data_ptr(), zero.data_ptr(), 0, out.data_ptr(), _C.BF16, n, lr=0.0,
+                            momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                            maximize=False, first_step=True, threads=3, variant=variant)
+            outs.append((p.view(torch.int32).clone(), out.view(torch.int16).clone()))
+        want_p, want = outs[0]
+        # The step leaves every value as it was (arithmetic quiets a
+        # signalling NaN), and the reference copy is torch's rounding of it
+        # but for NaNs, which keep their sign and payload's top bits, quiet.
+        src = _special_params(n, n + offset, where)
+        nan = torch.isnan(src)
+        assert torch.equal(want_p[~nan], src.view(torch.int32)[~nan])
+        assert torch.equal(want_p[nan], src.view(torch.int32)[nan] | 0x400000)
+        assert torch.equal(want[~nan], src.to(torch.bfloat16).view(torch.int16)[~nan])
+        assert torch.equal(want[nan].to(torch.int32) & 0xFFFF, (want_p[nan] >> 16) & 0xFFFF)
+        for variant, (got_p, got) in zip(variants[1:], outs[1:]):
+            assert torch.equal(got_p, want_p), variant
+            assert torch.equal(got, want), (variant, n, offset, where)
+
+
+def test_bf16_instruction_is_used_where_the_cpu_has_it():
+    # avx512bf16 variants are refused by name on a CPU without AVX512_BF16
+    # (or AVX512DQ) and accepted on one with it; the tuned bf16-copy step
+    # starts from them there.
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags")
+    assert BF16_INSN == ({"avx512f", "avx512bw", "avx512dq", "avx512_bf16"} <= flags)
+    if not BF16_INSN:
+        p = torch.zeros(4)
+        with pytest.raises(ValueError, match="variant="):
+            fo.adamw_step_(p, p.clone(), p.clone(), p.clone(), 1, lr=0.1,
+                           variant="avx512bf16.u1.pf0.st.t1.c0")
+
+
 def _records(kind, n):
     return [r for r in _C.optim_tune_records()
             if r["kind"] == kind and r["size_log2"] == n.bit_length() - 1]
@@ -106,7 +218,7 @@ def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, timed_on)
     # steps after it and the steps with the chosen variant all give the
     # reference's bits; the class is listed once its trials are done.
     _C.optim_tune_reset()
-    for _ in range(32):
+    for _ in range(48):
         adam, sgd = _records("adam", n), _records("sgd", n)
         if len(adam) == 2 and len(sgd) == 1:
             break
@@ -126,6 +238,10 @@ def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, timed_on)
         assert "threads" in stages
         if r["copy"] != "none" and _C.simd_level() != "scalar":
             assert {"simd/unroll", "prefetch", "copy stores"} <= stages
+        # AVX-512 candidates round a bf16 copy with the instruction where the
+        # CPU has it, and only a bf16 copy
+        simds = {c["variant"].split(".")[0] for c in r["candidates"]}
+        assert ("avx512bf16" in simds) == (BF16_INSN and r["copy"] == "bfloat16")
         # each stage starts from the winner of the one before, and the chosen
         # variant wins the last: the fastest, unless within 5% of the stage's
         # first candidate (the incumbent)

@@ -8,8 +8,7 @@ import torch.nn as nn
 
 import flatshard
 from flatshard import ConfigError, ShardingStrategy
-from flatshard.plan import flat_layout, plan
-from flatshard.plan_rank import rank
+from flatshard.plan import flat_layout, plan, rank
 from toy_models import Block, Net
 
 PSI, N = 7.5e9, 64

@@ -7,8 +7,7 @@ import sys
 import pytest
 
 from flatshard.__main__ import main
-from flatshard.plan import plan
-from flatshard.plan_rank import rank
+from flatshard.plan import plan, rank
 
 GIB = 2 ** 30
 ARGS = ["plan", "--params", "7e9", "--world", "8", "--mixed-precision", "bf16",

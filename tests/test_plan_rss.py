@@ -1,5 +1,5 @@
 """The planner's peak resident memory on CPU ([Note: resident prediction] in
-flatshard/plan.py) against the peak each rank really reaches, training a
+flatshard/plan/core.py) against the peak each rank really reaches, training a
 GPT-2-shaped transformer under FULL_SHARD with the model built on the meta
 device. Each case runs in fresh processes: a process's peak resident memory
 (ru_maxrss) covers its whole life, so a shared worker would not do."""

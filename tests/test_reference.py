@@ -34,7 +34,7 @@ def test_every_public_name_has_a_docstring():
 def test_every_environment_variable_is_documented():
     from flatshard.envvars import ENV
     used = set()
-    for path in glob.glob(os.path.join(ROOT, "python", "flatshard", "*.py")) + [
-            os.path.join(ROOT, "setup.py")]:
+    sources = glob.glob(os.path.join(ROOT, "python", "flatshard", "**", "*.py"), recursive=True)
+    for path in sources + [os.path.join(ROOT, "setup.py")]:
         used |= set(re.findall(r"\bFLATSHARD_[A-Z][A-Z0-9_]*\b", open(path).read()))
     assert used == set(ENV), (sorted(used - set(ENV)), sorted(set(ENV) - used))

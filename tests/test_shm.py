@@ -14,8 +14,9 @@ import torch.distributed as dist
 import flatshard
 from dist_pool import read_report, write_report
 from flatshard import _C, ConfigError
-from flatshard import comm as fcomm
-from flatshard.comm import dtype_code
+from flatshard.runtime import comm as fcomm
+from flatshard.runtime import timeout as ftimeout
+from flatshard.tensors import dtype_code
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -138,11 +139,11 @@ def test_auto_picks_shm_on_one_host_and_torch_across_hosts(dist_pool):
 
 def _missing_rank(timeout_s):
     rank = dist.get_rank()
-    os.environ[fcomm.ENV_TIMEOUT] = str(timeout_s)
+    os.environ[ftimeout.ENV_TIMEOUT] = str(timeout_s)
     try:
         c = fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
     finally:
-        del os.environ[fcomm.ENV_TIMEOUT]
+        del os.environ[ftimeout.ENV_TIMEOUT]
     t = torch.ones(5)
     out = torch.empty(5 * dist.get_world_size())
     start = time.monotonic()
@@ -194,7 +195,7 @@ def test_a_dead_rank_is_named_by_the_others(dist_pool, tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# failures during the set-up: [Note: shm set-up] in comm.py
+# failures during the set-up: [Note: shm set-up] in runtime/comm.py
 
 
 class _FailingCall:

@@ -113,9 +113,9 @@ def test_zero_length_null_pointers_stay_legal():
 
 
 def _comm_calls(backend):
-    """Each collective of flatshard.comm handed a subclass tensor: the error
+    """Each collective of flatshard.runtime.comm handed a subclass tensor: the error
     message of each, by call."""
-    from flatshard import comm
+    from flatshard.runtime import comm
     c = comm.comm_for(dist.group.WORLD, backend)
     sub = TwoTensor(torch.ones(4), torch.ones(4))
     plain = torch.zeros(8)

@@ -10,23 +10,25 @@ import time
 import pytest
 import torch.distributed as dist
 
-from flatshard import FSDP, ConfigError, consistency
-from flatshard import comm as fcomm
+from flatshard import FSDP, ConfigError
+from flatshard.runtime import consistency
+from flatshard.runtime import comm as fcomm
+from flatshard.runtime import timeout as ftimeout
 from toy_models import build
 
 
 @pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "1e-9", "0.5", "0", "604801", "soon"])
 def test_a_timeout_that_is_not_a_sane_number_of_seconds_is_refused(raw, monkeypatch):
-    monkeypatch.setenv(fcomm.ENV_TIMEOUT, raw)
+    monkeypatch.setenv(ftimeout.ENV_TIMEOUT, raw)
     with pytest.raises(ConfigError, match=r"FLATSHARD_COMM_TIMEOUT=.* is not allowed; expected "
                                           r"a number of seconds from 1 to 604800"):
-        fcomm.comm_timeout_s()
+        ftimeout.comm_timeout_s()
 
 
 @pytest.mark.parametrize("raw, want", [("1", 1.0), ("2.5", 2.5), ("604800", 604800.0)])
 def test_a_timeout_in_range_is_taken(raw, want, monkeypatch):
-    monkeypatch.setenv(fcomm.ENV_TIMEOUT, raw)
-    assert fcomm.comm_timeout_s() == want
+    monkeypatch.setenv(ftimeout.ENV_TIMEOUT, raw)
+    assert ftimeout.comm_timeout_s() == want
 
 
 # ---------------------------------------------------------------------------

@@ -17,8 +17,8 @@ import torch.distributed.fsdp.wrap as twrap
 import torch.nn as nn
 
 import flatshard
-import flatshard.comm as fcomm
-import flatshard.fsdp as ffsdp
+import flatshard.fsdp.groups as fgroups
+import flatshard.runtime.comm as fcomm
 from flatshard import (FSDP, ConfigError, CustomPolicy, ModuleWrapPolicy, NotBuiltError,
                        ShardingStrategy)
 from test_diagnostics import assert_documented
@@ -235,7 +235,7 @@ def _tripwire():
     def trip(*args, **kwargs):
         raise AssertionError("a collective was issued before the error")
     saved = [(dist, n, getattr(dist, n)) for n in COLLECTIVES if hasattr(dist, n)]
-    saved += [(fcomm, "comm_for", fcomm.comm_for), (ffsdp, "comm_for", ffsdp.comm_for)]
+    saved += [(fcomm, "comm_for", fcomm.comm_for), (fgroups, "comm_for", fgroups.comm_for)]
     for mod, name, _ in saved:
         setattr(mod, name, trip)
     try:

@@ -30,11 +30,13 @@ static int in_backward(fs_unit_state s)
 fs_status fs_unit_step(const fs_unit_cfg *cfg, fs_unit_fsm *m, fs_event ev, unsigned flags,
                        int group, int is_unsharded, unsigned *actions)
 {
-    /* NO_SHARD and SHARD_OPTIM units are never resharded: unshard/reshard
-     * requests vanish. */
-    const unsigned movable = cfg->strategy == FS_NO_SHARD || cfg->strategy == FS_SHARD_OPTIM
-                                 ? 0u
-                                 : (FS_ACT_UNSHARD | FS_ACT_RESHARD);
+    /* NO_SHARD units are never sharded: unshard/reshard requests vanish.
+     * SHARD_OPTIM units are never resharded; an unshard request stays (its
+     * compute buffers are live already, but a summon gathers the full
+     * precision ones under mixed precision). */
+    const unsigned movable = cfg->strategy == FS_NO_SHARD      ? 0u
+                             : cfg->strategy == FS_SHARD_OPTIM ? FS_ACT_UNSHARD
+                                                               : (FS_ACT_UNSHARD | FS_ACT_RESHARD);
     const int grad = (flags & FS_FLAG_GRAD_ENABLED) != 0;
     unsigned act = 0;
     *actions = 0;

@@ -271,19 +271,21 @@ static PyObject *Dim0_reshard(Dim0Object *self, PyObject *Py_UNUSED(a))
 }
 
 PyDoc_STRVAR(reduce_doc,
-             "reduce(grads, grad_codes, outs, out_codes, accumulate, factor=0.0, defer=False)\n"
+             "reduce(grads, grad_codes, outs, out_codes, accumulate, factor=0.0, defer=False,\n"
+             "       reshard=False)\n"
              "One reduce-scatter of every parameter's unsharded gradient (None: none) into\n"
              "the sharded gradients `outs` (None: not written), added to them where\n"
              "accumulate[i]; the mean over the ranks (and replicas), or the sum divided by\n"
              "factor when factor > 0. defer (a device): the steps after the collective\n"
-             "wait for finish_reduce().");
+             "wait for finish_reduce(). reshard: then free the unsharded buffer (the\n"
+             "post-backward event in one call).");
 static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args)
 {
     PyObject *grads, *gcodes, *outs, *ocodes, *accs;
     double factor = 0.0;
-    int defer = 0;
-    if (!PyArg_ParseTuple(args, "OOOOO|dp", &grads, &gcodes, &outs, &ocodes, &accs, &factor,
-                          &defer))
+    int defer = 0, reshard = 0;
+    if (!PyArg_ParseTuple(args, "OOOOO|dpp", &grads, &gcodes, &outs, &ocodes, &accs, &factor,
+                          &defer, &reshard))
         return NULL;
     int n = self->g.nparams;
     PyObject *seq[5] = {PySequence_Fast(grads, "reduce: grads must be a sequence"), NULL, NULL,
@@ -317,7 +319,11 @@ static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args)
     if (bind(self) < 0)
         goto out;
     fs_status s;
-    RUN(s, fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor, defer));
+    Py_BEGIN_ALLOW_THREADS
+    s = fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor, defer);
+    if (s == FS_OK && reshard)
+        s = fs_dim0_reshard(&self->g);
+    Py_END_ALLOW_THREADS
     r = done(self, s);
 out:
     for (int k = 0; k < 5; k++)

@@ -98,6 +98,10 @@ typedef struct {
 
 /* Elements [lo, hi) of the job's update with variant v. 0 <= lo <= hi <= n. */
 fs_status fs_optim_run(const fs_optim_job *job, int64_t lo, int64_t hi, const fs_optim_variant *v);
+/* The same, and *busy_s: the most CPU time any of its threads spent on it,
+ * which leaves out waiting for a core (the tuning's measure of a loop). */
+fs_status fs_optim_run_busy(const fs_optim_job *job, int64_t lo, int64_t hi,
+                            const fs_optim_variant *v, double *busy_s);
 /* Checks the job's buffers and hparams (n >= 0, step >= 1, copy dtype). */
 fs_status fs_optim_check(const fs_optim_job *job);
 /* The variant used before (or without) tuning: the widest SIMD, no prefetch,

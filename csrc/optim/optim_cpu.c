@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -607,14 +608,25 @@ static void run_range(const range_ctx *x, int64_t lo, int64_t hi)
 /* ---------------------------------------------------------------------------
  * thread split */
 
+#define FS_MAX_THREADS 64
+
 typedef struct {
     const range_ctx *x;
     int64_t lo, hi;     /* contiguous: this thread's slice */
     atomic_llong *next; /* chunked: the first element nobody has claimed */
+    double *busy;       /* timed runs: this thread's CPU seconds are added here, else NULL */
 } slice;
+
+static double thread_cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static void slice_work(const slice *s)
 {
+    const double t0 = s->busy ? thread_cpu_s() : 0.0;
     if (s->next) {
         const int64_t chunk = s->x->v.chunk_numel;
         for (;;) {
@@ -630,6 +642,8 @@ static void slice_work(const slice *s)
     if (s->x->stream)
         _mm_sfence(); /* streaming stores are weakly ordered: drain them before the join */
 #endif
+    if (s->busy)
+        *s->busy += thread_cpu_s() - t0;
 }
 
 static void *slice_main(void *arg)
@@ -680,6 +694,7 @@ typedef struct {
     const range_ctx *x;
     int64_t lo, hi;
     atomic_llong *next; /* chunked, else NULL */
+    double *busy;       /* timed runs: per member, else NULL */
 } team_job;
 
 /* Each member of the team takes its slice of however many members the
@@ -687,9 +702,10 @@ typedef struct {
 static void team_main(void *arg)
 {
     const team_job *j = arg;
-    slice s = {j->x, j->lo, j->hi, j->next};
+    const int64_t t = omp_rt.thread_num(), nt = omp_rt.num_threads();
+    slice s = {j->x, j->lo, j->hi, j->next,
+               j->busy && t < FS_MAX_THREADS ? j->busy + t : NULL};
     if (!j->next) {
-        const int64_t t = omp_rt.thread_num(), nt = omp_rt.num_threads();
         const int64_t per = ((j->hi - j->lo) / nt + 15) / 16 * 16;
         const int64_t a = j->lo + t * per, b = a + per;
         s.lo = a < j->hi ? a : j->hi;
@@ -697,8 +713,6 @@ static void team_main(void *arg)
     }
     slice_work(&s);
 }
-
-#define FS_MAX_THREADS 64
 
 static fs_simd simd_cap(fs_simd s)
 {
@@ -724,7 +738,49 @@ fs_status fs_optim_check(const fs_optim_job *job)
     return FS_ERR_INVALID_ARG;
 }
 
+/* [lo, hi) on `threads` threads started for it (this one the first); `next`:
+ * chunked, else NULL; busy: per thread CPU seconds, or NULL. */
+static void run_started(const range_ctx *x, int64_t lo, int64_t hi, int threads,
+                        atomic_llong *next, double *busy)
+{
+    const int64_t len = hi - lo;
+    slice s[FS_MAX_THREADS];
+    pthread_t tids[FS_MAX_THREADS];
+    /* Contiguous slices start on 16-element boundaries so vector loops stay
+     * aligned when the buffers are. */
+    const int64_t per = (len / threads + 15) / 16 * 16;
+    for (int t = 0; t < threads; t++) {
+        int64_t a = lo + t * per, b = lo + (t + 1) * per;
+        s[t] = (slice){x, a < hi ? a : hi, t == threads - 1 || b > hi ? hi : b, next,
+                       busy ? busy + t : NULL};
+        if (next)
+            s[t].hi = hi;
+    }
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[t], NULL, slice_main, &s[t]) != 0)
+            break;
+        started = t;
+    }
+    slice_work(&s[0]);
+    /* Contiguous slices whose thread could not start run here, after our
+     * own (chunked ones were claimed by the running threads). */
+    if (!next)
+        for (int t = started + 1; t < threads; t++) {
+            s[t].busy = busy; /* this thread's time */
+            slice_work(&s[t]);
+        }
+    for (int t = 1; t <= started; t++)
+        pthread_join(tids[t], NULL);
+}
+
 fs_status fs_optim_run(const fs_optim_job *job, int64_t lo, int64_t hi, const fs_optim_variant *v)
+{
+    return fs_optim_run_busy(job, lo, hi, v, NULL);
+}
+
+fs_status fs_optim_run_busy(const fs_optim_job *job, int64_t lo, int64_t hi,
+                            const fs_optim_variant *v, double *busy_s)
 {
     const int64_t n = job->kind == FS_OPTIM_ADAM ? job->adam.n : job->sgd.n;
     if (lo < 0 || hi < lo || hi > n || v->threads < 1 || v->chunk_numel < 0 ||
@@ -749,37 +805,18 @@ fs_status fs_optim_run(const fs_optim_job *job, int64_t lo, int64_t hi, const fs
     atomic_llong next;
     atomic_init(&next, lo);
     const int chunked = v->chunk_numel > 0 && threads > 1;
+    double busy[FS_MAX_THREADS] = {0};
     if (v->omp && threads > 1 && fs_optim_have_omp()) {
-        team_job tj = {&x, lo, hi, chunked ? &next : NULL};
+        team_job tj = {&x, lo, hi, chunked ? &next : NULL, busy_s ? busy : NULL};
         omp_rt.parallel(team_main, &tj, (unsigned)threads, 0);
-        return FS_OK;
+    } else {
+        run_started(&x, lo, hi, threads, chunked ? &next : NULL, busy_s ? busy : NULL);
     }
-    slice s[FS_MAX_THREADS];
-    pthread_t tids[FS_MAX_THREADS];
-    /* Contiguous slices start on 16-element boundaries so vector loops stay
-     * aligned when the buffers are. */
-    const int64_t per = (len / threads + 15) / 16 * 16;
-    for (int t = 0; t < threads; t++) {
-        int64_t a = lo + t * per, b = lo + (t + 1) * per;
-        s[t] = (slice){&x, a < hi ? a : hi, t == threads - 1 || b > hi ? hi : b,
-                       chunked ? &next : NULL};
-        if (chunked)
-            s[t].hi = hi;
+    if (busy_s) {
+        *busy_s = 0.0;
+        for (int t = 0; t < threads; t++)
+            *busy_s = busy[t] > *busy_s ? busy[t] : *busy_s;
     }
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[t], NULL, slice_main, &s[t]) != 0)
-            break;
-        started = t;
-    }
-    slice_work(&s[0]);
-    /* Contiguous slices whose thread could not start run here, after our
-     * own (chunked ones were claimed by the running threads). */
-    if (!chunked)
-        for (int t = started + 1; t < threads; t++)
-            slice_work(&s[t]);
-    for (int t = 1; t <= started; t++)
-        pthread_join(tids[t], NULL);
     return FS_OK;
 }
 

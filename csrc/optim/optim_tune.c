@@ -27,16 +27,33 @@
  * Candidates are searched in stages, each keeping the winners so far:
  *   0  vector width x unrolling           (threads at the cap, no prefetch)
  *   1  software prefetch distance (0: leave it to the hardware prefetchers)
- *   2  copy stores: regular or non-temporal (only with a low-precision copy)
+ *   2  copy stores: non-temporal or regular (only with a low-precision copy)
  *   3  thread count x split (contiguous slices, or chunks claimed in turn) x
  *      threads started for the step or the process's OpenMP team
  * Each candidate runs TUNE_ROUNDS times or more (as many as slices of
  * TUNE_SLICE_TARGET elements allow, up to TUNE_ROUNDS_MAX), interleaved with
  * its rivals; its score is its fastest round per element, so a round slowed
- * by another process on the machine does not decide. A stage's first
+ * by another process on the machine does not decide. A round's time is CPU
+ * time, not wall-clock: the most that any of its threads spent on its slice
+ * (fs_optim_run_busy). Stages 0-2 choose how a thread runs the loop, and on
+ * a machine with more runnable threads than cores the wall-clock time of a
+ * slice is mostly how long its threads waited for a core (measured: on 2
+ * busy vCPUs, slices of the same candidate varied 10x in wall-clock time
+ * and 10% in CPU time). A stage's first
  * candidate is the incumbent, the earlier stages' choice, and keeps its
  * rounds from those stages; it stays unless another is faster by
  * TUNE_MARGIN: a difference within the noise is no reason to change.
+ *
+ * [Note: copy stores]
+ * Stage 2's incumbent is the non-temporal store, not the regular one: the
+ * step writes the copy and never reads it, and a regular store first reads
+ * each line of the copy into the cache (2 more bytes per element on 28 or
+ * 30), which streaming stores skip. Regular stores stay where they measure
+ * faster by the margin (a copy small enough to stay in cache for its reader,
+ * a CPU whose streaming stores are slow). Measured on a 2-vCPU EPYC Zen 4,
+ * 2^24 elements: a bf16 copy cost 8% more CPU time per element with regular
+ * stores than without a copy, and none with streaming ones; a 5% margin
+ * against the regular stores as incumbent kept them about half the time.
  *
  * A step too small to cut into slices of TUNE_SLICE_MIN elements is timed
  * on a scratch copy of its buffers instead, each candidate updating the
@@ -51,8 +68,9 @@
  * next steps each run whole with one stage-3 candidate in turn,
  * TUNE_STEP_ROUNDS rounds, and the winner is kept from then on; until then
  * those steps are the trials. A trial's score is its median round, not its
- * fastest: a whole step is the real cost, and a split that is fast only in
- * the moments when nothing else runs should not win. The incumbent there is all threads in
+ * fastest, and wall-clock, not CPU time: a whole step is the real cost,
+ * waiting for cores included, and a split that is fast only in the moments
+ * when nothing else runs should not win. The incumbent there is all threads in
  * contiguous slices on the OpenMP team, as torch runs its own parallel
  * work (started threads where the process has no OpenMP runtime). */
 
@@ -60,7 +78,7 @@
 #define TUNE_ROUNDS_MAX 8
 #define TUNE_SLICE_TARGET (1 << 18)
 #define TUNE_MARGIN 0.05
-#define TUNE_STEP_ROUNDS 3
+#define TUNE_STEP_ROUNDS 5
 #define TUNE_SLICE_MIN (1 << 16)
 #define TUNE_SAMPLE (1 << 18)
 #define TUNE_SAMPLE_S 2e-4
@@ -147,9 +165,10 @@ static int stage_candidates(int stage, const fs_tune_record *r, const fs_optim_v
             v.prefetch_bytes = prefetch_candidates[k], out[n++] = v;
         break;
     case 2:
+        /* Streaming stores first: the incumbent ([Note: copy stores]). */
         if (r->copy_dtype < 0 || r->simd_max < FS_SIMD_AVX2)
             break;
-        for (int s = 0; s <= 1; s++)
+        for (int s = 1; s >= 0; s--)
             v.stream_copy = s, out[n++] = v;
         break;
     case 3:
@@ -359,20 +378,21 @@ static fs_status calibrate(const fs_optim_job *j, fs_tune_record *r)
             t_best[c] = 1e30;
         for (int round = 0; round < rounds && st == FS_OK; round++) {
             for (int c = 0; c < nc && st == FS_OK; c++) {
-                double t0 = now_s(), dt = 0.0;
+                double busy = 0.0, dt = 0.0; /* CPU seconds, as fs_optim_run_busy's */
                 int64_t k = 0;
                 if (r->in_place) {
-                    st = fs_optim_run(timed, pos, pos + unit, &cand[c]);
+                    st = fs_optim_run_busy(timed, pos, pos + unit, &cand[c], &busy);
                     pos += unit;
                     k = 1;
-                    dt = now_s() - t0;
+                    dt = busy;
                 } else {
                     /* Repeat a small step to a measurable time, but bounded:
                      * thread start-up can make each repetition slow. */
-                    while (k < reps && st == FS_OK && dt < TUNE_SAMPLE_S) {
-                        st = fs_optim_run(timed, 0, n, &cand[c]);
+                    const double t0 = now_s();
+                    while (k < reps && st == FS_OK && now_s() - t0 < TUNE_SAMPLE_S) {
+                        st = fs_optim_run_busy(timed, 0, n, &cand[c], &busy);
                         k++;
-                        dt = now_s() - t0;
+                        dt += busy;
                     }
                 }
                 if (dt / (double)k < t_best[c])

@@ -1,17 +1,26 @@
 """flatshard: FSDP/ZeRO sharding for PyTorch with a C core.
 
     from flatshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+The public API, gathered from the subpackages (their own __init__.py says
+what each owns and may import). From the bottom: the leaves (errors,
+options, envvars, tensors), runtime/ (collectives, devices, failure reports),
+fsdp2/ (fully_shard) beside fsdp/ (the FSDP1 wrapper, whose lower modules
+state/ builds on: state dicts and checkpoints), then memory.py, optim/ and
+plan/ (the planner; imported as flatshard.plan, flatshard.optim).
 """
 from . import _C
 from .errors import (ConfigError, ConfigTypeError, CoreError, NotBuiltError, OutOfMemoryError,
                      StateError)
+# fsdp/ before state/: state/'s modules import fsdp/'s lower ones, and the
+# package fsdp/ imports api.py, which imports state/ (see fsdp/__init__.py).
 from .fsdp import FSDP, FullyShardedDataParallel
+from .fsdp.wrap import (CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy,
+                        size_based_auto_wrap_policy, transformer_auto_wrap_policy)
 from .memory import memory_stats
 from .options import (BackwardPrefetch, CPUOffload, FullStateDictConfig, LocalStateDictConfig,
                       MixedPrecision, ShardedStateDictConfig, ShardingStrategy, StateDictConfig,
                       StateDictType)
-from .wrap import (CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy,
-                   size_based_auto_wrap_policy, transformer_auto_wrap_policy)
 
 __version__ = "0.1.0"
 
@@ -24,23 +33,24 @@ __all__ = [
     "StateError", "memory_stats",
 ]
 
-# State dicts and checkpoints (summon.py, state_dict.py, optim_state.py, checkpoint.py).
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+# State dicts and checkpoints (fsdp/summon.py, state/).
+from .state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from .errors import StateDictError, UnsafeFileError  # noqa: E402
 from .options import (FullOptimStateDictConfig, LocalOptimStateDictConfig,  # noqa: E402
                       OptimStateDictConfig, ShardedOptimStateDictConfig)
-from .state_dict import StateDictSettings  # noqa: E402
+from .state.state_dict import StateDictSettings  # noqa: E402
 
 __all__ += ["StateDictError", "UnsafeFileError", "StateDictSettings", "OptimStateDictConfig",
             "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig",
             "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 
-# One consolidated file from a sharded checkpoint, without a process group (consolidate.py).
-from .consolidate import consolidate  # noqa: E402
+# One consolidated file from a sharded checkpoint, without a process group
+# (state/consolidate.py).
+from .state.consolidate import consolidate  # noqa: E402
 
 __all__ += ["consolidate"]
 
-# FSDP2's API: fully_shard and FSDPModule (fsdp2.py, fsdp2_param.py, fsdp2_state.py).
+# FSDP2's API: fully_shard and FSDPModule (fsdp2/).
 from .fsdp2 import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,  # noqa: E402
                     OffloadPolicy, UnshardHandle, fully_shard, register_fsdp_forward_method)
 

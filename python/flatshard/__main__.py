@@ -1,12 +1,23 @@
 """flatshard's command line: `python -m flatshard COMMAND ...`, one subcommand
-per tool (`consolidate`, `doctor`, `plan`); each adds a parser and a function below."""
+per tool (`consolidate`, `doctor`, `plan`); each adds a parser and a function
+below (the planner's lives in plan/cli.py). Above everything: nothing imports
+this module."""
 import argparse
 import os
+import platform
 import sys
+
+import torch
+
+from . import _C, __version__, optim
+from .errors import ConfigError
+from .plan.cli import add_parser as add_plan
+from .runtime import cuda
+from .runtime.cuda_nccl import describe as cuda_line
+from .state.consolidate import FORMATS, consolidate
 
 
 def _consolidate(args):
-    from .consolidate import consolidate
     out = consolidate(args.in_dir, args.out_path, fmt=args.format, overwrite=args.force)
     print(f"flatshard: wrote {out} ({os.path.getsize(out):,} bytes)")
 
@@ -14,9 +25,6 @@ def _consolidate(args):
 def optimizer_tuning_lines(log2=23):
     """Time the CPU optimizer loop's variants here, as the first step of a
     2^log2-element class does in training, and say what won and by how much."""
-    import torch
-
-    from . import _C, optim
     n = 1 << log2
     threads = torch.get_num_threads()
     p, g, m, v = (torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n))
@@ -43,17 +51,8 @@ def optimizer_tuning_lines(log2=23):
 
 def doctor_report():
     """What this installation was built with and can run, one line each."""
-    import platform
-
-    import torch
-
-    from . import __version__, _C
-    from .cuda_nccl import describe as cuda_line
-    try:
-        from . import _C_cuda  # noqa: F401  (built only where nvcc was found)
-        cuda_built = "yes"
-    except ImportError:
-        cuda_built = "no (none in this build)"
+    # _C_cuda is built only where nvcc was found
+    cuda_built = "yes" if cuda.built() else "no (none in this build)"
     shm = sys.platform.startswith("linux") and os.path.isdir("/dev/shm")
     nccl = "nccl (units on CUDA devices)" if cuda_built == "yes" else \
         "nccl (not built: no nvcc at install)"
@@ -74,7 +73,6 @@ def _doctor(args):
 
 
 def _parser():
-    from .consolidate import FORMATS
     parser = argparse.ArgumentParser(prog="python -m flatshard")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = commands.add_parser(
@@ -92,13 +90,11 @@ def _parser():
     p.set_defaults(run=_consolidate)
     d = commands.add_parser("doctor", help="what flatshard was built with and can run here")
     d.set_defaults(run=_doctor)
-    from .plan_report import add_parser as add_plan
     add_plan(commands)
     return parser
 
 
 def main(argv=None):
-    from .errors import ConfigError
     parser = _parser()
     args = parser.parse_args(argv)
     try:

@@ -1,33 +1,20 @@
 """Live memory per rank, measured from torch's own storages (not from
 flatshard's bookkeeping), so tests and benchmarks can hold the sharding
 against what is really allocated; and the process's resident memory beside
-it, which is what the operating system (and an out-of-memory killer) sees."""
+it, which is what the operating system (and an out-of-memory killer) sees.
+
+It reads a wrapped model's units (fsdp/unit.py's fsdp_units), so it sits
+above fsdp/; nothing in fsdp/, fsdp2/, state/ or runtime/ imports it. (The
+text a unit raises when a gather runs out of memory is fsdp/oom.py.)"""
 import os
 import resource
 
 import torch
 
 from . import _C
-
-
-def _storage_bytes(tensors):
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or not torch.is_tensor(t):
-            continue
-        s = t.untyped_storage()
-        if s.data_ptr() in seen or s.nbytes() == 0:
-            continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
-    return total
-
-
-def _gathered_buffers(unit):
-    """A unit's gathered buffers (full, and lp under mixed precision); not the
-    full buffer of NO_SHARD, which is the shard itself."""
-    return [t for g in unit.groups for t in (g.full, g.lp) if t is not None and
-            t.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr()]
+from .fsdp.flat_param import gathered_buffers
+from .fsdp.unit import fsdp_units
+from .tensors import storage_bytes
 
 
 def resident_bytes():
@@ -57,22 +44,20 @@ def memory_stats(model, optimizer=None):
                    whatever the C library's heap has not returned
     peak_resident  the process's peak resident memory so far
     """
-    from .fsdp import FullyShardedDataParallel
     fulls, pending = [], []
-    for m in model.modules():
-        if isinstance(m, FullyShardedDataParallel):
-            fulls += _gathered_buffers(m._unit)
-            pending += [g.compute.grad for g in m._unit.groups]
+    for m in fsdp_units(model):
+        fulls += gathered_buffers(m._unit.groups)
+        pending += [g.compute.grad for g in m._unit.groups]
     params = list(model.parameters())
     out = {
-        "params": _storage_bytes(params),
-        "unsharded": _storage_bytes(fulls),
-        "grads": _storage_bytes([p.grad for p in params] + pending),
+        "params": storage_bytes(params),
+        "unsharded": storage_bytes(fulls),
+        "grads": storage_bytes([p.grad for p in params] + pending),
         "optim": 0,
     }
     if optimizer is not None:
-        out["optim"] = _storage_bytes(v for st in optimizer.state.values()
-                                      for v in st.values() if torch.is_tensor(v))
+        out["optim"] = storage_bytes(v for st in optimizer.state.values()
+                                     for v in st.values() if torch.is_tensor(v))
     out["pool_cached"] = _C.pool_stats()["cached_bytes"]
     out["resident"], out["peak_resident"] = resident_bytes()
     return out
@@ -81,37 +66,3 @@ def memory_stats(model, optimizer=None):
 def format_stats(stats):
     """memory_stats' dict as one line of MiB, for printing."""
     return "  ".join(f"{k}={v / 2**20:,.0f}MiB" for k, v in stats.items() if v is not None)
-
-
-def _mib(n):
-    return f"{n / 2**20:.1f} MiB"
-
-
-def oom_report(unit, exc):
-    """The text of an OutOfMemoryError raised while gathering `unit`: what
-    this rank holds, by role, and what would lower it."""
-    units = unit.root.units if unit.root is not None else [unit]
-    need = sum(g.padded_numel * g.compute.element_size() for g in unit.groups)
-    shards = sum(g.shard.untyped_storage().nbytes() for u in units for g in u.groups)
-    grads = _storage_bytes([g.shard.grad for u in units for g in u.groups] +
-                           [g.grad_buf for u in units for g in u.groups])
-    gathered = [(u.name, _storage_bytes(_gathered_buffers(u))) for u in units]
-    gathered = [(n, b) for n, b in gathered if b]
-    comm = unit.c.comm
-    lines = [
-        f"flatshard: rank {comm.rank} ran out of host memory gathering unit '{unit.name}' "
-        f"({_mib(need)} needed): {str(exc).splitlines()[0]}",
-        "memory this rank holds in flatshard's buffers:",
-        f"  parameters (shards): {_mib(shards)}",
-        f"  gradients (shards): {_mib(grads)}",
-        f"  gathered units now: {_mib(sum(b for _, b in gathered))} "
-        f"({', '.join(f'{n} {_mib(b)}' for n, b in gathered) or 'none'})",
-        f"  communication buffers: the {comm.backend} backend's"
-        + (" staging slots in shared memory" if comm.backend == "shm" else " (none of ours)"),
-        "  optimizer state: not visible here; flatshard.memory_stats(model, optimizer) shows it",
-        "to lower it: sharding_strategy=FULL_SHARD (frees each unit after its forward), "
-        "smaller units (a finer auto_wrap_policy), "
-        "mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) (gathers half the bytes), "
-        "more ranks, a smaller batch, or activation checkpointing",
-    ]
-    return "\n".join(lines)

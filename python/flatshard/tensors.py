@@ -7,6 +7,10 @@ float8 or NF4 weights, DTensor) has no storage of its own and reports a null
 data pointer; another subclass may keep its data elsewhere. So every API
 entry point checks its tensors here first and refuses the rest with an error
 that names the tensor, instead of letting C crash the process.
+
+Beside the check: the one dtype table of the C core, the alignment of flat
+buffers, and the bytes a set of tensors really holds (storage_bytes). A leaf:
+imports nothing of flatshard's but _C and errors.
 """
 import torch
 import torch.nn as nn
@@ -15,6 +19,11 @@ from . import _C
 from .errors import ConfigTypeError, NotBuiltError
 
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+# Every parameter in a flat buffer starts at a multiple of this many bytes, and
+# every shard is a multiple of it (fsdp/flat_param.py, fsdp2/param.py; the
+# planner sizes buffers with it): vector loads, and what NCCL prefers.
+ALIGN_BYTES = 16
 
 # The one table of dtypes the C core moves and computes on (csrc/fs_dtype.h).
 DTYPE_CODES = {
@@ -56,3 +65,17 @@ def check_plain(t, what, api):
         raise NotBuiltError(f"flatshard: {api}: {what} is on {t.device}; supported: "
                             f"cpu, cuda")
 
+
+def storage_bytes(tensors):
+    """Bytes of the distinct storages behind `tensors`, each storage counted
+    once (views share one); None, non-tensors and empty storages add nothing."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        s = t.untyped_storage()
+        if s.data_ptr() in seen or s.nbytes() == 0:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total

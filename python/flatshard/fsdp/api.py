@@ -1,0 +1,589 @@
+"""FullyShardedDataParallel: torch FSDP1's wrapper class on flatshard's core.
+
+Same constructor signature, same module structure (`_fsdp_wrapped_module`,
+`_flat_param`), same strategies. Construction, in order:
+  1. resolve and validate every argument (config.py), before any collective;
+  2. materialize meta-device parameters with param_init_fn;
+  3. plan the units (auto_wrap_policy's targets, innermost first, then the
+     root) and check their parameters: still no collective;
+  4. the ranks agree that they wrap the same thing (runtime/consistency.py);
+  5. sync_module_states: broadcast parameters and buffers from rank 0;
+  6. build the units, innermost first, the root last.
+Each unit flattens its parameters (flat_param.py) and hands them to a C unit
+(csrc/py_unit.c); unit.py connects it to torch's hooks. The state-dict,
+summon and clipping methods delegate to state/state_dict.py,
+state/optim_state.py, summon.py and clip.py, which find the units through
+unit.py (`fsdp_units`) and never import this module.
+"""
+import contextlib
+import dataclasses
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+from torch.autograd import Variable
+
+from .. import _C
+from ..errors import ConfigError, ConfigTypeError, bad_type, bad_value, not_built
+from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
+from ..runtime import consistency
+from ..runtime.comm import broadcast_
+from ..runtime.device import empty_fn
+from ..runtime.order import ForwardOrder
+from ..state import optim_state
+from ..state import state_dict as state_dicts
+from ..tensors import DTYPE_CODES, check_plain, dtype_code
+from . import clip, config, summon
+from .flat_param import Alias, FlatGroup, flat_param_name
+from .groups import unit_comms
+from .unit import UnitRuntime
+from .wrap import targets
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+
+
+def _cast_inputs(tree, dtype):
+    """Floating-point tensors in forward's inputs -> dtype (mixed precision)."""
+    def cast(x):
+        if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+    return tree_map(cast, tree)
+
+
+def _cast_buffers(module, dtype):
+    """Floating-point buffers of the modules a unit manages -> buffer_dtype."""
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point():
+                m._buffers[name] = b.to(dtype)
+        stack.extend(c for c in m._modules.values()
+                     if c is not None and not isinstance(c, FullyShardedDataParallel))
+
+
+class _WrapContext:
+    """What all units built by one constructor call share."""
+
+    def __init__(self, ignored_modules, ignored_params):
+        self.ignored_modules = ignored_modules
+        self.ignored_params = ignored_params
+        self.owner = {}  # id(param) -> (unit name, fqn) of the unit managing it
+
+
+class RootState:
+    """Per-model state kept by the root unit: every unit, the order units ran
+    in the last forward (for prefetching), and the end-of-backward callback."""
+
+    def __init__(self, owner, units):
+        self.owner = owner
+        self.units = units
+        self.order = ForwardOrder()
+        self.final_queued = False
+        self.reducing = None  # the unit whose deferred reduction is in flight
+
+    def reduce_issued(self, unit):
+        """`unit` is about to defer a reduction: the one in flight from
+        another unit is waited for first (its buffers go back), so backward
+        holds at most one unit's reduction buffers beyond its own."""
+        if self.reducing is not None and self.reducing is not unit:
+            self.reducing.c.wait_reduced()
+        self.reducing = unit
+
+    def begin_forward(self):
+        if self.final_queued:  # the last backward never finished: clean up
+            self._final()
+        self.order.begin()
+
+    def end_forward(self):
+        self.order.end()
+
+    def record_forward(self, unit):
+        """Note that `unit` runs now; return the unit that ran after it last time."""
+        return self.order.record(unit)
+
+    def previous_in_forward(self, unit):
+        return self.order.previous(unit)
+
+    def queue_final_callback(self):
+        if not self.final_queued:
+            self.final_queued = True
+            Variable._execution_engine.queue_callback(self._final)
+
+    def _final(self):
+        self.final_queued = False
+        self.reducing = None
+        for u in self.units:
+            u.finalize()
+
+
+def _expand_ignored(module, ignored_modules, ignored_states):
+    if ignored_modules is not None and ignored_states is not None:
+        raise bad_value("ignored_states", ignored_states, "ignored_modules and ignored_states "
+                        "cannot both be given", "pass everything in ignored_states")
+    mods, params = set(), set()
+    items = ignored_modules if ignored_modules is not None else ignored_states
+    name = "ignored_modules" if ignored_modules is not None else "ignored_states"
+    if items is None:
+        return mods, params
+    allowed = "an iterable of nn.Module" + (" or nn.Parameter" if name == "ignored_states" else "")
+    if isinstance(items, (nn.Module, str)):  # a Sequential or a str would iterate silently
+        raise bad_type(name, items, allowed, "pass a list, e.g. [model.head]")
+    try:
+        items = list(items)
+    except TypeError:
+        raise bad_type(name, items, allowed) from None
+    inside_mods, inside_params = set(module.modules()), set(module.parameters())
+    for it in items:
+        if isinstance(it, FullyShardedDataParallel):
+            raise bad_value(name, it, "an FSDP-wrapped module cannot be ignored")
+        if it is module:
+            raise bad_value(name, type(it).__name__, "it is the module being wrapped, so nothing "
+                            "would be sharded", "to keep the whole model unsharded, do not wrap "
+                            "it with FSDP")
+        if isinstance(it, nn.Module):
+            if it not in inside_mods:
+                raise bad_value(name, it, "it is not a submodule of the module being wrapped",
+                                "list submodules of the wrapped model only")
+            mods.update(it.modules())
+        elif isinstance(it, nn.Parameter) and name == "ignored_states":
+            if it not in inside_params:
+                raise bad_value(name, f"<Parameter of shape {tuple(it.shape)}>", "it is not a "
+                                "parameter of the module being wrapped",
+                                "list the wrapped model's own parameters only")
+            params.add(it)
+        else:
+            raise bad_type(name, it, allowed)
+    for m in mods:
+        params.update(m.parameters(recurse=False))
+    return mods, params
+
+
+def _materialize(module, param_init_fn, ignored_modules):
+    def on_meta(m):
+        return any(t.is_meta for t in list(m.parameters(recurse=False)) +
+                   list(m.buffers(recurse=False)))
+    metas = [m for m in module.modules() if m not in ignored_modules and on_meta(m)]
+    if not metas:
+        return
+    if param_init_fn is None:
+        raise bad_value("param_init_fn", None, "the module has parameters on the meta device",
+                        "pass param_init_fn=lambda m: m.to_empty(device='cpu', recurse=False) "
+                        "followed by your initialization")
+    for m in metas:
+        param_init_fn(m)
+    left = [n for n, m in module.named_modules() if m not in ignored_modules and on_meta(m)]
+    if left:
+        raise bad_value("param_init_fn", param_init_fn, "it left parameters on the meta device "
+                        f"in {left[:3]}", "make it materialize every module it is given")
+
+
+class _UnitPlan:
+    """One unit to build: its module, options and parameters, grouped by
+    (dtype, requires_grad) as [(key, [(param, [Alias, ...]), ...]), ...]."""
+
+    def __init__(self, module, name, cfg, groups):
+        self.module, self.name, self.cfg, self.groups = module, name, cfg, groups
+        self.label = name or "<root>"
+
+    def describe(self):
+        """Lines every rank must agree on (runtime/consistency.py)."""
+        c = self.cfg
+        lines = [f"unit {self.label!r}: {c.strategy.name} use_orig_params={c.use_orig_params} "
+                 f"backward_prefetch={c.backward_prefetch and c.backward_prefetch.name} "
+                 f"forward_prefetch={c.forward_prefetch} "
+                 f"limit_all_gathers={c.limit_all_gathers} comm_backend={c.comm_backend} "
+                 f"mixed_precision={c.mixed_precision}" +
+                 (" offload_params=True" if c.offload_params else "")]
+        for (dtype, requires_grad), order in self.groups:
+            for p, aliases in order:
+                lines.append(f"  {'='.join(a.fqn for a in aliases)} {tuple(p.shape)} "
+                             f"{str(dtype).replace('torch.', '')} "
+                             f"{'trainable' if requires_grad else 'frozen'}")
+        return lines
+
+
+def _collect(module, name, ctx, units):
+    """The parameters a unit rooted at `module` manages: not in a module that
+    is (or will be) a unit of its own, not ignored. Errors name the parameter."""
+    label = name or "<root>"
+    keys, by_key = [], {}
+    stack = [(module, name)]
+    while stack:
+        mod, path = stack.pop(0)
+        for attr, p in mod._parameters.items():
+            if p is None or p in ctx.ignored_params:
+                continue
+            fqn = f"{path}.{attr}" if path else attr
+            prev = ctx.owner.get(id(p))
+            if prev is not None and prev[0] != label:
+                raise ConfigError(
+                    f"flatshard: parameter {fqn} is shared with {prev[1]}, which belongs to "
+                    f"unit {prev[0]!r}, but it is also used in unit {label!r}; a shared "
+                    "parameter must live in one unit: wrap a common parent of both modules "
+                    "instead (change auto_wrap_policy)")
+            if p.dtype not in DTYPE_CODES:
+                raise ConfigTypeError(
+                    f"flatshard: module has parameter {fqn} of dtype {p.dtype}, which cannot be "
+                    f"sharded; allowed: {', '.join(str(d) for d in DTYPE_CODES)}. Convert it, "
+                    "or list it in ignored_states to keep it whole on every rank")
+            ctx.owner[id(p)] = (label, fqn)
+            key = (p.dtype, p.requires_grad)
+            if key not in by_key:
+                by_key[key] = ({}, [])
+                keys.append(key)
+            seen, order = by_key[key]
+            if id(p) not in seen:
+                seen[id(p)] = len(order)
+                order.append((p, []))
+            order[seen[id(p)]][1].append(Alias(mod, attr, fqn))
+        for cname, child in mod._modules.items():
+            if child is None or child in ctx.ignored_modules or child in units or \
+                    isinstance(child, FullyShardedDataParallel):
+                continue
+            stack.append((child, f"{path}.{cname}" if path else cname))
+    return [(k, by_key[k][1]) for k in keys]
+
+
+def _policy_targets(policy, module, kw, ctx):
+    """auto_wrap_policy's targets -> {module: overrides}; the policy's own
+    errors are configuration errors that name it."""
+    try:
+        return targets(policy, module, ctx.ignored_modules, ctx.ignored_params, kw)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"flatshard: auto_wrap_policy={policy!r} raised {type(e).__name__}: "
+                          f"{e}; fix the policy (it is called on every submodule)") from e
+
+
+def _plan(module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states, ignored_modules,
+          ignored_states):
+    """Validate the arguments resolve() does not and decide every unit, with
+    no collective: -> ([_UnitPlan, innermost first, the root last],
+    _WrapContext) and the description the ranks compare."""
+    if not isinstance(sync_module_states, bool):
+        raise bad_type("sync_module_states", sync_module_states, "True or False")
+    config.check_param_init_fn(param_init_fn)
+    policy = config.checked_policy(auto_wrap_policy)
+    ignored_mods, ignored_params = _expand_ignored(module, ignored_modules, ignored_states)
+    _materialize(module, param_init_fn, ignored_mods)
+    for n, p in module.named_parameters():
+        if p in ignored_params:
+            continue
+        check_plain(p, f"parameter {n}", "FullyShardedDataParallel")
+        if p.device != cfg.device:
+            raise bad_value("device_id", cfg.device, f"parameter {n} is on {p.device}",
+                            f"move the module to {cfg.device} before wrapping")
+    ctx = _WrapContext(ignored_mods, ignored_params)
+    found = _policy_targets(policy, module, kw, ctx) if policy is not None else {}
+    names = {m: n for n, m in module.named_modules()}
+    units = [m for m in found if not isinstance(m, FullyShardedDataParallel)]
+    unit_set, plan = set(units), []
+    # Innermost first: a parent's unit excludes the units below it. (A stable
+    # sort of the policy's order: the same on every rank.)
+    for m in sorted(units, key=lambda m: -names[m].count(".")):
+        cfg_m = config.resolve_override(names[m], kw, found[m])
+        plan.append(_UnitPlan(m, names[m], cfg_m, _collect(m, names[m], ctx, unit_set)))
+    plan.append(_UnitPlan(module, "", cfg, _collect(module, "", ctx, unit_set)))
+    lines = [f"options: sync_module_states={sync_module_states}"]
+    if sync_module_states:  # buffers are broadcast too
+        for n, b in module.named_buffers():
+            check_plain(b, f"buffer {n}", "FullyShardedDataParallel(sync_module_states=True)")
+        lines += [f"  buffer {n} {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
+                  for n, b in module.named_buffers()]
+    for up in plan:
+        lines += up.describe()
+    return (plan, ctx), lines
+
+
+def _sync_module_states(module, comm, ignored_params):
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            if t not in ignored_params:
+                broadcast_(comm, t.data if isinstance(t, nn.Parameter) else t, root=0,
+                           tag="sync_module_states")
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state across a
+    process group, with torch FSDP1's constructor and semantics.
+
+    Args follow torch.distributed.fsdp.FullyShardedDataParallel (process_group:
+    the group to shard over, default the world: gloo for CPU devices, any
+    for CUDA ones). Built: sharding_strategy FULL_SHARD / SHARD_GRAD_OP /
+    NO_SHARD, and SHARD_OPTIM (ZeRO-1, flatshard's own); cpu_offload (on a
+    CUDA device the shards and gradients stay in pinned host memory, staged
+    on the device for each gather; not with NO_SHARD or SHARD_OPTIM there);
+    auto_wrap_policy (torch's or flatshard's policies); backward_prefetch;
+    forward_prefetch; limit_all_gathers
+    (collectives are ordered on the caller's stream, so at most one
+    all-gather is ever in flight); ignored_modules / ignored_states;
+    param_init_fn; device_id (CPU, or a CUDA device with flatshard's NCCL
+    backend); sync_module_states; use_orig_params; device_mesh (1-D).
+    mixed_precision (under NO_SHARD the whole shard is cast at each forward).
+    HYBRID_SHARD / _HYBRID_SHARD_ZERO2 shard inside a group and all-reduce
+    the gradient shards across replicas: process_group=(shard_group,
+    replicate_group), a 2-D device_mesh (replicate, shard), or None under
+    torchrun (each host's LOCAL_WORLD_SIZE ranks shard); sharded state
+    dicts hold DTensors on the 2-D (replicate, shard) mesh.
+
+    flatshard's own keyword: comm_backend "auto" (default; on CPU shared
+    memory when all ranks are on one host, else the process group; on a
+    CUDA device flatshard's NCCL communicator), "shm", "torch" or "nccl";
+    FLATSHARD_COMM_BACKEND sets it when not given.
+    """
+
+    def __init__(self, module, process_group=None, sharding_strategy=None, cpu_offload=None,
+                 auto_wrap_policy=None, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+                 mixed_precision=None, ignored_modules=None, param_init_fn=None, device_id=None,
+                 sync_module_states=False, forward_prefetch=False, limit_all_gathers=True,
+                 use_orig_params=False, ignored_states=None, device_mesh=None, *,
+                 comm_backend=None):
+        super().__init__()
+        if isinstance(module, type) and issubclass(module, nn.Module):
+            raise bad_type("module", module, "an nn.Module instance",
+                           f"pass {module.__name__}(...), not the class")
+        if not isinstance(module, nn.Module):
+            raise bad_type("module", module, "an nn.Module")
+        if isinstance(module, FullyShardedDataParallel):
+            raise bad_value("module", type(module).__name__, "the module is already wrapped")
+        kw = dict(process_group=process_group, sharding_strategy=sharding_strategy,
+                  cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
+                  mixed_precision=mixed_precision, device_id=device_id,
+                  forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+                  use_orig_params=use_orig_params, device_mesh=device_mesh,
+                  comm_backend=comm_backend)
+        cfg = config.resolve(kw)
+        # The rest of the checks and the plan are local too; the ranks then
+        # agree on what they wrap before the first collective (runtime/consistency.py).
+        plan, ctx = consistency.agree(cfg.group, lambda: _plan(
+            module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states,
+            ignored_modules, ignored_states))
+        _, comm, replicate, _ = unit_comms(cfg)
+        if sync_module_states:  # across replicas first, then from each shard group's first
+            if replicate is not None:
+                _sync_module_states(module, replicate, ctx.ignored_params)
+            _sync_module_states(module, comm, ctx.ignored_params)
+        for up in plan[:-1]:  # innermost first; the root is last
+            unit = type(self).__new__(type(self))
+            nn.Module.__init__(unit)
+            unit._setup(up)
+            parent_name, _, attr = up.name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, unit)
+        self._setup(plan[-1])
+
+    # ------------------------------------------------------------------
+    # construction
+
+    def _setup(self, up):
+        module, cfg = up.module, up.cfg
+        group, comm, replicate, replicas_only = unit_comms(cfg)
+        if cfg.hybrid is not None:  # the group the unit's collectives run over; with
+            # one rank per host or one host, the unit is plain NO_SHARD / sharded
+            cfg = dataclasses.replace(cfg, group=group,
+                                      hybrid=None if replicate is None else cfg.hybrid)
+        self._fsdp_wrapped_module = module
+        self._cfg = cfg
+        self._root_state = None
+        world, rank = comm.world_size, comm.rank
+        mp = cfg.mixed_precision
+        # CPUOffload on a device: the shards (and their gradients) stay in
+        # host memory, pinned, and each gather stages them on the device.
+        host_shards = cfg.offload_params and comm.device is not None
+        # One rank has nothing to shard: run as NO_SHARD (as torch FSDP does),
+        # unless mixed precision needs the gather (a cast) all the same, or
+        # the shards live in host memory.
+        no_shard = cfg.strategy is ShardingStrategy.NO_SHARD or replicas_only or (
+            world == 1 and (mp is None or mp.param_dtype is None) and not host_shards)
+        groups = []
+        for i, (key, order) in enumerate(up.groups):
+            groups.append(FlatGroup(i, [p for p, _ in order], [a for _, a in order], world, rank,
+                                    1 if no_shard else world, cfg.device,
+                                    mp.param_dtype if mp else None,
+                                    mp.reduce_dtype if mp else None, host_shards=host_shards,
+                                    replicated=no_shard))
+        if mp is not None and mp.buffer_dtype is not None:
+            _cast_buffers(module, mp.buffer_dtype)
+        grad_mask = sum(1 << g.index for g in groups if g.requires_grad)
+        strategy = ShardingStrategy.NO_SHARD if no_shard else cfg.strategy
+        shard_optim = strategy is ShardingStrategy.SHARD_OPTIM  # the engine's own strategy
+        cunit = _C.Unit(up.label, comm, strategy.value,
+                        [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel, g.padded_numel,
+                          g.lp, dtype_code(g.compute_dtype), dtype_code(g.reduce_dtype))
+                         for g in groups], grad_mask,
+                        empty=empty_fn(cfg.device) if comm.device else None,
+                        offload=host_shards, replicate=None if no_shard else replicate)
+        self._unit = UnitRuntime(up.label, cunit, groups, cfg.use_orig_params, no_shard,
+                                 cfg.backward_prefetch, cfg.forward_prefetch,
+                                 shard_optim=shard_optim, offload_params=cfg.offload_params)
+        self._unit.flat_param_module = module  # stays so under a checkpoint wrapper
+        if not cfg.use_orig_params:
+            for g in groups:
+                module.register_parameter(flat_param_name(g.index), g.shard)
+
+    def _lazy_init(self):
+        units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        state = RootState(self, [m._unit for m in units])
+        for m in units:
+            m._root_state = state
+            m._unit.root = state
+            m._unit.c.is_root = m is self
+        return state
+
+    # ------------------------------------------------------------------
+    # running
+
+    def forward(self, *args, **kwargs):
+        root = self._root_state or self._lazy_init()
+        is_root = root.owner is self
+        if is_root:
+            root.begin_forward()
+        unit = self._unit
+        mp = self._cfg.mixed_precision
+        if mp is not None and mp.param_dtype is not None and (
+                mp.cast_forward_inputs or (is_root and mp.cast_root_forward_inputs)):
+            args, kwargs = _cast_inputs((args, kwargs), mp.param_dtype)
+        unit.pre_forward()
+        try:
+            out = self._fsdp_wrapped_module(*args, **kwargs)
+        except BaseException:
+            unit.abort_forward()
+            raise
+        out = unit.post_forward(out)
+        if is_root:
+            root.end_forward()
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside: backward accumulates unsharded gradients locally with no
+        communication (they stay in memory, unsharded). The first backward
+        outside reduces the accumulated sum."""
+        units = [m._unit for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        saved = [u.sync_grads for u in units]
+        for u in units:
+            u.sync_grads = False
+        try:
+            yield
+        finally:
+            for u, s in zip(units, saved):
+                u.sync_grads = s
+
+    @property
+    def module(self):
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def sharding_strategy(self):
+        return self._cfg.strategy
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == FSDP_WRAPPED_MODULE:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key):
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+    # ------------------------------------------------------------------
+    # state dicts (state/state_dict.py): the plain model's keys, torch FSDP's types
+
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        """The plain model's keys; what the values are is set by
+        FSDP.state_dict_type (default FULL_STATE_DICT): see flatshard.state.state_dict.
+        destination, prefix, keep_vars: nn.Module.state_dict's."""
+        return state_dicts.state_dict(self, destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Load a state dict with the plain model's keys (full tensors or
+        DTensors; flat shards under LOCAL_STATE_DICT). Checks every name and
+        shape before changing anything. state_dict, strict: nn.Module's;
+        assign=True is refused (the parameters are views of flat shards)."""
+        return state_dicts.load_state_dict(self, state_dict, strict, assign)
+
+    # ------------------------------------------------------------------
+    # torch FSDP1's static state-dict API (summon.py, state/state_dict.py,
+    # state/optim_state.py)
+
+    @staticmethod
+    def summon_full_params(module, recurse=True, writeback=True, rank0_only=False,
+                           offload_to_cpu=False, with_grads=False):
+        """Context manager: inside, the FSDP modules under `module` (only
+        `module` itself with recurse=False) show their full parameters in the
+        original shapes; with writeback, changes are copied back to the shards.
+        rank0_only: only rank 0 shows them; offload_to_cpu: torch's flag (the
+        parameters are on the CPU already); with_grads: show the full
+        gradients too."""
+        return summon.summon_full_params(module, recurse, writeback, rank0_only,
+                                         offload_to_cpu, with_grads)
+
+    @staticmethod
+    def set_state_dict_type(module, state_dict_type, state_dict_config=None,
+                            optim_state_dict_config=None):
+        """Set the state dict type of every FSDP module under `module`;
+        returns the previous StateDictSettings. state_dict_type: a
+        StateDictType; state_dict_config, optim_state_dict_config: the
+        matching configs (None: the defaults)."""
+        return state_dicts.set_state_dict_type(module, state_dict_type, state_dict_config,
+                                               optim_state_dict_config)
+
+    @staticmethod
+    def get_state_dict_type(module):
+        return state_dicts.get_state_dict_type(module)
+
+    @staticmethod
+    def state_dict_type(module, state_dict_type, state_dict_config=None,
+                        optim_state_dict_config=None):
+        """Context manager form of set_state_dict_type (state_dict_type,
+        state_dict_config, optim_state_dict_config as there): restores the
+        previous settings on exit."""
+        return state_dicts.state_dict_type(module, state_dict_type, state_dict_config,
+                                           optim_state_dict_config)
+
+    @staticmethod
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None):
+        """The optimizer's state keyed by the plain model's parameter names,
+        whole (FULL) or as DTensors (SHARDED), per the model's state dict type.
+        optim: the optimizer over model.parameters(); optim_state_dict: its
+        state_dict() if already taken (None: taken here)."""
+        _check_disk_offload(model, optim)
+        return optim_state.optim_state_dict(model, optim, optim_state_dict, group)
+
+    @staticmethod
+    def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False,
+                                 load_directly=False, group=None):
+        """A state dict from optim_state_dict -> one optim.load_state_dict takes,
+        for the optimizer `optim` over `model`. is_named_optimizer,
+        load_directly: torch's flags (is_named_optimizer=True is refused;
+        load_directly=True also loads it into optim)."""
+        _check_disk_offload(model, optim)
+        return optim_state.optim_state_dict_to_load(model, optim, optim_state_dict,
+                                                    is_named_optimizer, load_directly, group)
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """Clip the gradient of the whole model (all units, all ranks) to
+        max_norm; returns the total norm before clipping (torch FSDP1's call).
+        norm_type: 2.0, inf, or any positive p. Call it on the root."""
+        return clip.clip_grad_norm_(self, max_norm, norm_type)
+
+
+def _check_disk_offload(model, optim):
+    """FULL/SHARDED optimizer state dicts gather the moments, which a
+    DiskOffload optimizer keeps in files: refused rather than dropped."""
+    if getattr(optim, "offload", None) is None:
+        return
+    if state_dicts.get_state_dict_type(model).state_dict_type is not StateDictType.LOCAL_STATE_DICT:
+        raise not_built("optim", f"{type(optim).__name__}(offload=DiskOffload(...))", "its "
+                        "moments are in files, which full and sharded optimizer state dicts "
+                        "do not gather; save optim.state_dict() on every rank (it refers to the "
+                        "rank's current state file), or use LOCAL_STATE_DICT")
+
+
+FSDP = FullyShardedDataParallel

@@ -1,0 +1,352 @@
+"""Per-unit runtime: the torch hooks around one wrapped module.
+
+The state machine and all data movement live in C (flatshard._C.Unit): this
+file only receives torch's hook calls, reports them as events, and does the
+torch-side work the actions ask for (parameter views, gradient tensors).
+
+Hooks used (all public torch APIs):
+  forward           FSDP.forward calls pre_forward / post_forward around
+                    the wrapped module.
+  pre-backward      Tensor.register_hook on the unit's forward outputs: runs
+                    before the unit's own gradient computation.
+  post-backward     Tensor.register_post_accumulate_grad_hook on each full
+                    buffer: runs once the unit's gradient is complete.
+  end of backward   a callback queued on the autograd engine by the root.
+
+The wrapper (api.py) sets each unit's UnitRuntime as the module's `_unit`
+attribute; `unit_of` / `fsdp_units` find units by it, so the modules that
+work on a wrapped model (summon, clip, state dicts, memory_stats) need not
+import the wrapper class.
+"""
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .. import _C
+from ..errors import OutOfMemoryError, bad_value
+from ..options import BackwardPrefetch
+from . import zero1
+from .oom import oom_report
+
+_GRAD = _C.FLAG_GRAD_ENABLED
+
+
+class _HeapTrim:
+    """[Note: heap trim] What backward frees on the host (activations, each
+    unit's unsharded gradient) came from torch's allocator, that is the C
+    library's heap, which keeps it, while requests as large as a unit's
+    gradient are mapped anew beside it: the process grows by what the heap
+    holds free. After a unit's gradient is reduced the free pages are handed
+    back (_C.heap_trim) once TRIM_BYTES of units have been freed since the
+    last trim, when the unit that ran first in forward is done (only the
+    root's work is left, with its large gradients), and at the end of
+    backward. Not after every unit: a trim costs a walk of the heap, and the
+    pages it hands back are faulted in again by the next unit."""
+    TRIM_BYTES = 64 << 20
+
+    def __init__(self):
+        self.pending = 0
+
+    def freed(self, unit):
+        self.pending += sum(g.padded_numel * g.compute.element_size() for g in unit.groups)
+        prev = unit.root.previous_in_forward(unit) if unit.root is not None else None
+        if self.pending >= self.TRIM_BYTES or prev is None or prev.c.is_root:
+            self.trim()
+
+    def trim(self):
+        self.pending = 0
+        _C.heap_trim()
+
+
+_HEAP = _HeapTrim()
+
+
+def _is_alloc_failure(e):
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or "not enough memory" in text or \
+        "can't allocate memory" in text or "out of memory" in text
+
+
+class UnitRuntime:
+    def __init__(self, name, cunit, groups, use_orig_params, no_shard, backward_prefetch,
+                 forward_prefetch, *, shard_optim=False, offload_params=False):
+        """shard_optim: SHARD_OPTIM (ZeRO-1, zero1.py): the full buffers are
+        gathered here and never resharded. offload_params: CPUOffload's
+        rule on gradient accumulation (refuse_accumulation)."""
+        self.name = name
+        self.c = cunit
+        self.groups = groups
+        self.use_orig_params = use_orig_params
+        self.no_shard = no_shard
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.shard_optim = shard_optim
+        self.offload_params = offload_params
+        self.root = None          # RootState, set at lazy init
+        self.sync_grads = True    # False inside no_sync()
+        for g in groups:
+            if g.requires_grad:
+                g.compute.register_post_accumulate_grad_hook(
+                    self._make_post_backward(g.index))
+        if shard_optim:
+            self.c.unshard()  # whole from now on (collective: units are built in one order)
+            zero1.register(self)
+        if use_orig_params:
+            self._use_sharded_params()
+        else:
+            self._drop_orig_params()
+
+    # ------------------------------------------------------------------
+    # parameter views
+
+    def _drop_orig_params(self):
+        """use_orig_params=False: the modules keep plain-tensor attributes in
+        place of their parameters; only the flat shards are Parameters."""
+        for g in self.groups:
+            views = self._resting_views(g)
+            for i, aliases in enumerate(g.aliases):
+                for a in aliases:
+                    del a.module._parameters[a.attr]
+                    a.module.__dict__[a.attr] = views[i] if views is not None else None
+            # The shard holds the values now: the original parameters keep
+            # their shape and dtype (for names and checks) but not their
+            # memory, which would otherwise be a whole unsharded model.
+            for p in g.params:
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+
+    def _resting_views(self, g):
+        """use_orig_params=False: what the modules show outside forward. The
+        whole parameters where they are kept (NO_SHARD: the full buffer, the
+        full-precision one under mixed precision; ZeRO-1), else None. The
+        full-precision views of NO_SHARD + param_dtype are made once: they
+        are put back after every forward."""
+        if self.no_shard and g.lp is not None:
+            if g.resting_views is None:
+                g.resting_views = g.unsharded_views(g.full)
+            return g.resting_views
+        return g.unsharded_views() if self.no_shard or self.shard_optim else None
+
+    def _use_sharded_params(self):
+        """use_orig_params=True: each original parameter's data becomes its
+        piece of the local shard (1-D; its own shape under NO_SHARD)."""
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                p.data = g.piece(g.shard.detach(), i, self.no_shard)
+
+    def _set_unsharded_views(self):
+        # Instance attributes shadow _parameters during forward, which keeps
+        # the registered parameters (and their order) untouched.
+        for g in self.groups:
+            views = g.unsharded_views()
+            for v, aliases in zip(views, g.aliases):
+                for a in aliases:
+                    a.module.__dict__[a.attr] = v
+
+    def _clear_unsharded_views(self):
+        if not self.use_orig_params:
+            if self.no_shard and self.groups and self.groups[0].lp is not None:
+                self._drop_views_to_rest()  # NO_SHARD + param_dtype: back to fp32
+            return  # the views stay as the module's attributes
+        for g in self.groups:
+            for aliases in g.aliases:
+                for a in aliases:
+                    a.module.__dict__.pop(a.attr, None)
+
+    def _drop_views_to_rest(self):
+        for g in self.groups:
+            for v, aliases in zip(self._resting_views(g), g.aliases):
+                for a in aliases:
+                    a.module.__dict__[a.attr] = v
+
+    # ------------------------------------------------------------------
+    # unshard, with out-of-memory named
+
+    def unshard(self, prefetch=False):
+        """Gather this unit's compute buffers (outside the hook events: a
+        prefetch, ZeRO-1's first gather). prefetch: on a device, the current
+        stream waits for the gather only at the unit's next event ([Note:
+        deferred collectives] in csrc/engine/unit.h)."""
+        self._call(self.c.unshard, False, prefetch)
+
+    def _event(self, ev, flags=0, group=-1, grad=None, out=None, accumulate=False, defer=False):
+        """One engine call per hook event: the state machine's step and what
+        it asks for (gather, reduce, free), done in C."""
+        return self._call(self.c.event, ev, flags, group, grad, out, accumulate, defer)
+
+    def _call(self, fn, *args):
+        """An allocation failure becomes an OutOfMemoryError carrying this
+        rank's memory breakdown, and the other ranks are told (shm) instead
+        of waiting for this one in a collective."""
+        try:
+            return fn(*args)
+        except (RuntimeError, MemoryError) as e:
+            if not _is_alloc_failure(e):
+                raise
+            msg = oom_report(self, e)
+            comm = self.c.comm
+            # shm: the others' waits fail now with the cause. torch (gloo): they
+            # fail when this rank's process ends (or at the group's timeout),
+            # and their note quotes the cause from the store.
+            comm.abort(msg.splitlines()[0])
+            if comm.on_failure is not None:
+                comm.on_failure.stopped(comm, msg.splitlines()[0])
+            raise OutOfMemoryError(msg) from e
+
+    # ------------------------------------------------------------------
+    # forward
+
+    def pre_forward(self):
+        self._event(_C.EV_PRE_FORWARD, _GRAD if torch.is_grad_enabled() else 0)
+        nxt = self.root.record_forward(self)
+        if self.forward_prefetch and nxt is not None and nxt.c.state == "IDLE":
+            nxt.unshard(prefetch=True)
+        self._set_unsharded_views()
+
+    def post_forward(self, output):
+        act = self._event(_C.EV_POST_FORWARD, _GRAD if torch.is_grad_enabled() else 0)
+        self._clear_unsharded_views()
+        if act & _C.ACT_HOOK_BACKWARD:
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    def abort_forward(self):
+        """The wrapped forward raised: leave the unit IDLE and resharded."""
+        if self.c.state == "FORWARD":
+            self._event(_C.EV_POST_FORWARD, 0)
+            self._clear_unsharded_views()
+
+    # ------------------------------------------------------------------
+    # backward
+
+    def _pre_backward(self, grad):
+        self.root.queue_final_callback()
+        act = self._event(_C.EV_PRE_BACKWARD, 0)  # a prefetched gather is waited for too
+        if act & _C.ACT_UNSHARD:
+            if (self.use_orig_params and not self.no_shard) or \
+                    (self.no_shard and self.groups and self.groups[0].lp is not None):
+                # A checkpointed module recomputes its forward during backward:
+                # it must see the whole parameters, as in forward (views made
+                # with grad on: backward runs with it off).
+                with torch.enable_grad():
+                    self._set_unsharded_views()
+            if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                self._prefetch_backward()
+        return None
+
+    def _prefetch_backward(self):
+        prev = self.root.previous_in_forward(self)
+        if prev is not None and prev.c.state == "IDLE":
+            prev.unshard(prefetch=True)
+
+    def _make_post_backward(self, gi):
+        def hook(full):
+            self._post_backward(gi, full)
+        return hook
+
+    def _post_backward(self, gi, full):
+        g = self.groups[gi]
+        grad, out, accumulate, defer, views = None, None, False, False, None
+        if self.sync_grads and full.grad is not None:
+            grad, full.grad = full.grad, None
+            if not self.shard_optim:
+                grad, out, accumulate, defer, views = self._plan_reduce(g, grad)
+        if defer:
+            self.root.reduce_issued(self)
+        act = self._event(_C.EV_POST_BACKWARD, 0 if self.sync_grads else _C.FLAG_NO_SYNC, gi,
+                          grad if out is not None else None, out, accumulate, defer)
+        if grad is not None and act & _C.ACT_REDUCE_GRAD:
+            if self.shard_optim:  # the whole gradient, all-reduced (zero1.py)
+                zero1.reduce(self, g, grad)
+            elif out is not None:
+                self._after_reduce(g, out, views)
+        if act & _C.ACT_RESHARD:
+            self._clear_unsharded_views()
+            if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+                self._prefetch_backward()
+            if self.c.comm.device is None:
+                _HEAP.freed(self)
+
+    def _plan_reduce(self, g, grad):
+        """Where the engine reduces `grad` to: (grad, out, accumulate, defer,
+        views). On a device the reduction is deferred ([Note: deferred
+        collectives] in csrc/engine/unit.h) unless a tensor op must read its
+        result now; the root keeps one in flight and waits for the rest at
+        the end of backward (finalize). out None: nothing to reduce (one
+        rank's NO_SHARD gradient is its own mean)."""
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        if self.offload_params and zero1.holds_grad(self, g):
+            self.refuse_accumulation()
+        defer = self.c.comm.device is not None
+        if not self.use_orig_params:
+            out = g.shard.grad
+            if out is None and self.no_shard and self.c.comm.world_size == 1 and \
+                    grad.dtype == g.dtype and grad.shape == g.shard.shape:
+                g.shard.grad = grad  # one rank's mean gradient is its own: no copy
+                return grad, None, False, False, None
+            if out is None:
+                return grad, g.new_shard(), False, defer, None
+            return grad, out, True, defer, None
+        current = [p.grad for p in g.params]
+        if g.grad_buf is not None and all(c is v for c, v in zip(current, g.grad_views)):
+            return grad, g.grad_buf, True, defer, None
+        # gradients the user set or kept are added after, on this stream: no deferral
+        return grad, g.new_shard(), False, defer and all(c is None for c in current), current
+
+    def _after_reduce(self, g, out, current):
+        """The reduced shard gradient becomes the parameters' gradients."""
+        if not self.use_orig_params:
+            g.shard.grad = out
+            return
+        if current is None:  # accumulated into the views already there
+            return
+        views = [g.piece(out, i, self.no_shard) for i in range(len(g.params))]
+        with torch.no_grad():
+            for v, c in zip(views, current):  # gradients the user set or kept
+                if c is not None:
+                    v.add_(c.reshape(v.shape))
+        for p, v in zip(g.params, views):
+            p.grad = v
+        g.grad_buf, g.grad_views = out, views
+
+    def finalize(self):
+        """End of the backward pass: the current stream waits for deferred
+        reductions, and whatever is still unsharded is freed."""
+        act = self._event(_C.EV_FINALIZE, 0)  # deferred reductions are waited for first
+        if act & _C.ACT_RESHARD:
+            self._clear_unsharded_views()
+        # Between steps the host keeps only its model states: the pool's
+        # cached blocks go back once no unit holds one ([Note: pool cache]).
+        _C.pool_trim(True)
+        if self.c.comm.device is None and _HEAP.pending:
+            _HEAP.trim()
+
+    def _reshard(self):
+        self._clear_unsharded_views()
+        if not self.shard_optim:  # ZeRO-1 keeps its parameters whole
+            self.c.reshard()
+
+    def refuse_accumulation(self):
+        """CPUOffload(offload_params=True) keeps torch FSDP1's rule: no
+        gradient accumulation across backwards outside no_sync()."""
+        raise bad_value("cpu_offload", "CPUOffload(offload_params=True)", f"unit "
+                        f"{self.name!r} already holds a reduced gradient, and gradients cannot "
+                        "be accumulated across backward passes outside no_sync() with parameter "
+                        "offload (torch FSDP's rule)", "call optimizer.zero_grad() after each "
+                        "step, or run the earlier backward passes inside model.no_sync()")
+
+
+def unit_of(module):
+    """The UnitRuntime of an FSDP module (the wrapper's `_unit`), or None for
+    any other module."""
+    unit = module.__dict__.get("_unit")
+    return unit if isinstance(unit, UnitRuntime) else None
+
+
+def fsdp_units(module, recurse=True):
+    """FSDP modules under `module` (itself included; only itself with
+    recurse=False), parents before children: the order every rank walks them
+    in, so collectives line up."""
+    mods = module.modules() if recurse else [module]
+    return [m for m in mods if unit_of(m) is not None]

@@ -1,0 +1,441 @@
+"""FSDP2's API on flatshard's core: `fully_shard` and `FSDPModule`.
+
+    from flatshard import fully_shard, MixedPrecisionPolicy
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+Same contract as torch.distributed.fsdp.fully_shard: applied bottom-up, each
+call makes one group of the module's parameters not already in a group,
+swaps the module's class to an FSDPModule subclass (parameter names are
+unchanged) and registers the parameters as DTensors sharded on dim 0 over the
+mesh, so state_dict(), full_tensor() and clip_grad_norm_ work as with torch.
+The collectives go through flatshard's Comm (runtime/comm.py; backend chosen by
+FLATSHARD_COMM_BACKEND, "auto" by default), one all-gather and one
+reduce-scatter per group, and gradients are averaged exactly on every
+backend. torch's MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy and
+DeviceMesh objects are the ones accepted (flatshard re-exports the policies).
+
+A 2-D mesh gives hybrid sharding: shard over the inner dim, then an
+all-reduce of the gradient shards over the outer dim. An int
+reshard_after_forward k keeps the parameters sharded over groups of k ranks
+between forward and backward, and backward gathers them within that group.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+from ..errors import ConfigAssertionError, bad_type, bad_value, not_built
+from ..runtime import cuda
+from ..runtime.comm import backend_for_device, comm_for, requested_backend
+from ..tensors import check_plain
+from .extension import has_extension
+from .param import ParamGroup
+from .state import STATE_ATTR, FSDPState, state_of
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+           "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class UnshardHandle:
+    """What unshard(async_op=True) returns. On a CUDA device the all-gather
+    may still be running: wait() makes the current stream wait for it (so
+    does the module's next forward). On CPU it has completed already."""
+
+    _state = None  # the FSDPState whose deferred all-gather wait() waits for
+
+    def wait(self):
+        st, self._state = self._state, None
+        if st is not None and st.group is not None:
+            st.group.wait_unsharded()
+        return None
+
+
+class FSDPModule:
+    """Mixed into the class of every module fully_shard was applied to."""
+
+    def _fsdp_state(self):
+        return self.__dict__[STATE_ATTR]
+
+    def _fsdp_modules(self, recurse):
+        mods = self.modules() if recurse else [self]
+        return [m for m in mods if isinstance(m, FSDPModule)]
+
+    def unshard(self, async_op=False):
+        """All-gather this module's parameters and register the unsharded
+        ones until reshard() (or the next reshard point of the step). With
+        `async_op=True` an UnshardHandle is returned: on a CUDA device the
+        all-gather runs beside later work until its wait() (or the module's
+        forward); on CPU it has completed already."""
+        _check_bool("async_op", async_op)
+        st = self._fsdp_state()
+        if st.root is None:
+            st.lazy_init()
+        st.unshard(defer=async_op)
+        if not async_op:
+            return None
+        handle = UnshardHandle()
+        handle._state = st
+        return handle
+
+    def reshard(self):
+        self._fsdp_state().reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """`requires_gradient_sync=False`: backward accumulates unreduced
+        gradients locally (gradient accumulation without communication);
+        True again reduces them all at the next backward. `recurse`: also
+        for the FSDP modules inside this one."""
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
+        for m in self._fsdp_modules(recurse):
+            m._fsdp_state().requires_gradient_sync = requires_gradient_sync
+
+    def set_is_last_backward(self, is_last_backward):
+        """Accepted for torch's API (`is_last_backward`: a bool). flatshard's
+        reductions finish inside the backward that issues them, so no
+        backward leaves work pending."""
+        _check_bool("is_last_backward", is_last_backward)
+        self._fsdp_state().is_last_backward = is_last_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+        """Change `reshard_after_forward` (True, False or an int, as in
+        fully_shard) for this module and, with `recurse`, those inside it."""
+        _check_reshard(reshard_after_forward, none_ok=False)
+        for m in self._fsdp_modules(recurse):
+            st = m._fsdp_state()
+            if st.group is None:
+                raf = reshard_after_forward
+            else:
+                raf, st.group.post_comm = _resolve_reshard(reshard_after_forward, st.group.mesh)
+            st.reshard_after_forward = st.reshard_after_forward_arg = raf
+
+    def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+        """`reshard_after_backward=False` keeps the parameters gathered after
+        backward (e.g. between micro-batches); `recurse` as above."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        for m in self._fsdp_modules(recurse):
+            m._fsdp_state().reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules):
+        """Gather these FSDP `modules` right after this one's forward gather."""
+        self._fsdp_state().forward_prefetch = _check_modules("modules", modules)
+
+    def set_modules_to_backward_prefetch(self, modules):
+        """Gather these FSDP `modules` right after this one's backward gather."""
+        self._fsdp_state().backward_prefetch = _check_modules("modules", modules)
+
+    def set_post_optim_event(self, event):
+        """The root's next forward first waits for `event` (synchronize())."""
+        if not callable(getattr(event, "synchronize", None)):
+            raise bad_type("event", event, "an event with a synchronize() method (torch.Event)")
+        self._fsdp_state().post_optim_event = event
+
+    def set_gradient_divide_factor(self, factor):
+        """Gradients are summed over the data-parallel ranks and divided by
+        `factor` instead of averaged."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise bad_value("factor", factor, "expected a positive number")
+        for m in self._fsdp_modules(True):
+            g = m._fsdp_state().group
+            if g is not None:
+                g.divide_factor = float(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward):
+        """`unshard_in_backward=False`: never gather this module in backward
+        (for modules whose parameters backward does not use)."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        self._fsdp_state().unshard_in_backward = unshard_in_backward
+
+    def _apply(self, *args, **kwargs):
+        # to_empty(), to(), float()...: the sharded parameters may be new objects.
+        self.reshard()
+        ret = super()._apply(*args, **kwargs)
+        g = self._fsdp_state().group
+        if g is not None:
+            g.refresh_sharded()
+            self._fsdp_state().hooked_full = None
+        return ret
+
+
+def register_fsdp_forward_method(module, method_name):
+    """Run fully_shard's pre/post-forward around module.<method_name> too
+    (e.g. generate). A no-op on a module that is not an FSDPModule."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not isinstance(method_name, str) or not callable(getattr(module, method_name, None)):
+        raise bad_value("method_name", method_name,
+                        f"{type(module).__name__} has no such method")
+    orig = getattr(module, method_name)
+    st = module._fsdp_state()
+
+    def wrapped(self, *args, **kwargs):
+        args, kwargs = st.pre_forward(args, kwargs)
+        return st.post_forward(orig(*args, **kwargs))
+    object.__setattr__(module, method_name, wrapped.__get__(module, type(module)))
+
+
+# ----------------------------------------------------------------------
+# argument checks
+
+
+def _check_bool(arg, value):
+    if not isinstance(value, bool):
+        raise bad_type(arg, value, "True or False")
+
+
+def _check_reshard(value, none_ok=True):
+    if value is None and none_ok or isinstance(value, (bool, int)):
+        return value
+    raise bad_type("reshard_after_forward", value,
+                   "None, True, False or an int (the size of the group to reshard to)")
+
+
+_SUBGROUPS = {}
+
+
+def _resolve_reshard(value, mesh):
+    """None and bools pass; an int k gives False (k == 1), True (k == the
+    shard size) or k with the Comm of this rank's group of k consecutive
+    ranks of the shard dim, which holds the parameters between forward and
+    backward."""
+    if value is None or isinstance(value, bool):
+        return value, None
+    size = mesh.size(mesh.ndim - 1)
+    if not 1 <= value <= size or size % value:
+        raise bad_value("reshard_after_forward", value, f"an int must divide the mesh's shard "
+                        f"dim size {size}", "use a divisor such as the ranks per host, or a bool")
+    if value in (1, size):
+        return value == size, None
+    ranks = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))
+    me = ranks.index(dist.get_rank())
+    block = tuple(ranks[me // value * value:(me // value + 1) * value])
+    group = _SUBGROUPS.get(block)
+    if group is None:
+        group = _SUBGROUPS[block] = dist.new_group(list(block), use_local_synchronization=True)
+    return value, _comm(group, mesh)
+
+
+def _mesh_device(mesh):
+    """The device the mesh's collectives move: CPU, or this rank's CUDA device."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _comm(group, mesh):
+    device = _mesh_device(mesh)
+    backend = backend_for_device(requested_backend(None), device, "FLATSHARD_COMM_BACKEND")
+    return comm_for(group, backend, device)
+
+
+def _check_modules(arg, modules):
+    if not isinstance(modules, (list, tuple)):
+        raise bad_type(arg, modules, "a list of modules that fully_shard was applied to")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise bad_type(arg, m, "a list of modules that fully_shard was applied to",
+                           "apply fully_shard to each module first")
+    return [m._fsdp_state() for m in modules]
+
+
+_MESHES = {}
+
+
+def _check_mesh(mesh, device_type):
+    """device_type: where the module's parameters are ('cpu' or 'cuda'),
+    which picks the default mesh's device type."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise bad_value("mesh", mesh, "torch.distributed is not initialized",
+                        "call torch.distributed.init_process_group('gloo') first")
+    if mesh is None:
+        key = (id(dist.group.WORLD), dist.get_world_size(), device_type)
+        mesh = _MESHES.get(key)
+        if mesh is None:
+            mesh = _MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise bad_type("mesh", mesh, "a torch.distributed.device_mesh.DeviceMesh or None")
+    if mesh.device_type not in ("cpu", "cuda"):
+        raise not_built("mesh", mesh, f"device type {mesh.device_type!r}: flatshard shards "
+                        "over CPU or CUDA meshes")
+    if mesh.device_type == "cuda":
+        if not cuda.available():
+            raise not_built("mesh", mesh, "a CUDA mesh needs flatshard built with nvcc and a "
+                            "CUDA device visible to torch")
+    if mesh.ndim not in (1, 2):
+        raise bad_value("mesh", mesh, f"a {mesh.ndim}-D mesh; fully_shard expects a 1D or 2D "
+                        "DeviceMesh (1-D: FSDP; 2-D: hybrid, replicate on dim 0 and shard on "
+                        "dim 1)")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ConfigAssertionError(
+            f"flatshard: mesh={mesh!r} is not allowed; a 2-D mesh needs names for its "
+            "dimensions (Please init the 2D mesh for HSDP with mesh_dim_names specified). "
+            "Pass mesh_dim_names=('replicate', 'shard') to init_device_mesh")
+    return mesh
+
+
+def _check_mp(mp):
+    if not isinstance(mp, MixedPrecisionPolicy):
+        raise bad_type("mp_policy", mp, "a MixedPrecisionPolicy")
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        v = getattr(mp, name)
+        if v is not None and v not in _DTYPES:
+            raise bad_value(f"mp_policy.{name}", v, f"expected None or one of {_DTYPES}")
+    _check_bool("mp_policy.cast_forward_inputs", mp.cast_forward_inputs)
+
+
+def _check_offload(policy):
+    if not isinstance(policy, OffloadPolicy):
+        raise bad_type("offload_policy", policy, "an OffloadPolicy or CPUOffloadPolicy")
+    # CPUOffloadPolicy: the sharded parameters and gradients stay in host memory,
+    # which on a CPU mesh is where everything already lives.
+
+
+def _check_ignored(ignored):
+    if ignored is None:
+        return set()
+    if not isinstance(ignored, (set, frozenset, list, tuple)):
+        raise bad_type("ignored_params", ignored, "a set of nn.Parameters or None")
+    for p in ignored:
+        if not isinstance(p, nn.Parameter):
+            raise bad_type("ignored_params", p, "a set of nn.Parameters or None")
+    return {id(p) for p in ignored}
+
+
+def _check_placement(fn, p, name):
+    placement = fn(p)
+    if placement is None:
+        return
+    if isinstance(placement, Shard) and placement.dim in (0, -p.dim()):
+        return
+    raise not_built("shard_placement_fn", placement, f"parameter {name} asked for it; only "
+                    "Shard(0) (or None) placements are built")
+
+
+def _collect(modules, ignored):
+    """Parameters of `modules` not already in a group (not under a submodule
+    that fully_shard was applied to), unique, with every place each is
+    registered: (params, aliases, names)."""
+    params, aliases, names, seen = [], [], [], {}
+
+    def walk(m, prefix):
+        for attr, p in m._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            if id(p) in seen:
+                aliases[seen[id(p)]].append((m, attr))
+                continue
+            seen[id(p)] = len(params)
+            params.append(p)
+            aliases.append([(m, attr)])
+            names.append(prefix + attr)
+        for cname, child in m._modules.items():
+            if child is not None and state_of(child) is None:
+                walk(child, f"{prefix}{cname}.")
+    for i, module in enumerate(modules):
+        walk(module, f"[{i}]." if len(modules) > 1 else "")
+    return params, aliases, names
+
+
+_CLASSES = {}
+
+
+def _fsdp_class(cls):
+    new = _CLASSES.get(cls)
+    if new is None:
+        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return new
+
+
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
+                mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
+                ignored_params=None):
+    """Shard `module`'s parameters (those not already in a group) over `mesh`
+    on dim 0; returns `module`, whose class is now an FSDPModule subclass.
+    A list of modules makes one group of all their parameters (e.g. the
+    final norm and the output head): each module's forward gathers it.
+
+    mesh                   torch DeviceMesh on CPU: 1-D shards over it; 2-D
+                           replicates over dim 0 and shards over dim 1 (HSDP).
+                           None: the default process group's world.
+    reshard_after_forward  True: free the gathered parameters after forward
+                           and gather again in backward; False: keep them
+                           until backward ends; an int k: keep them sharded
+                           over groups of k ranks in between; None: True for
+                           every module but the root.
+    shard_placement_fn     fn(param) -> Shard(0) or None (the default); other
+                           placements are refused.
+    mp_policy              torch's MixedPrecisionPolicy (param_dtype,
+                           reduce_dtype, output_dtype, cast_forward_inputs).
+    offload_policy         OffloadPolicy() (none) or CPUOffloadPolicy().
+    ignored_params         parameters left out of the group (neither sharded
+                           nor reduced)."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise bad_value("module", module, "expected a module or a non-empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise bad_type("module", m, "an nn.Module or a list of nn.Modules")
+        if state_of(m) is not None:
+            raise bad_value("module", type(m).__name__, "fully_shard was already applied to it")
+    if len({id(m) for m in modules}) != len(modules):
+        raise bad_value("module", module, "the list names a module twice")
+    _check_reshard(reshard_after_forward)
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise bad_type("shard_placement_fn", shard_placement_fn, "a callable or None")
+    _check_mp(mp_policy)
+    _check_offload(offload_policy)
+    ignored = _check_ignored(ignored_params)
+    params, aliases, names = _collect(modules, ignored)
+    on_cuda = any(p.device.type == "cuda" for p in params)
+    mesh = _check_mesh(mesh, "cuda" if on_cuda else "cpu")
+    want = _mesh_device(mesh)
+    label = ", ".join(type(m).__name__ for m in modules)
+    for p, name in zip(params, names):
+        if isinstance(p, DTensor):
+            raise bad_value("module", label, f"parameter {name} is already a "
+                            "DTensor; fully_shard on tensor-parallel parameters is not built")
+        if has_extension(p):  # its class all-gathers for itself (extension.py)
+            if isinstance(reshard_after_forward, int) and \
+                    not isinstance(reshard_after_forward, bool):
+                raise not_built("reshard_after_forward", reshard_after_forward,
+                                f"parameter {name} all-gathers through its class's "
+                                "fsdp_pre_all_gather, which has no post-forward group (as "
+                                "in torch)", "use True or False")
+        else:
+            check_plain(p, f"parameter {name}", "fully_shard")
+        if p.dim() == 0:
+            raise bad_value("module", label, f"parameter {name} is 0-d; dim-0 sharding needs "
+                            "at least one dimension (fully_shard doesn't support scalar "
+                            "parameters)", f"Change {name} to a 1D tensor with numel equal to 1")
+        if p.device.type != "meta" and p.device != want:
+            raise bad_value("module", label, f"parameter {name} is on {p.device}, and the "
+                            f"mesh's collectives move {want} memory",
+                            f"move the module to {want} first, or pass a matching mesh")
+        if shard_placement_fn is not None:
+            _check_placement(shard_placement_fn, p, name)
+    if len({p.dtype for p in params}) > 1:
+        found = sorted({str(p.dtype) for p in params})
+        raise bad_value("module", label, f"its parameters have several dtypes "
+                        f"({', '.join(found)}); one group needs one dtype",
+                        "apply fully_shard to the submodules of each dtype first")
+    raf, post_comm = _resolve_reshard(reshard_after_forward, mesh)
+    group = None
+    if params:
+        if mesh.ndim == 2:
+            shard = _comm(mesh.get_group(1), mesh)
+            replicate = _comm(mesh.get_group(0), mesh)
+        else:
+            shard, replicate = _comm(mesh.get_group(0), mesh), None
+        group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy, names)
+        group.post_comm = post_comm
+        group.register_sharded()
+    state = FSDPState(modules, group, raf, mp_policy)
+    for m in modules:
+        m.__dict__[STATE_ATTR] = state
+        m.__class__ = _fsdp_class(type(m))
+    return modules if isinstance(module, (list, tuple)) else module

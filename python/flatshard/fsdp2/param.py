@@ -1,0 +1,323 @@
+"""One fully_shard group: its parameters as dim-0 DTensor shards, gathered
+and reduced by the engine's group (flatshard._C.Dim0Group, csrc/engine/dim0.h).
+
+The engine owns the layout (csrc/core/layout.h, DIM0: parameter i cut on dim
+0 into chunks of ceil(dim0 / world) rows, torch.chunk's rule, which is also
+DTensor's Shard(0) rule), the all-gather with its copy-in and copy-out, the
+reduce-scatter with its copy-in, the replicas' all-reduce, the scale and the
+sharded gradients. This file keeps what only torch can do: the DTensor
+shards and their registration, the unsharded parameters as views of the
+engine's buffer, and the gradients torch hands over.
+
+The unsharded parameters are leaf nn.Parameters that alias one flat buffer
+per group. Resharding frees that buffer's storage and unsharding refills it
+in place, so tensors autograd saved in forward see the data again in
+backward.
+"""
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .. import _C
+from ..runtime.device import empty_fn
+from ..tensors import ALIGN_BYTES, dtype_code
+from .extension import Extension, has_extension
+
+
+class ParamGroup:
+    """params: unique parameters of one dtype (registration order);
+    aliases[i]: every (module, attr) where params[i] is registered."""
+
+    def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy, names=None):
+        self.mesh = mesh
+        self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
+        self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
+        self.placements = ([Replicate()] if replicate_comm is not None else []) + [Shard(0)]
+        self.aliases = aliases
+        self.world = comm.world_size
+        self.rank = comm.rank
+        self.dtype = params[0].dtype
+        self.shapes = [p.shape for p in params]
+        floating = self.dtype.is_floating_point
+        self.compute_dtype = (mp_policy.param_dtype or self.dtype) if floating else self.dtype
+        self.reduce_dtype = (mp_policy.reduce_dtype or self.compute_dtype) if floating \
+            else self.dtype
+        align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.compute_dtype).element_size())
+        # Parameters whose class all-gathers for itself (extension.py): no
+        # room in the gather block nor in the unsharded buffer, but their
+        # plain gradients take the reduce-scatter with the rest.
+        ext = [has_extension(p) for p in params]
+        device = params[0].device
+        self.c = _C.Dim0Group(
+            ",".join(names) if names else "fully_shard", comm,
+            [s[0] if len(s) else 1 for s in self.shapes],
+            [int(torch.Size(s[1:]).numel()) for s in self.shapes], [not x for x in ext], align,
+            dtype_code(self.compute_dtype), dtype_code(self.reduce_dtype),
+            empty=empty_fn(device) if comm.device is not None else None,
+            replicate=replicate_comm)
+        self.entries = self.c.entries     # this rank's rows of each parameter (layout.c)
+        self.offsets = self.c.offsets     # each parameter's start in the unsharded buffer
+        self.full_alloc = self.c.full_alloc
+        names = names or [str(i) for i in range(len(params))]
+        self.ext = {i: Extension(p, names[i], aliases[i][0][0], mp_policy,
+                                 self.entries[i].chunk_rows)
+                    for i, p in enumerate(params) if ext[i]}
+        self.full = None       # flat unsharded buffer (compute dtype), made at first unshard
+        self.unsharded = None  # its per-parameter leaf Parameters
+        # [Note: accumulation dtype] Without gradient sync, unreduced gradients
+        # are summed in the reduce dtype (float32 under bf16 param_dtype), as
+        # torch's FSDP2 does: bf16 sums would lose bits every microbatch.
+        self.accumulated = [None] * len(params)
+        self.sharded = [self._shard(i, p) for i, p in enumerate(params)]
+        self._shards_to_engine()
+        self.divide_factor = None
+        # int reshard_after_forward: after forward keep 1/k of the unsharded buffer,
+        # gathered back in backward over a group of k ranks (post_comm).
+        self.post_comm = None
+        self.post_chunk = None
+        self.reducing = None   # a deferred reduction to finish: which grads it writes
+
+    # the engine's counts
+    is_unsharded = property(lambda self: self.c.is_unsharded)
+    pending = property(lambda self: True if self.c.gather_pending else None)
+    n_all_gathers = property(lambda self: self.c.counts["all_gather"])
+    n_post_gathers = property(lambda self: self.c.counts["post_gather"])
+    n_reduce_scatters = property(lambda self: self.c.counts["reduce_scatter"])
+    n_deferred = property(lambda self: self.c.counts["deferred_gather"])
+    n_deferred_reduces = property(lambda self: self.c.counts["deferred_reduce"])
+
+    # ------------------------------------------------------------------
+    # sharded parameters
+
+    def _shard(self, i, p):
+        e = self.entries[i]
+        with torch.no_grad():
+            if i in self.ext:  # torch's way: rows of a zero-padded chunk, as the class expects
+                padded = p.detach().new_zeros((e.chunk_rows, *p.shape[1:]))
+                padded[:e.local_rows].copy_(
+                    p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows])
+                local = padded.narrow(0, 0, e.local_rows)
+            else:
+                local = p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows].clone()
+        d = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                               shape=self.shapes[i], stride=_contiguous_stride(self.shapes[i]))
+        return nn.Parameter(d, requires_grad=p.requires_grad)
+
+    def _shards_to_engine(self):
+        locals_ = [self.local(i).detach() for i in range(len(self.sharded))]
+        for i, t in enumerate(locals_):
+            if not t.is_contiguous():  # the engine reads rows as one range
+                with torch.no_grad():
+                    self.sharded[i]._local_tensor = t = t.contiguous()
+                locals_[i] = t
+        self.c.set_shards(locals_, [dtype_code(t.dtype) for t in locals_])
+
+    def local(self, i):
+        return self.sharded[i]._local_tensor
+
+    def refresh_sharded(self):
+        """After nn.Module._apply (to_empty, to, float...): re-read the
+        registered sharded parameters, which may be new objects."""
+        self.wait_unsharded()
+        for i, aliases in enumerate(self.aliases):
+            m, attr = aliases[0]
+            p = m._parameters[attr]
+            self.sharded[i] = p
+            for m2, a2 in aliases[1:]:
+                m2._parameters[a2] = p
+        self._shards_to_engine()
+        if self.full is not None:
+            self.c.reshard()
+            self.full, self.unsharded = None, None
+        for x in self.ext.values():
+            x.reset()
+        self.post_chunk = None
+
+    def register_sharded(self):
+        for p, aliases in zip(self.sharded, self.aliases):
+            for m, attr in aliases:
+                m._parameters[attr] = p
+
+    # ------------------------------------------------------------------
+    # unshard / reshard
+
+    def _make_full(self):
+        device = self.local(0).device
+        self.full = torch.empty(self.full_alloc, dtype=self.compute_dtype, device=device)
+        self.unsharded = []
+        for i, (off, shape, sp) in enumerate(zip(self.offsets, self.shapes, self.sharded)):
+            if i in self.ext:  # made by its class at the first gather
+                self.unsharded.append(None)
+                continue
+            n = int(torch.Size(shape).numel())
+            self.unsharded.append(nn.Parameter(self.full.narrow(0, off, n).view(shape),
+                                               requires_grad=sp.requires_grad))
+        self.full.untyped_storage().resize_(0)
+        self.c.set_full(self.full)
+
+    def unshard(self, defer=False):
+        """Gather the group (the engine's one all-gather with its copy-in and
+        copy-out). defer (a prefetch): on a device Comm the caller's stream
+        does not wait for the all-gather; the copy-out waits for it at
+        wait_unsharded() (the next unshard, reshard, or the module's own
+        forward)."""
+        if self.c.is_unsharded:  # a pending gather is waited for, unless this is a prefetch too
+            if not defer:
+                self.wait_unsharded()
+            return
+        if self.full is None:
+            self._make_full()
+        if self.post_chunk is not None:  # the smaller group holds it all: gather from there
+            self.c.unshard_from(self.post_comm, self.post_chunk)
+            self.post_chunk = None
+            self.set_views()
+            return
+        self._unshard_extensions()
+        self.c.unshard(defer)
+        self.set_views()
+
+    def _unshard_extensions(self):
+        """Each extension parameter's own all-gather and rebuild (done at
+        once, also on a device: the class's Python runs on the result)."""
+        for i, x in self.ext.items():
+            self.unsharded[i] = x.gather(
+                self.comm, self.local(i), self._shard_mesh(), self.shapes[i],
+                _contiguous_stride(self.shapes[i]), self.compute_dtype,
+                self.sharded[i].requires_grad)
+
+    def _shard_mesh(self):
+        """The mesh of the shard dimension (torch passes it to the class)."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        return self.mesh[self.mesh.mesh_dim_names[-1]]
+
+    def wait_unsharded(self):
+        """A deferred all-gather: the caller's stream waits for it, then the
+        copy-out into the unsharded buffer is enqueued after it."""
+        self.c.wait()
+
+    def n_trainable(self):
+        return sum(p.requires_grad for p in self.sharded)
+
+    def set_views(self):
+        """The unsharded parameters shadow the registered (sharded) ones as
+        instance attributes: module.weight is the full tensor in forward,
+        while named_parameters() keeps giving the DTensors. requires_grad
+        follows the sharded parameter's (the user may have changed it)."""
+        for up, sp, aliases in zip(self.unsharded, self.sharded, self.aliases):
+            if up.requires_grad != sp.requires_grad:
+                up.requires_grad_(sp.requires_grad)
+            for m, attr in aliases:
+                m.__dict__[attr] = up
+
+    def clear_views(self):
+        for aliases in self.aliases:
+            for m, attr in aliases:
+                m.__dict__.pop(attr, None)
+
+    def reshard(self):
+        self.clear_views()
+        self.post_chunk = None
+        if self.c.is_unsharded:
+            self.c.reshard()  # a pending gather is waited for first
+            for x in self.ext.values():
+                x.free()
+
+    def reshard_to_post_forward(self):
+        """Keep this rank's 1/k of the unsharded buffer (k: the post-forward
+        group's size) and free the rest."""
+        if not self.c.is_unsharded:
+            return
+        self.wait_unsharded()
+        k = self.post_comm.world_size
+        n = self.full_alloc // k
+        chunk = self.full.narrow(0, self.post_comm.rank * n, n).clone()
+        self.reshard()
+        self.post_chunk = chunk
+
+    # ------------------------------------------------------------------
+    # gradients
+
+    def has_unsharded_grads(self):
+        return self.unsharded is not None and (
+            any(p.grad is not None for p in self.unsharded) or
+            any(a is not None for a in self.accumulated))
+
+    def accumulate_unsharded_grads(self):
+        """Add this backward's gradients onto the reduce-dtype sums kept from
+        earlier backwards without sync [Note: accumulation dtype]."""
+        for i, p in enumerate(self.unsharded or ()):
+            if self.accumulated[i] is not None and p.grad is not None:
+                self.accumulated[i] += p.grad
+                p.grad = None
+
+    def to_accumulated_grads(self):
+        """No sync this time: keep gradients of another dtype than the
+        reduce dtype as reduce-dtype sums [Note: accumulation dtype]."""
+        for i, p in enumerate(self.unsharded or ()):
+            if p.grad is not None and p.grad.dtype != self.reduce_dtype:
+                self.accumulated[i] = p.grad.to(self.reduce_dtype)
+                p.grad = None
+
+    def reduce_grads(self, defer=False, reshard=False):
+        """One engine call: the unsharded gradients reduce-scattered (averaged
+        over the data-parallel ranks, or divided by the set factor) into the
+        sharded parameters' .grad (DTensors), added to what is there. defer:
+        on a device Comm the caller's stream does not wait for the
+        reduce-scatter; finish_reduce() (the root calls it before the next
+        group's reduction and at the end of backward) waits and writes the
+        result. reshard: free the unsharded buffer in the same engine call
+        (the caller's reshard() then has only its views to drop). Returns
+        whether one is left to finish."""
+        grads = [a if a is not None else p.grad for a, p in zip(self.accumulated, self.unsharded)]
+        if all(g is None for g in grads):
+            return False
+        self.accumulated = [None] * len(grads)
+        grads = [g.contiguous() if g is not None else None for g in grads]
+        outs, fresh = [], []
+        for i, g in enumerate(grads):
+            sp = self.sharded[i]
+            if g is None:
+                outs.append(None)
+            elif sp.grad is not None:
+                outs.append(sp.grad._local_tensor)
+            else:
+                local = self.local(i)
+                outs.append(torch.empty(local.shape, dtype=local.dtype, device=local.device))
+                fresh.append(i)
+        for i, g in enumerate(grads):
+            if g is not None:
+                self.unsharded[i].grad = None  # handed to the engine: not needed any more
+        factor = self.divide_factor
+        accumulate = [g is not None and i not in fresh for i, g in enumerate(grads)]
+        self.c.reduce(grads, [dtype_code(g.dtype) if g is not None else 0 for g in grads],
+                      outs, [dtype_code(o.dtype) if o is not None else 0 for o in outs],
+                      accumulate, float(factor) if factor is not None else 0.0,
+                      defer and self.comm.device is not None, reshard and not self.ext)
+        self.reducing = [(i, outs[i]) for i in fresh]
+        if not self.c.reduce_pending:
+            self.finish_reduce()
+            return False
+        return True
+
+    def finish_reduce(self):
+        """The second half of reduce_grads: the engine waits for a deferred
+        reduce-scatter and writes the sharded gradients; the ones made new
+        become the parameters' DTensor gradients."""
+        if self.reducing is None:
+            return
+        fresh, self.reducing = self.reducing, None
+        if self.c.reduce_pending:
+            self.c.finish_reduce()
+        for i, out in fresh:
+            self.sharded[i].grad = DTensor.from_local(
+                out, self.mesh, self.placements, run_check=False, shape=self.shapes[i],
+                stride=_contiguous_stride(self.shapes[i]))
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))

@@ -1,0 +1,239 @@
+"""The per-module state of fully_shard: the hooks that unshard and reshard one
+ParamGroup around forward and backward, and the root's end-of-backward pass.
+
+Hooks (all public torch APIs):
+  pre-forward    module forward pre-hook (prepended): lazy init at the first
+                 forward (the first state to run is the root and claims every
+                 state below it), input cast, unshard, forward prefetch.
+  post-forward   module forward hook: reshard (reshard_after_forward), output
+                 cast, and a Tensor hook on each output that requires grad.
+  pre-backward   that output hook: unshard again (unless unshard_in_backward
+                 is off) and backward prefetch; queues the root's callback.
+  post-backward  register_post_accumulate_grad_hook on each unsharded
+                 parameter: once every trainable parameter of the group has
+                 its gradient, reduce-scatter (unless gradient sync is off)
+                 and reshard (unless reshard_after_backward is off).
+  end of backward  the root's callback on the autograd engine: groups whose
+                 parameters did not all get a gradient (unused parameters) are
+                 reduced and resharded here.
+"""
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..errors import ConfigError
+from ..runtime.order import ForwardOrder
+
+STATE_ATTR = "_flatshard_fsdp2_state"
+
+
+def state_of(module):
+    return module.__dict__.get(STATE_ATTR)
+
+
+def _cast(dtype, tree):
+    if dtype is None:
+        return tree
+
+    def cast(t):
+        if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+    return tree_map(cast, tree)
+
+
+class FSDPState:
+    def __init__(self, modules, group, reshard_after_forward, mp_policy):
+        self.modules = modules            # one, or the list given to fully_shard (one group)
+        self.group = group                # ParamGroup, or None (no parameters of its own)
+        self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.unshard_in_backward = True
+        self.is_last_backward = True
+        self.forward_prefetch = None      # None: implicit (see _implicit), else the user's list
+        self.backward_prefetch = None
+        self.post_optim_event = None
+        self.mp = mp_policy
+        self.is_root = None
+        self.root = None
+        self.states = None                # the root's: every state of its tree
+        self.callback_queued = False
+        self.reducing = None              # the root's: the state whose reduction is in flight
+        self.order = ForwardOrder()       # the root's: the order states ran in (prefetch)
+        self.prefetched = []              # the root's: implicitly prefetched this forward
+        self.ready = set()                # trainable parameters whose gradient arrived
+        self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
+        self.hooked = set()               # ... on these parameters
+        self.handles = []
+        for module in modules:
+            self.handles += [
+                module.register_forward_pre_hook(self._pre_forward_hook, prepend=True,
+                                                 with_kwargs=True),
+                module.register_forward_hook(self._post_forward_hook),
+            ]
+
+    # ------------------------------------------------------------------
+    # lazy init
+
+    def lazy_init(self):
+        if self.is_root is not None:
+            return
+        self.is_root, self.root, self.states = True, self, []
+        for m in (m for top in self.modules for m in top.modules()):
+            st = state_of(m)
+            if st is None or st in self.states:
+                continue
+            if st is not self:
+                st.is_root, st.root, st.states = False, self, None
+            if st.reshard_after_forward_arg is None:  # True, except for the root
+                st.reshard_after_forward = st is not self
+            self.states.append(st)
+
+    # ------------------------------------------------------------------
+    # unshard with the post-backward hooks attached
+
+    def unshard(self, defer=False):
+        """defer: a prefetch (the caller's stream waits at the next
+        unshard of this state, see ParamGroup.unshard)."""
+        g = self.group
+        if g is None:
+            return
+        if g.is_unsharded:  # waits for a pending gather, unless this is a prefetch too
+            g.unshard(defer)
+            return
+        if g.local(0).is_meta:
+            raise ConfigError(
+                f"flatshard: fully_shard module {type(self.modules[0]).__name__} still has its "
+                "parameters on the meta device; call module.to_empty(device='cpu') and "
+                "reset_parameters() on its submodules before the first forward or unshard")
+        g.unshard(defer)
+        if self.hooked_full is not g.full:  # new unsharded parameters (first unshard, _apply)
+            self.hooked_full, self.hooked = g.full, set()
+        for i, p in enumerate(g.unsharded):  # trainable ones; a frozen one may be unfrozen
+            if p.requires_grad and i not in self.hooked:
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
+                self.hooked.add(i)
+
+    def reshard(self):
+        if self.group is not None:
+            self.group.reshard()
+
+    # ------------------------------------------------------------------
+    # implicit prefetch (devices only)
+
+    @staticmethod
+    def _implicit(st):
+        """Without a prefetch list set by the user, on a device: the state
+        that ran next in the previous forward (or, in backward, before), as
+        torch's FSDP2 overlaps them by default. Its all-gather is deferred,
+        so it runs beside this module's compute. Host collectives are
+        synchronous: nothing to overlap, none."""
+        if st is None or st.group is None or st.group.comm.device is None:
+            return []
+        return [st]
+
+    # ------------------------------------------------------------------
+    # forward
+
+    def pre_forward(self, args, kwargs):
+        self.lazy_init()
+        root = self.root or self
+        if self.is_root:
+            ev, self.post_optim_event = self.post_optim_event, None
+            if ev is not None:
+                ev.synchronize()
+            self.order.begin()
+            self.prefetched = []
+        nxt = root.order.record(self)
+        if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+            args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
+        self.unshard()
+        implicit = self.forward_prefetch is None
+        for st in self._implicit(nxt) if implicit else self.forward_prefetch:
+            if implicit and not st.group.is_unsharded:
+                root.prefetched.append(st)
+            st.unshard(defer=True)
+        return args, kwargs
+
+    def post_forward(self, output):
+        grad = torch.is_grad_enabled()
+        raf = self.reshard_after_forward
+        if isinstance(raf, int) and not isinstance(raf, bool) and grad:
+            if self.group is not None:
+                self.group.reshard_to_post_forward()
+        elif raf or not grad:
+            self.reshard()
+        if self.is_root:  # the forward is over: keep its order; drop unused prefetches
+            self.order.end()
+            for st in self.prefetched:
+                if not self.order.ran(st) and st.reshard_after_forward is not False:
+                    st.reshard()
+            self.prefetched = []
+        if grad:
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return _cast(self.mp.output_dtype, output)
+
+    def _pre_forward_hook(self, module, args, kwargs):
+        return self.pre_forward(args, kwargs)
+
+    def _post_forward_hook(self, module, args, output):
+        return self.post_forward(output)
+
+    # ------------------------------------------------------------------
+    # backward
+
+    def _pre_backward(self, grad):
+        root = self.root or self
+        if not root.callback_queued:
+            root.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._finalize)
+        if self.unshard_in_backward:
+            self.unshard()
+        for st in (self._implicit(root.order.previous(self)) if self.backward_prefetch is None
+                   else self.backward_prefetch):
+            st.unshard(defer=True)
+        return None
+
+    def _make_grad_hook(self, i):
+        def hook(param):
+            self.ready.add(i)
+            if len(self.ready) == self.group.n_trainable():
+                self._post_backward()
+        return hook
+
+    def _post_backward(self):
+        """Reduce (on a device: deferred, one reduction in flight, so it runs
+        beside the backward of the modules before this one) and reshard."""
+        self.ready.clear()
+        self.group.accumulate_unsharded_grads()
+        if self.requires_gradient_sync:
+            root = self.root or self
+            root.finish_reducing()  # the previous group's, before this one is issued
+            if self.group.reduce_grads(defer=True, reshard=self.reshard_after_backward):
+                root.reducing = self
+        if self.reshard_after_backward:
+            self.group.reshard()
+        if not self.requires_gradient_sync:
+            self.group.to_accumulated_grads()
+
+    def finish_reducing(self):
+        """Root only: land the reduction left in flight, if any."""
+        st, self.reducing = self.reducing, None
+        if st is not None:
+            st.group.finish_reduce()
+
+    def _finalize(self):
+        """Root only, once the autograd engine is done with this backward."""
+        self.callback_queued = False
+        for st in self.states or [self]:
+            g = st.group
+            if g is None:
+                continue
+            if st.ready or (st.requires_gradient_sync and g.has_unsharded_grads()):
+                st._post_backward()
+            elif st.reshard_after_backward:
+                g.reshard()
+        self.finish_reducing()  # every sharded gradient is in place when backward returns

@@ -1,0 +1,344 @@
+"""Collectives facade: one flatshard._C.Comm per process group and backend.
+
+The C core issues every collective through its backend interface
+(csrc/comm.h). This module picks and builds the backend for a process group
+and gives Python a tensor-level view of the same calls (used at wrap time,
+e.g. for sync_module_states, and by tests).
+
+Backends (`comm_backend=` on the wrapper, or the FLATSHARD_COMM_BACKEND
+environment variable when the argument is not given):
+  "auto"   shm when every rank of the group is on this host, else torch
+  "shm"    shared memory between the ranks of one host (csrc/comm_shm.c)
+  "torch"  the process group itself (gloo), through `_torch_collective`
+  "nccl"   CUDA devices (device.py, cuda_nccl.py): flatshard's own NCCL
+           communicator; "auto" picks it for units on a CUDA device
+Every shm wait gives up after FLATSHARD_COMM_TIMEOUT seconds (timeout.py:
+default 300; the process group's own timeout where that is shorter) with an
+error naming the rank that did not arrive and where it is. Every collective
+is recorded in the Comm's ledger (Comm.ledger()); a failed one reports where
+each rank was (diagnostics.py).
+FLATSHARD_SHM_SLOT_BYTES sets each rank's staging slot in the segment
+(default 8 MiB; transfers larger than half of it go in chunks).
+"""
+import atexit
+import os
+import socket
+import sys
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch.utils.dlpack import from_dlpack
+
+from .. import _C, envvars
+from ..errors import bad_type, bad_value
+from ..tensors import check_plain, dtype_code
+from . import diagnostics
+from .device import cuda_comm
+from .timeout import wait_timeout
+
+BACKENDS = ("auto", "shm", "torch", "nccl")
+ENV_BACKEND = "FLATSHARD_COMM_BACKEND"
+ENV_SLOT = "FLATSHARD_SHM_SLOT_BYTES"
+# Staging per rank in the shm segment: two halves, one chunk in flight each.
+DEFAULT_SLOT_BYTES = 8 << 20
+
+def _flat_all_gather():
+    # torch 2.13 renamed the flat collectives (*_single); 2.11 has the old names.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _NoStashedContext:
+    """Issue a collective without the Python object torch's backward stashes
+    in thread-local state (torch/autograd/graph.py, key "context").
+
+    A gloo collective copies the issuing thread's state into its work item,
+    and a worker thread drops the item after the caller has moved on. When
+    that item holds a Python object and the caller is already finalizing the
+    interpreter, the worker cannot take the GIL and the process aborts
+    ("terminate called without an active exception"). Collectives issued
+    from backward hooks (every gradient reduce-scatter) would carry it."""
+    _has = getattr(torch._C, "_is_key_in_tls", None)
+    _get = getattr(torch._C, "_get_obj_in_tls", None)
+    _remove = getattr(torch._C, "_remove_obj_from_tls", None)
+    _stash = getattr(torch._C, "_stash_obj_in_tls", None)
+    KEY = "context"
+
+    def __enter__(self):
+        self.saved = None
+        if self._has and self._remove and self._has(self.KEY):
+            self.saved = self._get(self.KEY)
+            self._remove(self.KEY)
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self._stash(self.KEY, self.saved)
+            self.saved = None
+
+
+def _torch_collective(group):
+    """The Python half of the torch backend, bound to one process group.
+
+    Always asks for SUM: averaging is done in C because gloo's AVG sums."""
+    group_ranks = dist.get_process_group_ranks(group)
+    all_gather = _flat_all_gather()
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    no_stash = _NoStashedContext()
+
+    def run(op, a, b, arg):
+        with no_stash:
+            _run(op, a, b, arg)
+
+    def _run(op, a, b, arg):
+        if op == "all_gather":
+            all_gather(from_dlpack(b), from_dlpack(a), group=group)
+        elif op == "reduce_scatter":
+            reduce_scatter(from_dlpack(b), from_dlpack(a), op=dist.ReduceOp.SUM, group=group)
+        elif op == "all_reduce":
+            dist.all_reduce(from_dlpack(a), op=dist.ReduceOp.SUM, group=group)
+        elif op == "broadcast":
+            dist.broadcast(from_dlpack(a), src=group_ranks[arg], group=group)
+        elif op == "barrier":
+            dist.barrier(group=group)
+        else:
+            raise ValueError(f"flatshard: unknown collective {op!r}")
+
+    return run
+
+
+def requested_backend(value):
+    """The comm_backend argument (or, when None, the environment) -> a name."""
+    arg = "comm_backend"
+    if value is None:
+        value, arg = envvars.read(ENV_BACKEND) or "auto", ENV_BACKEND
+    if not isinstance(value, str):
+        raise bad_type(arg, value, f"one of {', '.join(map(repr, BACKENDS))}")
+    if value not in BACKENDS:
+        raise bad_value(arg, value, f"expected one of {', '.join(map(repr, BACKENDS))}")
+    return value
+
+
+def backend_for_device(value, device, arg="comm_backend"):
+    """A requested backend name, checked against the units' device: CUDA
+    memory moves only through 'nccl' ('auto' picks it), host memory only
+    through 'shm' or 'torch'."""
+    if device.type == "cuda":
+        if value not in ("auto", "nccl"):
+            raise bad_value(arg, value, "units on a CUDA device move device memory, which "
+                            "only the 'nccl' backend can", "use 'auto' or 'nccl'")
+        return "nccl"
+    if value == "nccl":
+        raise bad_value(arg, value, f"the NCCL backend moves CUDA memory, and these units are "
+                        f"on {device}", "pass device_id=torch.device('cuda', local_rank) with "
+                        "the module on that device, or use 'auto', 'shm' or 'torch'")
+    return value
+
+
+def shm_slot_bytes():
+    raw = envvars.read(ENV_SLOT)
+    if raw is None:
+        return DEFAULT_SLOT_BYTES
+    if not raw.isdigit() or int(raw) < 4096:
+        raise bad_value(ENV_SLOT, raw, "expected a whole number of bytes, at least 4096")
+    return int(raw)
+
+
+def _host_identity():
+    """This machine, as the shm segment sees it: hostname and boot id."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}|{boot}"
+
+
+def _pid_namespace():
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _all_gather_bytes(text, group, width=128):
+    raw = text.encode()[:width].ljust(width, b"\0")
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = torch.empty(width * dist.get_world_size(group), dtype=torch.uint8)
+    _flat_all_gather()(out, mine, group=group)
+    return [bytes(out[i * width:(i + 1) * width].tolist()).rstrip(b"\0").decode()
+            for i in range(dist.get_world_size(group))]
+
+
+def _shm_comm(name, rank, world, timeout_s, create=False):
+    """-> (Comm or None, error text): this rank's end of the segment."""
+    try:
+        return _C.Comm("shm", rank, world, name=name, create=create,
+                       slot_bytes=shm_slot_bytes(), timeout_s=timeout_s), ""
+    except Exception as e:  # e.g. a FLATSHARD_SHM_SLOT_BYTES that only this rank has wrong
+        return None, str(e)
+
+
+def _ok_everywhere(err, group):
+    ok = torch.tensor([0 if err else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return ok.item() == 1
+
+
+def _make_shm(group, timeout_s):
+    """[Note: shm set-up] Once every rank has mapped the segment its name
+    is gone (csrc/comm_shm.c: the last to map it removes it). Until then a
+    rank that dies, raises or is interrupted must not leave the name behind,
+    and a SIGKILL runs no clean-up of its own, so every rank learns the name
+    *before* rank 0 creates it, and every rank removes it (a no-op where it
+    is already gone) when it leaves the set-up, however it leaves: the ranks
+    that survive a dead peer fail in a collective (gloo's connection reset,
+    or its timeout) and remove it then."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    name_t = torch.zeros(64, dtype=torch.uint8)
+    if rank == 0:
+        name = f"/flatshard-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        name_t[:len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+    dist.broadcast(name_t, src=dist.get_process_group_ranks(group)[0], group=group)
+    name = bytes(name_t.tolist()).rstrip(b"\0").decode()
+    comm, err = None, ""
+    try:
+        if rank == 0:
+            comm, err = _shm_comm(name, 0, world, timeout_s, create=True)
+        ok = _ok_everywhere(err, group)  # created: the others may attach
+        if ok and rank != 0:
+            comm, err = _shm_comm(name, rank, world, timeout_s)
+        ok = ok and _ok_everywhere(err, group)
+    finally:
+        _C.shm_unlink(name)
+    if not ok:
+        raise RuntimeError(f"flatshard: rank {rank} could not set up the shm backend"
+                           f"{': ' + err if err else ' (another rank failed)'}; "
+                           f"set comm_backend='torch' to use the process group instead")
+    return comm
+
+
+_COMMS = {}
+
+
+# How long the interpreter lets process-group worker threads run at exit.
+EXIT_GRACE_S = 0.2
+_EXIT_HOOK = []
+
+
+def _let_workers_finish():
+    """atexit: release the GIL for a moment before the interpreter finalizes.
+
+    A gloo collective's work item can outlive the call that issued it by a
+    few microseconds: its worker thread drops it after waking the caller, and
+    dropping it may release Python objects (the tensors' Python wrappers),
+    which needs the GIL. A script that exits right after a collective can
+    reach interpreter finalization first; the worker then cannot take the GIL
+    and the process aborts ("terminate called without an active exception").
+    Sleeping here, while threads may still take the GIL, lets them finish."""
+    time.sleep(EXIT_GRACE_S)
+
+
+def _register_exit_hook():
+    if not _EXIT_HOOK:
+        atexit.register(_let_workers_finish)
+        _EXIT_HOOK.append(True)
+
+
+def comm_for(group, backend="torch", device=None):
+    """The Comm of a process group for a requested backend (cached: the
+    choice and the set-up are collectives, made once per group). Units on a
+    CUDA `device` get its device Comm (device.py; backend 'nccl')."""
+    _register_exit_hook()
+    if device is not None and device.type == "cuda":
+        return cuda_comm(group, device)
+    key = (id(group), backend)
+    hit = _COMMS.get(key)
+    if hit is not None and hit[0] is group:
+        return hit[1]
+    chosen = backend
+    # Every rank's host and pid: for the choice, and for failure reports,
+    # which can then tell a dead rank on this host when the store is gone
+    # (a pid means something only in its pid namespace).
+    peers = [p.split("|", 2) for p in _all_gather_bytes(
+        f"{os.getpid()}|{_pid_namespace()}|{_host_identity()}", group, width=256)]
+    hosts = [host for _, _, host in peers]
+    if backend in ("auto", "shm"):
+        one_host = len(set(hosts)) == 1 and sys.platform.startswith("linux")
+        if backend == "shm" and not one_host:
+            raise bad_value("comm_backend", "shm", "the ranks of the group are not all on one "
+                            f"Linux host ({sorted(set(h.split('|')[0] for h in hosts))})",
+                            "use 'torch' (or 'auto') for multi-host groups")
+        chosen = "shm" if one_host else "torch"
+    if chosen == "nccl":
+        raise bad_value("comm_backend", "nccl", "the NCCL backend moves CUDA memory; no CUDA "
+                        "device was given", "use 'auto', 'shm' or 'torch' for CPU tensors")
+    timeout_s = wait_timeout(group)[0]
+    if chosen == "shm":
+        comm = _make_shm(group, timeout_s)
+    else:
+        comm = _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group),
+                       fn=_torch_collective(group))
+    diagnostics.install(comm, group, f"{group.group_name}/{backend}", timeout_s,
+                        [(f"{host}|{ns}", int(pid)) for pid, ns, host in peers])
+    _COMMS[key] = (group, comm)
+    return comm
+
+
+def _flat(t, arg, comm):
+    check_plain(t, arg, "flatshard.runtime.comm")
+    if not t.is_contiguous():
+        raise ValueError(f"flatshard: {arg} must be contiguous")
+    if (t.device.type == "cuda") != (comm.device == "cuda"):
+        raise ValueError(f"flatshard: {arg} is on {t.device}, but this Comm moves "
+                         f"{'CUDA' if comm.device == 'cuda' else 'host'} memory")
+    return t.data_ptr(), t.numel(), dtype_code(t.dtype)
+
+
+# `tag` below: what the collective is for, in the Comm's ledger and in errors.
+
+
+def broadcast_(comm, tensor, root=0, tag=""):
+    """Broadcast a contiguous tensor of any dtype in place, as raw bytes."""
+    check_plain(tensor, "tensor", "flatshard.runtime.comm.broadcast_")
+    flat = tensor.detach().contiguous().view(-1)
+    raw = flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
+    _flat(raw, "tensor", comm)
+    comm.broadcast(raw.data_ptr(), raw.numel(), _C.U8, root, tag)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.detach().copy_(flat.view_as(tensor))
+
+
+def all_gather_into(comm, out, inp, tag="", defer=False):
+    """out = every rank's inp, in rank order. defer=True on a device Comm:
+    the caller's stream does not wait for it; the returned mark goes to
+    comm.wait_mark() before anything reads out (keep inp and out alive until
+    then). Otherwise (or on a host Comm) it has completed: None."""
+    ip, n, code = _flat(inp, "input", comm)
+    op, on, ocode = _flat(out, "output", comm)
+    if ocode != code or on != n * comm.world_size:
+        raise ValueError("flatshard: all_gather output must be world_size times the input")
+    if defer:
+        return comm.all_gather_deferred(ip, op, n, code, tag)
+    comm.all_gather(ip, op, n, code, tag)
+    return None
+
+
+def reduce_scatter_into(comm, out, inp, average=True, tag="", defer=False):
+    """out = this rank's part of the sum (average) of every rank's inp.
+    defer: as for all_gather_into."""
+    ip, n, code = _flat(inp, "input", comm)
+    op, on, ocode = _flat(out, "output", comm)
+    if ocode != code or n != on * comm.world_size:
+        raise ValueError("flatshard: reduce_scatter input must be world_size times the output")
+    if defer:
+        return comm.reduce_scatter_deferred(ip, op, on, code, average, tag)
+    comm.reduce_scatter(ip, op, on, code, average, tag)
+    return None
+
+
+def all_reduce_(comm, tensor, average=False, tag=""):
+    p, n, code = _flat(tensor, "tensor", comm)
+    comm.all_reduce(p, n, code, average, tag)

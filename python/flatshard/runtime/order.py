@@ -1,0 +1,39 @@
+"""The order in which a model's units ran in its last forward, kept by the
+root for prefetching: the next one in forward, the previous one in backward.
+Used by the FSDP1 wrapper's units (fsdp/api.py's RootState) and by
+fully_shard's states (fsdp2/state.py's FSDPState)."""
+
+
+class ForwardOrder:
+    def __init__(self):
+        self.order, self.position = [], {}
+        self._current = None  # this forward's, while it runs
+        self._ran = set()     # ids of what ran in it
+
+    def begin(self):
+        self._current, self._ran = [], set()
+
+    def end(self):
+        """The forward is over: its order is the one to follow."""
+        if self._current:
+            self.order = self._current
+            self.position = {id(u): i for i, u in enumerate(self.order)}
+        self._current = None
+
+    def record(self, item):
+        """`item` runs now; return what ran after it last time (or None)."""
+        if self._current is not None:
+            self._ran.add(id(item))
+            if not self._current or self._current[-1] is not item:
+                self._current.append(item)
+        i = self.position.get(id(item))
+        return self.order[i + 1] if i is not None and i + 1 < len(self.order) else None
+
+    def previous(self, item):
+        """What ran before `item` last time (or None)."""
+        i = self.position.get(id(item))
+        return self.order[i - 1] if i else None
+
+    def ran(self, item):
+        """Whether `item` ran in the forward now running (or just ended)."""
+        return id(item) in self._ran

@@ -1,0 +1,117 @@
+"""One engine call per hook event: the adapters (the FSDP1 wrapper's unit
+runtime, fully_shard's groups) connect torch's hooks to the C engine
+(csrc/engine/) and call it once for each event, counted here by wrapping each
+unit's `_C` object in a proxy that records every method call."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from flatshard import FSDP, ModuleWrapPolicy, fully_shard
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) + x
+
+
+class Net(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Counting:
+    """Forwards everything to the engine object; records each method call."""
+
+    def __init__(self, inner, log):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_log", log)
+
+    def __getattr__(self, name):
+        value = getattr(self._inner, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            self._log.append(name)
+            return value(*args, **kwargs)
+        return call
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+
+def _fsdp1_calls(strategy):
+    from flatshard import ShardingStrategy
+    torch.manual_seed(0)
+    model = FSDP(Net(), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                 sharding_strategy=ShardingStrategy[strategy])
+    x = torch.randn(4, 6)
+    model(x).sum().backward()  # lazy init, first step
+    logs = {}
+    for m in model.modules():
+        unit = getattr(m, "_unit", None)
+        if unit is not None and not isinstance(unit.c, Counting):
+            logs[unit.name] = []
+            unit.c = Counting(unit.c, logs[unit.name])
+    for p in model.parameters():
+        p.grad = None
+    model(x).sum().backward()
+    return logs
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM"])
+def test_fsdp1_one_engine_call_per_hook_event(dist_pool, strategy):
+    for logs in dist_pool(2).run(_fsdp1_calls, strategy):
+        assert len(logs) == 4  # three blocks and the root
+        for name, calls in logs.items():
+            # pre_forward, post_forward, pre_backward, post_backward (one per
+            # gradient group: the blocks have one, the root none of its
+            # own), finalize: each one event() call
+            assert calls.count("event") == (4 if name == "<root>" else 5), (name, calls)
+            # besides: the unit after it in forward prefetches it in backward
+            # (BACKWARD_PRE, the default), one unshard() call
+            others = [c for c in calls if c != "event"]
+            assert others in ([], ["unshard"]), (name, calls)
+
+
+def _fully_shard_calls():
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    logs = {}
+    for m in model.modules():
+        st = m._fsdp_state() if hasattr(m, "_fsdp_state") else None
+        if st is not None and st.group is not None:
+            logs[id(st.group)] = log = []
+            st.group.c = Counting(st.group.c, log)
+    for p in model.parameters():
+        p.grad = None
+    model(x).sum().backward()
+    return list(logs.values())
+
+
+def test_fully_shard_engine_calls_per_hook_event(dist_pool):
+    for logs in dist_pool(2).run(_fully_shard_calls):
+        assert len(logs) == 3  # the root holds no parameters of its own
+        for calls in logs:
+            # pre_forward: unshard; post_forward: reshard; pre_backward:
+            # unshard (or a prefetch by the module after it); post_backward:
+            # reduce, resharding in the same call
+            assert calls == ["unshard", "reshard", "unshard", "reduce"], calls
