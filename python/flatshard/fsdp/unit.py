@@ -246,20 +246,16 @@ class UnitRuntime:
 
     def _post_backward(self, gi, full):
         g = self.groups[gi]
-        grad, out, accumulate, defer, views = None, None, False, False, None
+        grad, out, accumulate, defer, keep = None, None, False, False, None
         if self.sync_grads and full.grad is not None:
             grad, full.grad = full.grad, None
-            if not self.shard_optim:
-                grad, out, accumulate, defer, views = self._plan_reduce(g, grad)
+            out, accumulate, defer, keep = self._plan_reduce(g, grad)
         if defer:
             self.root.reduce_issued(self)
         act = self._event(_C.EV_POST_BACKWARD, 0 if self.sync_grads else _C.FLAG_NO_SYNC, gi,
                           grad if out is not None else None, out, accumulate, defer)
-        if grad is not None and act & _C.ACT_REDUCE_GRAD:
-            if self.shard_optim:  # the whole gradient, all-reduced (zero1.py)
-                zero1.reduce(self, g, grad)
-            elif out is not None:
-                self._after_reduce(g, out, views)
+        if out is not None and act & _C.ACT_REDUCE_GRAD and not accumulate:
+            self._after_reduce(g, out, keep)
         if act & _C.ACT_RESHARD:
             self._clear_unsharded_views()
             if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
@@ -267,48 +263,70 @@ class UnitRuntime:
             if self.c.comm.device is None:
                 _HEAP.freed(self)
 
+    def _new_out(self, g):
+        """Where a first reduction lands: the shard gradient, or under
+        SHARD_OPTIM the whole gradient, whose slice the optimizer sees
+        (zero1.py)."""
+        if self.shard_optim:
+            return torch.empty(g.padded_numel, dtype=g.dtype, device=g.shard_device)
+        return g.new_shard()
+
+    def _shard_of(self, g, out):
+        if self.shard_optim:
+            return out.narrow(0, self.c.comm.rank * g.shard_numel, g.shard_numel)
+        return out
+
     def _plan_reduce(self, g, grad):
-        """Where the engine reduces `grad` to: (grad, out, accumulate, defer,
-        views). On a device the reduction is deferred ([Note: deferred
-        collectives] in csrc/engine/unit.h) unless a tensor op must read its
-        result now; the root keeps one in flight and waits for the rest at
-        the end of backward (finalize). out None: nothing to reduce (one
-        rank's NO_SHARD gradient is its own mean)."""
-        if not grad.is_contiguous():
-            grad = grad.contiguous()
+        """Where the engine reduces `grad`: (out, accumulate, defer, keep).
+        accumulate: into the gradient this unit left there. keep: gradients
+        the user set (or kept) that _after_reduce adds to a new one. On a
+        device the reduction is deferred ([Note: deferred collectives] in
+        csrc/engine/unit.h) unless a tensor op must read its result now; the
+        root keeps one in flight and waits for the rest at the end of
+        backward (finalize). out None: nothing to reduce (one rank's
+        NO_SHARD gradient is its own mean)."""
         if self.offload_params and zero1.holds_grad(self, g):
             self.refuse_accumulation()
         defer = self.c.comm.device is not None
         if not self.use_orig_params:
-            out = g.shard.grad
-            if out is None and self.no_shard and self.c.comm.world_size == 1 and \
-                    grad.dtype == g.dtype and grad.shape == g.shard.shape:
-                g.shard.grad = grad  # one rank's mean gradient is its own: no copy
-                return grad, None, False, False, None
-            if out is None:
-                return grad, g.new_shard(), False, defer, None
-            return grad, out, True, defer, None
+            cur = g.shard.grad
+            if cur is None:
+                if self.no_shard and self.c.comm.world_size == 1 and \
+                        grad.dtype == g.dtype and grad.shape == g.shard.shape:
+                    g.shard.grad = grad  # one rank's mean gradient is its own: no copy
+                    return None, False, False, None
+                return self._new_out(g), False, defer, None
+            if not self.shard_optim:
+                return cur, True, defer, None
+            if g.whole_grad is not None and zero1.is_slice_of(cur, g.whole_grad,
+                                                              self.c.comm.rank):
+                return g.whole_grad, True, defer, None
+            return self._new_out(g), False, False, [cur]  # a gradient the user set
         current = [p.grad for p in g.params]
         if g.grad_buf is not None and all(c is v for c, v in zip(current, g.grad_views)):
-            return grad, g.grad_buf, True, defer, None
+            return (g.whole_grad if self.shard_optim else g.grad_buf), True, defer, None
         # gradients the user set or kept are added after, on this stream: no deferral
-        return grad, g.new_shard(), False, defer and all(c is None for c in current), current
+        return self._new_out(g), False, defer and all(c is None for c in current), current
 
-    def _after_reduce(self, g, out, current):
-        """The reduced shard gradient becomes the parameters' gradients."""
+    @torch.no_grad()
+    def _after_reduce(self, g, out, keep):
+        """A new reduced gradient becomes the parameters' gradients, plus what
+        the user had set."""
+        if self.shard_optim:
+            g.whole_grad = out
+        buf = self._shard_of(g, out)
         if not self.use_orig_params:
-            g.shard.grad = out
+            if keep is not None:
+                buf.add_(keep[0])
+            g.shard.grad = buf
             return
-        if current is None:  # accumulated into the views already there
-            return
-        views = [g.piece(out, i, self.no_shard) for i in range(len(g.params))]
-        with torch.no_grad():
-            for v, c in zip(views, current):  # gradients the user set or kept
-                if c is not None:
-                    v.add_(c.reshape(v.shape))
+        views = [g.piece(buf, i, self.no_shard) for i in range(len(g.params))]
+        for v, c in zip(views, keep):  # gradients the user set or kept
+            if c is not None:
+                v.add_(c.reshape(v.shape))
         for p, v in zip(g.params, views):
             p.grad = v
-        g.grad_buf, g.grad_views = out, views
+        g.grad_buf, g.grad_views = buf, views
 
     def finalize(self):
         """End of the backward pass: the current stream waits for deferred

@@ -5,12 +5,13 @@ of the flat buffer and the only Parameter the optimizer sees), but its full
 buffer is gathered once at construction and never freed. What differs from
 the sharded strategies, and lives here:
 
-  gradients  the unit's whole local gradient (autograd's, in the full
-             buffer's layout) is all-reduced in place, averaged; it is kept
-             as the group's whole gradient, and the shard's .grad is a view
-             of this rank's slice of it (no copy, nothing shard-sized extra).
-             A second backward before zero_grad() all-reduces its own
-             gradient and adds it (averages are linear: same sum as DDP).
+  gradients  the engine (SHARD_OPTIM, csrc/engine/unit_reduce.c) averages
+             the unit's whole local gradient over the ranks into the group's
+             whole gradient, in the parameters' dtype; the shard's .grad is
+             a view of this rank's slice of it (no copy, nothing
+             shard-sized extra). A second backward before zero_grad() adds
+             its average to it (averages are linear: same sum as DDP).
+             fsdp/unit.py plans the reduction like the other strategies'.
   parameters after optimizer.step() updates the shards, an optimizer step
              post-hook all-gathers them back into the whole buffers (in
              place, no reallocation), so the
@@ -27,10 +28,8 @@ fp32 full buffer is gathered only for state dicts and summon_full_params).
 """
 import weakref
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..runtime.comm import all_reduce_
 
 _UNITS = []        # weakrefs to ZeRO-1 UnitRuntimes, in construction order
 _HOOK = None
@@ -64,63 +63,12 @@ def refresh(unit):
     unit.c.regather()
 
 
-@torch.no_grad()
-def reduce(unit, g, grad):
-    """Average the unit's whole local gradient `grad` (padded_numel, the
-    full buffer's layout, in the compute dtype) over the ranks, in the reduce
-    dtype, and hand this rank's slice to the optimizer in the parameters'
-    dtype, accumulating onto a gradient it already holds.
-
-    Without mixed precision the slice is a view of the whole gradient; with
-    it, the whole gradient stays in the reduce dtype and the shard's is a
-    full-precision copy of its slice ([Note: mixed precision] in
-    csrc/py_unit.c: accumulation happens in full precision)."""
-    comm = unit.c.comm
-    if unit.offload_params and holds_grad(unit, g):
-        unit.refuse_accumulation()
-    red = grad.to(g.reduce_dtype) if grad.dtype != g.reduce_dtype else grad
-    if not red.is_contiguous():
-        red = red.contiguous()
-    if red.dtype == torch.float16:  # divided first: an fp16 sum could overflow
-        red.div_(comm.world_size)
-        all_reduce_(comm, red, average=False, tag=unit.name)
-    else:
-        all_reduce_(comm, red, average=True, tag=unit.name)
-    mine = red.narrow(0, comm.rank * g.shard_numel, g.shard_numel)
-    same = red.dtype == g.dtype
-    if not unit.use_orig_params:
-        cur = g.shard.grad
-        if cur is None:
-            g.whole_grad = red
-            g.shard.grad = mine if same else mine.to(g.dtype)
-        elif same and g.whole_grad is not None and _is_slice_of(cur, g.whole_grad, comm.rank):
-            g.whole_grad.add_(red)
-        else:  # a copy, or a gradient the user set: add our slice to it
-            cur.add_(mine)
-        return
-    current = [p.grad for p in g.params]
-    if g.grad_buf is not None and all(c is v for c, v in zip(current, g.grad_views)):
-        if same:
-            g.whole_grad.add_(red)
-        else:
-            g.grad_buf.add_(mine)
-        return
-    out = mine if same else mine.to(g.dtype)
-    views = [g.piece(out, i, False) for i in range(len(g.params))]
-    for v, c in zip(views, current):  # gradients the user set or kept
-        if c is not None:
-            v.add_(c.reshape(v.shape))
-    for p, v in zip(g.params, views):
-        p.grad = v
-    g.whole_grad, g.grad_buf, g.grad_views = red, out, views
-
-
 def holds_grad(unit, g):
     if unit.use_orig_params:
         return any(p.grad is not None for p in g.params)
     return g.shard.grad is not None
 
 
-def _is_slice_of(t, whole, rank):
+def is_slice_of(t, whole, rank):
     return (t.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() and
             t.storage_offset() == whole.storage_offset() + rank * t.numel())
