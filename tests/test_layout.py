@@ -102,3 +102,13 @@ def test_dim0_copy_casts_to_bf16():
     block = torch.empty(layout.block_numel, dtype=torch.bfloat16)
     _C.dim0_copy_in(block.data_ptr(), dtype_code(torch.bfloat16), p.data_ptr(), _C.F64, entries[0])
     assert torch.equal(block[:6], p[3:].reshape(-1).to(torch.bfloat16))
+
+
+def test_align_numel_is_the_one_rule():
+    """layout.h's alignment, which every flat buffer (FSDP1, fully_shard,
+    the planner) takes from _C: 16 bytes in elements, at least one."""
+    assert _C.ALIGN_BYTES == 16
+    for elem_bytes, want in [(1, 16), (2, 8), (4, 4), (8, 2), (16, 1), (32, 1), (3, 5)]:
+        assert _C.align_numel(elem_bytes) == want, elem_bytes
+    with pytest.raises(ValueError, match="elem_bytes"):
+        _C.align_numel(0)

@@ -29,6 +29,17 @@
 #include <stdint.h>
 #include "fs_status.h"
 
+/* Every parameter in a flat buffer (FLAT and DIM0) starts at a multiple of
+ * this many bytes, and every shard or block is a multiple of it: vector
+ * loads, and what NCCL prefers. The one place the rule is written. */
+#define FS_ALIGN_BYTES 16
+
+/* The alignment in elements of elem_bytes each (at least 1). */
+static inline int64_t fs_align_numel(int64_t elem_bytes)
+{
+    return elem_bytes > 0 && elem_bytes < FS_ALIGN_BYTES ? FS_ALIGN_BYTES / elem_bytes : 1;
+}
+
 /* One parameter in the FLAT layout, seen from one rank. */
 typedef struct {
     int64_t numel;         /* elements of the parameter */

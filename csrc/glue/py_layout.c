@@ -188,7 +188,22 @@ done:
     return res;
 }
 
+PyDoc_STRVAR(align_numel_doc,
+             "align_numel(elem_bytes) -> elements: where every parameter of a flat buffer\n"
+             "starts, for elements of elem_bytes (layout.h, FS_ALIGN_BYTES).");
+static PyObject *py_align_numel(PyObject *m, PyObject *arg)
+{
+    long long b = PyLong_AsLongLong(arg);
+    if (b == -1 && PyErr_Occurred())
+        return NULL;
+    if (b < 1)
+        return PyErr_Format(PyExc_ValueError, "align_numel: elem_bytes must be >= 1, got %lld",
+                            b);
+    return PyLong_FromLongLong(fs_align_numel(b));
+}
+
 static PyMethodDef layout_methods[] = {
+    {"align_numel", py_align_numel, METH_O, align_numel_doc},
     {"layout_flat", py_layout_flat, METH_VARARGS, layout_flat_doc},
     {"layout_dim0", py_layout_dim0, METH_VARARGS, layout_dim0_doc},
     {NULL, NULL, 0, NULL},
@@ -211,5 +226,7 @@ int fs_layout_add(PyObject *module, fs_mod_state *st)
         if (!*types[i].slot || PyModule_AddObjectRef(module, types[i].name, *types[i].slot) < 0)
             return -1;
     }
+    if (PyModule_AddIntConstant(module, "ALIGN_BYTES", FS_ALIGN_BYTES) < 0)
+        return -1;
     return PyModule_AddFunctions(module, layout_methods);
 }

@@ -21,9 +21,8 @@ from .errors import ConfigTypeError, NotBuiltError
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 
 # Every parameter in a flat buffer starts at a multiple of this many bytes, and
-# every shard is a multiple of it (fsdp/flat_param.py, fsdp2/param.py; the
-# planner sizes buffers with it): vector loads, and what NCCL prefers.
-ALIGN_BYTES = 16
+# every shard is a multiple of it: the rule is layout.h's (_C.align_numel).
+ALIGN_BYTES = _C.ALIGN_BYTES
 
 # The one table of dtypes the C core moves and computes on (csrc/fs_dtype.h).
 DTYPE_CODES = {

@@ -6,7 +6,7 @@ kept between steps; the *full* buffer is the unsharded flat buffer, whose
 storage is live only while the unit is unsharded. Under NO_SHARD the full
 buffer shares the shard's storage.
 
-Alignment: every parameter starts at a multiple of ALIGN_BYTES (tensors.py),
+Alignment: every parameter starts at a multiple of layout.h's FS_ALIGN_BYTES (_C.align_numel),
 and every shard is a multiple of it too, so each parameter's view and each
 rank's shard are 16-byte aligned (vector loads, and what NCCL prefers).
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .. import _C
-from ..tensors import ALIGN_BYTES, dtype_code
+from ..tensors import dtype_code
 
 FLAT_PARAM = "_flat_param"
 
@@ -61,7 +61,7 @@ class FlatGroup:
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         code = dtype_code(self.dtype)
-        align = max(1, ALIGN_BYTES // params[0].element_size())
+        align = _C.align_numel(params[0].element_size())
         srank = rank if shard_world > 1 else 0
         layout, entries = _C.layout_flat(self.numels, shard_world, srank, align)
         self.shard_numel = layout.shard_numel

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C
 from ..runtime.device import empty_fn
-from ..tensors import ALIGN_BYTES, dtype_code
+from ..tensors import dtype_code
 from .extension import Extension, has_extension
 
 
@@ -42,7 +42,7 @@ class ParamGroup:
         self.compute_dtype = (mp_policy.param_dtype or self.dtype) if floating else self.dtype
         self.reduce_dtype = (mp_policy.reduce_dtype or self.compute_dtype) if floating \
             else self.dtype
-        align = max(1, ALIGN_BYTES // torch.empty((), dtype=self.compute_dtype).element_size())
+        align = _C.align_numel(torch.empty((), dtype=self.compute_dtype).element_size())
         # Parameters whose class all-gathers for itself (extension.py): no
         # room in the gather block nor in the unsharded buffer, but their
         # plain gradients take the reduce-scatter with the rest.

@@ -9,7 +9,6 @@ import torch.nn as nn
 from .. import _C
 from ..errors import bad_type
 from ..fsdp.wrap import targets
-from ..tensors import ALIGN_BYTES
 
 
 def flat_layout(numels, elem_bytes, shard_world):
@@ -17,7 +16,7 @@ def flat_layout(numels, elem_bytes, shard_world):
     that builds the real ones (csrc/layout.c): each parameter starts on a
     16-byte boundary, the shard is ceil(total / world) rounded up to 16 bytes,
     padded = shard * world."""
-    align = max(1, ALIGN_BYTES // elem_bytes)
+    align = _C.align_numel(elem_bytes)
     layout, _ = _C.layout_flat([int(n) for n in numels], shard_world, 0, align)
     return layout.shard_numel, layout.padded_numel
 
