@@ -310,9 +310,18 @@ class ParamGroup:
         if self.c.reduce_pending:
             self.c.finish_reduce()
         for i, out in fresh:
-            self.sharded[i].grad = DTensor.from_local(
-                out, self.mesh, self.placements, run_check=False, shape=self.shapes[i],
-                stride=_contiguous_stride(self.shapes[i]))
+            self.sharded[i].grad = _like(out, self.sharded[i])
+
+
+def _like(local, param):
+    """A DTensor over `local` with `param`'s mesh, placements and global shape
+    (a sharded gradient): built from the parameter's spec directly, as
+    torch's fully_shard does, without from_local's per-call checks."""
+    spec = param._spec
+    if local.dtype == spec.tensor_meta.dtype:
+        return DTensor(local, spec, requires_grad=False)
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
+                              shape=spec.shape, stride=spec.stride)
 
 
 def _contiguous_stride(shape):
