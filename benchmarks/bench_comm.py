@@ -5,7 +5,7 @@
 For each world size this spawns that many ranks (one thread each) and times
 all-gather and reduce-scatter of float32 at sizes from --min-mib to
 --max-mib (doubling), through flatshard's Comm on both backends: "shm"
-(csrc/comm_shm.c) and "torch" (the gloo process group). Size is the full
+(csrc/backends/comm_shm.c) and "torch" (the gloo process group). Size is the full
 buffer, as nccl-tests counts it: the all-gather output, the reduce-scatter
 input. Reported: algorithm bandwidth = size / time (GB/s, 1e9), the time
 being rank 0's mean over the repetitions between two barriers. The ceiling is

@@ -1,4 +1,4 @@
-"""The collective backend interface (csrc/comm.h), for the torch (gloo) and
+"""The collective backend interface (csrc/backends/comm.h), for the torch (gloo) and
 shm backends: each collective against a result every rank computes locally,
 on sizes 0, 1, odd primes and larger than the shm staging slot (chunked)."""
 import os

@@ -1,4 +1,4 @@
-"""csrc/copy.c casts and accumulation against torch's casts and float64."""
+"""csrc/core/copy.c casts and accumulation against torch's casts and float64."""
 import pytest
 import torch
 

@@ -61,7 +61,7 @@ def _capsule_pointer(name, capsule=None):
 @pytest.mark.parametrize("which", ["host", "cuda"])
 def test_device_api_capsules(which):
     """flatshard._C's units reach a device's kernels through an fs_device_api
-    capsule (csrc/fs_device.h): versioned, named, every entry set."""
+    capsule (csrc/engine/fs_device.h): versioned, named, every entry set."""
     import ctypes
     from flatshard import _C
     if which == "cuda" and not cuda.built():

@@ -166,15 +166,7 @@ def _async_unshard():
     got = [p.detach().clone() for p in group.unsharded]
     same = len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     out = model(torch.randn(4, 5)).sum().item()
-    dev = next(iter(made.values()))
-    misuse = []
-    for bad in ("not a mark", object()):
-        try:
-            dev.wait_mark(bad)
-        except TypeError as e:
-            misuse.append(str(e))
-    dev.wait_mark(None)
-    return pending_before, group.pending is None, same, out == out, misuse
+    return pending_before, group.pending is None, same, out == out
 
 
 class _Skippy(torch.nn.Module):
@@ -245,9 +237,8 @@ def test_an_implicit_prefetch_of_a_skipped_module_is_undone(dist_pool):
 
 def test_unshard_async_op_defers_until_the_handle_waits(dist_pool):
     emu_build.build()
-    for pending_before, cleared, same, finite, misuse in dist_pool(2).run(_async_unshard):
+    for pending_before, cleared, same, finite in dist_pool(2).run(_async_unshard):
         assert pending_before and cleared and same and finite
-        assert len(misuse) == 2 and "reduce_scatter_deferred returned" in misuse[0]
 
 
 # ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ backend with the host table (flatshard.runtime.device.host_device_comm).
 On a CUDA device the units take their buffers from torch's allocator per
 reduction, enqueue casts and accumulations through the device's table, lend
 the backend a float32 workspace for low-precision reductions, and bind the
-caller's stream before every collective (csrc/py_unit.c). The host table
+caller's stream before every collective (csrc/engine/unit.c). The host table
 runs the same C paths with copy.h's loops, so training through it must give
 bit-identical results to the plain host path, for every strategy, with
 mixed precision, gradient accumulation and use_orig_params. Only the CUDA
@@ -252,7 +252,7 @@ def test_device_comm_construction_errors(dist_pool):
 
 
 # ---------------------------------------------------------------------------
-# fully_shard: the same device path for its segment copies (device.pack/unpack)
+# fully_shard: the engine's groups (csrc/engine/dim0.c) through the device table
 
 def _fully_shard_train(device_path, mp, raf, prefetch=False):
     """device_path: False, True (the host table) or make(group, host Comm).

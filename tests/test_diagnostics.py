@@ -1,5 +1,5 @@
 """Failures that name their cause: wrap-time consistency across ranks
-(runtime/consistency.py), the collective ledger (csrc/ledger.c), ranks that go out
+(runtime/consistency.py), the collective ledger (csrc/backends/ledger.c), ranks that go out
 of step at run time (shm: at the first collective that differs; gloo: at
 the group's timeout), and docs/troubleshooting.md, whose every message is
 checked against the error a test triggers."""

@@ -1,4 +1,4 @@
-"""The unit state machine (csrc/unit_fsm.c) as a pure transition function."""
+"""The unit state machine (csrc/engine/unit_fsm.c) as a pure transition function."""
 import pytest
 
 from flatshard import _C

@@ -1,4 +1,4 @@
-"""csrc/layout.c against references built from torch ops, on awkward sizes."""
+"""csrc/core/layout.c against references built from torch ops, on awkward sizes."""
 import itertools
 
 import pytest

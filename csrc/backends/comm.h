@@ -2,10 +2,13 @@
  *
  * Sharding needs five collectives over one group of ranks. A backend fills
  * an fs_comm_ops table; the core calls through fs_comm_* (which check
- * arguments once, so backends need not). Backends:
- *   comm_torch.c  any torch.distributed process group (gloo, ...), through a
- *                 Python callable; needs the GIL, which the caller holds.
- *   (later)       shared memory on one host, NCCL on GPUs: same table.
+ * arguments once, so backends need not). Backends, one file each:
+ *   comm_shm.c       shared memory between the ranks of one host (the default
+ *                    on CPU); no Python, no GIL.
+ *   comm_torch.c     any torch.distributed process group (gloo, ...), through a
+ *                    Python callable; it takes the GIL for each call.
+ *   cuda/comm_nccl.c NCCL on CUDA devices, in flatshard._C_cuda, ordered
+ *                    against the caller's stream (fs_device.h).
  *
  * Buffer rules, restated where each call is made:
  *   all_gather:     recv holds world_size * count; rank r's send lands at

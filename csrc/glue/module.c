@@ -320,7 +320,7 @@ static PyObject *py_shm_unlink(PyObject *m, PyObject *args)
 PyDoc_STRVAR(fsm_step_doc,
              "fsm_step((strategy, is_root, grad_mask), (state, resume, reduced_mask,\n"
              "summon_was_sharded), event, flags, group, is_unsharded) -> (fsm, actions)\n"
-             "Pure transition function of csrc/unit_fsm.c; raises StateError when refused.");
+             "Pure transition function of csrc/engine/unit_fsm.c; raises StateError when refused.");
 static PyObject *py_fsm_step(PyObject *m, PyObject *args)
 {
     int strategy, is_root, state, resume, was, ev, group, uns;

@@ -5,10 +5,10 @@
  * for the shm and torch backends; device memory for kind='device', which
  * wraps a backend exported by another object (NCCL's, from flatshard._C_cuda)
  * with that device's kernels (fs_device.h) and orders every collective
- * against the caller's current stream. The facade in flatshard/comm.py
+ * against the caller's current stream. The facade in flatshard/runtime/comm.py
  * checks tensors before calling. Every
- * collective is recorded in the Comm's ledger (ledger.h), here and in
- * py_unit.c; a failed one raises with the ledger's last entries. */
+ * collective is recorded in the Comm's ledger (ledger.h), here and in the
+ * engine (FS_LINK_RUN); a failed one raises with the ledger's last entries. */
 #include "fs_py.h"
 
 /* kind='device': wrap the fs_comm* exported by `owner` (FS_COMM_CAPSULE),
@@ -180,41 +180,15 @@ PyDoc_STRVAR(all_gather_doc, "all_gather(send_ptr, recv_ptr, count, dtype, tag='
                              TAG_DOC);
 static PyObject *Comm_all_gather(CommObject *self, PyObject *args)
 {
-    return fs_comm_issue_all_gather(self, args, 0);
-}
-
-PyDoc_STRVAR(all_gather_deferred_doc,
-             "all_gather_deferred(send_ptr, recv_ptr, count, dtype, tag='') -> mark or None\n"
-             "all_gather, but on a device Comm the caller's stream does not wait for it: pass the\n"
-             "returned mark to wait_mark() before anything reads recv, and keep send and recv\n"
-             "alive until then. On a host Comm the all-gather has completed; None." TAG_DOC);
-static PyObject *Comm_all_gather_deferred(CommObject *self, PyObject *args)
-{
-    return fs_comm_issue_all_gather(self, args, 1);
+    return fs_comm_issue_all_gather(self, args);
 }
 
 PyDoc_STRVAR(reduce_scatter_doc,
              "reduce_scatter(send_ptr, recv_ptr, recv_count, dtype, average, tag='')" TAG_DOC);
 static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
 {
-    return fs_comm_issue_reduce_scatter(self, args, 0);
+    return fs_comm_issue_reduce_scatter(self, args);
 }
-
-PyDoc_STRVAR(reduce_scatter_deferred_doc,
-             "reduce_scatter_deferred(send_ptr, recv_ptr, recv_count, dtype, average, tag='')\n"
-             "    -> mark or None\n"
-             "reduce_scatter, deferred as all_gather_deferred is (keep send and recv alive until\n"
-             "wait_mark(); the mark keeps the float32 staging of a low-precision reduction)."
-             TAG_DOC);
-static PyObject *Comm_reduce_scatter_deferred(CommObject *self, PyObject *args)
-{
-    return fs_comm_issue_reduce_scatter(self, args, 1);
-}
-
-PyDoc_STRVAR(wait_mark_doc,
-             "wait_mark(mark): the caller's stream waits (on the device, not the host) for the\n"
-             "deferred collective of all_gather_deferred() or reduce_scatter_deferred(); None is\n"
-             "allowed (nothing to wait for).");
 
 PyDoc_STRVAR(all_reduce_doc, "all_reduce(ptr, count, dtype, average, tag='')" TAG_DOC);
 static PyObject *Comm_all_reduce(CommObject *self, PyObject *args)
@@ -347,11 +321,6 @@ static PyMethodDef Comm_methods[] = {
     {"capsule", (PyCFunction)Comm_capsule, METH_NOARGS, capsule_doc},
     {"abort", (PyCFunction)Comm_abort, METH_VARARGS, abort_doc},
     {"all_gather", (PyCFunction)Comm_all_gather, METH_VARARGS, all_gather_doc},
-    {"all_gather_deferred", (PyCFunction)Comm_all_gather_deferred, METH_VARARGS,
-     all_gather_deferred_doc},
-    {"reduce_scatter_deferred", (PyCFunction)Comm_reduce_scatter_deferred, METH_VARARGS,
-     reduce_scatter_deferred_doc},
-    {"wait_mark", (PyCFunction)fs_comm_wait_mark, METH_O, wait_mark_doc},
     {"reduce_scatter", (PyCFunction)Comm_reduce_scatter, METH_VARARGS, reduce_scatter_doc},
     {"all_reduce", (PyCFunction)Comm_all_reduce, METH_VARARGS, all_reduce_doc},
     {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, broadcast_doc},

@@ -87,7 +87,7 @@ PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e)
 
 PyDoc_STRVAR(layout_flat_doc,
              "layout_flat(numels, world_size, rank, align_numel) -> (FlatLayout, [FlatEntry])\n"
-             "FSDP1 layout (csrc/layout.h): one FlatEntry per parameter.");
+             "FSDP1 layout (csrc/core/layout.h): one FlatEntry per parameter.");
 static PyObject *py_layout_flat(PyObject *m, PyObject *args)
 {
     fs_mod_state *st = fs_state_from_module(m);
@@ -136,7 +136,7 @@ done:
 PyDoc_STRVAR(layout_dim0_doc,
              "layout_dim0(dim0s, row_numels, world_size, rank, align_numel)\n"
              "    -> (Dim0Layout, [Dim0Entry])\n"
-             "FSDP2 layout (csrc/layout.h): one Dim0Entry per parameter.");
+             "FSDP2 layout (csrc/core/layout.h): one Dim0Entry per parameter.");
 static PyObject *py_layout_dim0(PyObject *m, PyObject *args)
 {
     fs_mod_state *st = fs_state_from_module(m);

@@ -24,7 +24,7 @@ _PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 # every shard is a multiple of it: the rule is layout.h's (_C.align_numel).
 ALIGN_BYTES = _C.ALIGN_BYTES
 
-# The one table of dtypes the C core moves and computes on (csrc/fs_dtype.h).
+# The one table of dtypes the C core moves and computes on (csrc/core/fs_dtype.h).
 DTYPE_CODES = {
     torch.float32: _C.F32, torch.float16: _C.F16, torch.bfloat16: _C.BF16,
     torch.float64: _C.F64, torch.uint8: _C.U8, torch.int32: _C.I32, torch.int64: _C.I64,

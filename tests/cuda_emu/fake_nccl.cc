@@ -1,6 +1,6 @@
 /* fake_nccl.cc - a libnccl for the host build of csrc/cuda/: the NCCL entry
  * points flatshard opens (csrc/cuda/fs_nccl.h), over flatshard's own
- * shared-memory backend (csrc/comm_shm.c), so the NCCL backend's C code runs
+ * shared-memory backend (csrc/backends/comm_shm.c), so the NCCL backend's C code runs
  * across processes without a GPU.
  *
  * Like NCCL, a collective is only queued on its stream (fs_emu_rt.h) and

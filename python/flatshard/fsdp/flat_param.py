@@ -1,5 +1,5 @@
 """One flat group: the parameters of a unit that share (dtype, requires_grad),
-laid out by the C layout code (csrc/layout.c) and copied in by C.
+laid out by the C layout code (csrc/core/layout.c) and copied in by C.
 
 Vocabulary (FSDP2's): the *shard* is this rank's slice of the flat buffer,
 kept between steps; the *full* buffer is the unsharded flat buffer, whose
@@ -17,6 +17,18 @@ from .. import _C
 from ..tensors import dtype_code
 
 FLAT_PARAM = "_flat_param"
+
+
+def mark_flat_param(shard, fqns, shapes, numels):
+    """Make `isinstance(shard, FlatParameter)` true, for torch's class (which
+    flatshard re-exports): its isinstance check reads `_is_flat_param`.
+    Also torch's `_fqns`, `_shapes` and `_numels`: the original parameters'
+    names (relative to the unit's module), shapes and sizes, which scripts
+    read to map a flat parameter back to its parameters."""
+    shard._is_flat_param = True
+    shard._fqns = tuple(fqns)
+    shard._shapes = tuple(shapes)
+    shard._numels = tuple(numels)
 
 
 def flat_param_name(index):
@@ -67,7 +79,7 @@ class FlatGroup:
         self.shard_numel = layout.shard_numel
         self.padded_numel = layout.padded_numel
         self.unpadded_numel = layout.unpadded_numel
-        self.entries = entries  # [_C.FlatEntry] (csrc/layout.h)
+        self.entries = entries  # [_C.FlatEntry] (csrc/core/layout.h)
 
         # The shard is the optimizer-visible parameter when use_orig_params=False.
         self.shard_device = torch.device("cpu") if host_shards else device
@@ -97,7 +109,7 @@ class FlatGroup:
         else:
             self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
             self.full.untyped_storage().resize_(0)
-        # [Note: mixed precision] in csrc/py_unit.c: forward and backward run
+        # [Note: mixed precision] in csrc/engine/unit.h: forward and backward run
         # on `lp`; `full` (full precision) is gathered only for summon/state dicts.
         self.lp = None
         if mixed:

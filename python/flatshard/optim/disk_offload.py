@@ -2,7 +2,7 @@
 DiskOffload(path))`.
 
 exp_avg and exp_avg_sq live in one file per generation under `path`; each
-step streams the current generation through the C update (csrc/optim_disk.c:
+step streams the current generation through the C update (csrc/optim/optim_disk.c:
 a reader thread, the fused update, a writer thread, `buffers` chunks in
 flight) into a new file, so host memory holds a few chunks, not the state.
 

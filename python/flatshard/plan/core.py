@@ -17,7 +17,7 @@ Two accountings (`layout=`):
   "flatshard"  what flatshard (and torch FSDP1) hold: each flat buffer padded
                so every parameter starts 16-byte aligned and the buffer splits
                evenly over the shard group (fsdp/flat_param.py,
-               csrc/layout.c); the persistent shard keeps the parameters' own
+               csrc/core/layout.c); the persistent shard keeps the parameters' own
                dtype and is itself the master copy; mixed precision gathers a
                param_dtype copy; gradient shards are kept in the shard's
                dtype; SHARD_OPTIM (fsdp/zero1.py) keeps the whole buffer and

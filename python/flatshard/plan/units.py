@@ -13,7 +13,7 @@ from ..fsdp.wrap import targets
 
 def flat_layout(numels, elem_bytes, shard_world):
     """(shard_numel, padded_numel) of one flat buffer, from the C layout code
-    that builds the real ones (csrc/layout.c): each parameter starts on a
+    that builds the real ones (csrc/core/layout.c): each parameter starts on a
     16-byte boundary, the shard is ceil(total / world) rounded up to 16 bytes,
     padded = shard * world."""
     align = _C.align_numel(elem_bytes)

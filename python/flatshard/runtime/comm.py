@@ -1,14 +1,14 @@
 """Collectives facade: one flatshard._C.Comm per process group and backend.
 
 The C core issues every collective through its backend interface
-(csrc/comm.h). This module picks and builds the backend for a process group
+(csrc/backends/comm.h). This module picks and builds the backend for a process group
 and gives Python a tensor-level view of the same calls (used at wrap time,
 e.g. for sync_module_states, and by tests).
 
 Backends (`comm_backend=` on the wrapper, or the FLATSHARD_COMM_BACKEND
 environment variable when the argument is not given):
   "auto"   shm when every rank of the group is on this host, else torch
-  "shm"    shared memory between the ranks of one host (csrc/comm_shm.c)
+  "shm"    shared memory between the ranks of one host (csrc/backends/comm_shm.c)
   "torch"  the process group itself (gloo), through `_torch_collective`
   "nccl"   CUDA devices (device.py, cuda_nccl.py): flatshard's own NCCL
            communicator; "auto" picks it for units on a CUDA device
@@ -189,7 +189,7 @@ def _ok_everywhere(err, group):
 
 def _make_shm(group, timeout_s):
     """[Note: shm set-up] Once every rank has mapped the segment its name
-    is gone (csrc/comm_shm.c: the last to map it removes it). Until then a
+    is gone (csrc/backends/comm_shm.c: the last to map it removes it). Until then a
     rank that dies, raises or is interrupted must not leave the name behind,
     and a SIGKILL runs no clean-up of its own, so every rank learns the name
     *before* rank 0 creates it, and every rank removes it (a no-op where it
@@ -311,32 +311,22 @@ def broadcast_(comm, tensor, root=0, tag=""):
         tensor.detach().copy_(flat.view_as(tensor))
 
 
-def all_gather_into(comm, out, inp, tag="", defer=False):
-    """out = every rank's inp, in rank order. defer=True on a device Comm:
-    the caller's stream does not wait for it; the returned mark goes to
-    comm.wait_mark() before anything reads out (keep inp and out alive until
-    then). Otherwise (or on a host Comm) it has completed: None."""
+def all_gather_into(comm, out, inp, tag=""):
+    """out = every rank's inp, in rank order."""
     ip, n, code = _flat(inp, "input", comm)
     op, on, ocode = _flat(out, "output", comm)
     if ocode != code or on != n * comm.world_size:
         raise ValueError("flatshard: all_gather output must be world_size times the input")
-    if defer:
-        return comm.all_gather_deferred(ip, op, n, code, tag)
     comm.all_gather(ip, op, n, code, tag)
-    return None
 
 
-def reduce_scatter_into(comm, out, inp, average=True, tag="", defer=False):
-    """out = this rank's part of the sum (average) of every rank's inp.
-    defer: as for all_gather_into."""
+def reduce_scatter_into(comm, out, inp, average=True, tag=""):
+    """out = this rank's part of the sum (average) of every rank's inp."""
     ip, n, code = _flat(inp, "input", comm)
     op, on, ocode = _flat(out, "output", comm)
     if ocode != code or n != on * comm.world_size:
         raise ValueError("flatshard: reduce_scatter input must be world_size times the output")
-    if defer:
-        return comm.reduce_scatter_deferred(ip, op, on, code, average, tag)
     comm.reduce_scatter(ip, op, on, code, average, tag)
-    return None
 
 
 def all_reduce_(comm, tensor, average=False, tag=""):

@@ -1,8 +1,8 @@
 """Where a wrapper's units live, and the Comm that moves their memory.
 
 Units on CPU use a host backend (shm or torch, comm.py) directly. Units on a
-CUDA device use a Comm(kind='device') (csrc/py_comm.c): the NCCL
-communicator of cuda_nccl.py, with the CUDA kernels' table (csrc/fs_device.h),
+CUDA device use a Comm(kind='device') (csrc/glue/py_comm.c): the NCCL
+communicator of cuda_nccl.py, with the CUDA kernels' table (csrc/engine/fs_device.h),
 every collective and kernel enqueued on torch's current stream of that
 device. The unit takes its own device buffers from torch's caching allocator
 through `empty_fn`, so torch.cuda.memory_allocated() counts them.
@@ -26,7 +26,7 @@ _COMMS = {}
 
 def empty_fn(device):
     """empty(numel, dtype_code) -> a new 1-D tensor on `device`: the unit's
-    allocator for its device buffers (csrc/py_unit.c)."""
+    allocator for its device buffers (the engine's host table, csrc/glue/py_unit_env.c)."""
     def empty(numel, code):
         return torch.empty(numel, dtype=_DTYPES[code], device=device)
     return empty
@@ -68,40 +68,3 @@ def tensor_fits(comm, t):
     """Whether a tensor's memory is what `comm` moves: CUDA memory for a
     CUDA Comm, host memory for every other."""
     return (t.device.type == "cuda") == (comm.device == "cuda")
-
-
-def pack(flat, tensors, offsets):
-    """flat[offsets[i]:][:n_i] = tensors[i] (cast to flat's dtype; an int n
-    writes n zeros): runtime/cuda.py's pack on a CUDA tensor, the C core's host
-    copies otherwise (the same segments, so the device path of fully_shard
-    runs on CPU too). Like the kernels, the copies go through data pointers:
-    no autograd version counter moves."""
-    if flat.is_cuda:
-        return cuda.pack(flat, tensors, offsets)
-    code, es = DTYPE_CODES[flat.dtype], flat.element_size()
-    for t, off in zip(tensors, offsets):
-        if isinstance(t, int):
-            zeros = torch.zeros(t, dtype=flat.dtype)
-            _C.cast(flat.data_ptr() + off * es, code, zeros.data_ptr(), code, t)
-        else:
-            _host_segment(flat.data_ptr() + off * es, code, t.contiguous(), t.numel(), False)
-    return flat
-
-
-def unpack(flat, tensors, offsets):
-    """tensors[i] = flat[offsets[i]:][:numel_i] (cast): the reverse of pack."""
-    if flat.is_cuda:
-        return cuda.unpack(flat, tensors, offsets)
-    code, es = DTYPE_CODES[flat.dtype], flat.element_size()
-    for t, off in zip(tensors, offsets):
-        _host_segment(flat.data_ptr() + off * es, code, t, t.numel(), True)
-
-
-def _host_segment(flat_ptr, flat_code, t, numel, out):
-    if not t.is_contiguous():
-        raise ValueError("flatshard: segments must be contiguous tensors")
-    tcode = DTYPE_CODES[t.dtype]
-    if out:
-        _C.cast(t.data_ptr(), tcode, flat_ptr, flat_code, numel)
-    else:
-        _C.cast(flat_ptr, flat_code, t.data_ptr(), tcode, numel)

@@ -1,6 +1,6 @@
 """Where every rank was when a collective failed.
 
-Each Comm records its collectives in a ledger (csrc/ledger.h). When one
+Each Comm records its collectives in a ledger (csrc/backends/ledger.h). When one
 fails (a timeout, a dead rank, ranks in different collectives), the C core
 adds this rank's last entries to the error and calls `Comm.on_failure`, set
 here: the rank posts its ledger to the process group's store, reads the
