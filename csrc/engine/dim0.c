@@ -271,22 +271,10 @@ fs_status fs_dim0_reshard(fs_dim0_group *g)
 /* ---------------------------------------------------------------------------
  * reduce */
 
-static fs_status lend(fs_dim0_group *g, fs_link *l, int64_t count, void **h)
-{
-    *h = NULL;
-    if (!l->dev || (g->reduce != FS_BF16 && g->reduce != FS_F16))
-        return FS_OK;
-    void *p;
-    fs_status s = g->env.take(g->env.ctx, (count ? count : 1) * 4, 0, &p, h);
-    if (s == FS_OK)
-        l->dev->set_workspace(l->comm, p, (size_t)count * 4);
-    return s;
-}
-
 static void unlend(fs_dim0_group *g, fs_link *l, void **h)
 {
     if (*h)
-        l->dev->set_workspace(l->comm, NULL, 0);
+        fs_link_unlend(l);
     drop(g, h);
 }
 
@@ -302,7 +290,7 @@ static fs_status finish(fs_dim0_group *g)
     if (g->replicate.comm) {
         fs_link *r = &g->replicate;
         void *ws;
-        if ((s = lend(g, r, g->block_numel, &ws)) != FS_OK)
+        if ((s = fs_link_lend(&g->env, r, g->reduce, g->block_numel, &ws)) != FS_OK)
             return fail(g, s, "all-reduce", 0, "out of memory");
         FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->name, g->block_numel, g->reduce,
                     fs_comm_all_reduce(r->comm, g->rs_out, g->block_numel, g->reduce,
@@ -393,7 +381,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     }
     g->factor = factor;
     void *ws;
-    if ((s = lend(g, l, g->block_numel * world, &ws)) != FS_OK) {
+    if ((s = fs_link_lend(e, l, g->reduce, g->block_numel * world, &ws)) != FS_OK) {
         release_reduction(g);
         return fail(g, s, "reduce-scatter", 0, "out of memory");
     }
@@ -408,7 +396,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
             s = l->dev->record(c, &g->reduce_event, c->last_error, sizeof c->last_error);
     }
     if (ws) /* a deferred collective reads it until waited for (g->ws_h) */
-        l->dev->set_workspace(c, NULL, 0);
+        fs_link_unlend(l);
     if (s != FS_OK) {
         drop(g, &ws);
         release_reduction(g);

@@ -88,6 +88,15 @@ fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs
                                    const void *src, fs_dtype st, int64_t n, double scale,
                                    int accumulate);
 
+/* bfloat16/float16 reductions on a device stage through float32 (comm.h):
+ * lend the link's backend count floats for the next collective (*h owns
+ * them; NULL and nothing lent on the host or for other dtypes). After the
+ * collective, unlend, and release *h: at once when the caller's stream
+ * waits for the collective, after it was waited for when deferred. */
+fs_status fs_link_lend(const fs_env *env, const fs_link *l, fs_dtype t, int64_t count,
+                       void **h);
+void fs_link_unlend(const fs_link *l);
+
 /* A list of handles held until a deferred collective is waited for. */
 typedef struct {
     void **h;

@@ -12,43 +12,6 @@
 #include "unit_internal.h"
 
 /* ---------------------------------------------------------------------------
- * held handles */
-
-int fs_held_add(fs_held *l, void *h)
-{
-    if (!h)
-        return 0;
-    if (l->n == l->cap) {
-        int cap = l->cap ? 2 * l->cap : 8;
-        void **p = realloc(l->h, (size_t)cap * sizeof *p);
-        if (!p)
-            return -1;
-        l->h = p;
-        l->cap = cap;
-    }
-    l->h[l->n++] = h;
-    return 0;
-}
-
-void fs_held_release(fs_held *l, const fs_env *env)
-{
-    /* A release may run host code that frees what the list holds: empty the
-     * list first. */
-    int n = l->n;
-    l->n = 0;
-    for (int i = 0; i < n; i++)
-        env->release(env->ctx, l->h[i]);
-}
-
-void fs_held_free(fs_held *l, const fs_env *env)
-{
-    fs_held_release(l, env);
-    free(l->h);
-    l->h = NULL;
-    l->cap = 0;
-}
-
-/* ---------------------------------------------------------------------------
  * errors and kernels */
 
 fs_status fs_unit_fail(fs_unit *u, fs_status s, const char *what, int group, const char *fmt,
@@ -74,25 +37,6 @@ fs_status fs_unit_fail_comm(fs_unit *u, fs_status s, const char *what, int group
     fs_unit_fail(u, s, what, group, fmt, detail);
     u->err_collective = 1;
     return s;
-}
-
-fs_status fs_link_cast(const fs_link *l, void *stream, void *dst, fs_dtype dt, const void *src,
-                       fs_dtype st, int64_t n)
-{
-    if (l->dev)
-        return l->dev->cast(dst, dt, src, st, n, stream, l->comm->last_error,
-                            sizeof l->comm->last_error);
-    return fs_cast(dst, dt, src, st, n);
-}
-
-fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs_dtype dt,
-                                   const void *src, fs_dtype st, int64_t n, double scale,
-                                   int accumulate)
-{
-    if (l->dev)
-        return l->dev->scale_accumulate(dst, dt, src, st, n, scale, accumulate, stream,
-                                        l->comm->last_error, sizeof l->comm->last_error);
-    return fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
 }
 
 fs_status fs_unit_cast(fs_unit *u, void *stream, void *dst, fs_dtype dt, const void *src,

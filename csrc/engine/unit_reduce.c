@@ -9,27 +9,13 @@
 
 #include "unit_internal.h"
 
-/* bfloat16/float16 reductions on a device stage through float32 (comm.h):
- * lend the backend count floats for one collective; *h owns them. */
-static fs_status lend_workspace(fs_unit *u, fs_link *l, fs_dtype t, int64_t count, void **h)
-{
-    *h = NULL;
-    if (!l->dev || (t != FS_BF16 && t != FS_F16))
-        return FS_OK;
-    void *p;
-    fs_status s = u->env.take(u->env.ctx, (count ? count : 1) * 4, 0, &p, h);
-    if (s == FS_OK)
-        l->dev->set_workspace(l->comm, p, (size_t)count * 4);
-    return s;
-}
-
 /* After the collective: the caller's stream already waits for it (not
  * deferred), so the allocator may reuse the block; a deferred one holds it. */
 static fs_status return_workspace(fs_unit *u, fs_link *l, void **h, int defer)
 {
     if (!*h)
         return FS_OK;
-    l->dev->set_workspace(l->comm, NULL, 0);
+    fs_link_unlend(l);
     if (defer) {
         if (fs_held_add(&u->held, *h) < 0)
             return FS_ERR_NO_MEMORY;
@@ -59,7 +45,7 @@ static fs_status across_replicas(fs_unit *u, void *buf, int64_t count, fs_dtype 
                       sizeof c->last_error)) != FS_OK))
         return s;
     void *ws;
-    if ((s = lend_workspace(u, r, t, count, &ws)) != FS_OK)
+    if ((s = fs_link_lend(&u->env, r, t, count, &ws)) != FS_OK)
         return s;
     if (defer)
         d->set_defer(rc, 1);
@@ -173,7 +159,7 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
         post_scale = 1.0;
     }
     if (s == FS_OK && (!whole || c->world_size > 1))
-        s = lend_workspace(u, &u->link, g->reduce, g->padded_numel, &ws_h);
+        s = fs_link_lend(&u->env, &u->link, g->reduce, g->padded_numel, &ws_h);
     if (defer)
         d->set_defer(c, 1);
     if (s != FS_OK) {

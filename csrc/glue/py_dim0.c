@@ -22,38 +22,22 @@ typedef struct {
 
 static int bind(Dim0Object *self)
 {
-    if (fs_comm_bind_stream(self->comm) < 0 ||
-        (self->replicate && fs_comm_bind_stream(self->replicate) < 0))
-        return -1;
-    self->g.link.stream = self->comm->stream;
-    if (self->replicate)
-        self->g.replicate.stream = self->replicate->stream;
-    return 0;
+    return fs_glue_bind(self->comm, self->replicate, &self->g.link, &self->g.replicate);
 }
 
 static PyObject *done(Dim0Object *self, fs_status s)
 {
     if (s == FS_OK)
         Py_RETURN_NONE;
-    if (s == FS_ERR_HOST && !PyErr_Occurred())
-        PyErr_SetString(PyExc_RuntimeError, "flatshard: a torch call failed without an error");
-    fs_raise(fs_state_from_type(Py_TYPE(self)), s, "%s", self->g.err);
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    PyErr_NormalizeException(&t, &v, &tb);
-    if (v) {
-        fs_comm *c = self->comm->comm;
-        PyObject *note = PyUnicode_FromFormat(
-            "flatshard: during %s of fully_shard group '%U' (rank %d of %d)",
-            self->g.err_what ? self->g.err_what : "an operation", self->name, c->rank,
-            c->world_size);
-        PyObject *r = note ? PyObject_CallMethod(v, "add_note", "O", note) : NULL;
-        Py_XDECREF(r);
-        Py_XDECREF(note);
-        PyErr_Clear();
-    }
-    PyErr_Restore(t, v, tb);
-    return self->g.err_collective ? fs_comm_failed(self->comm) : NULL;
+    fs_comm *c = self->comm->comm;
+    PyObject *n = PyUnicode_FromFormat(
+        "flatshard: during %s of fully_shard group '%U' (rank %d of %d)",
+        self->g.err_what ? self->g.err_what : "an operation", self->name, c->rank,
+        c->world_size);
+    PyObject *r = fs_glue_failed(Py_TYPE(self), s, self->g.err, self->comm,
+                                 self->g.err_collective, n);
+    Py_XDECREF(n);
+    return r;
 }
 
 #define RUN(s, call)                   \
@@ -120,13 +104,9 @@ static PyObject *Dim0_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         Py_CLEAR(self);
         goto out;
     }
-    fs_link link = {self->comm->comm, &self->comm->ledger, self->comm->dev, NULL};
-    fs_link rep = {0};
-    if (self->replicate)
-        rep = (fs_link){self->replicate->comm, &self->replicate->ledger, self->replicate->dev,
-                        NULL};
     fs_status s = fs_dim0_init(&self->g, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
-                               link, rep, (int)n, d0, rn, gi, align, cdt, rdt);
+                               fs_glue_link(self->comm), fs_glue_link(self->replicate), (int)n,
+                               d0, rn, gi, align, cdt, rdt);
     self->ready = 1;
     if (s != FS_OK) {
         fs_raise(st, s, "Dim0Group %U: %s", name, self->g.err);

@@ -13,36 +13,18 @@
 /* ---------------------------------------------------------------------------
  * calling the engine */
 
-/* The device Comms' current streams, asked for once per call. */
 static int bind(UnitObject *self)
 {
-    if (fs_comm_bind_stream(self->comm) < 0 ||
-        (self->replicate && fs_comm_bind_stream(self->replicate) < 0))
-        return -1;
-    self->u.link.stream = self->comm->stream;
-    if (self->replicate)
-        self->u.replicate.stream = self->replicate->stream;
-    return 0;
+    return fs_glue_bind(self->comm, self->replicate, &self->u.link, &self->u.replicate);
 }
 
-/* Add "during <what> of unit ..." to the exception now set; returns NULL. */
-static PyObject *annotate(UnitObject *self, const char *what, int g)
+/* The note every unit error carries: which unit, operation, state, rank. */
+static PyObject *note(UnitObject *self, const char *what, int g)
 {
-    PyObject *t, *v, *tb;
-    PyErr_Fetch(&t, &v, &tb);
-    PyErr_NormalizeException(&t, &v, &tb);
-    if (v) {
-        fs_comm *c = self->comm->comm;
-        PyObject *note = PyUnicode_FromFormat(
-            "flatshard: during %s of unit '%U' (group %d, state %s, rank %d of %d)", what,
-            self->name, g, fs_unit_state_name(self->u.fsm.state), c->rank, c->world_size);
-        PyObject *r = note ? PyObject_CallMethod(v, "add_note", "O", note) : NULL;
-        Py_XDECREF(r);
-        Py_XDECREF(note);
-        PyErr_Clear(); /* a failed note must not hide the real error */
-    }
-    PyErr_Restore(t, v, tb);
-    return NULL;
+    fs_comm *c = self->comm->comm;
+    return PyUnicode_FromFormat(
+        "flatshard: during %s of unit '%U' (group %d, state %s, rank %d of %d)", what,
+        self->name, g, fs_unit_state_name(self->u.fsm.state), c->rank, c->world_size);
 }
 
 /* An engine status as None or an exception naming the unit and operation. */
@@ -51,13 +33,12 @@ static PyObject *done(UnitObject *self, fs_status s)
     if (s == FS_OK)
         Py_RETURN_NONE;
     fs_unit *u = &self->u;
-    if (s == FS_ERR_HOST && !PyErr_Occurred())
-        PyErr_SetString(PyExc_RuntimeError, "flatshard: a torch call failed without an error");
-    fs_raise(fs_state_from_type(Py_TYPE(self)), s, "%s", u->err);
-    if (s == FS_ERR_BAD_STATE) /* the state machine's own words say it all */
-        return NULL;
-    annotate(self, u->err_what ? u->err_what : "unit operation", u->err_group);
-    return u->err_collective ? fs_comm_failed(self->comm) : NULL;
+    PyObject *n = s == FS_ERR_BAD_STATE ? NULL /* the state machine's words say it all */
+                  : note(self, u->err_what ? u->err_what : "unit operation", u->err_group);
+    PyObject *r = fs_glue_failed(Py_TYPE(self), s, u->err, self->comm,
+                                 s != FS_ERR_BAD_STATE && u->err_collective, n);
+    Py_XDECREF(n);
+    return r;
 }
 
 #define RUN(self, s, call)             \
@@ -164,20 +145,14 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         g->padded_numel = pn;
     }
     Py_CLEAR(seq);
-    fs_link link = {self->comm->comm, &self->comm->ledger, self->comm->dev, NULL};
-    fs_link rep = {0};
-    if (self->replicate)
-        rep = (fs_link){self->replicate->comm, &self->replicate->ledger, self->replicate->dev,
-                        NULL};
-    fs_status s = fs_unit_init(&self->u, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty), link, rep,
+    fs_status s = fs_unit_init(&self->u, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
+                               fs_glue_link(self->comm), fs_glue_link(self->replicate),
                                strategy, grad_mask, gs, (int)n, offload);
     self->ready = 1;
     free(gs);
     gs = NULL;
     if (s != FS_OK) {
-        if (s == FS_ERR_HOST)
-            annotate(self, "construction", self->u.err_group);
-        else
+        if (s != FS_ERR_HOST)
             PyErr_Format(PyExc_ValueError, "Unit %U group %d: %s", name, self->u.err_group,
                          self->u.err);
         goto fail;

@@ -23,6 +23,17 @@ typedef struct {
  * of the owner's allocator callable (NULL there: host memory). */
 fs_env fs_glue_env(PyObject **empty);
 
+/* The streams of comm (and replicate, may be NULL) bound for one engine
+ * call, into link (and rep). -1 with an exception set. */
+int fs_glue_bind(CommObject *comm, CommObject *replicate, fs_link *link, fs_link *rep);
+/* The engine's view of a Comm (an empty link for NULL). */
+fs_link fs_glue_link(CommObject *comm);
+/* An engine failure as an exception: err's words (a host failure keeps its
+ * own exception), `note` added to it (may be NULL; a reference is not
+ * taken), and the ledger's account when it failed in a collective. NULL. */
+PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObject *comm,
+                         int collective, PyObject *note);
+
 /* py_unit_pool.c, [Note: pooled storage]: give a gathered buffer's storage
  * nbytes (from the host pool; a device's through resize_), or take them
  * away (0). -1 with an exception set on failure. */

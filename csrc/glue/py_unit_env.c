@@ -96,3 +96,42 @@ fs_env fs_glue_env(PyObject **empty)
 {
     return (fs_env){empty, env_data, env_set_storage, env_take, env_release, env_hold};
 }
+
+/* ---------------------------------------------------------------------------
+ * what the engine objects' glue shares (py_unit.c, py_dim0.c) */
+
+int fs_glue_bind(CommObject *comm, CommObject *replicate, fs_link *link, fs_link *rep)
+{
+    if (fs_comm_bind_stream(comm) < 0 || (replicate && fs_comm_bind_stream(replicate) < 0))
+        return -1;
+    link->stream = comm->stream;
+    if (replicate)
+        rep->stream = replicate->stream;
+    return 0;
+}
+
+fs_link fs_glue_link(CommObject *comm)
+{
+    fs_link l = {0};
+    if (comm)
+        l = (fs_link){comm->comm, &comm->ledger, comm->dev, NULL};
+    return l;
+}
+
+PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObject *comm,
+                         int collective, PyObject *note)
+{
+    if (s == FS_ERR_HOST && !PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "flatshard: a torch call failed without an error");
+    fs_raise(fs_state_from_type(tp), s, "%s", err);
+    if (note) { /* a failed note must not hide the real error */
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyErr_NormalizeException(&t, &v, &tb);
+        PyObject *r = v ? PyObject_CallMethod(v, "add_note", "O", note) : NULL;
+        Py_XDECREF(r);
+        PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+    }
+    return collective ? fs_comm_failed(comm) : NULL;
+}
