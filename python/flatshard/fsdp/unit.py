@@ -25,39 +25,10 @@ from .. import _C
 from ..errors import OutOfMemoryError, bad_value
 from ..options import BackwardPrefetch
 from . import zero1
+from ..runtime.heap import HEAP
 from .oom import oom_report
 
 _GRAD = _C.FLAG_GRAD_ENABLED
-
-
-class _HeapTrim:
-    """[Note: heap trim] What backward frees on the host (activations, each
-    unit's unsharded gradient) came from torch's allocator, that is the C
-    library's heap, which keeps it, while requests as large as a unit's
-    gradient are mapped anew beside it: the process grows by what the heap
-    holds free. After a unit's gradient is reduced the free pages are handed
-    back (_C.heap_trim) once TRIM_BYTES of units have been freed since the
-    last trim, when the unit that ran first in forward is done (only the
-    root's work is left, with its large gradients), and at the end of
-    backward. Not after every unit: a trim costs a walk of the heap, and the
-    pages it hands back are faulted in again by the next unit."""
-    TRIM_BYTES = 64 << 20
-
-    def __init__(self):
-        self.pending = 0
-
-    def freed(self, unit):
-        self.pending += sum(g.padded_numel * g.compute.element_size() for g in unit.groups)
-        prev = unit.root.previous_in_forward(unit) if unit.root is not None else None
-        if self.pending >= self.TRIM_BYTES or prev is None or prev.c.is_root:
-            self.trim()
-
-    def trim(self):
-        self.pending = 0
-        _C.heap_trim()
-
-
-_HEAP = _HeapTrim()
 
 
 def _is_alloc_failure(e):
@@ -81,6 +52,10 @@ class UnitRuntime:
         self.forward_prefetch = forward_prefetch
         self.shard_optim = shard_optim
         self.offload_params = offload_params
+        # what a reshard hands back, for the heap trim ([Note: heap trim])
+        self.gathered_bytes = sum(g.padded_numel * g.compute.element_size() for g in groups)
+        if cunit.comm.device is None:
+            HEAP.watch_steps()
         self.root = None          # RootState, set at lazy init
         self.sync_grads = True    # False inside no_sync()
         for g in groups:
@@ -261,7 +236,8 @@ class UnitRuntime:
             if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
                 self._prefetch_backward()
             if self.c.comm.device is None:
-                _HEAP.freed(self)
+                prev = self.root.previous_in_forward(self) if self.root is not None else None
+                HEAP.freed(self.gathered_bytes, prev is None or prev.c.is_root)
 
     def _new_out(self, g):
         """Where a first reduction lands: the shard gradient, or under
@@ -292,8 +268,11 @@ class UnitRuntime:
             cur = g.shard.grad
             if cur is None:
                 if self.no_shard and self.c.comm.world_size == 1 and \
-                        grad.dtype == g.dtype and grad.shape == g.shard.shape:
-                    g.shard.grad = grad  # one rank's mean gradient is its own: no copy
+                        grad.dtype == g.dtype == g.reduce_dtype and \
+                        grad.shape == g.shard.shape:
+                    # One rank's mean gradient is its own: no copy. (Another
+                    # reduce dtype rounds it through that dtype, as torch.)
+                    g.shard.grad = grad
                     return None, False, False, None
                 return self._new_out(g), False, defer, None
             if not self.shard_optim:
@@ -337,8 +316,8 @@ class UnitRuntime:
         # Between steps the host keeps only its model states: the pool's
         # cached blocks go back once no unit holds one ([Note: pool cache]).
         _C.pool_trim(True)
-        if self.c.comm.device is None and _HEAP.pending:
-            _HEAP.trim()
+        if self.c.comm.device is None and HEAP.pending:
+            HEAP.trim()
 
     def _reshard(self):
         self._clear_unsharded_views()

@@ -1,0 +1,45 @@
+"""The C library's heap on the host, handed back to the system at chosen points.
+
+[Note: heap trim] What backward frees on the host (activations, each unit's
+unsharded gradient) came from torch's allocator, that is the C library's
+heap, which keeps it, while requests as large as a unit's gradient are
+mapped anew beside it: the process grows by what the heap holds free. After
+a unit's gradient is reduced the free pages are handed back (_C.heap_trim)
+once TRIM_BYTES of units have been freed since the last trim, when the unit
+that ran first in forward is done (only the root's work is left, with its
+large gradients), at the end of backward, and after each optimizer step
+(whose temporaries the heap would keep between steps). Not after every unit:
+a trim costs a walk of the heap, and the pages it hands back are faulted in
+again by the next unit.
+"""
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .. import _C
+
+
+class HeapTrim:
+    TRIM_BYTES = 64 << 20
+
+    def __init__(self):
+        self.pending = 0
+        self._step_hook = None
+
+    def freed(self, nbytes, last):
+        """nbytes of a unit's buffers went back; last: only the root is left."""
+        self.pending += nbytes
+        if self.pending >= self.TRIM_BYTES or last:
+            self.trim()
+
+    def trim(self):
+        self.pending = 0
+        _C.heap_trim()
+
+    def watch_steps(self):
+        """Trim after every optimizer step from now on (torch's global step
+        post-hook, installed once per process by the first host unit)."""
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_post_hook(
+                lambda optimizer, args, kwargs: self.trim())
+
+
+HEAP = HeapTrim()
