@@ -97,7 +97,7 @@ def _summon_rank0_only_and_recurse(use_orig):
     inner = fs.blocks[0]
     with FSDP.summon_full_params(inner, recurse=False):  # not its nested unit blocks.0.inner
         inner_seen = {_plain(n): p.shape for n, p in inner.named_parameters()
-                      if not n.startswith("_fsdp_wrapped_module.inner.")}
+                      if not _plain(n).startswith("inner.")}
     return seen == shapes, inner_seen == {n[len("blocks.0."):]: s for n, s in shapes.items()
                                           if n.startswith("blocks.0.")
                                           and not n.startswith("blocks.0.inner.")}

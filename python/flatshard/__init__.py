@@ -51,8 +51,18 @@ from .state.consolidate import consolidate  # noqa: E402
 __all__ += ["consolidate"]
 
 # FSDP2's API: fully_shard and FSDPModule (fsdp2/).
-from .fsdp2 import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,  # noqa: E402
-                    OffloadPolicy, UnshardHandle, fully_shard, register_fsdp_forward_method)
+from .fsdp2 import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule,  # noqa: E402
+                    MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, fully_shard,
+                    register_fsdp_forward_method, share_comm_ctx)
 
 __all__ += ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-            "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+            "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims",
+            "share_comm_ctx"]
+
+# The rest of torch.distributed.fsdp's names: the optimizer state key type of
+# FSDP.rekey_optim_state_dict, and torch's FlatParameter class, which
+# flatshard's flat parameters are instances of (fsdp/flat_param.py).
+from .fsdp import FlatParameter  # noqa: E402
+from .options import OptimStateKeyType  # noqa: E402
+
+__all__ += ["OptimStateKeyType", "FlatParameter"]

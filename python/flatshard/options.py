@@ -59,6 +59,15 @@ class StateDictType(enum.Enum):
     SHARDED_STATE_DICT = enum.auto()
 
 
+class OptimStateKeyType(enum.Enum):
+    """What keys an optimizer state dict's "state" (and its param_groups'
+    "params") by, for FSDP.rekey_optim_state_dict: parameter names (what
+    FSDP.full_optim_state_dict gives) or parameter IDs (what
+    torch.optim.Optimizer.state_dict gives: positions in its param_groups)."""
+    PARAM_NAME = enum.auto()
+    PARAM_ID = enum.auto()
+
+
 @dataclass(frozen=True)
 class MixedPrecision:
     """torch FSDP1's MixedPrecision fields: param_dtype (forward and backward

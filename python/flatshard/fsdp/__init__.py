@@ -19,6 +19,7 @@ So this package is imported first (flatshard/__init__.py does), and api.py
 then finds state/ whole.
 """
 from .api import FSDP, FSDP_WRAPPED_MODULE, FullyShardedDataParallel
-from .flat_param import FLAT_PARAM
+from .flat_param import FLAT_PARAM, FlatParameter
 
-__all__ = ["FullyShardedDataParallel", "FSDP", "FSDP_WRAPPED_MODULE", "FLAT_PARAM"]
+__all__ = ["FullyShardedDataParallel", "FSDP", "FSDP_WRAPPED_MODULE", "FLAT_PARAM",
+           "FlatParameter"]

@@ -10,10 +10,12 @@ Same constructor signature, same module structure (`_fsdp_wrapped_module`,
   5. sync_module_states: broadcast parameters and buffers from rank 0;
   6. build the units, innermost first, the root last.
 Each unit flattens its parameters (flat_param.py) and hands them to a C unit
-(csrc/py_unit.c); unit.py connects it to torch's hooks. The state-dict,
+(the engine's unit, csrc/engine/unit.h); unit.py connects it to torch's hooks. The state-dict,
 summon and clipping methods delegate to state/state_dict.py,
 state/optim_state.py, summon.py and clip.py, which find the units through
-unit.py (`fsdp_units`) and never import this module.
+unit.py (`fsdp_units`) and never import this module; register_comm_hook
+checks the hook in comm_hook.py and rebuilds the C units with its reduce
+dtype.
 """
 import contextlib
 import dataclasses
@@ -24,7 +26,8 @@ from torch.utils._pytree import tree_map
 from torch.autograd import Variable
 
 from .. import _C
-from ..errors import ConfigError, ConfigTypeError, bad_type, bad_value, not_built
+from ..errors import (ConfigAssertionError, ConfigError, ConfigTypeError, StateError, bad_type,
+                      bad_value, not_built)
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency
 from ..runtime.comm import broadcast_
@@ -33,8 +36,8 @@ from ..runtime.order import ForwardOrder
 from ..state import optim_state
 from ..state import state_dict as state_dicts
 from ..tensors import DTYPE_CODES, check_plain, dtype_code
-from . import clip, config, summon
-from .flat_param import Alias, FlatGroup, flat_param_name
+from . import clip, comm_hook, config, summon
+from .flat_param import Alias, FlatGroup, flat_param_name, mark_flat_param
 from .groups import unit_comms
 from .unit import UnitRuntime
 from .wrap import targets
@@ -410,16 +413,22 @@ class FullyShardedDataParallel(nn.Module):
         grad_mask = sum(1 << g.index for g in groups if g.requires_grad)
         strategy = ShardingStrategy.NO_SHARD if no_shard else cfg.strategy
         shard_optim = strategy is ShardingStrategy.SHARD_OPTIM  # the engine's own strategy
-        cunit = _C.Unit(up.label, comm, strategy.value,
-                        [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel, g.padded_numel,
-                          g.lp, dtype_code(g.compute_dtype), dtype_code(g.reduce_dtype))
-                         for g in groups], grad_mask,
-                        empty=empty_fn(cfg.device) if comm.device else None,
-                        offload=host_shards, replicate=None if no_shard else replicate)
-        self._unit = UnitRuntime(up.label, cunit, groups, cfg.use_orig_params, no_shard,
+
+        def new_cunit():  # again after register_comm_hook changes the reduce dtype
+            return _C.Unit(up.label, comm, strategy.value,
+                           [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel,
+                             g.padded_numel, g.lp, dtype_code(g.compute_dtype),
+                             dtype_code(g.reduce_dtype)) for g in groups], grad_mask,
+                           empty=empty_fn(cfg.device) if comm.device else None,
+                           offload=host_shards, replicate=None if no_shard else replicate)
+        self._new_cunit = new_cunit
+        self._unit = UnitRuntime(up.label, new_cunit(), groups, cfg.use_orig_params, no_shard,
                                  cfg.backward_prefetch, cfg.forward_prefetch,
                                  shard_optim=shard_optim, offload_params=cfg.offload_params)
         self._unit.flat_param_module = module  # stays so under a checkpoint wrapper
+        cut = len(up.name) + 1 if up.name else 0
+        for g in groups:  # isinstance(g.shard, FlatParameter) is True, as in torch
+            mark_flat_param(g.shard, [a[0].fqn[cut:] for a in g.aliases], g.shapes, g.numels)
         if not cfg.use_orig_params:
             for g in groups:
                 module.register_parameter(flat_param_name(g.index), g.shard)
@@ -471,6 +480,85 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             for u, s in zip(units, saved):
                 u.sync_grads = s
+
+    def apply(self, fn):
+        """As torch's: fn(module) on every submodule (children first) and on
+        this module, with this FSDP module's full parameters shown and
+        written back to the shards afterwards; each FSDP module inside shows
+        its own while fn runs on its modules (parameter initialization after
+        wrapping). Not inside summon_full_params. Returns self."""
+        with summon.summon_full_params(self, recurse=False, writeback=True):
+            return nn.Module.apply(self, fn)
+
+    def named_parameters(self, *args, **kwargs):
+        """nn.Module.named_parameters (prefix, recurse, remove_duplicate);
+        inside summon_full_params the names carry no `_fsdp_wrapped_module.`,
+        as torch's."""
+        clean = self._unit.c.state == "SUMMON"
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield (name.replace(FSDP_WRAPPED_MODULE + ".", "") if clean else name), p
+
+    def named_buffers(self, *args, **kwargs):
+        """nn.Module.named_buffers, with names cleaned inside
+        summon_full_params as named_parameters'."""
+        clean = self._unit.c.state == "SUMMON"
+        for name, b in super().named_buffers(*args, **kwargs):
+            yield (name.replace(FSDP_WRAPPED_MODULE + ".", "") if clean else name), b
+
+    def check_is_root(self):
+        """Whether this is the root FSDP module: the outermost one, whose
+        forward runs the model's. As torch, the first call (like the first
+        forward) initializes lazily and makes this module the root of the
+        FSDP modules under it."""
+        root = self._root_state or self._lazy_init()
+        return root.owner is self
+
+    @staticmethod
+    def fsdp_modules(module, root_only=False):
+        """Every FSDP module under `module` (itself included), in
+        module.modules() order; with `root_only`, only the roots (which
+        initializes lazily, as check_is_root does)."""
+        if not isinstance(module, nn.Module):
+            raise bad_type("module", module, "an nn.Module")
+        if not isinstance(root_only, bool):
+            raise bad_type("root_only", root_only, "True or False")
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        return [m for m in found if m.check_is_root()] if root_only else found
+
+    def register_comm_hook(self, state, hook):
+        """Register torch's communication hook (`hook`, with its `state`) for
+        the gradient reduction of every FSDP module under this one, the
+        root, before the first forward. Honoured through the engine's own
+        reduction, so only torch's default hooks
+        (torch.distributed.algorithms._comm_hooks.default_hooks) are taken:
+        allreduce_hook (NO_SHARD) and reduce_scatter_hook (sharded) with a
+        DefaultState over the model's process group average as the engine
+        does already; fp16_compress_hook / bf16_compress_hook with a
+        LowPrecisionState reduce in float16 / bfloat16 and cast back to the
+        parameters' dtype. Any other hook is refused with a NotBuiltError
+        (see flatshard/fsdp/comm_hook.py)."""
+        if not self.check_is_root():
+            raise ConfigAssertionError("flatshard: register_comm_hook can only be called on a "
+                                       "root instance (as in torch)")
+        units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        dtype = comm_hook.plan(units, state, hook)
+        if dtype is not None:
+            busy = [fs._unit.name for fs in units if fs._unit.c.state != "IDLE" or
+                    fs._unit.c.reduce_pending or
+                    (fs._unit.c.is_unsharded and not fs._unit.no_shard)]
+            if busy:
+                raise StateError(f"flatshard: register_comm_hook() needs every unit idle and "
+                                 f"resharded, but units {busy} are not: register it before "
+                                 "the first forward (as torch asks)")
+            for fs in units:  # the engine's reduce dtype, for every floating group
+                for g in fs._unit.groups:
+                    if g.dtype.is_floating_point:
+                        g.reduce_dtype = dtype
+                old, new = fs._unit.c, fs._new_cunit()
+                new.is_root = old.is_root
+                fs._unit.c = new
+        for fs in units:
+            fs.__dict__["_flatshard_comm_hook"] = (hook, state)
 
     @property
     def module(self):
@@ -567,11 +655,91 @@ class FullyShardedDataParallel(nn.Module):
         return optim_state.optim_state_dict_to_load(model, optim, optim_state_dict,
                                                     is_named_optimizer, load_directly, group)
 
+    # torch FSDP1's older optimizer-state API (deprecated in torch, kept with
+    # its meaning: state/optim_state.py). Each warns as torch does.
+
+    @staticmethod
+    def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):
+        """The optimizer's whole state keyed by the plain model's parameter
+        names (FULL, whatever the model's state dict type), on rank 0 only
+        with `rank0_only` (the other ranks get {}). optim: the optimizer over
+        model's parameters; optim_input: torch's deprecated argument (the
+        parameters or parameter groups given to the optimizer, which then
+        give the IDs); group: the model's process group or None.
+        Collective."""
+        _refuse_disk_offload(optim)
+        return optim_state.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
+
+    @staticmethod
+    def sharded_optim_state_dict(model, optim, group=None):
+        """The optimizer's state keyed by parameter names, each per-element
+        value a DTensor holding this rank's Shard(0) chunk (torch gives
+        ShardedTensors here; flatshard's SHARDED form is DTensors
+        throughout). model, optim, group: as in full_optim_state_dict.
+        Collective."""
+        _refuse_disk_offload(optim)
+        return optim_state.sharded_optim_state_dict(model, optim, group)
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict, model, optim_input=None, optim=None):
+        """full_optim_state_dict (from FSDP.full_optim_state_dict, on every
+        rank) -> this rank's optimizer state dict, keyed by parameter IDs,
+        for optim.load_state_dict, on any world size. IDs: positions in
+        optim's param_groups when `optim` is given, else in optim_input
+        (torch's deprecated argument) or model.parameters()."""
+        _refuse_disk_offload(optim)
+        return optim_state.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input,
+                                                       optim)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim):
+        """sharded_optim_state_dict (from FSDP.sharded_optim_state_dict) ->
+        this rank's optimizer state dict for optim.load_state_dict (model:
+        the wrapped model; optim: its optimizer). Collective: the DTensors
+        are gathered."""
+        _refuse_disk_offload(optim)
+        return optim_state.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model,
+                                                            optim)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input=None, optim=None,
+                                      group=None):
+        """As shard_full_optim_state_dict, with full_optim_state_dict read on
+        rank 0 only (the other ranks may pass None) and sent to the others
+        over the model's process group (`group`, or None). model, optim_input,
+        optim: as there. Collective."""
+        _refuse_disk_offload(optim)
+        return optim_state.scatter_full_optim_state_dict(full_optim_state_dict, model,
+                                                         optim_input, optim, group)
+
+    @staticmethod
+    def rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input=None,
+                               optim=None):
+        """optim_state_dict keyed by parameter names <-> by parameter IDs
+        (optim_state_key_type: OptimStateKeyType.PARAM_NAME or PARAM_ID,
+        flatshard's or torch's), for `model`, wrapped or plain: e.g. a full
+        optimizer state dict made loadable into the plain model's optimizer.
+        IDs: positions in optim's param_groups when `optim` is given, else in
+        optim_input or model.parameters(). A flat parameter (use_orig_params
+        =False) holding several parameters has no single name: refused, as
+        in torch."""
+        return optim_state.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model,
+                                                  optim_input, optim)
+
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Clip the gradient of the whole model (all units, all ranks) to
         max_norm; returns the total norm before clipping (torch FSDP1's call).
         norm_type: 2.0, inf, or any positive p. Call it on the root."""
         return clip.clip_grad_norm_(self, max_norm, norm_type)
+
+
+def _refuse_disk_offload(optim):
+    """The older optimizer-state API always gathers (or scatters) the moments,
+    which a DiskOffload optimizer keeps in files."""
+    if getattr(optim, "offload", None) is not None:
+        raise not_built("optim", f"{type(optim).__name__}(offload=DiskOffload(...))", "its "
+                        "moments are in files, which full and sharded optimizer state dicts "
+                        "do not gather; save optim.state_dict() on every rank")
 
 
 def _check_disk_offload(model, optim):

@@ -12,6 +12,7 @@ rank's shard are 16-byte aligned (vector loads, and what NCCL prefers).
 """
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FlatParameter
 
 from .. import _C
 from ..tensors import dtype_code

@@ -1,13 +1,18 @@
 """fully_shard (torch FSDP2's API) on flatshard's core: the public call and
 FSDPModule (api.py), one group's sharded parameters and collectives
 (param.py), the per-module hooks and state (state.py), and torch's
-all-gather extension protocol for tensor subclasses (extension.py).
+all-gather extension protocol for tensor subclasses (extension.py),
+fully_shard's dp_mesh_dims (dp_mesh.py) and share_comm_ctx (comm_ctx.py).
 
 Imports: the leaves (errors, tensors) and runtime/; nothing of fsdp/,
 state/, plan/, optim/ or memory.py (the two wrappers share only runtime/).
 """
+from torch.distributed.fsdp import DataParallelMeshDims
+
 from .api import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                   UnshardHandle, fully_shard, register_fsdp_forward_method)
+from .comm_ctx import share_comm_ctx
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-           "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+           "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims",
+           "share_comm_ctx"]

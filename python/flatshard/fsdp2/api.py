@@ -21,17 +21,21 @@ all-reduce of the gradient shards over the outer dim. An int
 reshard_after_forward k keeps the parameters sharded over groups of k ranks
 between forward and backward, and backward gathers them within that group.
 """
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ConfigAssertionError, bad_type, bad_value, not_built
 from ..runtime import cuda
 from ..runtime.comm import backend_for_device, comm_for, requested_backend
 from ..tensors import check_plain
+from . import dp_mesh
 from .extension import has_extension
 from .param import ParamGroup
 from .state import STATE_ATTR, FSDPState, state_of
@@ -42,7 +46,7 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-class UnshardHandle:
+class UnshardHandle(_TorchUnshardHandle):
     """What unshard(async_op=True) returns. On a CUDA device the all-gather
     may still be running: wait() makes the current stream wait for it (so
     does the module's next forward). On CPU it has completed already."""
@@ -85,6 +89,13 @@ class FSDPModule:
 
     def reshard(self):
         self._fsdp_state().reshard()
+
+    def _set_unshard_async_op(self, async_op):
+        """torch's private switch, which its own code paths call: the
+        pre-forward and pre-backward gathers of this module and the FSDP
+        modules inside it are issued with async_op and waited for at once."""
+        for m in self._fsdp_modules(True):
+            m._fsdp_state().unshard_async_op = async_op
 
     def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
         """`requires_gradient_sync=False`: backward accumulates unreduced
@@ -150,6 +161,141 @@ class FSDPModule:
         (for modules whose parameters backward does not use)."""
         _check_bool("unshard_in_backward", unshard_in_backward)
         self._fsdp_state().unshard_in_backward = unshard_in_backward
+
+    def reset_iter_state(self):
+        """After an exception aborted a forward or backward: call it on the
+        root, then train on. A reduction in flight is waited for (its
+        gradients land, as in torch); every group is resharded; what the
+        failed iteration left is dropped: its unreduced gradients, those
+        accumulated without gradient sync, the parameters whose gradients
+        had arrived, and the root's end-of-backward callback, which the
+        autograd engine dropped. On a module that is not the root: a
+        RuntimeError, as in torch."""
+        st = self._fsdp_state()
+        if st.is_root is False:
+            raise RuntimeError("flatshard: reset_iter_state must be called on the root FSDP "
+                               "module")
+        if st.is_root:
+            st.finish_reducing()
+            st.callback_queued = False
+            st.prefetched = []
+        for s in st.states or [st]:
+            s.ready.clear()
+            g = s.group
+            if g is None:
+                continue
+            g.reshard()
+            g.accumulated = [None] * len(g.accumulated)
+            for p in g.unsharded or ():
+                if p is not None:
+                    p.grad = None
+
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        """HSDP (a 2-D mesh): whether backward all-reduces the reduce-scattered
+        gradients across the replicas. Without one (a 1-D mesh) there is
+        nothing to all-reduce and the flag changes nothing, as in torch.
+        requires_all_reduce=False on an HSDP module (gradient accumulation
+        with reduce-scatter only) is not built: a NotBuiltError (it would
+        keep partial sums the engine does not hold). `recurse`: also the FSDP
+        modules inside this one."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        _check_bool("recurse", recurse)
+        if not requires_all_reduce:
+            for m in self._fsdp_modules(recurse):
+                g = m._fsdp_state().group
+                if g is not None and g.replicate_comm is not None:
+                    raise not_built("requires_all_reduce", requires_all_reduce,
+                                    f"{type(m).__name__} is sharded over a 2-D mesh (HSDP), and "
+                                    "reduce-scattering without the replicas' all-reduce is not "
+                                    "built", "use set_requires_gradient_sync(False) to "
+                                    "accumulate without any communication")
+
+    def set_custom_all_gather(self, comm):
+        """torch's hook to replace the all-gather (`comm`: an AllGather). The
+        engine gathers with its own collective and buffers, so this is not
+        built: a NotBuiltError."""
+        raise not_built("comm", type(comm).__name__, "set_custom_all_gather: flatshard's "
+                        "engine runs its own all-gather into its own buffers",
+                        "drop the call (the default all-gather is used)")
+
+    def set_custom_reduce_scatter(self, comm):
+        """torch's hook to replace the reduce-scatter (`comm`: a
+        ReduceScatter). Not built: a NotBuiltError, as set_custom_all_gather."""
+        raise not_built("comm", type(comm).__name__, "set_custom_reduce_scatter: flatshard's "
+                        "engine runs its own reduce-scatter from its own buffers",
+                        "drop the call (the default reduce-scatter is used)")
+
+    def set_all_reduce_hook(self, hook, *, stream=None):
+        """torch's hook run on each reduced gradient (`hook`, on `stream`).
+        The engine calls no Python between its reduction and the sharded
+        gradients, so this is not built: a NotBuiltError."""
+        raise not_built("hook", getattr(hook, "__qualname__", type(hook).__name__),
+                        "set_all_reduce_hook: flatshard's engine writes the sharded gradients "
+                        "in the same call as its reduction and calls no Python in between",
+                        "apply the hook's work to the sharded gradients after backward")
+
+    def set_reduce_scatter_divide_factor(self, factor):
+        """Deprecated in torch: set_gradient_divide_factor(factor), with a
+        FutureWarning."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated (in torch too): use "
+                      "set_gradient_divide_factor", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable):
+        """torch: reduce with plain sums only, scaling before or after. The
+        engine always does (a sum, divided before for float16 and after
+        otherwise), so either value keeps its results. `enable`: a bool."""
+        _check_bool("enable", enable)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params, *, recurse=True):
+        """torch: with reduce_scatter_unused_params=True, parameters that got
+        no gradient in backward take a zero one in the reduce-scatter, so
+        every rank's sharded gradient exists. False (torch's default) is what
+        flatshard does; True is not built: a NotBuiltError. `recurse`: the
+        FSDP modules inside this one too."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        _check_bool("recurse", recurse)
+        if reduce_scatter_unused_params:
+            raise not_built("reduce_scatter_unused_params", True, "sharded gradients of "
+                            "parameters that got no gradient are not written",
+                            "give every parameter a gradient (e.g. add 0 * p.sum() to the "
+                            "loss)")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers, *, recurse=True):
+        """torch (CUDA): how many reduce-scatter input buffers may be in
+        flight. Only memory and overlap change; on CPU the reductions finish
+        before backward goes on, and on a device flatshard keeps one
+        reduction in flight, so max_input_buffers is checked (an int >= 1)
+        and has no effect. `recurse`: accepted for torch's API."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise bad_type("max_input_buffers", max_input_buffers, "an int")
+        if max_input_buffers < 1:
+            raise bad_value("max_input_buffers", max_input_buffers, "expected a positive int")
+        _check_bool("recurse", recurse)
+
+    def set_separate_reduce_scatter_group(self, enable=True, *, recurse=True):
+        """torch (CUDA): run the reduce-scatter on its own process group so
+        it overlaps the all-gather. Only speed changes; flatshard's
+        collectives are ordered on one stream per Comm, so `enable` is
+        checked (a bool) and has no effect. `recurse`: accepted for torch's
+        API."""
+        _check_bool("enable", enable)
+        _check_bool("recurse", recurse)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable):
+        """torch (CUDA, NCCL): allocate the collectives' staging buffers from
+        the process group's allocator. Only memory placement changes; the
+        engine allocates its own buffers, so `enable` is checked (a bool)
+        and has no effect (nothing to do on CPU)."""
+        _check_bool("enable", enable)
+
+    def set_symm_mem_for_comm(self, backend="NCCL"):
+        """torch (CUDA): symmetric-memory staging buffers for the
+        all-gather. Only memory placement and speed change; `backend` is
+        checked ("NCCL", the only one torch has) and has no effect (nothing
+        to do on CPU)."""
+        if backend != "NCCL":
+            raise bad_value("backend", backend, 'only "NCCL" is a symmetric memory backend')
 
     def _apply(self, *args, **kwargs):
         # to_empty(), to(), float()...: the sharded parameters may be new objects.
@@ -353,7 +499,7 @@ def _fsdp_class(cls):
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
-                ignored_params=None):
+                ignored_params=None, dp_mesh_dims=None):
     """Shard `module`'s parameters (those not already in a group) over `mesh`
     on dim 0; returns `module`, whose class is now an FSDPModule subclass.
     A list of modules makes one group of all their parameters (e.g. the
@@ -373,7 +519,11 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                            reduce_dtype, output_dtype, cast_forward_inputs).
     offload_policy         OffloadPolicy() (none) or CPUOffloadPolicy().
     ignored_params         parameters left out of the group (neither sharded
-                           nor reduced)."""
+                           nor reduced).
+    dp_mesh_dims           torch's DataParallelMeshDims (`mesh` the full SPMD
+                           mesh, the parameters DTensors on it): not built,
+                           refused with a NotBuiltError (fsdp2/dp_mesh.py);
+                           None (the default) only."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise bad_value("module", module, "expected a module or a non-empty list of modules")
@@ -390,6 +540,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     _check_mp(mp_policy)
     _check_offload(offload_policy)
     ignored = _check_ignored(ignored_params)
+    if dp_mesh_dims is not None:  # torch's checks, then a NotBuiltError
+        dp_mesh.check(mesh, dp_mesh_dims)
     params, aliases, names = _collect(modules, ignored)
     on_cuda = any(p.device.type == "cuda" for p in params)
     mesh = _check_mesh(mesh, "cuda" if on_cuda else "cpu")

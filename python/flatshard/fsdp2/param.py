@@ -12,13 +12,20 @@ engine's buffer, and the gradients torch hands over.
 The unsharded parameters are leaf nn.Parameters that alias one flat buffer
 per group. Resharding frees that buffer's storage and unsharding refills it
 in place, so tensors autograd saved in forward see the data again in
-backward.
+backward. As in torch's fully_shard, the modules hold the unsharded
+parameters (plain nn.Parameters) from unshard to reshard and the DTensor
+shards otherwise; what was assigned to them meanwhile (load_state_dict with
+assign=True, set_model_state_dict on a meta model, a cast) is adopted as the
+new shards before the next gather.
 """
+import itertools
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C
+from ..errors import ConfigError
 from ..runtime.device import empty_fn
 from ..tensors import dtype_code
 from .extension import Extension, has_extension
@@ -36,38 +43,32 @@ class ParamGroup:
         self.aliases = aliases
         self.world = comm.world_size
         self.rank = comm.rank
-        self.dtype = params[0].dtype
+        self.mp = mp_policy
         self.shapes = [p.shape for p in params]
-        floating = self.dtype.is_floating_point
-        self.compute_dtype = (mp_policy.param_dtype or self.dtype) if floating else self.dtype
-        self.reduce_dtype = (mp_policy.reduce_dtype or self.compute_dtype) if floating \
-            else self.dtype
-        align = _C.align_numel(torch.empty((), dtype=self.compute_dtype).element_size())
+        self.label = ",".join(names) if names else "fully_shard"
+        self.names = names or [str(i) for i in range(len(params))]
         # Parameters whose class all-gathers for itself (extension.py): no
         # room in the gather block nor in the unsharded buffer, but their
         # plain gradients take the reduce-scatter with the rest.
-        ext = [has_extension(p) for p in params]
-        device = params[0].device
-        self.c = _C.Dim0Group(
-            ",".join(names) if names else "fully_shard", comm,
-            [s[0] if len(s) else 1 for s in self.shapes],
-            [int(torch.Size(s[1:]).numel()) for s in self.shapes], [not x for x in ext], align,
-            dtype_code(self.compute_dtype), dtype_code(self.reduce_dtype),
-            empty=empty_fn(device) if comm.device is not None else None,
-            replicate=replicate_comm)
-        self.entries = self.c.entries     # this rank's rows of each parameter (layout.c)
-        self.offsets = self.c.offsets     # each parameter's start in the unsharded buffer
-        self.full_alloc = self.c.full_alloc
-        names = names or [str(i) for i in range(len(params))]
-        self.ext = {i: Extension(p, names[i], aliases[i][0][0], mp_policy,
+        self.gathered = [not has_extension(p) for p in params]
+        self.c = None
+        self.count_base = {}   # collectives of the engine groups replaced by a cast
+        self._build_engine(params[0].dtype, params[0].device)
+        self.ext = {i: Extension(p, self.names[i], aliases[i][0][0], mp_policy,
                                  self.entries[i].chunk_rows)
-                    for i, p in enumerate(params) if ext[i]}
+                    for i, p in enumerate(params) if not self.gathered[i]}
         self.full = None       # flat unsharded buffer (compute dtype), made at first unshard
         self.unsharded = None  # its per-parameter leaf Parameters
+        # which of the two the modules hold (None: the originals, until
+        # fully_shard registers the shards)
+        self.registered_unsharded = None
         # [Note: accumulation dtype] Without gradient sync, unreduced gradients
         # are summed in the reduce dtype (float32 under bf16 param_dtype), as
         # torch's FSDP2 does: bf16 sums would lose bits every microbatch.
         self.accumulated = [None] * len(params)
+        # Each original parameter's id for life (torch marks it the same way),
+        # so that one tied between two groups is found at lazy init.
+        self.uids = [_uid(p) for p in params]
         self.sharded = [self._shard(i, p) for i, p in enumerate(params)]
         self._shards_to_engine()
         self.divide_factor = None
@@ -77,14 +78,43 @@ class ParamGroup:
         self.post_chunk = None
         self.reducing = None   # a deferred reduction to finish: which grads it writes
 
+    def _build_engine(self, dtype, device):
+        """The engine's group for parameters of `dtype` (its compute and
+        reduce dtypes are fixed at construction): made at init, and again
+        when a cast changed them (model.to(torch.float64) after fully_shard)."""
+        floating = dtype.is_floating_point
+        compute = (self.mp.param_dtype or dtype) if floating else dtype
+        reduce = (self.mp.reduce_dtype or compute) if floating else dtype
+        self.dtype = dtype
+        if self.c is not None and (compute, reduce) == (self.compute_dtype, self.reduce_dtype):
+            return
+        if self.c is not None:
+            for k, v in self.c.counts.items():
+                self.count_base[k] = self.count_base.get(k, 0) + v
+        self.compute_dtype, self.reduce_dtype = compute, reduce
+        align = _C.align_numel(torch.empty((), dtype=compute).element_size())
+        self.c = _C.Dim0Group(
+            self.label, self.comm,
+            [s[0] if len(s) else 1 for s in self.shapes],
+            [int(torch.Size(s[1:]).numel()) for s in self.shapes], self.gathered, align,
+            dtype_code(compute), dtype_code(reduce),
+            empty=empty_fn(device) if self.comm.device is not None else None,
+            replicate=self.replicate_comm)
+        self.entries = self.c.entries     # this rank's rows of each parameter (layout.c)
+        self.offsets = self.c.offsets     # each parameter's start in the unsharded buffer
+        self.full_alloc = self.c.full_alloc
+
     # the engine's counts
     is_unsharded = property(lambda self: self.c.is_unsharded)
     pending = property(lambda self: True if self.c.gather_pending else None)
-    n_all_gathers = property(lambda self: self.c.counts["all_gather"])
-    n_post_gathers = property(lambda self: self.c.counts["post_gather"])
-    n_reduce_scatters = property(lambda self: self.c.counts["reduce_scatter"])
-    n_deferred = property(lambda self: self.c.counts["deferred_gather"])
-    n_deferred_reduces = property(lambda self: self.c.counts["deferred_reduce"])
+    n_all_gathers = property(lambda self: self._count("all_gather"))
+    n_post_gathers = property(lambda self: self._count("post_gather"))
+    n_reduce_scatters = property(lambda self: self._count("reduce_scatter"))
+    n_deferred = property(lambda self: self._count("deferred_gather"))
+    n_deferred_reduces = property(lambda self: self._count("deferred_reduce"))
+
+    def _count(self, kind):
+        return self.c.counts[kind] + self.count_base.get(kind, 0)
 
     # ------------------------------------------------------------------
     # sharded parameters
@@ -111,32 +141,113 @@ class ParamGroup:
                     self.sharded[i]._local_tensor = t = t.contiguous()
                 locals_[i] = t
         self.c.set_shards(locals_, [dtype_code(t.dtype) for t in locals_])
+        # what the engine reads, to see later whether the module swapped it
+        self.engine_locals = [self.local(i) for i in range(len(self.sharded))]
 
     def local(self, i):
         return self.sharded[i]._local_tensor
 
-    def refresh_sharded(self):
-        """After nn.Module._apply (to_empty, to, float...): re-read the
-        registered sharded parameters, which may be new objects."""
-        self.wait_unsharded()
+    def sync_registered(self):
+        """Before a gather: adopt what was assigned to the modules since the
+        shards were registered (load_state_dict(assign=True),
+        set_model_state_dict on a meta model, module.to_empty(), a cast of a
+        submodule, `param.data = ...`) as the new shards, as torch's
+        fully_shard does. Returns whether anything changed."""
+        if self.registered_unsharded:
+            return False
         for i, aliases in enumerate(self.aliases):
             m, attr = aliases[0]
-            p = m._parameters[attr]
-            self.sharded[i] = p
-            for m2, a2 in aliases[1:]:
-                m2._parameters[a2] = p
-        self._shards_to_engine()
-        if self.full is not None:
+            p = m._parameters.get(attr)
+            if p is not self.sharded[i] or \
+                    getattr(p, "_local_tensor", None) is not self.engine_locals[i]:
+                self.refresh_sharded()
+                return True
+        return False
+
+    def refresh_sharded(self):
+        """Re-read the registered sharded parameters (after nn.Module._apply:
+        to_empty, to, float...; or an assignment): they may be new objects,
+        hold new local tensors or have a new dtype (then a new engine group
+        for the new compute dtype). Every alias of a parameter gets the one
+        registered first (a tie within the group survives assign=True)."""
+        self.wait_unsharded()
+        if self.c.is_unsharded:
             self.c.reshard()
-            self.full, self.unsharded = None, None
+        new = [self._assigned(i) for i in range(len(self.aliases))]
+        dtypes = {p.dtype for p in new}
+        if len(dtypes) > 1:
+            found = ", ".join(f"{n}: {p.dtype}" for n, p in zip(self.names, new))
+            raise ConfigError(
+                f"flatshard: fully_shard group {self.label}: its parameters now have several "
+                f"dtypes ({found}); one group needs one dtype (FSDP expects uniform original "
+                "parameter dtype). Cast the whole FSDP module (module.to(dtype)), not a part")
+        self.sharded = new
+        self._register(self.sharded)
+        device = next((p._local_tensor.device for p in new if not p._local_tensor.is_meta),
+                      new[0]._local_tensor.device)
+        old = self.reduce_dtype
+        self._build_engine(new[0].dtype, device)
+        if self.reduce_dtype != old:
+            self.accumulated = [a.to(self.reduce_dtype) if a is not None else None
+                                for a in self.accumulated]
+        self._shards_to_engine()
+        self.full, self.unsharded = None, None
         for x in self.ext.values():
             x.reset()
         self.post_chunk = None
 
+    def _assigned(self, i):
+        """The parameter now registered as parameter i, checked to be a shard
+        of it as fully_shard made them (mesh, placements, shape, rows)."""
+        m, attr = self.aliases[i][0]
+        p = m._parameters.get(attr)
+        name = self.names[i]
+        if not isinstance(p, DTensor):
+            what = "removed" if p is None else f"replaced by a {type(p).__name__}"
+            raise ConfigError(
+                f"flatshard: parameter {name} of a fully_shard module was {what}; a parameter "
+                "assigned after fully_shard must be a DTensor sharded as the one it replaces. "
+                "Load with load_state_dict(sd, assign=True) where each value is "
+                "distribute_tensor(full, model.state_dict()[key].device_mesh, "
+                "model.state_dict()[key].placements), or use torch.distributed.checkpoint."
+                "state_dict.set_model_state_dict")
+        if p.shape != self.shapes[i] or p.device_mesh != self.mesh or \
+                tuple(p.placements) != tuple(self.placements):
+            raise ConfigError(
+                f"flatshard: parameter {name} was assigned a DTensor of shape {tuple(p.shape)} "
+                f"with placements {tuple(p.placements)} on {p.device_mesh}; fully_shard holds it "
+                f"as shape {tuple(self.shapes[i])}, placements {tuple(self.placements)} on "
+                f"{self.mesh}. Distribute the new value to the old one's mesh and placements")
+        rows = self.entries[i].local_rows
+        local = p._local_tensor
+        if self.gathered[i] and (local.dim() == 0 or local.shape[0] != rows):
+            raise ConfigError(
+                f"flatshard: parameter {name} was assigned a DTensor whose local shard has "
+                f"shape {tuple(local.shape)}; this rank holds {rows} rows of it (torch.chunk's "
+                "rule, Shard(0)). Build it with distribute_tensor or DTensor.from_local of "
+                "those rows")
+        return p
+
     def register_sharded(self):
-        for p, aliases in zip(self.sharded, self.aliases):
+        """The modules hold the sharded DTensor parameters (after reshard)."""
+        if self.registered_unsharded is not False:
+            self._register(self.sharded)
+
+    def _register(self, params):
+        for p, aliases in zip(params, self.aliases):
             for m, attr in aliases:
                 m._parameters[attr] = p
+        self.registered_unsharded = params is self.unsharded
+
+    def register_unsharded(self):
+        """The modules hold the unsharded parameters, plain nn.Parameters (as
+        torch's fully_shard registers them between unshard and reshard).
+        requires_grad follows the sharded parameter's (the user may have
+        changed it)."""
+        for up, sp in zip(self.unsharded, self.sharded):
+            if up.requires_grad != sp.requires_grad:
+                up.requires_grad_(sp.requires_grad)
+        self._register(self.unsharded)
 
     # ------------------------------------------------------------------
     # unshard / reshard
@@ -170,11 +281,11 @@ class ParamGroup:
         if self.post_chunk is not None:  # the smaller group holds it all: gather from there
             self.c.unshard_from(self.post_comm, self.post_chunk)
             self.post_chunk = None
-            self.set_views()
+            self.register_unsharded()
             return
         self._unshard_extensions()
         self.c.unshard(defer)
-        self.set_views()
+        self.register_unsharded()
 
     def _unshard_extensions(self):
         """Each extension parameter's own all-gather and rebuild (done at
@@ -199,24 +310,8 @@ class ParamGroup:
     def n_trainable(self):
         return sum(p.requires_grad for p in self.sharded)
 
-    def set_views(self):
-        """The unsharded parameters shadow the registered (sharded) ones as
-        instance attributes: module.weight is the full tensor in forward,
-        while named_parameters() keeps giving the DTensors. requires_grad
-        follows the sharded parameter's (the user may have changed it)."""
-        for up, sp, aliases in zip(self.unsharded, self.sharded, self.aliases):
-            if up.requires_grad != sp.requires_grad:
-                up.requires_grad_(sp.requires_grad)
-            for m, attr in aliases:
-                m.__dict__[attr] = up
-
-    def clear_views(self):
-        for aliases in self.aliases:
-            for m, attr in aliases:
-                m.__dict__.pop(attr, None)
-
     def reshard(self):
-        self.clear_views()
+        self.register_sharded()
         self.post_chunk = None
         if self.c.is_unsharded:
             self.c.reshard()  # a pending gather is waited for first
@@ -311,6 +406,17 @@ class ParamGroup:
             self.c.finish_reduce()
         for i, out in fresh:
             self.sharded[i].grad = _like(out, self.sharded[i])
+
+
+_UIDS = itertools.count()
+
+
+def _uid(p):
+    """A number that stays with the original parameter object for life."""
+    uid = getattr(p, "_flatshard_fsdp2_uid", None)
+    if uid is None:
+        uid = p._flatshard_fsdp2_uid = next(_UIDS)
+    return uid
 
 
 def _like(local, param):

@@ -16,6 +16,10 @@ Hooks (all public torch APIs):
   end of backward  the root's callback on the autograd engine: groups whose
                  parameters did not all get a gradient (unused parameters) are
                  reduced and resharded here.
+  state dict     state-dict and load-state-dict pre-hooks on the modules that
+                 hold the group's parameters: reshard, so that both see the
+                 DTensor shards (from unshard to reshard the modules hold the
+                 unsharded parameters, as with torch's fully_shard).
 """
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -50,6 +54,7 @@ class FSDPState:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.unshard_in_backward = True
+        self.unshard_async_op = False     # FSDPModule._set_unshard_async_op
         self.is_last_backward = True
         self.forward_prefetch = None      # None: implicit (see _implicit), else the user's list
         self.backward_prefetch = None
@@ -72,6 +77,12 @@ class FSDPState:
                                                  with_kwargs=True),
                 module.register_forward_hook(self._post_forward_hook),
             ]
+        # state_dict() and load_state_dict() see the sharded parameters, as
+        # with torch: the modules holding this group's parameters reshard first.
+        holders = {} if group is None else {id(m): m for al in group.aliases for m, _ in al}
+        for m in holders.values():
+            self.handles += [m.register_state_dict_pre_hook(self._to_sharded_hook),
+                             m.register_load_state_dict_pre_hook(self._to_sharded_hook)]
 
     # ------------------------------------------------------------------
     # lazy init
@@ -89,6 +100,31 @@ class FSDPState:
             if st.reshard_after_forward_arg is None:  # True, except for the root
                 st.reshard_after_forward = st is not self
             self.states.append(st)
+        self._check_no_shared_params()
+
+    def _check_no_shared_params(self):
+        """A parameter tied between modules given to separate fully_shard
+        calls became two groups' parameters: refused at the first forward
+        with torch's ValueError and words, naming the second one found."""
+        prefixes = {}
+        for top in self.modules:
+            for name, m in top.named_modules():
+                prefixes.setdefault(m, name + "." if name else "")
+        seen = set()
+        for st in self.states:
+            g = st.group
+            if g is None:
+                continue
+            for uid, aliases in zip(g.uids, g.aliases):
+                if uid in seen:
+                    m, attr = aliases[0]
+                    fqn = prefixes.get(m, "") + attr
+                    raise ConfigError(
+                        f"flatshard: Parameter '{fqn}' is shared with a parameter already "
+                        "managed by another FSDP group. For shared/tied parameters, use "
+                        "fully_shard([module_a, module_b]) to place them in the same FSDP "
+                        "group.")
+                seen.add(uid)
 
     # ------------------------------------------------------------------
     # unshard with the post-backward hooks attached
@@ -102,11 +138,17 @@ class FSDPState:
         if g.is_unsharded:  # waits for a pending gather, unless this is a prefetch too
             g.unshard(defer)
             return
-        if g.local(0).is_meta:
+        if g.post_chunk is None:
+            g.sync_registered()  # parameters assigned since: the new shards
+        meta = [] if g.full is not None else \
+            [n for i, n in enumerate(g.names) if g.local(i).is_meta]
+        if meta:
             raise ConfigError(
                 f"flatshard: fully_shard module {type(self.modules[0]).__name__} still has its "
-                "parameters on the meta device; call module.to_empty(device='cpu') and "
-                "reset_parameters() on its submodules before the first forward or unshard")
+                f"parameters on the meta device ({', '.join(meta)}); load them with "
+                "load_state_dict(sd, assign=True) or torch.distributed.checkpoint.state_dict."
+                "set_model_state_dict, or call module.to_empty(device='cpu') and "
+                "reset_parameters() on its submodules, before the first forward or unshard")
         g.unshard(defer)
         if self.hooked_full is not g.full:  # new unsharded parameters (first unshard, _apply)
             self.hooked_full, self.hooked = g.full, set()
@@ -114,6 +156,20 @@ class FSDPState:
             if p.requires_grad and i not in self.hooked:
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
                 self.hooked.add(i)
+
+    def _to_sharded_hook(self, *args, **kwargs):
+        self.reshard()
+
+    def _unshard_and_wait(self):
+        """The pre-forward and pre-backward gather: with
+        _set_unshard_async_op(True) issued as async_op and waited for at
+        once, as torch does (its point there is which stream allocates)."""
+        if self.unshard_async_op:
+            self.unshard(defer=True)
+            if self.group is not None:
+                self.group.wait_unsharded()
+        else:
+            self.unshard()
 
     def reshard(self):
         if self.group is not None:
@@ -148,7 +204,7 @@ class FSDPState:
         nxt = root.order.record(self)
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
-        self.unshard()
+        self._unshard_and_wait()
         implicit = self.forward_prefetch is None
         for st in self._implicit(nxt) if implicit else self.forward_prefetch:
             if implicit and not st.group.is_unsharded:
@@ -191,7 +247,7 @@ class FSDPState:
             root.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finalize)
         if self.unshard_in_backward:
-            self.unshard()
+            self._unshard_and_wait()
         for st in (self._implicit(root.order.previous(self)) if self.backward_prefetch is None
                    else self.backward_prefetch):
             st.unshard(defer=True)

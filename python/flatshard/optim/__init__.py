@@ -2,10 +2,10 @@
 
 Same arguments, state names and state_dict format as torch's, so a torch
 script swaps the class and keeps its checkpoints. Each step is one pass of C
-(csrc/optim_cpu.c) per parameter, split over up to `threads` threads with the
+(csrc/optim/optim_cpu.c) per parameter, split over up to `threads` threads with the
 GIL released; on flatshard's flat shards one call updates a whole shard. How
 the loop runs (SIMD width, unrolling, prefetch, copy stores, thread split) is
-measured per size class in each process (csrc/optim_tune.c, tune_report()).
+measured per size class in each process (csrc/optim/optim_tune.c, tune_report()).
 Parameters and gradients must be contiguous fp32 tensors, on the CPU or on a
 CUDA device, where each step is one fused kernel per parameter
 (csrc/cuda/optim.cu, through runtime/cuda.py) enqueued on the current stream;

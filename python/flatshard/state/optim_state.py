@@ -15,16 +15,27 @@ Per-element state is any state tensor shaped like the parameter the
 optimizer holds; 0-dim tensors and other values (Adam's "step") are copied
 as they are. Loading cuts each rank's pieces out of the whole (or DTensor)
 values; the DTensors' gathers are its only collectives.
+
+torch's older API (deprecated there, still in many scripts) is the same
+dicts: full_optim_state_dict / sharded_optim_state_dict give the FULL /
+SHARDED form whatever the model's state dict type; shard_full_,
+scatter_full_ (rank 0's dict broadcast) and flatten_sharded_optim_state_dict
+give what optim.load_state_dict takes, with IDs from optim, the deprecated
+optim_input or model.parameters() (then the parameter groups are the saved
+ones, as torch's); rekey_optim_state_dict swaps names and IDs.
 """
+import copy
+import warnings
+
 import torch
 import torch.distributed as dist
 
 from ..errors import StateDictError, bad_type, bad_value, not_built
 from ..fsdp.summon import all_gather_shard
 from ..fsdp.unit import fsdp_units
-from ..options import StateDictType
+from ..options import OptimStateKeyType, StateDictType, normalize_enum
 from .state_dict import (alias_keys, get_state_dict_type, mesh_of, plain_key, to_dtensor,
-                         units_with_paths, whole)
+                         units_with_paths, whole, units_of)
 
 
 class _Slot:
@@ -59,25 +70,39 @@ def _slots(model):
     return out
 
 
+def _check_process_group(units, group):
+    if group is not None and any(u._cfg.group is not group for u in units):
+        raise bad_value("group", group, "it is not the process group the model is sharded "
+                        "over", "pass group=None")
+
+
+def _slots_of(model, params, arg, what):
+    """[_Slot of each of `params`, in their order]; arg/what name where the
+    parameters came from, for the error."""
+    slots = _slots(model)
+    held = []
+    for p in params:
+        if id(p) not in slots:
+            raise bad_value(arg, what, f"it holds a parameter of shape {list(p.shape)} that is "
+                            "not in the model", "build the optimizer from the wrapped model's "
+                            "parameters()")
+        held.append(slots[id(p)])
+    return held
+
+
+def _optim_params(optim):
+    return [p for pg in optim.param_groups for p in pg["params"]]
+
+
 def _held(model, optim, group):
     """(settings, a unit, [_Slot of each optimizer parameter, in its order])."""
     if not isinstance(optim, torch.optim.Optimizer):
         raise bad_type("optim", optim, "a torch.optim.Optimizer")
     settings = get_state_dict_type(model)
     units = fsdp_units(model)
-    if group is not None and any(u._cfg.group is not group for u in units):
-        raise bad_value("group", group, "it is not the process group the model is sharded "
-                        "over", "pass group=None")
-    slots = _slots(model)
-    held = []
-    for pg in optim.param_groups:
-        for p in pg["params"]:
-            if id(p) not in slots:
-                raise bad_value("optim", type(optim).__name__, f"it holds a parameter of shape "
-                                f"{list(p.shape)} that is not in the model",
-                                "build the optimizer from the wrapped model's parameters()")
-            held.append(slots[id(p)])
-    return settings, units[0], held
+    _check_process_group(units, group)
+    return settings, units[0], _slots_of(model, _optim_params(optim), "optim",
+                                         type(optim).__name__)
 
 
 def _per_element(value, shape):
@@ -98,7 +123,14 @@ def optim_state_dict(model, optim, optim_state_dict=None, group=None):
     kind = settings.state_dict_type
     if kind is StateDictType.LOCAL_STATE_DICT:
         return osd
-    mesh = mesh_of(root) if kind is StateDictType.SHARDED_STATE_DICT else None
+    rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
+    return _keyed_by_name(root, held, osd, kind is StateDictType.SHARDED_STATE_DICT, rank0_only)
+
+
+def _keyed_by_name(root, held, osd, sharded, rank0_only):
+    """optim.state_dict() (`osd`, its parameters `held`) -> the state keyed by
+    the plain model's names: whole values, or DTensors when `sharded`."""
+    mesh = mesh_of(root) if sharded else None
     by_group = {}  # id(group) -> [(slot, its state)], to gather each group once
     for idx, slot in enumerate(held):
         if slot.kind != "plain":
@@ -122,8 +154,7 @@ def optim_state_dict(model, optim, optim_state_dict=None, group=None):
     for pg in osd["param_groups"]:
         names = [k for idx in pg["params"] for _, k in held[idx].params()]
         groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": names})
-    if getattr(settings.optim_state_dict_config, "rank0_only", False) and \
-            mesh is None and dist.get_rank(root._cfg.group) != 0:
+    if rank0_only and mesh is None and dist.get_rank(root._cfg.group) != 0:
         return {}  # torch FSDP: only rank 0 gets the full optimizer state
     return {"state": state, "param_groups": groups}
 
@@ -196,10 +227,15 @@ def _from_rank0(osd, group):
 
 
 def _to_local(osd, optim, held):
+    """A state keyed by names (whole values or DTensors) -> this rank's
+    optim.state_dict() for the parameters `held` (IDs: positions in it).
+    optim None (torch's optim_input path): the parameter groups are the
+    saved ones, each listing the sorted IDs of its parameters."""
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise bad_type("optim_state_dict", osd, 'a dict with "state" and "param_groups" (from '
                        "FSDP.optim_state_dict)")
-    _check_groups(osd["param_groups"], optim, held)
+    if optim is not None:
+        _check_groups(osd["param_groups"], optim, held)
     errors = []
     state = {}
     for idx, slot in enumerate(held):
@@ -209,6 +245,8 @@ def _to_local(osd, optim, held):
     if errors:
         raise StateDictError("flatshard: optimizer state does not match the model:\n\t" +
                              "\n\t".join(errors[:5]))
+    if optim is None:
+        return {"state": state, "param_groups": _groups_by_id(osd["param_groups"], held)}
     groups, start = [], 0
     for pg, mine in zip(osd["param_groups"], optim.param_groups):
         n = len(mine["params"])
@@ -216,6 +254,19 @@ def _to_local(osd, optim, held):
                        "params": list(range(start, start + n))})
         start += n
     return {"state": state, "param_groups": groups}
+
+
+def _groups_by_id(saved, held):
+    """The saved parameter groups with each name replaced by the ID of the
+    parameter holding it (a flat shard holds several), sorted, as torch's."""
+    ids = {k: idx for idx, slot in enumerate(held) for _, k in slot.params()}
+    unknown = [k for pg in saved for k in pg["params"] if k not in ids]
+    if unknown:
+        raise StateDictError(f"flatshard: optimizer state names parameters {unknown[:5]} that "
+                             "are not among the parameters the optimizer is given "
+                             "(optim_input, or model.parameters())")
+    return [{**{k: v for k, v in pg.items() if k != "params"},
+             "params": sorted({ids[k] for k in pg["params"]})} for pg in saved]
 
 
 def _check_groups(saved, optim, held):
@@ -286,3 +337,176 @@ def _cut(value, g, i, key, name, errors):
                       f"{list(g.shapes[i])}")
         return torch.zeros(e.piece_numel, dtype=value.dtype)
     return value.reshape(-1).narrow(0, e.param_offset, e.piece_numel).clone()
+
+
+# ---------------------------------------------------------------------------
+# torch FSDP1's older optimizer-state API (deprecated in torch, still in many
+# scripts): the same dicts, from the functions above.
+
+
+def _warn_legacy(name, new):
+    warnings.warn(f"FullyShardedDataParallel.{name} is deprecated in torch and replaced by "
+                  f"FullyShardedDataParallel.{new}; flatshard keeps it with torch's meaning",
+                  FutureWarning, stacklevel=3)
+
+
+def _input_params(model, optim_input, optim):
+    """The parameters in ID order, as torch assigns IDs: from optim_input (a
+    deprecated argument: an iterable of parameters or of parameter groups)
+    when given, else from `optim` when given, else model.parameters()."""
+    if optim_input is not None:
+        warnings.warn("The optim_input argument is deprecated (in torch too): the parameters "
+                      "are read from optim, or model.parameters(); you may remove it",
+                      FutureWarning, stacklevel=3)
+        if isinstance(optim_input, (torch.Tensor, dict, str)):
+            raise bad_type("optim_input", optim_input, "an iterable of parameters or of "
+                           "parameter groups (dicts with 'params')")
+        try:
+            items = list(optim_input)
+        except TypeError:
+            raise bad_type("optim_input", optim_input, "an iterable of parameters or of "
+                           "parameter groups (dicts with 'params')") from None
+        if not items:
+            raise bad_value("optim_input", optim_input, "it is empty",
+                            "pass the parameters given to the optimizer, or None")
+        if all(isinstance(x, torch.Tensor) for x in items):
+            return items
+        if all(isinstance(x, dict) and "params" in x for x in items):
+            out = []
+            for pg in items:
+                ps = pg["params"]
+                out += [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            return out
+        raise bad_type("optim_input", optim_input, "an iterable of parameters or of parameter "
+                       "groups (dicts with 'params'), not a mix")
+    if optim is not None:
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise bad_type("optim", optim, "a torch.optim.Optimizer or None")
+        return _optim_params(optim)
+    return list(model.parameters())
+
+
+def _units(model, group):
+    units = units_of(model)
+    _check_process_group(units, group)
+    return units
+
+
+def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):
+    """FSDP.full_optim_state_dict: FULL, whatever the model's state dict type."""
+    _warn_legacy("full_optim_state_dict", "optim_state_dict")
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise bad_type("optim", optim, "a torch.optim.Optimizer")
+    if not isinstance(rank0_only, bool):
+        raise bad_type("rank0_only", rank0_only, "True or False")
+    units = _units(model, group)
+    held = _slots_of(model, _input_params(model, optim_input, optim),
+                     "optim_input" if optim_input is not None else "optim", type(optim).__name__)
+    return _keyed_by_name(units[0], held, optim.state_dict(), False, rank0_only)
+
+
+def sharded_optim_state_dict(model, optim, group=None):
+    """FSDP.sharded_optim_state_dict: the SHARDED form, whatever the model's
+    state dict type; DTensors where torch gives ShardedTensors."""
+    _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise bad_type("optim", optim, "a torch.optim.Optimizer")
+    units = _units(model, group)
+    held = _slots_of(model, _optim_params(optim), "optim", type(optim).__name__)
+    return _keyed_by_name(units[0], held, optim.state_dict(), True, False)
+
+
+def _load_legacy(osd, model, optim_input, optim, rank0_only=False, group=None):
+    units = _units(model, group)
+    if rank0_only:
+        osd = _from_rank0(osd, units[0]._cfg.group)
+    using_input = optim_input is not None or optim is None  # torch's choice of ID source
+    held = _slots_of(model, _input_params(model, optim_input, optim),
+                     "optim_input" if optim_input is not None else "optim",
+                     type(optim).__name__ if optim is not None else optim_input)
+    return _to_local(osd, None if using_input else optim, held)
+
+
+def shard_full_optim_state_dict(full_optim_state_dict, model, optim_input=None, optim=None):
+    """FSDP.shard_full_optim_state_dict: every rank holds the full dict; each
+    cuts its own part, with no communication beyond gathering DTensors."""
+    _warn_legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
+    return _load_legacy(full_optim_state_dict, model, optim_input, optim)
+
+
+def flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim):
+    """FSDP.flatten_sharded_optim_state_dict: from sharded_optim_state_dict's
+    DTensors to what optim.load_state_dict takes."""
+    _warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise bad_type("optim", optim, "a torch.optim.Optimizer")
+    return _load_legacy(sharded_optim_state_dict, model, None, optim)
+
+
+def scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input=None, optim=None,
+                                  group=None):
+    """FSDP.scatter_full_optim_state_dict: only rank 0's dict is read (the
+    others may pass None); it is broadcast, and each rank cuts its part."""
+    _warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+    return _load_legacy(full_optim_state_dict, model, optim_input, optim, rank0_only=True,
+                        group=group)
+
+
+def rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input=None,
+                           optim=None):
+    """FSDP.rekey_optim_state_dict: parameter names <-> parameter IDs, for
+    the wrapped model or the plain one. IDs: positions in optim_input, or
+    optim's param_groups, or model.parameters(). Returns the dict itself when
+    its keys are already of that type."""
+    kind = normalize_enum("optim_state_key_type", optim_state_key_type, OptimStateKeyType,
+                          "OptimStateKeyType")
+    osd = optim_state_dict
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise bad_type("optim_state_dict", osd, 'a dict with "state" and "param_groups"')
+    by_name = [type(k) is str for k in osd["state"]]
+    by_id = [type(k) is int for k in osd["state"]]
+    if (any(by_name) and not all(by_name)) or (any(by_id) and not all(by_id)):
+        raise bad_value("optim_state_dict", f"<keys {list(osd['state'])[:5]}>",
+                        "its state keys must all be names or all be IDs")
+    if (kind is OptimStateKeyType.PARAM_NAME and all(by_name)) or \
+            (kind is OptimStateKeyType.PARAM_ID and all(by_id)):
+        return osd
+    params = _input_params(model, optim_input, optim) if optim_input is not None or \
+        optim is None else _optim_params(optim)
+    slots = _slots(model)
+    names = []
+    for p in params:
+        slot = slots.get(id(p))
+        if slot is None:
+            raise bad_value("optim" if optim is not None else "optim_input", "the parameters",
+                            f"a parameter of shape {list(p.shape)} is not in the model")
+        if len(slot.keys) != 1:  # a flat shard (use_orig_params=False): as torch
+            raise StateDictError("flatshard: each parameter should map to one parameter name "
+                                 f"but got {len(slot.keys)}: {slot.keys[:5]} (a flat "
+                                 "parameter); rekey against the plain model or a model wrapped "
+                                 "with use_orig_params=True")
+        names.append(slot.keys[0])
+    new = {}
+    if kind is OptimStateKeyType.PARAM_NAME:  # IDs -> names
+        bad = [k for k in osd["state"] if not 0 <= k < len(names)]
+        if bad:
+            raise StateDictError(f"flatshard: optimizer state IDs {bad[:5]} are not among the "
+                                 f"{len(names)} parameters")
+        new["state"] = {names[k]: st for k, st in osd["state"].items()}
+        new["param_groups"] = copy.deepcopy(osd["param_groups"])
+        for pg in new["param_groups"]:
+            pg["params"] = sorted(names[k] for k in pg["params"])
+        return new
+    ids = {}
+    for i, n in enumerate(names):
+        ids.setdefault(n, i)
+    unknown = [k for k in list(osd["state"]) + [k for pg in osd["param_groups"]
+                                                for k in pg["params"]] if k not in ids]
+    if unknown:
+        raise StateDictError(f"flatshard: optimizer state names {unknown[:5]}, which are not "
+                             "parameters of the model (or not given to the optimizer)")
+    new["state"] = {ids[k]: st for k, st in osd["state"].items()}
+    new["param_groups"] = copy.deepcopy(osd["param_groups"])
+    for pg in new["param_groups"]:
+        pg["params"] = sorted(ids[k] for k in pg["params"])
+    return new
