@@ -20,7 +20,11 @@ one pass vs torch's fused step followed by a separate `copy_`.
 flatshard chooses its loop variant by timing candidates on the first step of
 each size class and, for large classes, its thread split on the next few
 whole steps (all warm-up here, reported apart); the choices and their timings
-are printed after the tables. DeepSpeed is optional and never required: its CPU
+are printed after the tables (the loop's candidates in CPU time per element
+of their busiest thread, the thread splits in wall-clock time of whole
+steps). On a shared machine the medians move with the load: the ratios are
+printed for the medians and, in brackets, for each contender's fastest
+round. DeepSpeed is optional and never required: its CPU
 Adam op is built on first use (DS_ACCELERATOR=cpu, a C++ compiler).
 """
 import argparse
@@ -59,6 +63,8 @@ def cpu_model():
         return platform.processor() or "unknown CPU"
     flags = set(fields.get("flags", "").split())
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    if "avx512f" in flags and "avx512_bf16" in flags:
+        isa += " with AVX512_BF16"
     return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model "
             f"{fields.get('model', '?')}, {isa}, {os.cpu_count()} logical CPUs)")
 
@@ -117,7 +123,7 @@ def bench_size(log2, args, ds_adam):
     for fn in steps.values():
         fn()  # warm-up: first touch of the state; flatshard's calibration step
     # flatshard tries its thread splits on the next whole steps of a large
-    # class (csrc/optim_tune.c, [Note: tuning]): warm-up too, in the same
+    # class (csrc/optim/optim_tune.c, [Note: tuning]): warm-up too, in the same
     # interleaved order as the timed rounds, so that the trials meet what
     # the timed steps meet (e.g. torch's OpenMP threads still spinning).
     def tuned(copy):
@@ -136,19 +142,23 @@ def bench_size(log2, args, ds_adam):
             fn()
             times[name].append(time.perf_counter() - t)
     rows = {name: statistics.median(ts) for name, ts in times.items()}
+    fastest = {name: min(ts) for name, ts in times.items()}
+
+    def ratio(a, b):
+        return f"{rows[a] / rows[b]:.2f}x ({fastest[a] / fastest[b]:.2f}x)"
 
     print(f"{'step':>26} {'ms':>9} {'min ms':>9} {'GB/s':>7} {'/ceiling':>9}")
     for name, t in rows.items():
         moved = (30 if "copy" in name else 28) * n
         print(f"{name:>26} {t * 1e3:9.2f} {min(times[name]) * 1e3:9.2f} "
               f"{moved / t / 1e9:7.2f} {moved / t / ceiling:9.2f}")
-    f = rows["flatshard"]
-    print(f"flatshard vs torch fused: {rows['torch fused'] / f:.2f}x faster; "
-          f"vs torch foreach: {rows['torch foreach'] / f:.2f}x"
-          + (f"; vs DeepSpeedCPUAdam: {rows['DeepSpeedCPUAdam'] / f:.2f}x" if ds_adam else ""))
-    print(f"flatshard + bf16 copy: {rows['flatshard + bf16 copy'] / f:.2f}x flatshard's plain "
-          f"step; {rows['torch fused + copy_ bf16'] / rows['flatshard + bf16 copy']:.2f}x "
-          f"faster than torch fused + copy_")
+    print(f"flatshard vs torch fused: {ratio('torch fused', 'flatshard')} faster; "
+          f"vs torch foreach: {ratio('torch foreach', 'flatshard')}"
+          + (f"; vs DeepSpeedCPUAdam: {ratio('DeepSpeedCPUAdam', 'flatshard')}"
+             if ds_adam else ""))
+    print(f"flatshard + bf16 copy: {ratio('flatshard + bf16 copy', 'flatshard')} flatshard's "
+          f"plain step; {ratio('torch fused + copy_ bf16', 'flatshard + bf16 copy')} faster "
+          f"than torch fused + copy_")
 
 
 def main():

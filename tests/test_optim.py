@@ -1,4 +1,4 @@
-"""Fused CPU optimizers (csrc/optim_cpu.c, flatshard.optim): kernels against
+"""Fused CPU optimizers (csrc/optim/optim_cpu.c, flatshard.optim): kernels against
 the scalar path, the optimizers against torch's on awkward sizes and options,
 state_dict compatibility both ways, and training on flat shards."""
 import copy

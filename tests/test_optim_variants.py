@@ -89,8 +89,11 @@ def _same_bits(got, want):
                            b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32))
 
 
+# (copy, decoupled, maximize, amsgrad): AdamW (the AVX-512 kernel's loop of
+# its own) with each copy and without, and the other paths
 ADAM_OPTIONS = [(torch.bfloat16, True, False, False), (torch.float16, False, True, True),
-                (None, True, False, True)]
+                (None, True, False, True), (None, True, False, False),
+                (torch.float16, True, False, False)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -104,8 +104,9 @@ fs_status fs_optim_run_busy(const fs_optim_job *job, int64_t lo, int64_t hi,
                             const fs_optim_variant *v, double *busy_s);
 /* Checks the job's buffers and hparams (n >= 0, step >= 1, copy dtype). */
 fs_status fs_optim_check(const fs_optim_job *job);
-/* The variant used before (or without) tuning: the widest SIMD, no prefetch,
- * regular stores, `threads` contiguous slices on threads started for it. */
+/* The variant used before (or without) tuning: the widest SIMD unrolled 4
+ * times (scalar: once), no prefetch, regular stores, `threads` contiguous
+ * slices on threads started for it. */
 fs_optim_variant fs_optim_default_variant(fs_simd simd, int threads);
 /* 1 when this process has an OpenMP runtime that omp variants can use. */
 int fs_optim_have_omp(void);

@@ -32,17 +32,28 @@
  *      threads started for the step or the process's OpenMP team
  * Each candidate runs TUNE_ROUNDS times or more (as many as slices of
  * TUNE_SLICE_TARGET elements allow, up to TUNE_ROUNDS_MAX), interleaved with
- * its rivals; its score is its fastest round per element, so a round slowed
+ * its rivals in an order that turns by one each round (stage 3's trials
+ * too); its score is its fastest round per element, so a round slowed
  * by another process on the machine does not decide. A round's time is CPU
  * time, not wall-clock: the most that any of its threads spent on its slice
  * (fs_optim_run_busy). Stages 0-2 choose how a thread runs the loop, and on
  * a machine with more runnable threads than cores the wall-clock time of a
  * slice is mostly how long its threads waited for a core (measured: on 2
  * busy vCPUs, slices of the same candidate varied 10x in wall-clock time
- * and 10% in CPU time). A stage's first
+ * and 10% in CPU time). CPU time has a bias of its own, which every
+ * candidate meets alike: a thread running while its partner waits for a
+ * core has the memory to itself, and goes faster. A stage's first
  * candidate is the incumbent, the earlier stages' choice, and keeps its
  * rounds from those stages; it stays unless another is faster by
  * TUNE_MARGIN: a difference within the noise is no reason to change.
+ *
+ * [Note: unroll]
+ * Stage 0's incumbent is the widest SIMD unrolled 4 times (as DeepSpeed's
+ * loop, 8 times), not once: more independent vectors in flight per thread.
+ * Measured on a 2-vCPU EPYC Zen 4, 2^24 elements, 2 threads on the OpenMP
+ * team: unrolled 4 times, 2-10% faster than once in wall-clock time, and
+ * never slower, from run to run; in the calibration's CPU times the
+ * difference was within the margin, so a once-unrolled incumbent stayed.
  *
  * [Note: copy stores]
  * Stage 2's incumbent is the non-temporal store, not the regular one: the
@@ -53,7 +64,7 @@
  * a CPU whose streaming stores are slow). Measured on a 2-vCPU EPYC Zen 4,
  * 2^24 elements: a bf16 copy cost 8% more CPU time per element with regular
  * stores than without a copy, and none with streaming ones; a 5% margin
- * against the regular stores as incumbent kept them about half the time.
+ * against the regular stores as incumbent kept them in 5 calibrations of 6.
  *
  * A step too small to cut into slices of TUNE_SLICE_MIN elements is timed
  * on a scratch copy of its buffers instead, each candidate updating the
@@ -154,9 +165,14 @@ static int stage_candidates(int stage, const fs_tune_record *r, const fs_optim_v
             v.simd = FS_SIMD_SCALAR, v.unroll = 1, out[n++] = v;
             break;
         }
+        /* The incumbent first: the widest SIMD unrolled 4 times ([Note: unroll]). */
         for (int s = (int)r->simd_max; s >= (int)FS_SIMD_AVX2; s--)
-            for (int u = 1; u <= 4; u *= 2)
-                v.simd = (fs_simd)s, v.unroll = u, out[n++] = v;
+            for (int u = 4; u >= 1; u /= 2) {
+                /* the bf16 instruction goes with AVX-512 (class_default) */
+                v.simd = (fs_simd)s, v.unroll = u;
+                v.bf16_insn = best->bf16_insn && s >= (int)FS_SIMD_AVX512;
+                out[n++] = v;
+            }
         break;
     case 1:
         if (r->simd_max < FS_SIMD_AVX2)
@@ -286,11 +302,11 @@ static int same_variant(const fs_optim_variant *a, const fs_optim_variant *b)
            a->bf16_insn == b->bf16_insn;
 }
 
-/* The variant a class starts from: the widest SIMD the caps allow (with the
- * bf16 instruction for a bf16 copy where the CPU has it: [Note: bf16
- * instruction] in optim_cpu.c; the same bits with fewer instructions, so it
- * is not a candidate to time against the integer rounding), no prefetch,
- * regular stores, all threads in contiguous slices. */
+/* The variant a class starts from: the widest SIMD the caps allow,
+ * unrolled 4 times (with the bf16 instruction for a bf16 copy where the CPU
+ * has it: [Note: bf16 instruction] in optim_cpu.c; the same bits with fewer
+ * instructions, so it is not a candidate to time against the integer
+ * rounding), no prefetch, regular stores, all threads in contiguous slices. */
 static fs_optim_variant class_default(const fs_tune_record *r)
 {
     fs_optim_variant v = fs_optim_default_variant(r->simd_max, r->threads_max);
@@ -377,7 +393,10 @@ static fs_status calibrate(const fs_optim_job *j, fs_tune_record *r)
         for (int c = 0; c < nc; c++)
             t_best[c] = 1e30;
         for (int round = 0; round < rounds && st == FS_OK; round++) {
-            for (int c = 0; c < nc && st == FS_OK; c++) {
+            /* Each round in another order: no candidate is always the one
+             * right after the step began, or after a given rival. */
+            for (int o = 0; o < nc && st == FS_OK; o++) {
+                const int c = (o + round) % nc;
                 double busy = 0.0, dt = 0.0; /* CPU seconds, as fs_optim_run_busy's */
                 int64_t k = 0;
                 if (r->in_place) {
@@ -446,7 +465,8 @@ static fs_status trial_step(const fs_optim_job *job, tune_entry *e)
     pthread_mutex_lock(&tune_lock);
     if (e->trials_started < e->trial_count * TUNE_STEP_ROUNDS) {
         round = e->trials_started / e->trial_count;
-        k = e->trial_first + e->trials_started++ % e->trial_count;
+        /* each round in another order, as calibrate's */
+        k = e->trial_first + (e->trials_started++ + round) % e->trial_count;
         v = e->rec.candidates[k].variant;
     } else {
         v = e->rec.chosen;
