@@ -16,8 +16,11 @@
  * through env->release exactly once, at the end of the call, or when a
  * deferred collective that uses it has been waited for.
  *
- * Threads: engine calls may run without the host's interpreter lock; every
- * env entry is called on the calling thread and takes what it needs itself.
+ * Threads: every env entry is called on the calling thread, as the engine
+ * call itself was. A link may carry an unlock/lock pair (the glue's: the
+ * GIL): the engine unlocks around collectives and long host loops only, so
+ * the env entries and the glue's short steps run without handing it back
+ * and forth.
  */
 #ifndef FS_ENGINE_H
 #define FS_ENGINE_H
@@ -57,14 +60,21 @@ enum {
 };
 
 /* A group of ranks as the engine sees it: the backend, its ledger (may be
- * NULL), the device table (NULL: host memory) and the caller's stream the
- * host bound for this call (fs_device.h: set_caller_stream). */
+ * NULL), the device table (NULL: host memory), the caller's stream the
+ * host bound for this call (fs_device.h: set_caller_stream), and what the
+ * engine releases around blocking or long work (NULL: nothing). */
 typedef struct {
     fs_comm *comm;
     fs_ledger *ledger;
     const fs_device_api *dev;
     void *stream;
+    void *(*unlock)(void);     /* returns what lock() takes back */
+    void (*lock)(void *saved);
 } fs_link;
+
+/* Host loops shorter than this many elements keep the lock (releasing it
+ * costs more than they take). */
+#define FS_UNLOCK_NUMEL (1 << 16)
 
 /* Run a collective on a link, recorded in its ledger under `what`. */
 #define FS_LINK_RUN(link, s, op, tag, count, dtype, expr)                                   \
@@ -74,7 +84,10 @@ typedef struct {
                                                            dtype)                         \
                                          : 0;                                             \
         fs_l_->comm->what = (tag);                                                        \
+        void *fs_tok_ = fs_l_->unlock ? fs_l_->unlock() : NULL;                           \
         s = (expr);                                                                       \
+        if (fs_l_->unlock)                                                                \
+            fs_l_->lock(fs_tok_);                                                         \
         fs_l_->comm->what = NULL;                                                         \
         if (fs_l_->ledger)                                                                \
             fs_ledger_finish(fs_l_->ledger, fs_seq_, s, fs_l_->dev != NULL);              \

@@ -54,7 +54,12 @@ fs_status fs_link_cast(const fs_link *l, void *stream, void *dst, fs_dtype dt, c
     if (l->dev)
         return l->dev->cast(dst, dt, src, st, n, stream, l->comm->last_error,
                             sizeof l->comm->last_error);
-    return fs_cast(dst, dt, src, st, n);
+    if (!l->unlock || n < FS_UNLOCK_NUMEL)
+        return fs_cast(dst, dt, src, st, n);
+    void *tok = l->unlock();
+    fs_status s = fs_cast(dst, dt, src, st, n);
+    l->lock(tok);
+    return s;
 }
 
 fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs_dtype dt,
@@ -64,7 +69,12 @@ fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs
     if (l->dev)
         return l->dev->scale_accumulate(dst, dt, src, st, n, scale, accumulate, stream,
                                         l->comm->last_error, sizeof l->comm->last_error);
-    return fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
+    if (!l->unlock || n < FS_UNLOCK_NUMEL)
+        return fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
+    void *tok = l->unlock();
+    fs_status s = fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
+    l->lock(tok);
+    return s;
 }
 
 fs_status fs_link_lend(const fs_env *env, const fs_link *l, fs_dtype t, int64_t count,

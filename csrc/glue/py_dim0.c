@@ -40,11 +40,8 @@ static PyObject *done(Dim0Object *self, fs_status s)
     return r;
 }
 
-#define RUN(s, call)                   \
-    do {                               \
-        Py_BEGIN_ALLOW_THREADS s = (call); \
-        Py_END_ALLOW_THREADS           \
-    } while (0)
+/* The engine hands the GIL back itself where it blocks (links' unlock). */
+#define RUN(s, call) (s = (call))
 
 static int dtype_arg(PyObject *o, fs_dtype *t)
 {
@@ -222,7 +219,8 @@ static PyObject *Dim0_unshard_from(Dim0Object *self, PyObject *args)
                             "the unsharded buffer", pc->comm->world_size);
     if (bind(self) < 0 || fs_comm_bind_stream(pc) < 0)
         return NULL;
-    fs_link post = {pc->comm, &pc->ledger, pc->dev, pc->stream};
+    fs_link post = fs_glue_link(pc);
+    post.stream = pc->stream;
     fs_status s;
     RUN(s, fs_dim0_unshard_from(&self->g, &post, chunk));
     return done(self, s);
@@ -299,11 +297,9 @@ static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args)
     if (bind(self) < 0)
         goto out;
     fs_status s;
-    Py_BEGIN_ALLOW_THREADS
     s = fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor, defer);
     if (s == FS_OK && reshard)
         s = fs_dim0_reshard(&self->g);
-    Py_END_ALLOW_THREADS
     r = done(self, s);
 out:
     for (int k = 0; k < 5; k++)

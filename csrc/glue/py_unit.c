@@ -41,11 +41,8 @@ static PyObject *done(UnitObject *self, fs_status s)
     return r;
 }
 
-#define RUN(self, s, call)             \
-    do {                               \
-        Py_BEGIN_ALLOW_THREADS s = (call); \
-        Py_END_ALLOW_THREADS           \
-    } while (0)
+/* The engine hands the GIL back itself where it blocks (links' unlock). */
+#define RUN(self, s, call) (s = (call))
 
 /* ---------------------------------------------------------------------------
  * life */
@@ -207,7 +204,6 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
     fs_status s = FS_OK;
     if (bind(self) < 0)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS
     if (ev == FS_EV_FINALIZE)
         s = fs_unit_wait_reduced(u);
     if (s == FS_OK)
@@ -220,7 +216,6 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
         s = fs_unit_reduce(u, group, grad, out, accumulate, defer);
     if (s == FS_OK && (act & FS_ACT_RESHARD))
         s = fs_unit_reshard(u);
-    Py_END_ALLOW_THREADS
     if (s != FS_OK)
         return done(self, s);
     return PyLong_FromUnsignedLong(act);

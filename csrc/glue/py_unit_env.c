@@ -1,8 +1,9 @@
 /* py_unit_env.c - the engine's host table (engine.h) over torch: tensors'
  * data pointers, storages given and taken their bytes ([Note: pooled
  * storage] in py_unit_pool.c), memory for one operation, references held
- * across a deferred collective. Engine calls run without the GIL; each
- * entry takes it. Every handle the engine releases is a Python object: a
+ * across a deferred collective. Engine calls run with the GIL held (the
+ * engine hands it back around collectives and long loops: the links'
+ * unlock/lock); so do these entries. Every handle the engine releases is a Python object: a
  * tensor, or a capsule over host memory. ctx is the address of the owner's
  * `empty` (device memory from it; NULL: host memory). */
 #include "py_unit.h"
@@ -10,24 +11,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GIL_BEGIN PyGILState_STATE gil_ = PyGILState_Ensure()
-#define GIL_END PyGILState_Release(gil_)
 
 static fs_status env_data(void *ctx, void *tensor, void **ptr)
 {
-    GIL_BEGIN;
     int rc = fs_tensor_ptr((PyObject *)tensor, ptr);
-    GIL_END;
     return rc < 0 ? FS_ERR_HOST : FS_OK;
 }
 
 static fs_status env_set_storage(void *ctx, void *storage, int64_t nbytes, void **data)
 {
     PyObject *empty = *(PyObject **)ctx;
-    GIL_BEGIN;
     int rc = fs_glue_set_storage((PyObject *)storage, nbytes, empty != NULL);
     *data = NULL;
-    GIL_END;
     return rc < 0 ? FS_ERR_HOST : FS_OK;
 }
 
@@ -46,7 +41,6 @@ static fs_status env_take(void *ctx, int64_t nbytes, unsigned flags, void **data
     PyObject *empty = *(PyObject **)ctx;
     PyObject *h = NULL;
     void *p = NULL;
-    GIL_BEGIN;
     if (empty) { /* torch's allocator on the device: its statistics stay true */
         if ((h = PyObject_CallFunction(empty, "Li", (long long)nbytes, FS_U8)) &&
             (flags & FS_TAKE_ZERO)) {
@@ -71,7 +65,6 @@ static fs_status env_take(void *ctx, int64_t nbytes, unsigned flags, void **data
         else if (!(h = PyCapsule_New(p, "flatshard.host", host_free)))
             free(p);
     }
-    GIL_END;
     *data = p;
     *handle = h;
     return h ? FS_OK : FS_ERR_HOST;
@@ -79,16 +72,12 @@ static fs_status env_take(void *ctx, int64_t nbytes, unsigned flags, void **data
 
 static void env_release(void *ctx, void *handle)
 {
-    GIL_BEGIN;
     Py_XDECREF((PyObject *)handle);
-    GIL_END;
 }
 
 static void *env_hold(void *ctx, void *tensor)
 {
-    GIL_BEGIN;
     Py_XINCREF((PyObject *)tensor);
-    GIL_END;
     return tensor;
 }
 
@@ -110,11 +99,14 @@ int fs_glue_bind(CommObject *comm, CommObject *replicate, fs_link *link, fs_link
     return 0;
 }
 
+static void *glue_unlock(void) { return PyEval_SaveThread(); }
+static void glue_lock(void *saved) { PyEval_RestoreThread(saved); }
+
 fs_link fs_glue_link(CommObject *comm)
 {
     fs_link l = {0};
     if (comm)
-        l = (fs_link){comm->comm, &comm->ledger, comm->dev, NULL};
+        l = (fs_link){comm->comm, &comm->ledger, comm->dev, NULL, glue_unlock, glue_lock};
     return l;
 }
 
