@@ -28,6 +28,7 @@ import torch.nn as nn
 
 import flatshard
 from flatshard import FSDP, ConfigError
+from parity import train_steps
 
 TIMEOUT = 300
 
@@ -208,17 +209,6 @@ def _opt(model):
     return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
 
 
-def _steps(model, opt, data):
-    rank, losses = dist.get_rank(), []
-    for x, y in data:
-        loss = ((model(x[2 * rank:2 * rank + 2]) - y[2 * rank:2 * rank + 2]) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _close(a, b, what, rtol=1e-5, atol=1e-6):
     if torch.is_tensor(a) or torch.is_tensor(b):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
@@ -281,7 +271,7 @@ def _legacy_optim_api_body(use_orig):
     opts = {w: _opt(m) for w, m in models.items()}
     straight = {}
     for w in models:
-        _steps(models[w], opts[w], data[:3])
+        train_steps(models[w], opts[w], data[:3])
     Cls = {"torch": tfsdp.FullyShardedDataParallel, "flatshard": FSDP}
 
     # The values: torch's, except that torch FSDP1 with use_orig_params=True
@@ -344,14 +334,14 @@ def _legacy_optim_api_body(use_orig):
     # loading back: each form into a fresh model and optimizer, then 3 more
     # steps; torch resumes from its own dicts the same way
     for w in models:
-        straight[w] = _steps(models[w], opts[w], data[3:])
+        straight[w] = train_steps(models[w], opts[w], data[3:])
     res["straight"] = straight
     for form in ("shard_full", "shard_full_optim", "scatter_full", "flatten_sharded",
                  "rekeyed"):
         losses = {}
         for w in models:
             m = _wrapped(w, use_orig)
-            _steps(m, _opt(m), data[:3])  # the same 3 steps: the parameters as when saved
+            train_steps(m, _opt(m), data[:3])  # the same 3 steps: the parameters as when saved
             o = _opt(m)  # a new optimizer: its state is only what is loaded
             C = Cls[w]
             if form == "shard_full":
@@ -379,7 +369,7 @@ def _legacy_optim_api_body(use_orig):
             for pg in o.param_groups:
                 pg["lr"] = 5.0  # hyperparameters come back too
             o.load_state_dict(sd)
-            losses[w] = _steps(m, o, data[3:])
+            losses[w] = train_steps(m, o, data[3:])
         res[form] = losses
     return res
 
@@ -411,7 +401,7 @@ def _legacy_refusals():
 def _legacy_refusals_body():
     m = _wrapped("flatshard", False)
     o = _opt(m)
-    _steps(m, o, _batches(1, dist.get_world_size()))
+    train_steps(m, o, _batches(1, dist.get_world_size()))
     out = []
     for call in (lambda: FSDP.full_optim_state_dict(m, "adam"),
                  lambda: FSDP.full_optim_state_dict(m, o, rank0_only=1),
@@ -625,7 +615,7 @@ def _fs_steps(model, data, before=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if before is not None:
         before(model)
-    return _steps(model, opt, data)
+    return train_steps(model, opt, data)
 
 
 def _fsdp2_methods():
@@ -696,7 +686,7 @@ def _reset_iter_state(which, reset=True):
     data = _batches(4, world, seed=5)
     m = _fs_model(which, mesh)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    losses = _steps(m, opt, data[:2])
+    losses = train_steps(m, opt, data[:2])
     # a backward that fails half way: block 0's backward raises
     armed = [True]
 
@@ -719,7 +709,7 @@ def _reset_iter_state(which, reset=True):
         nonroot = None
     except RuntimeError as e:
         nonroot = str(e)
-    losses += _steps(m, opt, data[2:])
+    losses += train_steps(m, opt, data[2:])
     return losses, nonroot
 
 
