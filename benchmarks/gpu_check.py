@@ -30,7 +30,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-BUDGET_S = 470.0
+BUDGET_S = float(os.environ.get("FLATSHARD_GPU_CHECK_BUDGET_S", "420"))
 START = time.monotonic()
 
 
@@ -59,7 +59,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def variant_main(name, steps, warmup, tiny=False):
+def variant_main(name, steps, warmup, tiny=False, profile=False):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -146,12 +146,49 @@ def variant_main(name, steps, warmup, tiny=False):
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     peak = 0.0 if tiny else torch.cuda.max_memory_allocated() / 2**30
+    if profile:
+        profile_steps(model, opt, idx, tgt, vocab, tiny)
     print("RESULT " + json.dumps({
         "variant": name, "params": n_params, "step_ms": times[len(times) // 2],
         "peak_gib": peak, "optimizer": fused,
         "loss": float(loss)}))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def profile_steps(model, opt, idx, tgt, vocab, tiny):
+    """Two steps under torch.profiler: where a step's time goes (device
+    kernels summed against the wall time, so a step bound by the host's
+    launches shows), the launch count, and the top operators."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([] if tiny else [ProfilerActivity.CUDA])
+    steps = 2
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = F.cross_entropy(model(idx).float().view(-1, vocab), tgt.view(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if not tiny:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    ev = prof.events()
+    kernels = [e for e in ev if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")]
+    dev_ms = sum(e.device_time for e in kernels) / 1e3 / steps if kernels else 0.0
+    launches = sum(1 for e in ev if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC",
+                                              "cuLaunchKernel", "cuLaunchKernelEx")) / steps
+    print("PROFILE " + json.dumps({"wall_ms": wall, "device_kernel_ms": dev_ms,
+                                   "launches_per_step": launches,
+                                   "device_events_per_step": len(kernels) / steps}))
+    key = "self_cpu_time_total" if tiny else "self_device_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=48))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14,
+                                    max_name_column_width=48))
 
 
 # ---------------------------------------------------------------------------
@@ -209,6 +246,15 @@ def adamw_main(log2n, reps):
 # ---------------------------------------------------------------------------
 # driver
 
+def save_log(args, name, text):
+    """Each phase's whole output beside the JSON report (the table keeps tails)."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(args.json)), name), "a") as f:
+            f.write(text + "\n")
+    except OSError:
+        pass
+
+
 def result_of(out):
     for line in reversed(out.splitlines()):
         if line.startswith("RESULT "):
@@ -232,12 +278,17 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--log2n", type=int, default=30)
     ap.add_argument("--tiny", action="store_true", help="check the script on CPU (no GPU)")
+    ap.add_argument("--profile", default="",
+                    help="comma-separated variants to profile after the table "
+                         "(torch.profiler: device time against wall time, top operators)")
     args = ap.parse_args()
     if args.variant:
-        return variant_main(args.variant, args.steps, warmup=3, tiny=args.tiny)
+        return variant_main(args.variant, args.steps, warmup=3, tiny=args.tiny,
+                            profile=args.profile == "this")
     if args.adamw:
         return adamw_main(args.log2n, reps=10)
 
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     report = {"phases": {}}
     py = sys.executable
     if not args.skip_build:
@@ -249,17 +300,24 @@ def main():
             out, secs = out + out2, secs + secs2
             os.environ["PYTHONPATH"] = os.pathsep.join(
                 [os.path.join(ROOT, "python")] + os.environ.get("PYTHONPATH", "").split(os.pathsep))
+        save_log(args, "build.log", out)
         report["phases"]["build"] = {"rc": rc, "s": round(secs, 1),
                                      "tail": "" if rc == 0 else out[-1500:]}
         print(f"build: rc={rc} in {secs:.1f}s", flush=True)
         if rc:
             print(out[-3000:])
+    rc, out, secs = run([py, "-c", "import sys, torch, flatshard, flatshard._C_cuda; "
+                         "print('python', sys.version.split()[0], 'torch', torch.__version__, "
+                         "'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"], 60)
+    report["phases"]["import"] = {"rc": rc, "s": round(secs, 1), "summary": out.strip()[-300:]}
+    print(out, flush=True)
     rc, out, secs = run([py, "-m", "flatshard", "doctor"], 60)
     report["doctor"] = out.strip()
     print(out, flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     rc, out, secs = run([py, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py",
                          "tests/test_cuda_wrapper.py"], 200, env)
+    save_log(args, "tests.log", out)
     summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln
                or " error" in ln]
     report["phases"]["tests"] = {"rc": rc, "s": round(secs, 1),
@@ -275,6 +333,7 @@ def main():
         rc, out, secs = run([py, __file__, "--variant", name, "--steps", str(args.steps)]
                             + (["--tiny"] if args.tiny else []), 120)
         res = result_of(out)
+        save_log(args, "variants.log", f"== {name} (rc {rc})\n{out}")
         rows.append(res if res else {"variant": name, "error": last_error(out)})
         print(f"{name}: {rows[-1]} ({secs:.0f}s)", flush=True)
     report["model"] = rows
@@ -289,8 +348,18 @@ def main():
             adam = {"error": last_error(out)}
         print(f"adamw: {adam} ({secs:.0f}s)", flush=True)
     report["adamw"] = adam
+    profiles = {}
+    for name in [v.strip() for v in args.profile.split(",") if v.strip()]:
+        if left() < 40:
+            break
+        rc, out, secs = run([py, __file__, "--variant", name, "--steps", "3", "--profile", "this"]
+                            + (["--tiny"] if args.tiny else []), 90)
+        save_log(args, "profile.log", f"== {name} (rc {rc})\n{out}")
+        prof = [ln for ln in out.splitlines() if ln.startswith("PROFILE ")]
+        profiles[name] = json.loads(prof[-1][8:]) if prof else {"error": last_error(out)}
+        print(f"profile {name}: {profiles[name]} ({secs:.0f}s)", flush=True)
+    report["profile"] = profiles
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     except OSError as e:
@@ -322,6 +391,8 @@ def main():
             print(f"| {k} fused | {a['ms']:.2f} | {a['gbs']:.0f} | {a['fraction']:.2f} |")
     elif adam:
         print(f"\nAdamW: {adam.get('error')}")
+    for name, pr in profiles.items():
+        print(f"profile {name}: {pr}")
     print(f"\ntotal {time.monotonic() - START:.0f} s")
 
 

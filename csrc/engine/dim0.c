@@ -89,7 +89,6 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
 void fs_dim0_destroy(fs_dim0_group *g)
 {
     if (g->env.release) {
-        drop(g, &g->block_h);
         drop(g, &g->gathered_h);
         drop(g, &g->rs_in_h);
         drop(g, &g->rs_out_h);
@@ -171,28 +170,30 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
     void *none;
     if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &none)) != FS_OK)
         return fail(g, s, "unshard", 0, NULL);
-    if (!g->block_h && (s = e->take(e->ctx, g->gather_block_numel * (int64_t)es, FS_TAKE_ZERO,
-                                    &g->block, &g->block_h)) != FS_OK)
+    /* In place: each rank's rows are cast straight into its own block of the
+     * gathered buffer, which is the all-gather's input. The padding at a
+     * block's end is never copied out, so it is left as it comes. */
+    if ((s = e->take(e->ctx, g->gather_block_numel * world * (int64_t)es,
+                     defer ? 0 : FS_TAKE_TRANSIENT, &g->gathered, &g->gathered_h)) != FS_OK)
         return fail(g, s, "unshard", 0, "out of memory");
-    for (int i = 0; i < g->nparams; i++) { /* the local rows, cast; the padding stays zero */
+    char *mine = (char *)g->gathered + (size_t)c->rank * g->gather_block_numel * es;
+    for (int i = 0; i < g->nparams; i++) {
         const fs_dim0_entry *en = &g->gentries[i];
         void *src;
         if (!g->params[i].gathered || !en->local_rows || !en->row_numel)
             continue;
-        if ((s = e->data(e->ctx, g->params[i].shard, &src)) != FS_OK)
-            return fail(g, s, "unshard", 0, NULL);
-        if ((s = fs_link_cast(l, l->stream, (char *)g->block + en->block_offset * es,
-                              g->compute, src, shard_t[i], en->local_rows * en->row_numel)) !=
-            FS_OK)
-            return fail(g, s, "unshard", 0, "copy-in: %s", c->last_error);
+        if ((s = e->data(e->ctx, g->params[i].shard, &src)) != FS_OK ||
+            (s = fs_link_cast(l, l->stream, mine + en->block_offset * es, g->compute, src,
+                              shard_t[i], en->local_rows * en->row_numel)) != FS_OK) {
+            drop(g, &g->gathered_h);
+            return fail(g, s, "unshard", 0, s == FS_OK ? NULL : "copy-in: %s",
+                        c->last_error);
+        }
     }
-    if ((s = e->take(e->ctx, g->gather_block_numel * world * (int64_t)es,
-                     defer ? 0 : FS_TAKE_TRANSIENT, &g->gathered, &g->gathered_h)) != FS_OK)
-        return fail(g, s, "unshard", 0, "out of memory");
     if (defer)
         l->dev->set_defer(c, 1);
     FS_LINK_RUN(l, s, FS_LOP_ALL_GATHER, g->name, g->gather_block_numel, g->compute,
-                fs_comm_all_gather(c, g->block, g->gathered, g->gather_block_numel, g->compute));
+                fs_comm_all_gather(c, mine, g->gathered, g->gather_block_numel, g->compute));
     if (defer) {
         l->dev->set_defer(c, 0);
         if (s == FS_OK)

@@ -6,9 +6,9 @@
  * rows; rank r's all-gather input (its block) holds its chunk of every
  * parameter, each padded to the common row count. The unsharded buffer holds
  * every parameter whole, each starting at a multiple of the alignment.
- * Gather: each local shard is cast into the block (the compute dtype), the
- * blocks are all-gathered, and each rank's rows copied out into the
- * unsharded buffer. Reduce: every rank's rows of each unsharded gradient are
+ * Gather: each local shard is cast into this rank's block of the gathered
+ * buffer (the compute dtype), the blocks are all-gathered in place, and
+ * each rank's rows copied out into the unsharded buffer. Reduce: every rank's rows of each unsharded gradient are
  * cast into that rank's block of the reduce-scatter input (the reduce
  * dtype), reduce-scattered (summed), summed across replicas (HSDP), scaled
  * (the mean, or the divide factor the user set) and cast into each sharded
@@ -19,8 +19,8 @@
  * unsharded buffer; their gradients take the reduce-scatter with the rest.
  *
  * The same code runs on the host and on a device (the link's table): every
- * copy is a cast of a contiguous range; the block's padding is zero from
- * its first use and never written. On a device a gather can be deferred (a
+ * copy is a cast of a contiguous range; a block's padding is never read
+ * (the gathered buffer is not kept between gathers). On a device a gather can be deferred (a
  * prefetch: the copy-out waits for fs_dim0_wait) and so can a reduction (the
  * steps after the collective wait for fs_dim0_finish_reduce). */
 #ifndef FS_DIM0_H
@@ -51,7 +51,6 @@ typedef struct {
     void *full;              /* tensor handle of the unsharded buffer (NULL until set) */
     void *storage;           /* its storage handle */
     int unsharded;
-    void *block, *block_h;   /* persistent all-gather input (padding zero) */
     /* a deferred gather: the copy-out waits for the mark */
     void *gather_event, *gathered, *gathered_h;
     int gather_pending;

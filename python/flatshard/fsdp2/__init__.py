@@ -7,11 +7,10 @@ fully_shard's dp_mesh_dims (dp_mesh.py) and share_comm_ctx (comm_ctx.py).
 Imports: the leaves (errors, tensors) and runtime/; nothing of fsdp/,
 state/, plan/, optim/ or memory.py (the two wrappers share only runtime/).
 """
-from torch.distributed.fsdp import DataParallelMeshDims
-
 from .api import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                   UnshardHandle, fully_shard, register_fsdp_forward_method)
 from .comm_ctx import share_comm_ctx
+from .dp_mesh import DataParallelMeshDims
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
            "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims",

@@ -14,7 +14,18 @@ without dimension names, a name the mesh lacks). Without other dimensions
 on the mesh, the same sharding is fully_shard with the data-parallel mesh
 itself (1-D, or 2-D (replicate, shard) for HSDP) and plain parameters.
 """
+from dataclasses import dataclass
+
 from ..errors import bad_type, bad_value, not_built
+
+try:
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # torch before 2.13 has no dp_mesh_dims: the same dataclass
+    @dataclass
+    class DataParallelMeshDims:
+        """torch 2.13's names of a full SPMD mesh's data-parallel dimensions."""
+        shard: "str | tuple[str, ...] | None" = None
+        replicate: "str | tuple[str, ...] | None" = None
 
 
 def _names(v):
@@ -24,7 +35,6 @@ def _names(v):
 def check(mesh, dp_mesh_dims):
     """torch's checks of dp_mesh_dims against `mesh`, then the refusal."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import DataParallelMeshDims
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
         raise bad_type("dp_mesh_dims", dp_mesh_dims, "a DataParallelMeshDims or None")
     shard, replicate = _names(dp_mesh_dims.shard), _names(dp_mesh_dims.replicate)
