@@ -69,9 +69,9 @@ def test_device_api_capsules(which):
     capsule = _C.host_device_api if which == "host" else cuda._C_cuda.device_api
     ptr = _capsule_pointer("flatshard.fs_device_api", capsule)
     assert ptr
-    assert ctypes.c_int.from_address(ptr).value == 5  # FS_DEVICE_API_VERSION
+    assert ctypes.c_int.from_address(ptr).value == 6  # FS_DEVICE_API_VERSION
     assert ctypes.c_char_p.from_address(ptr + 8).value.decode() == which
-    entries = (ctypes.c_void_p * 12).from_address(ptr + 16)  # 12 function pointers
+    entries = (ctypes.c_void_p * 13).from_address(ptr + 16)  # 13 function pointers
     assert all(entries)
 
 

@@ -83,9 +83,10 @@ def _train_both(case, accumulate):
     return same, losses, dev_comms, seen, reduced, rt.fs_emu_pending()
 
 
-def _fully_shard_both(mp, raf, prefetch=False):
+def _fully_shard_both(mp, raf, prefetch=False, last_dim=False):
     _, rt, _ = emu_build.load()
-    same, n_comms, losses, deferred = tdp._fully_shard_both(mp, raf, _device_comm, prefetch)
+    same, n_comms, losses, deferred = tdp._fully_shard_both(mp, raf, _device_comm, prefetch,
+                                                            last_dim)
     return same, n_comms, losses, rt.fs_emu_pending(), deferred[1]
 
 
@@ -116,17 +117,19 @@ def test_emulated_device_path_with_accumulation_on_four_ranks(dist_pool, case):
         assert any(reduced[1])
 
 
-@pytest.mark.parametrize("mp,raf,prefetch", [(None, True, False), ("bf16_reduce", True, False),
-                                             (None, 2, False), (None, True, True),
-                                             ("bf16", False, True)])
-def test_fully_shard_through_the_cuda_table_and_nccl_backend(dist_pool, mp, raf, prefetch):
+@pytest.mark.parametrize("mp,raf,prefetch,last_dim", [
+    (None, True, False, False), ("bf16_reduce", True, False, False), (None, 2, False, False),
+    (None, True, True, False), ("bf16", False, True, False),
+    (None, True, True, True), ("bf16", True, False, True)])
+def test_fully_shard_through_the_cuda_table_and_nccl_backend(dist_pool, mp, raf, prefetch,
+                                                             last_dim):
     """Reductions are deferred (one in flight), and the gathers of the next
     module (the user's prefetch lists, else the next in the last forward's
     order): a copy-out or a gradient read that did not wait for its
     collective would read stale memory here."""
     emu_build.build()
     for same, n_comms, losses, pending, deferred in dist_pool(2).run(
-            _fully_shard_both, mp, raf, prefetch):
+            _fully_shard_both, mp, raf, prefetch, last_dim):
         assert n_comms >= 1 and same and pending == 0
         assert losses[-1] < losses[0]
         # gathers are deferred whenever prefetched: by the user's lists, or

@@ -67,6 +67,7 @@ def lib():
     so = ctypes.CDLL(str(emu_build.build() / "libfs_cuda_kernels.so"))
     p, i, i64, d = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
     sigs = {"fs_cuda_cast": [p, i, p, i, i64, p],
+            "fs_cuda_cast2d": [p, i64, i, p, i64, i, i64, i64, p],
             "fs_cuda_scale_accumulate": [p, i, p, i, i64, d, i, p],
             "fs_cuda_pack": [p, i, p, i, p], "fs_cuda_unpack": [p, i, p, i, p],
             "fs_cuda_adam_step": [p, p], "fs_cuda_sgd_step": [p, p],
@@ -133,6 +134,32 @@ def test_cast_matches_torch_bit_for_bit(lib, src_t, dst_t):
             src.to(torch.float32).to(dst_t)  # documented: f64 narrows through f32
         assert same_bits(dst, want), (src_t, dst_t, n)
         assert guards_intact(whole)
+
+
+@pytest.mark.parametrize("src_t,dst_t", [(torch.float32, torch.float32),
+                                         (torch.bfloat16, torch.float32),
+                                         (torch.float32, torch.bfloat16),
+                                         (torch.float64, torch.float16)])
+@pytest.mark.parametrize("height,width", [(1, 7), (3, 5), (17, 1), (4, 0), (0, 3)])
+def test_cast2d_matches_torch_on_strided_rows(lib, src_t, dst_t, height, width):
+    """A parameter sharded on a later dim: `height` runs of `width` elements,
+    read at one pitch and written at another; nothing between runs written."""
+    src_pitch, dst_pitch = width + 3, width + 5
+    src = awkward_values(max(height * src_pitch, 1), src_t, height * 31 + width)
+    whole, dst = guarded(torch.zeros(max(height * dst_pitch, 1), dtype=dst_t))
+    before = dst.clone()
+    assert lib.fs_cuda_cast2d(dst.data_ptr(), dst_pitch, CODES[dst_t], src.data_ptr(),
+                              src_pitch, CODES[src_t], width, height, None) == 0
+    narrow = src_t == torch.float64 and dst_t in (torch.float16, torch.bfloat16)
+    for j in range(height):
+        run = src[j * src_pitch:j * src_pitch + width]
+        want = (run.to(torch.float32) if narrow else run).to(dst_t)
+        assert same_bits(dst[j * dst_pitch:j * dst_pitch + width], want), (j, src_t, dst_t)
+        gap = slice(j * dst_pitch + width, (j + 1) * dst_pitch)
+        assert same_bits(dst[gap], before[gap])
+    assert guards_intact(whole)
+    x = torch.zeros(8)
+    assert lib.fs_cuda_cast2d(x.data_ptr(), 2, 0, x.data_ptr(), 4, 0, 3, 2, None) == INVALID
 
 
 def test_cast_refuses_bad_arguments(lib):

@@ -147,10 +147,13 @@ def test_sgd_and_inf_norm_on_the_gpu(world1):
     assert _params_rel(ours.state_dict(), ref.state_dict()) <= TOL
 
 
-@pytest.mark.parametrize("mp", [False, True])
-def test_fully_shard_matches_torch_on_the_gpu(world1, mp):
+@pytest.mark.parametrize("mp,last_dim", [(False, False), (True, False), (False, True),
+                                         (True, True)])
+def test_fully_shard_matches_torch_on_the_gpu(world1, mp, last_dim):
     """flatshard.fully_shard on a CUDA mesh against torch's fully_shard (the
-    same mixed precision policy) and, in fp32, plain torch."""
+    same mixed precision policy) and, in fp32, plain torch. last_dim: every
+    parameter sharded on its last dim (the engine's strided copies)."""
+    from torch.distributed.tensor import Shard
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -170,6 +173,8 @@ def test_fully_shard_matches_torch_on_the_gpu(world1, mp):
         model = model_for_both()
         kw = dict(mp_policy=policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
             if mp else {}
+        if last_dim:
+            kw["shard_placement_fn"] = lambda p: Shard(p.dim() - 1)
         for b in list(model.blocks) + [model.head]:
             shard(b, **kw)
         shard(model, **kw)

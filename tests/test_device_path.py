@@ -254,10 +254,16 @@ def test_device_comm_construction_errors(dist_pool):
 # ---------------------------------------------------------------------------
 # fully_shard: the engine's groups (csrc/engine/dim0.c) through the device table
 
-def _fully_shard_train(device_path, mp, raf, prefetch=False):
+def _last_dim(p):
+    from torch.distributed.tensor import Shard
+    return Shard(p.dim() - 1)
+
+
+def _fully_shard_train(device_path, mp, raf, prefetch=False, last_dim=False):
     """device_path: False, True (the host table) or make(group, host Comm).
     prefetch: each block prefetches the next in forward and the one before
-    in backward (deferred all-gathers on a device)."""
+    in backward (deferred all-gathers on a device). last_dim: every
+    parameter sharded on its last dim (strided copies in the engine)."""
     import flatshard.fsdp2.api as ffsdp2
     from flatshard import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
@@ -275,7 +281,7 @@ def _fully_shard_train(device_path, mp, raf, prefetch=False):
     if device_path:
         ffsdp2.comm_for = comm_for
     try:
-        kw = dict(reshard_after_forward=raf)
+        kw = dict(reshard_after_forward=raf, shard_placement_fn=_last_dim if last_dim else None)
         if mp:  # "bf16": reduced in float32; "bf16_reduce": in bfloat16 (staged in float32)
             kw["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16,
@@ -309,20 +315,22 @@ def _fully_shard_train(device_path, mp, raf, prefetch=False):
     return losses, state, len(made), deferred
 
 
-def _fully_shard_both(mp, raf, device_path=True, prefetch=False):
-    host = _fully_shard_train(False, mp, raf, prefetch)
-    dev = _fully_shard_train(device_path, mp, raf, prefetch)
+def _fully_shard_both(mp, raf, device_path=True, prefetch=False, last_dim=False):
+    host = _fully_shard_train(False, mp, raf, prefetch, last_dim)
+    dev = _fully_shard_train(device_path, mp, raf, prefetch, last_dim)
     same = host[0] == dev[0] and all(torch.equal(host[1][k], dev[1][k]) for k in host[1])
     return same, dev[2], host[0], (host[3], dev[3])
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("mp,raf", [(None, True), ("bf16", True), ("bf16_reduce", True),
-                                    (None, 2)])
-def test_fully_shard_device_path_trains_bit_identically(dist_pool, world, mp, raf):
+@pytest.mark.parametrize("mp,raf,last_dim", [(None, True, False), ("bf16", True, False),
+                                             ("bf16_reduce", True, False), (None, 2, False),
+                                             ("bf16", True, True), (None, False, True)])
+def test_fully_shard_device_path_trains_bit_identically(dist_pool, world, mp, raf, last_dim):
     if raf == 2 and world != 2:
         pytest.skip("reshard_after_forward=2 needs an even world")
-    for same, n_device_comms, losses, _ in dist_pool(world).run(_fully_shard_both, mp, raf):
+    for same, n_device_comms, losses, _ in dist_pool(world).run(_fully_shard_both, mp, raf,
+                                                                True, False, last_dim):
         assert n_device_comms >= 1 and same
         assert losses[-1] < losses[0]
 

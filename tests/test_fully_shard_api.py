@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import flatshard
 from flatshard import (ConfigError, ConfigTypeError, FSDPModule, MixedPrecisionPolicy,
@@ -119,8 +119,10 @@ def _bad_arguments():
         fully_shard(m.a, ignored_params={torch.zeros(2)})
     with _expect(ConfigTypeError, "mesh"):
         fully_shard(m.a, mesh="cpu")
-    with _expect(NotBuiltError, "shard_placement_fn", "weight"):
-        fully_shard(m.a, shard_placement_fn=lambda p: Shard(1))
+    with _expect(ConfigError, "shard_placement_fn", "Shard dim 2", "weight"):
+        fully_shard(m.a, shard_placement_fn=lambda p: Shard(2))
+    with _expect(ConfigError, "shard_placement_fn", "Invalid", "weight"):
+        fully_shard(m.a, shard_placement_fn=lambda p: Replicate())
     mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
     with _expect(ConfigError, "module", "dtypes"):
         fully_shard(mixed)

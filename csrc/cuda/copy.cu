@@ -30,6 +30,37 @@ cudaError_t cast_from(void *dst, const void *src, fs_dtype src_t, int64_t n, cud
     return launched();
 }
 
+/* rows of `width` elements, `height` of them, at element pitches */
+template <typename D, typename S>
+__global__ void cast2d_kernel(D *__restrict__ dst, int64_t dst_pitch, const S *__restrict__ src,
+                              int64_t src_pitch, int64_t width, int64_t n)
+{
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        int64_t row = i / width, col = i - row * width;
+        dst[row * dst_pitch + col] = convert<D, S>(src[row * src_pitch + col]);
+    }
+}
+
+template <typename D>
+cudaError_t cast2d_from(void *dst, int64_t dp, const void *src, int64_t sp, fs_dtype src_t,
+                        int64_t width, int64_t height, cudaStream_t s)
+{
+    const int64_t n = width * height;
+    int g = grid_for(n);
+    D *d = (D *)dst;
+    switch (src_t) {
+    case FS_F32: FS_LAUNCH(cast2d_kernel, g, s)(d, dp, (const float *)src, sp, width, n); break;
+    case FS_F16: FS_LAUNCH(cast2d_kernel, g, s)(d, dp, (const __half *)src, sp, width, n); break;
+    case FS_BF16:
+        FS_LAUNCH(cast2d_kernel, g, s)(d, dp, (const __nv_bfloat16 *)src, sp, width, n);
+        break;
+    case FS_F64: FS_LAUNCH(cast2d_kernel, g, s)(d, dp, (const double *)src, sp, width, n); break;
+    default: return cudaErrorInvalidValue;
+    }
+    return launched();
+}
+
 __global__ void scale_acc_f32(float *dst, const float *src, int64_t n, float k, int acc)
 {
     int64_t stride = (int64_t)gridDim.x * blockDim.x;
@@ -153,6 +184,34 @@ extern "C" cudaError_t fs_cuda_cast(void *dst, fs_dtype dst_t, const void *src, 
     case FS_F16: return cast_from<__half>(dst, src, src_t, n, stream);
     case FS_BF16: return cast_from<__nv_bfloat16>(dst, src, src_t, n, stream);
     case FS_F64: return cast_from<double>(dst, src, src_t, n, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+extern "C" cudaError_t fs_cuda_cast2d(void *dst, int64_t dst_pitch, fs_dtype dst_t,
+                                      const void *src, int64_t src_pitch, fs_dtype src_t,
+                                      int64_t width, int64_t height, cudaStream_t stream)
+{
+    if (width < 0 || height < 0 || dst_pitch < width || src_pitch < width ||
+        !fs_dtype_size(dst_t) || !fs_dtype_size(src_t) || (width && height && (!dst || !src)))
+        return cudaErrorInvalidValue;
+    if (!width || !height)
+        return cudaSuccess;
+    if (height == 1)
+        return fs_cuda_cast(dst, dst_t, src, src_t, width, stream);
+    if (dst_t == src_t) {
+        const size_t es = fs_dtype_size(dst_t);
+        return cudaMemcpy2DAsync(dst, (size_t)dst_pitch * es, src, (size_t)src_pitch * es,
+                                 (size_t)width * es, (size_t)height, cudaMemcpyDeviceToDevice,
+                                 stream);
+    }
+    switch (dst_t) {
+    case FS_F32: return cast2d_from<float>(dst, dst_pitch, src, src_pitch, src_t, width, height, stream);
+    case FS_F16: return cast2d_from<__half>(dst, dst_pitch, src, src_pitch, src_t, width, height, stream);
+    case FS_BF16:
+        return cast2d_from<__nv_bfloat16>(dst, dst_pitch, src, src_pitch, src_t, width, height,
+                                          stream);
+    case FS_F64: return cast2d_from<double>(dst, dst_pitch, src, src_pitch, src_t, width, height, stream);
     default: return cudaErrorInvalidValue;
     }
 }

@@ -28,6 +28,12 @@ extern "C" {
 cudaError_t fs_cuda_cast(void *dst, fs_dtype dst_t, const void *src, fs_dtype src_t, int64_t n,
                          cudaStream_t stream);
 
+/* fs_cuda_cast of `height` rows of `width` elements: row j from
+ * src + j * src_pitch to dst + j * dst_pitch (pitches in elements). */
+cudaError_t fs_cuda_cast2d(void *dst, int64_t dst_pitch, fs_dtype dst_t, const void *src,
+                           int64_t src_pitch, fs_dtype src_t, int64_t width, int64_t height,
+                           cudaStream_t stream);
+
 /* dst[i] = (accumulate ? dst[i] : 0) + scale * src[i], in f32 (f64 for f64). */
 cudaError_t fs_cuda_scale_accumulate(void *dst, fs_dtype dst_t, const void *src, fs_dtype src_t,
                                      int64_t n, double scale, int accumulate, cudaStream_t stream);

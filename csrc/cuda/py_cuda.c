@@ -278,6 +278,15 @@ static fs_status dev_cast(void *dst, fs_dtype dt, const void *src, fs_dtype st, 
     return dev_result(fs_cuda_cast(dst, dt, src, st, n, (cudaStream_t)stream), "cast", err, cap);
 }
 
+static fs_status dev_cast2d(void *dst, int64_t dst_pitch, fs_dtype dt, const void *src,
+                            int64_t src_pitch, fs_dtype st, int64_t width, int64_t height,
+                            void *stream, char *err, size_t cap)
+{
+    return dev_result(fs_cuda_cast2d(dst, dst_pitch, dt, src, src_pitch, st, width, height,
+                                     (cudaStream_t)stream),
+                      "cast2d", err, cap);
+}
+
 static fs_status dev_scale_accumulate(void *dst, fs_dtype dt, const void *src, fs_dtype st,
                                       int64_t n, double scale, int accumulate, void *stream,
                                       char *err, size_t cap)
@@ -341,7 +350,7 @@ static fs_status dev_follow_caller(struct fs_comm *c, char *err, size_t cap)
 static const fs_device_api device_api = {
     FS_DEVICE_API_VERSION, FS_CUDA_DEVICE_NAME, dev_cast, dev_scale_accumulate,
     dev_set_caller_stream, fs_nccl_set_workspace, fs_nccl_set_defer, dev_record, dev_wait,
-    dev_event_free, dev_comm_stream, dev_copy, dev_synchronize, dev_follow_caller,
+    dev_event_free, dev_comm_stream, dev_copy, dev_synchronize, dev_follow_caller, dev_cast2d,
 };
 
 static int module_exec(PyObject *m)

@@ -79,8 +79,23 @@ static fs_status host_follow_caller(struct fs_comm *c, char *err, size_t cap)
     return FS_OK;
 }
 
+static fs_status host_cast2d(void *dst, int64_t dst_pitch, fs_dtype dt, const void *src,
+                             int64_t src_pitch, fs_dtype st, int64_t width, int64_t height,
+                             void *stream, char *err, size_t cap)
+{
+    const size_t ds = fs_dtype_size(dt), ss = fs_dtype_size(st);
+    for (int64_t j = 0; j < height; j++) {
+        fs_status s = host_cast((char *)dst + (size_t)(j * dst_pitch) * ds, dt,
+                                (const char *)src + (size_t)(j * src_pitch) * ss, st, width,
+                                stream, err, cap);
+        if (s != FS_OK)
+            return s;
+    }
+    return FS_OK;
+}
+
 const fs_device_api fs_host_device_api = {
     FS_DEVICE_API_VERSION, "host", host_cast, host_scale_accumulate, host_set_caller_stream,
     host_set_workspace, host_set_defer, host_record, host_wait, host_event_free,
-    host_comm_stream, host_copy, host_synchronize, host_follow_caller,
+    host_comm_stream, host_copy, host_synchronize, host_follow_caller, host_cast2d,
 };

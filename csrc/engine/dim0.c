@@ -29,9 +29,9 @@ static void drop(fs_dim0_group *g, void **h)
 }
 
 fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link link,
-                       fs_link replicate, int nparams, const int64_t *dim0,
-                       const int64_t *row_numel, const int *gathered, int64_t align,
-                       fs_dtype compute, fs_dtype reduce)
+                       fs_link replicate, int nparams, const int64_t *outer,
+                       const int64_t *dim0, const int64_t *row_numel, const int *gathered,
+                       int64_t align, fs_dtype compute, fs_dtype reduce)
 {
     memset(g, 0, sizeof *g);
     snprintf(g->name, sizeof g->name, "%s", name);
@@ -48,24 +48,34 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
     g->outs = calloc(n, sizeof *g->outs);
     g->out_t = calloc(n, sizeof *g->out_t);
     g->accumulate = calloc(n, sizeof *g->accumulate);
-    int64_t *grows = calloc(n, sizeof *grows);
+    int64_t *rows = calloc(n, sizeof *rows), *grows = calloc(n, sizeof *grows);
     if (!g->params || !g->entries || !g->gentries || !g->outs || !g->out_t || !g->accumulate ||
-        !grows) {
+        !rows || !grows) {
+        free(rows);
         free(grows);
         return fail(g, FS_ERR_NO_MEMORY, "construction", 0, "out of host memory");
     }
     g->nparams = nparams;
-    fs_dim0_layout lay;
     fs_status s = FS_OK;
+    /* the layout's rows: a row of the sharded dim across every outer run
+     * (the gather leaves out the extensions' rows) */
+    for (int i = 0; i < nparams && s == FS_OK; i++) {
+        const int64_t o = outer ? outer[i] : 1;
+        if (o < 0 || (o > 1 && row_numel[i] > INT64_MAX / o)) /* 0: an empty parameter */
+            s = FS_ERR_INVALID_ARG;
+        else
+            rows[i] = o * row_numel[i];
+        grows[i] = gathered[i] ? rows[i] : 0;
+    }
+    fs_dim0_layout lay;
     for (int r = 0; r < world && s == FS_OK; r++)
-        s = fs_layout_dim0(dim0, row_numel, nparams, world, r, align,
-                           g->entries + (size_t)r * n, &lay);
-    g->block_numel = lay.block_numel;
-    /* the gather leaves out the extensions' rows */
-    for (int i = 0; i < nparams; i++)
-        grows[i] = gathered[i] ? row_numel[i] : 0;
+        s = fs_layout_dim0(dim0, rows, nparams, world, r, align, g->entries + (size_t)r * n,
+                           &lay);
+    if (s == FS_OK)
+        g->block_numel = lay.block_numel;
     if (s == FS_OK)
         s = fs_layout_dim0(dim0, grows, nparams, world, rank, align, g->gentries, &lay);
+    free(rows);
     free(grows);
     if (s != FS_OK)
         return fail(g, s, "construction", 0, "bad parameter shapes or alignment");
@@ -74,12 +84,13 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
     int64_t pos = 0;
     for (int i = 0; i < nparams; i++) {
         fs_dim0_param *p = &g->params[i];
+        p->outer = outer ? outer[i] : 1;
         p->dim0 = dim0[i];
         p->row_numel = row_numel[i];
         p->gathered = gathered[i];
         p->full_offset = pos;
         if (p->gathered)
-            pos += (p->dim0 * p->row_numel + align - 1) / align * align;
+            pos += (p->outer * p->dim0 * p->row_numel + align - 1) / align * align;
     }
     /* padded so that any divisor of the world can split it (int reshard_after_forward) */
     g->full_alloc = (pos + align * world - 1) / (align * world) * align * world;
@@ -148,8 +159,11 @@ static fs_status copy_out(fs_dim0_group *g, void *stream)
             const char *src = (const char *)g->gathered +
                               (r * g->gather_block_numel + e->block_offset) * es;
             char *dst = (char *)full + (p->full_offset + begin * p->row_numel) * es;
-            if ((s = fs_link_cast(&g->link, stream, dst, g->compute, src, g->compute,
-                                  rows * p->row_numel)) != FS_OK)
+            /* outer runs of this rank's rows: packed in the block, dim0 rows
+             * apart in the unsharded parameter */
+            if ((s = fs_link_cast2d(&g->link, stream, dst, p->dim0 * p->row_numel, g->compute,
+                                    src, rows * p->row_numel, g->compute, rows * p->row_numel,
+                                    p->outer)) != FS_OK)
                 return fail(g, s, "unshard", 0, "copy-out: %s", g->link.comm->last_error);
         }
     }
@@ -360,15 +374,17 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
             return fail(g, s, "reduce-scatter", 0, NULL);
         }
         size_t gs = fs_dtype_size(grad_t[i]);
+        const fs_dim0_param *p = &g->params[i];
         for (int r = 0; r < world; r++) {
             const fs_dim0_entry *en = &g->entries[(size_t)r * n + i];
             if (!en->local_rows || !en->row_numel)
                 continue;
-            s = fs_link_cast(l, l->stream,
-                             (char *)rs_in + (r * g->block_numel + en->block_offset) * rs,
-                             g->reduce,
-                             (const char *)src + en->local_row_begin * en->row_numel * gs,
-                             grad_t[i], en->local_rows * en->row_numel);
+            const int64_t run = en->local_rows * p->row_numel; /* per outer index */
+            s = fs_link_cast2d(l, l->stream,
+                               (char *)rs_in + (r * g->block_numel + en->block_offset) * rs, run,
+                               g->reduce,
+                               (const char *)src + en->local_row_begin * p->row_numel * gs,
+                               p->dim0 * p->row_numel, grad_t[i], run, p->outer);
             if (s != FS_OK) {
                 release_reduction(g);
                 return fail(g, s, "reduce-scatter", 0, "copy-in: %s", c->last_error);

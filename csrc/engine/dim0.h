@@ -30,7 +30,12 @@
 #include "layout.h"
 
 typedef struct {
-    int64_t dim0, row_numel;
+    /* the parameter viewed as (outer, dim0, row_numel), sharded on dim0: its
+     * first dim (outer 1), or a later one (Shard(d): outer is the product
+     * of the dims before d). A rank's rows are then `outer` runs apart in
+     * the unsharded tensor, and one contiguous range in its shard and its
+     * block, whose entries count outer * row_numel elements per row. */
+    int64_t outer, dim0, row_numel;
     int gathered;         /* 0: its class gathers it (an extension) */
     int64_t full_offset;  /* its start in the unsharded buffer, elements */
     void *shard;          /* tensor handle: this rank's rows, contiguous */
@@ -69,12 +74,13 @@ typedef struct {
     int err_collective;
 } fs_dim0_group;
 
-/* dim0[i], row_numel[i], gathered[i] for nparams parameters; align: every
- * parameter's start in the block and the unsharded buffer, in elements. */
+/* outer[i] (NULL: all 1), dim0[i], row_numel[i], gathered[i] for nparams
+ * parameters; align: every parameter's start in the block and the unsharded
+ * buffer, in elements. */
 fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link link,
-                       fs_link replicate, int nparams, const int64_t *dim0,
-                       const int64_t *row_numel, const int *gathered, int64_t align,
-                       fs_dtype compute, fs_dtype reduce);
+                       fs_link replicate, int nparams, const int64_t *outer,
+                       const int64_t *dim0, const int64_t *row_numel, const int *gathered,
+                       int64_t align, fs_dtype compute, fs_dtype reduce);
 void fs_dim0_destroy(fs_dim0_group *g);
 
 /* The local shards (tensor handles, nparams), and the unsharded buffer

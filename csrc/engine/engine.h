@@ -97,6 +97,10 @@ typedef struct {
  * device kernels enqueued on `stream` (a failure's words in comm->last_error). */
 fs_status fs_link_cast(const fs_link *l, void *stream, void *dst, fs_dtype dt, const void *src,
                        fs_dtype st, int64_t n);
+/* fs_link_cast of height rows of width elements at element pitches. */
+fs_status fs_link_cast2d(const fs_link *l, void *stream, void *dst, int64_t dst_pitch,
+                         fs_dtype dt, const void *src, int64_t src_pitch, fs_dtype st,
+                         int64_t width, int64_t height);
 fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs_dtype dt,
                                    const void *src, fs_dtype st, int64_t n, double scale,
                                    int accumulate);

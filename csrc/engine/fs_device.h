@@ -27,7 +27,7 @@
 
 struct fs_comm;
 
-#define FS_DEVICE_API_VERSION 5
+#define FS_DEVICE_API_VERSION 6
 
 typedef struct {
     int version; /* FS_DEVICE_API_VERSION: check before use */
@@ -68,6 +68,12 @@ typedef struct {
      * comm_stream before a deferred collective (a prefetch's host-to-device
      * copy and cast) then runs beside the caller's compute. */
     fs_status (*follow_caller)(struct fs_comm *c, char *err, size_t cap);
+    /* cast of `height` rows of `width` elements, row j from src + j *
+     * src_pitch to dst + j * dst_pitch (pitches in elements): a parameter
+     * sharded on a dim other than its first, copied in one call. */
+    fs_status (*cast2d)(void *dst, int64_t dst_pitch, fs_dtype dst_t, const void *src,
+                        int64_t src_pitch, fs_dtype src_t, int64_t width, int64_t height,
+                        void *stream, char *err, size_t cap);
 } fs_device_api;
 
 #define FS_DEVICE_API_CAPSULE "flatshard.fs_device_api"

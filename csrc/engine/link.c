@@ -62,6 +62,26 @@ fs_status fs_link_cast(const fs_link *l, void *stream, void *dst, fs_dtype dt, c
     return s;
 }
 
+fs_status fs_link_cast2d(const fs_link *l, void *stream, void *dst, int64_t dst_pitch,
+                         fs_dtype dt, const void *src, int64_t src_pitch, fs_dtype st,
+                         int64_t width, int64_t height)
+{
+    if (height == 1)
+        return fs_link_cast(l, stream, dst, dt, src, st, width);
+    if (l->dev)
+        return l->dev->cast2d(dst, dst_pitch, dt, src, src_pitch, st, width, height, stream,
+                              l->comm->last_error, sizeof l->comm->last_error);
+    const size_t ds = fs_dtype_size(dt), ss = fs_dtype_size(st);
+    void *tok = l->unlock && width * height >= FS_UNLOCK_NUMEL ? l->unlock() : NULL;
+    fs_status s = FS_OK;
+    for (int64_t j = 0; j < height && s == FS_OK; j++)
+        s = fs_cast((char *)dst + (size_t)(j * dst_pitch) * ds, dt,
+                    (const char *)src + (size_t)(j * src_pitch) * ss, st, width);
+    if (l->unlock && width * height >= FS_UNLOCK_NUMEL)
+        l->lock(tok);
+    return s;
+}
+
 fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs_dtype dt,
                                    const void *src, fs_dtype st, int64_t n, double scale,
                                    int accumulate)

@@ -59,12 +59,15 @@ static int dtype_arg(PyObject *o, fs_dtype *t)
 static PyObject *Dim0_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"name", "comm", "dim0", "row_numel", "gathered", "align",
-                             "compute_dtype", "reduce_dtype", "empty", "replicate", NULL};
-    PyObject *name, *comm, *dims, *rows, *gathered, *empty = Py_None, *replicate = Py_None;
+                             "compute_dtype", "reduce_dtype", "empty", "replicate", "outer",
+                             NULL};
+    PyObject *name, *comm, *dims, *rows, *gathered, *empty = Py_None, *replicate = Py_None,
+        *outers = Py_None;
     long long align;
     int cdt, rdt;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "UOOOOLii|$OO", kwlist, &name, &comm, &dims,
-                                     &rows, &gathered, &align, &cdt, &rdt, &empty, &replicate))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "UOOOOLii|$OOO", kwlist, &name, &comm, &dims,
+                                     &rows, &gathered, &align, &cdt, &rdt, &empty, &replicate,
+                                     &outers))
         return NULL;
     fs_mod_state *st = fs_state_from_type(tp);
     if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType) ||
@@ -80,12 +83,17 @@ static PyObject *Dim0_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     int64_t *d0 = fs_int64_list(dims, &n, "Dim0Group: dim0 must be a sequence of ints");
     int64_t *rn = d0 ? fs_int64_list(rows, &n2, "Dim0Group: row_numel must be ints") : NULL;
     int64_t *ga = rn ? fs_int64_list(gathered, &n3, "Dim0Group: gathered must be ints") : NULL;
-    int *gi = ga ? calloc(n ? (size_t)n : 1, sizeof *gi) : NULL;
+    Py_ssize_t n4 = n;
+    int64_t *ou = NULL;
+    if (ga && outers != Py_None)
+        ou = fs_int64_list(outers, &n4, "Dim0Group: outer must be a sequence of ints");
+    int *gi = ga && (ou || outers == Py_None) ? calloc(n ? (size_t)n : 1, sizeof *gi) : NULL;
     Dim0Object *self = NULL;
     if (!gi)
         goto out;
-    if (n != n2 || n != n3) {
-        PyErr_SetString(PyExc_ValueError, "Dim0Group: dim0, row_numel, gathered differ in length");
+    if (n != n2 || n != n3 || n != n4) {
+        PyErr_SetString(PyExc_ValueError, "Dim0Group: dim0, row_numel, gathered, outer differ "
+                        "in length");
         goto out;
     }
     for (Py_ssize_t i = 0; i < n; i++)
@@ -103,13 +111,14 @@ static PyObject *Dim0_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     }
     fs_status s = fs_dim0_init(&self->g, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
                                fs_glue_link(self->comm), fs_glue_link(self->replicate), (int)n,
-                               d0, rn, gi, align, cdt, rdt);
+                               ou, d0, rn, gi, align, cdt, rdt);
     self->ready = 1;
     if (s != FS_OK) {
         fs_raise(st, s, "Dim0Group %U: %s", name, self->g.err);
         Py_CLEAR(self);
     }
 out:
+    free(ou);
     free(d0);
     free(rn);
     free(ga);
@@ -410,8 +419,9 @@ static PyType_Slot Dim0_slots[] = {
     {Py_tp_methods, Dim0_methods},
     {Py_tp_getset, Dim0_getset},
     {Py_tp_doc, "Dim0Group(name, comm, dim0, row_numel, gathered, align, compute_dtype,\n"
-                "reduce_dtype, *, empty=None, replicate=None): one fully_shard group on the\n"
-                "engine (engine/dim0.h)."},
+                "reduce_dtype, *, empty=None, replicate=None, outer=None): one fully_shard\n"
+                "group on the engine (engine/dim0.h); parameter i is viewed as (outer[i],\n"
+                "dim0[i], row_numel[i]) and sharded on its middle dim."},
     {0, NULL},
 };
 

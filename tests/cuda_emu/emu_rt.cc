@@ -205,6 +205,20 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
     return cudaSuccess;
 }
 
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
+                              size_t width, size_t height, cudaMemcpyKind kind, cudaStream_t s)
+{
+    LOCK;
+    (void)kind;
+    if (width && height && (!dst || !src || dpitch < width || spitch < width))
+        return cudaErrorInvalidValue;
+    fs_emu_enqueue(s, [=] {
+        for (size_t j = 0; j < height; j++)
+            memmove((char *)dst + j * dpitch, (const char *)src + j * spitch, width);
+    });
+    return cudaSuccess;
+}
+
 cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s)
 {
     LOCK;

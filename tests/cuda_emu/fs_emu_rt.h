@@ -60,6 +60,7 @@ typedef enum cudaDeviceAttr cudaDeviceAttr;
 #define cudaMalloc fs_emu_cudaMalloc
 #define cudaFree fs_emu_cudaFree
 #define cudaMemcpyAsync fs_emu_cudaMemcpyAsync
+#define cudaMemcpy2DAsync fs_emu_cudaMemcpy2DAsync
 #define cudaMemsetAsync fs_emu_cudaMemsetAsync
 #define cudaStreamCreateWithFlags fs_emu_cudaStreamCreateWithFlags
 #define cudaStreamDestroy fs_emu_cudaStreamDestroy
@@ -83,6 +84,8 @@ cudaError_t cudaMalloc(void **p, size_t bytes);
 cudaError_t cudaFree(void *p);
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t s);
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
+                              size_t width, size_t height, cudaMemcpyKind kind, cudaStream_t s);
 cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s);
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
 cudaError_t cudaStreamDestroy(cudaStream_t s);

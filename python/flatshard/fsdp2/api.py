@@ -452,14 +452,31 @@ def _check_ignored(ignored):
     return {id(p) for p in ignored}
 
 
-def _check_placement(fn, p, name):
-    placement = fn(p)
+def _shard_dim(fn, p, name, extension):
+    """The dim shard_placement_fn(p) shards p on: torch's rules (None is
+    Shard(0), a negative dim counts from the end, anything but a Shard is
+    refused). Unlike torch, an uneven split of a dim other than 0 is built:
+    it follows torch.chunk, as dim 0 does."""
+    placement = fn(p) if fn is not None else None
     if placement is None:
-        return
-    if isinstance(placement, Shard) and placement.dim in (0, -p.dim()):
-        return
-    raise not_built("shard_placement_fn", placement, f"parameter {name} asked for it; only "
-                    "Shard(0) (or None) placements are built")
+        return 0
+    if not isinstance(placement, Shard):
+        if type(placement).__name__ == "ShardPlacementResult":
+            raise not_built("shard_placement_fn", placement, f"parameter {name} asked for a "
+                            "mesh of its own; every parameter of a group shards on the "
+                            "group's mesh", "return a Shard(dim) or None")
+        raise bad_value("shard_placement_fn", placement, f"Invalid shard_placement_fn result "
+                        f"for parameter {name}", "return a Shard(dim) or None")
+    d = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= d < p.dim():
+        raise bad_value("shard_placement_fn", placement, f"Shard dim {placement.dim} is "
+                        f"invalid for {p.dim()}D tensor: parameter {name} of shape "
+                        f"{tuple(p.shape)}", f"a dim in [-{p.dim()}, {p.dim()})")
+    if d and extension:
+        raise not_built("shard_placement_fn", placement, f"parameter {name} all-gathers "
+                        "through its class's fsdp_pre_all_gather, which flatshard shards on "
+                        "dim 0 only", "return Shard(0) or None for it")
+    return d
 
 
 def _collect(modules, ignored):
@@ -501,7 +518,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                 mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
                 ignored_params=None, dp_mesh_dims=None):
     """Shard `module`'s parameters (those not already in a group) over `mesh`
-    on dim 0; returns `module`, whose class is now an FSDPModule subclass.
+    on dim 0 (or the dim shard_placement_fn names); returns `module`, whose class is now an FSDPModule subclass.
     A list of modules makes one group of all their parameters (e.g. the
     final norm and the output head): each module's forward gathers it.
 
@@ -513,8 +530,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                            until backward ends; an int k: keep them sharded
                            over groups of k ranks in between; None: True for
                            every module but the root.
-    shard_placement_fn     fn(param) -> Shard(0) or None (the default); other
-                           placements are refused.
+    shard_placement_fn     fn(param) -> Shard(dim) or None (Shard(0)): the dim
+                           each parameter is sharded on (torch.chunk's split,
+                           uneven splits of any dim included).
     mp_policy              torch's MixedPrecisionPolicy (param_dtype,
                            reduce_dtype, output_dtype, cast_forward_inputs).
     offload_policy         OffloadPolicy() (none) or CPUOffloadPolicy().
@@ -547,6 +565,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     mesh = _check_mesh(mesh, "cuda" if on_cuda else "cpu")
     want = _mesh_device(mesh)
     label = ", ".join(type(m).__name__ for m in modules)
+    dims = []  # each parameter's shard dim
     for p, name in zip(params, names):
         if isinstance(p, DTensor):
             raise bad_value("module", label, f"parameter {name} is already a "
@@ -568,8 +587,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             raise bad_value("module", label, f"parameter {name} is on {p.device}, and the "
                             f"mesh's collectives move {want} memory",
                             f"move the module to {want} first, or pass a matching mesh")
-        if shard_placement_fn is not None:
-            _check_placement(shard_placement_fn, p, name)
+        dims.append(_shard_dim(shard_placement_fn, p, name, has_extension(p)))
     if len({p.dtype for p in params}) > 1:
         found = sorted({str(p.dtype) for p in params})
         raise bad_value("module", label, f"its parameters have several dtypes "
@@ -583,7 +601,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             replicate = _comm(mesh.get_group(0), mesh)
         else:
             shard, replicate = _comm(mesh.get_group(0), mesh), None
-        group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy, names)
+        group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy, names, dims)
         group.post_comm = post_comm
         group.register_sharded()
     state = FSDPState(modules, group, raf, mp_policy)

@@ -1,9 +1,10 @@
 """One fully_shard group: its parameters as dim-0 DTensor shards, gathered
 and reduced by the engine's group (flatshard._C.Dim0Group, csrc/engine/dim0.h).
 
-The engine owns the layout (csrc/core/layout.h, DIM0: parameter i cut on dim
-0 into chunks of ceil(dim0 / world) rows, torch.chunk's rule, which is also
-DTensor's Shard(0) rule), the all-gather with its copy-in and copy-out, the
+The engine owns the layout (csrc/core/layout.h, DIM0: parameter i cut on its
+shard dim, dim 0 or the one shard_placement_fn chose, into chunks of
+ceil(size / world) rows, torch.chunk's rule, which is also DTensor's
+Shard(d) rule), the all-gather with its copy-in and copy-out, the
 reduce-scatter with its copy-in, the replicas' all-reduce, the scale and the
 sharded gradients. This file keeps what only torch can do: the DTensor
 shards and their registration, the unsharded parameters as views of the
@@ -35,11 +36,15 @@ class ParamGroup:
     """params: unique parameters of one dtype (registration order);
     aliases[i]: every (module, attr) where params[i] is registered."""
 
-    def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy, names=None):
+    def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy, names=None,
+                 shard_dims=None):
         self.mesh = mesh
         self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
         self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
-        self.placements = ([Replicate()] if replicate_comm is not None else []) + [Shard(0)]
+        # each parameter's shard dim (Shard(d) from shard_placement_fn; 0 by default)
+        self.shard_dims = list(shard_dims) if shard_dims is not None else [0] * len(params)
+        self.placements = [([Replicate()] if replicate_comm is not None else []) + [Shard(d)]
+                           for d in self.shard_dims]
         self.aliases = aliases
         self.world = comm.world_size
         self.rank = comm.rank
@@ -93,13 +98,14 @@ class ParamGroup:
                 self.count_base[k] = self.count_base.get(k, 0) + v
         self.compute_dtype, self.reduce_dtype = compute, reduce
         align = _C.align_numel(torch.empty((), dtype=compute).element_size())
+        # each parameter as (outer, size of the shard dim, inner) for the engine
+        views = [(int(torch.Size(s[:d]).numel()), s[d] if len(s) else 1,
+                  int(torch.Size(s[d + 1:]).numel())) for s, d in zip(self.shapes, self.shard_dims)]
         self.c = _C.Dim0Group(
-            self.label, self.comm,
-            [s[0] if len(s) else 1 for s in self.shapes],
-            [int(torch.Size(s[1:]).numel()) for s in self.shapes], self.gathered, align,
-            dtype_code(compute), dtype_code(reduce),
+            self.label, self.comm, [v[1] for v in views], [v[2] for v in views], self.gathered,
+            align, dtype_code(compute), dtype_code(reduce),
             empty=empty_fn(device) if self.comm.device is not None else None,
-            replicate=self.replicate_comm)
+            replicate=self.replicate_comm, outer=[v[0] for v in views])
         self.entries = self.c.entries     # this rank's rows of each parameter (layout.c)
         self.offsets = self.c.offsets     # each parameter's start in the unsharded buffer
         self.full_alloc = self.c.full_alloc
@@ -128,8 +134,10 @@ class ParamGroup:
                     p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows])
                 local = padded.narrow(0, 0, e.local_rows)
             else:
-                local = p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows].clone()
-        d = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                local = p.detach().narrow(self.shard_dims[i], e.local_row_begin,
+                                          e.local_rows).clone(
+                                              memory_format=torch.contiguous_format)
+        d = DTensor.from_local(local, self.mesh, self.placements[i], run_check=False,
                                shape=self.shapes[i], stride=_contiguous_stride(self.shapes[i]))
         return nn.Parameter(d, requires_grad=p.requires_grad)
 
@@ -212,20 +220,20 @@ class ParamGroup:
                 "model.state_dict()[key].placements), or use torch.distributed.checkpoint."
                 "state_dict.set_model_state_dict")
         if p.shape != self.shapes[i] or p.device_mesh != self.mesh or \
-                tuple(p.placements) != tuple(self.placements):
+                tuple(p.placements) != tuple(self.placements[i]):
             raise ConfigError(
                 f"flatshard: parameter {name} was assigned a DTensor of shape {tuple(p.shape)} "
                 f"with placements {tuple(p.placements)} on {p.device_mesh}; fully_shard holds it "
-                f"as shape {tuple(self.shapes[i])}, placements {tuple(self.placements)} on "
+                f"as shape {tuple(self.shapes[i])}, placements {tuple(self.placements[i])} on "
                 f"{self.mesh}. Distribute the new value to the old one's mesh and placements")
-        rows = self.entries[i].local_rows
+        rows, d = self.entries[i].local_rows, self.shard_dims[i]
         local = p._local_tensor
-        if self.gathered[i] and (local.dim() == 0 or local.shape[0] != rows):
+        if self.gathered[i] and (local.dim() == 0 or local.shape[d] != rows):
             raise ConfigError(
                 f"flatshard: parameter {name} was assigned a DTensor whose local shard has "
-                f"shape {tuple(local.shape)}; this rank holds {rows} rows of it (torch.chunk's "
-                "rule, Shard(0)). Build it with distribute_tensor or DTensor.from_local of "
-                "those rows")
+                f"shape {tuple(local.shape)}; this rank holds {rows} of its dim {d} (torch."
+                f"chunk's rule, Shard({d})). Build it with distribute_tensor or DTensor."
+                "from_local of those")
         return p
 
     def register_sharded(self):
