@@ -20,11 +20,17 @@ Hooks (all public torch APIs):
                  hold the group's parameters: reshard, so that both see the
                  DTensor shards (from unshard to reshard the modules hold the
                  unsharded parameters, as with torch's fully_shard).
+
+Each hook opens torch's fully_shard profiler ranges ("FSDP::pre_forward
+(fqn)", "FSDP::all_gather (fqn)", "FSDP::post_backward_reduce (fqn)", ...)
+while a profiler runs, and the engine's collectives are counted in an active
+CommDebugMode as torch's c10d ones would be (runtime/observe.py).
 """
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ConfigError
+from ..runtime import observe
 from ..runtime.order import ForwardOrder
 
 STATE_ATTR = "_flatshard_fsdp2_state"
@@ -43,6 +49,15 @@ def _cast(dtype, tree):
             return t.to(dtype)
         return t
     return tree_map(cast, tree)
+
+
+def _issued(g):
+    """The collectives g's engine has issued so far, in observe.KINDS' order:
+    all-gathers (over the shard group, or the post-forward group),
+    reduce-scatters, and under HSDP one all-reduce after each reduce-scatter."""
+    rs = g.n_reduce_scatters
+    return (g.n_all_gathers + g.n_post_gathers, rs,
+            rs if g.replicate_comm is not None else 0)
 
 
 class FSDPState:
@@ -65,6 +80,9 @@ class FSDPState:
         self.states = None                # the root's: every state of its tree
         self.callback_queued = False
         self.reducing = None              # the root's: the state whose reduction is in flight
+        self.reduced = False              # the root's: a group was reduced in this backward
+        self.fqn = ""                     # the modules' names in the root's tree (profiler)
+        self.label = ""                   # " (fqn)": the suffix of this state's ranges
         self.order = ForwardOrder()       # the root's: the order states ran in (prefetch)
         self.prefetched = []              # the root's: implicitly prefetched this forward
         self.ready = set()                # trainable parameters whose gradient arrived
@@ -101,6 +119,26 @@ class FSDPState:
                 st.reshard_after_forward = st is not self
             self.states.append(st)
         self._check_no_shared_params()
+        self._init_fqns()
+
+    def _init_fqns(self):
+        """Each state's module names in the root's tree, joined as torch's
+        fully_shard labels its profiler ranges ("" for the root)."""
+        names = {}
+        for top in self.modules:
+            for name, m in top.named_modules():
+                names.setdefault(m, name)
+        for st in self.states:
+            mine = {id(m) for m in st.modules}
+            st.fqn = ", ".join(n for m, n in names.items() if id(m) in mine)
+            st.label = f" ({st.fqn})" if st.fqn else ""
+
+    def _span(self, name):
+        """torch's range `name` of this state's group while a profiler runs
+        (none for a state without parameters: torch has no group there)."""
+        if self.group is None:
+            return observe.NOTHING
+        return observe.span(name, self.label)
 
     def _check_no_shared_params(self):
         """A parameter tied between modules given to separate fully_shard
@@ -136,7 +174,9 @@ class FSDPState:
         if g is None:
             return
         if g.is_unsharded:  # waits for a pending gather, unless this is a prefetch too
-            g.unshard(defer)
+            with (observe.span("FSDP::all_gather_copy_out", self.label)
+                  if not defer and g.pending else observe.NOTHING):
+                g.unshard(defer)
             return
         if g.post_chunk is None:
             g.sync_registered()  # parameters assigned since: the new shards
@@ -149,7 +189,9 @@ class FSDPState:
                 "load_state_dict(sd, assign=True) or torch.distributed.checkpoint.state_dict."
                 "set_model_state_dict, or call module.to_empty(device='cpu') and "
                 "reset_parameters() on its submodules, before the first forward or unshard")
-        g.unshard(defer)
+        with observe.span("FSDP::all_gather", self.label), \
+                observe.issued(_issued, g, g.comm):
+            g.unshard(defer)
         if self.hooked_full is not g.full:  # new unsharded parameters (first unshard, _apply)
             self.hooked_full, self.hooked = g.full, set()
         for i, p in enumerate(g.unsharded):  # trainable ones; a frozen one may be unfrozen
@@ -167,9 +209,19 @@ class FSDPState:
         if self.unshard_async_op:
             self.unshard(defer=True)
             if self.group is not None:
-                self.group.wait_unsharded()
+                self._wait_gather()
         else:
             self.unshard()
+
+    def _wait_gather(self):
+        """The copy-out of a deferred all-gather (a device Comm's prefetch or
+        async_op), in torch's range when one is pending. A gather that is not
+        deferred does its copy-out inside the engine's unshard call, in
+        "FSDP::all_gather"."""
+        g = self.group
+        with (observe.span("FSDP::all_gather_copy_out", self.label)
+              if g.pending else observe.NOTHING):
+            g.wait_unsharded()
 
     def reshard(self):
         if self.group is not None:
@@ -189,6 +241,13 @@ class FSDPState:
             return []
         return [st]
 
+    @staticmethod
+    def _prefetch(states, pass_type):
+        """Issue the deferred gather of each state, in torch's range."""
+        for st in states:
+            with observe.span("FSDP::", pass_type, "_prefetch for ", st.fqn):
+                st.unshard(defer=True)
+
     # ------------------------------------------------------------------
     # forward
 
@@ -196,30 +255,34 @@ class FSDPState:
         self.lazy_init()
         root = self.root or self
         if self.is_root:
-            ev, self.post_optim_event = self.post_optim_event, None
-            if ev is not None:
-                ev.synchronize()
-            self.order.begin()
-            self.prefetched = []
+            with observe.span("FSDP::root_pre_forward"):
+                ev, self.post_optim_event = self.post_optim_event, None
+                if ev is not None:
+                    ev.synchronize()
+                self.order.begin()
+                self.prefetched = []
         nxt = root.order.record(self)
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
-            args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
-        self._unshard_and_wait()
+            with observe.span("FSDP::cast_forward_inputs"):
+                args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
+        with self._span("FSDP::pre_forward"):
+            self._unshard_and_wait()
         implicit = self.forward_prefetch is None
-        for st in self._implicit(nxt) if implicit else self.forward_prefetch:
-            if implicit and not st.group.is_unsharded:
-                root.prefetched.append(st)
-            st.unshard(defer=True)
+        states = self._implicit(nxt) if implicit else self.forward_prefetch
+        if implicit:
+            root.prefetched += [st for st in states if not st.group.is_unsharded]
+        self._prefetch(states, "forward")
         return args, kwargs
 
     def post_forward(self, output):
         grad = torch.is_grad_enabled()
         raf = self.reshard_after_forward
-        if isinstance(raf, int) and not isinstance(raf, bool) and grad:
-            if self.group is not None:
-                self.group.reshard_to_post_forward()
-        elif raf or not grad:
-            self.reshard()
+        with self._span("FSDP::post_forward"):
+            if isinstance(raf, int) and not isinstance(raf, bool) and grad:
+                if self.group is not None:
+                    self.group.reshard_to_post_forward()
+            elif raf or not grad:
+                self.reshard()
         if self.is_root:  # the forward is over: keep its order; drop unused prefetches
             self.order.end()
             for st in self.prefetched:
@@ -230,7 +293,10 @@ class FSDPState:
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(self._pre_backward)
-        return _cast(self.mp.output_dtype, output)
+        if self.mp.output_dtype is None:
+            return output
+        with observe.span("FSDP::cast_forward_outputs"):
+            return _cast(self.mp.output_dtype, output)
 
     def _pre_forward_hook(self, module, args, kwargs):
         return self.pre_forward(args, kwargs)
@@ -246,11 +312,13 @@ class FSDPState:
         if not root.callback_queued:
             root.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finalize)
-        if self.unshard_in_backward:
-            self._unshard_and_wait()
-        for st in (self._implicit(root.order.previous(self)) if self.backward_prefetch is None
-                   else self.backward_prefetch):
-            st.unshard(defer=True)
+        with self._span("FSDP::pre_backward"):
+            if self.unshard_in_backward:
+                self._unshard_and_wait()
+            if self.backward_prefetch is None:  # torch's default prefetch is in the range
+                self._prefetch(self._implicit(root.order.previous(self)), "backward")
+        if self.backward_prefetch is not None:
+            self._prefetch(self.backward_prefetch, "backward")
         return None
 
     def _make_grad_hook(self, i):
@@ -264,16 +332,25 @@ class FSDPState:
         """Reduce (on a device: deferred, one reduction in flight, so it runs
         beside the backward of the modules before this one) and reshard."""
         self.ready.clear()
-        self.group.accumulate_unsharded_grads()
+        g = self.group
+        with self._span("FSDP::post_backward_accumulate"):
+            g.accumulate_unsharded_grads()
         if self.requires_gradient_sync:
             root = self.root or self
-            root.finish_reducing()  # the previous group's, before this one is issued
-            if self.group.reduce_grads(defer=True, reshard=self.reshard_after_backward):
-                root.reducing = self
-        if self.reshard_after_backward:
-            self.group.reshard()
-        if not self.requires_gradient_sync:
-            self.group.to_accumulated_grads()
+            # the previous group's, before this one is issued (torch labels
+            # its wait "(fqn)" even for the root's empty fqn)
+            with (observe.span("FSDP::post_backward_rs_wait (", self.fqn, ")")
+                  if root.reduced else observe.NOTHING):
+                root.finish_reducing()
+            with self._span("FSDP::post_backward_reduce"), observe.issued(_issued, g, g.comm):
+                if g.reduce_grads(defer=True, reshard=self.reshard_after_backward):
+                    root.reducing = self
+            root.reduced = True
+        with self._span("FSDP::post_backward_reshard"):
+            if self.reshard_after_backward:
+                g.reshard()
+            if not self.requires_gradient_sync:
+                g.to_accumulated_grads()
 
     def finish_reducing(self):
         """Root only: land the reduction left in flight, if any."""
@@ -283,13 +360,15 @@ class FSDPState:
 
     def _finalize(self):
         """Root only, once the autograd engine is done with this backward."""
-        self.callback_queued = False
-        for st in self.states or [self]:
-            g = st.group
-            if g is None:
-                continue
-            if st.ready or (st.requires_gradient_sync and g.has_unsharded_grads()):
-                st._post_backward()
-            elif st.reshard_after_backward:
-                g.reshard()
-        self.finish_reducing()  # every sharded gradient is in place when backward returns
+        with observe.span("FSDP::root_post_backward_callback"):
+            self.callback_queued = False
+            for st in self.states or [self]:
+                g = st.group
+                if g is None:
+                    continue
+                if st.ready or (st.requires_gradient_sync and g.has_unsharded_grads()):
+                    st._post_backward()
+                elif st.reshard_after_backward:
+                    g.reshard()
+            self.finish_reducing()  # every sharded gradient is in place when backward returns
+            self.reduced = False

@@ -2,9 +2,11 @@
 (comm.py: shm and torch; cuda_nccl.py: NCCL), the devices and their kernels
 (device.py, cuda.py), how long a wait may last (timeout.py), failure reports
 (diagnostics.py: where every rank was; consistency.py: ranks that wrap
-different models) and the forward order kept for prefetching (order.py).
+different models), the forward order kept for prefetching (order.py) and
+what torch's debugging tools see of flatshard's collectives (observe.py:
+profiler ranges, CommDebugMode counts).
 
-Lowest first: order, diagnostics, timeout, cuda < cuda_nccl < device < comm;
+Lowest first: observe, order, diagnostics, timeout, cuda < cuda_nccl < device < comm;
 consistency needs only timeout. Imports: the leaves (errors, envvars,
 tensors) and _C/_C_cuda; nothing of fsdp/, fsdp2/, state/, plan/, optim/ or
 memory.py.
