@@ -524,7 +524,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
 
     mesh                   torch DeviceMesh on CPU: 1-D shards over it; 2-D
                            replicates over dim 0 and shards over dim 1 (HSDP).
-                           None: the default process group's world.
+                           None: the default process group's world. DTensor
+                           (tensor-parallel) parameters are sharded again
+                           over it, on the joined mesh (fsdp2/tp.py).
     reshard_after_forward  True: free the gathered parameters after forward
                            and gather again in backward; False: keep them
                            until backward ends; an int k: keep them sharded
@@ -567,10 +569,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     label = ", ".join(type(m).__name__ for m in modules)
     dims = []  # each parameter's shard dim
     for p, name in zip(params, names):
-        if isinstance(p, DTensor):
-            raise bad_value("module", label, f"parameter {name} is already a "
-                            "DTensor; fully_shard on tensor-parallel parameters is not built")
-        if has_extension(p):  # its class all-gathers for itself (extension.py)
+        if isinstance(p, DTensor):  # tensor parallel: its local tensor is sharded (tp.py)
+            check_plain(p._local_tensor, f"parameter {name}'s local tensor", "fully_shard")
+        elif has_extension(p):  # its class all-gathers for itself (extension.py)
             if isinstance(reshard_after_forward, int) and \
                     not isinstance(reshard_after_forward, bool):
                 raise not_built("reshard_after_forward", reshard_after_forward,

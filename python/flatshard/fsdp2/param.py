@@ -29,6 +29,7 @@ from .. import _C
 from ..errors import ConfigError
 from ..runtime.device import empty_fn
 from ..tensors import dtype_code
+from . import tp
 from .extension import Extension, has_extension
 
 
@@ -49,7 +50,18 @@ class ParamGroup:
         self.world = comm.world_size
         self.rank = comm.rank
         self.mp = mp_policy
-        self.shapes = [p.shape for p in params]
+        # DTensor parameters (tensor parallel): the engine sees their local
+        # tensors, the shards are DTensors on the joined mesh (tp.py)
+        self.tp = {i: tp.tp_spec(p, mesh, self.shard_dims[i], replicate_comm is not None,
+                                 (names or [str(i)])[i])
+                   for i, p in enumerate(params) if isinstance(p, DTensor)}
+        self.global_shapes = [p.shape for p in params]
+        self.shapes = [p._local_tensor.shape if i in self.tp else p.shape
+                       for i, p in enumerate(params)]
+        # the mesh and placements of each sharded parameter
+        self.meshes = [self.tp[i].mesh if i in self.tp else mesh for i in range(len(params))]
+        for i, t in self.tp.items():
+            self.placements[i] = list(t.placements)
         self.label = ",".join(names) if names else "fully_shard"
         self.names = names or [str(i) for i in range(len(params))]
         # Parameters whose class all-gathers for itself (extension.py): no
@@ -134,11 +146,13 @@ class ParamGroup:
                     p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows])
                 local = padded.narrow(0, 0, e.local_rows)
             else:
-                local = p.detach().narrow(self.shard_dims[i], e.local_row_begin,
-                                          e.local_rows).clone(
-                                              memory_format=torch.contiguous_format)
-        d = DTensor.from_local(local, self.mesh, self.placements[i], run_check=False,
-                               shape=self.shapes[i], stride=_contiguous_stride(self.shapes[i]))
+                whole = p._local_tensor if i in self.tp else p
+                local = whole.detach().narrow(self.shard_dims[i], e.local_row_begin,
+                                              e.local_rows).clone(
+                                                  memory_format=torch.contiguous_format)
+        shape = self.global_shapes[i]
+        d = DTensor.from_local(local, self.meshes[i], self.placements[i], run_check=False,
+                               shape=shape, stride=_contiguous_stride(shape))
         return nn.Parameter(d, requires_grad=p.requires_grad)
 
     def _shards_to_engine(self):
@@ -219,13 +233,14 @@ class ParamGroup:
                 "distribute_tensor(full, model.state_dict()[key].device_mesh, "
                 "model.state_dict()[key].placements), or use torch.distributed.checkpoint."
                 "state_dict.set_model_state_dict")
-        if p.shape != self.shapes[i] or p.device_mesh != self.mesh or \
+        if p.shape != self.global_shapes[i] or p.device_mesh != self.meshes[i] or \
                 tuple(p.placements) != tuple(self.placements[i]):
             raise ConfigError(
                 f"flatshard: parameter {name} was assigned a DTensor of shape {tuple(p.shape)} "
                 f"with placements {tuple(p.placements)} on {p.device_mesh}; fully_shard holds it "
-                f"as shape {tuple(self.shapes[i])}, placements {tuple(self.placements[i])} on "
-                f"{self.mesh}. Distribute the new value to the old one's mesh and placements")
+                f"as shape {tuple(self.global_shapes[i])}, placements "
+                f"{tuple(self.placements[i])} on {self.meshes[i]}. Distribute the new value to "
+                "the old one's mesh and placements")
         rows, d = self.entries[i].local_rows, self.shard_dims[i]
         local = p._local_tensor
         if self.gathered[i] and (local.dim() == 0 or local.shape[d] != rows):
@@ -269,8 +284,10 @@ class ParamGroup:
                 self.unsharded.append(None)
                 continue
             n = int(torch.Size(shape).numel())
-            self.unsharded.append(nn.Parameter(self.full.narrow(0, off, n).view(shape),
-                                               requires_grad=sp.requires_grad))
+            view = self.full.narrow(0, off, n).view(shape)
+            if i in self.tp:  # the module computes on it as the DTensor it was
+                view = tp.unsharded(view, self.tp[i])
+            self.unsharded.append(nn.Parameter(view, requires_grad=sp.requires_grad))
         self.full.untyped_storage().resize_(0)
         self.c.set_full(self.full)
 
@@ -346,12 +363,18 @@ class ParamGroup:
             any(p.grad is not None for p in self.unsharded) or
             any(a is not None for a in self.accumulated))
 
+    def _grad(self, i):
+        """Unsharded parameter i's gradient as the engine reads it: the
+        local tensor of a DTensor parameter's (tp.py)."""
+        g = self.unsharded[i].grad
+        return tp.grad_local(g, self.tp[i]) if g is not None and i in self.tp else g
+
     def accumulate_unsharded_grads(self):
         """Add this backward's gradients onto the reduce-dtype sums kept from
         earlier backwards without sync [Note: accumulation dtype]."""
         for i, p in enumerate(self.unsharded or ()):
             if self.accumulated[i] is not None and p.grad is not None:
-                self.accumulated[i] += p.grad
+                self.accumulated[i] += self._grad(i)
                 p.grad = None
 
     def to_accumulated_grads(self):
@@ -359,7 +382,7 @@ class ParamGroup:
         reduce dtype as reduce-dtype sums [Note: accumulation dtype]."""
         for i, p in enumerate(self.unsharded or ()):
             if p.grad is not None and p.grad.dtype != self.reduce_dtype:
-                self.accumulated[i] = p.grad.to(self.reduce_dtype)
+                self.accumulated[i] = self._grad(i).to(self.reduce_dtype)
                 p.grad = None
 
     def reduce_grads(self, defer=False, reshard=False):
@@ -372,7 +395,7 @@ class ParamGroup:
         result. reshard: free the unsharded buffer in the same engine call
         (the caller's reshard() then has only its views to drop). Returns
         whether one is left to finish."""
-        grads = [a if a is not None else p.grad for a, p in zip(self.accumulated, self.unsharded)]
+        grads = [a if a is not None else self._grad(i) for i, a in enumerate(self.accumulated)]
         if all(g is None for g in grads):
             return False
         self.accumulated = [None] * len(grads)

@@ -1,0 +1,89 @@
+"""fully_shard on parameters that are DTensors already: tensor (or expert)
+parallel ones, placed on a mesh of their own (parallelize_module(block,
+mesh["tp"], ...)), then sharded again over the data-parallel mesh
+(fully_shard(block, mesh=mesh["dp"])), as torch's fully_shard does.
+
+The engine shards, gathers and reduces each parameter's local tensor (this
+rank's tensor-parallel piece) exactly as a plain parameter's; only the
+DTensor wrappers differ:
+
+- the sharded parameter is a DTensor on the two meshes joined (dp dims
+  first, then the parameter's own), placed (dp placement, *its placements),
+  where the dp placement is _StridedShard(d, split_factor) when the
+  parameter's own placements already split dim d that many ways (so that
+  full_tensor() and checkpoints see the right global layout);
+- from unshard to reshard the module holds the gathered local tensor as a
+  DTensor with the parameter's own spec, so the tensor-parallel forward
+  runs unchanged;
+- its gradient is a DTensor on the parameter's own mesh; a Partial
+  placement is made Replicate (a sum over that mesh) before the local tensor
+  is reduce-scattered over the data-parallel mesh.
+"""
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..errors import bad_value
+
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """One DTensor parameter: its own spec (mesh, placements, global shape)
+    and where its shards live (the joined mesh and placements)."""
+    spec: object            # the parameter's DTensorSpec on its own mesh
+    mesh: DeviceMesh        # the data-parallel mesh joined with its own
+    placements: tuple       # (dp placements..., its own placements...)
+
+
+def _join(dp_mesh, own_mesh, name):
+    """The mesh whose dims are dp_mesh's then own_mesh's (both slices of one
+    root mesh), as torch's fully_shard joins them."""
+    try:
+        return DeviceMesh._concatenate([dp_mesh, own_mesh])
+    except Exception as e:  # torch's words, about meshes that do not join
+        raise bad_value("mesh", dp_mesh, f"parameter {name} is a DTensor on {own_mesh}, which "
+                        f"does not join with the data-parallel mesh ({e})",
+                        "slice both from one DeviceMesh, e.g. mesh['dp'] and mesh['tp']"
+                        ) from None
+
+
+def tp_spec(param, dp_mesh, shard_dim, replicated, name):
+    """The TPSpec of DTensor `param` sharded on `shard_dim` over `dp_mesh`
+    (replicated: its first dim replicates, HSDP)."""
+    spec = param._spec
+    if len(spec.placements) > 2:
+        raise bad_value("module", name, f"parameter {name} has placements "
+                        f"{tuple(spec.placements)}; fully_shard takes DTensor parameters of "
+                        "1-D or 2-D meshes (tensor or expert parallel)",
+                        "place it on at most two mesh dims")
+    if any(not isinstance(p, (Shard, Replicate)) for p in spec.placements):
+        raise bad_value("module", name, f"parameter {name} has placements "
+                        f"{tuple(spec.placements)}", "Shard or Replicate placements only")
+    mesh = _join(dp_mesh, spec.mesh, name)
+    split = 1
+    for p, size in zip(spec.placements, spec.mesh.shape):
+        if isinstance(p, Shard) and p.dim == shard_dim:
+            split *= size
+    mine = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+    dp = (Replicate(), mine) if replicated else (mine,)
+    return TPSpec(spec, mesh, dp + tuple(spec.placements))
+
+
+def unsharded(local, t):
+    """The gathered local tensor as the module's parameter: a DTensor with
+    the parameter's own spec (no autograd edge: the caller makes it a leaf)."""
+    return DTensor(local, t.spec, requires_grad=False)
+
+
+def grad_local(grad, t):
+    """The local tensor of an unsharded parameter's gradient, placed as the
+    parameter (a Partial sum over its own mesh is completed first)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    want = tuple(t.spec.placements)
+    if tuple(grad.placements) != want:
+        grad = grad.redistribute(placements=want)
+    return grad._local_tensor
