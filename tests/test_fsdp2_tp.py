@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
@@ -182,3 +183,72 @@ def test_dcp_checkpoint_across_mesh_shapes(dist_pool, tmp_path):
     for same, back, dtensors in dist_pool(4).run(_checkpoint_across_shapes, path,
                                                  timeout=TIMEOUT):
         assert same == [True, True, True] and back and dtensors
+
+
+# ----------------------------------------------------------------------
+# a full SPMD mesh: fully_shard(mesh=mesh, dp_mesh_dims=...)
+
+def _distribute(model, mesh, dp_dims):
+    """Every parameter a DTensor on the full mesh: replicated on the
+    data-parallel dims; on "tp", the blocks' linears split as Colwise (up)
+    and Rowwise (down) would, the rest replicated."""
+    tp_place = {"up.weight": Shard(0), "up.bias": Shard(0), "down.weight": Shard(1)}
+    for mod_name, mod in model.named_modules():
+        for n, p in list(mod.named_parameters(recurse=False)):
+            key = f"{mod_name.split('.')[-1]}.{n}"
+            placements = [Replicate() if d in dp_dims else tp_place.get(key, Replicate())
+                          for d in mesh.mesh_dim_names]
+            setattr(mod, n, nn.Parameter(distribute_tensor(p.detach(), mesh, placements)))
+
+
+def _spmd_train(shape, names, dp_dims, mp):
+    from flatshard import DataParallelMeshDims
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dims = DataParallelMeshDims(shard="dp", replicate="rep" if "rep" in names else None)
+    batch = [Shard(0) if d in dp_dims else Replicate() for d in names]
+    world = dist.get_world_size() // mesh["tp"].size()
+    out = {}
+    for name, fn, policy in BOTH:
+        torch.manual_seed(0)
+        model = Net()
+        _distribute(model, mesh, dp_dims)
+        kw = {"mesh": mesh, "dp_mesh_dims": dims}
+        if mp:
+            kw["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for b in model.blocks:
+            fn(b, **kw)
+        fn(model, **kw)
+        placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for _ in range(3):  # the global batch, every rank the same; DTensors split it
+            idx = torch.randint(0, 10, (4 * world,), generator=g)
+            y = torch.randn(4 * world, 5, generator=g)
+            idx, y = distribute_tensor(idx, mesh, batch), distribute_tensor(y, mesh, batch)
+            loss = ((model(idx).float() - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.full_tensor().item())
+        out[name] = (losses, placements, _full(model))
+    return out
+
+
+def _check_spmd(results):
+    for out in results:
+        t, o = out["torch"], out["ours"]
+        assert o[0] == t[0], (o[0], t[0])
+        assert o[1] == t[1], (o[1], t[1])
+        assert all(torch.equal(o[2][k], t[2][k]) for k in t[2])
+        assert o[1]["blocks.0.up.weight"][-2] == _StridedShard(0, split_factor=2)  # dp, then tp
+
+
+def test_dp_mesh_dims_on_a_full_spmd_mesh_matches_torch(dist_pool):
+    _check_spmd(dist_pool(4).run(_spmd_train, (2, 2), ("dp", "tp"), ("dp",), False,
+                                 timeout=TIMEOUT))
+
+
+def test_dp_mesh_dims_hsdp_bf16_matches_torch(dist_pool):
+    _check_spmd(dist_pool(4).run(_spmd_train, (2, 1, 2), ("rep", "dp", "tp"), ("rep", "dp"),
+                                 True, timeout=TIMEOUT))

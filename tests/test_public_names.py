@@ -743,22 +743,25 @@ def test_reset_iter_state_recovers_from_a_failed_backward(dist_pool):
 
 def _dp_mesh_refusals():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     out = []
     mesh1 = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    mesh2 = init_device_mesh("cpu", (1, 2), mesh_dim_names=("rep", "dp"))
+    mesh3 = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("a", "b", "dp"))
     D = tfsdp.DataParallelMeshDims
 
-    def lin(mesh):
+    def lin(mesh, placement=Replicate(), plain=False):
         m = nn.Linear(4, 4)
-        for n, p in list(m.named_parameters()):
-            setattr(m, n, nn.Parameter(distribute_tensor(p.detach(), mesh,
-                                                         [Replicate()] * mesh.ndim)))
+        if not plain:
+            for n, p in list(m.named_parameters()):
+                setattr(m, n, nn.Parameter(distribute_tensor(p.detach(), mesh,
+                                                             [placement] * mesh.ndim)))
         return m
-    for mesh, dims in [(mesh1, D(shard="dp")), (mesh2, D(shard="dp", replicate="rep")),
-                       (mesh1, D(replicate="dp")), (mesh1, D(shard="nope")),
-                       (init_device_mesh("cpu", (2,)), D(shard="dp")), (mesh1, "dp")]:
-        module = lin(mesh)
+    for mesh, dims, kw in [(mesh1, D(replicate="dp"), {}), (mesh3, D(shard=("a", "dp")), {}),
+                           (mesh1, D(shard="nope"), {}),
+                           (init_device_mesh("cpu", (2,)), D(shard="dp"), {}),
+                           (mesh1, "dp", {}), (mesh1, D(shard="dp"), {"plain": True}),
+                           (mesh1, D(shard="dp"), {"placement": Shard(0)})]:
+        module = lin(mesh, **kw)
         before = [type(p).__name__ for p in module.parameters()]
         try:
             flatshard.fully_shard(module, mesh=mesh, dp_mesh_dims=dims)
@@ -770,13 +773,18 @@ def _dp_mesh_refusals():
     return out
 
 
-def test_dp_mesh_dims_is_refused_after_torchs_checks(dist_pool):
-    """fully_shard(dp_mesh_dims=...) keeps torch's DTensor parameters through
-    forward, which flatshard does not build: a NotBuiltError naming it, once
-    torch's own ValueErrors (here ConfigErrors, ValueError subclasses) pass."""
+def test_dp_mesh_dims_refusals_follow_torchs_checks(dist_pool):
+    """fully_shard(dp_mesh_dims=...) is built for one shard dim and at most
+    one replicate dim (tests/test_fsdp2_tp.py trains it against torch); DDP
+    over the mesh and flattened names are refused with a NotBuiltError naming
+    it, after torch's own ValueErrors (here ConfigErrors, ValueError
+    subclasses), and so are plain parameters and ones not replicated on the
+    data-parallel dim."""
     res = dist_pool(2).run(_dp_mesh_refusals, timeout=TIMEOUT)[0]
-    want = [("NotBuiltError", "dp_mesh_dims"), ("NotBuiltError", "dp_mesh_dims"),
-            ("NotBuiltError", "dp_mesh_dims"), ("ConfigError", "not found"),
-            ("ConfigError", "mesh_dim_names"), ("ConfigTypeError", "dp_mesh_dims")]
+    want = [("NotBuiltError", "dp_mesh_dims"), ("NotBuiltError", "flattened"),
+            ("ConfigError", "not found"), ("ConfigError", "mesh_dim_names"),
+            ("ConfigTypeError", "dp_mesh_dims"), ("ConfigError", "must be DTensors"),
+            ("ConfigError", "expected Replicate()")]
+    assert len(res) == len(want)
     for (kind, text), got in zip(want, res):
         assert got is not None and got[0] == kind and text in got[1], (kind, text, got)

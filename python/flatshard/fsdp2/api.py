@@ -540,10 +540,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     offload_policy         OffloadPolicy() (none) or CPUOffloadPolicy().
     ignored_params         parameters left out of the group (neither sharded
                            nor reduced).
-    dp_mesh_dims           torch's DataParallelMeshDims (`mesh` the full SPMD
-                           mesh, the parameters DTensors on it): not built,
-                           refused with a NotBuiltError (fsdp2/dp_mesh.py);
-                           None (the default) only."""
+    dp_mesh_dims           torch's DataParallelMeshDims: `mesh` is the full
+                           SPMD mesh, every parameter a DTensor on it
+                           replicated on the dims named (one shard dim, at
+                           most one replicate dim: fsdp2/dp_mesh.py)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise bad_value("module", module, "expected a module or a non-empty list of modules")
@@ -560,8 +560,13 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     _check_mp(mp_policy)
     _check_offload(offload_policy)
     ignored = _check_ignored(ignored_params)
-    if dp_mesh_dims is not None:  # torch's checks, then a NotBuiltError
-        dp_mesh.check(mesh, dp_mesh_dims)
+    spmd = None
+    if dp_mesh_dims is not None:  # the data-parallel mesh within the full one
+        mesh, spmd = dp_mesh.resolve(mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and \
+                not isinstance(reshard_after_forward, bool):
+            raise not_built("reshard_after_forward", reshard_after_forward, "an int is not "
+                            "supported with dp_mesh_dims (nor by torch)", "use True or False")
     params, aliases, names = _collect(modules, ignored)
     on_cuda = any(p.device.type == "cuda" for p in params)
     mesh = _check_mesh(mesh, "cuda" if on_cuda else "cpu")
@@ -569,6 +574,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     label = ", ".join(type(m).__name__ for m in modules)
     dims = []  # each parameter's shard dim
     for p, name in zip(params, names):
+        if spmd is not None and not isinstance(p, DTensor):
+            raise bad_value("dp_mesh_dims", dp_mesh_dims, "When dp_mesh_dims is provided, all "
+                            "parameters must be DTensors on the full SPMD mesh (e.g. via "
+                            f"distribute_module). Got plain tensor for parameter '{name}'")
         if isinstance(p, DTensor):  # tensor parallel: its local tensor is sharded (tp.py)
             check_plain(p._local_tensor, f"parameter {name}'s local tensor", "fully_shard")
         elif has_extension(p):  # its class all-gathers for itself (extension.py)
@@ -602,7 +611,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             replicate = _comm(mesh.get_group(0), mesh)
         else:
             shard, replicate = _comm(mesh.get_group(0), mesh), None
-        group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy, names, dims)
+        group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy, names, dims,
+                           spmd)
         group.post_comm = post_comm
         group.register_sharded()
     state = FSDPState(modules, group, raf, mp_policy)

@@ -1,20 +1,21 @@
 """fully_shard(dp_mesh_dims=...): torch's way of naming the data-parallel
 dimensions of a full SPMD mesh (DataParallelMeshDims: `shard`, and
-`replicate` for HSDP) whose parameters are DTensors on it already.
+`replicate` for HSDP) whose parameters are DTensors on it already
+(replicated on those dims, placed as the user chose on the others).
 
-Not built. In torch the parameters stay DTensors on the full mesh through
-forward and backward (replicated on the data-parallel dimensions, placed as
-the user chose on the others), so the model computes on DTensors, inputs
-included; flatshard's fully_shard shards and gathers plain tensors. Taking
-the DTensors' local tensors would run, but a script written for torch's
-dp_mesh_dims, which feeds DTensor inputs, would then mix DTensors with plain
-tensors. So every dp_mesh_dims is refused with a NotBuiltError naming it,
-after torch's own checks (its ValueErrors: no dimension named, a mesh
-without dimension names, a name the mesh lacks). Without other dimensions
-on the mesh, the same sharding is fully_shard with the data-parallel mesh
-itself (1-D, or 2-D (replicate, shard) for HSDP) and plain parameters.
+resolve() makes torch's checks, then returns the data-parallel mesh that
+flatshard's collectives run over (the shard dim, or (replicate, shard)) and
+where those dims sit in the full mesh. The parameters then go the way of
+tensor-parallel ones (tp.py): their local tensors through the engine, the
+shards DTensors on the full mesh with the shard dim's placement replaced, and
+from unshard to reshard the parameters as they were, so the model computes
+on DTensors, inputs included, as under torch. Not built: DDP over the mesh
+(replicate names only) and several names flattened into one dim; each is
+refused with a NotBuiltError naming dp_mesh_dims.
 """
 from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import bad_type, bad_value, not_built
 
@@ -32,8 +33,17 @@ def _names(v):
     return () if v is None else (v,) if isinstance(v, str) else tuple(v)
 
 
-def check(mesh, dp_mesh_dims):
-    """torch's checks of dp_mesh_dims against `mesh`, then the refusal."""
+@dataclass(frozen=True)
+class SPMD:
+    """Where the data-parallel dims sit in the full mesh."""
+    mesh: object            # the DeviceMesh the parameters are DTensors on
+    shard: int              # index of the shard dim
+    replicate: object       # index of the replicate dim (HSDP), or None
+
+
+def resolve(mesh, dp_mesh_dims):
+    """torch's checks of dp_mesh_dims against `mesh`; -> (the data-parallel
+    DeviceMesh: 1-D, or 2-D (replicate, shard); SPMD)."""
     from torch.distributed.device_mesh import DeviceMesh
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
         raise bad_type("dp_mesh_dims", dp_mesh_dims, "a DataParallelMeshDims or None")
@@ -52,8 +62,17 @@ def check(mesh, dp_mesh_dims):
         if n not in names:
             raise bad_value("dp_mesh_dims", dp_mesh_dims, f"Mesh dim name '{n}' not found in "
                             f"mesh.mesh_dim_names {names}")
-    raise not_built("dp_mesh_dims", dp_mesh_dims, "with it the parameters are DTensors on the "
-                    "full SPMD mesh through forward and backward, and flatshard shards and "
-                    "gathers plain tensors", "without other (tensor-parallel) dimensions, pass "
-                    "the data-parallel mesh itself (1-D, or 2-D (replicate, shard) for HSDP), "
-                    "plain parameters and no dp_mesh_dims")
+    if not shard:
+        raise not_built("dp_mesh_dims", dp_mesh_dims, "replicate names alone (DDP over the "
+                        "mesh) are not built", "name a shard dim (FSDP, or HSDP with "
+                        "replicate)")
+    if len(shard) > 1 or len(replicate) > 1:
+        raise not_built("dp_mesh_dims", dp_mesh_dims, "several names flattened into one "
+                        "data-parallel dim are not built", "name one mesh dim for shard and "
+                        "at most one for replicate")
+    s = names.index(shard[0])
+    if not replicate:
+        return mesh[shard[0]], SPMD(mesh, s, None)
+    r = names.index(replicate[0])
+    dp = DeviceMesh._concatenate([mesh[replicate[0]], mesh[shard[0]]])
+    return dp, SPMD(mesh, s, r)

@@ -38,7 +38,7 @@ class ParamGroup:
     aliases[i]: every (module, attr) where params[i] is registered."""
 
     def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy, names=None,
-                 shard_dims=None):
+                 shard_dims=None, spmd=None):
         self.mesh = mesh
         self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
         self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
@@ -52,8 +52,10 @@ class ParamGroup:
         self.mp = mp_policy
         # DTensor parameters (tensor parallel): the engine sees their local
         # tensors, the shards are DTensors on the joined mesh (tp.py)
-        self.tp = {i: tp.tp_spec(p, mesh, self.shard_dims[i], replicate_comm is not None,
-                                 (names or [str(i)])[i])
+        label = names or [str(i) for i in range(len(params))]
+        self.tp = {i: tp.spmd_spec(p, spmd, self.shard_dims[i], label[i]) if spmd is not None
+                   else tp.tp_spec(p, mesh, self.shard_dims[i], replicate_comm is not None,
+                                   label[i])
                    for i, p in enumerate(params) if isinstance(p, DTensor)}
         self.global_shapes = [p.shape for p in params]
         self.shapes = [p._local_tensor.shape if i in self.tp else p.shape

@@ -1,7 +1,10 @@
 """fully_shard on parameters that are DTensors already: tensor (or expert)
 parallel ones, placed on a mesh of their own (parallelize_module(block,
 mesh["tp"], ...)), then sharded again over the data-parallel mesh
-(fully_shard(block, mesh=mesh["dp"])), as torch's fully_shard does.
+(fully_shard(block, mesh=mesh["dp"])), as torch's fully_shard does; or
+DTensors on a full SPMD mesh, replicated on the data-parallel dims that
+fully_shard(mesh=mesh, dp_mesh_dims=...) names (spmd_spec: the shards stay on
+that mesh, the shard dim's Replicate made Shard).
 
 The engine shards, gathers and reduces each parameter's local tensor (this
 rank's tensor-parallel piece) exactly as a plain parameter's; only the
@@ -36,6 +39,7 @@ class TPSpec:
     spec: object            # the parameter's DTensorSpec on its own mesh
     mesh: DeviceMesh        # the data-parallel mesh joined with its own
     placements: tuple       # (dp placements..., its own placements...)
+    dp_dims: frozenset = frozenset()  # full SPMD mesh: its data-parallel dims
 
 
 def _join(dp_mesh, own_mesh, name):
@@ -63,13 +67,47 @@ def tp_spec(param, dp_mesh, shard_dim, replicated, name):
         raise bad_value("module", name, f"parameter {name} has placements "
                         f"{tuple(spec.placements)}", "Shard or Replicate placements only")
     mesh = _join(dp_mesh, spec.mesh, name)
-    split = 1
-    for p, size in zip(spec.placements, spec.mesh.shape):
-        if isinstance(p, Shard) and p.dim == shard_dim:
-            split *= size
+    split = _split(tuple(spec.placements), spec.mesh.shape, shard_dim, -1)
     mine = _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
     dp = (Replicate(), mine) if replicated else (mine,)
     return TPSpec(spec, mesh, dp + tuple(spec.placements))
+
+
+def _split(placements, sizes, shard_dim, after):
+    """How many ways the dims after index `after` already split shard_dim."""
+    split = 1
+    for j in range(after + 1, len(placements)):
+        p = placements[j]
+        if isinstance(p, (Shard, _StridedShard)) and p.dim == shard_dim:
+            split *= sizes[j]
+    return split
+
+
+def spmd_spec(param, spmd, shard_dim, name):
+    """The TPSpec of DTensor `param` on the full SPMD mesh (dp_mesh.SPMD):
+    the shard dim's Replicate becomes Shard(shard_dim) (strided when later
+    dims split shard_dim too), as torch's fully_shard places it."""
+    spec = param._spec
+    if spec.mesh is not spmd.mesh and spec.mesh != spmd.mesh:
+        raise bad_value("module", name, f"parameter {name} is a DTensor on {spec.mesh}; with "
+                        "dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
+                        "fully_shard", "distribute it on that mesh")
+    orig = tuple(spec.placements)
+    dp_dims = {spmd.shard} | ({spmd.replicate} if spmd.replicate is not None else set())
+    for i in sorted(dp_dims):
+        if not isinstance(orig[i], Replicate):
+            dim = spmd.mesh.mesh_dim_names[i]
+            raise bad_value("module", name, f"parameter {name} has placements {orig}: "
+                            f"expected Replicate() on the data-parallel dim '{dim}' (index "
+                            f"{i}) but got {orig[i]}", "replicate it on the data-parallel dims")
+    if any(not isinstance(p, (Shard, Replicate)) for p in orig):
+        raise bad_value("module", name, f"parameter {name} has placements {orig}",
+                        "Shard or Replicate placements only")
+    split = _split(orig, spmd.mesh.shape, shard_dim, spmd.shard)
+    placements = list(orig)
+    placements[spmd.shard] = (_StridedShard(shard_dim, split_factor=split) if split > 1
+                              else Shard(shard_dim))
+    return TPSpec(spec, spmd.mesh, tuple(placements), frozenset(dp_dims))
 
 
 def unsharded(local, t):
@@ -80,10 +118,15 @@ def unsharded(local, t):
 
 def grad_local(grad, t):
     """The local tensor of an unsharded parameter's gradient, placed as the
-    parameter (a Partial sum over its own mesh is completed first)."""
+    parameter (a Partial sum over its own mesh is completed first; on a full
+    SPMD mesh the data-parallel dims keep theirs: the reduce-scatter sums
+    them, as torch's fully_shard leaves them)."""
     if not isinstance(grad, DTensor):
         return grad
     want = tuple(t.spec.placements)
+    if t.dp_dims:
+        want = tuple(g if i in t.dp_dims else w
+                     for i, (g, w) in enumerate(zip(grad.placements, want)))
     if tuple(grad.placements) != want:
         grad = grad.redistribute(placements=want)
     return grad._local_tensor
