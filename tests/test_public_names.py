@@ -645,7 +645,7 @@ def _fsdp2_methods():
     for call in (lambda: m.set_custom_all_gather(object()),
                  lambda: m.set_custom_reduce_scatter(object()),
                  lambda: m.set_all_reduce_hook(lambda t: None),
-                 lambda: m.set_reduce_scatter_unused_params(True),
+                 lambda: m.set_reduce_scatter_unused_params(1),
                  lambda: m.set_reduce_scatter_max_input_buffers(0),
                  lambda: m.set_reduce_scatter_max_input_buffers(True),
                  lambda: m.set_symm_mem_for_comm("NVSHMEM"),
@@ -667,12 +667,62 @@ def test_new_fsdp_module_methods(dist_pool):
     want = [("NotBuiltError", "set_custom_all_gather"),
             ("NotBuiltError", "set_custom_reduce_scatter"),
             ("NotBuiltError", "set_all_reduce_hook"),
-            ("NotBuiltError", "reduce_scatter_unused_params"),
+            ("ConfigTypeError", "reduce_scatter_unused_params"),
             ("ConfigError", "max_input_buffers"), ("ConfigTypeError", "max_input_buffers"),
             ("ConfigError", "backend"), ("ConfigTypeError", "enable"),
             ("ConfigError", "FSDPModules")]
     for (kind, text), got in zip(want, res[0]["refusals"]):
         assert got is not None and got[0] == kind and text in got[1], (kind, text, got)
+
+
+class _Branches(nn.Module):
+    """Rank 0 goes through `a`, the other ranks through `b`; `c` always."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x) if dist.get_rank() == 0 else self.b(x)
+        return self.c(torch.relu(h))
+
+
+def _unused_params():
+    """set_reduce_scatter_unused_params(True): ranks that use different
+    parameters still reduce together; every trainable parameter gets its
+    sharded gradient (zeros where no rank used it), as in torch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    for which, shard in (("torch", tfsdp.fully_shard), ("flatshard", flatshard.fully_shard)):
+        torch.manual_seed(0)
+        m = _Branches()
+        shard(m, mesh=mesh)
+        m.set_reduce_scatter_unused_params(True)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        losses = []
+        for _ in range(3):
+            loss = m(torch.randn(3, 4, generator=g)).square().mean()
+            loss.backward()
+            grads = {n: p.grad.to_local().clone() if p.grad is not None else None
+                     for n, p in m.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[which] = (losses, grads, {n: p.to_local().clone() for n, p in m.named_parameters()})
+    return out
+
+
+def test_reduce_scatter_unused_params_matches_torch(dist_pool):
+    for r in dist_pool(2).run(_unused_params, timeout=TIMEOUT):
+        (tl, tg, tp), (fl, fg, fp) = r["torch"], r["flatshard"]
+        assert fl == tl
+        assert tg.keys() == fg.keys() and all(
+            (tg[k] is None) == (fg[k] is None) and (tg[k] is None or torch.equal(tg[k], fg[k]))
+            for k in tg)
+        assert all(fg[k] is not None for k in fg)  # a and b have one on every rank
+        assert all(torch.equal(tp[k], fp[k]) for k in tp)
 
 
 class _Boom(Exception):

@@ -248,18 +248,20 @@ class FSDPModule:
         _check_bool("enable", enable)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params, *, recurse=True):
-        """torch: with reduce_scatter_unused_params=True, parameters that got
-        no gradient in backward take a zero one in the reduce-scatter, so
-        every rank's sharded gradient exists. False (torch's default) is what
-        flatshard does; True is not built: a NotBuiltError. `recurse`: the
+        """torch: with reduce_scatter_unused_params=True, the parameters of a
+        gathered group that got no gradient in backward (conditional control
+        flow, a mixture of experts) take a zero one in the reduce-scatter, and
+        a group gathered but given no gradient at all still reduces at the
+        end of backward, so ranks that used different parameters issue the
+        same collectives and every trainable parameter gets its sharded
+        gradient. False (torch's default) leaves them out. `recurse`: the
         FSDP modules inside this one too."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         _check_bool("recurse", recurse)
-        if reduce_scatter_unused_params:
-            raise not_built("reduce_scatter_unused_params", True, "sharded gradients of "
-                            "parameters that got no gradient are not written",
-                            "give every parameter a gradient (e.g. add 0 * p.sum() to the "
-                            "loss)")
+        for m in self._fsdp_modules(recurse):
+            g = m._fsdp_state().group
+            if g is not None:
+                g.reduce_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers, *, recurse=True):
         """torch (CUDA): how many reduce-scatter input buffers may be in

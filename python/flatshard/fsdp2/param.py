@@ -96,6 +96,9 @@ class ParamGroup:
         self.post_comm = None
         self.post_chunk = None
         self.reducing = None   # a deferred reduction to finish: which grads it writes
+        # set_reduce_scatter_unused_params: trainable parameters without a
+        # gradient take zeros in the reduce-scatter (and get its result)
+        self.reduce_unused = False
 
     def _build_engine(self, dtype, device):
         """The engine's group for parameters of `dtype` (its compute and
@@ -361,9 +364,12 @@ class ParamGroup:
     # gradients
 
     def has_unsharded_grads(self):
+        """Whether this group has gradients to reduce at the end of backward
+        (with reduce_unused, a gathered group always has: zeros)."""
         return self.unsharded is not None and (
             any(p.grad is not None for p in self.unsharded) or
-            any(a is not None for a in self.accumulated))
+            any(a is not None for a in self.accumulated) or
+            (self.reduce_unused and self.c.is_unsharded and self.n_trainable() > 0))
 
     def _grad(self, i):
         """Unsharded parameter i's gradient as the engine reads it: the
@@ -398,14 +404,19 @@ class ParamGroup:
         (the caller's reshard() then has only its views to drop). Returns
         whether one is left to finish."""
         grads = [a if a is not None else self._grad(i) for i, a in enumerate(self.accumulated)]
-        if all(g is None for g in grads):
+        # which sharded gradients this reduction writes: those with a
+        # gradient, and with reduce_unused every trainable one (the engine
+        # reduces zero rows for the rest)
+        use = [g is not None or (self.reduce_unused and self.sharded[i].requires_grad)
+               for i, g in enumerate(grads)]
+        if not any(use):
             return False
         self.accumulated = [None] * len(grads)
         grads = [g.contiguous() if g is not None else None for g in grads]
         outs, fresh = [], []
         for i, g in enumerate(grads):
             sp = self.sharded[i]
-            if g is None:
+            if not use[i]:
                 outs.append(None)
             elif sp.grad is not None:
                 outs.append(sp.grad._local_tensor)
@@ -417,7 +428,7 @@ class ParamGroup:
             if g is not None:
                 self.unsharded[i].grad = None  # handed to the engine: not needed any more
         factor = self.divide_factor
-        accumulate = [g is not None and i not in fresh for i, g in enumerate(grads)]
+        accumulate = [use[i] and i not in fresh for i in range(len(grads))]
         self.c.reduce(grads, [dtype_code(g.dtype) if g is not None else 0 for g in grads],
                       outs, [dtype_code(o.dtype) if o is not None else 0 for o in outs],
                       accumulate, float(factor) if factor is not None else 0.0,
