@@ -106,7 +106,9 @@ def _run(case="basic", steps=3, model_kw=None, opt="sgd"):
         blocks[0].ff.register_forward_pre_hook(lambda *a: seen.append(g1.is_unsharded))
         blocks[1].ff.register_full_backward_pre_hook(lambda *a: seen.append(g0.is_unsharded))
     if case == "divide":
-        model.set_gradient_divide_factor(2.0 * world)  # half the average
+        for m in model.modules():  # each module's own group, as in torch
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(2.0 * world)  # half the average
     o = _opt([p for p in model.parameters() if p.requires_grad], opt)
     o_ref = _opt([p for p in ref.parameters() if p.requires_grad], opt)
     micro = 2 if case == "accum" else 1

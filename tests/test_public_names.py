@@ -675,6 +675,25 @@ def test_new_fsdp_module_methods(dist_pool):
         assert got is not None and got[0] == kind and text in got[1], (kind, text, got)
 
 
+def _root_divide_factor():
+    """set_gradient_divide_factor on the root sets the root's group only, as
+    in torch: the blocks keep the average."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    data = _batches(3, world, seed=5)
+    def before(m):
+        m.set_force_sum_reduction_for_comms(True)  # torch's on gloo: no PREMUL_SUM there
+        m.set_gradient_divide_factor(4.0 * world)
+    return {which: _fs_steps(_fs_model(which, mesh), data, before)
+            for which in ("torch", "flatshard")}
+
+
+def test_gradient_divide_factor_is_per_module_as_in_torch(dist_pool):
+    for r in dist_pool(2).run(_root_divide_factor, timeout=TIMEOUT):
+        assert r["flatshard"] == r["torch"]
+
+
 class _Branches(nn.Module):
     """Rank 0 goes through `a`, the other ranks through `b`; `c` always."""
 

@@ -147,14 +147,14 @@ class FSDPModule:
         self._fsdp_state().post_optim_event = event
 
     def set_gradient_divide_factor(self, factor):
-        """Gradients are summed over the data-parallel ranks and divided by
-        `factor` instead of averaged."""
+        """This module's gradients are summed over the data-parallel ranks
+        and divided by `factor` instead of averaged. As in torch, only this
+        module's own group: call it on each FSDP module that should use it."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise bad_value("factor", factor, "expected a positive number")
-        for m in self._fsdp_modules(True):
-            g = m._fsdp_state().group
-            if g is not None:
-                g.divide_factor = float(factor)
+        g = self._fsdp_state().group
+        if g is not None:
+            g.divide_factor = float(factor)
 
     def set_unshard_in_backward(self, unshard_in_backward):
         """`unshard_in_backward=False`: never gather this module in backward
