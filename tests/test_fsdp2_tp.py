@@ -252,3 +252,34 @@ def test_dp_mesh_dims_on_a_full_spmd_mesh_matches_torch(dist_pool):
 def test_dp_mesh_dims_hsdp_bf16_matches_torch(dist_pool):
     _check_spmd(dist_pool(4).run(_spmd_train, (2, 1, 2), ("rep", "dp", "tp"), ("rep", "dp"),
                                  True, timeout=TIMEOUT))
+
+
+def _meta_tp_resume():
+    """The large-model flow with TP: built on the meta device, parallelized
+    and sharded, then a full state dict loaded by set_model_state_dict (no
+    to_empty, no reset_parameters); trained."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    full = Net().state_dict()
+    out = {}
+    for name, fn, _ in BOTH:
+        with torch.device("meta"):
+            model = Net()
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+            fn(b, mesh=mesh["dp"])
+        fn(model, mesh=mesh["dp"])
+        # (broadcast_from_rank0 is not an option here: torch's own broadcast
+        # has no sharding rule for the 2-D DTensors)
+        sd = {k: v.clone() for k, v in full.items()}  # torch's load changes the dict
+        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))
+        assert not any(p.is_meta for p in model.parameters())
+        out[name] = (_train(model, mesh["dp"].get_local_rank()), _full(model))
+    return out
+
+
+def test_meta_init_tp_then_full_state_dict_load_matches_torch(dist_pool):
+    for out in dist_pool(4).run(_meta_tp_resume, timeout=TIMEOUT):
+        assert out["ours"][0] == out["torch"][0]
+        assert all(torch.equal(out["ours"][1][k], out["torch"][1][k]) for k in out["torch"][1])
