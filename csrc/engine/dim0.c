@@ -449,3 +449,20 @@ fs_status fs_dim0_finish_reduce(fs_dim0_group *g)
     release_reduction(g);
     return s;
 }
+
+/* ---------------------------------------------------------------------------
+ * accumulation without sync */
+
+fs_status fs_dim0_accumulate(fs_dim0_group *g, void *src, fs_dtype src_t, void *dst,
+                             fs_dtype dst_t, int64_t n, int add)
+{
+    const fs_env *e = &g->env;
+    void *s_ptr, *d_ptr;
+    fs_status s;
+    if ((s = e->data(e->ctx, src, &s_ptr)) != FS_OK || (s = e->data(e->ctx, dst, &d_ptr)) != FS_OK)
+        return fail(g, s, "accumulate", 0, NULL);
+    if ((s = fs_link_scale_accumulate(&g->link, g->link.stream, d_ptr, dst_t, s_ptr, src_t, n,
+                                      1.0, add)) != FS_OK)
+        return fail(g, s, "accumulate", 0, "%s", g->link.comm->last_error);
+    return FS_OK;
+}

@@ -108,4 +108,10 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
                          double factor, int defer);
 fs_status fs_dim0_finish_reduce(fs_dim0_group *g);
 
+/* Without gradient sync, an unsharded gradient kept as a reduce-dtype sum
+ * across backwards: dst (tensor handle, dst_t) = (add ? dst : 0) + src
+ * (src_t), n elements, on the link's host loops or device stream. */
+fs_status fs_dim0_accumulate(fs_dim0_group *g, void *src, fs_dtype src_t, void *dst,
+                             fs_dtype dst_t, int64_t n, int add);
+
 #endif

@@ -330,6 +330,28 @@ static PyObject *Dim0_finish_reduce(Dim0Object *self, PyObject *Py_UNUSED(a))
     return done(self, s);
 }
 
+PyDoc_STRVAR(accumulate_doc,
+             "accumulate(src, src_code, dst, dst_code, n, add)\n"
+             "dst = (dst if add else 0) + src over n elements, cast to dst's dtype: an\n"
+             "unsharded gradient summed across backwards without sync.");
+static PyObject *Dim0_accumulate(Dim0Object *self, PyObject *args)
+{
+    PyObject *src, *dst, *scode, *dcode;
+    long long n;
+    int add;
+    fs_dtype st, dt;
+    if (!PyArg_ParseTuple(args, "OOOOLp", &src, &scode, &dst, &dcode, &n, &add) ||
+        dtype_arg(scode, &st) < 0 || dtype_arg(dcode, &dt) < 0)
+        return NULL;
+    if (n < 0)
+        return PyErr_Format(PyExc_ValueError, "Dim0Group.accumulate: n must be >= 0");
+    if (bind(self) < 0)
+        return NULL;
+    fs_status s;
+    RUN(s, fs_dim0_accumulate(&self->g, src, st, dst, dt, (int64_t)n, add));
+    return done(self, s);
+}
+
 static PyObject *Dim0_get_entries(Dim0Object *self, void *c)
 {
     fs_mod_state *st = fs_state_from_type(Py_TYPE(self));
@@ -398,6 +420,7 @@ static PyMethodDef Dim0_methods[] = {
     {"reduce", (PyCFunction)Dim0_reduce, METH_VARARGS, reduce_doc},
     {"finish_reduce", (PyCFunction)Dim0_finish_reduce, METH_NOARGS,
      "finish_reduce(): wait for a deferred reduce-scatter and write the gradients."},
+    {"accumulate", (PyCFunction)Dim0_accumulate, METH_VARARGS, accumulate_doc},
     {NULL},
 };
 

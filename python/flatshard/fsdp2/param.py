@@ -377,21 +377,30 @@ class ParamGroup:
         g = self.unsharded[i].grad
         return tp.grad_local(g, self.tp[i]) if g is not None and i in self.tp else g
 
+    def _accumulate(self, i, add):
+        """The engine adds (add) or casts unsharded gradient i into its
+        reduce-dtype sum."""
+        g = self._grad(i).contiguous()
+        acc = self.accumulated[i]
+        self.c.accumulate(g, dtype_code(g.dtype), acc, dtype_code(acc.dtype), g.numel(), add)
+        self.unsharded[i].grad = None
+
     def accumulate_unsharded_grads(self):
         """Add this backward's gradients onto the reduce-dtype sums kept from
         earlier backwards without sync [Note: accumulation dtype]."""
         for i, p in enumerate(self.unsharded or ()):
             if self.accumulated[i] is not None and p.grad is not None:
-                self.accumulated[i] += self._grad(i)
-                p.grad = None
+                self._accumulate(i, True)
 
     def to_accumulated_grads(self):
         """No sync this time: keep gradients of another dtype than the
         reduce dtype as reduce-dtype sums [Note: accumulation dtype]."""
         for i, p in enumerate(self.unsharded or ()):
             if p.grad is not None and p.grad.dtype != self.reduce_dtype:
-                self.accumulated[i] = self._grad(i).to(self.reduce_dtype)
-                p.grad = None
+                g = self._grad(i)
+                self.accumulated[i] = torch.empty(g.shape, dtype=self.reduce_dtype,
+                                                  device=g.device)
+                self._accumulate(i, False)
 
     def reduce_grads(self, defer=False, reshard=False):
         """One engine call: the unsharded gradients reduce-scattered (averaged
