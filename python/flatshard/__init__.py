@@ -35,12 +35,12 @@ __all__ = [
 
 # State dicts and checkpoints (fsdp/summon.py, state/).
 from .state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from .errors import StateDictError, UnsafeFileError  # noqa: E402
+from .errors import MetaDeviceError, StateDictError, UnsafeFileError  # noqa: E402
 from .options import (FullOptimStateDictConfig, LocalOptimStateDictConfig,  # noqa: E402
                       OptimStateDictConfig, ShardedOptimStateDictConfig)
 from .state.state_dict import StateDictSettings  # noqa: E402
 
-__all__ += ["StateDictError", "UnsafeFileError", "StateDictSettings", "OptimStateDictConfig",
+__all__ += ["MetaDeviceError", "StateDictError", "UnsafeFileError", "StateDictSettings", "OptimStateDictConfig",
             "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig",
             "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 

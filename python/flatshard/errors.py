@@ -3,7 +3,7 @@ value given, what is allowed and, where there is one, the fix."""
 from ._C import CoreError, StateError
 
 __all__ = ["ConfigError", "ConfigTypeError", "CoreError", "StateError", "NotBuiltError",
-           "StateDictError", "UnsafeFileError"]
+           "StateDictError", "UnsafeFileError", "MetaDeviceError"]
 
 
 class ConfigError(ValueError):
@@ -18,6 +18,12 @@ class ConfigAssertionError(ConfigError, AssertionError):
     """A ConfigError where torch raises AssertionError for the same input
     (fully_shard's 2-D mesh without mesh_dim_names), so code written against
     either keeps catching it."""
+
+
+class MetaDeviceError(ConfigError, RuntimeError):
+    """Parameters still on the meta device at their first gather: a
+    ConfigError that is also the RuntimeError torch's fully_shard raises
+    there, so code written against either keeps catching it."""
 
 
 class NotBuiltError(ConfigError):

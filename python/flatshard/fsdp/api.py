@@ -29,7 +29,7 @@ from .. import _C
 from ..errors import (ConfigAssertionError, ConfigError, ConfigTypeError, StateError, bad_type,
                       bad_value, not_built)
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
-from ..runtime import consistency
+from ..runtime import consistency, eager
 from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
 from ..runtime.order import ForwardOrder
@@ -80,6 +80,7 @@ class RootState:
     in the last forward (for prefetching), and the end-of-backward callback."""
 
     def __init__(self, owner, units):
+        eager.install(RootState)
         self.owner = owner
         self.units = units
         self.order = ForwardOrder()
@@ -114,6 +115,7 @@ class RootState:
             self.final_queued = True
             Variable._execution_engine.queue_callback(self._final)
 
+    @eager.hook
     def _final(self):
         self.final_queued = False
         self.reducing = None
@@ -382,6 +384,7 @@ class FullyShardedDataParallel(nn.Module):
     # construction
 
     def _setup(self, up):
+        eager.install(type(self))  # the hooks torch.compile runs eagerly
         module, cfg = up.module, up.cfg
         group, comm, replicate, replicas_only = unit_comms(cfg)
         if cfg.hybrid is not None:  # the group the unit's collectives run over; with
@@ -445,25 +448,37 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------
     # running
 
+    @eager.hook(recursive=False)
     def forward(self, *args, **kwargs):
+        """torch.compile runs this frame and the unit's hooks eagerly and
+        compiles the wrapped module's forward (runtime/eager.py): one graph
+        break per unit, at the call of this forward."""
+        args, kwargs = self._pre_forward(args, kwargs)
+        try:
+            out = self._fsdp_wrapped_module(*args, **kwargs)
+        except BaseException:
+            self._unit.abort_forward()
+            raise
+        return self._post_forward(out)
+
+    @eager.hook
+    def _pre_forward(self, args, kwargs):
         root = self._root_state or self._lazy_init()
         is_root = root.owner is self
         if is_root:
             root.begin_forward()
-        unit = self._unit
         mp = self._cfg.mixed_precision
         if mp is not None and mp.param_dtype is not None and (
                 mp.cast_forward_inputs or (is_root and mp.cast_root_forward_inputs)):
             args, kwargs = _cast_inputs((args, kwargs), mp.param_dtype)
-        unit.pre_forward()
-        try:
-            out = self._fsdp_wrapped_module(*args, **kwargs)
-        except BaseException:
-            unit.abort_forward()
-            raise
-        out = unit.post_forward(out)
-        if is_root:
-            root.end_forward()
+        self._unit.pre_forward()
+        return args, kwargs
+
+    @eager.hook
+    def _post_forward(self, out):
+        out = self._unit.post_forward(out)
+        if self._root_state.owner is self:
+            self._root_state.end_forward()
         return out
 
     @contextlib.contextmanager

@@ -12,6 +12,8 @@ Hooks used (all public torch APIs):
   post-backward     Tensor.register_post_accumulate_grad_hook on each full
                     buffer: runs once the unit's gradient is complete.
   end of backward   a callback queued on the autograd engine by the root.
+Under torch.compile they run eagerly, as does the wrapper's forward around
+the wrapped module (@eager.hook, runtime/eager.py).
 
 The wrapper (api.py) sets each unit's UnitRuntime as the module's `_unit`
 attribute; `unit_of` / `fsdp_units` find units by it, so the modules that
@@ -25,6 +27,7 @@ from .. import _C
 from ..errors import OutOfMemoryError, bad_value
 from ..options import BackwardPrefetch
 from . import zero1
+from ..runtime import eager
 from ..runtime.heap import HEAP
 from .oom import oom_report
 
@@ -43,6 +46,7 @@ class UnitRuntime:
         """shard_optim: SHARD_OPTIM (ZeRO-1, zero1.py): the full buffers are
         gathered here and never resharded. offload_params: CPUOffload's
         rule on gradient accumulation (refuse_accumulation)."""
+        eager.install(UnitRuntime)  # the hooks torch.compile runs eagerly
         self.name = name
         self.c = cunit
         self.groups = groups
@@ -185,6 +189,7 @@ class UnitRuntime:
                     t.register_hook(self._pre_backward)
         return output
 
+    @eager.hook
     def abort_forward(self):
         """The wrapped forward raised: leave the unit IDLE and resharded."""
         if self.c.state == "FORWARD":
@@ -194,6 +199,7 @@ class UnitRuntime:
     # ------------------------------------------------------------------
     # backward
 
+    @eager.hook
     def _pre_backward(self, grad):
         self.root.queue_final_callback()
         act = self._event(_C.EV_PRE_BACKWARD, 0)  # a prefetched gather is waited for too
@@ -217,7 +223,7 @@ class UnitRuntime:
     def _make_post_backward(self, gi):
         def hook(full):
             self._post_backward(gi, full)
-        return hook
+        return eager.wrap(hook)
 
     def _post_backward(self, gi, full):
         g = self.groups[gi]

@@ -321,9 +321,9 @@ def register_fsdp_forward_method(module, method_name):
     orig = getattr(module, method_name)
     st = module._fsdp_state()
 
-    def wrapped(self, *args, **kwargs):
-        args, kwargs = st.pre_forward(args, kwargs)
-        return st.post_forward(orig(*args, **kwargs))
+    def wrapped(self, *args, **kwargs):  # the hooks torch.compile runs eagerly
+        args, kwargs = st._pre_forward_hook(self, args, kwargs)
+        return st._post_forward_hook(self, args, orig(*args, **kwargs))
     object.__setattr__(module, method_name, wrapped.__get__(module, type(module)))
 
 

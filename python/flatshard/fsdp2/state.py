@@ -25,12 +25,16 @@ Each hook opens torch's fully_shard profiler ranges ("FSDP::pre_forward
 (fqn)", "FSDP::all_gather (fqn)", "FSDP::post_backward_reduce (fqn)", ...)
 while a profiler runs, and the engine's collectives are counted in an active
 CommDebugMode as torch's c10d ones would be (runtime/observe.py).
+
+Under torch.compile the hook entry points (marked @eager.hook) run eagerly,
+as torch's fully_shard's do: Dynamo breaks the graph where torch's nn.Module
+code calls them and compiles the modules' own forwards (runtime/eager.py).
 """
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..errors import ConfigError
-from ..runtime import observe
+from ..errors import ConfigError, MetaDeviceError
+from ..runtime import eager, observe
 from ..runtime.order import ForwardOrder
 
 STATE_ATTR = "_flatshard_fsdp2_state"
@@ -62,6 +66,7 @@ def _issued(g):
 
 class FSDPState:
     def __init__(self, modules, group, reshard_after_forward, mp_policy):
+        eager.install(FSDPState)  # the hooks torch.compile runs eagerly
         self.modules = modules            # one, or the list given to fully_shard (one group)
         self.group = group                # ParamGroup, or None (no parameters of its own)
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
@@ -182,10 +187,11 @@ class FSDPState:
             g.sync_registered()  # parameters assigned since: the new shards
         meta = [] if g.full is not None else \
             [n for i, n in enumerate(g.names) if g.local(i).is_meta]
-        if meta:
-            raise ConfigError(
+        if meta:  # torch: a RuntimeError; MetaDeviceError is one
+            raise MetaDeviceError(
                 f"flatshard: fully_shard module {type(self.modules[0]).__name__} still has its "
-                f"parameters on the meta device ({', '.join(meta)}); load them with "
+                f"parameters on the meta device ({', '.join(meta)}); FSDP parameters should be "
+                "materialized from meta device before training: load them with "
                 "load_state_dict(sd, assign=True) or torch.distributed.checkpoint.state_dict."
                 "set_model_state_dict, or call module.to_empty(device='cpu') and "
                 "reset_parameters() on its submodules, before the first forward or unshard")
@@ -199,6 +205,7 @@ class FSDPState:
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
                 self.hooked.add(i)
 
+    @eager.hook
     def _to_sharded_hook(self, *args, **kwargs):
         self.reshard()
 
@@ -298,15 +305,18 @@ class FSDPState:
         with observe.span("FSDP::cast_forward_outputs"):
             return _cast(self.mp.output_dtype, output)
 
+    @eager.hook
     def _pre_forward_hook(self, module, args, kwargs):
         return self.pre_forward(args, kwargs)
 
+    @eager.hook
     def _post_forward_hook(self, module, args, output):
         return self.post_forward(output)
 
     # ------------------------------------------------------------------
     # backward
 
+    @eager.hook
     def _pre_backward(self, grad):
         root = self.root or self
         if not root.callback_queued:
@@ -326,7 +336,7 @@ class FSDPState:
             self.ready.add(i)
             if len(self.ready) == self.group.n_trainable():
                 self._post_backward()
-        return hook
+        return eager.wrap(hook)
 
     def _post_backward(self):
         """Reduce (on a device: deferred, one reduction in flight, so it runs
@@ -358,6 +368,7 @@ class FSDPState:
         if st is not None:
             st.group.finish_reduce()
 
+    @eager.hook
     def _finalize(self):
         """Root only, once the autograd engine is done with this backward."""
         with observe.span("FSDP::root_post_backward_callback"):

@@ -1,0 +1,71 @@
+"""The hooks torch.compile leaves to run eagerly, as torch's fully_shard does.
+
+flatshard's hooks call the C engine (unshard, reshard, reduce) and change the
+modules' parameters: nothing a Dynamo graph can hold. torch's FSDP2 marks its
+hooks with torch._dynamo.disable, so Dynamo breaks the graph where a module's
+hook is called (in torch's nn.Module code) and runs the hook as plain Python;
+the modules' own forwards are still compiled. flatshard's hook entry points do
+the same through this file:
+
+  @hook                  marks a method: Dynamo runs it, and all it calls,
+                         eagerly.
+  @hook(recursive=False) Dynamo skips the method's own frame but compiles the
+                         frames it calls: the FSDP1 wrapper's forward, whose
+                         wrapped module is the user's code to compile.
+  install(cls)           replaces the marked methods of cls (and its bases)
+                         by their disabled versions, once. Called when the
+                         first object that registers hooks is built, before
+                         any compile can see it: importing torch._dynamo
+                         costs about a second, which `import flatshard` does
+                         not pay. The class then holds plain functions, which
+                         Dynamo reads without tracing anything of flatshard
+                         (a descriptor's __get__ would be traced).
+  wrap(fn)               fn disabled, for hooks made as closures.
+
+A disabled function costs one eval-frame switch per call in eager mode (well
+under a microsecond) and is built once per function; torch's fully_shard
+builds one at every call of a hook instead.
+
+The reason given to Dynamo is shown in its graph-break log; like torch's, it
+names the hooks, not the library. Where torch has no Dynamo (an import
+failure), nothing is replaced.
+
+Imports: torch only (torch._dynamo lazily, torch 2.11 to 2.13); nothing of
+fsdp/ or fsdp2/.
+"""
+REASON = "FSDP hooks run eagerly: they unshard, reshard and reduce parameters"
+_MARK = "_flatshard_eager_recursive"  # on a marked method: its `recursive`
+_installed = set()                   # classes whose marked methods are replaced
+
+
+def hook(fn=None, *, recursive=True):
+    """Mark a method for install(): `@hook` or `@hook(recursive=False)`."""
+    def mark(f):
+        setattr(f, _MARK, recursive)
+        return f
+    return mark if fn is None else mark(fn)
+
+
+def wrap(fn, recursive=True):
+    """fn, which torch.compile runs eagerly (recursive: also what it calls)."""
+    try:
+        import torch._dynamo
+    except ImportError:  # a torch without Dynamo compiles nothing
+        return fn
+    try:
+        return torch._dynamo.disable(fn, recursive=recursive, reason=REASON)
+    except TypeError:  # a torch whose disable takes no reason
+        return torch._dynamo.disable(fn, recursive=recursive)
+
+
+def install(cls):
+    """Replace the methods of cls and its bases marked with @hook by their
+    disabled versions (once per class)."""
+    for klass in cls.__mro__:
+        if klass in _installed:
+            continue
+        for name, fn in list(vars(klass).items()):
+            recursive = getattr(fn, _MARK, None)
+            if recursive is not None and not getattr(fn, "_torchdynamo_disable", False):
+                setattr(klass, name, wrap(fn, recursive))
+        _installed.add(klass)
