@@ -80,7 +80,7 @@ def _train(kw, device_path, steps=4, accumulate=False):
     reduced = []  # (the reduction in flight was still pending when the next was issued)
 
     def reduce_issued(root, unit):
-        prev = root.reducing
+        prev = root.inflight.owner
         reduced.append(prev is not None and prev is not unit and prev.c.reduce_pending)
         saved_issue(root, unit)
     ffsdp.RootState.reduce_issued = reduce_issued

@@ -32,6 +32,7 @@ from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency, eager
 from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
+from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
 from ..state import optim_state
 from ..state import state_dict as state_dicts
@@ -85,15 +86,14 @@ class RootState:
         self.units = units
         self.order = ForwardOrder()
         self.final_queued = False
-        self.reducing = None  # the unit whose deferred reduction is in flight
+        self.inflight = InFlight()  # the unit whose deferred reduction is in flight
 
     def reduce_issued(self, unit):
         """`unit` is about to defer a reduction: the one in flight from
         another unit is waited for first (its buffers go back), so backward
         holds at most one unit's reduction buffers beyond its own."""
-        if self.reducing is not None and self.reducing is not unit:
-            self.reducing.c.wait_reduced()
-        self.reducing = unit
+        self.inflight.land(unless=unit)
+        self.inflight.issued(unit, unit.c.wait_reduced)
 
     def begin_forward(self):
         if self.final_queued:  # the last backward never finished: clean up
@@ -118,7 +118,7 @@ class RootState:
     @eager.hook
     def _final(self):
         self.final_queued = False
-        self.reducing = None
+        self.inflight.forget()  # each unit's finalize waits for its own
         for u in self.units:
             u.finalize()
 

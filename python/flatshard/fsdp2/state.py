@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
+from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
 
 STATE_ATTR = "_flatshard_fsdp2_state"
@@ -84,7 +85,7 @@ class FSDPState:
         self.root = None
         self.states = None                # the root's: every state of its tree
         self.callback_queued = False
-        self.reducing = None              # the root's: the state whose reduction is in flight
+        self.inflight = InFlight()        # the root's: the reduction in flight
         self.reduced = False              # the root's: a group was reduced in this backward
         self.fqn = ""                     # the modules' names in the root's tree (profiler)
         self.label = ""                   # " (fqn)": the suffix of this state's ranges
@@ -354,7 +355,7 @@ class FSDPState:
                 root.finish_reducing()
             with self._span("FSDP::post_backward_reduce"), observe.issued(_issued, g, g.comm):
                 if g.reduce_grads(defer=True, reshard=self.reshard_after_backward):
-                    root.reducing = self
+                    root.inflight.issued(self, g.finish_reduce)
             root.reduced = True
         with self._span("FSDP::post_backward_reshard"):
             if self.reshard_after_backward:
@@ -364,9 +365,7 @@ class FSDPState:
 
     def finish_reducing(self):
         """Root only: land the reduction left in flight, if any."""
-        st, self.reducing = self.reducing, None
-        if st is not None:
-            st.group.finish_reduce()
+        self.inflight.land()
 
     @eager.hook
     def _finalize(self):

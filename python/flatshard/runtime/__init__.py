@@ -4,10 +4,11 @@
 (diagnostics.py: where every rank was; consistency.py: ranks that wrap
 different models), the forward order kept for prefetching (order.py) and
 what torch's debugging tools see of flatshard's collectives (observe.py:
-profiler ranges, CommDebugMode counts) and the hooks torch.compile runs
-eagerly (eager.py).
+profiler ranges, CommDebugMode counts), the hooks torch.compile runs
+eagerly (eager.py) and the one gradient reduction a model keeps in flight
+(inflight.py).
 
-Lowest first: eager, observe, order, diagnostics, timeout, cuda < cuda_nccl < device < comm;
+Lowest first: eager, inflight, observe, order, diagnostics, timeout, cuda < cuda_nccl < device < comm;
 consistency needs only timeout. Imports: the leaves (errors, envvars,
 tensors) and _C/_C_cuda; nothing of fsdp/, fsdp2/, state/, plan/, optim/ or
 memory.py.
