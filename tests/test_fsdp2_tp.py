@@ -198,13 +198,24 @@ def _distribute(model, mesh, dp_dims):
             key = f"{mod_name.split('.')[-1]}.{n}"
             placements = [Replicate() if d in dp_dims else tp_place.get(key, Replicate())
                           for d in mesh.mesh_dim_names]
-            setattr(mod, n, nn.Parameter(distribute_tensor(p.detach(), mesh, placements)))
+            local = p.detach()  # this rank's piece of the same full tensor everywhere
+            for i, pl in enumerate(placements):
+                if isinstance(pl, Shard):
+                    size = mesh.size(i)
+                    local = local.chunk(size, dim=pl.dim)[mesh.get_local_rank(i)]
+            setattr(mod, n, nn.Parameter(DTensor.from_local(
+                local.contiguous(), mesh, placements, run_check=False, shape=p.shape,
+                stride=p.stride())))
 
 
-def _spmd_train(shape, names, dp_dims, mp):
+def _spmd_train(shape, names, dp_dims, mp, ddp=False):
+    """ddp: flatshard replicates over "dp" (replicate names alone); torch,
+    whose replicate-only mode refuses these DTensors, shards over it: the
+    same mean gradient, so the same losses and weights."""
     from flatshard import DataParallelMeshDims
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    dims = DataParallelMeshDims(shard="dp", replicate="rep" if "rep" in names else None)
+    dp = dp_dims[-1]  # the shard dim's name (the replicate one first, if any)
+    dims = DataParallelMeshDims(shard=dp, replicate="rep" if "rep" in names else None)
     batch = [Shard(0) if d in dp_dims else Replicate() for d in names]
     world = dist.get_world_size() // mesh["tp"].size()
     out = {}
@@ -212,7 +223,8 @@ def _spmd_train(shape, names, dp_dims, mp):
         torch.manual_seed(0)
         model = Net()
         _distribute(model, mesh, dp_dims)
-        kw = {"mesh": mesh, "dp_mesh_dims": dims}
+        kw = {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(replicate=dp)
+              if ddp and name == "ours" else dims}
         if mp:
             kw["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for b in model.blocks:
@@ -235,18 +247,28 @@ def _spmd_train(shape, names, dp_dims, mp):
     return out
 
 
-def _check_spmd(results):
+def _check_spmd(results, ddp=False):
     for out in results:
         t, o = out["torch"], out["ours"]
         assert o[0] == t[0], (o[0], t[0])
-        assert o[1] == t[1], (o[1], t[1])
         assert all(torch.equal(o[2][k], t[2][k]) for k in t[2])
-        assert o[1]["blocks.0.up.weight"][-2] == _StridedShard(0, split_factor=2)  # dp, then tp
+        if ddp:  # replicated on dp, the tp placement kept
+            assert o[1]["blocks.0.up.weight"] == (Replicate(), Shard(0))
+            continue
+        assert o[1] == t[1], (o[1], t[1])
+        assert o[1]["blocks.0.up.weight"][-2] == _StridedShard(0, split_factor=2)  # dp, tp
 
 
 def test_dp_mesh_dims_on_a_full_spmd_mesh_matches_torch(dist_pool):
     _check_spmd(dist_pool(4).run(_spmd_train, (2, 2), ("dp", "tp"), ("dp",), False,
                                  timeout=TIMEOUT))
+
+
+def test_dp_mesh_dims_replicate_alone_is_ddp_and_matches_torch(dist_pool):
+    # other dim names than the test above: torch's fully_shard compares meshes by
+    # identity, and an equal mesh of an earlier test can come back from its caches
+    _check_spmd(dist_pool(4).run(_spmd_train, (2, 2), ("data", "tp"), ("data",), False, True,
+                                 timeout=TIMEOUT), ddp=True)
 
 
 def test_dp_mesh_dims_hsdp_bf16_matches_torch(dist_pool):

@@ -643,8 +643,8 @@ def _fsdp2_methods():
     refusals = []
     m = _fs_model("flatshard", mesh)
     for call in (lambda: m.set_custom_all_gather(object()),
-                 lambda: m.set_custom_reduce_scatter(object()),
-                 lambda: m.set_all_reduce_hook(lambda t: None),
+                 lambda: m.set_custom_reduce_scatter(3),
+                 lambda: m.set_all_reduce_hook(42),
                  lambda: m.set_reduce_scatter_unused_params(1),
                  lambda: m.set_reduce_scatter_max_input_buffers(0),
                  lambda: m.set_reduce_scatter_max_input_buffers(True),
@@ -664,9 +664,9 @@ def test_new_fsdp_module_methods(dist_pool):
     res = dist_pool(2).run(_fsdp2_methods, timeout=TIMEOUT)
     for r in res:
         torch.testing.assert_close(r["flatshard"], r["torch"], rtol=1e-5, atol=1e-6)
-    want = [("NotBuiltError", "set_custom_all_gather"),
-            ("NotBuiltError", "set_custom_reduce_scatter"),
-            ("NotBuiltError", "set_all_reduce_hook"),
+    want = [("ConfigTypeError", "AllGather"),
+            ("ConfigTypeError", "ReduceScatter"),
+            ("ConfigTypeError", "hook got int"),
             ("ConfigTypeError", "reduce_scatter_unused_params"),
             ("ConfigError", "max_input_buffers"), ("ConfigTypeError", "max_input_buffers"),
             ("ConfigError", "backend"), ("ConfigTypeError", "enable"),
@@ -692,6 +692,56 @@ def _root_divide_factor():
 def test_gradient_divide_factor_is_per_module_as_in_torch(dist_pool):
     for r in dist_pool(2).run(_root_divide_factor, timeout=TIMEOUT):
         assert r["flatshard"] == r["torch"]
+
+
+class _CountingAllGather:
+    """torch's AllGather protocol, counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+
+
+class _CountingReduceScatter(_CountingAllGather):
+    """torch's ReduceScatter protocol, counting its calls."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+
+
+def _custom_comms():
+    """set_custom_all_gather / set_custom_reduce_scatter on every FSDP module:
+    the same objects called as many times as torch calls them, the same
+    losses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    data = _batches(3, world, seed=9)
+    out = {}
+    for which in ("torch", "flatshard"):
+        ag, rs = _CountingAllGather(), _CountingReduceScatter()
+
+        def before(model):
+            for m in model.modules():
+                if isinstance(m, (tfsdp.FSDPModule, flatshard.FSDPModule)):
+                    m.set_custom_all_gather(ag)
+                    m.set_custom_reduce_scatter(rs)
+        out[which] = (_fs_steps(_fs_model(which, mesh), data, before), ag.calls, rs.calls)
+    return out
+
+
+def test_custom_all_gather_and_reduce_scatter_match_torch(dist_pool):
+    for r in dist_pool(2).run(_custom_comms, timeout=TIMEOUT):
+        assert r["flatshard"] == r["torch"] and r["torch"][1] > 0 and r["torch"][2] > 0, r
 
 
 class _Branches(nn.Module):
@@ -825,7 +875,7 @@ def _dp_mesh_refusals():
                 setattr(m, n, nn.Parameter(distribute_tensor(p.detach(), mesh,
                                                              [placement] * mesh.ndim)))
         return m
-    for mesh, dims, kw in [(mesh1, D(replicate="dp"), {}), (mesh3, D(shard=("a", "dp")), {}),
+    for mesh, dims, kw in [(mesh3, D(shard=("a", "dp")), {}),
                            (mesh1, D(shard="nope"), {}),
                            (init_device_mesh("cpu", (2,)), D(shard="dp"), {}),
                            (mesh1, "dp", {}), (mesh1, D(shard="dp"), {"plain": True}),
@@ -843,14 +893,13 @@ def _dp_mesh_refusals():
 
 
 def test_dp_mesh_dims_refusals_follow_torchs_checks(dist_pool):
-    """fully_shard(dp_mesh_dims=...) is built for one shard dim and at most
-    one replicate dim (tests/test_fsdp2_tp.py trains it against torch); DDP
-    over the mesh and flattened names are refused with a NotBuiltError naming
-    it, after torch's own ValueErrors (here ConfigErrors, ValueError
+    """fully_shard(dp_mesh_dims=...) is built for at most one shard dim and
+    one replicate dim (tests/test_fsdp2_tp.py trains it against torch);
+    flattened names are refused with a NotBuiltError naming it, after torch's own ValueErrors (here ConfigErrors, ValueError
     subclasses), and so are plain parameters and ones not replicated on the
     data-parallel dim."""
     res = dist_pool(2).run(_dp_mesh_refusals, timeout=TIMEOUT)[0]
-    want = [("NotBuiltError", "dp_mesh_dims"), ("NotBuiltError", "flattened"),
+    want = [("NotBuiltError", "flattened"),
             ("ConfigError", "not found"), ("ConfigError", "mesh_dim_names"),
             ("ConfigTypeError", "dp_mesh_dims"), ("ConfigError", "must be DTensors"),
             ("ConfigError", "expected Replicate()")]

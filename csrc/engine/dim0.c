@@ -103,6 +103,7 @@ void fs_dim0_destroy(fs_dim0_group *g)
         drop(g, &g->gathered_h);
         drop(g, &g->rs_in_h);
         drop(g, &g->rs_out_h);
+        drop(g, &g->partial_h);
         for (int i = 0; i < g->nparams && g->outs; i++)
             drop(g, &g->outs[i]);
     }
@@ -293,18 +294,40 @@ static void unlend(fs_dim0_group *g, fs_link *l, void **h)
     drop(g, h);
 }
 
-/* After the reduce-scatter: across replicas, the scale, each sharded gradient. */
-static fs_status finish(fs_dim0_group *g)
+/* A reduction without the replicas' all-reduce writes nothing. */
+static int writes(const fs_dim0_group *g)
+{
+    return !g->replicate.comm || g->all_reduce;
+}
+
+/* After the reduce-scatter [Note: reduce output]: across replicas (with the
+ * partial sum), or into the partial sum; then a held output's divide. */
+static fs_status collect(fs_dim0_group *g)
 {
     fs_link *l = &g->link;
-    fs_comm *c = l->comm;
     fs_status s = FS_OK;
-    const int world = c->world_size, rank = c->rank;
-    const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1;
-    double scale = g->factor > 0 ? 1.0 / g->factor : 1.0 / world;
+    const size_t rs = fs_dtype_size(g->reduce);
+    if (!writes(g)) {
+        /* kept past the call: the next reductions add to it */
+        const int add = g->partial_h != NULL;
+        if (!add && (s = g->env.take(g->env.ctx, g->block_numel * (int64_t)rs, 0, &g->partial,
+                                     &g->partial_h)) != FS_OK)
+            return fail(g, s, "reduce-scatter", 0, "partial sum: out of memory");
+        if ((s = fs_link_scale_accumulate(l, l->stream, g->partial, g->reduce, g->rs_out,
+                                          g->reduce, g->block_numel, 1.0, add)) != FS_OK)
+            return fail(g, s, "reduce-scatter", 0, "partial sum: %s", l->comm->last_error);
+        return FS_OK;
+    }
     if (g->replicate.comm) {
         fs_link *r = &g->replicate;
         void *ws;
+        if (g->partial_h) {
+            s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->partial,
+                                         g->reduce, g->block_numel, 1.0, 1);
+            drop(g, &g->partial_h); /* the stream orders its reuse */
+            if (s != FS_OK)
+                return fail(g, s, "all-reduce", 0, "partial sum: %s", l->comm->last_error);
+        }
         if ((s = fs_link_lend(&g->env, r, g->reduce, g->block_numel, &ws)) != FS_OK)
             return fail(g, s, "all-reduce", 0, "out of memory");
         FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->name, g->block_numel, g->reduce,
@@ -314,8 +337,32 @@ static fs_status finish(fs_dim0_group *g)
         if (s != FS_OK)
             return fail(g, s, "all-reduce", 1, "all_reduce across replicas: %s",
                         r->comm->last_error);
-        if (g->factor <= 0)
-            scale /= r->comm->world_size;
+    }
+    if (g->hold > 0 && g->hold != 1.0 &&
+        (s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out, g->reduce,
+                                      g->block_numel, 1.0 / g->hold, 0)) != FS_OK)
+        return fail(g, s, "reduce-scatter", 0, "divide: %s", l->comm->last_error);
+    return FS_OK;
+}
+
+/* The scale (what a held output was not divided by yet), each sharded gradient. */
+static fs_status write_grads(fs_dim0_group *g)
+{
+    fs_link *l = &g->link;
+    fs_comm *c = l->comm;
+    fs_status s = FS_OK;
+    const int world = c->world_size, rank = c->rank;
+    const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1;
+    if (!writes(g))
+        return FS_OK;
+    double scale = g->factor > 0 ? 1.0 / g->factor : 1.0 / world;
+    if (g->replicate.comm && g->factor <= 0)
+        scale /= g->replicate.comm->world_size;
+    if (g->hold > 0) {
+        const double divisor =
+            g->factor > 0 ? g->factor
+                          : (double)world * (g->replicate.comm ? g->replicate.comm->world_size : 1);
+        scale = g->hold / divisor;
     }
     const size_t rs = fs_dtype_size(g->reduce);
     for (int i = 0; i < g->nparams && s == FS_OK; i++) {
@@ -340,28 +387,33 @@ static void release_reduction(fs_dim0_group *g)
     drop(g, &g->rs_out_h);
     for (int i = 0; i < g->nparams; i++)
         drop(g, &g->outs[i]);
+    g->reduce_pending = g->reduce_deferred = 0;
 }
 
 fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
-                         double factor, int defer)
+                         double factor, double hold, unsigned flags)
 {
     const fs_env *e = &g->env;
     fs_link *l = &g->link;
     fs_comm *c = l->comm;
     const int world = c->world_size;
     const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1, rs = fs_dtype_size(g->reduce);
-    defer = defer && l->dev;
+    const int defer = (flags & FS_DIM0_DEFER) && l->dev;
     fs_status s;
     if (g->reduce_pending && (s = fs_dim0_finish_reduce(g)) != FS_OK)
         return s;
+    g->all_reduce = !(flags & FS_DIM0_NO_ALL_REDUCE);
+    g->hold = writes(g) && hold > 0 ? hold : 0.0;
     void *rs_in;
-    /* zeroed: the padding, and the rows of parameters without a gradient */
+    /* zeroed: the padding, and the rows of parameters without a gradient;
+     * a held rs_out outlives the call */
     if ((s = e->take(e->ctx, g->block_numel * world * (int64_t)rs,
                      FS_TAKE_ZERO | (defer ? 0 : FS_TAKE_TRANSIENT), &rs_in, &g->rs_in_h)) !=
             FS_OK ||
-        (s = e->take(e->ctx, g->block_numel * (int64_t)rs, defer ? 0 : FS_TAKE_TRANSIENT,
-                     &g->rs_out, &g->rs_out_h)) != FS_OK) {
+        (s = e->take(e->ctx, g->block_numel * (int64_t)rs,
+                     defer || g->hold > 0 ? 0 : FS_TAKE_TRANSIENT, &g->rs_out, &g->rs_out_h)) !=
+            FS_OK) {
         release_reduction(g);
         return fail(g, s, "reduce-scatter", 0, "out of memory");
     }
@@ -420,15 +472,41 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
         return fail(g, s, "reduce-scatter", 1, "reduce_scatter: %s", c->last_error);
     }
     g->n_reduce_scatter++;
+    g->reduce_pending = 1;
     if (defer) {
         g->ws_h = ws;
-        g->reduce_pending = 1;
+        g->reduce_deferred = 1;
         g->n_deferred_reduce++;
         return FS_OK;
     }
     drop(g, &ws);
-    s = finish(g);
+    drop(g, &g->rs_in_h);
+    s = collect(g);
+    if (s == FS_OK && g->hold > 0)
+        return FS_OK; /* held: fs_dim0_finish_reduce writes */
+    if (s == FS_OK)
+        s = write_grads(g);
     release_reduction(g);
+    return s;
+}
+
+fs_status fs_dim0_wait_reduce(fs_dim0_group *g)
+{
+    if (!g->reduce_deferred)
+        return FS_OK;
+    fs_comm *c = g->link.comm;
+    g->reduce_deferred = 0;
+    fs_status s = g->link.dev->wait(g->reduce_event, g->link.stream, c->last_error,
+                                    sizeof c->last_error);
+    drop(g, &g->ws_h);
+    drop(g, &g->rs_in_h); /* the stream waited for the collective that read it */
+    if (s != FS_OK)
+        s = fail(g, s, "reduce-scatter", 0, "waiting for a gradient reduction: %s",
+                 c->last_error);
+    else
+        s = collect(g);
+    if (s != FS_OK)
+        release_reduction(g);
     return s;
 }
 
@@ -436,16 +514,10 @@ fs_status fs_dim0_finish_reduce(fs_dim0_group *g)
 {
     if (!g->reduce_pending)
         return FS_OK;
-    fs_comm *c = g->link.comm;
-    g->reduce_pending = 0;
-    fs_status s = g->link.dev->wait(g->reduce_event, g->link.stream, c->last_error,
-                                    sizeof c->last_error);
-    drop(g, &g->ws_h);
+    fs_status s = fs_dim0_wait_reduce(g);
     if (s != FS_OK)
-        s = fail(g, s, "reduce-scatter", 0, "waiting for a gradient reduction: %s",
-                 c->last_error);
-    else
-        s = finish(g);
+        return s;
+    s = write_grads(g);
     release_reduction(g);
     return s;
 }

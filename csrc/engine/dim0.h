@@ -22,7 +22,19 @@
  * copy is a cast of a contiguous range; a block's padding is never read
  * (the gathered buffer is not kept between gathers). On a device a gather can be deferred (a
  * prefetch: the copy-out waits for fs_dim0_wait) and so can a reduction (the
- * steps after the collective wait for fs_dim0_finish_reduce). */
+ * steps after the collective wait for fs_dim0_finish_reduce).
+ *
+ * [Note: reduce output] A reduction is the reduce-scatter into this rank's
+ * block (rs_out: block_numel elements of the reduce dtype, each parameter's
+ * rows at its block_offset), then `collect` (HSDP: the replicas' all-reduce,
+ * or without it the partial sum below), then `write_grads` (the scale, each
+ * sharded gradient). A held reduction (hold > 0) stops between the two with
+ * rs_out divided by hold, so that the host can read and change it (torch's
+ * all-reduce hook); fs_dim0_finish_reduce divides by the rest and writes.
+ * HSDP without the all-reduce (torch's requires_all_reduce=False) adds
+ * rs_out, a plain sum, into `partial`, kept across reductions, and writes
+ * nothing; the next reduction that all-reduces adds `partial` to its rs_out
+ * first and lets it go. */
 #ifndef FS_DIM0_H
 #define FS_DIM0_H
 
@@ -59,10 +71,14 @@ typedef struct {
     /* a deferred gather: the copy-out waits for the mark */
     void *gather_event, *gathered, *gathered_h;
     int gather_pending;
-    /* a deferred reduction: what follows the reduce-scatter waits for finish */
+    /* a reduction left to finish [Note: reduce output]: deferred (what
+     * follows the reduce-scatter waits for reduce_event), or held */
     void *reduce_event;
-    int reduce_pending;
+    int reduce_pending, reduce_deferred;
+    int all_reduce;          /* HSDP: this reduction all-reduces (0: into partial) */
+    double hold;             /* > 0: held after collect, rs_out divided by it */
     void *rs_in_h, *rs_out, *rs_out_h, *ws_h;
+    void *partial, *partial_h; /* HSDP: (block_numel) reduce dtype, kept across reductions */
     void **outs;             /* nparams tensor handles (held) or NULL */
     fs_dtype *out_t;
     int *accumulate;
@@ -98,14 +114,24 @@ fs_status fs_dim0_wait(fs_dim0_group *g);
 fs_status fs_dim0_unshard_from(fs_dim0_group *g, fs_link *post, void *chunk);
 fs_status fs_dim0_reshard(fs_dim0_group *g);
 
+enum {
+    FS_DIM0_DEFER = 1,         /* a device: what follows the collective waits for finish */
+    FS_DIM0_NO_ALL_REDUCE = 2, /* HSDP: into the partial sum, nothing written */
+};
+
 /* grads[i]: the unsharded gradient (tensor handle, dtype grad_t[i], the
  * parameter's shape) or NULL; outs[i]: the sharded gradient to write
  * (out_t[i], this rank's rows) or NULL; accumulate[i]: add to it. factor >
- * 0: divide the sum by it, else average. defer: on a device the steps after
- * the collective wait for fs_dim0_finish_reduce. */
+ * 0: divide the sum by it, else average. hold > 0: stop before the sharded
+ * gradients with rs_out divided by hold (reduce_pending; ignored with
+ * FS_DIM0_NO_ALL_REDUCE, which writes nothing). flags: FS_DIM0_*. */
 fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
-                         double factor, int defer);
+                         double factor, double hold, unsigned flags);
+/* A deferred reduction: the stream waits for its reduce-scatter, then
+ * collect is enqueued; a held rs_out is then ready on the stream. */
+fs_status fs_dim0_wait_reduce(fs_dim0_group *g);
+/* What is left of a reduction: the wait, collect, write. */
 fs_status fs_dim0_finish_reduce(fs_dim0_group *g);
 
 /* Without gradient sync, an unsharded gradient kept as a reduce-dtype sum

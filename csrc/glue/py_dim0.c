@@ -259,21 +259,30 @@ static PyObject *Dim0_reshard(Dim0Object *self, PyObject *Py_UNUSED(a))
 
 PyDoc_STRVAR(reduce_doc,
              "reduce(grads, grad_codes, outs, out_codes, accumulate, factor=0.0, defer=False,\n"
-             "       reshard=False)\n"
+             "       reshard=False, *, all_reduce=True, hold=0.0)\n"
              "One reduce-scatter of every parameter's unsharded gradient (None: none) into\n"
              "the sharded gradients `outs` (None: not written), added to them where\n"
              "accumulate[i]; the mean over the ranks (and replicas), or the sum divided by\n"
              "factor when factor > 0. defer (a device): the steps after the collective\n"
              "wait for finish_reduce(). reshard: then free the unsharded buffer (the\n"
-             "post-backward event in one call).");
-static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args)
+             "post-backward event in one call). all_reduce=False (HSDP): add the\n"
+             "reduce-scatter output into the group's partial sum instead, write nothing.\n"
+             "hold > 0: stop before the sharded gradients with the reduce output divided\n"
+             "by hold (reduce_output, after wait_reduce() when deferred); finish_reduce()\n"
+             "divides by the rest and writes (engine/dim0.h, [Note: reduce output]).");
+static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {"grads", "grad_codes", "outs", "out_codes", "accumulate", "factor",
+                             "defer", "reshard", "all_reduce", "hold", NULL};
     PyObject *grads, *gcodes, *outs, *ocodes, *accs;
-    double factor = 0.0;
-    int defer = 0, reshard = 0;
-    if (!PyArg_ParseTuple(args, "OOOOO|dpp", &grads, &gcodes, &outs, &ocodes, &accs, &factor,
-                          &defer, &reshard))
+    double factor = 0.0, hold = 0.0;
+    int defer = 0, reshard = 0, all_reduce = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|dpp$pd", kwlist, &grads, &gcodes, &outs,
+                                     &ocodes, &accs, &factor, &defer, &reshard, &all_reduce,
+                                     &hold))
         return NULL;
+    if (!(hold >= 0.0))
+        return PyErr_Format(PyExc_ValueError, "reduce: hold must be >= 0");
     int n = self->g.nparams;
     PyObject *seq[5] = {PySequence_Fast(grads, "reduce: grads must be a sequence"), NULL, NULL,
                         NULL, NULL};
@@ -306,7 +315,8 @@ static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args)
     if (bind(self) < 0)
         goto out;
     fs_status s;
-    s = fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor, defer);
+    s = fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor, hold,
+                       (defer ? FS_DIM0_DEFER : 0) | (all_reduce ? 0 : FS_DIM0_NO_ALL_REDUCE));
     if (s == FS_OK && reshard)
         s = fs_dim0_reshard(&self->g);
     r = done(self, s);
@@ -328,6 +338,53 @@ static PyObject *Dim0_finish_reduce(Dim0Object *self, PyObject *Py_UNUSED(a))
     fs_status s;
     RUN(s, fs_dim0_finish_reduce(&self->g));
     return done(self, s);
+}
+
+static PyObject *Dim0_wait_reduce(Dim0Object *self, PyObject *Py_UNUSED(a))
+{
+    if (!self->g.reduce_deferred)
+        Py_RETURN_NONE;
+    if (bind(self) < 0)
+        return NULL;
+    fs_status s;
+    RUN(s, fs_dim0_wait_reduce(&self->g));
+    return done(self, s);
+}
+
+/* The reduce output of a reduction left to finish, once collected: a host
+ * group exports it through the buffer protocol, each export holding the
+ * memory's handle, so that a tensor over it outlives finish_reduce(). */
+static int reduce_output_ready(Dim0Object *self)
+{
+    return self->g.reduce_pending && !self->g.reduce_deferred && self->g.rs_out_h;
+}
+
+static int Dim0_getbuffer(Dim0Object *self, Py_buffer *view, int flags)
+{
+    if (self->empty || !reduce_output_ready(self)) {
+        PyErr_Format(PyExc_BufferError, "Dim0Group %U: no reduce output is held (a host "
+                     "group, between reduce(hold=...) and finish_reduce())", self->name);
+        return -1;
+    }
+    Py_ssize_t nbytes = (Py_ssize_t)(self->g.block_numel * (int64_t)fs_dtype_size(self->g.reduce));
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->g.rs_out, nbytes, 0, flags) < 0)
+        return -1;
+    view->internal = Py_NewRef((PyObject *)self->g.rs_out_h);
+    return 0;
+}
+
+static void Dim0_releasebuffer(Dim0Object *self, Py_buffer *view)
+{
+    Py_XDECREF((PyObject *)view->internal);
+}
+
+static PyObject *Dim0_get_reduce_output(Dim0Object *self, void *c)
+{
+    if (!reduce_output_ready(self))
+        Py_RETURN_NONE;
+    if (self->empty) /* a device group: the uint8 tensor `empty` made */
+        return Py_NewRef((PyObject *)self->g.rs_out_h);
+    return PyMemoryView_FromObject((PyObject *)self);
 }
 
 PyDoc_STRVAR(accumulate_doc,
@@ -417,9 +474,14 @@ static PyMethodDef Dim0_methods[] = {
     {"wait", (PyCFunction)Dim0_wait, METH_NOARGS,
      "wait(): a deferred gather: the stream waits, then the copy-out is enqueued."},
     {"reshard", (PyCFunction)Dim0_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},
-    {"reduce", (PyCFunction)Dim0_reduce, METH_VARARGS, reduce_doc},
+    {"reduce", (PyCFunction)(void (*)(void))Dim0_reduce, METH_VARARGS | METH_KEYWORDS,
+     reduce_doc},
+    {"wait_reduce", (PyCFunction)Dim0_wait_reduce, METH_NOARGS,
+     "wait_reduce(): a deferred reduction: the stream waits for its reduce-scatter, then\n"
+     "the replicas' all-reduce and a held output's divide are enqueued."},
     {"finish_reduce", (PyCFunction)Dim0_finish_reduce, METH_NOARGS,
-     "finish_reduce(): wait for a deferred reduce-scatter and write the gradients."},
+     "finish_reduce(): what is left of a reduction (the wait, the all-reduce, the scale)\n"
+     "and the sharded gradients written."},
     {"accumulate", (PyCFunction)Dim0_accumulate, METH_VARARGS, accumulate_doc},
     {NULL},
 };
@@ -431,7 +493,11 @@ static PyGetSetDef Dim0_getset[] = {
     {"full_alloc", (getter)Dim0_get_full_alloc, NULL, "elements of the unsharded buffer", NULL},
     {"is_unsharded", (getter)Dim0_get_unsharded, NULL, "gathered (maybe pending)", NULL},
     {"gather_pending", (getter)Dim0_get_gather_pending, NULL, "a deferred gather", NULL},
-    {"reduce_pending", (getter)Dim0_get_reduce_pending, NULL, "a deferred reduction", NULL},
+    {"reduce_pending", (getter)Dim0_get_reduce_pending, NULL,
+     "a reduction left to finish (deferred or held)", NULL},
+    {"reduce_output", (getter)Dim0_get_reduce_output, NULL,
+     "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
+     "memoryview (host) or a uint8 tensor (device); None when none is ready", NULL},
     {"counts", (getter)Dim0_get_counts, NULL, "collectives issued", NULL},
     {NULL},
 };
@@ -441,6 +507,8 @@ static PyType_Slot Dim0_slots[] = {
     {Py_tp_dealloc, Dim0_dealloc},
     {Py_tp_methods, Dim0_methods},
     {Py_tp_getset, Dim0_getset},
+    {Py_bf_getbuffer, Dim0_getbuffer},
+    {Py_bf_releasebuffer, Dim0_releasebuffer},
     {Py_tp_doc, "Dim0Group(name, comm, dim0, row_numel, gathered, align, compute_dtype,\n"
                 "reduce_dtype, *, empty=None, replicate=None, outer=None): one fully_shard\n"
                 "group on the engine (engine/dim0.h); parameter i is viewed as (outer[i],\n"

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ConfigAssertionError, bad_type, bad_value, not_built
 from ..runtime import cuda
-from ..runtime.comm import backend_for_device, comm_for, requested_backend
+from ..runtime.comm import backend_for_device, comm_for, requested_backend, self_comm
 from ..tensors import check_plain
 from . import dp_mesh
 from .extension import has_extension
@@ -192,47 +192,94 @@ class FSDPModule:
 
     def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
         """HSDP (a 2-D mesh): whether backward all-reduces the reduce-scattered
-        gradients across the replicas. Without one (a 1-D mesh) there is
-        nothing to all-reduce and the flag changes nothing, as in torch.
-        requires_all_reduce=False on an HSDP module (gradient accumulation
-        with reduce-scatter only) is not built: a NotBuiltError (it would
-        keep partial sums the engine does not hold). `recurse`: also the FSDP
-        modules inside this one."""
+        gradients across the replicas. `requires_all_reduce=False` (gradient
+        accumulation with reduce-scatter only, as in torch): each backward
+        adds its reduce-scatter output (the shard group's sum) into a
+        partial sum the group keeps and writes no sharded gradient; the next
+        backward with True adds the partial sum to its own before the
+        all-reduce, then scales and writes the sharded gradients as usual.
+        Without replicas (a 1-D mesh) there is nothing to all-reduce and the
+        flag changes nothing, as in torch. `recurse`: also the FSDP modules
+        inside this one."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         _check_bool("recurse", recurse)
-        if not requires_all_reduce:
-            for m in self._fsdp_modules(recurse):
-                g = m._fsdp_state().group
-                if g is not None and g.replicate_comm is not None:
-                    raise not_built("requires_all_reduce", requires_all_reduce,
-                                    f"{type(m).__name__} is sharded over a 2-D mesh (HSDP), and "
-                                    "reduce-scattering without the replicas' all-reduce is not "
-                                    "built", "use set_requires_gradient_sync(False) to "
-                                    "accumulate without any communication")
+        for m in self._fsdp_modules(recurse):
+            g = m._fsdp_state().group
+            if g is not None:
+                g.all_reduce = requires_all_reduce
 
     def set_custom_all_gather(self, comm):
-        """torch's hook to replace the all-gather (`comm`: an AllGather). The
-        engine gathers with its own collective and buffers, so this is not
-        built: a NotBuiltError."""
-        raise not_built("comm", type(comm).__name__, "set_custom_all_gather: flatshard's "
-                        "engine runs its own all-gather into its own buffers",
-                        "drop the call (the default all-gather is used)")
+        """torch's hook to replace the all-gather: this module's group's
+        all-gathers call `comm(output_tensor=, input_tensor=, group=,
+        async_op=False)` (torch's AllGather) with the engine's buffers, in
+        place of flatshard's own collective; comm.allocate is not called
+        (the engine owns its buffers: only where the memory comes from
+        differs). On a CPU mesh; on a CUDA mesh: a NotBuiltError."""
+        self._set_custom("all_gather", comm, "set_custom_all_gather")
 
     def set_custom_reduce_scatter(self, comm):
-        """torch's hook to replace the reduce-scatter (`comm`: a
-        ReduceScatter). Not built: a NotBuiltError, as set_custom_all_gather."""
-        raise not_built("comm", type(comm).__name__, "set_custom_reduce_scatter: flatshard's "
-                        "engine runs its own reduce-scatter from its own buffers",
-                        "drop the call (the default reduce-scatter is used)")
+        """torch's hook to replace the reduce-scatter: this module's group's
+        reduce-scatters call `comm(output_tensor=, input_tensor=, group=,
+        op=ReduceOp.SUM, async_op=False)` (torch's ReduceScatter); the engine
+        then scales as it would (the mean, or the divide factor). As
+        set_custom_all_gather otherwise."""
+        self._set_custom("reduce_scatter", comm, "set_custom_reduce_scatter")
+
+    def _set_custom(self, kind, comm, method):
+        if not callable(comm):
+            proto = "AllGather" if kind == "all_gather" else "ReduceScatter"
+            raise bad_type("comm", comm, f"a callable torch {proto} (torch.distributed.fsdp."
+                           "_fully_shard._fsdp_api)")
+        g = self._fsdp_state().group
+        if g is None:
+            return
+        if g.comm.device is not None:
+            raise not_built("comm", type(comm).__name__, f"{method} on a CUDA mesh: the "
+                            "engine's collectives there are NCCL calls on its streams",
+                            "use it on a CPU mesh, or drop the call")
+        g.set_custom(kind, comm)
 
     def set_all_reduce_hook(self, hook, *, stream=None):
-        """torch's hook run on each reduced gradient (`hook`, on `stream`).
-        The engine calls no Python between its reduction and the sharded
-        gradients, so this is not built: a NotBuiltError."""
-        raise not_built("hook", getattr(hook, "__qualname__", type(hook).__name__),
-                        "set_all_reduce_hook: flatshard's engine writes the sharded gradients "
-                        "in the same call as its reduction and calls no Python in between",
-                        "apply the hook's work to the sharded gradients after backward")
+        """`hook(reduce_output)` runs at each backward's gradient reduction of
+        this module's own group (as in torch, not the modules inside it),
+        after the reduce-scatter (1-D mesh) or after the replicas'
+        all-reduce (HSDP), before the sharded gradients are written from
+        `reduce_output`: what the hook leaves in it, changed in place, is
+        what they get. A backward that only reduce-scatters
+        (set_requires_all_reduce(False)) does not call it. None removes it.
+
+        reduce_output: a flat tensor of the reduce dtype, this rank's block:
+        each parameter's rows of its sharded gradient, padded to
+        ceil(dim0 / shard size) rows with zeros, in the group's order;
+        torch packs these back to back, flatshard starts each at an aligned
+        offset (the group's `entries`, `block_offset`). Its values are
+        torch's: for float32 and bfloat16 reduce dtypes the sum already
+        divided by the gradient divide factor (the mean by default), for
+        other dtypes by the power of two torch divides by before its
+        reduce-scatter; the rest is divided after the hook. (torch under
+        set_force_sum_reduction_for_comms(True) divides only after the
+        hook; flatshard's hook sees the same values either way.)
+
+        `stream`: a CUDA stream to run the hook on, on a 1-D CUDA mesh only;
+        a ConfigError with HSDP (the hook runs where the all-reduce ran, as
+        torch refuses it) or on a CPU mesh, which has no streams."""
+        if hook is not None and not callable(hook):
+            raise bad_type("hook", hook, "a callable hook(reduce_output) or None")
+        g = self._fsdp_state().group
+        if stream is not None:
+            if g is not None and g.replicate_comm is not None:
+                raise bad_value("stream", stream, "stream cannot be set when using native HSDP",
+                                "drop stream: the hook runs after the all-reduce, in its order")
+            if g is not None and g.comm.device is None:
+                raise bad_value("stream", stream, "this module's mesh is on CPU, which runs "
+                                "no streams", "pass stream=None")
+            if not callable(getattr(stream, "wait_stream", None)):
+                raise bad_type("stream", stream, "a torch.cuda.Stream or None")
+            if hook is None:
+                raise bad_value("stream", stream, "a stream needs a hook to run",
+                                "pass the hook too")
+        if g is not None:
+            g.all_reduce_hook = (hook, stream) if hook is not None else None
 
     def set_reduce_scatter_divide_factor(self, factor):
         """Deprecated in torch: set_gradient_divide_factor(factor), with a
@@ -544,8 +591,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                            nor reduced).
     dp_mesh_dims           torch's DataParallelMeshDims: `mesh` is the full
                            SPMD mesh, every parameter a DTensor on it
-                           replicated on the dims named (one shard dim, at
-                           most one replicate dim: fsdp2/dp_mesh.py)."""
+                           replicated on the dims named (at most one shard
+                           dim and one replicate dim; replicate alone is DDP
+                           over that dim, on CPU: fsdp2/dp_mesh.py)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise bad_value("module", module, "expected a module or a non-empty list of modules")
@@ -608,7 +656,12 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     raf, post_comm = _resolve_reshard(reshard_after_forward, mesh)
     group = None
     if params:
-        if mesh.ndim == 2:
+        if spmd is not None and spmd.shard is None:  # DDP: replicated, nothing sharded
+            if want.type != "cpu":
+                raise not_built("dp_mesh_dims", dp_mesh_dims, "replicate names alone (DDP "
+                                "over the mesh) on a CUDA mesh", "name a shard dim too")
+            shard, replicate = self_comm(), _comm(mesh.get_group(0), mesh)
+        elif mesh.ndim == 2:
             shard = _comm(mesh.get_group(1), mesh)
             replicate = _comm(mesh.get_group(0), mesh)
         else:

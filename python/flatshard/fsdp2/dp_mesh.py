@@ -9,9 +9,11 @@ where those dims sit in the full mesh. The parameters then go the way of
 tensor-parallel ones (tp.py): their local tensors through the engine, the
 shards DTensors on the full mesh with the shard dim's placement replaced, and
 from unshard to reshard the parameters as they were, so the model computes
-on DTensors, inputs included, as under torch. Not built: DDP over the mesh
-(replicate names only) and several names flattened into one dim; each is
-refused with a NotBuiltError naming dp_mesh_dims.
+on DTensors, inputs included, as under torch. Replicate names alone are
+DDP over that dim: the group shards over a Comm of the rank alone
+(runtime/comm.py self_comm) and all-reduces over the replicas. Not built:
+several names flattened into one dim, refused with a NotBuiltError naming
+dp_mesh_dims.
 """
 from dataclasses import dataclass
 
@@ -37,7 +39,7 @@ def _names(v):
 class SPMD:
     """Where the data-parallel dims sit in the full mesh."""
     mesh: object            # the DeviceMesh the parameters are DTensors on
-    shard: int              # index of the shard dim
+    shard: object           # index of the shard dim, or None (DDP)
     replicate: object       # index of the replicate dim (HSDP), or None
 
 
@@ -62,14 +64,12 @@ def resolve(mesh, dp_mesh_dims):
         if n not in names:
             raise bad_value("dp_mesh_dims", dp_mesh_dims, f"Mesh dim name '{n}' not found in "
                             f"mesh.mesh_dim_names {names}")
-    if not shard:
-        raise not_built("dp_mesh_dims", dp_mesh_dims, "replicate names alone (DDP over the "
-                        "mesh) are not built", "name a shard dim (FSDP, or HSDP with "
-                        "replicate)")
     if len(shard) > 1 or len(replicate) > 1:
         raise not_built("dp_mesh_dims", dp_mesh_dims, "several names flattened into one "
                         "data-parallel dim are not built", "name one mesh dim for shard and "
                         "at most one for replicate")
+    if not shard:  # DDP over the replicate dim: sharded over nothing
+        return mesh[replicate[0]], SPMD(mesh, None, names.index(replicate[0]))
     s = names.index(shard[0])
     if not replicate:
         return mesh[shard[0]], SPMD(mesh, s, None)

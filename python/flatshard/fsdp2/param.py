@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C
 from ..errors import ConfigError
+from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
 from ..tensors import dtype_code
 from . import tp
@@ -99,16 +100,26 @@ class ParamGroup:
         # set_reduce_scatter_unused_params: trainable parameters without a
         # gradient take zeros in the reduce-scatter (and get its result)
         self.reduce_unused = False
+        # set_requires_all_reduce(False) on HSDP: reduce-scatter only, into the
+        # engine's partial sum, until a backward that all-reduces
+        self.all_reduce = True
+        # set_all_reduce_hook: (hook, stream) run on the reduce output, and
+        # the one the reduction left to finish runs
+        self.all_reduce_hook = None
+        self.reducing_hook = None
+        self.custom = {}       # set_custom_all_gather / _reduce_scatter: kind -> object
 
-    def _build_engine(self, dtype, device):
+    def _build_engine(self, dtype, device, force=False):
         """The engine's group for parameters of `dtype` (its compute and
         reduce dtypes are fixed at construction): made at init, and again
-        when a cast changed them (model.to(torch.float64) after fully_shard)."""
+        when a cast changed them (model.to(torch.float64) after fully_shard)
+        or the shard group's Comm changed (force)."""
         floating = dtype.is_floating_point
         compute = (self.mp.param_dtype or dtype) if floating else dtype
         reduce = (self.mp.reduce_dtype or compute) if floating else dtype
         self.dtype = dtype
-        if self.c is not None and (compute, reduce) == (self.compute_dtype, self.reduce_dtype):
+        if self.c is not None and not force and \
+                (compute, reduce) == (self.compute_dtype, self.reduce_dtype):
             return
         if self.c is not None:
             for k, v in self.c.counts.items():
@@ -173,6 +184,23 @@ class ParamGroup:
 
     def local(self, i):
         return self.sharded[i]._local_tensor
+
+    def set_custom(self, kind, obj):
+        """The shard group's all-gathers ("all_gather") or reduce-scatters
+        ("reduce_scatter") call `obj` (torch's AllGather / ReduceScatter):
+        a new engine group over a Comm that calls it (runtime/comm.py)."""
+        self.custom[kind] = obj
+        self.wait_unsharded()
+        if self.c.is_unsharded:
+            self.reshard()
+        group = self.mesh.get_group(self.mesh.ndim - 1)
+        self.comm = custom_comm(group, self.custom.get("all_gather"),
+                                self.custom.get("reduce_scatter"))
+        self._build_engine(self.dtype, self.local(0).device, force=True)
+        self._shards_to_engine()
+        self.full, self.unsharded = None, None
+        for x in self.ext.values():
+            x.reset()
 
     def sync_registered(self):
         """Before a gather: adopt what was assigned to the modules since the
@@ -411,7 +439,14 @@ class ParamGroup:
         group's reduction and at the end of backward) waits and writes the
         result. reshard: free the unsharded buffer in the same engine call
         (the caller's reshard() then has only its views to drop). Returns
-        whether one is left to finish."""
+        whether one is left to finish.
+
+        HSDP without the all-reduce (set_requires_all_reduce(False)): the
+        engine adds the reduce-scatter output into its partial sum and no
+        sharded gradient is written; the next reduction with it adds the sum
+        before the all-reduce. A hook (set_all_reduce_hook): the engine holds
+        the reduce output after the collectives, finish_reduce() runs the
+        hook on it, then the engine writes [Note: reduce output] (dim0.h)."""
         grads = [a if a is not None else self._grad(i) for i, a in enumerate(self.accumulated)]
         # which sharded gradients this reduction writes: those with a
         # gradient, and with reduce_unused every trainable one (the engine
@@ -422,10 +457,11 @@ class ParamGroup:
             return False
         self.accumulated = [None] * len(grads)
         grads = [g.contiguous() if g is not None else None for g in grads]
+        partial = self.replicate_comm is not None and not self.all_reduce
         outs, fresh = [], []
         for i, g in enumerate(grads):
             sp = self.sharded[i]
-            if not use[i]:
+            if not use[i] or partial:
                 outs.append(None)
             elif sp.grad is not None:
                 outs.append(sp.grad._local_tensor)
@@ -437,28 +473,79 @@ class ParamGroup:
             if g is not None:
                 self.unsharded[i].grad = None  # handed to the engine: not needed any more
         factor = self.divide_factor
-        accumulate = [use[i] and i not in fresh for i in range(len(grads))]
+        accumulate = [outs[i] is not None and i not in fresh for i in range(len(grads))]
+        deferred = defer and self.comm.device is not None
+        self.reducing_hook = None if partial else self.all_reduce_hook
         self.c.reduce(grads, [dtype_code(g.dtype) if g is not None else 0 for g in grads],
                       outs, [dtype_code(o.dtype) if o is not None else 0 for o in outs],
                       accumulate, float(factor) if factor is not None else 0.0,
-                      defer and self.comm.device is not None, reshard and not self.ext)
+                      deferred, reshard and not self.ext, all_reduce=not partial,
+                      hold=self._hook_divisor() if self.reducing_hook else 0.0)
         self.reducing = [(i, outs[i]) for i in fresh]
-        if not self.c.reduce_pending:
-            self.finish_reduce()
-            return False
-        return True
+        if deferred and self.c.reduce_pending:
+            return True
+        self.finish_reduce()
+        return False
+
+    def _hook_divisor(self):
+        """What torch's fully_shard has divided the reduce output by when its
+        all-reduce hook sees it (_get_gradient_divide_factors), so that the
+        hook sees the same values: for float32 and bfloat16 the whole
+        factor (its collectives average, or pre-multiply by 1/factor); for
+        other reduce dtypes the power of two it divides by before the
+        reduce-scatter against overflow. The engine divides the rest after
+        the hook. (torch with set_force_sum_reduction_for_comms(True) sums
+        and divides everything after the hook.)"""
+        world = self.world * (self.replicate_comm.world_size if self.replicate_comm else 1)
+        factor = self.divide_factor if self.divide_factor is not None else float(world)
+        if self.reduce_dtype in (torch.float32, torch.bfloat16):
+            return float(factor)
+        pre = 1
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return float(pre)
+
+    def _reduce_output(self):
+        """The held reduce output as a flat tensor of the reduce dtype over
+        the engine's memory (which lives as long as the tensor)."""
+        out = self.c.reduce_output
+        if not isinstance(out, memoryview):  # a device group's uint8 tensor
+            return out.view(self.reduce_dtype)
+        if not out.nbytes:
+            return torch.empty(0, dtype=self.reduce_dtype)
+        return torch.frombuffer(out, dtype=self.reduce_dtype)
 
     def finish_reduce(self):
         """The second half of reduce_grads: the engine waits for a deferred
-        reduce-scatter and writes the sharded gradients; the ones made new
-        become the parameters' DTensor gradients."""
+        reduce-scatter, the hook (if any) runs on the reduce output, and the
+        engine writes the sharded gradients; the ones made new become the
+        parameters' DTensor gradients."""
         if self.reducing is None:
             return
         fresh, self.reducing = self.reducing, None
+        hook, self.reducing_hook = self.reducing_hook, None
         if self.c.reduce_pending:
-            self.c.finish_reduce()
+            try:
+                if hook is not None:
+                    self.c.wait_reduce()
+                    _run_hook(*hook, self._reduce_output())
+            finally:
+                self.c.finish_reduce()
         for i, out in fresh:
             self.sharded[i].grad = _like(out, self.sharded[i])
+
+
+def _run_hook(hook, stream, reduce_output):
+    """torch's all-reduce hook, on `stream` (a device's) when one was given:
+    it waits for the caller's stream, which then waits for it."""
+    if stream is None:
+        hook(reduce_output)
+        return
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        hook(reduce_output)
+    current.wait_stream(stream)
 
 
 _UIDS = itertools.count()

@@ -93,7 +93,7 @@ def spmd_spec(param, spmd, shard_dim, name):
                         "dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
                         "fully_shard", "distribute it on that mesh")
     orig = tuple(spec.placements)
-    dp_dims = {spmd.shard} | ({spmd.replicate} if spmd.replicate is not None else set())
+    dp_dims = {i for i in (spmd.shard, spmd.replicate) if i is not None}
     for i in sorted(dp_dims):
         if not isinstance(orig[i], Replicate):
             dim = spmd.mesh.mesh_dim_names[i]
@@ -103,10 +103,11 @@ def spmd_spec(param, spmd, shard_dim, name):
     if any(not isinstance(p, (Shard, Replicate)) for p in orig):
         raise bad_value("module", name, f"parameter {name} has placements {orig}",
                         "Shard or Replicate placements only")
-    split = _split(orig, spmd.mesh.shape, shard_dim, spmd.shard)
     placements = list(orig)
-    placements[spmd.shard] = (_StridedShard(shard_dim, split_factor=split) if split > 1
-                              else Shard(shard_dim))
+    if spmd.shard is not None:  # (DDP: replicated on every data-parallel dim)
+        split = _split(orig, spmd.mesh.shape, shard_dim, spmd.shard)
+        placements[spmd.shard] = (_StridedShard(shard_dim, split_factor=split) if split > 1
+                                  else Shard(shard_dim))
     return TPSpec(spec, spmd.mesh, tuple(placements), frozenset(dp_dims))
 
 

@@ -108,6 +108,51 @@ def _torch_collective(group):
     return run
 
 
+def custom_comm(group, all_gather=None, reduce_scatter=None):
+    """A torch-backend Comm over `group` whose all-gathers and reduce-scatters
+    call the user's objects (torch's AllGather / ReduceScatter protocol:
+    fully_shard's set_custom_all_gather / set_custom_reduce_scatter) with
+    the engine's buffers, and everything else torch's collectives. Their
+    allocate() is not called: the engine owns its buffers. Not cached: one
+    per group that sets them."""
+    default = _torch_collective(group)
+    no_stash = _NoStashedContext()
+
+    def done(work):  # an async_op=False call may still hand back a Work
+        if work is not None and hasattr(work, "wait"):
+            work.wait()
+
+    def run(op, a, b, arg):
+        if op == "all_gather" and all_gather is not None:
+            with no_stash:
+                done(all_gather(output_tensor=from_dlpack(b), input_tensor=from_dlpack(a),
+                                group=group, async_op=False))
+        elif op == "reduce_scatter" and reduce_scatter is not None:
+            with no_stash:
+                done(reduce_scatter(output_tensor=from_dlpack(b), input_tensor=from_dlpack(a),
+                                    group=group, op=dist.ReduceOp.SUM, async_op=False))
+        else:
+            default(op, a, b, arg)
+
+    return _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group), fn=run)
+
+
+_SELF = []
+
+
+def self_comm():
+    """A Comm of this rank alone (world size 1, host memory): the shard group
+    of a group that shards over nothing (fully_shard's DDP over a mesh dim,
+    dp_mesh_dims with replicate names only). Its all-gather and
+    reduce-scatter are copies; the rest do nothing."""
+    if not _SELF:
+        def run(op, a, b, arg):
+            if op in ("all_gather", "reduce_scatter"):
+                from_dlpack(b).copy_(from_dlpack(a))
+        _SELF.append(_C.Comm("torch", 0, 1, fn=run))
+    return _SELF[0]
+
+
 def requested_backend(value):
     """The comm_backend argument (or, when None, the environment) -> a name."""
     arg = "comm_backend"
