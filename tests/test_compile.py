@@ -35,20 +35,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from flatshard import FSDP, ModuleWrapPolicy, fully_shard
+from test_fully_shard_torch_flows import Block
 
 TIMEOUT = 240
 BACKEND = "aot_eager"
 STEPS = 3
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.norm(self.lin(x)))
 
 
 class Net(nn.Module):

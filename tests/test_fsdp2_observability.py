@@ -20,35 +20,17 @@ from torch.profiler import ProfilerActivity, profile
 
 from flatshard import fully_shard
 from flatshard.runtime import observe
+from test_fully_shard_torch_flows import Net as FlowsNet
 
 TIMEOUT = 240
 BOTH = (("torch", torch_fully_shard), ("ours", fully_shard))
 
 
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.norm(self.lin(x)))
-
-
-class Net(nn.Module):
-    """7 rows in most weights: uneven shards (4 and 3 rows) on 2 ranks."""
+class Net(FlowsNet):
+    """The flows' net with three blocks."""
 
     def __init__(self, d=7):
-        super().__init__()
-        self.inp = nn.Linear(5, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
-        self.out = nn.Linear(d, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
+        super().__init__(d, depth=3)
 
 
 def _model(fn, prefetch=False, **kw):

@@ -25,20 +25,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 from flatshard import MixedPrecisionPolicy, fully_shard
+from test_fsdp2_shard_dim import Block
 
 TIMEOUT = 300
 BOTH = (("torch", torch_fully_shard, TorchMP), ("ours", fully_shard, MixedPrecisionPolicy))
-
-
-class Block(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
 class Net(nn.Module):

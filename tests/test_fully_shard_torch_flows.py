@@ -44,12 +44,13 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """7 rows in most weights: uneven shards (4 and 3 rows) on 2 ranks."""
+    """7 rows in most weights: uneven shards (4 and 3 rows) on 2 ranks.
+    (test_fsdp2_observability.py and test_compile.py use these too.)"""
 
-    def __init__(self, d=7):
+    def __init__(self, d=7, depth=2):
         super().__init__()
         self.inp = nn.Linear(5, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
         self.out = nn.Linear(d, 3)
 
     def forward(self, x):
