@@ -304,3 +304,30 @@ def test_bad_arguments_name_the_argument(dist_pool):
     for (kind, text), g in zip(want, got):
         assert g is not None and g[0] == kind and text in g[1], (kind, text, g)
 
+
+
+def _reset_drops_partial():
+    """reset_iter_state after a backward without the replicas' all-reduce:
+    the partial sum is dropped, as torch drops it, so the next step's
+    gradients are that step's alone."""
+    mesh = _mesh((2, 2))
+    data = _batches(2)
+    out = {}
+    for which in WHICH:
+        m = _shard(which, mesh)
+        m.set_requires_all_reduce(False)
+        _backward(m, *data[0])
+        m.reset_iter_state()
+        m.set_requires_all_reduce(True)
+        _backward(m, *data[1])
+        out[which] = _grads(m)
+    fresh = _shard("flatshard", mesh)
+    _backward(fresh, *data[1])
+    out["fresh"] = _grads(fresh)
+    return out
+
+
+def test_reset_iter_state_drops_the_partial_sum(dist_pool):
+    for r in dist_pool(4).run(_reset_drops_partial, timeout=TIMEOUT):
+        _equal(r["flatshard"], r["fresh"])
+        _equal(r["flatshard"], r["torch"])

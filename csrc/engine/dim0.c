@@ -522,6 +522,12 @@ fs_status fs_dim0_finish_reduce(fs_dim0_group *g)
     return s;
 }
 
+void fs_dim0_drop_partial(fs_dim0_group *g)
+{
+    drop(g, &g->partial_h);
+    g->partial = NULL;
+}
+
 /* ---------------------------------------------------------------------------
  * accumulation without sync */
 

@@ -133,6 +133,8 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
 fs_status fs_dim0_wait_reduce(fs_dim0_group *g);
 /* What is left of a reduction: the wait, collect, write. */
 fs_status fs_dim0_finish_reduce(fs_dim0_group *g);
+/* Forget the HSDP partial sum (an iteration given up: reset_iter_state). */
+void fs_dim0_drop_partial(fs_dim0_group *g);
 
 /* Without gradient sync, an unsharded gradient kept as a reduce-dtype sum
  * across backwards: dst (tensor handle, dst_t) = (add ? dst : 0) + src

@@ -409,6 +409,12 @@ static PyObject *Dim0_accumulate(Dim0Object *self, PyObject *args)
     return done(self, s);
 }
 
+static PyObject *Dim0_drop_partial(Dim0Object *self, PyObject *Py_UNUSED(a))
+{
+    fs_dim0_drop_partial(&self->g);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Dim0_get_entries(Dim0Object *self, void *c)
 {
     fs_mod_state *st = fs_state_from_type(Py_TYPE(self));
@@ -483,6 +489,8 @@ static PyMethodDef Dim0_methods[] = {
      "finish_reduce(): what is left of a reduction (the wait, the all-reduce, the scale)\n"
      "and the sharded gradients written."},
     {"accumulate", (PyCFunction)Dim0_accumulate, METH_VARARGS, accumulate_doc},
+    {"drop_partial", (PyCFunction)Dim0_drop_partial, METH_NOARGS,
+     "drop_partial(): forget the HSDP partial sum (reset_iter_state)."},
     {NULL},
 };
 

@@ -167,7 +167,8 @@ class FSDPModule:
         root, then train on. A reduction in flight is waited for (its
         gradients land, as in torch); every group is resharded; what the
         failed iteration left is dropped: its unreduced gradients, those
-        accumulated without gradient sync, the parameters whose gradients
+        accumulated without gradient sync or without the replicas'
+        all-reduce (HSDP), the parameters whose gradients
         had arrived, and the root's end-of-backward callback, which the
         autograd engine dropped. On a module that is not the root: a
         RuntimeError, as in torch."""
@@ -185,6 +186,7 @@ class FSDPModule:
             if g is None:
                 continue
             g.reshard()
+            g.c.drop_partial()  # an HSDP partial sum without its all-reduce, as torch
             g.accumulated = [None] * len(g.accumulated)
             for p in g.unsharded or ():
                 if p is not None:
