@@ -70,6 +70,11 @@ class FSDPModule:
         mods = self.modules() if recurse else [self]
         return [m for m in mods if isinstance(m, FSDPModule)]
 
+    def _groups(self, recurse):
+        """The parameter groups of this FSDP module (and those inside it)."""
+        groups = (m._fsdp_state().group for m in self._fsdp_modules(recurse))
+        return [g for g in groups if g is not None]
+
     def unshard(self, async_op=False):
         """All-gather this module's parameters and register the unsharded
         ones until reshard() (or the next reshard point of the step). With
@@ -205,10 +210,8 @@ class FSDPModule:
         inside this one."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         _check_bool("recurse", recurse)
-        for m in self._fsdp_modules(recurse):
-            g = m._fsdp_state().group
-            if g is not None:
-                g.all_reduce = requires_all_reduce
+        for g in self._groups(recurse):
+            g.all_reduce = requires_all_reduce
 
     def set_custom_all_gather(self, comm):
         """torch's hook to replace the all-gather: this module's group's
@@ -307,10 +310,8 @@ class FSDPModule:
         FSDP modules inside this one too."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         _check_bool("recurse", recurse)
-        for m in self._fsdp_modules(recurse):
-            g = m._fsdp_state().group
-            if g is not None:
-                g.reduce_unused = reduce_scatter_unused_params
+        for g in self._groups(recurse):
+            g.reduce_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers, *, recurse=True):
         """torch (CUDA): how many reduce-scatter input buffers may be in
