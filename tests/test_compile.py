@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from flatshard import FSDP, ModuleWrapPolicy, fully_shard
+from test_fsdp2_shard_dim import _train as train_sgd
 from test_fully_shard_torch_flows import Block
 
 TIMEOUT = 240
@@ -81,15 +82,7 @@ def _batches():
 
 
 def _train(model):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in _batches():
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_sgd(model, _batches())
 
 
 class _Records(logging.Handler):

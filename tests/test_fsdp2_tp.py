@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from flatshard import MixedPrecisionPolicy, fully_shard
 from test_fsdp2_shard_dim import Block
+from test_fsdp2_shard_dim import _train as train_sgd
 
 TIMEOUT = 300
 BOTH = (("torch", torch_fully_shard, TorchMP), ("ours", fully_shard, MixedPrecisionPolicy))
@@ -61,17 +62,10 @@ def _build(fn, mesh, dp_dims=("dp",), tp=True, **kw):
 def _train(model, dp_rank, steps=3):
     """SGD on the data-parallel rank's batches (the tp ranks of one dp rank
     see the same batch)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(5 + dp_rank)
-    losses = []
-    for _ in range(steps):
-        idx, y = torch.randint(0, 10, (4,), generator=g), torch.randn(4, 5, generator=g)
-        loss = ((model(idx).float() - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = [(torch.randint(0, 10, (4,), generator=g), torch.randn(4, 5, generator=g))
+               for _ in range(steps)]
+    return train_sgd(model, batches)
 
 
 def _full(model):
