@@ -34,25 +34,58 @@ def test_pool_block_sizes_round_to_pages_and_hold_their_bytes():
     _C.pool_trim()
 
 
+SMALL = 256 << 10  # FS_POOL_SMALL_BYTES: blocks up to this size have their own budget
+SMALL_BUDGET = 4 << 20  # FS_POOL_SMALL_BUDGET
+
+
 def test_pool_reuses_a_block_of_the_same_size_and_keeps_a_bounded_cache():
     _C.pool_trim()
     _C.pool_set_keep(2)
+    big = SMALL + PAGE  # the smallest block the count of two applies to
     try:
-        s = _C.pool_storage(5 * PAGE)
+        s = _C.pool_storage(big)
         ptr = s.data_ptr()
         del s  # back to the cache, resident
         before = _C.pool_stats()
-        s = _C.pool_storage(5 * PAGE)
+        s = _C.pool_storage(big)
         d = _delta(before, _C.pool_stats())
         assert s.data_ptr() == ptr and d["reuses"] == 1 and d["maps"] == 0
-        other = _C.pool_storage(7 * PAGE)  # another size: a new mapping
+        other = _C.pool_storage(big + 2 * PAGE)  # another size: a new mapping
         assert _delta(before, _C.pool_stats())["maps"] == 1
-        blocks = [_C.pool_storage(PAGE) for _ in range(3)]
+        blocks = [_C.pool_storage(big + 4 * PAGE) for _ in range(3)]
         before = _C.pool_stats()
-        del s, other, blocks  # five blocks back; two stay cached
+        del s, other, blocks  # five large blocks back; the two freed last stay cached
         d = _delta(before, _C.pool_stats())
-        assert d["unmaps"] == 3 and _C.pool_stats()["cached_bytes"] <= 7 * PAGE + 5 * PAGE
+        assert d["unmaps"] == 3 and _C.pool_stats()["cached_bytes"] == 2 * (big + 4 * PAGE)
         _C.pool_set_keep(0)
+        assert _C.pool_stats()["cached_bytes"] == 0
+    finally:
+        _C.pool_set_keep(2)
+
+
+def test_pool_keeps_small_blocks_by_bytes_not_by_count():
+    """A small unit's cycle (its gather and the reduction's two staging
+    blocks) is served from the cache: three small blocks stay, beside the
+    two large ones, until the small ones pass their byte budget."""
+    _C.pool_trim()
+    _C.pool_set_keep(2)
+    try:
+        cycle = [_C.pool_storage(n) for n in (4 * PAGE, 2 * PAGE, PAGE)]
+        del cycle
+        assert _C.pool_stats()["cached_bytes"] == 7 * PAGE
+        before = _C.pool_stats()
+        for _ in range(10):  # the next units of the same sizes: no mapping at all
+            cycle = [_C.pool_storage(n) for n in (4 * PAGE, 2 * PAGE, PAGE)]
+            del cycle
+        d = _delta(before, _C.pool_stats())
+        assert d["maps"] == 0 and d["unmaps"] == 0 and d["reuses"] == 30
+        # past the budget, the small blocks freed longest ago go back
+        many = [_C.pool_storage(SMALL) for _ in range(SMALL_BUDGET // SMALL + 2)]
+        del many
+        stats = _C.pool_stats()
+        assert stats["cached_bytes"] <= SMALL_BUDGET
+        assert stats["cached_bytes"] > SMALL_BUDGET - SMALL
+        _C.pool_set_keep(0)  # keeps nothing, small or large
         assert _C.pool_stats()["cached_bytes"] == 0
     finally:
         _C.pool_set_keep(2)

@@ -73,25 +73,34 @@ static void unmap_at(fs_pool *p, size_t i)
     p->blocks[i] = p->blocks[--p->nblocks];
 }
 
-static size_t cached_count(const fs_pool *p)
+/* Caller holds the lock: [Note: pool cache]. Unmaps the free block freed
+ * longest ago among the small ones (small = 1) or the large ones, while
+ * there are more of them cached than the rule allows. */
+static void enforce_class(fs_pool *p, int small)
 {
-    size_t n = 0;
-    for (size_t i = 0; i < p->nblocks; i++)
-        n += !p->blocks[i].in_use;
-    return n;
-}
-
-/* Caller holds the lock: [Note: pool cache]. */
-static void enforce_keep(fs_pool *p)
-{
-    while (cached_count(p) > (size_t)p->keep_blocks) {
-        size_t oldest = p->nblocks;
-        for (size_t i = 0; i < p->nblocks; i++)
-            if (!p->blocks[i].in_use &&
-                (oldest == p->nblocks || p->blocks[i].freed_at < p->blocks[oldest].freed_at))
+    for (;;) {
+        size_t n = 0, bytes = 0, oldest = p->nblocks;
+        for (size_t i = 0; i < p->nblocks; i++) {
+            const fs_pool_block *b = &p->blocks[i];
+            if (b->in_use || (b->bytes <= FS_POOL_SMALL_BYTES) != small)
+                continue;
+            n++;
+            bytes += b->bytes;
+            if (oldest == p->nblocks || b->freed_at < p->blocks[oldest].freed_at)
                 oldest = i;
+        }
+        const int over = small ? p->keep_blocks == 0 ? n > 0 : bytes > FS_POOL_SMALL_BUDGET
+                               : n > (size_t)p->keep_blocks;
+        if (!over)
+            return;
         unmap_at(p, oldest);
     }
+}
+
+static void enforce_keep(fs_pool *p)
+{
+    enforce_class(p, 1);
+    enforce_class(p, 0);
 }
 
 fs_status fs_pool_take(fs_pool *p, size_t nbytes, int cacheable, void **out)

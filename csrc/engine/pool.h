@@ -9,11 +9,18 @@
  * gather of the same size (no page faults, no zeroing), or unmapped, which
  * returns its pages to the system at once.
  *
- * [Note: pool cache] At most `keep_blocks` free blocks stay mapped (the next
- * unit's gather and one prefetch); a give beyond that unmaps the block freed
- * longest ago. fs_pool_trim_idle() unmaps every free block when no gather
- * holds one (the end of a backward pass), so that between steps the process
- * holds only its model states.
+ * [Note: pool cache] At most `keep_blocks` free large blocks stay mapped (the
+ * next unit's gather and one prefetch); a give beyond that unmaps the large
+ * block freed longest ago. Small blocks (up to FS_POOL_SMALL_BYTES: the
+ * gathers and reduction staging of units of a few thousand parameters) are
+ * not counted against keep_blocks but against a byte budget of their own,
+ * FS_POOL_SMALL_BUDGET: a unit's cycle takes three blocks (its unsharded
+ * buffer and two for the reduction), and a cache of two large blocks made
+ * every small unit map and unmap one, a syscall pair that cost more than
+ * the unit's compute. A keep_blocks of 0 keeps nothing, small or large.
+ * fs_pool_trim_idle() unmaps every free block when no gather holds one (the
+ * end of a backward pass), so that between steps the process holds only its
+ * model states.
  *
  * Pure allocator logic: no Python, no torch; thread-safe (a block may be
  * handed back from whichever thread drops the last tensor over it). */
@@ -25,6 +32,10 @@
 #include <stdint.h>
 
 #include "fs_status.h"
+
+/* [Note: pool cache] */
+#define FS_POOL_SMALL_BYTES ((size_t)256 << 10)
+#define FS_POOL_SMALL_BUDGET ((size_t)4 << 20)
 
 typedef struct {
     void *ptr;
