@@ -27,7 +27,8 @@
  * deleter of a pooled tensor may run on any thread, after any Unit is gone. */
 static fs_pool pool;
 static int pool_ready;
-static PyObject *from_dlpack; /* torch.utils.dlpack.from_dlpack */
+static PyObject *from_dlpack; /* torch._C._from_dlpack (a capsule in, no Python
+                               * wrapper around it), else torch.utils.dlpack's */
 static int have_swap = -1;    /* torch's UntypedStorage has _swap_data_ptr_ (else resize_) */
 static PyObject *storage_type; /* torch.UntypedStorage */
 
@@ -62,11 +63,17 @@ static int torch_refs(void)
         return 0;
     PyObject *dl = PyImport_ImportModule("torch.utils.dlpack");
     PyObject *torch = dl ? PyImport_ImportModule("torch") : NULL;
-    if (torch) {
-        from_dlpack = PyObject_GetAttrString(dl, "from_dlpack");
+    PyObject *tc = torch ? PyObject_GetAttrString(torch, "_C") : NULL;
+    if (tc) {
+        from_dlpack = PyObject_GetAttrString(tc, "_from_dlpack");
+        if (!from_dlpack) {
+            PyErr_Clear();
+            from_dlpack = PyObject_GetAttrString(dl, "from_dlpack");
+        }
         storage_type = from_dlpack ? PyObject_GetAttrString(torch, "UntypedStorage") : NULL;
     }
     Py_XDECREF(dl);
+    Py_XDECREF(tc);
     Py_XDECREF(torch);
     if (!storage_type)
         Py_CLEAR(from_dlpack);
@@ -85,9 +92,13 @@ static PyObject *pooled_storage(int64_t nbytes, int cacheable)
     if (!o)
         return PyErr_NoMemory();
     fs_status s;
-    Py_BEGIN_ALLOW_THREADS /* mapping and faulting in a unit's pages takes a while */
-    s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
-    Py_END_ALLOW_THREADS
+    if ((size_t)nbytes <= FS_POOL_SMALL_BYTES) { /* a cached block, or a short mapping */
+        s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
+    } else {
+        Py_BEGIN_ALLOW_THREADS /* mapping and faulting in a unit's pages takes a while */
+        s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
+        Py_END_ALLOW_THREADS
+    }
     if (s != FS_OK) {
         free(o);
         return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host memory "

@@ -41,6 +41,7 @@ class ParamGroup:
     def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy, names=None,
                  shard_dims=None, spmd=None):
         self.mesh = mesh
+        self.trainable = 0  # trainable parameters at the last unshard (register_unsharded)
         self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
         self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
         # each parameter's shard dim (Shard(d) from shard_placement_fn; 0 by default)
@@ -300,9 +301,12 @@ class ParamGroup:
         torch's fully_shard registers them between unshard and reshard).
         requires_grad follows the sharded parameter's (the user may have
         changed it)."""
+        trainable = 0
         for up, sp in zip(self.unsharded, self.sharded):
             if up.requires_grad != sp.requires_grad:
                 up.requires_grad_(sp.requires_grad)
+            trainable += sp.requires_grad
+        self.trainable = trainable  # the gradient hooks that fire in this backward
         self._register(self.unsharded)
 
     # ------------------------------------------------------------------
@@ -447,38 +451,48 @@ class ParamGroup:
         before the all-reduce. A hook (set_all_reduce_hook): the engine holds
         the reduce output after the collectives, finish_reduce() runs the
         hook on it, then the engine writes [Note: reduce output] (dim0.h)."""
-        grads = [a if a is not None else self._grad(i) for i, a in enumerate(self.accumulated)]
-        # which sharded gradients this reduction writes: those with a
-        # gradient, and with reduce_unused every trainable one (the engine
-        # reduces zero rows for the rest)
-        use = [g is not None or (self.reduce_unused and self.sharded[i].requires_grad)
-               for i, g in enumerate(grads)]
-        if not any(use):
+        # Runs once per group per backward: one pass to find the gradients
+        # (and, with reduce_unused, every trainable parameter, for which the
+        # engine reduces zero rows), then one to lay out the call.
+        sharded, accumulated = self.sharded, self.accumulated
+        grads, use_any = [], False
+        for i, a in enumerate(accumulated):
+            g = a if a is not None else self._grad(i)
+            grads.append(g)
+            use_any = use_any or g is not None or \
+                (self.reduce_unused and sharded[i].requires_grad)
+        if not use_any:
             return False
         self.accumulated = [None] * len(grads)
-        grads = [g.contiguous() if g is not None else None for g in grads]
         partial = self.replicate_comm is not None and not self.all_reduce
-        outs, fresh = [], []
+        outs, out_codes, grad_codes, accumulate, fresh = [], [], [], [], []
         for i, g in enumerate(grads):
-            sp = self.sharded[i]
-            if not use[i] or partial:
-                outs.append(None)
-            elif sp.grad is not None:
-                outs.append(sp.grad._local_tensor)
-            else:
-                local = self.local(i)
-                outs.append(torch.empty(local.shape, dtype=local.dtype, device=local.device))
-                fresh.append(i)
-        for i, g in enumerate(grads):
+            sp = sharded[i]
             if g is not None:
+                g = grads[i] = g.contiguous()
+                grad_codes.append(dtype_code(g.dtype))
                 self.unsharded[i].grad = None  # handed to the engine: not needed any more
+            else:
+                grad_codes.append(0)
+            out, add = None, False
+            if partial or not (g is not None or (self.reduce_unused and sp.requires_grad)):
+                pass
+            elif sp.grad is not None:
+                out, add = sp.grad._local_tensor, True
+            else:
+                local = sp._local_tensor  # a plain tensor for a subclass's shard too
+                out = torch.empty_like(local, memory_format=torch.contiguous_format) \
+                    if type(local) is torch.Tensor else \
+                    torch.empty(local.shape, dtype=local.dtype, device=local.device)
+                fresh.append(i)
+            outs.append(out)
+            out_codes.append(dtype_code(out.dtype) if out is not None else 0)
+            accumulate.append(add)
         factor = self.divide_factor
-        accumulate = [outs[i] is not None and i not in fresh for i in range(len(grads))]
         deferred = defer and self.comm.device is not None
         self.reducing_hook = None if partial else self.all_reduce_hook
-        self.c.reduce(grads, [dtype_code(g.dtype) if g is not None else 0 for g in grads],
-                      outs, [dtype_code(o.dtype) if o is not None else 0 for o in outs],
-                      accumulate, float(factor) if factor is not None else 0.0,
+        self.c.reduce(grads, grad_codes, outs, out_codes, accumulate,
+                      float(factor) if factor is not None else 0.0,
                       deferred, reshard and not self.ext, all_reduce=not partial,
                       hold=self._hook_divisor() if self.reducing_hook else 0.0)
         self.reducing = [(i, outs[i]) for i in fresh]

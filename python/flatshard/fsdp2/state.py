@@ -335,7 +335,7 @@ class FSDPState:
     def _make_grad_hook(self, i):
         def hook(param):
             self.ready.add(i)
-            if len(self.ready) == self.group.n_trainable():
+            if len(self.ready) == self.group.trainable:
                 self._post_backward()
         return eager.wrap(hook)
 
