@@ -13,13 +13,13 @@ on the meta device and materialized unit by unit (param_init_fn).
 Per mode and rank: the peak RSS over the run, the RSS between steps (after
 optimizer.step, gradients still held), the median step time (wall, and the
 process's CPU time, steadier on a shared machine); for flatshard also the
-planner's peak-RSS prediction (flatshard.plan: runtime measured before the
-model is built, activations measured in the first forward) against the
-measured peak. --plan-worlds re-runs flatshard on those world sizes for the
-planner check alone. --phases prints rank 0's RSS, peak and C-heap use at
-every phase of flatshard's steps (wrap, each unit's gather and reshard, the
-loss, each unit's gradient reduction, the optimizer step) and marks where
-the peak rises.
+planner's peak-RSS prediction (flatshard.plan: the runtime measured by
+measure_runtime() before the model is built, activations measured in the
+first forward) against the measured peak. --plan-worlds re-runs flatshard
+on those world sizes for the planner check alone. --phases prints rank 0's
+RSS, peak and C-heap use at every phase of flatshard's steps (wrap, each
+unit's gather, forward and reduction, the loss, the optimizer step) and
+marks where the peak rises.
 """
 import argparse
 import os
@@ -130,12 +130,16 @@ class _Phases:
 
 def _trace_units(phases):
     from flatshard.fsdp.unit import UnitRuntime
-    for name in ("unshard", "_reshard", "_reduce"):
+    # the hook entry points, each marked after it ran (the engine's gather,
+    # reshard and reduction happen inside them)
+    for name, what in (("pre_forward", "gathered"), ("post_forward", "after forward"),
+                       ("_pre_backward", "gathered for backward"),
+                       ("_post_backward", "reduced")):
         orig = getattr(UnitRuntime, name)
 
-        def wrapped(self, *a, _orig=orig, _name=name, **kw):
+        def wrapped(self, *a, _orig=orig, _what=what, **kw):
             r = _orig(self, *a, **kw)
-            phases.mark(f"{_name.strip('_')} {self.name or '<root>'}")
+            phases.mark(f"{_what} {self.name or '<root>'}")
             return r
         setattr(UnitRuntime, name, wrapped)
 
@@ -147,7 +151,10 @@ def _worker(rank, mode, world, port, steps, phases_on, queue):
     import transformers  # noqa: F401  (the runtime baseline: Python, torch, transformers,
     import flatshard  # noqa: F401    flatshard, a process group)
     import flatshard.plan
-    baseline = rss_bytes()
+    cold = rss_bytes()  # the imports alone
+    # the runtime as the planner takes it: after two steps of a throwaway
+    # model, so that what any training step pages in once counts as runtime
+    baseline = flatshard.plan.measure_runtime()
     split_baseline = rss_split()
     activations = None
     phases = _Phases()
@@ -193,7 +200,7 @@ def _worker(rank, mode, world, port, steps, phases_on, queue):
         opt.zero_grad(set_to_none=True)
         cleared.append(rss_bytes())
         phases.mark("zero_grad")
-    res = {"rank": rank, "baseline": baseline, "after_wrap": after_wrap,
+    res = {"rank": rank, "baseline": baseline, "cold": cold, "after_wrap": after_wrap,
            "activations": activations, "split": (split_baseline, rss_split()),
            "peak": peak_rss_bytes(), "between": between[-1], "cleared": cleared[-1],
            "step_s": times, "cpu_s": cpu,
@@ -254,7 +261,8 @@ def main():
     print(f"\n{'mode':11} {'rank':>4} {'peak':>6} {'between':>8} {'cleared':>8} {'baseline':>9} "
           f"{'step s':>7} {'cpu s':>6}")
     print("(GiB RSS: peak; between steps after optimizer.step, and after zero_grad; the "
-          "runtime before the model. Median step after the first: wall and process CPU s)")
+          "runtime before the model, flatshard.plan.measure_runtime(). Median step after the "
+          "first: wall and process CPU s)")
     for mode, rows in results.items():
         for r in rows:
             step_s = statistics.median(r["step_s"][1:] or r["step_s"])
@@ -276,9 +284,11 @@ def main():
         for r in fs:
             states = r["baseline"] + r["plan_states"]
             anon, file_ = (b - a for a, b in zip(*r["split"]))
+            cold = r["cold"] + r["plan_states"]
             print(f"rank {r['rank']}: between steps {_g(r['between'])} GiB vs baseline + model "
-                  f"states {_g(states)} GiB ({r['between'] / states - 1:+.1%}); since the "
-                  f"baseline, file-backed pages (library code run) {file_ / GIB:+.2f} GiB"
+                  f"states {_g(states)} GiB ({r['between'] / states - 1:+.1%}; against the "
+                  f"imports alone, {_g(r['cold'])} GiB, {r['between'] / cold - 1:+.1%}); since "
+                  f"the baseline, file-backed pages (library code run) {file_ / GIB:+.2f} GiB"
                   + _planner(r))
         if a.phases:
             print("\nrank 0: phase, RSS, peak so far, C heap in use and free (GiB)")

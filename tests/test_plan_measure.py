@@ -153,3 +153,25 @@ def test_hybrid_shard_predicted_equal_measured(dist_pool, param_dtype):
             else:  # an upper bound over the two largest units
                 assert meas["gathered"] <= pred["gathered"]
             assert "MISMATCH" not in r["watch_report"], r["watch_report"]
+
+
+def test_measure_runtime_warms_up_without_touching_the_random_state():
+    """measure_runtime() reads the resident bytes after two throwaway training
+    steps: at least what the plain reading gives, the global random state as
+    it was (the model built next initialises as without it), and `warm`
+    checked by name."""
+    from flatshard.memory import resident_bytes
+    from flatshard.plan import measure_runtime
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    cold = resident_bytes()[0]
+    warm = measure_runtime()
+    assert torch.equal(torch.rand(4), expected)
+    assert warm > 0 and cold > 0
+    # freed and trimmed before the reading: not more than the warm-up's
+    # tensors and the code it paged in (a few MiB of a two-layer model)
+    assert warm <= cold + (256 << 20)
+    assert measure_runtime(warm=False) > 0
+    with pytest.raises(TypeError, match="warm"):
+        measure_runtime(warm="yes")

@@ -31,8 +31,7 @@ def _train(rank, world, port, queue):
 
     import flatshard
     import flatshard.plan
-    from flatshard.memory import resident_bytes
-    runtime, _ = resident_bytes()
+    runtime = flatshard.plan.measure_runtime()
     cfg = GPT2Config(vocab_size=16384, n_positions=SEQ, n_embd=512, n_layer=6, n_head=8)
     with torch.device("meta"):
         model = GPT2LMHeadModel(cfg)

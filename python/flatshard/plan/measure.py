@@ -16,16 +16,17 @@ the byte. On CUDA the device total is compared with torch's allocator peak.
 FLATSHARD_MEMORY_REPORT=1 makes `watch_from_env(model)` return a watch
 (None otherwise); examples/train_small.py uses it.
 """
+import gc
 import inspect
 
 import torch
 
-from .. import envvars
+from .. import _C, envvars
 from .. import optim as fs_optim
 from ..errors import bad_type, not_built
 from ..fsdp.flat_param import gathered_buffers
 from ..fsdp.unit import fsdp_units, unit_of
-from ..memory import memory_stats
+from ..memory import memory_stats, resident_bytes
 from .core import _plan, _resolve, plan
 from .units import Group, Unit
 
@@ -52,6 +53,41 @@ def optimizer_kind(optimizer):
     if isinstance(optimizer, (torch.optim.SGD, fs_optim.SGD)):
         return "sgd_momentum" if any(g.get("momentum") for g in optimizer.param_groups) else "sgd"
     raise bad_type("optimizer", optimizer, "torch's or flatshard's Adam, AdamW or SGD")
+
+
+def measure_runtime(warm=True):
+    """The process's resident bytes now, for plan(runtime_bytes=...): call
+    it once, before the model is built. warm (the default): first run two
+    training steps of a throwaway two-layer model on the CPU (forward,
+    backward, a fused AdamW step), so that what any training step pages in
+    or sets up once (torch's backward and optimizer code, the autograd
+    engine's state, modules imported on first use) counts as runtime and
+    not against the model. The global random state is left as it was, the
+    throwaway tensors are freed and the C heap's free pages handed back
+    before the reading; it costs a few milliseconds. warm=False: the plain
+    reading (flatshard.memory.resident_bytes()[0])."""
+    if not isinstance(warm, bool):
+        raise bad_type("warm", warm, "True or False")
+    if warm:
+        with torch.random.fork_rng(devices=[]):
+            _warm_up()
+        gc.collect()
+        _C.heap_trim()
+    return resident_bytes()[0]
+
+
+def _warm_up():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 64))
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    except (RuntimeError, ValueError):  # a torch without the fused CPU step
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 def predict(model, optimizer, **kw):
