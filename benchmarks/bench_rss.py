@@ -154,7 +154,9 @@ def _worker(rank, mode, world, port, steps, phases_on, queue):
     cold = rss_bytes()  # the imports alone
     # the runtime as the planner takes it: after two steps of a throwaway
     # model, so that what any training step pages in once counts as runtime
-    baseline = flatshard.plan.measure_runtime()
+    # (a tree from before measure_runtime, run for comparison: the imports)
+    measure = getattr(flatshard.plan, "measure_runtime", None)
+    baseline = measure() if measure else cold
     split_baseline = rss_split()
     activations = None
     phases = _Phases()
