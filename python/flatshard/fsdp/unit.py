@@ -184,7 +184,7 @@ class UnitRuntime:
         act = self._event(_C.EV_POST_FORWARD, _GRAD if torch.is_grad_enabled() else 0)
         self._clear_unsharded_views()
         if act & _C.ACT_HOOK_BACKWARD:
-            for t in tree_flatten(output)[0]:
+            for t in ((output,) if type(output) is torch.Tensor else tree_flatten(output)[0]):
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         return output

@@ -41,6 +41,7 @@ class ParamGroup:
     def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy, names=None,
                  shard_dims=None, spmd=None):
         self.mesh = mesh
+        self._slots = None  # _register's table, made at its first call
         self.trainable = 0  # trainable parameters at the last unshard (register_unsharded)
         self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
         self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
@@ -291,9 +292,13 @@ class ParamGroup:
             self._register(self.sharded)
 
     def _register(self, params):
-        for p, aliases in zip(params, self.aliases):
-            for m, attr in aliases:
-                m._parameters[attr] = p
+        slots = self._slots
+        if slots is None:  # (each module's parameter dict, name, parameter index)
+            slots = self._slots = [(m._parameters, attr, i)
+                                   for i, aliases in enumerate(self.aliases)
+                                   for m, attr in aliases]
+        for d, attr, i in slots:
+            d[attr] = params[i]
         self.registered_unsharded = params is self.unsharded
 
     def register_unsharded(self):

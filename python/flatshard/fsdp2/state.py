@@ -298,7 +298,7 @@ class FSDPState:
                     st.reshard()
             self.prefetched = []
         if grad:
-            for t in tree_flatten(output)[0]:
+            for t in ((output,) if type(output) is torch.Tensor else tree_flatten(output)[0]):
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         if self.mp.output_dtype is None:
