@@ -76,6 +76,40 @@ def test_optimizers_match_torch_over_many_steps(ours, theirs, kw):
         assert sa["state"][k].keys() == sb["state"][k].keys()
 
 
+@pytest.mark.parametrize("ours,theirs,kw,names", [
+    (fo.AdamW, torch.optim.AdamW, dict(lr=1e-3, amsgrad=True),
+     ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+    (fo.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9), ("momentum_buffer",)),
+])
+def test_large_host_state_lives_in_its_own_mapping(ours, theirs, kw, names, tmp_path):
+    """[Note: state in huge pages]: the state of a parameter of 2 MiB and more
+    is a zero-filled mapping of its own (aligned to 2 MiB), smaller state is
+    torch's; the steps still match torch's, and the state saves and loads."""
+    torch.manual_seed(0)
+    big, small = torch.randn(3, 1 << 18), torch.randn(100)  # 3 MiB and 400 B
+    a = [big.clone(), small.clone()]
+    b = [big.clone(), small.clone()]
+    oa, ob = ours(a, **kw), theirs(b, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=g)
+            y.grad = x.grad.clone()
+        oa.step()
+        ob.step()
+    for name in names:
+        t = oa.state[a[0]][name]
+        assert t.shape == big.shape and t.is_contiguous() and t.dtype == torch.float32
+        assert t.data_ptr() % (2 << 20) == 0  # a mapping of its own, huge-page aligned
+        assert torch.allclose(t, ob.state[b[0]][name], rtol=1e-5, atol=1e-7)
+    for x, y in zip(a, b):
+        assert (x - y).abs().max().item() <= 1e-6 * y.abs().max().item()
+    torch.save(oa.state_dict(), tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    for name in names:
+        assert torch.equal(loaded["state"][0][name], oa.state[a[0]][name])
+
+
 @pytest.mark.parametrize("ours,theirs,kw", [CASES[0], CASES[6]])
 def test_state_dict_moves_between_torch_and_flatshard(ours, theirs, kw):
     torch.manual_seed(0)

@@ -47,6 +47,37 @@ static void *map_block(size_t bytes)
     return a;
 }
 
+/* The size a request is mapped at: whole pages, whole huge pages from
+ * FS_POOL_HUGE_BYTES on; 0 when it cannot be represented. */
+static size_t mapped_bytes(size_t nbytes)
+{
+    const size_t pg = page_bytes();
+    if (nbytes == 0)
+        nbytes = 1;
+    if (nbytes > SIZE_MAX - 2 * FS_POOL_HUGE_BYTES)
+        return 0;
+    size_t bytes = (nbytes + pg - 1) / pg * pg;
+    if (bytes >= FS_POOL_HUGE_BYTES)
+        bytes = (bytes + FS_POOL_HUGE_BYTES - 1) / FS_POOL_HUGE_BYTES * FS_POOL_HUGE_BYTES;
+    return bytes;
+}
+
+fs_status fs_map_resident(size_t nbytes, void **out, size_t *mapped)
+{
+    const size_t bytes = mapped_bytes(nbytes);
+    void *m = bytes ? map_block(bytes) : MAP_FAILED;
+    if (m == MAP_FAILED)
+        return FS_ERR_NO_MEMORY;
+    *out = m;
+    *mapped = bytes;
+    return FS_OK;
+}
+
+void fs_unmap(void *ptr, size_t mapped)
+{
+    munmap(ptr, mapped);
+}
+
 void fs_pool_init(fs_pool *p, int keep_blocks)
 {
     memset(p, 0, sizeof *p);
@@ -105,14 +136,9 @@ static void enforce_keep(fs_pool *p)
 
 fs_status fs_pool_take(fs_pool *p, size_t nbytes, int cacheable, void **out)
 {
-    const size_t pg = page_bytes();
-    if (nbytes == 0)
-        nbytes = 1;
-    if (nbytes > SIZE_MAX - 2 * FS_POOL_HUGE_BYTES)
+    const size_t bytes = mapped_bytes(nbytes);
+    if (!bytes)
         return FS_ERR_NO_MEMORY;
-    size_t bytes = (nbytes + pg - 1) / pg * pg;
-    if (bytes >= FS_POOL_HUGE_BYTES)
-        bytes = (bytes + FS_POOL_HUGE_BYTES - 1) / FS_POOL_HUGE_BYTES * FS_POOL_HUGE_BYTES;
     fs_status s = FS_OK;
     pthread_mutex_lock(&p->lock);
     size_t hit = p->nblocks;

@@ -39,12 +39,16 @@ typedef struct {
     DLManagedTensor managed;
     int64_t shape[1];
     void *block;
+    size_t mapped; /* a mapping of its own (mapped_storage), unmapped at the end; 0: pooled */
 } pooled_dl;
 
 static void pooled_dl_delete(DLManagedTensor *self)
 {
     pooled_dl *o = self->manager_ctx;
-    fs_pool_give(&pool, o->block);
+    if (o->mapped)
+        fs_unmap(o->block, o->mapped);
+    else
+        fs_pool_give(&pool, o->block);
     free(o);
 }
 
@@ -82,6 +86,8 @@ static int torch_refs(void)
     return from_dlpack ? 0 : -1;
 }
 
+static PyObject *storage_over(pooled_dl *o, int64_t nbytes);
+
 /* A new uint8 storage over a pool block of nbytes; the block goes back to
  * the pool when torch drops the storage's data pointer. */
 static PyObject *pooled_storage(int64_t nbytes, int cacheable)
@@ -104,6 +110,13 @@ static PyObject *pooled_storage(int64_t nbytes, int cacheable)
         return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host memory "
                             "for an unsharded buffer: not enough memory", (long long)nbytes);
     }
+    return storage_over(o, nbytes);
+}
+
+/* A uint8 storage over o->block (nbytes); o is torch's from here on, or
+ * freed with its memory on failure. */
+static PyObject *storage_over(pooled_dl *o, int64_t nbytes)
+{
     o->shape[0] = nbytes;
     DLTensor *d = &o->managed.dl_tensor;
     d->data = o->block;
@@ -259,6 +272,34 @@ static PyObject *py_pool_storage(PyObject *m, PyObject *args, PyObject *kw)
     return pooled_storage(n, cache);
 }
 
+PyDoc_STRVAR(mapped_storage_doc,
+             "mapped_storage(nbytes) -> UntypedStorage, zero-filled, over a mapping of its\n"
+             "own (huge pages from 2 MiB, where the system has them), unmapped when the\n"
+             "storage's memory is dropped: for optimizer state, streamed whole every step.");
+static PyObject *py_mapped_storage(PyObject *m, PyObject *args)
+{
+    long long n;
+    if (!PyArg_ParseTuple(args, "L", &n))
+        return NULL;
+    if (n <= 0)
+        return PyErr_Format(PyExc_ValueError, "mapped_storage: nbytes must be > 0, got %lld", n);
+    if (torch_refs() < 0)
+        return NULL;
+    pooled_dl *o = calloc(1, sizeof *o);
+    if (!o)
+        return PyErr_NoMemory();
+    fs_status s;
+    Py_BEGIN_ALLOW_THREADS /* faulting in the pages takes a while */
+    s = fs_map_resident((size_t)n, &o->block, &o->mapped);
+    Py_END_ALLOW_THREADS
+    if (s != FS_OK) {
+        free(o);
+        return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host memory "
+                            "for optimizer state: not enough memory", n);
+    }
+    return storage_over(o, n);
+}
+
 PyDoc_STRVAR(heap_trim_doc,
              "heap_trim() -> bool: hand the C library heap's free pages back to the system\n"
              "(glibc's malloc_trim; False where there is none). What torch frees in a\n"
@@ -278,6 +319,7 @@ static PyObject *py_heap_trim(PyObject *m, PyObject *Py_UNUSED(a))
 
 static PyMethodDef pool_methods[] = {
     {"heap_trim", py_heap_trim, METH_NOARGS, heap_trim_doc},
+    {"mapped_storage", py_mapped_storage, METH_VARARGS, mapped_storage_doc},
     {"pool_stats", py_pool_stats, METH_NOARGS, pool_stats_doc},
     {"pool_trim", py_pool_trim, METH_VARARGS, pool_trim_doc},
     {"pool_reset_peak", py_pool_reset_peak, METH_NOARGS, pool_reset_peak_doc},

@@ -34,6 +34,29 @@ from .disk_offload import DiskOffload
 __all__ = ["AdamW", "Adam", "SGD", "DiskOffload", "tune_report"]
 
 
+# [Note: state in huge pages] A step streams every byte of the optimizer
+# state through the core once; on the host that runs at memory speed only if
+# the hardware prefetcher keeps ahead, and it stops at every page boundary:
+# 512 of them per 2 MiB with small pages, one with a huge page. So host state
+# of 2 MiB and more gets a zero-filled mapping of its own, in huge pages
+# where the system has transparent huge pages at all (_C.mapped_storage),
+# unmapped when the tensor goes. Measured on AMD EPYC (Zen 4), AdamW over
+# 2^24 and 2^26 fp32 parameters, the two placements interleaved in one
+# process: 2-3% faster a step on average, within the noise of any one run
+# (benchmarks/RESULTS.md). Smaller state, and state on a device, comes from
+# torch as before.
+_MAPPED_MIN_BYTES = 2 << 20
+
+
+def _zeros_like(p):
+    """Zeros shaped like parameter p, for its optimizer state."""
+    nbytes = p.numel() * p.element_size()
+    if p.device.type != "cpu" or nbytes < _MAPPED_MIN_BYTES or not p.is_contiguous():
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
+    storage = _C.mapped_storage(nbytes)
+    return torch.empty(0, dtype=p.dtype).set_(storage, 0, p.shape, p.stride())
+
+
 def _threads(threads):
     if threads is None:
         return torch.get_num_threads()
@@ -263,11 +286,10 @@ class _Adam(torch.optim.Optimizer):
                     # torch's layout: a float32 scalar step (on the host, so that
                     # reading it never waits for a device) and moments like the param.
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p,
-                                                           memory_format=torch.preserve_format)
+                    state["exp_avg"] = _zeros_like(p)
+                    state["exp_avg_sq"] = _zeros_like(p)
                     if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = torch.zeros_like(p)
+                        state["max_exp_avg_sq"] = _zeros_like(p)
                 state["step"] += 1
                 step_fn, extra = (cuda.adam_step_, {}) if p.is_cuda else \
                     (adamw_step_, dict(threads=self.threads))
@@ -340,7 +362,7 @@ class SGD(torch.optim.Optimizer):
                 if group["momentum"] != 0:  # without momentum, no state (as torch)
                     state = self.state[p]
                     if state.get("momentum_buffer") is None:
-                        state["momentum_buffer"] = torch.empty_like(p)
+                        state["momentum_buffer"] = _zeros_like(p)
                         first = True
                     buf = state["momentum_buffer"]
                 if p.is_cuda:
