@@ -53,6 +53,17 @@ CASES = [
 ]
 
 
+def _step_both(oa, ob, a, b, steps):
+    """`steps` steps of both optimizers on the same random gradients."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=g)
+            y.grad = x.grad.clone()
+        oa.step()
+        ob.step()
+
+
 @pytest.mark.parametrize("ours,theirs,kw", CASES)
 def test_optimizers_match_torch_over_many_steps(ours, theirs, kw):
     torch.manual_seed(0)
@@ -60,13 +71,7 @@ def test_optimizers_match_torch_over_many_steps(ours, theirs, kw):
     a = [torch.randn(s) for s in shapes]
     b = [t.clone() for t in a]
     oa, ob = ours(a, **kw), theirs(b, **kw)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(60):
-        for x, y in zip(a, b):
-            x.grad = torch.randn(x.shape, generator=g)
-            y.grad = x.grad.clone()
-        oa.step()
-        ob.step()
+    _step_both(oa, ob, a, b, 60)
     for x, y in zip(a, b):  # 1e-6 of each tensor's scale after 60 steps
         scale = max(y.abs().max().item(), 1e-3) if y.numel() else 1.0
         assert (x - y).abs().max().item() <= 1e-6 * scale if y.numel() else True
@@ -90,13 +95,7 @@ def test_large_host_state_lives_in_its_own_mapping(ours, theirs, kw, names, tmp_
     a = [big.clone(), small.clone()]
     b = [big.clone(), small.clone()]
     oa, ob = ours(a, **kw), theirs(b, **kw)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for x, y in zip(a, b):
-            x.grad = torch.randn(x.shape, generator=g)
-            y.grad = x.grad.clone()
-        oa.step()
-        ob.step()
+    _step_both(oa, ob, a, b, 3)
     for name in names:
         t = oa.state[a[0]][name]
         assert t.shape == big.shape and t.is_contiguous() and t.dtype == torch.float32

@@ -90,13 +90,23 @@ static PyObject *storage_over(pooled_dl *o, int64_t nbytes);
 
 /* A new uint8 storage over a pool block of nbytes; the block goes back to
  * the pool when torch drops the storage's data pointer. */
-static PyObject *pooled_storage(int64_t nbytes, int cacheable)
+/* A DLPack record for a storage to come (torch's references found first);
+ * NULL with the exception set. */
+static pooled_dl *new_record(void)
 {
     if (torch_refs() < 0)
         return NULL;
     pooled_dl *o = calloc(1, sizeof *o);
     if (!o)
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+    return o;
+}
+
+static PyObject *pooled_storage(int64_t nbytes, int cacheable)
+{
+    pooled_dl *o = new_record();
+    if (!o)
+        return NULL;
     fs_status s;
     if ((size_t)nbytes <= FS_POOL_SMALL_BYTES) { /* a cached block, or a short mapping */
         s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
@@ -283,11 +293,9 @@ static PyObject *py_mapped_storage(PyObject *m, PyObject *args)
         return NULL;
     if (n <= 0)
         return PyErr_Format(PyExc_ValueError, "mapped_storage: nbytes must be > 0, got %lld", n);
-    if (torch_refs() < 0)
-        return NULL;
-    pooled_dl *o = calloc(1, sizeof *o);
+    pooled_dl *o = new_record();
     if (!o)
-        return PyErr_NoMemory();
+        return NULL;
     fs_status s;
     Py_BEGIN_ALLOW_THREADS /* faulting in the pages takes a while */
     s = fs_map_resident((size_t)n, &o->block, &o->mapped);
