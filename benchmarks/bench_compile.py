@@ -23,7 +23,6 @@ import argparse
 import datetime
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import transformer_spec  # noqa: E402
+from harness import cpu_name, free_port  # noqa: E402
 
 WORLD = 2
 IMPLS = ("torch-eager", "fully_shard-eager", "torch-compiled", "fully_shard-compiled")
@@ -115,12 +115,6 @@ def worker(rank, port, args, out):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10)
@@ -150,8 +144,7 @@ def main():
                 sys.exit(f"a rank failed (exit codes {failed}); see its traceback above")
     for pr in procs:
         pr.join()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                if ln.startswith("model name")), "unknown CPU")
+    cpu = cpu_name()
     print(f"# {cpu}; torch {torch.__version__}; {WORLD} ranks, 1 thread each; load "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
     print("# GPT (4 blocks, d_model 256, seq 128, vocab 1024), batch 8 per rank, SGD; "

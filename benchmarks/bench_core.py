@@ -40,7 +40,6 @@ import datetime
 import os
 import resource
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -54,6 +53,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import MODELS  # noqa: E402
+from harness import free_port  # noqa: E402
 
 WORLD = 2
 N_LOSSES = 3
@@ -165,12 +165,6 @@ def worker(rank, port, impl, model_name, args, queue):
         dist.barrier()  # tear down together, not while the peer still talks
     finally:
         dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_one(impl, model_name, args):

@@ -19,7 +19,6 @@ must agree (same seed, same math).
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from harness import cpu_name, free_port  # noqa: E402
 
 WORLD = 2
 IMPLS = ("unwrapped", "fsdp1", "fully_shard", "torch-fully_shard")
@@ -120,12 +120,6 @@ def worker(rank, port, args, out):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
@@ -147,8 +141,7 @@ def main():
     res = out.get(timeout=1800)
     for pr in procs:
         pr.join()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                if ln.startswith("model name")), "unknown CPU")
+    cpu = cpu_name()
     print(f"# {cpu}; torch {torch.__version__}; {WORLD} ranks, 1 thread each; "
           f"{args.units} units of Linear(32, 32), batch 8, forward + backward")
     print(f"# {args.rounds} interleaved rounds x {args.steps} timed steps per impl")

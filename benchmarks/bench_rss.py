@@ -24,7 +24,6 @@ marks where the peak rises.
 import argparse
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from harness import free_port
 
 GIB = 2**30
 SEQ, BATCH, LR = 128, 2, 1e-4
@@ -56,12 +57,6 @@ def rss_split():
 
 def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(mode, rank):
@@ -227,7 +222,7 @@ def _worker(rank, mode, world, port, steps, phases_on, queue):
 def run(mode, world, steps, phases_on=False):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(mode, world, _free_port(), steps, phases_on, queue),
+    mp.start_processes(_worker, args=(mode, world, free_port(), steps, phases_on, queue),
                        nprocs=world, start_method="spawn", join=True)
     return sorted((queue.get() for _ in range(world)), key=lambda r: r["rank"])
 

@@ -23,10 +23,10 @@ under 8 minutes on one GPU, no network; prints a table last.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
+from harness import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -52,12 +52,6 @@ def run(cmd, timeout, env=None):
 
 # ---------------------------------------------------------------------------
 # model variants (run in a child process: `--variant NAME`)
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def variant_main(name, steps, warmup, tiny=False, profile=False):
     import torch

@@ -480,11 +480,10 @@ class ParamGroup:
             else:
                 grad_codes.append(0)
             out, add = None, False
-            if partial or not (g is not None or (self.reduce_unused and sp.requires_grad)):
-                pass
-            elif sp.grad is not None:
+            written = not partial and (g is not None or (self.reduce_unused and sp.requires_grad))
+            if written and sp.grad is not None:
                 out, add = sp.grad._local_tensor, True
-            else:
+            elif written:
                 local = sp._local_tensor  # a plain tensor for a subclass's shard too
                 out = torch.empty_like(local, memory_format=torch.contiguous_format) \
                     if type(local) is torch.Tensor else \
