@@ -1,7 +1,7 @@
 """Per-unit cost: 64 tiny units, each unit's hooks and collectives against its compute.
 
     python3 benchmarks/bench_overhead.py [--steps 50] [--warmup 5] [--units 64]
-        [--impl unwrapped,fsdp1,fully_shard,torch-fully_shard]
+        [--impl unwrapped,hooks-only,fsdp1,fully_shard,torch-fully_shard]
 
 The model is `units` blocks of relu(Linear(32, 32)(x)) + x, batch 8, float32.
 Two ranks on one host (a gloo process group; flatshard on its default
@@ -12,7 +12,14 @@ barrier and counted as the slower rank's time. "unwrapped" is the same model
 with no sharding at all; the others wrap every block and the root:
 "fsdp1" is flatshard.FullyShardedDataParallel (FULL_SHARD, one unit per
 block), "fully_shard" is flatshard.fully_shard on each block and the root,
-"torch-fully_shard" is torch's own. Printed: the median and spread of the
+"torch-fully_shard" is torch's own. "hooks-only" is the unwrapped model
+with the torch hooks a per-unit wrapper needs, each doing the least it can:
+a forward pre-hook and a forward hook on every block that swap its
+parameters in and out (as fully_shard registers its unsharded and sharded
+parameters), a hook on each block output (the pre-backward) and a
+post-accumulate-grad hook on each parameter that drops the gradient (the
+post-backward): what torch's hook machinery costs by itself, with no
+collective and no sharding, the floor under any hook-based wrapper. Printed: the median and spread of the
 step time and the ratio to "unwrapped"; and the first loss of each, which
 must agree (same seed, same math).
 """
@@ -32,7 +39,7 @@ import torch.nn as nn
 from harness import cpu_name, free_port  # noqa: E402
 
 WORLD = 2
-IMPLS = ("unwrapped", "fsdp1", "fully_shard", "torch-fully_shard")
+IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fully_shard", "torch-fully_shard")
 
 
 class Block(nn.Module):
@@ -55,9 +62,40 @@ class Tiny(nn.Module):
         return x
 
 
+def _drop_grad(p):
+    p.grad = None
+
+
+def _hooks_only(model):
+    """Hooks that do nothing but swap parameters and drop gradients."""
+    for b in model.blocks:
+        params = b.lin._parameters
+        resting = dict(params)
+        active = {k: nn.Parameter(v.detach().clone()) for k, v in resting.items()}
+        for p in active.values():
+            p.register_post_accumulate_grad_hook(_drop_grad)
+
+        def pre(module, args, kwargs, params=params, active=active):
+            params.update(active)
+
+        def post(module, args, out, params=params, resting=resting):
+            params.update(resting)
+            if out.requires_grad:
+                out.register_hook(_noop)
+        b.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+        b.register_forward_hook(post)
+    return model
+
+
+def _noop(grad):
+    return None
+
+
 def build(impl, units):
     torch.manual_seed(0)
     model = Tiny(units)
+    if impl == "hooks-only":
+        return _hooks_only(model)
     if impl == "fsdp1":
         import flatshard
         from flatshard import ModuleWrapPolicy

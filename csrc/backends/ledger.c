@@ -15,8 +15,14 @@ uint64_t fs_ledger_issue(fs_ledger *l, fs_ledger_op op, const char *unit, int64_
     e->state = FS_LEDGER_ISSUED;
     e->dtype = t;
     e->bytes = count * (int64_t)fs_dtype_size(t);
-    size_t n = (size_t)snprintf(e->unit, sizeof e->unit, "%s", unit ? unit : "");
+    /* Once per collective: a bounded copy, not snprintf (whose format
+     * parsing costs more than a small unit's all-gather). */
+    size_t n = 0;
+    while (unit && n < sizeof e->unit && unit[n]) /* bounded: labels can be long */
+        n++;
+    memcpy(e->unit, unit ? unit : "", n < sizeof e->unit ? n + 1 : sizeof e->unit - 1);
     if (n >= sizeof e->unit) { /* cut short: do not end inside a UTF-8 character */
+        e->unit[sizeof e->unit - 1] = 0;
         n = sizeof e->unit - 1;
         size_t lead = n;
         while (lead > 0 && ((unsigned char)e->unit[lead - 1] & 0xC0) == 0x80)

@@ -131,6 +131,10 @@ class FlatGroup:
         if self.padded_numel > pos:
             sizes.append(self.padded_numel - pos)
         self.split_sizes = sizes
+        self.flat_shaped = [len(shape) == 1 for shape in self.shapes]
+        # where the modules show parameter i: (module __dict__, name, i) per alias
+        self.targets = [(a.module.__dict__, a.attr, i)
+                        for i, al in enumerate(aliases) for a in al]
         # use_orig_params=True: gradient shard and the views handed out of it.
         self.grad_buf = None
         self.grad_views = None
@@ -152,7 +156,9 @@ class FlatGroup:
         `buf`) shaped as the original parameters. Made with autograd on, so
         gradients flow into compute.grad."""
         chunks = torch.split_with_sizes(self.compute if buf is None else buf, self.split_sizes)
-        return [chunks[s].view(shape) for s, shape in zip(self.view_slots, self.shapes)]
+        # a 1-D parameter's chunk is already its view: no view node for backward
+        return [chunks[s] if flat else chunks[s].view(shape)
+                for s, shape, flat in zip(self.view_slots, self.shapes, self.flat_shaped)]
 
     def piece(self, tensor, i, shaped):
         """Parameter i's piece of a shard-sized tensor (1-D, or its original

@@ -116,9 +116,8 @@ class UnitRuntime:
         # the registered parameters (and their order) untouched.
         for g in self.groups:
             views = g.unsharded_views()
-            for v, aliases in zip(views, g.aliases):
-                for a in aliases:
-                    a.module.__dict__[a.attr] = v
+            for d, attr, i in g.targets:
+                d[attr] = views[i]
 
     def _clear_unsharded_views(self):
         if not self.use_orig_params:
@@ -126,9 +125,8 @@ class UnitRuntime:
                 self._drop_views_to_rest()  # NO_SHARD + param_dtype: back to fp32
             return  # the views stay as the module's attributes
         for g in self.groups:
-            for aliases in g.aliases:
-                for a in aliases:
-                    a.module.__dict__.pop(a.attr, None)
+            for d, attr, _ in g.targets:
+                d.pop(attr, None)
 
     def _drop_views_to_rest(self):
         for g in self.groups:
@@ -293,10 +291,17 @@ class UnitRuntime:
         # gradients the user set or kept are added after, on this stream: no deferral
         return self._new_out(g), False, defer and all(c is None for c in current), current
 
-    @torch.no_grad()
     def _after_reduce(self, g, out, keep):
         """A new reduced gradient becomes the parameters' gradients, plus what
-        the user had set."""
+        the user had set (added with autograd off: a gradient made with
+        create_graph requires grad)."""
+        if keep is None or all(c is None for c in keep):
+            self._set_reduced(g, out, keep)
+            return
+        with torch.no_grad():
+            self._set_reduced(g, out, keep)
+
+    def _set_reduced(self, g, out, keep):
         if self.shard_optim:
             g.whole_grad = out
         buf = self._shard_of(g, out)
@@ -306,7 +311,7 @@ class UnitRuntime:
             g.shard.grad = buf
             return
         views = [g.piece(buf, i, self.no_shard) for i in range(len(g.params))]
-        for v, c in zip(views, keep):  # gradients the user set or kept
+        for v, c in zip(views, keep or ()):  # gradients the user set or kept
             if c is not None:
                 v.add_(c.reshape(v.shape))
         for p, v in zip(g.params, views):

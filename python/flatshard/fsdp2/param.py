@@ -29,7 +29,7 @@ from .. import _C
 from ..errors import ConfigError
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
-from ..tensors import dtype_code
+from ..tensors import DTYPE_CODES, dtype_code
 from . import tp
 from .extension import Extension, has_extension
 
@@ -42,7 +42,9 @@ class ParamGroup:
                  shard_dims=None, spmd=None):
         self.mesh = mesh
         self._slots = None  # _register's table, made at its first call
+        self._heads = None  # sync_registered's, likewise
         self.trainable = 0  # trainable parameters at the last unshard (register_unsharded)
+        self.trainable_mask = 0  # ... which ones (bit i: parameter i)
         self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
         self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
         # each parameter's shard dim (Shard(d) from shard_placement_fn; 0 by default)
@@ -212,11 +214,11 @@ class ParamGroup:
         fully_shard does. Returns whether anything changed."""
         if self.registered_unsharded:
             return False
-        for i, aliases in enumerate(self.aliases):
-            m, attr = aliases[0]
-            p = m._parameters.get(attr)
-            if p is not self.sharded[i] or \
-                    getattr(p, "_local_tensor", None) is not self.engine_locals[i]:
+        heads = self._heads
+        if heads is None:  # (parameter dict, name) of each parameter's first alias
+            heads = self._heads = [(al[0][0]._parameters, al[0][1]) for al in self.aliases]
+        for (d, attr), sp, local in zip(heads, self.sharded, self.engine_locals):
+            if d.get(attr) is not sp or sp._local_tensor is not local:
                 self.refresh_sharded()
                 return True
         return False
@@ -306,12 +308,16 @@ class ParamGroup:
         torch's fully_shard registers them between unshard and reshard).
         requires_grad follows the sharded parameter's (the user may have
         changed it)."""
-        trainable = 0
-        for up, sp in zip(self.unsharded, self.sharded):
-            if up.requires_grad != sp.requires_grad:
-                up.requires_grad_(sp.requires_grad)
-            trainable += sp.requires_grad
+        trainable, mask = 0, 0
+        for i, (up, sp) in enumerate(zip(self.unsharded, self.sharded)):
+            rg = sp.requires_grad
+            if up.requires_grad != rg:
+                up.requires_grad_(rg)
+            if rg:
+                trainable += 1
+                mask |= 1 << i
         self.trainable = trainable  # the gradient hooks that fire in this backward
+        self.trainable_mask = mask
         self._register(self.unsharded)
 
     # ------------------------------------------------------------------
@@ -350,7 +356,8 @@ class ParamGroup:
             self.post_chunk = None
             self.register_unsharded()
             return
-        self._unshard_extensions()
+        if self.ext:
+            self._unshard_extensions()
         self.c.unshard(defer)
         self.register_unsharded()
 
@@ -456,42 +463,53 @@ class ParamGroup:
         before the all-reduce. A hook (set_all_reduce_hook): the engine holds
         the reduce output after the collectives, finish_reduce() runs the
         hook on it, then the engine writes [Note: reduce output] (dim0.h)."""
-        # Runs once per group per backward: one pass to find the gradients
-        # (and, with reduce_unused, every trainable parameter, for which the
-        # engine reduces zero rows), then one to lay out the call.
-        sharded, accumulated = self.sharded, self.accumulated
-        grads, use_any = [], False
-        for i, a in enumerate(accumulated):
-            g = a if a is not None else self._grad(i)
+        # Runs once per group per backward, in one pass: each parameter's
+        # gradient (with reduce_unused, every trainable parameter takes part:
+        # the engine reduces zero rows for one without) and where its
+        # reduction lands. With no gradient at all nothing is touched.
+        sharded, accumulated, unsharded, tp_ = self.sharded, self.accumulated, self.unsharded, \
+            self.tp
+        partial = self.replicate_comm is not None and not self.all_reduce
+        unused = self.reduce_unused
+        grads, grad_codes, outs, out_codes, accumulate, fresh = [], [], [], [], [], []
+        use_any = False
+        for i, sp in enumerate(sharded):
+            g = accumulated[i]
+            if g is None:
+                g = unsharded[i].grad
+                if g is not None and i in tp_:
+                    g = tp.grad_local(g, tp_[i])
+            if g is not None:
+                use_any = True
+                if not g.is_contiguous():
+                    g = g.contiguous()
+                code = DTYPE_CODES.get(g.dtype)
+                grad_codes.append(code if code is not None else dtype_code(g.dtype))
+                unsharded[i].grad = None  # handed to the engine: not needed any more
+            else:
+                grad_codes.append(0)
+                use_any = use_any or (unused and sp.requires_grad)
             grads.append(g)
-            use_any = use_any or g is not None or \
-                (self.reduce_unused and sharded[i].requires_grad)
+            out, add = None, False
+            if not partial and (g is not None or (unused and sp.requires_grad)):
+                cur = sp.grad
+                if cur is not None:
+                    out, add = cur._local_tensor, True
+                else:
+                    local = sp._local_tensor  # a plain tensor for a subclass's shard too
+                    out = torch.empty_like(local, memory_format=torch.contiguous_format) \
+                        if type(local) is torch.Tensor else \
+                        torch.empty(local.shape, dtype=local.dtype, device=local.device)
+                    fresh.append((i, out))
+                code = DTYPE_CODES.get(out.dtype)
+                out_codes.append(code if code is not None else dtype_code(out.dtype))
+            else:
+                out_codes.append(0)
+            outs.append(out)
+            accumulate.append(add)
         if not use_any:
             return False
         self.accumulated = [None] * len(grads)
-        partial = self.replicate_comm is not None and not self.all_reduce
-        outs, out_codes, grad_codes, accumulate, fresh = [], [], [], [], []
-        for i, g in enumerate(grads):
-            sp = sharded[i]
-            if g is not None:
-                g = grads[i] = g.contiguous()
-                grad_codes.append(dtype_code(g.dtype))
-                self.unsharded[i].grad = None  # handed to the engine: not needed any more
-            else:
-                grad_codes.append(0)
-            out, add = None, False
-            written = not partial and (g is not None or (self.reduce_unused and sp.requires_grad))
-            if written and sp.grad is not None:
-                out, add = sp.grad._local_tensor, True
-            elif written:
-                local = sp._local_tensor  # a plain tensor for a subclass's shard too
-                out = torch.empty_like(local, memory_format=torch.contiguous_format) \
-                    if type(local) is torch.Tensor else \
-                    torch.empty(local.shape, dtype=local.dtype, device=local.device)
-                fresh.append(i)
-            outs.append(out)
-            out_codes.append(dtype_code(out.dtype) if out is not None else 0)
-            accumulate.append(add)
         factor = self.divide_factor
         deferred = defer and self.comm.device is not None
         self.reducing_hook = None if partial else self.all_reduce_hook
@@ -499,7 +517,7 @@ class ParamGroup:
                       float(factor) if factor is not None else 0.0,
                       deferred, reshard and not self.ext, all_reduce=not partial,
                       hold=self._hook_divisor() if self.reducing_hook else 0.0)
-        self.reducing = [(i, outs[i]) for i in fresh]
+        self.reducing = fresh
         if deferred and self.c.reduce_pending:
             return True
         self.finish_reduce()

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
+from ..runtime.observe import NOTHING
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
 
@@ -93,7 +94,7 @@ class FSDPState:
         self.prefetched = []              # the root's: implicitly prefetched this forward
         self.ready = set()                # trainable parameters whose gradient arrived
         self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
-        self.hooked = set()               # ... on these parameters
+        self.hooked = 0                   # ... on these parameters (bit i: parameter i)
         self.handles = []
         for module in modules:
             self.handles += [
@@ -196,15 +197,20 @@ class FSDPState:
                 "load_state_dict(sd, assign=True) or torch.distributed.checkpoint.state_dict."
                 "set_model_state_dict, or call module.to_empty(device='cpu') and "
                 "reset_parameters() on its submodules, before the first forward or unshard")
-        with observe.span("FSDP::all_gather", self.label), \
-                observe.issued(_issued, g, g.comm):
+        if observe.watching():
+            with observe.span("FSDP::all_gather", self.label), \
+                    observe.issued(_issued, g, g.comm):
+                g.unshard(defer)
+        else:
             g.unshard(defer)
         if self.hooked_full is not g.full:  # new unsharded parameters (first unshard, _apply)
-            self.hooked_full, self.hooked = g.full, set()
-        for i, p in enumerate(g.unsharded):  # trainable ones; a frozen one may be unfrozen
-            if p.requires_grad and i not in self.hooked:
-                p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
-                self.hooked.add(i)
+            self.hooked_full, self.hooked = g.full, 0
+        todo = g.trainable_mask & ~self.hooked  # trainable ones; a frozen one may be unfrozen
+        if todo:
+            for i, p in enumerate(g.unsharded):
+                if todo >> i & 1:
+                    p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
+            self.hooked |= todo
 
     @eager.hook
     def _to_sharded_hook(self, *args, **kwargs):
@@ -275,11 +281,13 @@ class FSDPState:
                 args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
         with self._span("FSDP::pre_forward"):
             self._unshard_and_wait()
-        implicit = self.forward_prefetch is None
-        states = self._implicit(nxt) if implicit else self.forward_prefetch
-        if implicit:
-            root.prefetched += [st for st in states if not st.group.is_unsharded]
-        self._prefetch(states, "forward")
+        if self.forward_prefetch is not None:
+            self._prefetch(self.forward_prefetch, "forward")
+        elif nxt is not None:
+            states = self._implicit(nxt)
+            if states:
+                root.prefetched += [st for st in states if not st.group.is_unsharded]
+                self._prefetch(states, "forward")
         return args, kwargs
 
     def post_forward(self, output):
@@ -344,20 +352,24 @@ class FSDPState:
         beside the backward of the modules before this one) and reshard."""
         self.ready.clear()
         g = self.group
-        with self._span("FSDP::post_backward_accumulate"):
+        # Torch's ranges and CommDebugMode's counts only while something
+        # watches (one check, not four contexts made for nothing).
+        watched = observe.watching()
+        with self._span("FSDP::post_backward_accumulate") if watched else NOTHING:
             g.accumulate_unsharded_grads()
         if self.requires_gradient_sync:
             root = self.root or self
             # the previous group's, before this one is issued (torch labels
             # its wait "(fqn)" even for the root's empty fqn)
             with (observe.span("FSDP::post_backward_rs_wait (", self.fqn, ")")
-                  if root.reduced else observe.NOTHING):
+                  if watched and root.reduced else NOTHING):
                 root.finish_reducing()
-            with self._span("FSDP::post_backward_reduce"), observe.issued(_issued, g, g.comm):
+            with self._span("FSDP::post_backward_reduce") if watched else NOTHING, \
+                    observe.issued(_issued, g, g.comm) if watched else NOTHING:
                 if g.reduce_grads(defer=True, reshard=self.reshard_after_backward):
                     root.inflight.issued(self, g.finish_reduce)
             root.reduced = True
-        with self._span("FSDP::post_backward_reshard"):
+        with self._span("FSDP::post_backward_reshard") if watched else NOTHING:
             if self.reshard_after_backward:
                 g.reshard()
             if not self.requires_gradient_sync:

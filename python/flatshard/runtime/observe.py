@@ -143,6 +143,13 @@ class _Issued:
         return False
 
 
+def watching():
+    """Whether span() or issued() could record anything now: a profiler
+    runs, or a dispatch mode (a CommDebugMode among them) is active. The
+    hooks' common case skips both contexts when nothing watches."""
+    return profiling() or (_stack_len is not None and _stack_len() > 0)
+
+
 def issued(read, obj, comm):
     """A context that counts, in the active CommDebugMode, the collectives
     `obj` issues inside it (read(obj): a tuple of counts in KINDS' order,
