@@ -38,6 +38,12 @@ PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...);
 /* Data pointer of a torch tensor, through its data_ptr() method. */
 int fs_tensor_ptr(PyObject *tensor, void **out);
 
+/* An interned method or attribute name, made at its first use and kept
+ * (`var`: a static of the call site). Calls that run at every engine event
+ * look their names up this way instead of building a str from a C string
+ * each time. NULL with the exception set when it cannot be made. */
+#define FS_NAME(var, text) ((var) ? (var) : ((var) = PyUnicode_InternFromString(text)))
+
 typedef struct {
     PyObject_HEAD
     fs_comm *comm;

@@ -46,7 +46,8 @@ PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...)
 
 int fs_tensor_ptr(PyObject *tensor, void **out)
 {
-    PyObject *p = PyObject_CallMethod(tensor, "data_ptr", NULL);
+    static PyObject *name;
+    PyObject *p = FS_NAME(name, "data_ptr") ? PyObject_CallMethodNoArgs(tensor, name) : NULL;
     if (!p)
         return -1;
     *out = PyLong_AsVoidPtr(p);

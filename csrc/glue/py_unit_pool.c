@@ -145,21 +145,25 @@ static PyObject *storage_over(pooled_dl *o, int64_t nbytes)
     Py_DECREF(cap); /* torch owns the block now, or the destructor gave it back */
     if (!t)
         return NULL;
-    PyObject *st = PyObject_CallMethod(t, "untyped_storage", NULL);
+    static PyObject *name;
+    PyObject *st = FS_NAME(name, "untyped_storage") ? PyObject_CallMethodNoArgs(t, name) : NULL;
     Py_DECREF(t);
     return st;
 }
 
 static int swap_into(PyObject *storage, PyObject *other)
 {
-    PyObject *r = PyObject_CallMethod(storage, "_swap_data_ptr_", "O", other);
+    static PyObject *name;
+    PyObject *r = FS_NAME(name, "_swap_data_ptr_")
+                      ? PyObject_CallMethodOneArg(storage, name, other) : NULL;
     Py_XDECREF(r);
     return r ? 0 : -1;
 }
 
 static int64_t storage_nbytes(PyObject *storage)
 {
-    PyObject *r = PyObject_CallMethod(storage, "nbytes", NULL);
+    static PyObject *name;
+    PyObject *r = FS_NAME(name, "nbytes") ? PyObject_CallMethodNoArgs(storage, name) : NULL;
     if (!r)
         return -1;
     long long n = PyLong_AsLongLong(r);
@@ -185,7 +189,7 @@ int fs_glue_set_storage(PyObject *storage, int64_t nbytes, int on_device)
         return 0;
     PyObject *other = NULL;
     if (now > 0) { /* back to zero bytes first; the block returns to the pool */
-        if (torch_refs() < 0 || !(other = PyObject_CallFunction(storage_type, "i", 0)) ||
+        if (torch_refs() < 0 || !(other = PyObject_CallNoArgs(storage_type)) ||
             swap_into(storage, other) < 0) {
             Py_XDECREF(other);
             return -1;

@@ -114,6 +114,12 @@ class UnitRuntime:
     def _set_unsharded_views(self):
         # Instance attributes shadow _parameters during forward, which keeps
         # the registered parameters (and their order) untouched.
+        # New views at every forward, although the buffer's storage object
+        # stays: views kept from an earlier forward carry split and view
+        # nodes with that forward's sequence numbers, and the autograd engine
+        # runs ready nodes highest number first. Old nodes would wait until
+        # the whole backward is done: every unit's gradient, reduction and
+        # reshard at its very end, all units unsharded meanwhile.
         for g in self.groups:
             views = g.unsharded_views()
             for d, attr, i in g.targets:
