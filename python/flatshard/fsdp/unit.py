@@ -317,7 +317,7 @@ class UnitRuntime:
             g.shard.grad = buf
             return
         views = [g.piece(buf, i, self.no_shard) for i in range(len(g.params))]
-        for v, c in zip(views, keep or ()):  # gradients the user set or kept
+        for v, c in zip(views, keep):  # gradients the user set or kept
             if c is not None:
                 v.add_(c.reshape(v.shape))
         for p, v in zip(g.params, views):

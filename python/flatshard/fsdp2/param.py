@@ -29,7 +29,7 @@ from .. import _C
 from ..errors import ConfigError
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
-from ..tensors import DTYPE_CODES, dtype_code
+from ..tensors import dtype_code
 from . import tp
 from .extension import Extension, has_extension
 
@@ -467,8 +467,7 @@ class ParamGroup:
         # gradient (with reduce_unused, every trainable parameter takes part:
         # the engine reduces zero rows for one without) and where its
         # reduction lands. With no gradient at all nothing is touched.
-        sharded, accumulated, unsharded, tp_ = self.sharded, self.accumulated, self.unsharded, \
-            self.tp
+        sharded, accumulated, unsharded = self.sharded, self.accumulated, self.unsharded
         partial = self.replicate_comm is not None and not self.all_reduce
         unused = self.reduce_unused
         grads, grad_codes, outs, out_codes, accumulate, fresh = [], [], [], [], [], []
@@ -476,15 +475,12 @@ class ParamGroup:
         for i, sp in enumerate(sharded):
             g = accumulated[i]
             if g is None:
-                g = unsharded[i].grad
-                if g is not None and i in tp_:
-                    g = tp.grad_local(g, tp_[i])
+                g = self._grad(i)
             if g is not None:
                 use_any = True
                 if not g.is_contiguous():
                     g = g.contiguous()
-                code = DTYPE_CODES.get(g.dtype)
-                grad_codes.append(code if code is not None else dtype_code(g.dtype))
+                grad_codes.append(dtype_code(g.dtype))
                 unsharded[i].grad = None  # handed to the engine: not needed any more
             else:
                 grad_codes.append(0)
@@ -501,8 +497,7 @@ class ParamGroup:
                         if type(local) is torch.Tensor else \
                         torch.empty(local.shape, dtype=local.dtype, device=local.device)
                     fresh.append((i, out))
-                code = DTYPE_CODES.get(out.dtype)
-                out_codes.append(code if code is not None else dtype_code(out.dtype))
+                out_codes.append(dtype_code(out.dtype))
             else:
                 out_codes.append(0)
             outs.append(out)
