@@ -1,7 +1,7 @@
 """Per-unit cost: 64 tiny units, each unit's hooks and collectives against its compute.
 
     python3 benchmarks/bench_overhead.py [--steps 50] [--warmup 5] [--units 64]
-        [--impl unwrapped,hooks-only,fsdp1,fully_shard,torch-fully_shard]
+        [--impl unwrapped,hooks-only,fsdp1,fully_shard,torch-fully_shard] [--breakdown]
 
 The model is `units` blocks of relu(Linear(32, 32)(x)) + x, batch 8, float32.
 Two ranks on one host (a gloo process group; flatshard on its default
@@ -19,7 +19,10 @@ parameters in and out (as fully_shard registers its unsharded and sharded
 parameters), a hook on each block output (the pre-backward) and a
 post-accumulate-grad hook on each parameter that drops the gradient (the
 post-backward): what torch's hook machinery costs by itself, with no
-collective and no sharding, the floor under any hook-based wrapper. Printed: the median and spread of the
+collective and no sharding, the floor under any hook-based wrapper.
+--breakdown adds fully_shard's engine calls timed inside the steps and
+alone, both ranks in step: their difference is what each rank waits at the
+collectives for the other. Printed: the median and spread of the
 step time and the ratio to "unwrapped"; and the first loss of each, which
 must agree (same seed, same math).
 """
@@ -135,6 +138,88 @@ def run_impl(impl, rank, args):
     return times, first
 
 
+class _Timed:
+    """An engine group whose unshard and reduce calls add their wall time
+    to `timers` (name -> [seconds, calls]); everything else passes through."""
+
+    def __init__(self, c, timers):
+        object.__setattr__(self, "_c", c)
+        object.__setattr__(self, "_timers", timers)
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._c, name, value)
+
+    def _timed(self, name, fn, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            slot = self._timers[name]
+            slot[0] += time.perf_counter() - t
+            slot[1] += 1
+
+    def unshard(self, *args):
+        return self._timed("unshard", self._c.unshard, *args)
+
+    def reduce(self, *args, **kwargs):
+        return self._timed("reduce", self._c.reduce, *args, **kwargs)
+
+
+def breakdown(rank, args):
+    """fully_shard's engine calls (the unshard with its all-gather, the
+    reduction with its reduce-scatter) timed one by one inside the training
+    steps, then the same calls of one group alone in a loop, both ranks in
+    step. Inside the steps a call also waits at the barrier for the later
+    rank; the difference is that wait. Returns us per call."""
+    from flatshard.fsdp2.state import state_of
+    from flatshard.tensors import dtype_code
+    model = build("fully_shard", args.units)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1 + rank))
+
+    def step():
+        model(x).square().mean().backward()
+        for p in model.parameters():
+            p.grad = None
+    step()  # lazy init: the groups exist from here on
+    timers = {"unshard": [0.0, 0], "reduce": [0.0, 0]}
+    groups = [state_of(b).group for b in model.blocks]
+    for g in groups:
+        g.c = _Timed(g.c, timers)
+    for _ in range(args.warmup):
+        step()
+    for slot in timers.values():
+        slot[:] = [0.0, 0]
+    dist.barrier()
+    for _ in range(args.steps):
+        step()
+    got = {f"{k} in the step": v[0] / v[1] * 1e6 for k, v in timers.items()}
+    c = groups[0].c._c
+    local = [sp._local_tensor for sp in groups[0].sharded]
+    grads = [torch.randn(up.shape) for up in groups[0].unsharded]
+    outs = [torch.empty_like(t) for t in local]
+    codes = [dtype_code(t.dtype) for t in grads]
+    n = 50 * args.steps
+    alone = {"unshard": 0.0, "reduce": 0.0}
+    dist.barrier()
+    for _ in range(n):
+        t = time.perf_counter()
+        c.unshard(False)
+        alone["unshard"] += time.perf_counter() - t
+        c.reshard()
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(n):
+        c.reduce(grads, codes, outs, codes, [False] * len(grads), 0.0, False, False,
+                 all_reduce=True, hold=0.0)
+    alone["reduce"] = time.perf_counter() - t
+    got.update({f"{k} alone": v / n * 1e6 for k, v in alone.items()})
+    del model
+    return got
+
+
 def worker(rank, port, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -152,6 +237,8 @@ def worker(rank, port, args, out):
                     continue
                 r = res.setdefault(impl, {"times": [], "first": first})
                 r["times"] += t
+        if args.breakdown:
+            res["breakdown"] = breakdown(rank, args)
         if rank == 0:
             out.put(res)
     finally:
@@ -165,6 +252,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every impl")
     p.add_argument("--units", type=int, default=64)
     p.add_argument("--impl", default=",".join(IMPLS))
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time fully_shard's engine calls inside the steps and alone")
     args = p.parse_args()
     args.impl = [i for i in args.impl.split(",") if i]
     bad = [i for i in args.impl if i not in IMPLS]
@@ -197,6 +286,14 @@ def main():
         lo, hi = t[len(t) // 10], t[(9 * len(t)) // 10]
         ratio = f"{med / base:.2f}" if base else "-"
         print(f"| {impl} | {med:.2f} | {lo:.2f}-{hi:.2f} | {ratio} | {r['first']:.6f} |")
+    b = res.get("breakdown")
+    if b:
+        print("# fully_shard's engine calls, us per call (rank 0): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in b.items()))
+        wait = 2 * (b["unshard in the step"] - b["unshard alone"]) + \
+            b["reduce in the step"] - b["reduce alone"]
+        print(f"# waiting at the collectives for the other rank: about {wait:.1f} us a unit "
+              "(two unshards and one reduction, in the step less alone)")
 
 
 if __name__ == "__main__":
