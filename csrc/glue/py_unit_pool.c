@@ -86,10 +86,6 @@ static int torch_refs(void)
     return from_dlpack ? 0 : -1;
 }
 
-static PyObject *storage_over(pooled_dl *o, int64_t nbytes);
-
-/* A new uint8 storage over a pool block of nbytes; the block goes back to
- * the pool when torch drops the storage's data pointer. */
 /* A DLPack record for a storage to come (torch's references found first);
  * NULL with the exception set. */
 static pooled_dl *new_record(void)
@@ -100,27 +96,6 @@ static pooled_dl *new_record(void)
     if (!o)
         PyErr_NoMemory();
     return o;
-}
-
-static PyObject *pooled_storage(int64_t nbytes, int cacheable)
-{
-    pooled_dl *o = new_record();
-    if (!o)
-        return NULL;
-    fs_status s;
-    if ((size_t)nbytes <= FS_POOL_SMALL_BYTES) { /* a cached block, or a short mapping */
-        s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
-    } else {
-        Py_BEGIN_ALLOW_THREADS /* mapping and faulting in a unit's pages takes a while */
-        s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
-        Py_END_ALLOW_THREADS
-    }
-    if (s != FS_OK) {
-        free(o);
-        return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host memory "
-                            "for an unsharded buffer: not enough memory", (long long)nbytes);
-    }
-    return storage_over(o, nbytes);
 }
 
 /* A uint8 storage over o->block (nbytes); o is torch's from here on, or
@@ -149,6 +124,29 @@ static PyObject *storage_over(pooled_dl *o, int64_t nbytes)
     PyObject *st = FS_NAME(name, "untyped_storage") ? PyObject_CallMethodNoArgs(t, name) : NULL;
     Py_DECREF(t);
     return st;
+}
+
+/* A new uint8 storage over a pool block of nbytes; the block goes back to
+ * the pool when torch drops the storage's data pointer. */
+static PyObject *pooled_storage(int64_t nbytes, int cacheable)
+{
+    pooled_dl *o = new_record();
+    if (!o)
+        return NULL;
+    fs_status s;
+    if ((size_t)nbytes <= FS_POOL_SMALL_BYTES) { /* a cached block, or a short mapping */
+        s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
+    } else {
+        Py_BEGIN_ALLOW_THREADS /* mapping and faulting in a unit's pages takes a while */
+        s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
+        Py_END_ALLOW_THREADS
+    }
+    if (s != FS_OK) {
+        free(o);
+        return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host memory "
+                            "for an unsharded buffer: not enough memory", (long long)nbytes);
+    }
+    return storage_over(o, nbytes);
 }
 
 static int swap_into(PyObject *storage, PyObject *other)

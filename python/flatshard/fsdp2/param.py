@@ -477,17 +477,17 @@ class ParamGroup:
             if g is None:
                 g = self._grad(i)
             if g is not None:
-                use_any = True
                 if not g.is_contiguous():
                     g = g.contiguous()
                 grad_codes.append(dtype_code(g.dtype))
                 unsharded[i].grad = None  # handed to the engine: not needed any more
             else:
                 grad_codes.append(0)
-                use_any = use_any or (unused and sp.requires_grad)
             grads.append(g)
+            takes_part = g is not None or (unused and sp.requires_grad)
+            use_any = use_any or takes_part
             out, add = None, False
-            if not partial and (g is not None or (unused and sp.requires_grad)):
+            if takes_part and not partial:
                 cur = sp.grad
                 if cur is not None:
                     out, add = cur._local_tensor, True

@@ -35,7 +35,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
-from ..runtime.observe import NOTHING
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
 
@@ -197,11 +196,7 @@ class FSDPState:
                 "load_state_dict(sd, assign=True) or torch.distributed.checkpoint.state_dict."
                 "set_model_state_dict, or call module.to_empty(device='cpu') and "
                 "reset_parameters() on its submodules, before the first forward or unshard")
-        if observe.watching():
-            with observe.span("FSDP::all_gather", self.label), \
-                    observe.issued(_issued, g, g.comm):
-                g.unshard(defer)
-        else:
+        with observe.counted_span(_issued, g, g.comm, "FSDP::all_gather", self.label):
             g.unshard(defer)
         if self.hooked_full is not g.full:  # new unsharded parameters (first unshard, _apply)
             self.hooked_full, self.hooked = g.full, 0
@@ -352,24 +347,21 @@ class FSDPState:
         beside the backward of the modules before this one) and reshard."""
         self.ready.clear()
         g = self.group
-        # Torch's ranges and CommDebugMode's counts only while something
-        # watches (one check, not four contexts made for nothing).
-        watched = observe.watching()
-        with self._span("FSDP::post_backward_accumulate") if watched else NOTHING:
+        with self._span("FSDP::post_backward_accumulate"):
             g.accumulate_unsharded_grads()
         if self.requires_gradient_sync:
             root = self.root or self
             # the previous group's, before this one is issued (torch labels
             # its wait "(fqn)" even for the root's empty fqn)
             with (observe.span("FSDP::post_backward_rs_wait (", self.fqn, ")")
-                  if watched and root.reduced else NOTHING):
+                  if root.reduced else observe.NOTHING):
                 root.finish_reducing()
-            with self._span("FSDP::post_backward_reduce") if watched else NOTHING, \
-                    observe.issued(_issued, g, g.comm) if watched else NOTHING:
+            with observe.counted_span(_issued, g, g.comm, "FSDP::post_backward_reduce",
+                                      self.label):
                 if g.reduce_grads(defer=True, reshard=self.reshard_after_backward):
                     root.inflight.issued(self, g.finish_reduce)
             root.reduced = True
-        with self._span("FSDP::post_backward_reshard") if watched else NOTHING:
+        with self._span("FSDP::post_backward_reshard"):
             if self.reshard_after_backward:
                 g.reshard()
             if not self.requires_gradient_sync:

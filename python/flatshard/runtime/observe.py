@@ -17,6 +17,9 @@ fully_shard:
                     own collective dispatches (c10d._allgather_base_, ...),
                     in its totals and in its per-module table. Without a
                     CommDebugMode: the shared no-op context after one check.
+  counted_span(read, obj, comm, *parts)
+                    both around one engine call that issues collectives,
+                    after a single check while nothing watches.
 
 The torch backend issues its collectives through c10d already (comm.py's
 _torch_collective), where CommDebugMode counts them: a Comm of that backend
@@ -25,6 +28,7 @@ is not counted again here (counts_itself).
 Imports: torch only (its private parts guarded, torch 2.11 to 2.13); nothing
 of fsdp/ or fsdp2/.
 """
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -143,11 +147,23 @@ class _Issued:
         return False
 
 
-def watching():
+def _watching():
     """Whether span() or issued() could record anything now: a profiler
-    runs, or a dispatch mode (a CommDebugMode among them) is active. The
-    hooks' common case skips both contexts when nothing watches."""
+    runs, or a dispatch mode (a CommDebugMode among them) is active."""
     return profiling() or (_stack_len is not None and _stack_len() > 0)
+
+
+@contextlib.contextmanager
+def _counted(read, obj, comm, parts):
+    with span(*parts), issued(read, obj, comm):
+        yield
+
+
+def counted_span(read, obj, comm, *parts):
+    """span(*parts) around issued(read, obj, comm), as one context: the
+    shared no-op one after a single check while nothing watches (the
+    engine calls of every hook)."""
+    return _counted(read, obj, comm, parts) if _watching() else NOTHING
 
 
 def issued(read, obj, comm):
