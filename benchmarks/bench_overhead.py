@@ -41,8 +41,10 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from harness import cpu_name, free_port  # noqa: E402
 
-WORLD = 2
-IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fully_shard", "torch-fully_shard")
+WORLD = int(os.environ.get("BENCH_WORLD", "2"))
+IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fully_shard", "fully_shard+prefetch",
+         "torch-fully_shard", "torch-fully_shard+prefetch")
+BUCKET = 8  # +prefetch: every BUCKET-th block prefetches the next BUCKET - 1
 
 
 class Block(nn.Module):
@@ -103,8 +105,8 @@ def build(impl, units):
         import flatshard
         from flatshard import ModuleWrapPolicy
         return flatshard.FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
-    if impl in ("fully_shard", "torch-fully_shard"):
-        if impl == "fully_shard":
+    if impl.startswith(("fully_shard", "torch-fully_shard")):
+        if impl.startswith("fully_shard"):
             from flatshard import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
@@ -113,7 +115,21 @@ def build(impl, units):
         for b in model.blocks:
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if impl.endswith("+prefetch"):
+            _bucket_prefetch(list(model.blocks))
     return model
+
+
+def _bucket_prefetch(blocks):
+    """torch's explicit prefetch lists in buckets: in forward, blocks 0, 8,
+    16, ... prefetch the next seven; in backward, 63, 55, ... the seven
+    before. flatshard gathers each bucket in one all-gather on the host;
+    torch issues one all-gather per block."""
+    for i in range(0, len(blocks), BUCKET):
+        blocks[i].set_modules_to_forward_prefetch(blocks[i + 1:i + BUCKET])
+    rev = blocks[::-1]
+    for i in range(0, len(rev), BUCKET):
+        rev[i].set_modules_to_backward_prefetch(rev[i + 1:i + BUCKET])
 
 
 def run_impl(impl, rank, args):

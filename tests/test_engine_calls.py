@@ -44,11 +44,20 @@ class Counting:
 
         def call(*args, **kwargs):
             self._log.append(name)
-            return value(*args, **kwargs)
+            return value(*map(_inner, args), **kwargs)
         return call
 
     def __setattr__(self, name, value):
         setattr(self._inner, name, value)
+
+
+def _inner(arg):
+    """Engine objects inside an argument passed on as themselves."""
+    if isinstance(arg, Counting):
+        return arg._inner
+    if type(arg) is tuple:
+        return tuple(map(_inner, arg))
+    return arg
 
 
 def _fsdp1_calls(strategy):
@@ -85,8 +94,10 @@ def test_fsdp1_one_engine_call_per_hook_event(dist_pool, strategy):
             assert others in ([], ["unshard"]), (name, calls)
 
 
-def _fully_shard_calls():
+def _fully_shard_calls(bucket_bytes):
+    import os
     from torch.distributed.device_mesh import init_device_mesh
+    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = bucket_bytes  # read at the root's lazy init
     torch.manual_seed(0)
     model = Net()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -94,7 +105,10 @@ def _fully_shard_calls():
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
     x = torch.randn(4, 6)
-    model(x).sum().backward()
+    try:
+        model(x).sum().backward()
+    finally:
+        del os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"]
     logs = {}
     for m in model.modules():
         st = m._fsdp_state() if hasattr(m, "_fsdp_state") else None
@@ -108,10 +122,23 @@ def _fully_shard_calls():
 
 
 def test_fully_shard_engine_calls_per_hook_event(dist_pool):
-    for logs in dist_pool(2).run(_fully_shard_calls):
+    for logs in dist_pool(2).run(_fully_shard_calls, "0"):
         assert len(logs) == 3  # the root holds no parameters of its own
         for calls in logs:
             # pre_forward: unshard; post_forward: reshard; pre_backward:
             # unshard (or a prefetch by the module after it); post_backward:
             # reduce, resharding in the same call
             assert calls == ["unshard", "reshard", "unshard", "reduce"], calls
+
+
+def test_fully_shard_engine_calls_with_a_reduction_bucket(dist_pool):
+    """The default bucket: each post_backward's reduce joins it, and the end
+    of backward flushes all three groups' in one call, through the group
+    whose gradients came first (the last block's)."""
+    for logs in dist_pool(2).run(_fully_shard_calls, str(1 << 20)):
+        flushes = [calls for calls in logs if "flush_bucket" in calls]
+        assert len(flushes) == 1, logs
+        for calls in logs:
+            rest = [c for c in calls if c != "flush_bucket"]
+            assert rest == ["unshard", "reshard", "unshard", "reduce"], calls
+        assert flushes[0][-1] == "flush_bucket" and flushes[0] is logs[-1], logs

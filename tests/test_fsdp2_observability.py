@@ -68,12 +68,15 @@ def _plain(counts):
     return {str(op): n for op, n in counts.items() if n}
 
 
-def _comm_counts(raf, backend, prefetch):
+def _comm_counts(raf, backend, prefetch, bucket="0"):
     """Per implementation: CommDebugMode's counts of one step after a first
-    one, and its per-module forward/backward counts."""
+    one, and its per-module forward/backward counts. bucket: flatshard's
+    FLATSHARD_REDUCE_BUCKET_BYTES (0: none, each group reduces on its own
+    as torch's do)."""
     out = {}
     saved = os.environ.get("FLATSHARD_COMM_BACKEND")
     os.environ["FLATSHARD_COMM_BACKEND"] = backend
+    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = bucket
     try:
         for name, fn in BOTH:
             model = _model(fn, prefetch, reshard_after_forward=raf)
@@ -88,6 +91,7 @@ def _comm_counts(raf, backend, prefetch):
             out[name] = (ag, rs, _plain(mode.get_comm_counts()), mode.get_total_counts(),
                          modules)
     finally:
+        del os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"]
         if saved is None:
             os.environ.pop("FLATSHARD_COMM_BACKEND")
         else:
@@ -107,6 +111,12 @@ def test_comm_debug_mode_counts_as_for_torch(dist_pool, raf, backend, prefetch):
         # 4 groups (3 blocks, the root): one reduce-scatter each; one
         # all-gather each in forward, and again in backward if resharded
         assert theirs[:2] == ((8, 4) if raf else (4, 4)), theirs
+        if backend == "torch" and prefetch:
+            # a block's own gather and the prefetch of the next one go in one
+            # all-gather on the host (block 0's in forward, block 2's in
+            # backward): CommDebugMode sees the collectives issued
+            assert ours[:2] == ((6, 4) if raf else (3, 4)), out
+            continue
         assert ours[:4] == theirs[:4], out
         assert ours[4]["Global"] == theirs[4]["Global"], out
         if prefetch:
@@ -119,6 +129,19 @@ def test_comm_debug_mode_counts_as_for_torch(dist_pool, raf, backend, prefetch):
             moved = {"FSDPNet.blocks.0", "FSDPNet.blocks.1"} if raf else set()
             assert {m: c for m, c in ours[4].items() if m not in moved} == \
                 {m: c for m, c in theirs[4].items() if m not in moved}, out
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_comm_debug_mode_counts_with_a_reduction_bucket(dist_pool, backend):
+    """The default bucket holds all four groups' reductions: through the torch
+    backend CommDebugMode sees the one reduce-scatter that is issued; on shm
+    flatshard counts each group's reduction, as torch's fully_shard issues
+    them. The all-gathers are not bucketed."""
+    for out in dist_pool(2).run(_comm_counts, True, backend, False, str(1 << 20),
+                                timeout=TIMEOUT):
+        ours, theirs = out["ours"], out["torch"]
+        assert theirs[:2] == (8, 4), theirs
+        assert ours[:2] == ((8, 1) if backend == "torch" else (8, 4)), out
 
 
 # ----------------------------------------------------------------------

@@ -179,6 +179,8 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
     const int world = c->world_size;
     const size_t es = fs_dtype_size(g->compute);
     defer = defer && l->dev;
+    /* [Note: coalesced gathers]: the copy-out waits for the batch's flush */
+    const int batched = l->batch && !l->dev;
     fs_status s;
     if (g->unsharded) /* a pending gather is waited for, unless this is a prefetch too */
         return defer ? FS_OK : fs_dim0_wait(g);
@@ -189,7 +191,8 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
      * gathered buffer, which is the all-gather's input. The padding at a
      * block's end is never copied out, so it is left as it comes. */
     if ((s = e->take(e->ctx, g->gather_block_numel * world * (int64_t)es,
-                     defer ? 0 : FS_TAKE_TRANSIENT, &g->gathered, &g->gathered_h)) != FS_OK)
+                     defer || batched ? 0 : FS_TAKE_TRANSIENT, &g->gathered,
+                     &g->gathered_h)) != FS_OK)
         return fail(g, s, "unshard", 0, "out of memory");
     char *mine = (char *)g->gathered + (size_t)c->rank * g->gather_block_numel * es;
     for (int i = 0; i < g->nparams; i++) {
@@ -207,8 +210,7 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
     }
     if (defer)
         l->dev->set_defer(c, 1);
-    FS_LINK_RUN(l, s, FS_LOP_ALL_GATHER, g->name, g->gather_block_numel, g->compute,
-                fs_comm_all_gather(c, mine, g->gathered, g->gather_block_numel, g->compute));
+    s = fs_link_all_gather(l, g->name, mine, g->gathered, g->gather_block_numel, g->compute);
     if (defer) {
         l->dev->set_defer(c, 0);
         if (s == FS_OK)
@@ -220,13 +222,61 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
     }
     g->n_all_gather++;
     g->unsharded = 1;
-    if (defer) {
+    if (defer || batched) {
         g->gather_pending = 1;
-        g->n_deferred_gather++;
+        g->n_deferred_gather += defer;
         return FS_OK;
     }
     s = copy_out(g, l->stream);
     drop(g, &g->gathered_h);
+    return s;
+}
+
+/* A recorded gather whose batch failed: nothing was gathered. */
+static void abandon(fs_dim0_group *g)
+{
+    if (!g->gather_pending || g->link.dev)
+        return;
+    void *none;
+    g->gather_pending = 0;
+    drop(g, &g->gathered_h);
+    g->env.set_storage(g->env.ctx, g->storage, 0, &none);
+    g->unsharded = 0;
+}
+
+fs_status fs_dim0_unshard_along(fs_dim0_group *g, const fs_dtype *own_t, int own,
+                                fs_dim0_group *const *along, const fs_dtype *const *shard_t,
+                                int n, int *failed)
+{
+    fs_gather_batch batch;
+    batch.nparts = 0;
+    batch.nbytes = 0;
+    fs_status s = FS_OK;
+    *failed = -1;
+    g->link.batch = &batch;
+    if (own && !g->unsharded)
+        s = fs_dim0_unshard(g, own_t, 0);
+    g->link.batch = NULL;
+    for (int i = 0; i < n && s == FS_OK; i++) {
+        if (along[i]->unsharded)
+            continue;
+        along[i]->link.batch = &batch;
+        s = fs_dim0_unshard(along[i], shard_t[i], 0);
+        along[i]->link.batch = NULL;
+        if (s != FS_OK)
+            *failed = i;
+    }
+    if (s == FS_OK && (s = fs_gather_batch_flush(&batch, &g->link, &g->env)) != FS_OK)
+        s = fail(g, s, "all-gather", 1, "coalesced all_gather: %s", g->link.comm->last_error);
+    /* the copy-outs, or after a failure the buffers back */
+    for (int i = -1; i < n; i++) {
+        fs_dim0_group *x = i < 0 ? g : along[i];
+        if (s != FS_OK) {
+            abandon(x);
+        } else if ((s = fs_dim0_wait(x)) != FS_OK) {
+            *failed = i;
+        }
+    }
     return s;
 }
 
@@ -260,8 +310,9 @@ fs_status fs_dim0_wait(fs_dim0_group *g)
         return FS_OK;
     fs_comm *c = g->link.comm;
     g->gather_pending = 0;
-    fs_status s = g->link.dev->wait(g->gather_event, g->link.stream, c->last_error,
-                                    sizeof c->last_error);
+    fs_status s = g->link.dev ? g->link.dev->wait(g->gather_event, g->link.stream,
+                                                  c->last_error, sizeof c->last_error)
+                              : FS_OK; /* a host batch: flushed by now */
     if (s != FS_OK) {
         drop(g, &g->gathered_h);
         return fail(g, s, "unshard", 0, "waiting for a prefetched all-gather: %s",
@@ -400,6 +451,8 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     const int world = c->world_size;
     const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1, rs = fs_dtype_size(g->reduce);
     const int defer = (flags & FS_DIM0_DEFER) && l->dev;
+    /* [Note: reduction buckets]: kept like a deferred one until the flush */
+    const int bucketed = l->bucket && !l->dev;
     fs_status s;
     if (g->reduce_pending && (s = fs_dim0_finish_reduce(g)) != FS_OK)
         return s;
@@ -409,10 +462,11 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     /* zeroed: the padding, and the rows of parameters without a gradient;
      * a held rs_out outlives the call */
     if ((s = e->take(e->ctx, g->block_numel * world * (int64_t)rs,
-                     FS_TAKE_ZERO | (defer ? 0 : FS_TAKE_TRANSIENT), &rs_in, &g->rs_in_h)) !=
-            FS_OK ||
+                     FS_TAKE_ZERO | (defer || bucketed ? 0 : FS_TAKE_TRANSIENT), &rs_in,
+                     &g->rs_in_h)) != FS_OK ||
         (s = e->take(e->ctx, g->block_numel * (int64_t)rs,
-                     defer || g->hold > 0 ? 0 : FS_TAKE_TRANSIENT, &g->rs_out, &g->rs_out_h)) !=
+                     defer || bucketed || g->hold > 0 ? 0 : FS_TAKE_TRANSIENT, &g->rs_out,
+                     &g->rs_out_h)) !=
             FS_OK) {
         release_reduction(g);
         return fail(g, s, "reduce-scatter", 0, "out of memory");
@@ -456,9 +510,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     }
     if (defer)
         l->dev->set_defer(c, 1);
-    FS_LINK_RUN(l, s, FS_LOP_REDUCE_SCATTER, g->name, g->block_numel, g->reduce,
-                fs_comm_reduce_scatter(c, rs_in, g->rs_out, g->block_numel, g->reduce,
-                                       FS_RED_SUM));
+    s = fs_link_reduce_scatter(l, g->name, rs_in, g->rs_out, g->block_numel, g->reduce, g);
     if (defer) {
         l->dev->set_defer(c, 0);
         if (s == FS_OK)
@@ -473,6 +525,10 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     }
     g->n_reduce_scatter++;
     g->reduce_pending = 1;
+    if (bucketed) { /* the host flushes, then finishes (ws: none on the host) */
+        g->reduce_deferred = 1;
+        return FS_OK;
+    }
     if (defer) {
         g->ws_h = ws;
         g->reduce_deferred = 1;
@@ -496,8 +552,9 @@ fs_status fs_dim0_wait_reduce(fs_dim0_group *g)
         return FS_OK;
     fs_comm *c = g->link.comm;
     g->reduce_deferred = 0;
-    fs_status s = g->link.dev->wait(g->reduce_event, g->link.stream, c->last_error,
-                                    sizeof c->last_error);
+    fs_status s = g->link.dev ? g->link.dev->wait(g->reduce_event, g->link.stream,
+                                                  c->last_error, sizeof c->last_error)
+                              : FS_OK; /* a host bucket: flushed by now */
     drop(g, &g->ws_h);
     drop(g, &g->rs_in_h); /* the stream waited for the collective that read it */
     if (s != FS_OK)
@@ -520,6 +577,12 @@ fs_status fs_dim0_finish_reduce(fs_dim0_group *g)
     s = write_grads(g);
     release_reduction(g);
     return s;
+}
+
+void fs_dim0_cancel_reduce(fs_dim0_group *g)
+{
+    if (g->reduce_pending && !g->link.dev)
+        release_reduction(g);
 }
 
 void fs_dim0_drop_partial(fs_dim0_group *g)

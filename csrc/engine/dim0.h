@@ -107,6 +107,14 @@ void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage);
 /* One all-gather of every rank's block, then the copy-out into the
  * unsharded buffer (given its storage first). defer: a device prefetch. */
 fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer);
+/* g (when own) and the groups in along (those not gathered; the same host
+ * comm) gathered in one all-gather ([Note: coalesced gathers] in
+ * engine.h), each copied out after it; shard_t[k]: along[k]'s shard dtypes.
+ * On failure *failed is the index in along of the group whose err says
+ * why, or -1 for g. */
+fs_status fs_dim0_unshard_along(fs_dim0_group *g, const fs_dtype *own_t, int own,
+                                fs_dim0_group *const *along, const fs_dtype *const *shard_t,
+                                int n, int *failed);
 fs_status fs_dim0_wait(fs_dim0_group *g);
 /* int reshard_after_forward: the unsharded buffer gathered again over a
  * smaller group `post`, from the 1/post-size chunk this rank kept (tensor
@@ -133,6 +141,9 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
 fs_status fs_dim0_wait_reduce(fs_dim0_group *g);
 /* What is left of a reduction: the wait, collect, write. */
 fs_status fs_dim0_finish_reduce(fs_dim0_group *g);
+/* A host reduction whose bucket is given up without a flush ([Note:
+ * reduction buckets]): its buffers go back, nothing is written. */
+void fs_dim0_cancel_reduce(fs_dim0_group *g);
 /* Forget the HSDP partial sum (an iteration given up: reset_iter_state). */
 void fs_dim0_drop_partial(fs_dim0_group *g);
 

@@ -63,6 +63,9 @@ enum {
  * NULL), the device table (NULL: host memory), the caller's stream the
  * host bound for this call (fs_device.h: set_caller_stream), and what the
  * engine releases around blocking or long work (NULL: nothing). */
+typedef struct fs_gather_batch fs_gather_batch;
+typedef struct fs_reduce_bucket fs_reduce_bucket;
+
 typedef struct {
     fs_comm *comm;
     fs_ledger *ledger;
@@ -70,6 +73,8 @@ typedef struct {
     void *stream;
     void *(*unlock)(void);     /* returns what lock() takes back */
     void (*lock)(void *saved);
+    fs_gather_batch *batch;    /* host: all-gathers join it ([Note: coalesced gathers]) */
+    fs_reduce_bucket *bucket;  /* host: reduce-scatters join it ([Note: reduction buckets]) */
 } fs_link;
 
 /* Host loops shorter than this many elements keep the lock (releasing it
@@ -92,6 +97,80 @@ typedef struct {
         if (fs_l_->ledger)                                                                \
             fs_ledger_finish(fs_l_->ledger, fs_seq_, s, fs_l_->dev != NULL);              \
     } while (0)
+
+/* ---------------------------------------------------------------------------
+ * [Note: coalesced gathers] Small units spend more in collectives than in
+ * their compute: every collective is a meeting point where each rank waits
+ * for the slowest, and the ranks' timing differs a little at each one. So
+ * on the host, the gathers of several units in one engine call (a unit's
+ * own and the ones prefetched with it) go in one all-gather. While a batch
+ * is set on a link, fs_link_all_gather records the call (its buffers must
+ * stay put until the flush) instead of issuing it; fs_gather_batch_flush
+ * then copies every part's send into this rank's block of one buffer,
+ * all-gathers the blocks in place, and copies each rank's piece of each
+ * part to recv + rank * part bytes (comm.h's rule). What reads a recorded
+ * gather's output waits for the flush (dim0.c's copy-out). Each rank must
+ * batch the same parts in the same order: the callers decide batches from
+ * the forward order, which every rank shares. Device links never batch
+ * (NCCL's own grouping is the tool there). */
+#define FS_BATCH_MAX_PARTS 256
+
+struct fs_gather_batch {
+    struct {
+        const void *send;
+        void *recv;
+        int64_t nbytes;   /* this part's per-rank bytes */
+    } part[FS_BATCH_MAX_PARTS];
+    int nparts;
+    int64_t nbytes;       /* per rank, all parts */
+    fs_dtype dtype;       /* the parts' dtype; FS_U8 once they differ */
+    const char *what;     /* the first part's name (the ledger's unit) */
+};
+
+/* An all-gather on l (comm.h's rules): recorded into l->batch when one is
+ * set on a host link, else issued now, under `what` in the ledger.
+ * FS_ERR_INVALID_ARG with comm->last_error when a batch is full. */
+fs_status fs_link_all_gather(fs_link *l, const char *what, const void *send, void *recv,
+                             int64_t count, fs_dtype t);
+/* Issue the batch's parts as one all-gather on l (staging from env->take)
+ * and empty it. A failure's words are in l->comm->last_error. */
+fs_status fs_gather_batch_flush(fs_gather_batch *b, fs_link *l, const fs_env *env);
+
+/* [Note: reduction buckets] The same for gradient reductions, across
+ * engine calls: while a bucket is set on a host link, fs_link_reduce_scatter
+ * records the call with its owner (the engine object that finishes it)
+ * instead of issuing it, and the caller holds its send and recv buffers
+ * (as for a deferred reduction on a device) until the host flushes the
+ * bucket: every part's rank-r block is copied into rank r's block of one
+ * buffer, one reduce-scatter (a sum, so each element adds the same values in
+ * the same order as alone: the bits do not change) lands this rank's block,
+ * and each part's piece is copied to its recv. Then each owner finishes
+ * (dim0.h: fs_dim0_finish_reduce). Parts share one dtype; the host decides
+ * when to flush (a byte budget, the end of backward) from events every rank
+ * sees in the same order. */
+struct fs_reduce_bucket {
+    struct {
+        const void *send;   /* world_size * count */
+        void *recv;         /* count */
+        int64_t count;
+        void *owner;
+    } part[FS_BATCH_MAX_PARTS];
+    int nparts;
+    int64_t count;          /* per rank, all parts, elements */
+    fs_dtype dtype;
+    const char *what;       /* the first part's name (its owner keeps it) */
+};
+
+/* A summing reduce-scatter on l (comm.h's rules): recorded into l->bucket
+ * with `owner` when one is set on a host link, else issued now.
+ * FS_ERR_INVALID_ARG with comm->last_error when the bucket is full or holds
+ * another dtype. */
+fs_status fs_link_reduce_scatter(fs_link *l, const char *what, const void *send, void *recv,
+                                 int64_t recv_count, fs_dtype t, void *owner);
+/* Issue the bucket's parts as one reduce-scatter on l (staging from
+ * env->take); the owners are left for the caller to finish, the bucket for
+ * it to empty. A failure's words are in l->comm->last_error. */
+fs_status fs_reduce_bucket_flush(fs_reduce_bucket *b, fs_link *l, const fs_env *env);
 
 /* copy.h's fs_cast / fs_scale_accumulate: the host loops, or the link's
  * device kernels enqueued on `stream` (a failure's words in comm->last_error). */

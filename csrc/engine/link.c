@@ -1,10 +1,12 @@
 /* link.c - what every engine object does on a link (engine.h): casts and
  * accumulations on the host or the device, float32 workspace for
- * low-precision reductions on a device, and the handles a deferred
- * collective holds. */
+ * low-precision reductions on a device, the handles a deferred
+ * collective holds, and coalesced host all-gathers. */
 #include "engine.h"
 
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "copy.h"
 
@@ -113,4 +115,169 @@ fs_status fs_link_lend(const fs_env *env, const fs_link *l, fs_dtype t, int64_t 
 void fs_link_unlend(const fs_link *l)
 {
     l->dev->set_workspace(l->comm, NULL, 0);
+}
+
+/* ---------------------------------------------------------------------------
+ * coalesced gathers ([Note: coalesced gathers] in engine.h) */
+
+fs_status fs_link_all_gather(fs_link *l, const char *what, const void *send, void *recv,
+                             int64_t count, fs_dtype t)
+{
+    fs_gather_batch *b = l->batch;
+    fs_status s;
+    if (!b || l->dev) {
+        FS_LINK_RUN(l, s, FS_LOP_ALL_GATHER, what, count, t,
+                    fs_comm_all_gather(l->comm, send, recv, count, t));
+        return s;
+    }
+    if (b->nparts == FS_BATCH_MAX_PARTS) {
+        snprintf(l->comm->last_error, sizeof l->comm->last_error,
+                 "more than %d all-gathers coalesced in one call", FS_BATCH_MAX_PARTS);
+        return FS_ERR_INVALID_ARG;
+    }
+    const int64_t nbytes = count * (int64_t)fs_dtype_size(t);
+    if (!nbytes)
+        return FS_OK;
+    if (!b->nparts) {
+        b->dtype = t;
+        b->what = what;
+    } else if (b->dtype != t) {
+        b->dtype = FS_U8;
+    }
+    b->part[b->nparts].send = send;
+    b->part[b->nparts].recv = recv;
+    b->part[b->nparts].nbytes = nbytes;
+    b->nparts++;
+    b->nbytes += nbytes;
+    return FS_OK;
+}
+
+fs_status fs_gather_batch_flush(fs_gather_batch *b, fs_link *l, const fs_env *env)
+{
+    fs_comm *c = l->comm;
+    const int n = b->nparts;
+    const int64_t total = b->nbytes;
+    const size_t es = fs_dtype_size(b->dtype);
+    b->nparts = 0;
+    b->nbytes = 0;
+    if (!n)
+        return FS_OK;
+    fs_status s;
+    if (n == 1) { /* nothing to pack */
+        FS_LINK_RUN(l, s, FS_LOP_ALL_GATHER, b->what, total / (int64_t)es, b->dtype,
+                    fs_comm_all_gather(c, b->part[0].send, b->part[0].recv,
+                                       total / (int64_t)es, b->dtype));
+        return s;
+    }
+    /* the parts' sizes are multiples of the common dtype's, or it is bytes */
+    char what[FS_LEDGER_UNIT];
+    snprintf(what, sizeof what, "%s +%d", b->what ? b->what : "", n - 1);
+    void *buf, *h;
+    if ((s = env->take(env->ctx, total * c->world_size, FS_TAKE_TRANSIENT, &buf, &h)) != FS_OK) {
+        snprintf(c->last_error, sizeof c->last_error,
+                 "out of memory for %lld bytes of coalesced all-gather",
+                 (long long)(total * c->world_size));
+        return s;
+    }
+    char *mine = (char *)buf + (size_t)c->rank * (size_t)total;
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        memcpy(mine + off, b->part[i].send, (size_t)b->part[i].nbytes);
+        off += b->part[i].nbytes;
+    }
+    FS_LINK_RUN(l, s, FS_LOP_ALL_GATHER, what, total / (int64_t)es, b->dtype,
+                fs_comm_all_gather(c, mine, buf, total / (int64_t)es, b->dtype));
+    if (s == FS_OK) {
+        for (int r = 0; r < c->world_size; r++) {
+            const char *from = (const char *)buf + (size_t)r * (size_t)total;
+            off = 0;
+            for (int i = 0; i < n; i++) {
+                const int64_t nb = b->part[i].nbytes;
+                memcpy((char *)b->part[i].recv + (size_t)r * (size_t)nb, from + off, (size_t)nb);
+                off += nb;
+            }
+        }
+    }
+    env->release(env->ctx, h);
+    return s;
+}
+
+/* ---------------------------------------------------------------------------
+ * reduction buckets ([Note: reduction buckets] in engine.h) */
+
+fs_status fs_link_reduce_scatter(fs_link *l, const char *what, const void *send, void *recv,
+                                 int64_t recv_count, fs_dtype t, void *owner)
+{
+    fs_reduce_bucket *b = l->bucket;
+    fs_status s;
+    if (!b || l->dev) {
+        FS_LINK_RUN(l, s, FS_LOP_REDUCE_SCATTER, what, recv_count, t,
+                    fs_comm_reduce_scatter(l->comm, send, recv, recv_count, t, FS_RED_SUM));
+        return s;
+    }
+    if (b->nparts == FS_BATCH_MAX_PARTS || (b->nparts && b->dtype != t)) {
+        snprintf(l->comm->last_error, sizeof l->comm->last_error,
+                 "a reduction bucket holds at most %d parts of one dtype: flush it first",
+                 FS_BATCH_MAX_PARTS);
+        return FS_ERR_INVALID_ARG;
+    }
+    if (!b->nparts) {
+        b->dtype = t;
+        b->what = what;
+    }
+    b->part[b->nparts].send = send;
+    b->part[b->nparts].recv = recv;
+    b->part[b->nparts].count = recv_count;
+    b->part[b->nparts].owner = owner;
+    b->nparts++;
+    b->count += recv_count;
+    return FS_OK;
+}
+
+fs_status fs_reduce_bucket_flush(fs_reduce_bucket *b, fs_link *l, const fs_env *env)
+{
+    fs_comm *c = l->comm;
+    const int n = b->nparts, world = c->world_size;
+    const int64_t total = b->count;
+    const size_t es = fs_dtype_size(b->dtype);
+    fs_status s;
+    if (!n)
+        return FS_OK;
+    if (n == 1) { /* nothing to pack */
+        FS_LINK_RUN(l, s, FS_LOP_REDUCE_SCATTER, b->what, total, b->dtype,
+                    fs_comm_reduce_scatter(c, b->part[0].send, b->part[0].recv, total, b->dtype,
+                                           FS_RED_SUM));
+        return s;
+    }
+    char what[FS_LEDGER_UNIT];
+    snprintf(what, sizeof what, "%s +%d", b->what ? b->what : "", n - 1);
+    void *buf, *h;
+    if ((s = env->take(env->ctx, total * (world + 1) * (int64_t)es, FS_TAKE_TRANSIENT, &buf,
+                       &h)) != FS_OK) {
+        snprintf(c->last_error, sizeof c->last_error,
+                 "out of memory for %lld bytes of bucketed reduce-scatter",
+                 (long long)(total * (world + 1) * (int64_t)es));
+        return s;
+    }
+    char *in = buf, *out = (char *)buf + (size_t)(total * world) * es;
+    for (int r = 0; r < world; r++) { /* rank r's block: every part's rank-r block */
+        char *to = in + (size_t)(r * total) * es;
+        for (int i = 0; i < n; i++) {
+            const size_t nb = (size_t)b->part[i].count * es;
+            memcpy(to, (const char *)b->part[i].send + (size_t)r * nb, nb);
+            to += nb;
+        }
+    }
+    FS_LINK_RUN(l, s, FS_LOP_REDUCE_SCATTER, what, total, b->dtype,
+                fs_comm_reduce_scatter(c, in, out, total, b->dtype, FS_RED_SUM));
+    if (s == FS_OK) {
+        const char *from = out;
+        for (int i = 0; i < n; i++) {
+            const size_t nb = (size_t)b->part[i].count * es;
+            memcpy(b->part[i].recv, from, nb);
+            from += nb;
+        }
+    }
+    env->release(env->ctx, h);
+    return s;
 }

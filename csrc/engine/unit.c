@@ -255,9 +255,8 @@ static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int
         }
         /* Not in place: the shard is its own buffer, so that resharding can
          * drop the whole unsharded storage. */
-        if (s == FS_OK)
-            FS_LINK_RUN(&u->link, s, FS_LOP_ALL_GATHER, u->name, g->shard_numel, t,
-                        fs_comm_all_gather(c, sp, dp, g->shard_numel, t));
+        if (s == FS_OK) /* with a batch on the link, it lands at the flush */
+            s = fs_link_all_gather(&u->link, u->name, sp, dp, g->shard_numel, t);
         /* Not held: the caller's stream waits for the gather, and the
          * allocator reuses the block in that stream's order. */
         drop(u, &staged);
@@ -306,6 +305,33 @@ fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch)
     *live = 1;
     if (!mixed)
         u->full_unsharded = 1;
+    return FS_OK;
+}
+
+fs_status fs_unit_unshard_along(fs_unit *u, int own, fs_unit *const *along, int n,
+                                int *failed)
+{
+    fs_gather_batch batch;
+    batch.nparts = 0;
+    batch.nbytes = 0;
+    fs_status s = FS_OK;
+    *failed = -1;
+    u->link.batch = &batch;
+    if (own)
+        s = fs_unit_unshard(u, 0, 0);
+    for (int i = 0; i < n && s == FS_OK; i++) {
+        along[i]->link.batch = &batch;
+        s = fs_unit_unshard(along[i], 0, 1);
+        along[i]->link.batch = NULL;
+        if (s != FS_OK)
+            *failed = i;
+    }
+    u->link.batch = NULL;
+    if (s != FS_OK)
+        return s; /* nothing issued: every rank fails the same way or times out */
+    if ((s = fs_gather_batch_flush(&batch, &u->link, &u->env)) != FS_OK)
+        return fs_unit_fail_comm(u, s, "all-gather", 0, "coalesced all_gather: %s",
+                                 u->link.comm->last_error);
     return FS_OK;
 }
 

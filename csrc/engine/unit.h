@@ -98,6 +98,13 @@ fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsi
  * on a prefetch. prefetch: on a device, do not make the caller's stream wait
  * until fs_unit_ready, a plain unshard or reshard. */
 fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch);
+/* The compute buffers of u (when own) and of the units in along (those not
+ * live; the same host comm) gathered in one all-gather ([Note: coalesced
+ * gathers] in engine.h): the along units as fs_unit_unshard's prefetch.
+ * On failure *failed is the index in along of the unit whose err says
+ * why, or -1 for u. */
+fs_status fs_unit_unshard_along(fs_unit *u, int own, fs_unit *const *along, int n,
+                                int *failed);
 /* Gather the compute buffers again into their live storage (ZERO1 after an
  * optimizer step, after a state dict load); a live full-precision gather
  * under mixed precision is stale then, and is freed. */

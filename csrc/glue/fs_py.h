@@ -55,6 +55,7 @@ typedef struct {
     PyObject *stream_fn;      /* stream_fn() -> the caller's current stream, as an int */
     void *stream;             /* what it returned last (fs_comm_bind_stream) */
     PyObject *empty;          /* empty(numel, dtype_code) -> tensor: float32 staging */
+    void *bucket;             /* the fs_reduce_bucket (engine.h) of its groups, or NULL */
 } CommObject;
 
 /* kind='device': ask stream_fn for the caller's current stream, keep it in

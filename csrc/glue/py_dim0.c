@@ -3,7 +3,9 @@
  * objects behind the handles; the engine does the work without the GIL. */
 #include "py_unit.h"
 
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "dim0.h"
 
@@ -197,16 +199,60 @@ static PyObject *Dim0_set_full(Dim0Object *self, PyObject *full)
     Py_RETURN_NONE;
 }
 
-static PyObject *Dim0_unshard(Dim0Object *self, PyObject *args)
+static int settled(Dim0Object *self)
 {
+    if (self->full && self->shards)
+        return 0;
+    PyErr_Format(PyExc_RuntimeError, "Dim0Group %U: set_shards and set_full first", self->name);
+    return -1;
+}
+
+/* unshard with along: this group (when not gathered) and the groups of
+ * `along` gathered in one all-gather. */
+static PyObject *unshard_along(Dim0Object *self, PyObject *along)
+{
+    if (!PyTuple_Check(along))
+        return PyErr_Format(PyExc_TypeError, "unshard: along must be a tuple of Dim0Groups");
+    if (self->comm->dev)
+        return PyErr_Format(PyExc_ValueError, "unshard: along is for host Comms (a device's "
+                            "gathers are not coalesced)");
+    fs_dim0_group *groups[FS_BATCH_MAX_PARTS];
+    const fs_dtype *types[FS_BATCH_MAX_PARTS];
+    Dim0Object *objs[FS_BATCH_MAX_PARTS];
+    int n = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(along) && n < FS_BATCH_MAX_PARTS - 1; i++) {
+        PyObject *o = PyTuple_GET_ITEM(along, i);
+        if (Py_TYPE(o) != Py_TYPE(self) || ((Dim0Object *)o)->comm != self->comm)
+            return PyErr_Format(PyExc_TypeError, "unshard: along[%zd] is not a Dim0Group on "
+                                "this group's Comm", i);
+        Dim0Object *a = (Dim0Object *)o;
+        if (a == self || a->g.unsharded)
+            continue;
+        if (settled(a) < 0)
+            return NULL;
+        objs[n] = a;
+        groups[n] = &a->g;
+        types[n++] = a->shard_t;
+    }
+    int failed = -1;
+    fs_status s = fs_dim0_unshard_along(&self->g, self->shard_t, 1, groups, types, n, &failed);
+    return done(failed < 0 ? self : objs[failed], s);
+}
+
+static PyObject *Dim0_unshard(Dim0Object *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"defer", "along", NULL};
     int defer = 0;
-    if (!PyArg_ParseTuple(args, "|p", &defer))
+    PyObject *along = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|pO", kwlist, &defer, &along))
         return NULL;
-    if (!self->full || !self->shards)
-        return PyErr_Format(PyExc_RuntimeError, "Dim0Group %U: set_shards and set_full first",
-                            self->name);
-    if (bind(self) < 0)
+    if (settled(self) < 0 || bind(self) < 0)
         return NULL;
+    if (along != Py_None && defer)
+        return PyErr_Format(PyExc_ValueError, "unshard: along gathers now (host): not with "
+                            "defer");
+    if (along != Py_None)
+        return unshard_along(self, along);
     fs_status s;
     RUN(s, fs_dim0_unshard(&self->g, self->shard_t, defer));
     return done(self, s);
@@ -269,20 +315,28 @@ PyDoc_STRVAR(reduce_doc,
              "reduce-scatter output into the group's partial sum instead, write nothing.\n"
              "hold > 0: stop before the sharded gradients with the reduce output divided\n"
              "by hold (reduce_output, after wait_reduce() when deferred); finish_reduce()\n"
-             "divides by the rest and writes (engine/dim0.h, [Note: reduce output]).");
+             "divides by the rest and writes (engine/dim0.h, [Note: reduce output]).\n"
+             "bucket (a host Comm): the reduce-scatter joins the Comm's bucket; it runs\n"
+             "at flush_bucket() ([Note: reduction buckets] in engine/engine.h).");
 static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"grads", "grad_codes", "outs", "out_codes", "accumulate", "factor",
-                             "defer", "reshard", "all_reduce", "hold", NULL};
+                             "defer", "reshard", "all_reduce", "hold", "bucket", NULL};
     PyObject *grads, *gcodes, *outs, *ocodes, *accs;
     double factor = 0.0, hold = 0.0;
-    int defer = 0, reshard = 0, all_reduce = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|dpp$pd", kwlist, &grads, &gcodes, &outs,
+    int defer = 0, reshard = 0, all_reduce = 1, bucket = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|dpp$pdp", kwlist, &grads, &gcodes, &outs,
                                      &ocodes, &accs, &factor, &defer, &reshard, &all_reduce,
-                                     &hold))
+                                     &hold, &bucket))
         return NULL;
     if (!(hold >= 0.0))
         return PyErr_Format(PyExc_ValueError, "reduce: hold must be >= 0");
+    if (bucket && (self->comm->dev || defer))
+        return PyErr_Format(PyExc_ValueError, "reduce: bucket is for host Comms, without "
+                            "defer");
+    if (bucket && !self->comm->bucket &&
+        !(self->comm->bucket = calloc(1, sizeof(fs_reduce_bucket))))
+        return PyErr_NoMemory();
     int n = self->g.nparams;
     PyObject *seq[5] = {PySequence_Fast(grads, "reduce: grads must be a sequence"), NULL, NULL,
                         NULL, NULL};
@@ -315,8 +369,10 @@ static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args, PyObject *kw)
     if (bind(self) < 0)
         goto out;
     fs_status s;
+    self->g.link.bucket = bucket ? self->comm->bucket : NULL;
     s = fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor, hold,
                        (defer ? FS_DIM0_DEFER : 0) | (all_reduce ? 0 : FS_DIM0_NO_ALL_REDUCE));
+    self->g.link.bucket = NULL;
     if (s == FS_OK && reshard)
         s = fs_dim0_reshard(&self->g);
     r = done(self, s);
@@ -327,6 +383,82 @@ out:
     free(gt);
     free(acc);
     return r;
+}
+
+/* The groups of `groups` (a tuple), checked to be the owners of the
+ * Comm's bucket in its order; -1 with an exception set. */
+static int bucket_owners(Dim0Object *self, PyObject *groups, fs_reduce_bucket *b)
+{
+    if (!PyTuple_Check(groups) || !b || PyTuple_GET_SIZE(groups) != b->nparts) {
+        PyErr_Format(PyExc_ValueError, "flush_bucket: groups must be a tuple of the %d groups "
+                     "in this Comm's bucket", b ? b->nparts : 0);
+        return -1;
+    }
+    for (int i = 0; i < b->nparts; i++) {
+        PyObject *o = PyTuple_GET_ITEM(groups, i);
+        if (Py_TYPE(o) != Py_TYPE(self) || &((Dim0Object *)o)->g != b->part[i].owner) {
+            PyErr_Format(PyExc_ValueError, "flush_bucket: groups[%d] is not the bucket's "
+                         "part %d", i, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void empty_bucket(fs_reduce_bucket *b)
+{
+    b->nparts = 0;
+    b->count = 0;
+}
+
+PyDoc_STRVAR(flush_bucket_doc,
+             "flush_bucket(groups): the reduce-scatters in this Comm's bucket as one, then\n"
+             "each group's reduction finished (its sharded gradients written). groups: the\n"
+             "bucket's groups, in the order their reduce(bucket=True) calls came. After a\n"
+             "failure no group keeps a pending reduction.");
+static PyObject *Dim0_flush_bucket(Dim0Object *self, PyObject *groups)
+{
+    fs_reduce_bucket *b = self->comm->bucket;
+    if (bucket_owners(self, groups, b) < 0 || bind(self) < 0)
+        return NULL;
+    int n = b->nparts;
+    fs_status s = fs_reduce_bucket_flush(b, &self->g.link, &self->g.env);
+    empty_bucket(b);
+    Dim0Object *failed = self;
+    if (s != FS_OK) {
+        char why[sizeof self->comm->comm->last_error];
+        memcpy(why, self->comm->comm->last_error, sizeof why);
+        for (int i = 0; i < n; i++)
+            fs_dim0_cancel_reduce(&((Dim0Object *)PyTuple_GET_ITEM(groups, i))->g);
+        self->g.err_what = "reduce-scatter";
+        self->g.err_collective = 1;
+        snprintf(self->g.err, sizeof self->g.err, "bucketed reduce_scatter: %s", why);
+        return done(self, s);
+    }
+    for (int i = 0; i < n; i++) {
+        Dim0Object *o = (Dim0Object *)PyTuple_GET_ITEM(groups, i);
+        if (s == FS_OK) {
+            if ((s = fs_dim0_finish_reduce(&o->g)) != FS_OK)
+                failed = o;
+        } else {
+            fs_dim0_cancel_reduce(&o->g);
+        }
+    }
+    return done(failed, s);
+}
+
+PyDoc_STRVAR(cancel_bucket_doc,
+             "cancel_bucket(groups): give up this Comm's bucket without a collective (a\n"
+             "backward that did not finish): the groups' reductions are dropped.");
+static PyObject *Dim0_cancel_bucket(Dim0Object *self, PyObject *groups)
+{
+    fs_reduce_bucket *b = self->comm->bucket;
+    if (bucket_owners(self, groups, b) < 0)
+        return NULL;
+    for (int i = 0; i < b->nparts; i++)
+        fs_dim0_cancel_reduce(&((Dim0Object *)PyTuple_GET_ITEM(groups, i))->g);
+    empty_bucket(b);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Dim0_finish_reduce(Dim0Object *self, PyObject *Py_UNUSED(a))
@@ -472,14 +604,18 @@ static PyObject *Dim0_get_counts(Dim0Object *self, void *c)
 static PyMethodDef Dim0_methods[] = {
     {"set_shards", (PyCFunction)Dim0_set_shards, METH_VARARGS, set_shards_doc},
     {"set_full", (PyCFunction)Dim0_set_full, METH_O, set_full_doc},
-    {"unshard", (PyCFunction)Dim0_unshard, METH_VARARGS,
-     "unshard(defer=False): gather into the unsharded buffer (defer: a device prefetch)."},
+    {"unshard", (PyCFunction)(void (*)(void))Dim0_unshard, METH_VARARGS | METH_KEYWORDS,
+     "unshard(defer=False, along=None): gather into the unsharded buffer (defer: a device\n"
+     "prefetch). along: a tuple of Dim0Groups on this Comm (host) gathered now too, in the\n"
+     "same all-gather (those already gathered are skipped)."},
     {"unshard_from", (PyCFunction)Dim0_unshard_from, METH_VARARGS,
      "unshard_from(comm, chunk): gather the unsharded buffer over `comm` from the chunk\n"
      "this rank kept after forward (int reshard_after_forward)."},
     {"wait", (PyCFunction)Dim0_wait, METH_NOARGS,
      "wait(): a deferred gather: the stream waits, then the copy-out is enqueued."},
     {"reshard", (PyCFunction)Dim0_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},
+    {"flush_bucket", (PyCFunction)Dim0_flush_bucket, METH_O, flush_bucket_doc},
+    {"cancel_bucket", (PyCFunction)Dim0_cancel_bucket, METH_O, cancel_bucket_doc},
     {"reduce", (PyCFunction)(void (*)(void))Dim0_reduce, METH_VARARGS | METH_KEYWORDS,
      reduce_doc},
     {"wait_reduce", (PyCFunction)Dim0_wait_reduce, METH_NOARGS,

@@ -181,35 +181,81 @@ static void Unit_dealloc(UnitObject *self)
 /* ---------------------------------------------------------------------------
  * methods */
 
+/* The units of `along` (a tuple of Units on self's host Comm, or None)
+ * whose gathers join self's ([Note: coalesced gathers]); -1 with an
+ * exception set. The units of a batch together add at most
+ * FS_BATCH_MAX_PARTS groups: the later ones are left out (gathered at their
+ * own event instead). */
+static Py_ssize_t along_units(UnitObject *self, PyObject *along, UnitObject **out)
+{
+    if (along == Py_None)
+        return 0;
+    if (!PyTuple_Check(along))
+        return PyErr_Format(PyExc_TypeError, "event: along must be a tuple of Units"), -1;
+    PyTypeObject *tp = Py_TYPE(self);
+    Py_ssize_t n = 0;
+    int parts = self->u.ngroups;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(along) && n < FS_BATCH_MAX_PARTS; i++) {
+        PyObject *o = PyTuple_GET_ITEM(along, i);
+        if (Py_TYPE(o) != tp || ((UnitObject *)o)->comm != self->comm)
+            return PyErr_Format(PyExc_TypeError, "event: along[%zd] is not a Unit on this "
+                                "unit's Comm", i), -1;
+        UnitObject *a = (UnitObject *)o;
+        if (a == self || a->u.unsharded || a->u.replicated)
+            continue;
+        if (parts + a->u.ngroups > FS_BATCH_MAX_PARTS)
+            break;
+        parts += a->u.ngroups;
+        out[n++] = a;
+    }
+    return n;
+}
+
 PyDoc_STRVAR(event_doc,
              "event(event, flags=0, group=-1, grad=None, out=None, accumulate=False,\n"
-             "      defer=False) -> actions\n"
+             "      defer=False, along=None) -> actions\n"
              "Apply a state-machine event (EV_*) and do what it asks, in one call: gather\n"
              "on UNSHARD (then wait for a prefetch: the buffers are used next), free on\n"
              "RESHARD, and on REDUCE_GRAD reduce `grad` into `out` (reduce_grad's\n"
              "arguments) before freeing. FINALIZE first waits for deferred reductions.\n"
+             "along: a tuple of Units on this Comm (host) gathered now too, in the same\n"
+             "all-gather as this unit's (those already gathered are skipped).\n"
              "Returns the ACT_* bits, for the torch-side work they leave (views, hooks).");
 static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"event", "flags", "group", "grad", "out", "accumulate", "defer",
-                             NULL};
+                             "along", NULL};
     int ev, group = -1, accumulate = 0, defer = 0;
     unsigned int flags = 0;
-    PyObject *grad = Py_None, *out = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IiOOpp", kwlist, &ev, &flags, &group, &grad,
-                                     &out, &accumulate, &defer))
+    PyObject *grad = Py_None, *out = Py_None, *along = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IiOOppO", kwlist, &ev, &flags, &group, &grad,
+                                     &out, &accumulate, &defer, &along))
         return NULL;
     fs_unit *u = &self->u;
     unsigned act = 0;
     fs_status s = FS_OK;
-    if (bind(self) < 0)
+    UnitObject *others[FS_BATCH_MAX_PARTS];
+    if (along != Py_None && self->comm->dev)
+        return PyErr_Format(PyExc_ValueError, "event: along is for host Comms (a device's "
+                            "gathers are not coalesced)");
+    Py_ssize_t nothers = along_units(self, along, others);
+    if (nothers < 0 || bind(self) < 0)
         return NULL;
     if (ev == FS_EV_FINALIZE)
         s = fs_unit_wait_reduced(u);
     if (s == FS_OK)
         s = fs_unit_event(u, ev, flags, group, &act);
-    if (s == FS_OK && (act & FS_ACT_UNSHARD))
+    if (s == FS_OK && nothers) {
+        fs_unit *units[FS_BATCH_MAX_PARTS];
+        int failed = -1;
+        for (Py_ssize_t i = 0; i < nothers; i++)
+            units[i] = &others[i]->u;
+        s = fs_unit_unshard_along(u, act & FS_ACT_UNSHARD, units, (int)nothers, &failed);
+        if (s != FS_OK)
+            return done(failed < 0 ? self : others[failed], s);
+    } else if (s == FS_OK && (act & FS_ACT_UNSHARD)) {
         s = fs_unit_unshard(u, 0, 0);
+    }
     if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
         s = fs_unit_ready(u);
     if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && grad != Py_None && out != Py_None)

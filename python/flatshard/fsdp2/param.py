@@ -141,6 +141,8 @@ class ParamGroup:
         self.entries = self.c.entries     # this rank's rows of each parameter (layout.c)
         self.offsets = self.c.offsets     # each parameter's start in the unsharded buffer
         self.full_alloc = self.c.full_alloc
+        # what one reduction's input takes (a bucket's budget counts it)
+        self.reduce_bytes = self.full_alloc * torch.empty((), dtype=reduce).element_size()
 
     # the engine's counts
     is_unsharded = property(lambda self: self.c.is_unsharded)
@@ -339,12 +341,14 @@ class ParamGroup:
         self.full.untyped_storage().resize_(0)
         self.c.set_full(self.full)
 
-    def unshard(self, defer=False):
+    def unshard(self, defer=False, along=()):
         """Gather the group (the engine's one all-gather with its copy-in and
         copy-out). defer (a prefetch): on a device Comm the caller's stream
         does not wait for the all-gather; the copy-out waits for it at
         wait_unsharded() (the next unshard, reshard, or the module's own
-        forward)."""
+        forward). along: other groups on this host Comm, none gathered, none
+        with an extension parameter or a post-forward chunk, gathered in the
+        same all-gather (FSDPState.unshard picks them)."""
         if self.c.is_unsharded:  # a pending gather is waited for, unless this is a prefetch too
             if not defer:
                 self.wait_unsharded()
@@ -358,7 +362,15 @@ class ParamGroup:
             return
         if self.ext:
             self._unshard_extensions()
-        self.c.unshard(defer)
+        if along:
+            for a in along:
+                if a.full is None:
+                    a._make_full()
+            self.c.unshard(along=tuple(a.c for a in along))
+            for a in along:
+                a.register_unsharded()
+        else:
+            self.c.unshard(defer)
         self.register_unsharded()
 
     def _unshard_extensions(self):
@@ -446,7 +458,7 @@ class ParamGroup:
                                                   device=g.device)
                 self._accumulate(i, False)
 
-    def reduce_grads(self, defer=False, reshard=False):
+    def reduce_grads(self, defer=False, reshard=False, bucket=None):
         """One engine call: the unsharded gradients reduce-scattered (averaged
         over the data-parallel ranks, or divided by the set factor) into the
         sharded parameters' .grad (DTensors), added to what is there. defer:
@@ -462,13 +474,25 @@ class ParamGroup:
         sharded gradient is written; the next reduction with it adds the sum
         before the all-reduce. A hook (set_all_reduce_hook): the engine holds
         the reduce output after the collectives, finish_reduce() runs the
-        hook on it, then the engine writes [Note: reduce output] (dim0.h)."""
+        hook on it, then the engine writes [Note: reduce output] (dim0.h).
+
+        bucket (the root's runtime.bucket.ReduceBucket): on a host Comm a
+        plain reduction joins it and runs when it is flushed (then False is
+        returned: the bucket finishes it); one that cannot join goes after
+        what the bucket holds."""
+        sharded, accumulated, unsharded = self.sharded, self.accumulated, self.unsharded
+        partial = self.replicate_comm is not None and not self.all_reduce
+        joins = False
+        if bucket is not None:  # before reading .grad: a pending reduction of ours lands first
+            if self.comm.device is None and self.replicate_comm is None and \
+                    self.all_reduce_hook is None:
+                joins = bucket.admits(self, self.reduce_dtype)
+            else:
+                bucket.flush()
         # Runs once per group per backward, in one pass: each parameter's
         # gradient (with reduce_unused, every trainable parameter takes part:
         # the engine reduces zero rows for one without) and where its
         # reduction lands. With no gradient at all nothing is touched.
-        sharded, accumulated, unsharded = self.sharded, self.accumulated, self.unsharded
-        partial = self.replicate_comm is not None and not self.all_reduce
         unused = self.reduce_unused
         grads, grad_codes, outs, out_codes, accumulate, fresh = [], [], [], [], [], []
         use_any = False
@@ -511,8 +535,11 @@ class ParamGroup:
         self.c.reduce(grads, grad_codes, outs, out_codes, accumulate,
                       float(factor) if factor is not None else 0.0,
                       deferred, reshard and not self.ext, all_reduce=not partial,
-                      hold=self._hook_divisor() if self.reducing_hook else 0.0)
+                      hold=self._hook_divisor() if self.reducing_hook else 0.0, bucket=joins)
         self.reducing = fresh
+        if joins:
+            bucket.joined(self, self.reduce_dtype)
+            return False
         if deferred and self.c.reduce_pending:
             return True
         self.finish_reduce()
@@ -564,6 +591,11 @@ class ParamGroup:
                 self.c.finish_reduce()
         for i, out in fresh:
             self.sharded[i].grad = _like(out, self.sharded[i])
+
+    def drop_reduce(self):
+        """A reduction given up before it ran (a bucket cancelled): nothing
+        is set."""
+        self.reducing = self.reducing_hook = None
 
 
 def _run_hook(hook, stream, reduce_output):

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
+from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
 
@@ -65,6 +66,12 @@ def _issued(g):
             rs if g.replicate_comm is not None else 0)
 
 
+def _issued_all(groups):
+    """_issued summed over groups gathered together (each group's gather
+    counts as the one all-gather torch would issue for it)."""
+    return tuple(map(sum, zip(*map(_issued, groups))))
+
+
 class FSDPState:
     def __init__(self, modules, group, reshard_after_forward, mp_policy):
         eager.install(FSDPState)  # the hooks torch.compile runs eagerly
@@ -86,6 +93,7 @@ class FSDPState:
         self.states = None                # the root's: every state of its tree
         self.callback_queued = False
         self.inflight = InFlight()        # the root's: the reduction in flight
+        self.bucket = None                # the root's: reductions issued as one (host)
         self.reduced = False              # the root's: a group was reduced in this backward
         self.fqn = ""                     # the modules' names in the root's tree (profiler)
         self.label = ""                   # " (fqn)": the suffix of this state's ranges
@@ -115,6 +123,7 @@ class FSDPState:
         if self.is_root is not None:
             return
         self.is_root, self.root, self.states = True, self, []
+        self.bucket = ReduceBucket(bucket_bytes())
         for m in (m for top in self.modules for m in top.modules()):
             st = state_of(m)
             if st is None or st in self.states:
@@ -173,9 +182,12 @@ class FSDPState:
     # ------------------------------------------------------------------
     # unshard with the post-backward hooks attached
 
-    def unshard(self, defer=False):
+    def unshard(self, defer=False, along=()):
         """defer: a prefetch (the caller's stream waits at the next
-        unshard of this state, see ParamGroup.unshard)."""
+        unshard of this state, see ParamGroup.unshard). along: states whose
+        gathers join this one's on the host, one all-gather for all ([Note:
+        coalesced gathers] in csrc/engine/engine.h): the prefetches of a
+        host Comm."""
         g = self.group
         if g is None:
             return
@@ -184,6 +196,22 @@ class FSDPState:
                   if not defer and g.pending else observe.NOTHING):
                 g.unshard(defer)
             return
+        self._before_gather()
+        joined = [st for st in along if st._joins(g)] if along and not defer else None
+        if joined:
+            groups = tuple(st.group for st in joined)
+            with observe.counted_span(_issued_all, (g,) + groups, g.comm, "FSDP::all_gather",
+                                      self.label):
+                g.unshard(along=groups)
+            for st in joined:
+                st._hook_grads()
+        else:
+            with observe.counted_span(_issued, g, g.comm, "FSDP::all_gather", self.label):
+                g.unshard(defer)
+        self._hook_grads()
+
+    def _before_gather(self):
+        g = self.group
         if g.post_chunk is None:
             g.sync_registered()  # parameters assigned since: the new shards
         meta = [] if g.full is not None else \
@@ -196,8 +224,22 @@ class FSDPState:
                 "load_state_dict(sd, assign=True) or torch.distributed.checkpoint.state_dict."
                 "set_model_state_dict, or call module.to_empty(device='cpu') and "
                 "reset_parameters() on its submodules, before the first forward or unshard")
-        with observe.counted_span(_issued, g, g.comm, "FSDP::all_gather", self.label):
-            g.unshard(defer)
+
+    def _joins(self, g):
+        """Whether this state's gather can go in group g's all-gather (made
+        ready for it if so): a host Comm shared with g, nothing gathered yet,
+        no parameter class that gathers for itself, no post-forward chunk."""
+        h = self.group
+        if h is None or h is g or h.comm is not g.comm or h.comm.device is not None or \
+                h.is_unsharded or h.ext or h.post_chunk is not None:
+            return False
+        self._before_gather()
+        return not h.is_unsharded  # (sync_registered may have rebuilt it)
+
+    def _hook_grads(self):
+        """Post-accumulate-grad hooks on trainable unsharded parameters that
+        have none yet."""
+        g = self.group
         if self.hooked_full is not g.full:  # new unsharded parameters (first unshard, _apply)
             self.hooked_full, self.hooked = g.full, 0
         todo = g.trainable_mask & ~self.hooked  # trainable ones; a frozen one may be unfrozen
@@ -211,16 +253,17 @@ class FSDPState:
     def _to_sharded_hook(self, *args, **kwargs):
         self.reshard()
 
-    def _unshard_and_wait(self):
+    def _unshard_and_wait(self, along=()):
         """The pre-forward and pre-backward gather: with
         _set_unshard_async_op(True) issued as async_op and waited for at
-        once, as torch does (its point there is which stream allocates)."""
+        once, as torch does (its point there is which stream allocates).
+        along: the states this hook prefetches, whose host gathers join."""
         if self.unshard_async_op:
             self.unshard(defer=True)
             if self.group is not None:
                 self._wait_gather()
         else:
-            self.unshard()
+            self.unshard(along=along)
 
     def _wait_gather(self):
         """The copy-out of a deferred all-gather (a device Comm's prefetch or
@@ -252,7 +295,14 @@ class FSDPState:
 
     @staticmethod
     def _prefetch(states, pass_type):
-        """Issue the deferred gather of each state, in torch's range."""
+        """Issue the deferred gather of each state, in torch's range. On a
+        host Comm the states not gathered yet are gathered in one all-gather
+        ([Note: coalesced gathers] in csrc/engine/engine.h)."""
+        host = [st for st in states if st.group is not None and
+                st.group.comm.device is None and not st.group.is_unsharded]
+        if len(host) > 1:
+            with observe.span("FSDP::", pass_type, "_prefetch for ", host[0].fqn):
+                host[0].unshard(along=host[1:])
         for st in states:
             with observe.span("FSDP::", pass_type, "_prefetch for ", st.fqn):
                 st.unshard(defer=True)
@@ -275,7 +325,7 @@ class FSDPState:
             with observe.span("FSDP::cast_forward_inputs"):
                 args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
         with self._span("FSDP::pre_forward"):
-            self._unshard_and_wait()
+            self._unshard_and_wait(self.forward_prefetch or ())
         if self.forward_prefetch is not None:
             self._prefetch(self.forward_prefetch, "forward")
         elif nxt is not None:
@@ -328,7 +378,7 @@ class FSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(root._finalize)
         with self._span("FSDP::pre_backward"):
             if self.unshard_in_backward:
-                self._unshard_and_wait()
+                self._unshard_and_wait(self.backward_prefetch or ())
             if self.backward_prefetch is None:  # torch's default prefetch is in the range
                 self._prefetch(self._implicit(root.order.previous(self)), "backward")
         if self.backward_prefetch is not None:
@@ -358,7 +408,8 @@ class FSDPState:
                 root.finish_reducing()
             with observe.counted_span(_issued, g, g.comm, "FSDP::post_backward_reduce",
                                       self.label):
-                if g.reduce_grads(defer=True, reshard=self.reshard_after_backward):
+                if g.reduce_grads(defer=True, reshard=self.reshard_after_backward,
+                                  bucket=root.bucket):
                     root.inflight.issued(self, g.finish_reduce)
             root.reduced = True
         with self._span("FSDP::post_backward_reshard"):
@@ -384,5 +435,6 @@ class FSDPState:
                     st._post_backward()
                 elif st.reshard_after_backward:
                     g.reshard()
+            self.bucket.flush()
             self.finish_reducing()  # every sharded gradient is in place when backward returns
             self.reduced = False
