@@ -120,6 +120,13 @@ void fs_link_unlend(const fs_link *l)
 /* ---------------------------------------------------------------------------
  * coalesced gathers ([Note: coalesced gathers] in engine.h) */
 
+/* The ledger's name of n coalesced parts: the first one's, cut to leave
+ * room for " +<the others>". */
+static void coalesced_name(char what[FS_LEDGER_UNIT], const char *first, int n)
+{
+    snprintf(what, FS_LEDGER_UNIT, "%.*s +%d", FS_LEDGER_UNIT - 8, first ? first : "", n - 1);
+}
+
 fs_status fs_link_all_gather(fs_link *l, const char *what, const void *send, void *recv,
                              int64_t count, fs_dtype t)
 {
@@ -171,7 +178,7 @@ fs_status fs_gather_batch_flush(fs_gather_batch *b, fs_link *l, const fs_env *en
     }
     /* the parts' sizes are multiples of the common dtype's, or it is bytes */
     char what[FS_LEDGER_UNIT];
-    snprintf(what, sizeof what, "%s +%d", b->what ? b->what : "", n - 1);
+    coalesced_name(what, b->what, n);
     void *buf, *h;
     if ((s = env->take(env->ctx, total * c->world_size, FS_TAKE_TRANSIENT, &buf, &h)) != FS_OK) {
         snprintf(c->last_error, sizeof c->last_error,
@@ -250,7 +257,7 @@ fs_status fs_reduce_bucket_flush(fs_reduce_bucket *b, fs_link *l, const fs_env *
         return s;
     }
     char what[FS_LEDGER_UNIT];
-    snprintf(what, sizeof what, "%s +%d", b->what ? b->what : "", n - 1);
+    coalesced_name(what, b->what, n);
     void *buf, *h;
     if ((s = env->take(env->ctx, total * (world + 1) * (int64_t)es, FS_TAKE_TRANSIENT, &buf,
                        &h)) != FS_OK) {
