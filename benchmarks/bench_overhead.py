@@ -1,30 +1,38 @@
 """Per-unit cost: 64 tiny units, each unit's hooks and collectives against its compute.
 
     python3 benchmarks/bench_overhead.py [--steps 50] [--warmup 5] [--units 64]
-        [--impl unwrapped,hooks-only,fsdp1,fully_shard,torch-fully_shard] [--breakdown]
+        [--impl unwrapped,hooks-only,fsdp1,fully_shard,...] [--backend shm|torch]
+        [--breakdown]
 
 The model is `units` blocks of relu(Linear(32, 32)(x)) + x, batch 8, float32.
-Two ranks on one host (a gloo process group; flatshard on its default
-shared-memory backend), one thread each. Every impl runs in the same two
-processes, one after the other, forward + backward only (no optimizer: the
-point is what wrapping adds around each unit), each step starting at a
-barrier and counted as the slower rank's time. "unwrapped" is the same model
-with no sharding at all; the others wrap every block and the root:
-"fsdp1" is flatshard.FullyShardedDataParallel (FULL_SHARD, one unit per
-block), "fully_shard" is flatshard.fully_shard on each block and the root,
-"torch-fully_shard" is torch's own. "hooks-only" is the unwrapped model
-with the torch hooks a per-unit wrapper needs, each doing the least it can:
-a forward pre-hook and a forward hook on every block that swap its
-parameters in and out (as fully_shard registers its unsharded and sharded
-parameters), a hook on each block output (the pre-backward) and a
-post-accumulate-grad hook on each parameter that drops the gradient (the
-post-backward): what torch's hook machinery costs by itself, with no
-collective and no sharding, the floor under any hook-based wrapper.
---breakdown adds fully_shard's engine calls timed inside the steps and
-alone, both ranks in step: their difference is what each rank waits at the
-collectives for the other. Printed: the median and spread of the
-step time and the ratio to "unwrapped"; and the first loss of each, which
-must agree (same seed, same math).
+Two ranks on one host (BENCH_WORLD in the environment changes it; a gloo
+process group; flatshard on its default shared-memory backend, or with
+--backend torch on the gloo group as torch's own FSDP is), one thread each.
+Every impl runs in the same processes, one after the other, forward +
+backward only (no optimizer: the point is what wrapping adds around each
+unit), each step starting at a barrier and counted as the slower rank's
+time. "unwrapped" is the same model with no sharding at all; the others wrap
+every block and the root: "fsdp1" is flatshard.FullyShardedDataParallel
+(FULL_SHARD, one unit per block), "fully_shard" is flatshard.fully_shard on
+each block and the root (its default reduction bucket,
+FLATSHARD_REDUCE_BUCKET_BYTES), "fully_shard-nobucket" the same with every
+group reducing on its own, "torch-fully_shard" is torch's own. "+prefetch":
+torch's explicit prefetch lists in buckets of eight blocks (block 0, 8, ...
+prefetches the next seven in forward, 63, 55, ... the seven before in
+backward); flatshard gathers each bucket in one all-gather on a host Comm,
+torch issues one per block. "hooks-only" is the unwrapped model with the
+torch hooks a per-unit wrapper needs, each doing the least it can: a forward
+pre-hook and a forward hook on every block that swap its parameters in and
+out (as fully_shard registers its unsharded and sharded parameters), a hook
+on each block output (the pre-backward) and a post-accumulate-grad hook on
+each parameter that drops the gradient (the post-backward): what torch's
+hook machinery costs by itself, with no collective and no sharding, the
+floor under any hook-based wrapper. --breakdown adds fully_shard's engine
+calls timed inside the steps and alone, both ranks in step: their
+difference is what each rank waits at the collectives for the other.
+Printed: the median and spread of the step time and the ratio to
+"unwrapped"; and the first loss of each, which must agree (same seed, same
+math).
 """
 import argparse
 import datetime
@@ -42,8 +50,8 @@ import torch.nn as nn
 from harness import cpu_name, free_port  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
-IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fully_shard", "fully_shard+prefetch",
-         "torch-fully_shard", "torch-fully_shard+prefetch")
+IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fully_shard", "fully_shard-nobucket",
+         "fully_shard+prefetch", "torch-fully_shard", "torch-fully_shard+prefetch")
 BUCKET = 8  # +prefetch: every BUCKET-th block prefetches the next BUCKET - 1
 
 
@@ -133,6 +141,9 @@ def _bucket_prefetch(blocks):
 
 
 def run_impl(impl, rank, args):
+    # read at the root's first forward (its lazy init)
+    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = "0" if impl.endswith("-nobucket") else \
+        str(1 << 20)
     model = build(impl, args.units)
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(8, 32, generator=g)
@@ -268,6 +279,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every impl")
     p.add_argument("--units", type=int, default=64)
     p.add_argument("--impl", default=",".join(IMPLS))
+    p.add_argument("--backend", choices=("shm", "torch"), default="shm",
+                   help="flatshard's collective backend (torch: the gloo process group)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time fully_shard's engine calls inside the steps and alone")
     args = p.parse_args()
@@ -275,6 +288,7 @@ def main():
     bad = [i for i in args.impl if i not in IMPLS]
     if bad:
         p.error(f"--impl: unknown {bad}; choose from {', '.join(IMPLS)}")
+    os.environ["FLATSHARD_COMM_BACKEND"] = args.backend  # inherited by the ranks
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -286,6 +300,7 @@ def main():
         pr.join()
     cpu = cpu_name()
     print(f"# {cpu}; torch {torch.__version__}; {WORLD} ranks, 1 thread each; "
+          f"flatshard on its {args.backend} backend; "
           f"{args.units} units of Linear(32, 32), batch 8, forward + backward")
     print(f"# {args.rounds} interleaved rounds x {args.steps} timed steps per impl")
     base = statistics.median(res["unwrapped"]["times"]) if "times" in res.get("unwrapped", {}) \

@@ -257,3 +257,58 @@ def test_engine_checks_its_arguments(dist_pool):
     for errors in dist_pool(2).run(_engine_arguments, timeout=TIMEOUT):
         assert len(errors) == 3, errors
         assert "defer" in errors[0] and "along[0]" in errors[1] and "bucket" in errors[2]
+
+
+# ----------------------------------------------------------------------
+# the FSDP1 wrapper: the same bucket, per flat group
+
+
+def _train_fsdp1(bucket, strategy, orig, mp, accum):
+    from flatshard import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
+    from toy_models import Block
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with _env(**{ENV: str(bucket)}):
+        model = FSDP(build(depth=4), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                     sharding_strategy=ShardingStrategy[strategy], use_orig_params=orig,
+                     mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16)
+                     if mp else None)  # cast to bf16, reduced, landing in red_out
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(3)
+        comm = next(m for m in model.modules() if m is not model and hasattr(m, "_unit"))
+        comm = comm._unit.c.comm
+        seen = []
+        for _ in range(2):
+            start = comm.ledger()[-1]["seq"] if comm.ledger() else 0
+            for _ in range(accum):  # gradients accumulate across backwards
+                x = torch.randn(PER_RANK * world, 5, generator=g)
+                y = torch.randn(PER_RANK * world, 3, generator=g)
+                mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+                ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+            seen.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            opt.step()
+            opt.zero_grad()
+            seen.append([p.detach().clone() for p in model.parameters()])
+        rs = sum(1 for e in comm.ledger() if e["seq"] > start and e["op"] == "reduce_scatter")
+    return seen, rs
+
+
+FSDP1_CASES = [("FULL_SHARD", False, False, 1), ("FULL_SHARD", True, True, 2),
+               ("SHARD_GRAD_OP", True, False, 2), ("SHARD_GRAD_OP", False, True, 1)]
+
+
+def _compare_fsdp1(strategy, orig, mp, accum):
+    plain, rs_plain = _train_fsdp1(0, strategy, orig, mp, accum)
+    bucketed, rs = _train_fsdp1(1 << 20, strategy, orig, mp, accum)
+    _bits_equal(plain, bucketed)
+    return rs_plain, rs
+
+
+@pytest.mark.parametrize("strategy,orig,mp,accum", FSDP1_CASES,
+                         ids=[f"{s}-orig{int(o)}-{'bf16reduce' if m else 'f32'}-x{a}"
+                              for s, o, m, a in FSDP1_CASES])
+def test_fsdp1_reduction_bucket_changes_no_bit(dist_pool, strategy, orig, mp, accum):
+    for rs_plain, rs in dist_pool(2).run(_compare_fsdp1, strategy, orig, mp, accum,
+                                         timeout=TIMEOUT):
+        # 4 block units and the root's (inp, head) per backward: each on its
+        # own, or one bucket per backward
+        assert rs_plain == 5 * accum and rs == accum, (rs_plain, rs)

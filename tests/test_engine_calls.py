@@ -90,8 +90,13 @@ def test_fsdp1_one_engine_call_per_hook_event(dist_pool, strategy):
             assert calls.count("event") == (4 if name == "<root>" else 5), (name, calls)
             # besides: the unit after it in forward prefetches it in backward
             # (BACKWARD_PRE, the default), one unshard() call
-            others = [c for c in calls if c != "event"]
+            others = [c for c in calls if c not in ("event", "flush_bucket")]
             assert others in ([], ["unshard"]), (name, calls)
+        # the default reduction bucket holds the three blocks' reduce-scatters
+        # until the end of backward: one flush, through the first (the last
+        # block's); SHARD_OPTIM all-reduces whole gradients at once
+        flushes = [name for name, calls in logs.items() for c in calls if c == "flush_bucket"]
+        assert flushes == ([] if strategy == "SHARD_OPTIM" else ["blocks.2"]), logs
 
 
 def _fully_shard_calls(bucket_bytes):

@@ -585,6 +585,25 @@ void fs_dim0_cancel_reduce(fs_dim0_group *g)
         release_reduction(g);
 }
 
+fs_status fs_dim0_flush_bucket(fs_reduce_bucket *b, fs_dim0_group *g,
+                               fs_dim0_group *const *owners, int *failed)
+{
+    const int n = b->nparts;
+    fs_status s = fs_reduce_bucket_flush(b, &g->link, &g->env);
+    b->nparts = 0;
+    b->count = 0;
+    *failed = -1;
+    if (s != FS_OK)
+        fail(g, s, "reduce-scatter", 1, "bucketed reduce_scatter: %s", g->link.comm->last_error);
+    for (int i = 0; i < n; i++) {
+        if (s != FS_OK)
+            fs_dim0_cancel_reduce(owners[i]);
+        else if ((s = fs_dim0_finish_reduce(owners[i])) != FS_OK)
+            *failed = i;
+    }
+    return s;
+}
+
 void fs_dim0_drop_partial(fs_dim0_group *g)
 {
     drop(g, &g->partial_h);

@@ -144,6 +144,12 @@ fs_status fs_dim0_finish_reduce(fs_dim0_group *g);
 /* A host reduction whose bucket is given up without a flush ([Note:
  * reduction buckets]): its buffers go back, nothing is written. */
 void fs_dim0_cancel_reduce(fs_dim0_group *g);
+/* The bucket flushed through g's link, then each owner's reduction
+ * finished (all cancelled after a failed flush), and the bucket emptied.
+ * On failure *failed is the index of the group whose err says why, or -1
+ * for g. */
+fs_status fs_dim0_flush_bucket(fs_reduce_bucket *b, fs_dim0_group *g,
+                               fs_dim0_group *const *owners, int *failed);
 /* Forget the HSDP partial sum (an iteration given up: reset_iter_state). */
 void fs_dim0_drop_partial(fs_dim0_group *g);
 

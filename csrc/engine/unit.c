@@ -90,6 +90,8 @@ fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
         return fs_unit_fail(u, FS_ERR_NO_MEMORY, "construction", -1, "out of host memory");
     memcpy(u->groups, groups, (size_t)ngroups * sizeof *groups);
     u->ngroups = ngroups;
+    if (!(u->bucketed = calloc(ngroups ? (size_t)ngroups : 1, sizeof *u->bucketed)))
+        return fs_unit_fail(u, FS_ERR_NO_MEMORY, "construction", -1, "out of host memory");
     u->cfg.strategy = strategy;
     u->cfg.grad_mask = grad_mask;
     fs_unit_fsm_init(&u->fsm);
@@ -152,6 +154,12 @@ void fs_unit_destroy(fs_unit *u)
             d->event_free(u->reduce_event);
         if (u->scatter_event)
             d->event_free(u->scatter_event);
+    }
+    if (u->bucketed) {
+        for (int i = 0; i < u->ngroups; i++)
+            fs_unit_cancel_bucketed(u, i);
+        free(u->bucketed);
+        u->bucketed = NULL;
     }
     free(u->groups);
     u->groups = NULL;

@@ -51,6 +51,20 @@ typedef struct {
     void *red_out_h;
 } fs_unit_group;
 
+/* A group's reduction waiting in a host bucket ([Note: reduction buckets]
+ * in engine.h): the bucket's part owner, and what finishing it needs. */
+typedef struct {
+    int pending;
+    void *out;            /* tensor handle (held): the gradient written at the finish */
+    void *grad;           /* tensor handle (held): the reduce-scatter's input, or NULL */
+    void *send_h;         /* taken: the input cast to the reduce dtype, or NULL */
+    void *land;           /* where the reduce-scatter lands (out's data, red_out, land_h) */
+    void *land_h;         /* taken for it, or NULL */
+    fs_dtype land_t;
+    double scale;
+    int accumulate;
+} fs_unit_bucketed;
+
 typedef struct {
     char name[128];       /* the module path, for the ledger and errors */
     fs_env env;
@@ -74,6 +88,7 @@ typedef struct {
     int reduce_pending;
     int host_pending;     /* offload: a copy to host memory the host has not waited for */
     fs_held held;         /* what deferred reductions use, until waited for */
+    fs_unit_bucketed *bucketed; /* ngroups: reductions waiting in a host bucket */
     fs_held gather_held;  /* what a deferred gather uses, until waited for */
     unsigned long long n_all_gather, n_reduce;
     char err[512];        /* what the last failure was, in words */
@@ -121,5 +136,20 @@ fs_status fs_unit_reshard(fs_unit *u);
 fs_status fs_unit_reduce(fs_unit *u, int group, void *grad, void *out, int accumulate,
                          int defer);
 fs_status fs_unit_wait_reduced(fs_unit *u);
+/* fs_unit_reduce with a bucket on the link records the reduce-scatter with
+ * &u->bucketed[group] as its owner. After the flush, finish writes `out`;
+ * cancel (a bucket given up) writes nothing. Both let the handles go. */
+/* Whether u's reductions can wait in a bucket: a host link, reduce-scattered
+ * (not NO_SHARD's or SHARD_OPTIM's all-reduce), no replicas, no offload;
+ * the others reduce at once. */
+int fs_unit_bucketable(const fs_unit *u);
+fs_status fs_unit_finish_bucketed(fs_unit *u, int group);
+void fs_unit_cancel_bucketed(fs_unit *u, int group);
+/* The bucket flushed through u's link, then part i finished as
+ * owners[i]'s group groups[i] (all cancelled after a failed flush), and the
+ * bucket emptied. On failure *failed is the index of the unit whose err
+ * says why, or -1 for u. */
+fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *owners,
+                               const int *groups, int *failed);
 
 #endif

@@ -118,6 +118,12 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
     fs_comm *c = u->link.comm;
     const int whole = u->replicated || u->cfg.strategy == FS_SHARD_OPTIM; /* all-reduce */
     const char *what = whole ? "all-reduce" : "reduce-scatter";
+    /* [Note: reduction buckets]: recorded; the steps after it wait for the
+     * flush, so what they read is held until then (as on a device) */
+    fs_unit_bucketed *pend = u->link.bucket && fs_unit_bucketable(u) ? &u->bucketed[gi] : NULL;
+    if (pend && pend->pending)
+        return fs_unit_fail(u, FS_ERR_INVALID_ARG, what, gi, "unit '%s': group %d's last "
+                            "reduction still waits in a bucket: flush it first", u->name, gi);
     void *gp, *op;
     fs_status s;
     if ((s = e->data(e->ctx, grad, &gp)) != FS_OK || (s = e->data(e->ctx, out, &op)) != FS_OK)
@@ -151,7 +157,7 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
         void *dst = gp;
         if (g->reduce != g->compute)
             s = e->take(e->ctx, g->padded_numel * (int64_t)fs_dtype_size(g->reduce),
-                        FS_TAKE_TRANSIENT, &dst, &red_in_h);
+                        pend ? 0 : FS_TAKE_TRANSIENT, &dst, &red_in_h);
         if (s == FS_OK)
             s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute,
                                          g->padded_numel, inv, 0);
@@ -173,15 +179,38 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
     } else {
         /* Where the reduce-scatter lands: the shard gradient itself when it
          * starts empty and keeps the dtype; else a buffer added into it. */
-        void *land = op;
+        void *land = op, *land_h = NULL;
         fs_dtype lt = g->dtype;
         if (g->reduce != g->dtype) {
             land = g->red_out;
             lt = g->reduce;
+        } else if (accumulate && pend) { /* the unit's scratch may wait in the bucket already */
+            s = e->take(e->ctx, g->shard_numel * (int64_t)fs_dtype_size(g->dtype), 0, &land,
+                        &land_h);
         } else if (accumulate) {
             if ((s = scratch(u, g->shard_numel * (int64_t)fs_dtype_size(g->dtype), defer)) ==
                 FS_OK)
                 land = u->scratch;
+        }
+        if (s == FS_OK && pend) {
+            s = fs_link_reduce_scatter(&u->link, u->name, src, land, g->shard_numel, lt, pend);
+            if (s == FS_OK) {
+                *pend = (fs_unit_bucketed){1, e->hold(e->ctx, out),
+                                           red_in_h ? NULL : e->hold(e->ctx, grad), red_in_h,
+                                           land, land_h, lt, post_scale, accumulate};
+                red_in_h = land_h = NULL;
+            }
+            if (land_h)
+                e->release(e->ctx, land_h);
+            if (ws_h) /* none on the host */
+                fs_link_unlend(&u->link);
+            if (red_in_h)
+                e->release(e->ctx, red_in_h);
+            if (s != FS_OK)
+                return fs_unit_fail_comm(u, s, what, gi, "gradient reduction: %s",
+                                         c->last_error);
+            u->n_reduce++;
+            return FS_OK;
         }
         if (s == FS_OK)
             FS_LINK_RUN(&u->link, s, FS_LOP_REDUCE_SCATTER, u->name, g->shard_numel, lt,
@@ -223,4 +252,67 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
         return fs_unit_fail_comm(u, s, what, gi, "gradient reduction: %s", c->last_error);
     u->n_reduce++;
     return FS_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * reductions in a host bucket ([Note: reduction buckets] in engine.h) */
+
+int fs_unit_bucketable(const fs_unit *u)
+{
+    return !u->link.dev && !u->replicated && u->cfg.strategy != FS_SHARD_OPTIM &&
+           !u->replicate.comm && !u->offload;
+}
+
+static void let_go(fs_unit *u, fs_unit_bucketed *p)
+{
+    const fs_env *e = &u->env;
+    void *hs[4] = {p->out, p->grad, p->send_h, p->land_h};
+    *p = (fs_unit_bucketed){0};
+    for (int i = 0; i < 4; i++)
+        if (hs[i])
+            e->release(e->ctx, hs[i]);
+}
+
+fs_status fs_unit_finish_bucketed(fs_unit *u, int gi)
+{
+    fs_unit_bucketed *p = &u->bucketed[gi];
+    if (!p->pending)
+        return FS_OK;
+    fs_unit_group *g = &u->groups[gi];
+    void *op;
+    fs_status s = u->env.data(u->env.ctx, p->out, &op);
+    if (s == FS_OK && (p->land != op || p->scale != 1.0))
+        s = fs_unit_scale_accumulate(u, u->link.stream, op, g->dtype, p->land, p->land_t,
+                                     g->shard_numel, p->scale, p->land == op ? 0 : p->accumulate);
+    let_go(u, p);
+    if (s != FS_OK)
+        return fs_unit_fail(u, s, "reduce-scatter", gi, s == FS_ERR_HOST ? NULL
+                            : "gradient after a bucketed reduction: %s", u->link.comm->last_error);
+    return FS_OK;
+}
+
+void fs_unit_cancel_bucketed(fs_unit *u, int gi)
+{
+    if (u->bucketed[gi].pending)
+        let_go(u, &u->bucketed[gi]);
+}
+
+fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *owners,
+                               const int *groups, int *failed)
+{
+    const int n = b->nparts;
+    fs_status s = fs_reduce_bucket_flush(b, &u->link, &u->env);
+    b->nparts = 0;
+    b->count = 0;
+    *failed = -1;
+    if (s != FS_OK)
+        fs_unit_fail_comm(u, s, "reduce-scatter", groups[0], "bucketed reduce_scatter: %s",
+                          u->link.comm->last_error);
+    for (int i = 0; i < n; i++) {
+        if (s != FS_OK)
+            fs_unit_cancel_bucketed(owners[i], groups[i]);
+        else if ((s = fs_unit_finish_bucketed(owners[i], groups[i])) != FS_OK)
+            *failed = i;
+    }
+    return s;
 }

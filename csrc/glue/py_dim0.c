@@ -3,9 +3,7 @@
  * objects behind the handles; the engine does the work without the GIL. */
 #include "py_unit.h"
 
-#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "dim0.h"
 
@@ -405,12 +403,6 @@ static int bucket_owners(Dim0Object *self, PyObject *groups, fs_reduce_bucket *b
     return 0;
 }
 
-static void empty_bucket(fs_reduce_bucket *b)
-{
-    b->nparts = 0;
-    b->count = 0;
-}
-
 PyDoc_STRVAR(flush_bucket_doc,
              "flush_bucket(groups): the reduce-scatters in this Comm's bucket as one, then\n"
              "each group's reduction finished (its sharded gradients written). groups: the\n"
@@ -421,30 +413,12 @@ static PyObject *Dim0_flush_bucket(Dim0Object *self, PyObject *groups)
     fs_reduce_bucket *b = self->comm->bucket;
     if (bucket_owners(self, groups, b) < 0 || bind(self) < 0)
         return NULL;
-    int n = b->nparts;
-    fs_status s = fs_reduce_bucket_flush(b, &self->g.link, &self->g.env);
-    empty_bucket(b);
-    Dim0Object *failed = self;
-    if (s != FS_OK) {
-        char why[sizeof self->comm->comm->last_error];
-        memcpy(why, self->comm->comm->last_error, sizeof why);
-        for (int i = 0; i < n; i++)
-            fs_dim0_cancel_reduce(&((Dim0Object *)PyTuple_GET_ITEM(groups, i))->g);
-        self->g.err_what = "reduce-scatter";
-        self->g.err_collective = 1;
-        snprintf(self->g.err, sizeof self->g.err, "bucketed reduce_scatter: %s", why);
-        return done(self, s);
-    }
-    for (int i = 0; i < n; i++) {
-        Dim0Object *o = (Dim0Object *)PyTuple_GET_ITEM(groups, i);
-        if (s == FS_OK) {
-            if ((s = fs_dim0_finish_reduce(&o->g)) != FS_OK)
-                failed = o;
-        } else {
-            fs_dim0_cancel_reduce(&o->g);
-        }
-    }
-    return done(failed, s);
+    fs_dim0_group *owners[FS_BATCH_MAX_PARTS];
+    for (int i = 0; i < b->nparts; i++)
+        owners[i] = &((Dim0Object *)PyTuple_GET_ITEM(groups, i))->g;
+    int failed = -1;
+    fs_status s = fs_dim0_flush_bucket(b, &self->g, owners, &failed);
+    return done(failed < 0 ? self : (Dim0Object *)PyTuple_GET_ITEM(groups, failed), s);
 }
 
 PyDoc_STRVAR(cancel_bucket_doc,
@@ -457,7 +431,8 @@ static PyObject *Dim0_cancel_bucket(Dim0Object *self, PyObject *groups)
         return NULL;
     for (int i = 0; i < b->nparts; i++)
         fs_dim0_cancel_reduce(&((Dim0Object *)PyTuple_GET_ITEM(groups, i))->g);
-    empty_bucket(b);
+    b->nparts = 0;
+    b->count = 0;
     Py_RETURN_NONE;
 }
 

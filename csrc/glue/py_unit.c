@@ -220,17 +220,24 @@ PyDoc_STRVAR(event_doc,
              "arguments) before freeing. FINALIZE first waits for deferred reductions.\n"
              "along: a tuple of Units on this Comm (host) gathered now too, in the same\n"
              "all-gather as this unit's (those already gathered are skipped).\n"
+             "bucket (a host Comm): the reduce-scatter joins the Comm's bucket; `out` is\n"
+             "written at flush_bucket() ([Note: reduction buckets] in engine/engine.h).\n"
              "Returns the ACT_* bits, for the torch-side work they leave (views, hooks).");
 static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"event", "flags", "group", "grad", "out", "accumulate", "defer",
-                             "along", NULL};
-    int ev, group = -1, accumulate = 0, defer = 0;
+                             "along", "bucket", NULL};
+    int ev, group = -1, accumulate = 0, defer = 0, bucket = 0;
     unsigned int flags = 0;
     PyObject *grad = Py_None, *out = Py_None, *along = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IiOOppO", kwlist, &ev, &flags, &group, &grad,
-                                     &out, &accumulate, &defer, &along))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IiOOppOp", kwlist, &ev, &flags, &group, &grad,
+                                     &out, &accumulate, &defer, &along, &bucket))
         return NULL;
+    if (bucket && (self->comm->dev || defer))
+        return PyErr_Format(PyExc_ValueError, "event: bucket is for host Comms, without defer");
+    if (bucket && !self->comm->bucket &&
+        !(self->comm->bucket = calloc(1, sizeof(fs_reduce_bucket))))
+        return PyErr_NoMemory();
     fs_unit *u = &self->u;
     unsigned act = 0;
     fs_status s = FS_OK;
@@ -258,13 +265,78 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
     }
     if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
         s = fs_unit_ready(u);
-    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && grad != Py_None && out != Py_None)
+    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && grad != Py_None && out != Py_None) {
+        u->link.bucket = bucket ? self->comm->bucket : NULL;
         s = fs_unit_reduce(u, group, grad, out, accumulate, defer);
+        u->link.bucket = NULL;
+    }
     if (s == FS_OK && (act & FS_ACT_RESHARD))
         s = fs_unit_reshard(u);
     if (s != FS_OK)
         return done(self, s);
     return PyLong_FromUnsignedLong(act);
+}
+
+/* Which group of which unit of `units` (a tuple) each part of the Comm's
+ * bucket belongs to, checked; -1 with an exception set. */
+static int bucket_parts(UnitObject *self, PyObject *units, fs_reduce_bucket *b, int *groups)
+{
+    if (!PyTuple_Check(units) || !b || PyTuple_GET_SIZE(units) != b->nparts) {
+        PyErr_Format(PyExc_ValueError, "flush_bucket: units must be a tuple of the unit of "
+                     "each of the %d reductions in this Comm's bucket", b ? b->nparts : 0);
+        return -1;
+    }
+    for (int i = 0; i < b->nparts; i++) {
+        PyObject *o = PyTuple_GET_ITEM(units, i);
+        if (Py_TYPE(o) != Py_TYPE(self)) {
+            PyErr_Format(PyExc_TypeError, "flush_bucket: units[%d] is not a Unit", i);
+            return -1;
+        }
+        fs_unit *u = &((UnitObject *)o)->u;
+        const char *own = b->part[i].owner, *first = (const char *)u->bucketed;
+        if (own < first || own >= first + (size_t)u->ngroups * sizeof *u->bucketed) {
+            PyErr_Format(PyExc_ValueError, "flush_bucket: the bucket's part %d is not "
+                         "units[%d]'s", i, i);
+            return -1;
+        }
+        groups[i] = (int)((own - first) / sizeof *u->bucketed);
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(flush_bucket_doc,
+             "flush_bucket(units): the reduce-scatters in this Comm's bucket as one, then\n"
+             "each reduction finished (its gradient written). units: the unit of each, in\n"
+             "the order their event(bucket=True) calls came. After a failure none is left\n"
+             "waiting.");
+static PyObject *Unit_flush_bucket(UnitObject *self, PyObject *units)
+{
+    fs_reduce_bucket *b = self->comm->bucket;
+    int groups[FS_BATCH_MAX_PARTS];
+    if (bucket_parts(self, units, b, groups) < 0 || bind(self) < 0)
+        return NULL;
+    fs_unit *owners[FS_BATCH_MAX_PARTS];
+    for (int i = 0; i < b->nparts; i++)
+        owners[i] = &((UnitObject *)PyTuple_GET_ITEM(units, i))->u;
+    int failed = -1;
+    fs_status s = fs_unit_flush_bucket(b, &self->u, owners, groups, &failed);
+    return done(failed < 0 ? self : (UnitObject *)PyTuple_GET_ITEM(units, failed), s);
+}
+
+PyDoc_STRVAR(cancel_bucket_doc,
+             "cancel_bucket(units): give up this Comm's bucket without a collective (a\n"
+             "backward that did not finish): nothing is written.");
+static PyObject *Unit_cancel_bucket(UnitObject *self, PyObject *units)
+{
+    fs_reduce_bucket *b = self->comm->bucket;
+    int groups[FS_BATCH_MAX_PARTS];
+    if (bucket_parts(self, units, b, groups) < 0)
+        return NULL;
+    for (int i = 0; i < b->nparts; i++)
+        fs_unit_cancel_bucketed(&((UnitObject *)PyTuple_GET_ITEM(units, i))->u, groups[i]);
+    b->nparts = 0;
+    b->count = 0;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(step_doc, "step(event, flags, group=-1) -> actions\n"
@@ -376,6 +448,11 @@ static PyObject *Unit_get_state(UnitObject *self, void *c)
 {
     return PyUnicode_FromString(fs_unit_state_name(self->u.fsm.state));
 }
+static PyObject *Unit_get_bucketable(UnitObject *self, void *c)
+{
+    return PyBool_FromLong(fs_unit_bucketable(&self->u));
+}
+
 static PyObject *Unit_get_unsharded(UnitObject *self, void *c)
 {
     return PyBool_FromLong(self->u.unsharded);
@@ -418,6 +495,8 @@ static PyMethodDef Unit_methods[] = {
     {"event", (PyCFunction)(void (*)(void))Unit_event, METH_VARARGS | METH_KEYWORDS, event_doc},
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
+    {"flush_bucket", (PyCFunction)Unit_flush_bucket, METH_O, flush_bucket_doc},
+    {"cancel_bucket", (PyCFunction)Unit_cancel_bucket, METH_O, cancel_bucket_doc},
     {"ready", (PyCFunction)Unit_ready, METH_NOARGS, ready_doc},
     {"wait_reduced", (PyCFunction)Unit_wait_reduced, METH_NOARGS, wait_reduced_doc},
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},
@@ -429,6 +508,8 @@ static PyMethodDef Unit_methods[] = {
 static PyGetSetDef Unit_getset[] = {
     {"state", (getter)Unit_get_state, NULL, "state-machine state name", NULL},
     {"is_unsharded", (getter)Unit_get_unsharded, NULL, "full buffers live and gathered", NULL},
+    {"bucketable", (getter)Unit_get_bucketable, NULL,
+     "its reductions can wait in a host bucket (event(bucket=True))", NULL},
     {"gather_pending", (getter)Unit_get_pending, NULL,
      "a prefetched all-gather the current stream has not waited for yet", NULL},
     {"reduce_pending", (getter)Unit_get_reduce_pending, NULL,

@@ -32,6 +32,7 @@ from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency, eager
 from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
+from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
 from ..state import optim_state
@@ -87,6 +88,7 @@ class RootState:
         self.order = ForwardOrder()
         self.final_queued = False
         self.inflight = InFlight()  # the unit whose deferred reduction is in flight
+        self.bucket = ReduceBucket(bucket_bytes())  # reductions issued as one (host)
 
     def reduce_issued(self, unit):
         """`unit` is about to defer a reduction: the one in flight from
@@ -97,6 +99,7 @@ class RootState:
 
     def begin_forward(self):
         if self.final_queued:  # the last backward never finished: clean up
+            self.bucket.cancel()  # its reduce-scatter never ran: nothing to wait for
             self._final()
         self.order.begin()
 
@@ -118,6 +121,7 @@ class RootState:
     @eager.hook
     def _final(self):
         self.final_queued = False
+        self.bucket.flush()  # every gradient is in place when backward returns
         self.inflight.forget()  # each unit's finalize waits for its own
         for u in self.units:
             u.finalize()

@@ -61,6 +61,7 @@ class UnitRuntime:
         if cunit.comm.device is None:
             HEAP.watch_steps()
         self.root = None          # RootState, set at lazy init
+        self.parts = [None] * len(groups)  # each group as a bucket member, made at first use
         self.sync_grads = True    # False inside no_sync()
         for g in groups:
             if g.requires_grad:
@@ -150,10 +151,12 @@ class UnitRuntime:
         deferred collectives] in csrc/engine/unit.h)."""
         self._call(self.c.unshard, False, prefetch)
 
-    def _event(self, ev, flags=0, group=-1, grad=None, out=None, accumulate=False, defer=False):
+    def _event(self, ev, flags=0, group=-1, grad=None, out=None, accumulate=False, defer=False,
+               bucket=False):
         """One engine call per hook event: the state machine's step and what
         it asks for (gather, reduce, free), done in C."""
-        return self._call(self.c.event, ev, flags, group, grad, out, accumulate, defer)
+        return self._call(self.c.event, ev, flags, group, grad, out, accumulate, defer,
+                          None, bucket)
 
     def _call(self, fn, *args):
         """An allocation failure becomes an OutOfMemoryError carrying this
@@ -237,10 +240,14 @@ class UnitRuntime:
             out, accumulate, defer, keep = self._plan_reduce(g, grad)
         if defer:
             self.root.reduce_issued(self)
+        part = self._bucket_part(gi, out, keep)
         act = self._event(_C.EV_POST_BACKWARD, 0 if self.sync_grads else _C.FLAG_NO_SYNC, gi,
-                          grad if out is not None else None, out, accumulate, defer)
+                          grad if out is not None else None, out, accumulate, defer,
+                          part is not None)
         if out is not None and act & _C.ACT_REDUCE_GRAD and not accumulate:
             self._after_reduce(g, out, keep)
+        if part is not None and act & _C.ACT_REDUCE_GRAD:
+            self.root.bucket.joined(part, g.reduce_dtype)
         if act & _C.ACT_RESHARD:
             self._clear_unsharded_views()
             if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
@@ -248,6 +255,19 @@ class UnitRuntime:
             if self.c.comm.device is None:
                 prev = self.root.previous_in_forward(self) if self.root is not None else None
                 HEAP.freed(self.gathered_bytes, prev is None or prev.c.is_root)
+
+    def _bucket_part(self, gi, out, keep):
+        """This group's reduction as a member of the root's bucket
+        (runtime/bucket.py), or None: it reduces at once. Not when gradients
+        the user set are added to the new one (that reads it)."""
+        bucket = self.root.bucket if self.root is not None else None
+        if bucket is None or out is None or not self.c.bucketable or \
+                (keep is not None and any(k is not None for k in keep)):
+            return None
+        part = self.parts[gi]
+        if part is None:
+            part = self.parts[gi] = _BucketPart(self, self.groups[gi])
+        return part if bucket.admits(part, part.group.reduce_dtype) else None
 
     def _new_out(self, g):
         """Where a first reduction lands: the shard gradient, or under
@@ -349,6 +369,41 @@ class UnitRuntime:
                         "be accumulated across backward passes outside no_sync() with parameter "
                         "offload (torch FSDP's rule)", "call optimizer.zero_grad() after each "
                         "step, or run the earlier backward passes inside model.no_sync()")
+
+
+def _itemsize(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _BucketPart:
+    """One group's reduction as a member of the root's ReduceBucket
+    (runtime/bucket.py): its gradient tensors are set at the hook as
+    always; the engine writes their values when the bucket is flushed."""
+
+    __slots__ = ("unit", "group")
+
+    def __init__(self, unit, g):
+        self.unit, self.group = unit, g
+
+    # read at each use: a comm hook may give the unit a new engine object
+    # and the group a new reduce dtype
+    c = property(lambda self: self.unit.c)
+    comm = property(lambda self: self.unit.c.comm)
+    reduce_bytes = property(lambda self: self.group.padded_numel * _itemsize(
+        self.group.reduce_dtype))
+
+    def finish_reduce(self):
+        """Nothing left: the engine wrote the gradients at the flush."""
+
+    def drop_reduce(self):
+        """A bucket given up: what the reduction was to write is not there."""
+        g = self.group
+        if self.unit.use_orig_params:
+            for p in g.params:
+                p.grad = None
+            g.grad_buf = g.grad_views = None
+        else:
+            g.shard.grad = None
 
 
 def unit_of(module):
