@@ -144,22 +144,35 @@ def test_a_failed_collective_carries_the_ledger():
     assert comm.ledger()[-1]["state"] == "failed"
 
 
-def _train_step_ledger():
-    model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({Block}))
-    comm = model._unit.c.comm
-    start = comm.ledger()[-1]["seq"] if comm.ledger() else 0
-    model(torch.randn(2, 5)).sum().backward()
+def _train_step_ledger(bucket):
+    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = bucket  # read at the first forward
+    try:
+        model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+        comm = model._unit.c.comm
+        start = comm.ledger()[-1]["seq"] if comm.ledger() else 0
+        model(torch.randn(2, 5)).sum().backward()
+    finally:
+        del os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"]
     return [(e["seq"], e["op"], e["unit"], e["bytes"], e["state"]) for e in comm.ledger()
             if e["seq"] > start]
 
 
 def test_units_record_their_collectives_alike_on_every_rank(dist_pool):
-    r0, r1 = dist_pool(2).run(_train_step_ledger)
+    r0, r1 = dist_pool(2).run(_train_step_ledger, "0")
     assert r0 == r1
     ops = {(op, unit) for _, op, unit, _, _ in r0}
     for unit in ("<root>", "blocks.0", "blocks.1", "blocks.2"):
         assert ("all_gather", unit) in ops and ("reduce_scatter", unit) in ops, (unit, ops)
     assert all(state == "completed" for *_, state in r0)
+
+
+def test_a_reduction_bucket_is_one_entry_naming_its_first_unit(dist_pool):
+    """The default bucket: the four units' reductions in one reduce-scatter,
+    recorded under the unit whose gradients came first, and how many more."""
+    r0, r1 = dist_pool(2).run(_train_step_ledger, str(1 << 20))
+    assert r0 == r1
+    rs = [unit for _, op, unit, _, _ in r0 if op == "reduce_scatter"]
+    assert rs == ["blocks.2 +3"], r0
 
 
 # ---------------------------------------------------------------------------
