@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flatshard import ConfigError, fully_shard
+from flatshard import ConfigError, _C, fully_shard
 from toy_models import build
 
 TIMEOUT = 240
@@ -245,7 +245,7 @@ def _engine_arguments():
     errors = []
     for call in (lambda: a.unshard(True, along=(b,)),      # along gathers now: not deferred
                  lambda: a.unshard(along=(object(),)),     # not a group
-                 lambda: a.flush_bucket((b,))):           # not the bucket's members
+                 lambda: a.flush_bucket(_C.ReduceBucket(), (b,))):  # not its members
         try:
             call()
         except (TypeError, ValueError) as e:

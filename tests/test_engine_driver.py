@@ -174,6 +174,7 @@ def driver_args(cfg, world):
     args = [f"world={world}", f"strategy={cfg['strategy']}", f"compute={cfg['compute']}",
             f"reduce={cfg['reduce']}", f"steps={STEPS}", f"accum={cfg['accum']}", f"lr={LR}",
             f"align={ALIGN}", f"slot={SLOT}", f"timeout={SHM_TIMEOUT}"]
+    args += [f"coalesce={int(cfg.get('coalesce', False))}"]
     return args + ["group=" + ",".join(map(str, g)) for g in GROUPS]
 
 
@@ -464,3 +465,32 @@ def test_engine_driver_matches_unit_and_float64(driver, dist_pool, tmp_path, con
     if optim:  # kept whole: never freed (an unshard request finds it live)
         assert all(a & _C.ACT_RESHARD == 0 for a in acts)
     assert all(a & _C.ACT_REDUCE_GRAD for a in acts[3:3 + len(GROUPS)])
+
+
+@pytest.mark.parametrize("config", ["full_shard-bf16-accum", "shard_grad_op-accum",
+                                    "full_shard-bf16-bf16reduce"])
+def test_engine_driver_coalesced_collectives_change_no_byte(driver, tmp_path, config):
+    """coalesce=1: each event's gathers of the unit's groups in one all-gather
+    ([Note: coalesced gathers]) and every reduction of a backward in one
+    bucket flushed at FINALIZE ([Note: reduction buckets]), all in C: the
+    same bytes and events as one collective per group, and fewer collectives
+    in the ledger. The bucket holds the gradients until the flush (held), and
+    gives every one back (the driver checks)."""
+    cfg = CONFIGS[config]
+    plain = run_driver(driver, cfg, 2, tmp_path)
+    coalesced = run_driver(driver, dict(cfg, coalesce=True), 2, tmp_path)
+    passes, groups = STEPS * cfg["accum"], len(GROUPS)
+    for (raw, summary), (raw_c, summary_c) in zip(plain, coalesced):
+        assert raw_c == raw, "coalescing changed the bytes"
+        assert summary_c["actions"] == summary["actions"]
+        # the engine counts each group's collective either way
+        assert {k: summary_c[k] for k in ("all_gather", "reduce")} == \
+            {k: summary[k] for k in ("all_gather", "reduce")}
+        # each gather event's groups become one all-gather (the final
+        # full-precision gather is not an event), each pass's reductions one
+        # reduce-scatter
+        in_events = summary["all_gather"] - groups
+        events = in_events // groups
+        saved = (in_events - events) + (groups - 1) * passes
+        assert summary["ledger"] - summary_c["ledger"] == saved, (summary, summary_c)
+        assert summary_c["held"] > 0 and summary["held"] == 0

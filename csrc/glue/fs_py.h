@@ -23,6 +23,7 @@ typedef struct {
     PyObject *Dim0EntryType;
     PyObject *Dim0LayoutType;
     PyObject *Dim0GroupType;  /* py_dim0.c */
+    PyObject *BucketType;     /* py_bucket.c */
 } fs_mod_state;
 
 extern PyModuleDef fs_module_def;
@@ -55,7 +56,6 @@ typedef struct {
     PyObject *stream_fn;      /* stream_fn() -> the caller's current stream, as an int */
     void *stream;             /* what it returned last (fs_comm_bind_stream) */
     PyObject *empty;          /* empty(numel, dtype_code) -> tensor: float32 staging */
-    void *bucket;             /* the fs_reduce_bucket (engine.h) of its groups, or NULL */
 } CommObject;
 
 /* kind='device': ask stream_fn for the caller's current stream, keep it in
@@ -124,6 +124,7 @@ int fs_unit_type_add(PyObject *module, fs_mod_state *st);
 int fs_optim_add(PyObject *module); /* py_optim.c */
 int fs_layout_add(PyObject *module, fs_mod_state *st); /* py_layout.c */
 int fs_dim0_type_add(PyObject *module, fs_mod_state *st); /* py_dim0.c */
+int fs_bucket_type_add(PyObject *module, fs_mod_state *st); /* py_bucket.c */
 /* py_layout.c: a Dim0Entry record; NULL with an exception set. */
 PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e);
 

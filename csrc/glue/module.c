@@ -396,7 +396,7 @@ static int module_exec(PyObject *m)
     if (!st->StateError || PyModule_AddObjectRef(m, "StateError", st->StateError) < 0)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
-        fs_layout_add(m, st) < 0 || fs_dim0_type_add(m, st) < 0 ||
+        fs_layout_add(m, st) < 0 || fs_dim0_type_add(m, st) < 0 || fs_bucket_type_add(m, st) < 0 ||
         fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
         add_constants(m) < 0)
         return -1;
@@ -418,6 +418,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->Dim0EntryType);
     Py_VISIT(st->Dim0LayoutType);
     Py_VISIT(st->Dim0GroupType);
+    Py_VISIT(st->BucketType);
     return 0;
 }
 
@@ -433,6 +434,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->Dim0EntryType);
     Py_CLEAR(st->Dim0LayoutType);
     Py_CLEAR(st->Dim0GroupType);
+    Py_CLEAR(st->BucketType);
     return 0;
 }
 

@@ -138,7 +138,6 @@ static void Comm_dealloc(CommObject *self)
     Py_XDECREF(self->stream_fn);
     Py_XDECREF(self->empty);
     Py_XDECREF(self->on_failure);
-    free(self->bucket);
     tp->tp_free(self);
     Py_DECREF(tp);
 }

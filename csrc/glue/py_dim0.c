@@ -314,27 +314,29 @@ PyDoc_STRVAR(reduce_doc,
              "hold > 0: stop before the sharded gradients with the reduce output divided\n"
              "by hold (reduce_output, after wait_reduce() when deferred); finish_reduce()\n"
              "divides by the rest and writes (engine/dim0.h, [Note: reduce output]).\n"
-             "bucket (a host Comm): the reduce-scatter joins the Comm's bucket; it runs\n"
+             "bucket (a ReduceBucket; a host Comm): the reduce-scatter joins it; it runs\n"
              "at flush_bucket() ([Note: reduction buckets] in engine/engine.h).");
 static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"grads", "grad_codes", "outs", "out_codes", "accumulate", "factor",
                              "defer", "reshard", "all_reduce", "hold", "bucket", NULL};
-    PyObject *grads, *gcodes, *outs, *ocodes, *accs;
+    PyObject *grads, *gcodes, *outs, *ocodes, *accs, *bucket_o = Py_None;
     double factor = 0.0, hold = 0.0;
-    int defer = 0, reshard = 0, all_reduce = 1, bucket = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|dpp$pdp", kwlist, &grads, &gcodes, &outs,
+    int defer = 0, reshard = 0, all_reduce = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|dpp$pdO", kwlist, &grads, &gcodes, &outs,
                                      &ocodes, &accs, &factor, &defer, &reshard, &all_reduce,
-                                     &hold, &bucket))
+                                     &hold, &bucket_o))
         return NULL;
     if (!(hold >= 0.0))
         return PyErr_Format(PyExc_ValueError, "reduce: hold must be >= 0");
-    if (bucket && (self->comm->dev || defer))
-        return PyErr_Format(PyExc_ValueError, "reduce: bucket is for host Comms, without "
-                            "defer");
-    if (bucket && !self->comm->bucket &&
-        !(self->comm->bucket = calloc(1, sizeof(fs_reduce_bucket))))
-        return PyErr_NoMemory();
+    fs_reduce_bucket *bucket = NULL;
+    if (bucket_o != Py_None) {
+        if (!(bucket = fs_glue_bucket(Py_TYPE(self), bucket_o)))
+            return NULL;
+        if (self->comm->dev || defer)
+            return PyErr_Format(PyExc_ValueError, "reduce: bucket is for host Comms, without "
+                                "defer");
+    }
     int n = self->g.nparams;
     PyObject *seq[5] = {PySequence_Fast(grads, "reduce: grads must be a sequence"), NULL, NULL,
                         NULL, NULL};
@@ -367,7 +369,7 @@ static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args, PyObject *kw)
     if (bind(self) < 0)
         goto out;
     fs_status s;
-    self->g.link.bucket = bucket ? self->comm->bucket : NULL;
+    self->g.link.bucket = bucket;
     s = fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor, hold,
                        (defer ? FS_DIM0_DEFER : 0) | (all_reduce ? 0 : FS_DIM0_NO_ALL_REDUCE));
     self->g.link.bucket = NULL;
@@ -383,35 +385,41 @@ out:
     return r;
 }
 
-/* The groups of `groups` (a tuple), checked to be the owners of the
- * Comm's bucket in its order; -1 with an exception set. */
-static int bucket_owners(Dim0Object *self, PyObject *groups, fs_reduce_bucket *b)
+/* The bucket of args (bucket, groups), with `groups` checked to be its
+ * parts' owners in its order; NULL with an exception set. */
+static fs_reduce_bucket *bucket_owners(Dim0Object *self, PyObject *args, PyObject **groupsp)
 {
-    if (!PyTuple_Check(groups) || !b || PyTuple_GET_SIZE(groups) != b->nparts) {
+    PyObject *bo, *groups;
+    fs_reduce_bucket *b;
+    if (!PyArg_ParseTuple(args, "OO", &bo, &groups) || !(b = fs_glue_bucket(Py_TYPE(self), bo)))
+        return NULL;
+    *groupsp = groups;
+    if (!PyTuple_Check(groups) || PyTuple_GET_SIZE(groups) != b->nparts) {
         PyErr_Format(PyExc_ValueError, "flush_bucket: groups must be a tuple of the %d groups "
-                     "in this Comm's bucket", b ? b->nparts : 0);
-        return -1;
+                     "in the bucket", b->nparts);
+        return NULL;
     }
     for (int i = 0; i < b->nparts; i++) {
         PyObject *o = PyTuple_GET_ITEM(groups, i);
         if (Py_TYPE(o) != Py_TYPE(self) || &((Dim0Object *)o)->g != b->part[i].owner) {
             PyErr_Format(PyExc_ValueError, "flush_bucket: groups[%d] is not the bucket's "
                          "part %d", i, i);
-            return -1;
+            return NULL;
         }
     }
-    return 0;
+    return b;
 }
 
 PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(groups): the reduce-scatters in this Comm's bucket as one, then\n"
+             "flush_bucket(bucket, groups): the reduce-scatters in the bucket as one, then\n"
              "each group's reduction finished (its sharded gradients written). groups: the\n"
              "bucket's groups, in the order their reduce(bucket=True) calls came. After a\n"
              "failure no group keeps a pending reduction.");
-static PyObject *Dim0_flush_bucket(Dim0Object *self, PyObject *groups)
+static PyObject *Dim0_flush_bucket(Dim0Object *self, PyObject *args)
 {
-    fs_reduce_bucket *b = self->comm->bucket;
-    if (bucket_owners(self, groups, b) < 0 || bind(self) < 0)
+    PyObject *groups;
+    fs_reduce_bucket *b = bucket_owners(self, args, &groups);
+    if (!b || bind(self) < 0)
         return NULL;
     fs_dim0_group *owners[FS_BATCH_MAX_PARTS];
     for (int i = 0; i < b->nparts; i++)
@@ -422,12 +430,13 @@ static PyObject *Dim0_flush_bucket(Dim0Object *self, PyObject *groups)
 }
 
 PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(groups): give up this Comm's bucket without a collective (a\n"
+             "cancel_bucket(bucket, groups): give the bucket up without a collective (a\n"
              "backward that did not finish): the groups' reductions are dropped.");
-static PyObject *Dim0_cancel_bucket(Dim0Object *self, PyObject *groups)
+static PyObject *Dim0_cancel_bucket(Dim0Object *self, PyObject *args)
 {
-    fs_reduce_bucket *b = self->comm->bucket;
-    if (bucket_owners(self, groups, b) < 0)
+    PyObject *groups;
+    fs_reduce_bucket *b = bucket_owners(self, args, &groups);
+    if (!b)
         return NULL;
     for (int i = 0; i < b->nparts; i++)
         fs_dim0_cancel_reduce(&((Dim0Object *)PyTuple_GET_ITEM(groups, i))->g);
@@ -589,8 +598,8 @@ static PyMethodDef Dim0_methods[] = {
     {"wait", (PyCFunction)Dim0_wait, METH_NOARGS,
      "wait(): a deferred gather: the stream waits, then the copy-out is enqueued."},
     {"reshard", (PyCFunction)Dim0_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},
-    {"flush_bucket", (PyCFunction)Dim0_flush_bucket, METH_O, flush_bucket_doc},
-    {"cancel_bucket", (PyCFunction)Dim0_cancel_bucket, METH_O, cancel_bucket_doc},
+    {"flush_bucket", (PyCFunction)Dim0_flush_bucket, METH_VARARGS, flush_bucket_doc},
+    {"cancel_bucket", (PyCFunction)Dim0_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
     {"reduce", (PyCFunction)(void (*)(void))Dim0_reduce, METH_VARARGS | METH_KEYWORDS,
      reduce_doc},
     {"wait_reduce", (PyCFunction)Dim0_wait_reduce, METH_NOARGS,

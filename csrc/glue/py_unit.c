@@ -220,24 +220,27 @@ PyDoc_STRVAR(event_doc,
              "arguments) before freeing. FINALIZE first waits for deferred reductions.\n"
              "along: a tuple of Units on this Comm (host) gathered now too, in the same\n"
              "all-gather as this unit's (those already gathered are skipped).\n"
-             "bucket (a host Comm): the reduce-scatter joins the Comm's bucket; `out` is\n"
+             "bucket (a ReduceBucket; a host Comm): the reduce-scatter joins it; `out` is\n"
              "written at flush_bucket() ([Note: reduction buckets] in engine/engine.h).\n"
              "Returns the ACT_* bits, for the torch-side work they leave (views, hooks).");
 static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"event", "flags", "group", "grad", "out", "accumulate", "defer",
                              "along", "bucket", NULL};
-    int ev, group = -1, accumulate = 0, defer = 0, bucket = 0;
+    int ev, group = -1, accumulate = 0, defer = 0;
     unsigned int flags = 0;
-    PyObject *grad = Py_None, *out = Py_None, *along = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IiOOppOp", kwlist, &ev, &flags, &group, &grad,
-                                     &out, &accumulate, &defer, &along, &bucket))
+    PyObject *grad = Py_None, *out = Py_None, *along = Py_None, *bucket_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IiOOppOO", kwlist, &ev, &flags, &group, &grad,
+                                     &out, &accumulate, &defer, &along, &bucket_o))
         return NULL;
-    if (bucket && (self->comm->dev || defer))
-        return PyErr_Format(PyExc_ValueError, "event: bucket is for host Comms, without defer");
-    if (bucket && !self->comm->bucket &&
-        !(self->comm->bucket = calloc(1, sizeof(fs_reduce_bucket))))
-        return PyErr_NoMemory();
+    fs_reduce_bucket *bucket = NULL;
+    if (bucket_o != Py_None) {
+        if (!(bucket = fs_glue_bucket(Py_TYPE(self), bucket_o)))
+            return NULL;
+        if (self->comm->dev || defer)
+            return PyErr_Format(PyExc_ValueError, "event: bucket is for host Comms, without "
+                                "defer");
+    }
     fs_unit *u = &self->u;
     unsigned act = 0;
     fs_status s = FS_OK;
@@ -266,7 +269,7 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
     if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
         s = fs_unit_ready(u);
     if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && grad != Py_None && out != Py_None) {
-        u->link.bucket = bucket ? self->comm->bucket : NULL;
+        u->link.bucket = bucket;
         s = fs_unit_reduce(u, group, grad, out, accumulate, defer);
         u->link.bucket = NULL;
     }
@@ -277,43 +280,50 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
     return PyLong_FromUnsignedLong(act);
 }
 
-/* Which group of which unit of `units` (a tuple) each part of the Comm's
- * bucket belongs to, checked; -1 with an exception set. */
-static int bucket_parts(UnitObject *self, PyObject *units, fs_reduce_bucket *b, int *groups)
+/* The bucket of args (bucket, units), and which group of which unit of
+ * `units` each of its parts belongs to, checked; NULL with an exception set. */
+static fs_reduce_bucket *bucket_parts(UnitObject *self, PyObject *args, PyObject **unitsp,
+                                      int *groups)
 {
-    if (!PyTuple_Check(units) || !b || PyTuple_GET_SIZE(units) != b->nparts) {
+    PyObject *bo, *units;
+    fs_reduce_bucket *b;
+    if (!PyArg_ParseTuple(args, "OO", &bo, &units) || !(b = fs_glue_bucket(Py_TYPE(self), bo)))
+        return NULL;
+    *unitsp = units;
+    if (!PyTuple_Check(units) || PyTuple_GET_SIZE(units) != b->nparts) {
         PyErr_Format(PyExc_ValueError, "flush_bucket: units must be a tuple of the unit of "
-                     "each of the %d reductions in this Comm's bucket", b ? b->nparts : 0);
-        return -1;
+                     "each of the %d reductions in the bucket", b->nparts);
+        return NULL;
     }
     for (int i = 0; i < b->nparts; i++) {
         PyObject *o = PyTuple_GET_ITEM(units, i);
         if (Py_TYPE(o) != Py_TYPE(self)) {
             PyErr_Format(PyExc_TypeError, "flush_bucket: units[%d] is not a Unit", i);
-            return -1;
+            return NULL;
         }
         fs_unit *u = &((UnitObject *)o)->u;
         const char *own = b->part[i].owner, *first = (const char *)u->bucketed;
         if (own < first || own >= first + (size_t)u->ngroups * sizeof *u->bucketed) {
             PyErr_Format(PyExc_ValueError, "flush_bucket: the bucket's part %d is not "
                          "units[%d]'s", i, i);
-            return -1;
+            return NULL;
         }
         groups[i] = (int)((own - first) / sizeof *u->bucketed);
     }
-    return 0;
+    return b;
 }
 
 PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(units): the reduce-scatters in this Comm's bucket as one, then\n"
+             "flush_bucket(bucket, units): the reduce-scatters in the bucket as one, then\n"
              "each reduction finished (its gradient written). units: the unit of each, in\n"
              "the order their event(bucket=True) calls came. After a failure none is left\n"
              "waiting.");
-static PyObject *Unit_flush_bucket(UnitObject *self, PyObject *units)
+static PyObject *Unit_flush_bucket(UnitObject *self, PyObject *args)
 {
-    fs_reduce_bucket *b = self->comm->bucket;
+    PyObject *units;
     int groups[FS_BATCH_MAX_PARTS];
-    if (bucket_parts(self, units, b, groups) < 0 || bind(self) < 0)
+    fs_reduce_bucket *b = bucket_parts(self, args, &units, groups);
+    if (!b || bind(self) < 0)
         return NULL;
     fs_unit *owners[FS_BATCH_MAX_PARTS];
     for (int i = 0; i < b->nparts; i++)
@@ -324,13 +334,14 @@ static PyObject *Unit_flush_bucket(UnitObject *self, PyObject *units)
 }
 
 PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(units): give up this Comm's bucket without a collective (a\n"
+             "cancel_bucket(bucket, units): give the bucket up without a collective (a\n"
              "backward that did not finish): nothing is written.");
-static PyObject *Unit_cancel_bucket(UnitObject *self, PyObject *units)
+static PyObject *Unit_cancel_bucket(UnitObject *self, PyObject *args)
 {
-    fs_reduce_bucket *b = self->comm->bucket;
+    PyObject *units;
     int groups[FS_BATCH_MAX_PARTS];
-    if (bucket_parts(self, units, b, groups) < 0)
+    fs_reduce_bucket *b = bucket_parts(self, args, &units, groups);
+    if (!b)
         return NULL;
     for (int i = 0; i < b->nparts; i++)
         fs_unit_cancel_bucketed(&((UnitObject *)PyTuple_GET_ITEM(units, i))->u, groups[i]);
@@ -495,8 +506,8 @@ static PyMethodDef Unit_methods[] = {
     {"event", (PyCFunction)(void (*)(void))Unit_event, METH_VARARGS | METH_KEYWORDS, event_doc},
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
-    {"flush_bucket", (PyCFunction)Unit_flush_bucket, METH_O, flush_bucket_doc},
-    {"cancel_bucket", (PyCFunction)Unit_cancel_bucket, METH_O, cancel_bucket_doc},
+    {"flush_bucket", (PyCFunction)Unit_flush_bucket, METH_VARARGS, flush_bucket_doc},
+    {"cancel_bucket", (PyCFunction)Unit_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
     {"ready", (PyCFunction)Unit_ready, METH_NOARGS, ready_doc},
     {"wait_reduced", (PyCFunction)Unit_wait_reduced, METH_NOARGS, wait_reduced_doc},
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},

@@ -34,6 +34,10 @@ fs_link fs_glue_link(CommObject *comm);
 PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObject *comm,
                          int collective, PyObject *note);
 
+/* py_bucket.c: the fs_reduce_bucket of a flatshard._C.ReduceBucket (any:
+ * a type of this module), or NULL with a TypeError set. */
+fs_reduce_bucket *fs_glue_bucket(PyTypeObject *any, PyObject *o);
+
 /* py_unit_pool.c, [Note: pooled storage]: give a gathered buffer's storage
  * nbytes (from the host pool; a device's through resize_), or take them
  * away (0). -1 with an exception set on failure. */

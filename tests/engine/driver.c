@@ -41,6 +41,10 @@
  *                                     parameters are always F32
  *   steps= accum= lr= align=          optimizer steps, backward passes per
  *                                     step, SGD rate, layout alignment
+ *   coalesce=0|1                      1: the groups' gathers in one all-gather
+ *                                     and their reductions in a bucket flushed
+ *                                     at FINALIZE ([Note: coalesced gathers],
+ *                                     [Note: reduction buckets]): the same bytes
  *   slot= timeout=                    shm slot bytes, shm wait timeout (s)
  *   group=3,0,5,17 (repeatable)       one flat group's parameter sizes
  */
@@ -286,7 +290,7 @@ static void tensor_free(hbuf *b)
  * arguments */
 
 typedef struct {
-    int rank, world, strategy, steps, accum;
+    int rank, world, strategy, steps, accum, coalesce;
     fs_dtype compute, reduce;
     double lr, timeout;
     int64_t align, slot;
@@ -336,6 +340,7 @@ static void parse_args(int argc, char **argv, config *c)
         else if (!strcmp(k, "accum")) c->accum = (int)parse_int(k, v);
         else if (!strcmp(k, "align")) c->align = parse_int(k, v);
         else if (!strcmp(k, "slot")) c->slot = parse_int(k, v);
+        else if (!strcmp(k, "coalesce")) c->coalesce = (int)parse_int(k, v);
         else if (!strcmp(k, "lr")) c->lr = strtod(v, NULL);
         else if (!strcmp(k, "timeout")) c->timeout = strtod(v, NULL);
         else if (!strcmp(k, "group")) {
@@ -443,6 +448,8 @@ typedef struct {
     host h;
     fs_unit u;
     int sharded; /* the unsharded buffers are freed between uses */
+    int coalesce; /* the groups' gathers in one all-gather, reductions in a bucket */
+    fs_reduce_bucket bucket;
     unsigned actions[MAX_ACTIONS];
     int nactions;
 } driver;
@@ -466,16 +473,31 @@ static unsigned event(driver *d, fs_event ev, unsigned flags, int gi, hbuf *grad
     fs_unit *u = &d->u;
     unsigned act = 0;
     fs_status s = FS_OK;
-    if (ev == FS_EV_FINALIZE)
+    if (ev == FS_EV_FINALIZE && d->bucket.nparts) { /* the root's flush (fsdp/api.py) */
+        fs_unit *owners[FS_BATCH_MAX_PARTS];
+        int groups[FS_BATCH_MAX_PARTS], failed;
+        for (int i = 0; i < d->bucket.nparts; i++) {
+            owners[i] = u;
+            groups[i] = (int)((fs_unit_bucketed *)d->bucket.part[i].owner - u->bucketed);
+        }
+        s = fs_unit_flush_bucket(&d->bucket, u, owners, groups, &failed);
+    }
+    if (s == FS_OK && ev == FS_EV_FINALIZE)
         s = fs_unit_wait_reduced(u);
     if (s == FS_OK)
         s = fs_unit_event(u, ev, flags, gi, &act);
-    if (s == FS_OK && (act & FS_ACT_UNSHARD))
-        s = fs_unit_unshard(u, 0, 0);
+    if (s == FS_OK && (act & FS_ACT_UNSHARD)) {
+        int failed;
+        s = d->coalesce ? fs_unit_unshard_along(u, 1, NULL, 0, &failed)
+                        : fs_unit_unshard(u, 0, 0);
+    }
     if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
         s = fs_unit_ready(u);
-    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && grad && out)
+    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && grad && out) {
+        u->link.bucket = d->coalesce ? &d->bucket : NULL;
         s = fs_unit_reduce(u, gi, grad, out, accumulate, 0);
+        u->link.bucket = NULL;
+    }
     if (s == FS_OK && (act & FS_ACT_RESHARD))
         s = fs_unit_reshard(u);
     char what[64];
@@ -504,6 +526,7 @@ int main(int argc, char **argv)
     const int optim = cfg.strategy == FS_SHARD_OPTIM;
     const int mixed = cfg.compute != FS_F32;
     d->sharded = cfg.strategy == FS_FULL_SHARD || cfg.strategy == FS_SHARD_GRAD_OP;
+    d->coalesce = cfg.coalesce;
     const size_t cs = fs_dtype_size(cfg.compute);
 
     static fs_ledger ledger;
@@ -562,7 +585,7 @@ int main(int argc, char **argv)
 
     fs_env env = {&d->h, env_data, env_set_storage, env_take, env_release, env_hold};
     /* no lock to hand back around collectives: a program without an interpreter */
-    fs_link link = {comm, &ledger, NULL, NULL, NULL, NULL}, none = {0};
+    fs_link link = {comm, &ledger, NULL, NULL, NULL, NULL, NULL, NULL}, none = {0};
     uint64_t mask = cfg.ngroups >= 64 ? ~0ull : (1ull << cfg.ngroups) - 1;
     fs_status s = fs_unit_init(&d->u, "driver.unit", env, link, none,
                                (fs_strategy)cfg.strategy, mask, ug, cfg.ngroups, 0);

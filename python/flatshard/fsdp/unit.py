@@ -152,7 +152,7 @@ class UnitRuntime:
         self._call(self.c.unshard, False, prefetch)
 
     def _event(self, ev, flags=0, group=-1, grad=None, out=None, accumulate=False, defer=False,
-               bucket=False):
+               bucket=None):
         """One engine call per hook event: the state machine's step and what
         it asks for (gather, reduce, free), done in C."""
         return self._call(self.c.event, ev, flags, group, grad, out, accumulate, defer,
@@ -243,7 +243,7 @@ class UnitRuntime:
         part = self._bucket_part(gi, out, keep)
         act = self._event(_C.EV_POST_BACKWARD, 0 if self.sync_grads else _C.FLAG_NO_SYNC, gi,
                           grad if out is not None else None, out, accumulate, defer,
-                          part is not None)
+                          self.root.bucket.c if part is not None else None)
         if out is not None and act & _C.ACT_REDUCE_GRAD and not accumulate:
             self._after_reduce(g, out, keep)
         if part is not None and act & _C.ACT_REDUCE_GRAD:

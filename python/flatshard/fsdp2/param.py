@@ -535,7 +535,8 @@ class ParamGroup:
         self.c.reduce(grads, grad_codes, outs, out_codes, accumulate,
                       float(factor) if factor is not None else 0.0,
                       deferred, reshard and not self.ext, all_reduce=not partial,
-                      hold=self._hook_divisor() if self.reducing_hook else 0.0, bucket=joins)
+                      hold=self._hook_divisor() if self.reducing_hook else 0.0,
+                      bucket=bucket.c if joins else None)
         self.reducing = fresh
         if joins:
             bucket.joined(self, self.reduce_dtype)

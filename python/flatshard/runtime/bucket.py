@@ -23,9 +23,9 @@ already require it), so every rank flushes at the same points. A bucket
 holds each joined group's reduce-scatter input and output until it flushes:
 at most the budget, plus one group's shard per group.
 
-Imports: envvars and errors only.
+Imports: _C, envvars and errors only.
 """
-from .. import envvars
+from .. import _C, envvars
 from ..errors import bad_value
 
 ENV_BYTES = "FLATSHARD_REDUCE_BUCKET_BYTES"
@@ -45,15 +45,16 @@ def bucket_bytes():
 
 class ReduceBucket:
     """The root's bucket. A member is an engine group owner with `c` (its
-    _C object, whose reduce(bucket=True) joined the Comm's bucket),
+    _C object, whose reduction joined the bucket's `c`),
     `comm`, `reduce_bytes`, `finish_reduce()` (the Python half of a
     reduction: the new sharded gradients set on the parameters) and
     `drop_reduce()` (forget a reduction that was given up)."""
 
-    __slots__ = ("budget", "members", "nbytes", "comm", "dtype")
+    __slots__ = ("budget", "c", "members", "nbytes", "comm", "dtype")
 
     def __init__(self, budget):
         self.budget = budget
+        self.c = _C.ReduceBucket()  # this model's own: Comms are shared between models
         self.members = []
         self.nbytes = 0
         self.comm = self.dtype = None
@@ -84,7 +85,7 @@ class ReduceBucket:
         if not self.members:
             return
         members = self._take()
-        members[0].c.flush_bucket(tuple(m.c for m in members))
+        members[0].c.flush_bucket(self.c, tuple(m.c for m in members))
         for m in members:
             m.finish_reduce()
 
@@ -92,7 +93,7 @@ class ReduceBucket:
         """Give the bucket up without a collective: nothing is written."""
         if self.members:
             members = self._take()
-            members[0].c.cancel_bucket(tuple(m.c for m in members))
+            members[0].c.cancel_bucket(self.c, tuple(m.c for m in members))
             for m in members:
                 m.drop_reduce()
 

@@ -1,0 +1,73 @@
+/* py_bucket.c - flatshard._C.ReduceBucket: the engine's fs_reduce_bucket
+ * ([Note: reduction buckets] in engine/engine.h) as a Python object, owned
+ * by one model's root (runtime/bucket.py). A bucket of its own per model,
+ * not per Comm: Comms are shared between models, and a bucket's parts point
+ * at engine objects that only their model keeps alive. Its owners fill and
+ * flush it (Unit.event(bucket=...), Dim0Group.reduce(bucket=...),
+ * flush_bucket, cancel_bucket). */
+#include "py_unit.h"
+
+typedef struct {
+    PyObject_HEAD
+    fs_reduce_bucket b;
+} BucketObject;
+
+static PyObject *Bucket_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
+{
+    if (!PyArg_ParseTuple(args, ":ReduceBucket") || (kw && PyDict_Size(kw)))
+        return PyErr_Format(PyExc_TypeError, "ReduceBucket() takes no arguments");
+    BucketObject *self = (BucketObject *)tp->tp_alloc(tp, 0); /* zeroed: empty */
+    return (PyObject *)self;
+}
+
+static void Bucket_dealloc(BucketObject *self)
+{
+    /* Parts left (a backward given up, its model gone): their owners let
+     * their handles go when they are destroyed; nothing here points back. */
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *Bucket_get_nparts(BucketObject *self, void *c)
+{
+    return PyLong_FromLong(self->b.nparts);
+}
+
+static PyGetSetDef Bucket_getset[] = {
+    {"nparts", (getter)Bucket_get_nparts, NULL, "reductions waiting in it", NULL},
+    {NULL},
+};
+
+static PyType_Slot Bucket_slots[] = {
+    {Py_tp_new, Bucket_new},
+    {Py_tp_dealloc, Bucket_dealloc},
+    {Py_tp_getset, Bucket_getset},
+    {Py_tp_doc, "ReduceBucket(): reduce-scatters recorded by host engine objects, issued as "
+                "one at their flush_bucket() (engine.h, [Note: reduction buckets])."},
+    {0, NULL},
+};
+
+static PyType_Spec Bucket_spec = {
+    "flatshard._C.ReduceBucket", sizeof(BucketObject), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, Bucket_slots,
+};
+
+fs_reduce_bucket *fs_glue_bucket(PyTypeObject *any, PyObject *o)
+{
+    fs_mod_state *st = fs_state_from_type(any);
+    if (!PyObject_TypeCheck(o, (PyTypeObject *)st->BucketType)) {
+        PyErr_Format(PyExc_TypeError, "bucket must be a flatshard._C.ReduceBucket, not %s",
+                     Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    return &((BucketObject *)o)->b;
+}
+
+int fs_bucket_type_add(PyObject *module, fs_mod_state *st)
+{
+    st->BucketType = PyType_FromModuleAndSpec(module, &Bucket_spec, NULL);
+    if (!st->BucketType)
+        return -1;
+    return PyModule_AddObjectRef(module, "ReduceBucket", st->BucketType);
+}
