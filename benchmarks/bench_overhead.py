@@ -14,9 +14,9 @@ unit), each step starting at a barrier and counted as the slower rank's
 time. "unwrapped" is the same model with no sharding at all; the others wrap
 every block and the root: "fsdp1" is flatshard.FullyShardedDataParallel
 (FULL_SHARD, one unit per block), "fully_shard" is flatshard.fully_shard on
-each block and the root (its default reduction bucket,
-FLATSHARD_REDUCE_BUCKET_BYTES), "fully_shard-nobucket" the same with every
-group reducing on its own, "torch-fully_shard" is torch's own. "+prefetch":
+each block and the root (both with their default reduction bucket,
+FLATSHARD_REDUCE_BUCKET_BYTES), "-nobucket" the same with every group
+reducing on its own, "torch-fully_shard" is torch's own. "+prefetch":
 torch's explicit prefetch lists in buckets of eight blocks (block 0, 8, ...
 prefetches the next seven in forward, 63, 55, ... the seven before in
 backward); flatshard gathers each bucket in one all-gather on a host Comm,
@@ -50,8 +50,9 @@ import torch.nn as nn
 from harness import cpu_name, free_port  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
-IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fully_shard", "fully_shard-nobucket",
-         "fully_shard+prefetch", "torch-fully_shard", "torch-fully_shard+prefetch")
+IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-nobucket", "fully_shard",
+         "fully_shard-nobucket", "fully_shard+prefetch", "torch-fully_shard",
+         "torch-fully_shard+prefetch")
 BUCKET = 8  # +prefetch: every BUCKET-th block prefetches the next BUCKET - 1
 
 
@@ -109,7 +110,7 @@ def build(impl, units):
     model = Tiny(units)
     if impl == "hooks-only":
         return _hooks_only(model)
-    if impl == "fsdp1":
+    if impl.startswith("fsdp1"):
         import flatshard
         from flatshard import ModuleWrapPolicy
         return flatshard.FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))

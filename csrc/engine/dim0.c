@@ -458,6 +458,9 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
         return s;
     g->all_reduce = !(flags & FS_DIM0_NO_ALL_REDUCE);
     g->hold = writes(g) && hold > 0 ? hold : 0.0;
+    if (bucketed && (!writes(g) || g->hold > 0))
+        return fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "a reduction into the HSDP "
+                    "partial sum, or held for a hook, cannot wait in a bucket");
     void *rs_in;
     /* zeroed: the padding, and the rows of parameters without a gradient;
      * a held rs_out outlives the call */
@@ -526,7 +529,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     g->n_reduce_scatter++;
     g->reduce_pending = 1;
     if (bucketed) { /* the host flushes, then finishes (ws: none on the host) */
-        g->reduce_deferred = 1;
+        g->reduce_deferred = g->in_bucket = 1;
         return FS_OK;
     }
     if (defer) {
@@ -550,6 +553,9 @@ fs_status fs_dim0_wait_reduce(fs_dim0_group *g)
 {
     if (!g->reduce_deferred)
         return FS_OK;
+    if (g->in_bucket)
+        return fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "its reduce-scatter still "
+                    "waits in a bucket: flush the bucket first");
     fs_comm *c = g->link.comm;
     g->reduce_deferred = 0;
     fs_status s = g->link.dev ? g->link.dev->wait(g->reduce_event, g->link.stream,
@@ -581,6 +587,7 @@ fs_status fs_dim0_finish_reduce(fs_dim0_group *g)
 
 void fs_dim0_cancel_reduce(fs_dim0_group *g)
 {
+    g->in_bucket = 0;
     if (g->reduce_pending && !g->link.dev)
         release_reduction(g);
 }
@@ -596,6 +603,7 @@ fs_status fs_dim0_flush_bucket(fs_reduce_bucket *b, fs_dim0_group *g,
     if (s != FS_OK)
         fail(g, s, "reduce-scatter", 1, "bucketed reduce_scatter: %s", g->link.comm->last_error);
     for (int i = 0; i < n; i++) {
+        owners[i]->in_bucket = 0;
         if (s != FS_OK)
             fs_dim0_cancel_reduce(owners[i]);
         else if ((s = fs_dim0_finish_reduce(owners[i])) != FS_OK)

@@ -75,6 +75,7 @@ typedef struct {
      * follows the reduce-scatter waits for reduce_event), or held */
     void *reduce_event;
     int reduce_pending, reduce_deferred;
+    int in_bucket;           /* its reduce-scatter waits in a host bucket (not issued) */
     int all_reduce;          /* HSDP: this reduction all-reduces (0: into partial) */
     double hold;             /* > 0: held after collect, rs_out divided by it */
     void *rs_in_h, *rs_out, *rs_out_h, *ws_h;

@@ -59,13 +59,13 @@ enum {
     FS_TAKE_TRANSIENT = 2, /* given back within the call (host: from the pool) */
 };
 
+typedef struct fs_gather_batch fs_gather_batch;   /* below */
+typedef struct fs_reduce_bucket fs_reduce_bucket;
+
 /* A group of ranks as the engine sees it: the backend, its ledger (may be
  * NULL), the device table (NULL: host memory), the caller's stream the
  * host bound for this call (fs_device.h: set_caller_stream), and what the
  * engine releases around blocking or long work (NULL: nothing). */
-typedef struct fs_gather_batch fs_gather_batch;
-typedef struct fs_reduce_bucket fs_reduce_bucket;
-
 typedef struct {
     fs_comm *comm;
     fs_ledger *ledger;
@@ -99,11 +99,12 @@ typedef struct {
     } while (0)
 
 /* ---------------------------------------------------------------------------
- * [Note: coalesced gathers] Small units spend more in collectives than in
- * their compute: every collective is a meeting point where each rank waits
- * for the slowest, and the ranks' timing differs a little at each one. So
- * on the host, the gathers of several units in one engine call (a unit's
- * own and the ones prefetched with it) go in one all-gather. While a batch
+ * [Note: coalesced gathers] Every collective costs a fixed time per call,
+ * however few bytes it moves: a barrier on shared memory (microseconds),
+ * a round of messages through gloo (about a millisecond on one host, more
+ * across hosts). Small units pay it more often than they compute. So on
+ * the host, the gathers of several units in one engine call (a unit's own
+ * and the ones prefetched with it) go in one all-gather. While a batch
  * is set on a link, fs_link_all_gather records the call (its buffers must
  * stay put until the flush) instead of issuing it; fs_gather_batch_flush
  * then copies every part's send into this rank's block of one buffer,

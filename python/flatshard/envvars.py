@@ -24,10 +24,11 @@ ENV = {
         "transfers go in chunks of half a slot). At least 4096."),
     "FLATSHARD_REDUCE_BUCKET_BYTES": (
         "1048576",
-        "fully_shard on a host Comm: gradient reductions of consecutive groups go in one "
-        "reduce-scatter until they hold this many bytes of gradients (groups larger than it "
-        "reduce on their own; 0: every group on its own). The bucket is flushed at the end "
-        "of backward, so gradients are in place when backward returns."),
+        "On a host Comm (fully_shard and the FSDP1 wrapper): gradient reductions of "
+        "consecutive groups go in one reduce-scatter until they hold this many bytes of "
+        "gradients (groups larger than it reduce on their own; 0: every group on its own). "
+        "The bucket is flushed at the end of backward, so gradients are in place when "
+        "backward returns. Read when a model's root runs its first forward."),
     "FLATSHARD_NCCL_LIBRARY": (
         "(search)",
         "Path of libnccl.so.2 for the NCCL backend; by default the copy torch loaded, then the "

@@ -30,9 +30,9 @@ from ..errors import (ConfigAssertionError, ConfigError, ConfigTypeError, StateE
                       bad_value, not_built)
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency, eager
+from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
-from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
 from ..state import optim_state
