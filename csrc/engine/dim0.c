@@ -191,8 +191,7 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
      * gathered buffer, which is the all-gather's input. The padding at a
      * block's end is never copied out, so it is left as it comes. */
     if ((s = e->take(e->ctx, g->gather_block_numel * world * (int64_t)es,
-                     defer || batched ? 0 : FS_TAKE_TRANSIENT, &g->gathered,
-                     &g->gathered_h)) != FS_OK)
+                     defer ? 0 : FS_TAKE_TRANSIENT, &g->gathered, &g->gathered_h)) != FS_OK)
         return fail(g, s, "unshard", 0, "out of memory");
     char *mine = (char *)g->gathered + (size_t)c->rank * g->gather_block_numel * es;
     for (int i = 0; i < g->nparams; i++) {
@@ -465,11 +464,13 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     /* zeroed: the padding, and the rows of parameters without a gradient;
      * a held rs_out outlives the call */
     if ((s = e->take(e->ctx, g->block_numel * world * (int64_t)rs,
-                     FS_TAKE_ZERO | (defer || bucketed ? 0 : FS_TAKE_TRANSIENT), &rs_in,
-                     &g->rs_in_h)) != FS_OK ||
+                     FS_TAKE_ZERO | (defer      ? 0
+                                     : bucketed ? FS_TAKE_STAGING
+                                                : FS_TAKE_TRANSIENT),
+                     &rs_in, &g->rs_in_h)) != FS_OK ||
         (s = e->take(e->ctx, g->block_numel * (int64_t)rs,
-                     defer || bucketed || g->hold > 0 ? 0 : FS_TAKE_TRANSIENT, &g->rs_out,
-                     &g->rs_out_h)) !=
+                     defer || g->hold > 0 ? 0 : bucketed ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT,
+                     &g->rs_out, &g->rs_out_h)) !=
             FS_OK) {
         release_reduction(g);
         return fail(g, s, "reduce-scatter", 0, "out of memory");

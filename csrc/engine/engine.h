@@ -57,6 +57,8 @@ typedef struct {
 enum {
     FS_TAKE_ZERO = 1,      /* zero-filled */
     FS_TAKE_TRANSIENT = 2, /* given back within the call (host: from the pool) */
+    FS_TAKE_STAGING = 4,   /* given back at a later call in the same backward, a bucket's
+                              flush (host: from the pool, not the heap) */
 };
 
 typedef struct fs_gather_batch fs_gather_batch;   /* below */

@@ -157,7 +157,7 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
         void *dst = gp;
         if (g->reduce != g->compute)
             s = e->take(e->ctx, g->padded_numel * (int64_t)fs_dtype_size(g->reduce),
-                        pend ? 0 : FS_TAKE_TRANSIENT, &dst, &red_in_h);
+                        pend ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT, &dst, &red_in_h);
         if (s == FS_OK)
             s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute,
                                          g->padded_numel, inv, 0);
@@ -185,8 +185,8 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
             land = g->red_out;
             lt = g->reduce;
         } else if (accumulate && pend) { /* the unit's scratch may wait in the bucket already */
-            s = e->take(e->ctx, g->shard_numel * (int64_t)fs_dtype_size(g->dtype), 0, &land,
-                        &land_h);
+            s = e->take(e->ctx, g->shard_numel * (int64_t)fs_dtype_size(g->dtype),
+                        FS_TAKE_STAGING, &land, &land_h);
         } else if (accumulate) {
             if ((s = scratch(u, g->shard_numel * (int64_t)fs_dtype_size(g->dtype), defer)) ==
                 FS_OK)

@@ -51,7 +51,7 @@ static fs_status env_take(void *ctx, int64_t nbytes, unsigned flags, void **data
         }
         if (h && fs_tensor_ptr(h, &p) < 0)
             Py_CLEAR(h);
-    } else if (flags & FS_TAKE_TRANSIENT) { /* a reduction's staging: the pool's */
+    } else if (flags & (FS_TAKE_TRANSIENT | FS_TAKE_STAGING)) { /* staging: the pool's */
         if ((p = fs_glue_take_staging(nbytes))) {
             if (flags & FS_TAKE_ZERO)
                 memset(p, 0, (size_t)nbytes);
