@@ -64,6 +64,20 @@ fs_reduce_bucket *fs_glue_bucket(PyTypeObject *any, PyObject *o)
     return &((BucketObject *)o)->b;
 }
 
+fs_reduce_bucket *fs_glue_bucket_args(PyTypeObject *any, PyObject *args, PyObject **owners)
+{
+    PyObject *bo;
+    fs_reduce_bucket *b;
+    if (!PyArg_ParseTuple(args, "OO", &bo, owners) || !(b = fs_glue_bucket(any, bo)))
+        return NULL;
+    if (!PyTuple_Check(*owners) || PyTuple_GET_SIZE(*owners) != b->nparts) {
+        PyErr_Format(PyExc_ValueError, "expected (bucket, a tuple of the owner of each of its "
+                     "%d reductions, in order)", b->nparts);
+        return NULL;
+    }
+    return b;
+}
+
 int fs_bucket_type_add(PyObject *module, fs_mod_state *st)
 {
     st->BucketType = PyType_FromModuleAndSpec(module, &Bucket_spec, NULL);

@@ -389,16 +389,10 @@ out:
  * parts' owners in its order; NULL with an exception set. */
 static fs_reduce_bucket *bucket_owners(Dim0Object *self, PyObject *args, PyObject **groupsp)
 {
-    PyObject *bo, *groups;
-    fs_reduce_bucket *b;
-    if (!PyArg_ParseTuple(args, "OO", &bo, &groups) || !(b = fs_glue_bucket(Py_TYPE(self), bo)))
+    fs_reduce_bucket *b = fs_glue_bucket_args(Py_TYPE(self), args, groupsp);
+    if (!b)
         return NULL;
-    *groupsp = groups;
-    if (!PyTuple_Check(groups) || PyTuple_GET_SIZE(groups) != b->nparts) {
-        PyErr_Format(PyExc_ValueError, "flush_bucket: groups must be a tuple of the %d groups "
-                     "in the bucket", b->nparts);
-        return NULL;
-    }
+    PyObject *groups = *groupsp;
     for (int i = 0; i < b->nparts; i++) {
         PyObject *o = PyTuple_GET_ITEM(groups, i);
         if (Py_TYPE(o) != Py_TYPE(self) || &((Dim0Object *)o)->g != b->part[i].owner) {

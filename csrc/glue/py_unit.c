@@ -285,16 +285,10 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
 static fs_reduce_bucket *bucket_parts(UnitObject *self, PyObject *args, PyObject **unitsp,
                                       int *groups)
 {
-    PyObject *bo, *units;
-    fs_reduce_bucket *b;
-    if (!PyArg_ParseTuple(args, "OO", &bo, &units) || !(b = fs_glue_bucket(Py_TYPE(self), bo)))
+    fs_reduce_bucket *b = fs_glue_bucket_args(Py_TYPE(self), args, unitsp);
+    if (!b)
         return NULL;
-    *unitsp = units;
-    if (!PyTuple_Check(units) || PyTuple_GET_SIZE(units) != b->nparts) {
-        PyErr_Format(PyExc_ValueError, "flush_bucket: units must be a tuple of the unit of "
-                     "each of the %d reductions in the bucket", b->nparts);
-        return NULL;
-    }
+    PyObject *units = *unitsp;
     for (int i = 0; i < b->nparts; i++) {
         PyObject *o = PyTuple_GET_ITEM(units, i);
         if (Py_TYPE(o) != Py_TYPE(self)) {

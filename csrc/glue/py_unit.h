@@ -37,6 +37,9 @@ PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObj
 /* py_bucket.c: the fs_reduce_bucket of a flatshard._C.ReduceBucket (any:
  * a type of this module), or NULL with a TypeError set. */
 fs_reduce_bucket *fs_glue_bucket(PyTypeObject *any, PyObject *o);
+/* args (bucket, owners): the bucket, with *owners a tuple as long as it
+ * holds parts (whose owners the caller checks); NULL with an exception set. */
+fs_reduce_bucket *fs_glue_bucket_args(PyTypeObject *any, PyObject *args, PyObject **owners);
 
 /* py_unit_pool.c, [Note: pooled storage]: give a gathered buffer's storage
  * nbytes (from the host pool; a device's through resize_), or take them
