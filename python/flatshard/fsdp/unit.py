@@ -371,10 +371,6 @@ class UnitRuntime:
                         "step, or run the earlier backward passes inside model.no_sync()")
 
 
-def _itemsize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class _BucketPart:
     """One group's reduction as a member of the root's ReduceBucket
     (runtime/bucket.py): its gradient tensors are set at the hook as
@@ -389,8 +385,8 @@ class _BucketPart:
     # and the group a new reduce dtype
     c = property(lambda self: self.unit.c)
     comm = property(lambda self: self.unit.c.comm)
-    reduce_bytes = property(lambda self: self.group.padded_numel * _itemsize(
-        self.group.reduce_dtype))
+    reduce_bytes = property(lambda self: self.group.padded_numel *
+                            self.group.reduce_dtype.itemsize)
 
     def finish_reduce(self):
         """Nothing left: the engine wrote the gradients at the flush."""

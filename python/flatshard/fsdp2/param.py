@@ -142,7 +142,7 @@ class ParamGroup:
         self.offsets = self.c.offsets     # each parameter's start in the unsharded buffer
         self.full_alloc = self.c.full_alloc
         # what one reduction's input takes (a bucket's budget counts it)
-        self.reduce_bytes = self.full_alloc * torch.empty((), dtype=reduce).element_size()
+        self.reduce_bytes = self.full_alloc * reduce.itemsize
 
     # the engine's counts
     is_unsharded = property(lambda self: self.c.is_unsharded)
