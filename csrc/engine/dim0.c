@@ -593,6 +593,14 @@ void fs_dim0_cancel_reduce(fs_dim0_group *g)
         release_reduction(g);
 }
 
+void fs_dim0_cancel_bucket(fs_reduce_bucket *b, fs_dim0_group *const *owners)
+{
+    for (int i = 0; i < b->nparts; i++)
+        fs_dim0_cancel_reduce(owners[i]);
+    b->nparts = 0;
+    b->count = 0;
+}
+
 fs_status fs_dim0_flush_bucket(fs_reduce_bucket *b, fs_dim0_group *g,
                                fs_dim0_group *const *owners, int *failed)
 {

@@ -149,6 +149,9 @@ void fs_dim0_cancel_reduce(fs_dim0_group *g);
  * finished (all cancelled after a failed flush), and the bucket emptied.
  * On failure *failed is the index of the group whose err says why, or -1
  * for g. */
+/* The bucket given up without a collective: each owner's reduction
+ * cancelled, the bucket emptied. */
+void fs_dim0_cancel_bucket(fs_reduce_bucket *b, fs_dim0_group *const *owners);
 fs_status fs_dim0_flush_bucket(fs_reduce_bucket *b, fs_dim0_group *g,
                                fs_dim0_group *const *owners, int *failed);
 /* Forget the HSDP partial sum (an iteration given up: reset_iter_state). */

@@ -149,6 +149,9 @@ void fs_unit_cancel_bucketed(fs_unit *u, int group);
  * owners[i]'s group groups[i] (all cancelled after a failed flush), and the
  * bucket emptied. On failure *failed is the index of the unit whose err
  * says why, or -1 for u. */
+/* The bucket given up without a collective: part i (owners[i]'s group
+ * groups[i]) cancelled, the bucket emptied. */
+void fs_unit_cancel_bucket(fs_reduce_bucket *b, fs_unit *const *owners, const int *groups);
 fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *owners,
                                const int *groups, int *failed);
 

@@ -297,6 +297,14 @@ void fs_unit_cancel_bucketed(fs_unit *u, int gi)
         let_go(u, &u->bucketed[gi]);
 }
 
+void fs_unit_cancel_bucket(fs_reduce_bucket *b, fs_unit *const *owners, const int *groups)
+{
+    for (int i = 0; i < b->nparts; i++)
+        fs_unit_cancel_bucketed(owners[i], groups[i]);
+    b->nparts = 0;
+    b->count = 0;
+}
+
 fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *owners,
                                const int *groups, int *failed)
 {

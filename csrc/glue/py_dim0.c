@@ -386,8 +386,10 @@ out:
 }
 
 /* The bucket of args (bucket, groups), with `groups` checked to be its
- * parts' owners in its order; NULL with an exception set. */
-static fs_reduce_bucket *bucket_owners(Dim0Object *self, PyObject *args, PyObject **groupsp)
+ * parts' owners in its order (their engine groups into owners); NULL with
+ * an exception set. */
+static fs_reduce_bucket *bucket_owners(Dim0Object *self, PyObject *args, PyObject **groupsp,
+                                       fs_dim0_group **owners)
 {
     fs_reduce_bucket *b = fs_glue_bucket_args(Py_TYPE(self), args, groupsp);
     if (!b)
@@ -395,7 +397,8 @@ static fs_reduce_bucket *bucket_owners(Dim0Object *self, PyObject *args, PyObjec
     PyObject *groups = *groupsp;
     for (int i = 0; i < b->nparts; i++) {
         PyObject *o = PyTuple_GET_ITEM(groups, i);
-        if (Py_TYPE(o) != Py_TYPE(self) || &((Dim0Object *)o)->g != b->part[i].owner) {
+        owners[i] = &((Dim0Object *)o)->g;
+        if (Py_TYPE(o) != Py_TYPE(self) || owners[i] != b->part[i].owner) {
             PyErr_Format(PyExc_ValueError, "flush_bucket: groups[%d] is not the bucket's "
                          "part %d", i, i);
             return NULL;
@@ -412,12 +415,10 @@ PyDoc_STRVAR(flush_bucket_doc,
 static PyObject *Dim0_flush_bucket(Dim0Object *self, PyObject *args)
 {
     PyObject *groups;
-    fs_reduce_bucket *b = bucket_owners(self, args, &groups);
+    fs_dim0_group *owners[FS_BATCH_MAX_PARTS];
+    fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
     if (!b || bind(self) < 0)
         return NULL;
-    fs_dim0_group *owners[FS_BATCH_MAX_PARTS];
-    for (int i = 0; i < b->nparts; i++)
-        owners[i] = &((Dim0Object *)PyTuple_GET_ITEM(groups, i))->g;
     int failed = -1;
     fs_status s = fs_dim0_flush_bucket(b, &self->g, owners, &failed);
     return done(failed < 0 ? self : (Dim0Object *)PyTuple_GET_ITEM(groups, failed), s);
@@ -429,13 +430,11 @@ PyDoc_STRVAR(cancel_bucket_doc,
 static PyObject *Dim0_cancel_bucket(Dim0Object *self, PyObject *args)
 {
     PyObject *groups;
-    fs_reduce_bucket *b = bucket_owners(self, args, &groups);
+    fs_dim0_group *owners[FS_BATCH_MAX_PARTS];
+    fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
     if (!b)
         return NULL;
-    for (int i = 0; i < b->nparts; i++)
-        fs_dim0_cancel_reduce(&((Dim0Object *)PyTuple_GET_ITEM(groups, i))->g);
-    b->nparts = 0;
-    b->count = 0;
+    fs_dim0_cancel_bucket(b, owners);
     Py_RETURN_NONE;
 }
 

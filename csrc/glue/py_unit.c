@@ -280,10 +280,11 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
     return PyLong_FromUnsignedLong(act);
 }
 
-/* The bucket of args (bucket, units), and which group of which unit of
- * `units` each of its parts belongs to, checked; NULL with an exception set. */
+/* The bucket of args (bucket, units), and which group (groups) of which
+ * unit (owners) each of its parts belongs to, checked; NULL with an
+ * exception set. */
 static fs_reduce_bucket *bucket_parts(UnitObject *self, PyObject *args, PyObject **unitsp,
-                                      int *groups)
+                                      fs_unit **owners, int *groups)
 {
     fs_reduce_bucket *b = fs_glue_bucket_args(Py_TYPE(self), args, unitsp);
     if (!b)
@@ -295,7 +296,7 @@ static fs_reduce_bucket *bucket_parts(UnitObject *self, PyObject *args, PyObject
             PyErr_Format(PyExc_TypeError, "flush_bucket: units[%d] is not a Unit", i);
             return NULL;
         }
-        fs_unit *u = &((UnitObject *)o)->u;
+        fs_unit *u = owners[i] = &((UnitObject *)o)->u;
         const char *own = b->part[i].owner, *first = (const char *)u->bucketed;
         if (own < first || own >= first + (size_t)u->ngroups * sizeof *u->bucketed) {
             PyErr_Format(PyExc_ValueError, "flush_bucket: the bucket's part %d is not "
@@ -315,13 +316,11 @@ PyDoc_STRVAR(flush_bucket_doc,
 static PyObject *Unit_flush_bucket(UnitObject *self, PyObject *args)
 {
     PyObject *units;
+    fs_unit *owners[FS_BATCH_MAX_PARTS];
     int groups[FS_BATCH_MAX_PARTS];
-    fs_reduce_bucket *b = bucket_parts(self, args, &units, groups);
+    fs_reduce_bucket *b = bucket_parts(self, args, &units, owners, groups);
     if (!b || bind(self) < 0)
         return NULL;
-    fs_unit *owners[FS_BATCH_MAX_PARTS];
-    for (int i = 0; i < b->nparts; i++)
-        owners[i] = &((UnitObject *)PyTuple_GET_ITEM(units, i))->u;
     int failed = -1;
     fs_status s = fs_unit_flush_bucket(b, &self->u, owners, groups, &failed);
     return done(failed < 0 ? self : (UnitObject *)PyTuple_GET_ITEM(units, failed), s);
@@ -333,14 +332,12 @@ PyDoc_STRVAR(cancel_bucket_doc,
 static PyObject *Unit_cancel_bucket(UnitObject *self, PyObject *args)
 {
     PyObject *units;
+    fs_unit *owners[FS_BATCH_MAX_PARTS];
     int groups[FS_BATCH_MAX_PARTS];
-    fs_reduce_bucket *b = bucket_parts(self, args, &units, groups);
+    fs_reduce_bucket *b = bucket_parts(self, args, &units, owners, groups);
     if (!b)
         return NULL;
-    for (int i = 0; i < b->nparts; i++)
-        fs_unit_cancel_bucketed(&((UnitObject *)PyTuple_GET_ITEM(units, i))->u, groups[i]);
-    b->nparts = 0;
-    b->count = 0;
+    fs_unit_cancel_bucket(b, owners, groups);
     Py_RETURN_NONE;
 }
 
