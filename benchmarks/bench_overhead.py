@@ -37,6 +37,7 @@ math).
 import argparse
 import datetime
 import os
+import queue
 import statistics
 import sys
 import time
@@ -204,6 +205,9 @@ def breakdown(rank, args):
     rank; the difference is that wait. Returns us per call."""
     from flatshard.fsdp2.state import state_of
     from flatshard.tensors import dtype_code
+    # each group's reduction on its own: a bucketed one has no collective of
+    # its own to time (and the bucket's flush takes the engine objects)
+    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = "0"
     model = build("fully_shard", args.units)
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1 + rank))
 
@@ -296,7 +300,16 @@ def main():
     procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(WORLD)]
     for pr in procs:
         pr.start()
-    res = out.get(timeout=1800)
+    res = None
+    while res is None:  # a rank that died ends the run instead of a wait for it
+        try:
+            res = out.get(timeout=5)
+        except queue.Empty:
+            dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+            if dead:
+                for pr in procs:
+                    pr.kill()
+                sys.exit(f"rank(s) {dead} failed; their traceback is above")
     for pr in procs:
         pr.join()
     cpu = cpu_name()

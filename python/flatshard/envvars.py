@@ -29,6 +29,14 @@ ENV = {
         "gradients (groups larger than it reduce on their own; 0: every group on its own). "
         "The bucket is flushed at the end of backward, so gradients are in place when "
         "backward returns. Read when a model's root runs its first forward."),
+    "FLATSHARD_GATHER_AHEAD_BYTES": (
+        "(backend)",
+        "On a host Comm (fully_shard and the FSDP1 wrapper): when a unit gathers its "
+        "parameters, the units that ran right after it in the last forward (in backward: "
+        "right before it) are gathered in the same all-gather while together they hold at "
+        "most this many bytes (0: every unit gathers on its own). Default: 1048576 on the "
+        "torch backend, whose collectives cost about a millisecond each; 0 on shm. Read when "
+        "a model's root runs its first forward."),
     "FLATSHARD_NCCL_LIBRARY": (
         "(search)",
         "Path of libnccl.so.2 for the NCCL backend; by default the copy torch loaded, then the "

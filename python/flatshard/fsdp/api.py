@@ -30,6 +30,7 @@ from ..errors import (ConfigAssertionError, ConfigError, ConfigTypeError, StateE
                       bad_value, not_built)
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency, eager
+from ..runtime.ahead import ahead_bytes, gather_ahead
 from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
@@ -89,6 +90,7 @@ class RootState:
         self.final_queued = False
         self.inflight = InFlight()  # the unit whose deferred reduction is in flight
         self.bucket = ReduceBucket(bucket_bytes())  # reductions issued as one (host)
+        self.ahead = ahead_bytes(owner._unit.c.comm)  # units gathered with one (host)
 
     def reduce_issued(self, unit):
         """`unit` is about to defer a reduction: the one in flight from
@@ -112,6 +114,18 @@ class RootState:
 
     def previous_in_forward(self, unit):
         return self.order.previous(unit)
+
+    def gather_ahead(self, unit, step):
+        """The engine units gathered in `unit`'s all-gather: those that ran
+        after it in the last forward (step 1) or before it (-1, backward),
+        within the budget (runtime/ahead.py); None for none."""
+        if not self.ahead:
+            return None
+        comm = unit.c.comm
+        run = gather_ahead(self.order, unit, step, self.ahead,
+                           lambda u: u.gathered_bytes if u.c.comm is comm and
+                           not u.c.is_unsharded else None)
+        return tuple(u.c for u in run) or None
 
     def queue_final_callback(self):
         if not self.final_queued:

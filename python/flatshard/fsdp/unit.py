@@ -152,11 +152,12 @@ class UnitRuntime:
         self._call(self.c.unshard, False, prefetch)
 
     def _event(self, ev, flags=0, group=-1, grad=None, out=None, accumulate=False, defer=False,
-               bucket=None):
+               bucket=None, along=None):
         """One engine call per hook event: the state machine's step and what
-        it asks for (gather, reduce, free), done in C."""
+        it asks for (gather, reduce, free), done in C. along: engine units
+        gathered in the same all-gather (RootState.gather_ahead)."""
         return self._call(self.c.event, ev, flags, group, grad, out, accumulate, defer,
-                          None, bucket)
+                          along, bucket)
 
     def _call(self, fn, *args):
         """An allocation failure becomes an OutOfMemoryError carrying this
@@ -181,7 +182,8 @@ class UnitRuntime:
     # forward
 
     def pre_forward(self):
-        self._event(_C.EV_PRE_FORWARD, _GRAD if torch.is_grad_enabled() else 0)
+        self._event(_C.EV_PRE_FORWARD, _GRAD if torch.is_grad_enabled() else 0,
+                    along=self.root.gather_ahead(self, 1))
         nxt = self.root.record_forward(self)
         if self.forward_prefetch and nxt is not None and nxt.c.state == "IDLE":
             nxt.unshard(prefetch=True)
@@ -209,7 +211,10 @@ class UnitRuntime:
     @eager.hook
     def _pre_backward(self, grad):
         self.root.queue_final_callback()
-        act = self._event(_C.EV_PRE_BACKWARD, 0)  # a prefetched gather is waited for too
+        # a prefetched gather is waited for too; with backward prefetch on, the
+        # units before this one gather with it (RootState.gather_ahead)
+        along = self.root.gather_ahead(self, -1) if self.backward_prefetch is not None else None
+        act = self._event(_C.EV_PRE_BACKWARD, 0, along=along)
         if act & _C.ACT_UNSHARD:
             if (self.use_orig_params and not self.no_shard) or \
                     (self.no_shard and self.groups and self.groups[0].lp is not None):

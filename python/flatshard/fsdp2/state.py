@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
+from ..runtime.ahead import ahead_bytes, gather_ahead
 from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
@@ -94,6 +95,7 @@ class FSDPState:
         self.callback_queued = False
         self.inflight = InFlight()        # the root's: the reduction in flight
         self.bucket = None                # the root's: reductions issued as one (host)
+        self.ahead = 0                    # the root's: bytes gathered ahead (host)
         self.reduced = False              # the root's: a group was reduced in this backward
         self.fqn = ""                     # the modules' names in the root's tree (profiler)
         self.label = ""                   # " (fqn)": the suffix of this state's ranges
@@ -135,6 +137,8 @@ class FSDPState:
             self.states.append(st)
         self._check_no_shared_params()
         self._init_fqns()
+        comm = next((st.group.comm for st in self.states if st.group is not None), None)
+        self.ahead = ahead_bytes(comm)
 
     def _init_fqns(self):
         """Each state's module names in the root's tree, joined as torch's
@@ -279,6 +283,24 @@ class FSDPState:
         if self.group is not None:
             self.group.reshard()
 
+    def gather_ahead(self, st, step):
+        """Root only: the states gathered in st's all-gather where the user
+        set no prefetch list: those that ran after it in the last forward
+        (step 1) or before it (-1, backward), within the budget
+        (runtime/ahead.py). A state without parameters is passed over."""
+        g = st.group
+        if not self.ahead or g is None:
+            return ()
+
+        def cost(o):
+            h = o.group
+            if h is None:
+                return 0
+            if h.comm is not g.comm or h.is_unsharded or h.ext or h.post_chunk is not None:
+                return None
+            return h.full_alloc * h.compute_dtype.itemsize
+        return gather_ahead(self.order, st, step, self.ahead, cost)
+
     # ------------------------------------------------------------------
     # implicit prefetch (devices only)
 
@@ -324,8 +346,13 @@ class FSDPState:
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             with observe.span("FSDP::cast_forward_inputs"):
                 args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
+        along = self.forward_prefetch
+        if along is None:  # none set: on a host Comm, the next states' gathers join
+            along = root.gather_ahead(self, 1)
+            if along:
+                root.prefetched += along  # resharded after forward if they did not run
         with self._span("FSDP::pre_forward"):
-            self._unshard_and_wait(self.forward_prefetch or ())
+            self._unshard_and_wait(along)
         if self.forward_prefetch is not None:
             self._prefetch(self.forward_prefetch, "forward")
         elif nxt is not None:
@@ -378,7 +405,8 @@ class FSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(root._finalize)
         with self._span("FSDP::pre_backward"):
             if self.unshard_in_backward:
-                self._unshard_and_wait(self.backward_prefetch or ())
+                along = self.backward_prefetch
+                self._unshard_and_wait(root.gather_ahead(self, -1) if along is None else along)
             if self.backward_prefetch is None:  # torch's default prefetch is in the range
                 self._prefetch(self._implicit(root.order.previous(self)), "backward")
         if self.backward_prefetch is not None:

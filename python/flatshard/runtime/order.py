@@ -34,6 +34,17 @@ class ForwardOrder:
         i = self.position.get(id(item))
         return self.order[i - 1] if i else None
 
+    def neighbours(self, item, step):
+        """What ran after `item` last time, nearest first (step 1), or
+        before it (step -1); nothing when `item` did not run."""
+        i = self.position.get(id(item))
+        if i is None:
+            return
+        i += step
+        while 0 <= i < len(self.order):
+            yield self.order[i]
+            i += step
+
     def ran(self, item):
         """Whether `item` ran in the forward now running (or just ended)."""
         return id(item) in self._ran

@@ -1,0 +1,66 @@
+"""Gathering ahead: the next units' all-gathers joined to this one's, on a
+Comm whose collectives have a fixed cost per call.
+
+Through the process group (the torch backend: gloo over TCP) every
+collective costs about a millisecond however few bytes it moves; a model of
+small units spends its step in those calls. The engine can gather several
+units in one all-gather ([Note: coalesced gathers] in
+csrc/engine/engine.h). This file picks them: when a unit gathers, the units
+that ran right after it in the last forward (in backward: right before it)
+join its gather, while together they hold at most
+FLATSHARD_GATHER_AHEAD_BYTES of gathered parameters. They are then
+gathered when their own hook runs, and reshard after their own use as
+always. The first forward has no order yet: each unit gathers on its own.
+
+The default budget is 1 MiB on the torch backend and 0 (nothing gathered
+ahead) on shared memory, where a collective costs microseconds and gathering
+128 units' collectives into 3 was measured to change no step time
+(benchmarks/RESULTS.md): there it would only raise the memory peak. A unit
+larger than what is left of the budget is not gathered ahead, so models of
+large units are unaffected. The bytes are the same and summed nowhere:
+gathering ahead changes no bit.
+
+Every rank follows the same order (the collectives already require it), so
+every rank joins the same units. Used by the FSDP1 wrapper's units
+(fsdp/unit.py) and fully_shard's states (fsdp2/state.py).
+
+Imports: envvars and errors only.
+"""
+from .. import envvars
+from ..errors import bad_value
+
+ENV_BYTES = "FLATSHARD_GATHER_AHEAD_BYTES"
+DEFAULT_BYTES = {"torch": 1 << 20}  # by Comm backend; others 0
+
+
+def ahead_bytes(comm):
+    """The budget for units on `comm`: the environment's, else the
+    backend's default; 0 on a device (its prefetches overlap instead)."""
+    if comm is None or comm.device is not None:
+        return 0
+    raw = envvars.read(ENV_BYTES)
+    if raw is None:
+        return DEFAULT_BYTES.get(comm.backend, 0)
+    if not raw.isdigit():
+        raise bad_value(ENV_BYTES, raw, "expected a whole number of bytes (0: every unit "
+                        "gathers on its own)")
+    return int(raw)
+
+
+def gather_ahead(order, item, step, budget, cost):
+    """The items next to `item` in the last forward (step 1: those after
+    it; -1: those before it, for backward) whose gathers join item's, in
+    that order: while each one's cost(other) fits in what is left of
+    `budget`. cost(other) is its gathered bytes, or None when it cannot join
+    (already gathered, another Comm): the run stops there. Empty while the
+    neighbour is gathered already (it came with an earlier run)."""
+    if not budget:
+        return []
+    run = []
+    for other in order.neighbours(item, step):
+        size = cost(other)
+        if size is None or size > budget:
+            break
+        budget -= size
+        run.append(other)
+    return run
