@@ -4,7 +4,11 @@
 - a module's gather and the gathers of the modules it prefetches (torch's
   explicit prefetch lists) go in one all-gather;
 - gradient reductions of consecutive groups go in one reduce-scatter, up to
-  FLATSHARD_REDUCE_BUCKET_BYTES (default 1 MiB; 0: none).
+  FLATSHARD_REDUCE_BUCKET_BYTES (default 1 MiB; 0: none);
+- with no prefetch list, the modules that ran next in the last forward (in
+  backward: before) join a module's all-gather, up to
+  FLATSHARD_GATHER_AHEAD_BYTES (runtime/ahead.py; default 1 MiB on the
+  torch backend, 0 on shm); for fully_shard and the FSDP1 wrapper.
 
 The reference is the same model with neither (a budget of 0, no prefetch
 lists): coalescing only regroups the collectives, each element is summed from
@@ -23,6 +27,7 @@ from toy_models import build
 TIMEOUT = 240
 PER_RANK = 2
 ENV = "FLATSHARD_REDUCE_BUCKET_BYTES"
+AHEAD = "FLATSHARD_GATHER_AHEAD_BYTES"
 
 
 class _env:
@@ -62,11 +67,12 @@ def _prefetch_lists(parts, k):
         rev[i].set_modules_to_backward_prefetch(rev[i + 1:i + k])
 
 
-def _train(backend, bucket, prefetch, mp=None, steps=2, accum=1, reuse=False):
+def _train(backend, bucket, prefetch, mp=None, steps=2, accum=1, reuse=False, ahead=0):
     """Gradients and parameters after each step (this rank's shards), and the
-    ledger's collectives of the last step."""
+    ledger's collectives of the last step. ahead None: the backend's default."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    with _env(FLATSHARD_COMM_BACKEND=backend, **{ENV: str(bucket)}):
+    env = {ENV: str(bucket)} if ahead is None else {ENV: str(bucket), AHEAD: str(ahead)}
+    with _env(FLATSHARD_COMM_BACKEND=backend, **env):
         model = build(depth=4, reuse=reuse)
         parts = _shard(model, mp)
         if prefetch:
@@ -263,11 +269,12 @@ def test_engine_checks_its_arguments(dist_pool):
 # the FSDP1 wrapper: the same bucket, per flat group
 
 
-def _train_fsdp1(bucket, strategy, orig, mp, accum):
+def _train_fsdp1(bucket, strategy, orig, mp, accum, backend="shm", ahead=0, steps=2):
     from flatshard import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
     from toy_models import Block
     world, rank = dist.get_world_size(), dist.get_rank()
-    with _env(**{ENV: str(bucket)}):
+    env = {ENV: str(bucket)} if ahead is None else {ENV: str(bucket), AHEAD: str(ahead)}
+    with _env(FLATSHARD_COMM_BACKEND=backend, **env):
         model = FSDP(build(depth=4), auto_wrap_policy=ModuleWrapPolicy({Block}),
                      sharding_strategy=ShardingStrategy[strategy], use_orig_params=orig,
                      mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16)
@@ -277,7 +284,7 @@ def _train_fsdp1(bucket, strategy, orig, mp, accum):
         comm = next(m for m in model.modules() if m is not model and hasattr(m, "_unit"))
         comm = comm._unit.c.comm
         seen = []
-        for _ in range(2):
+        for _ in range(steps):
             start = comm.ledger()[-1]["seq"] if comm.ledger() else 0
             for _ in range(accum):  # gradients accumulate across backwards
                 x = torch.randn(PER_RANK * world, 5, generator=g)
@@ -288,8 +295,8 @@ def _train_fsdp1(bucket, strategy, orig, mp, accum):
             opt.step()
             opt.zero_grad()
             seen.append([p.detach().clone() for p in model.parameters()])
-        rs = sum(1 for e in comm.ledger() if e["seq"] > start and e["op"] == "reduce_scatter")
-    return seen, rs
+        ops = [(e["op"], e["unit"]) for e in comm.ledger() if e["seq"] > start]
+    return seen, _count(ops, "reduce_scatter"), ops
 
 
 FSDP1_CASES = [("FULL_SHARD", False, False, 1), ("FULL_SHARD", True, True, 2),
@@ -297,8 +304,8 @@ FSDP1_CASES = [("FULL_SHARD", False, False, 1), ("FULL_SHARD", True, True, 2),
 
 
 def _compare_fsdp1(strategy, orig, mp, accum):
-    plain, rs_plain = _train_fsdp1(0, strategy, orig, mp, accum)
-    bucketed, rs = _train_fsdp1(1 << 20, strategy, orig, mp, accum)
+    plain, rs_plain, _ = _train_fsdp1(0, strategy, orig, mp, accum)
+    bucketed, rs, _ = _train_fsdp1(1 << 20, strategy, orig, mp, accum)
     _bits_equal(plain, bucketed)
     return rs_plain, rs
 
@@ -312,3 +319,103 @@ def test_fsdp1_reduction_bucket_changes_no_bit(dist_pool, strategy, orig, mp, ac
         # 4 block units and the root's (inp, head) per backward: each on its
         # own, or one bucket per backward
         assert rs_plain == 5 * accum and rs == accum, (rs_plain, rs)
+
+
+# ----------------------------------------------------------------------
+# gathering ahead (runtime/ahead.py), both APIs
+
+
+def _gathers(ops):
+    """How many units each all-gather of a step held (the ledger's "+k")."""
+    return [int(u.rsplit(" +", 1)[1]) + 1 if " +" in u else 1 for o, u in ops if o == "all_gather"]
+
+
+def _compare_ahead(api, backend, strategy):
+    """Three steps with no unit gathered ahead, with a 1 MiB budget, and
+    with the backend's default; bits and the last step's all-gathers."""
+    out = {}
+    for name, ahead in (("off", 0), ("on", 1 << 20), ("default", None)):
+        if api == "fully_shard":
+            seen, ops = _train(backend, 0, 0, steps=3, ahead=ahead)
+        else:
+            seen, _, ops = _train_fsdp1(0, strategy, False, False, 1, backend=backend,
+                                        ahead=ahead, steps=3)
+        out[name] = seen, _gathers(ops)
+    _bits_equal(out["off"][0], out["on"][0])
+    _bits_equal(out["off"][0], out["default"][0])
+    return {k: v[1] for k, v in out.items()}
+
+
+AHEAD_CASES = [("fully_shard", "torch", None), ("fully_shard", "shm", None),
+               ("fsdp1", "torch", "FULL_SHARD"), ("fsdp1", "shm", "FULL_SHARD"),
+               ("fsdp1", "torch", "SHARD_GRAD_OP")]
+
+
+@pytest.mark.parametrize("api,backend,strategy", AHEAD_CASES,
+                         ids=["-".join(filter(None, c)) for c in AHEAD_CASES])
+def test_gather_ahead_changes_no_bit(dist_pool, api, backend, strategy):
+    for got in dist_pool(2).run(_compare_ahead, api, backend, strategy, timeout=TIMEOUT):
+        off, on = got["off"], got["on"]
+        assert set(off) == {1}, off  # every unit on its own
+        # the same units gathered, in fewer all-gathers: from the first unit
+        # in forward (and from the last in backward) the model's small units
+        # all fit in 1 MiB
+        assert sum(on) == sum(off) and len(on) < len(off), (on, off)
+        if strategy == "SHARD_GRAD_OP":  # kept from forward to backward: all in one
+            assert on == [sum(off)], on
+        # the default: 1 MiB on the torch backend, none on shm
+        assert got["default"] == (on if backend == "torch" else off), got
+
+
+def _ahead_budget(budget):
+    """The units of each all-gather of a step's forward with `budget`, and
+    each unit's gathered bytes in forward order."""
+    with _env(FLATSHARD_COMM_BACKEND="torch", **{AHEAD: str(budget), ENV: "0"}):
+        model = build(depth=4)
+        parts = _shard(model)
+        comm = parts[0]._fsdp_state().group.comm
+        model(torch.randn(2, 5)).sum().backward()
+        start = comm.ledger()[-1]["seq"]
+        with torch.no_grad():
+            model(torch.randn(2, 5))
+    ops = [(e["op"], e["unit"]) for e in comm.ledger() if e["seq"] > start]
+    sizes = [p._fsdp_state().group.full_alloc * 4 for p in parts]
+    return _gathers(ops), sizes
+
+
+def _runs(sizes, budget):
+    """The documented rule: a unit gathers with those after it while their
+    bytes together fit in the budget; the next run starts where it stopped."""
+    out, i = [], 0
+    while i < len(sizes):
+        j, left = i + 1, budget
+        while j < len(sizes) and sizes[j] <= left:
+            left -= sizes[j]
+            j += 1
+        out.append(j - i)
+        i = j
+    return out
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 700, 100])
+def test_gather_ahead_budget(dist_pool, budget):
+    for runs, sizes in dist_pool(2).run(_ahead_budget, budget, timeout=TIMEOUT):
+        assert runs == _runs(sizes, budget), (runs, sizes)
+        if budget == 100:  # every unit is larger: each on its own
+            assert runs == [1] * len(sizes)
+
+
+def _bad_ahead():
+    with _env(FLATSHARD_COMM_BACKEND="torch", **{AHEAD: "-1"}):
+        model = build(depth=1)
+        _shard(model)
+        try:
+            model(torch.randn(2, 5))
+        except ConfigError as e:
+            return str(e)
+    return None
+
+
+def test_gather_ahead_budget_is_validated(dist_pool):
+    for msg in dist_pool(2).run(_bad_ahead, timeout=TIMEOUT):
+        assert msg is not None and AHEAD in msg and "-1" in msg, msg

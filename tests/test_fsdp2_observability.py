@@ -72,11 +72,13 @@ def _comm_counts(raf, backend, prefetch, bucket="0"):
     """Per implementation: CommDebugMode's counts of one step after a first
     one, and its per-module forward/backward counts. bucket: flatshard's
     FLATSHARD_REDUCE_BUCKET_BYTES (0: none, each group reduces on its own
-    as torch's do)."""
+    as torch's do). No module is gathered ahead (FLATSHARD_GATHER_AHEAD_BYTES
+    0; test_coalesced_collectives.py): each gathers as torch's do."""
     out = {}
     saved = os.environ.get("FLATSHARD_COMM_BACKEND")
     os.environ["FLATSHARD_COMM_BACKEND"] = backend
     os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = bucket
+    os.environ["FLATSHARD_GATHER_AHEAD_BYTES"] = "0"
     try:
         for name, fn in BOTH:
             model = _model(fn, prefetch, reshard_after_forward=raf)
@@ -92,6 +94,7 @@ def _comm_counts(raf, backend, prefetch, bucket="0"):
                          modules)
     finally:
         del os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"]
+        del os.environ["FLATSHARD_GATHER_AHEAD_BYTES"]
         if saved is None:
             os.environ.pop("FLATSHARD_COMM_BACKEND")
         else:
