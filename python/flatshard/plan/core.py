@@ -32,6 +32,7 @@ activations) is an estimate and says so.
 from dataclasses import dataclass
 
 from ..errors import bad_value
+from ..runtime.ahead import DEFAULT_BYTES as DEFAULT_AHEAD
 from ..runtime.comm import DEFAULT_SLOT_BYTES
 from .report import plan_table
 from .units import flat_layout, units_from_count, units_from_model
@@ -118,17 +119,45 @@ class Plan:
         return plan_table(self, explain)
 
 
-def _gathered_units(units, elem_of, strategy, shard_world, prefetch):
-    """Peak bytes of gathered (unsharded, compute-dtype) units and its formula."""
+def _gathered_units(units, elem_of, strategy, shard_world, prefetch, ahead=0):
+    """Peak bytes of gathered (unsharded, compute-dtype) units and its formula.
+    ahead: the gather-ahead budget (runtime/ahead.py), 0 for none."""
     size = [sum(flat_layout(g.numels, g.elem_bytes, shard_world)[1] * elem_of(g)
                 for g in u.groups) for u in units]
     root, inner = size[-1], sorted(size[:-1], reverse=True)
     if strategy in ("FULL_SHARD", "HYBRID_SHARD"):
         k = 2 if prefetch else 1
-        return root + sum(inner[:k]), (f"root unit (kept gathered from forward to backward) + "
-                                       f"the {k} largest other unit(s) gathered at once "
-                                       f"({'current + prefetched' if k == 2 else 'no prefetch'})")
+        formula = (f"root unit (kept gathered from forward to backward) + the {k} largest "
+                   f"other unit(s) gathered at once "
+                   f"({'current + prefetched' if k == 2 else 'no prefetch'})")
+        most = _ahead_peak(size[:-1], ahead)
+        if most > sum(inner[:k]):
+            return root + most, (f"root unit + the most gathered at once with "
+                                 f"{ahead} bytes gathered ahead: a unit and the units after "
+                                 "(or before) it that fit, in wrap order")
+        return root + sum(inner[:k]), formula
     return sum(size), "every unit, padded, gathered from forward to the end of backward"
+
+
+def _ahead_peak(sizes, budget):
+    """With units gathered ahead (runtime/ahead.py): the most bytes one
+    gather leaves live, a unit and the run of units after it (forward) or
+    before it (backward) that fits the budget, or the run the root's gather
+    takes; `sizes` in wrap order, which the forward order follows."""
+    if not budget:
+        return 0
+
+    def run(seq):
+        left = budget
+        for s in seq:
+            if s > left:
+                break
+            left -= s
+        return budget - left
+    best = run(sizes)
+    for i, s in enumerate(sizes):
+        best = max(best, s + run(sizes[i + 1:]), s + run(sizes[i - 1::-1] if i else ()))
+    return best
 
 
 def _activations(c):
@@ -198,7 +227,8 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
          units=None, activation_checkpointing=False, batch_size=None, seq_len=None, hidden=None,
          layers=None, heads=None, vocab=None, flash_attention=False, backward_prefetch=True,
          forward_prefetch=False, comm_backend="shm", slot_bytes=None, disk_chunks=4,
-         disk_chunk_bytes=64 << 20, runtime_bytes=None, activation_bytes=None):
+         disk_chunk_bytes=64 << 20, runtime_bytes=None, activation_bytes=None,
+         gather_ahead_bytes=None):
     """Per-rank memory of one configuration -> Plan (bytes, with formulas).
 
     model or params: an nn.Module (meta device fine; wrapped by
@@ -217,7 +247,9 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
     the loss's buffers, and Plan.peak_rss becomes the predicted peak
     resident memory of a rank training on CPU. activation_bytes: the bytes
     autograd saves in one forward, measured (SavedActivations), in place of
-    the transformer estimate.
+    the transformer estimate. gather_ahead_bytes: bytes of units gathered
+    ahead with a unit's all-gather (FLATSHARD_GATHER_AHEAD_BYTES); None: the
+    backend's default (1 MiB on torch, 0 on shm).
     """
     c = _resolve(locals())
     if model is not None:
@@ -278,6 +310,13 @@ def _resolve(kw):
         v = c[k]
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise bad_value(k, v, "expected a positive int or None")
+    b = c["gather_ahead_bytes"]
+    if b is None:
+        b = DEFAULT_AHEAD.get(c["comm_backend"], 0)
+    elif isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        raise bad_value("gather_ahead_bytes", b, "expected a whole number of bytes >= 0 or "
+                        "None (the backend's default)")
+    c["gather_ahead_bytes"] = b
     c["units"] = c["units"] or c["layers"] or 1
     c["slot_bytes"] = c["slot_bytes"] or DEFAULT_SLOT_BYTES
     c["hybrid_group"] = c["hybrid_group"] if st == "HYBRID_SHARD" else None
@@ -361,7 +400,8 @@ def _plan(units, c):
         gf = ("every unit's whole buffer, padded_numel*dtype bytes, gathered for good"
               + (" (in param_dtype: the shard is the fp32 master)" if mp else ""))
     elif shard_p > 1:
-        gb, gf = _gathered_units(units, lambda g: elem(g, True), st, shard_p, prefetch)
+        gb, gf = _gathered_units(units, lambda g: elem(g, True), st, shard_p, prefetch,
+                                 c["gather_ahead_bytes"] if c["comm_backend"] != "nccl" else 0)
     elif zero or not any(lp(g) for g in allg):
         gb, gf = 0, "none: the parameters are whole on every rank"
     elif st == "NO_SHARD":

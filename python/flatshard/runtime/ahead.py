@@ -10,7 +10,8 @@ that ran right after it in the last forward (in backward: right before it)
 join its gather, while together they hold at most
 FLATSHARD_GATHER_AHEAD_BYTES of gathered parameters. They are then
 gathered when their own hook runs, and reshard after their own use as
-always. The first forward has no order yet: each unit gathers on its own.
+always. Until two forwards in a row ran in one order, each unit gathers on
+its own.
 
 The default budget is 1 MiB on the torch backend and 0 (nothing gathered
 ahead) on shared memory, where a collective costs microseconds and gathering
@@ -35,8 +36,9 @@ DEFAULT_BYTES = {"torch": 1 << 20}  # by Comm backend; others 0
 
 def ahead_bytes(comm):
     """The budget for units on `comm`: the environment's, else the
-    backend's default; 0 on a device (its prefetches overlap instead)."""
-    if comm is None or comm.device is not None:
+    backend's default; 0 on a device (its prefetches overlap instead) and
+    on one rank (nothing to meet for)."""
+    if comm is None or comm.device is not None or comm.world_size == 1:
         return 0
     raw = envvars.read(ENV_BYTES)
     if raw is None:
@@ -53,8 +55,15 @@ def gather_ahead(order, item, step, budget, cost):
     that order: while each one's cost(other) fits in what is left of
     `budget`. cost(other) is its gathered bytes, or None when it cannot join
     (already gathered, another Comm): the run stops there. Empty while the
-    neighbour is gathered already (it came with an earlier run)."""
-    if not budget:
+    neighbour is gathered already (it came with an earlier run); going
+    forward outside a forward (a checkpointed module's recomputation in
+    backward would gather modules whose backward is over); and until two
+    forwards in a row ran in one order. Each rank picks its runs from its own
+    order, so ranks whose orders differ would issue all-gathers of different
+    sizes, which gloo answers by ending the process: a rank that skips a
+    module in the first step is reported at the collective's timeout instead,
+    naming the module (docs/troubleshooting.md)."""
+    if not budget or not order.stable or (step > 0 and not order.running):
         return []
     run = []
     for other in order.neighbours(item, step):

@@ -9,6 +9,12 @@ class ForwardOrder:
         self.order, self.position = [], {}
         self._current = None  # this forward's, while it runs
         self._ran = set()     # ids of what ran in it
+        self.stable = False   # the last forward ran in the order of the one before
+
+    @property
+    def running(self):
+        """Whether a forward is running (not a recomputation in backward)."""
+        return self._current is not None
 
     def begin(self):
         self._current, self._ran = [], set()
@@ -16,6 +22,7 @@ class ForwardOrder:
     def end(self):
         """The forward is over: its order is the one to follow."""
         if self._current:
+            self.stable = self._current == self.order
             self.order = self._current
             self.position = {id(u): i for i, u in enumerate(self.order)}
         self._current = None
