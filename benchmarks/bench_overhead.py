@@ -15,8 +15,10 @@ time. "unwrapped" is the same model with no sharding at all; the others wrap
 every block and the root: "fsdp1" is flatshard.FullyShardedDataParallel
 (FULL_SHARD, one unit per block), "fully_shard" is flatshard.fully_shard on
 each block and the root (both with their default reduction bucket,
-FLATSHARD_REDUCE_BUCKET_BYTES), "-nobucket" the same with every group
-reducing on its own, "torch-fully_shard" is torch's own. "+prefetch":
+FLATSHARD_REDUCE_BUCKET_BYTES, and the backend's default
+FLATSHARD_GATHER_AHEAD_BYTES: 1 MiB on torch, none on shm), "-nobucket" the
+same with every group reducing on its own, "-noahead" with every unit
+gathering on its own, "torch-fully_shard" is torch's own. "+prefetch":
 torch's explicit prefetch lists in buckets of eight blocks (block 0, 8, ...
 prefetches the next seven in forward, 63, 55, ... the seven before in
 backward); flatshard gathers each bucket in one all-gather on a host Comm,
@@ -51,9 +53,10 @@ import torch.nn as nn
 from harness import cpu_name, free_port  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
-IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-nobucket", "fully_shard",
-         "fully_shard-nobucket", "fully_shard+prefetch", "torch-fully_shard",
-         "torch-fully_shard+prefetch")
+IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-nobucket", "fsdp1-noahead", "fully_shard",
+         "fully_shard-nobucket", "fully_shard-noahead", "fully_shard+prefetch",
+         "torch-fully_shard", "torch-fully_shard+prefetch")
+AHEAD = os.environ.get("FLATSHARD_GATHER_AHEAD_BYTES")  # None: the backend's default
 BUCKET = 8  # +prefetch: every BUCKET-th block prefetches the next BUCKET - 1
 
 
@@ -146,6 +149,12 @@ def run_impl(impl, rank, args):
     # read at the root's first forward (its lazy init)
     os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = "0" if impl.endswith("-nobucket") else \
         str(1 << 20)
+    if impl.endswith("-noahead"):
+        os.environ["FLATSHARD_GATHER_AHEAD_BYTES"] = "0"
+    elif AHEAD is None:  # the backend's default
+        os.environ.pop("FLATSHARD_GATHER_AHEAD_BYTES", None)
+    else:  # as the command was given it
+        os.environ["FLATSHARD_GATHER_AHEAD_BYTES"] = AHEAD
     model = build(impl, args.units)
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(8, 32, generator=g)
