@@ -188,8 +188,9 @@ def test_bucket_budget_splits_the_reductions(dist_pool, budget):
             assert together == [1] * 6
 
 
-def _bad_env():
-    with _env(**{ENV: "1MiB"}):
+def _bad_env(name, value):
+    """The error of a first forward with `name` set to `value`, or None."""
+    with _env(FLATSHARD_COMM_BACKEND="torch", **{name: value}):
         model = build(depth=1)
         _shard(model)
         try:
@@ -199,9 +200,10 @@ def _bad_env():
     return None
 
 
-def test_bucket_budget_is_validated(dist_pool):
-    for msg in dist_pool(2).run(_bad_env, timeout=TIMEOUT):
-        assert msg is not None and ENV in msg and "1MiB" in msg, msg
+@pytest.mark.parametrize("name,value", [(ENV, "1MiB"), (AHEAD, "-1")])
+def test_budgets_are_validated(dist_pool, name, value):
+    for msg in dist_pool(2).run(_bad_env, name, value, timeout=TIMEOUT):
+        assert msg is not None and name in msg and value in msg, msg
 
 
 def _reset_after_abort():
@@ -404,19 +406,3 @@ def test_gather_ahead_budget(dist_pool, budget):
         assert runs == _runs(sizes, budget), (runs, sizes)
         if budget == 100:  # every unit is larger: each on its own
             assert runs == [1] * len(sizes)
-
-
-def _bad_ahead():
-    with _env(FLATSHARD_COMM_BACKEND="torch", **{AHEAD: "-1"}):
-        model = build(depth=1)
-        _shard(model)
-        try:
-            model(torch.randn(2, 5))
-        except ConfigError as e:
-            return str(e)
-    return None
-
-
-def test_gather_ahead_budget_is_validated(dist_pool):
-    for msg in dist_pool(2).run(_bad_ahead, timeout=TIMEOUT):
-        assert msg is not None and AHEAD in msg and "-1" in msg, msg
