@@ -134,6 +134,7 @@ def test_rank_lists_what_fits_fastest_first():
     (dict(params=1e9, offload_optimizer="nvme"), "offload_optimizer"),
     (dict(params=1e9, offload_params=True, offload_optimizer="cpu"), "offload_optimizer"),
     (dict(params=1e9, world_size=0), "world_size"),
+    (dict(params=1e9, gather_ahead_bytes=-1), "gather_ahead_bytes"),
 ])
 def test_bad_arguments_are_named(kw, arg):
     with pytest.raises(ConfigError, match=arg):
@@ -149,3 +150,21 @@ def test_a_device_keeps_one_reduction_in_flight():
     two = plan(comm_backend="nccl", **kw)["grad_unreduced"]
     assert one > 0 and two == 2 * one  # equal units
     assert plan(comm_backend="nccl", **{**kw, "units": 1})["grad_unreduced"] == 4 * one
+
+
+def test_units_gathered_ahead_raise_the_gathered_peak():
+    """The torch backend gathers units ahead within 1 MiB by default
+    (runtime/ahead.py). Equal units of 512 KiB gathered: a unit and the two
+    after it that fit, where prefetching alone holds two units; shm gathers
+    none ahead."""
+    kw = dict(params=2 ** 20, units=8, world_size=4, strategy="FULL_SHARD")
+    unit = 4 * 2 ** 20 // 8  # a unit's gathered bytes (fp32, no padding here)
+    shm = plan(comm_backend="shm", **kw)["params_gathered"]
+    off = plan(comm_backend="torch", gather_ahead_bytes=0, **kw)["params_gathered"]
+    assert shm == off
+    assert plan(comm_backend="torch", **kw)["params_gathered"] == off + unit
+    assert plan(comm_backend="torch", gather_ahead_bytes=3 * unit,
+                **kw)["params_gathered"] == off + 2 * unit
+    # a budget smaller than a unit gathers none ahead
+    assert plan(comm_backend="torch", gather_ahead_bytes=unit - 1,
+                **kw)["params_gathered"] == off
