@@ -7,6 +7,8 @@ environment; a malformed value is a ConfigError naming the variable.
 """
 import os
 
+from .errors import bad_value
+
 ENV = {
     "FLATSHARD_COMM_BACKEND": (
         "auto",
@@ -64,3 +66,15 @@ def read(name):
     if name not in ENV:
         raise KeyError(f"flatshard: {name} is not in envvars.ENV; document it there first")
     return os.environ.get(name)
+
+
+def read_bytes(name, default, zero):
+    """A byte count from FLATSHARD_* variable `name`: `default` when unset,
+    else a whole number (a ConfigError naming the variable otherwise).
+    zero: what 0 means, for the message."""
+    raw = read(name)
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise bad_value(name, raw, f"expected a whole number of bytes (0: {zero})")
+    return int(raw)

@@ -25,10 +25,9 @@ Every rank follows the same order (the collectives already require it), so
 every rank joins the same units. Used by the FSDP1 wrapper's units
 (fsdp/unit.py) and fully_shard's states (fsdp2/state.py).
 
-Imports: envvars and errors only.
+Imports: envvars only.
 """
 from .. import envvars
-from ..errors import bad_value
 
 ENV_BYTES = "FLATSHARD_GATHER_AHEAD_BYTES"
 DEFAULT_BYTES = {"torch": 1 << 20}  # by Comm backend; others 0
@@ -40,13 +39,8 @@ def ahead_bytes(comm):
     on one rank (nothing to meet for)."""
     if comm is None or comm.device is not None or comm.world_size == 1:
         return 0
-    raw = envvars.read(ENV_BYTES)
-    if raw is None:
-        return DEFAULT_BYTES.get(comm.backend, 0)
-    if not raw.isdigit():
-        raise bad_value(ENV_BYTES, raw, "expected a whole number of bytes (0: every unit "
-                        "gathers on its own)")
-    return int(raw)
+    return envvars.read_bytes(ENV_BYTES, DEFAULT_BYTES.get(comm.backend, 0),
+                              "every unit gathers on its own")
 
 
 def gather_ahead(order, item, step, budget, cost):

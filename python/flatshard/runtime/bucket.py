@@ -23,10 +23,9 @@ already require it), so every rank flushes at the same points. A bucket
 holds each joined group's reduce-scatter input and output until it flushes:
 at most the budget, plus one group's shard per group.
 
-Imports: _C, envvars and errors only.
+Imports: _C and envvars only.
 """
 from .. import _C, envvars
-from ..errors import bad_value
 
 ENV_BYTES = "FLATSHARD_REDUCE_BUCKET_BYTES"
 DEFAULT_BYTES = 1 << 20
@@ -34,13 +33,7 @@ DEFAULT_BYTES = 1 << 20
 
 def bucket_bytes():
     """The budget from the environment (0: no buckets)."""
-    raw = envvars.read(ENV_BYTES)
-    if raw is None:
-        return DEFAULT_BYTES
-    if not raw.isdigit():
-        raise bad_value(ENV_BYTES, raw, "expected a whole number of bytes (0: every "
-                        "reduction on its own)")
-    return int(raw)
+    return envvars.read_bytes(ENV_BYTES, DEFAULT_BYTES, "every reduction on its own")
 
 
 class ReduceBucket:
