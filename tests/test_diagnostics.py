@@ -409,9 +409,14 @@ def test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout(dist_pool):
     # gloo cannot tell the units apart (same sizes): the ranks go on out of
     # step until one waits for a collective the other never issues.
     (m0, t0), (m1, t1) = dist_pool(2).run(_skip_one_unit, "torch", 2)
+    # The rank whose wait timed out first reports its timeout. The other one
+    # reports its own, or (on a loaded machine, when it began waiting later)
+    # gloo's "Connection closed by peer" once the first rank's timeout closed
+    # their connection; either way with the same comparison of the ledgers.
+    assert "Timed out" in m0 or "Timed out" in m1, (m0, m1)
     for msg in (m0, m1):
-        assert "Timed out" in msg
+        assert "Timed out" in msg or "Connection closed by peer" in msg, msg
         assert "first difference at #3: rank 0: all_gather #3 for 'layers.1'" in msg
         assert "rank 1: all_gather #3 for 'layers.2'" in msg
-    assert_documented("gloo-timeout", m1)
+    assert_documented("gloo-timeout", m1 if "Timed out" in m1 else m0)
     assert max(t0, t1) < 8.0
