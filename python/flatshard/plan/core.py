@@ -147,16 +147,15 @@ def _ahead_peak(sizes, budget):
     if not budget:
         return 0
 
-    def run(seq):
+    def run(i, step):  # the bytes of the run from index i going `step`, no copies
         left = budget
-        for s in seq:
-            if s > left:
-                break
-            left -= s
+        while 0 <= i < len(sizes) and sizes[i] <= left:
+            left -= sizes[i]
+            i += step
         return budget - left
-    best = run(sizes)
+    best = run(0, 1)
     for i, s in enumerate(sizes):
-        best = max(best, s + run(sizes[i + 1:]), s + run(sizes[i - 1::-1] if i else ()))
+        best = max(best, s + run(i + 1, 1), s + run(i - 1, -1))
     return best
 
 
