@@ -136,8 +136,13 @@ def bench_size(log2, args, ds_adam):
         rounds += 1
     print(f"warm-up: {rounds} interleaved rounds (flatshard's calibrating step, then its "
           f"thread-split trials)")
-    for _ in range(args.reps):
-        for name, fn in steps.items():
+    # each round starts from another contender: none always follows the same
+    # one (whose OpenMP threads may still be spinning, whose stores may still
+    # be draining)
+    order = list(steps.items())
+    for r in range(args.reps):
+        k = r % len(order)
+        for name, fn in order[k:] + order[:k]:
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)

@@ -8,10 +8,12 @@ The model is `units` blocks of relu(Linear(32, 32)(x)) + x, batch 8, float32.
 Two ranks on one host (BENCH_WORLD in the environment changes it; a gloo
 process group; flatshard on its default shared-memory backend, or with
 --backend torch on the gloo group as torch's own FSDP is), one thread each.
-Every impl runs in the same processes, one after the other, forward +
-backward only (no optimizer: the point is what wrapping adds around each
-unit), each step starting at a barrier and counted as the slower rank's
-time. "unwrapped" is the same model with no sharding at all; the others wrap
+Every impl runs in the same processes, forward + backward only (no
+optimizer: the point is what wrapping adds around each unit), each step
+starting at a barrier and counted as the slower rank's time. The impls take
+turns step by step (each round builds them all afresh): this machine's speed
+drifts by up to 2x over seconds, which would otherwise fall on whichever impl
+ran then. "unwrapped" is the same model with no sharding at all; the others wrap
 every block and the root: "fsdp1" is flatshard.FullyShardedDataParallel
 (FULL_SHARD, one unit per block), "fully_shard" is flatshard.fully_shard on
 each block and the root (both with their default reduction bucket,
@@ -145,8 +147,9 @@ def _bucket_prefetch(blocks):
         rev[i].set_modules_to_backward_prefetch(rev[i + 1:i + BUCKET])
 
 
-def run_impl(impl, rank, args):
-    # read at the root's first forward (its lazy init)
+def _set_env(impl):
+    """The budgets an impl runs with; both are read at the root's first
+    forward (its lazy init)."""
     os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = "0" if impl.endswith("-nobucket") else \
         str(1 << 20)
     if impl.endswith("-noahead"):
@@ -155,25 +158,46 @@ def run_impl(impl, rank, args):
         os.environ.pop("FLATSHARD_GATHER_AHEAD_BYTES", None)
     else:  # as the command was given it
         os.environ["FLATSHARD_GATHER_AHEAD_BYTES"] = AHEAD
-    model = build(impl, args.units)
-    g = torch.Generator().manual_seed(1 + rank)
-    x = torch.randn(8, 32, generator=g)
-    times, first = [], None
-    for step in range(args.warmup + args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = model(x).square().mean()
-        loss.backward()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        for p in model.parameters():
-            p.grad = None
-        if first is None:
-            first = loss.item()
-        if step >= args.warmup:
-            times.append(dt.item() * 1e3)
-    del model
-    return times, first
+
+
+def one_step(model, x):
+    """One forward + backward from a barrier; (the slower rank's ms, loss)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = model(x).square().mean()
+    loss.backward()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    for p in model.parameters():
+        p.grad = None
+    return dt.item() * 1e3, loss.item()
+
+
+def run_round(impls, rank, args, res):
+    """Every impl built and warmed up, then timed step by step in turn: step
+    s runs each impl once, starting from a different one each step, so that a
+    slow spell of the machine (they last seconds here) hits every impl alike.
+    Adds {"times", "first"} or {"error"} per impl to `res`."""
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1 + rank))
+    models = {}
+    for impl in impls:
+        try:
+            _set_env(impl)
+            model = build(impl, args.units)
+            first = one_step(model, x)[1]
+            for _ in range(args.warmup - 1):
+                one_step(model, x)
+        except Exception as e:  # one failing impl does not end the run
+            res.setdefault(impl, {"error": f"{type(e).__name__}: {e}"})
+            continue
+        models[impl] = model
+        res.setdefault(impl, {"times": [], "first": first})
+    order = list(models)
+    for s in range(args.steps):
+        k = s % len(order)
+        for impl in order[k:] + order[:k]:
+            res[impl]["times"].append(one_step(models[impl], x)[0])
+    models.clear()
 
 
 class _Timed:
@@ -268,16 +292,8 @@ def worker(rank, port, args, out):
                             timeout=datetime.timedelta(seconds=120))
     try:
         res = {}
-        # interleaved rounds, so that a slow spell of the machine hits every impl
-        for _ in range(args.rounds):
-            for impl in args.impl:
-                try:
-                    t, first = run_impl(impl, rank, args)
-                except Exception as e:  # one failing impl does not end the run
-                    res.setdefault(impl, {"error": f"{type(e).__name__}: {e}"})
-                    continue
-                r = res.setdefault(impl, {"times": [], "first": first})
-                r["times"] += t
+        for _ in range(args.rounds):  # fresh models each round
+            run_round(args.impl, rank, args, res)
         if args.breakdown:
             res["breakdown"] = breakdown(rank, args)
         if rank == 0:
@@ -290,7 +306,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every impl")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each with every impl built afresh")
     p.add_argument("--units", type=int, default=64)
     p.add_argument("--impl", default=",".join(IMPLS))
     p.add_argument("--backend", choices=("shm", "torch"), default="shm",
@@ -325,7 +341,8 @@ def main():
     print(f"# {cpu}; torch {torch.__version__}; {WORLD} ranks, 1 thread each; "
           f"flatshard on its {args.backend} backend; "
           f"{args.units} units of Linear(32, 32), batch 8, forward + backward")
-    print(f"# {args.rounds} interleaved rounds x {args.steps} timed steps per impl")
+    print(f"# {args.rounds} rounds x {args.steps} timed steps per impl, the impls taking turns "
+          "step by step")
     base = statistics.median(res["unwrapped"]["times"]) if "times" in res.get("unwrapped", {}) \
         else None
     print("| impl | median ms | p10-p90 ms | x unwrapped | first loss |")
