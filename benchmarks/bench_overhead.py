@@ -42,6 +42,7 @@ import argparse
 import datetime
 import os
 import queue
+import random
 import statistics
 import sys
 import time
@@ -173,10 +174,11 @@ def one_step(model, x):
     return dt.item() * 1e3, loss.item()
 
 
-def run_round(impls, rank, args, res):
-    """Every impl built and warmed up, then timed step by step in turn: step
-    s runs each impl once, starting from a different one each step, so that a
-    slow spell of the machine (they last seconds here) hits every impl alike.
+def run_round(impls, rank, args, res, seed):
+    """Every impl built and warmed up, then timed step by step in turn: each
+    step runs every impl once, in a new random order (the same on every rank),
+    so that a slow spell of the machine (they last seconds here) and what the
+    impl before left behind (caches, spinning threads) hit every impl alike.
     Adds {"times", "first"} or {"error"} per impl to `res`."""
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1 + rank))
     models = {}
@@ -193,9 +195,10 @@ def run_round(impls, rank, args, res):
         models[impl] = model
         res.setdefault(impl, {"times": [], "first": first})
     order = list(models)
-    for s in range(args.steps):
-        k = s % len(order)
-        for impl in order[k:] + order[:k]:
+    shuffle = random.Random(seed)  # the same orders on every rank
+    for _ in range(args.steps):
+        shuffle.shuffle(order)
+        for impl in order:
             res[impl]["times"].append(one_step(models[impl], x)[0])
     models.clear()
 
@@ -292,8 +295,8 @@ def worker(rank, port, args, out):
                             timeout=datetime.timedelta(seconds=120))
     try:
         res = {}
-        for _ in range(args.rounds):  # fresh models each round
-            run_round(args.impl, rank, args, res)
+        for r in range(args.rounds):  # fresh models each round
+            run_round(args.impl, rank, args, res, seed=r)
         if args.breakdown:
             res["breakdown"] = breakdown(rank, args)
         if rank == 0:
