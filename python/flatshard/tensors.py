@@ -65,6 +65,15 @@ def check_plain(t, what, api):
                             f"cpu, cuda")
 
 
+def is_dense(t, dtype, devices):
+    """Whether `t` is a plain, strided, contiguous tensor of `dtype` on one of
+    `devices` (device type names): check_plain's rule and more, as a bool,
+    with no message built. The fast path of checks made on every step; when
+    it says no, the full check says what is wrong."""
+    return type(t) in _PLAIN_TYPES and t.layout is torch.strided and t.dtype is dtype and \
+        t.device.type in devices and t.is_contiguous()
+
+
 def storage_bytes(tensors):
     """Bytes of the distinct storages behind `tensors`, each storage counted
     once (views share one); None, non-tensors and empty storages add nothing."""

@@ -27,7 +27,7 @@ import torch
 from .. import _C
 from ..errors import bad_type, bad_value
 from ..runtime import cuda
-from ..tensors import check_plain, dtype_code
+from ..tensors import check_plain, dtype_code, is_dense
 from . import disk_offload
 from .disk_offload import DiskOffload
 
@@ -65,8 +65,13 @@ def _threads(threads):
     return threads
 
 
+_CPU, _CPU_CUDA = ("cpu",), ("cpu", "cuda")
+
+
 def _check_tensor(owner, what, i, t, cuda_ok=False):
-    devices = ("cpu", "cuda") if cuda_ok else ("cpu",)
+    devices = _CPU_CUDA if cuda_ok else _CPU
+    if is_dense(t, torch.float32, devices):
+        return
     if torch.is_tensor(t):
         check_plain(t, f"{what} {i}", owner)
     if not torch.is_tensor(t) or t.dtype != torch.float32 or t.device.type not in devices \
@@ -81,6 +86,9 @@ def _check_tensor(owner, what, i, t, cuda_ok=False):
 def _check_pair(owner, gi, i, p):
     """A parameter and its gradient: fp32, contiguous, on one device (CPU
     or CUDA)."""
+    g = p.grad
+    if is_dense(p, torch.float32, _CPU) and is_dense(g, torch.float32, _CPU):
+        return  # every step's case (on the host), checked without building a message
     _check_tensor(owner, f"group {gi} parameter", i, p, cuda_ok=True)
     _check_tensor(owner, f"group {gi} gradient", i, p.grad, cuda_ok=True)
     if p.grad.device != p.device:
