@@ -132,6 +132,54 @@ def test_state_dict_moves_between_torch_and_flatshard(ours, theirs, kw):
     assert back.state_dict()["state"].keys() == opt_t.state_dict()["state"].keys()
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_a_group_steps_in_one_engine_call_with_the_functional_bits(amsgrad):
+    """step() hands a param group's host parameters to one _C.adam_steps call
+    (the C side increments each step count); every parameter gets the bits
+    of its own adamw_step_, also one whose state is not the plain layout
+    (a float64 step count: stepped on its own) beside them."""
+    torch.manual_seed(0)
+    shapes = [(0,), (1,), (33,), (17, 5), (1 << 12,), (3, 1000)]
+    ps = [torch.randn(s) for s in shapes]
+    ref = [p.clone() for p in ps]
+    kw = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    opt = fo.AdamW(ps, amsgrad=amsgrad, **kw)
+    states = [[torch.zeros(s) for _ in range(3)] for s in shapes]
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 6):
+        for p, r in zip(ps, ref):
+            p.grad = torch.randn(p.shape, generator=g)
+            r.grad = p.grad.clone()
+        if step == 3:  # one state as a loaded one may be: its count a float64
+            opt.state[ps[2]]["step"] = opt.state[ps[2]]["step"].double()
+        opt.step()
+        for r, (m, v, mx) in zip(ref, states):
+            fo.adamw_step_(r.view(-1), r.grad.view(-1), m.view(-1), v.view(-1), step, **kw,
+                           max_exp_avg_sq=mx.view(-1) if amsgrad else None)
+    for p, r, (m, v, _) in zip(ps, ref, states):
+        assert torch.equal(p, r)
+        assert torch.equal(opt.state[p]["exp_avg"], m)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], v)
+        assert opt.state[p]["step"].item() == 5
+
+
+def test_a_group_call_checks_every_job_before_it_runs_any():
+    p, m, v = torch.randn(8), torch.zeros(8), torch.zeros(8)
+    step, before = torch.tensor(0.0), p.clone()
+    good = (p.data_ptr(), p.data_ptr(), m.data_ptr(), v.data_ptr(), 0, step.data_ptr(), 8)
+    for bad, word in [(good[:5] + (0, 8), "job 1"), (good[:6] + (-1,), "job 1"),
+                      (good[:6], "each job")]:
+        with pytest.raises((ValueError, TypeError), match=word):
+            _C.adam_steps([good, bad], lr=1e-3)
+        assert step.item() == 0 and torch.equal(p, before)
+    wrong = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(8), "step": torch.tensor(0.0)}
+    p.grad = torch.zeros(8)
+    opt = fo.AdamW([p])
+    opt.state[p] = wrong  # a state of another size: the per-parameter checks name it
+    with pytest.raises(ConfigError, match="exp_avg.*expected 8 elements"):
+        opt.step()
+
+
 def test_bad_arguments_are_named():
     p = [torch.zeros(3)]
     for make, word in [(lambda: fo.AdamW(p, lr=-1.0), "lr"),

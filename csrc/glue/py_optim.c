@@ -82,6 +82,80 @@ static PyObject *py_adam_step(PyObject *m, PyObject *args, PyObject *kw)
                    "dtype bfloat16 or float16");
 }
 
+PyDoc_STRVAR(adam_steps_doc,
+             "adam_steps(jobs, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,\n"
+             "           threads=1, simd='auto')\n"
+             "adam_step for each (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, n)\n"
+             "of `jobs` (a param group's), under one release of the GIL: the per-parameter\n"
+             "cost of a many-tensor model is then a tuple of pointers. step points at the\n"
+             "parameter's float32 step count (torch's state['step']), which is incremented\n"
+             "and then used, as torch's AdamW does. Every job is checked before any runs.");
+static PyObject *py_adam_steps(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"jobs", "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled",
+                             "maximize", "threads", "simd", NULL};
+    PyObject *jobs;
+    int decoupled = 1, maximize = 0, threads = 1;
+    float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.0f;
+    const char *simd = "auto";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$fffffppis", kwlist, &jobs, &lr, &b1, &b2,
+                                     &eps, &wd, &decoupled, &maximize, &threads, &simd))
+        return NULL;
+    int level = parse_simd(simd);
+    if (level < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(jobs, "adam_steps: jobs must be a sequence");
+    if (!seq)
+        return NULL;
+    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    fs_optim_job *js = PyMem_Calloc(k ? (size_t)k : 1, sizeof *js);
+    float **steps = PyMem_Calloc(k ? (size_t)k : 1, sizeof *steps);
+    PyObject *ret = NULL;
+    if (!js || !steps) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        unsigned long long p, g, ea, eas, mx, st;
+        long long n;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKKKKL;adam_steps: each job "
+                              "is (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, n)",
+                              &p, &g, &ea, &eas, &mx, &st, &n))
+            goto done;
+        /* the count as it will be used: finite and >= 1 once incremented */
+        const float next = st ? *(const float *)st + 1.0f : 0.0f;
+        js[i] = (fs_optim_job){FS_OPTIM_ADAM,
+                               {(float *)p, (const float *)g, (float *)ea, (float *)eas,
+                                (float *)mx, NULL, FS_BF16, n},
+                               {lr, b1, b2, eps, wd, 1, decoupled, maximize}};
+        steps[i] = (float *)st;
+        if (!st || !(next >= 1.0f && next <= 9.2e18f) || fs_optim_check(&js[i]) != FS_OK) {
+            PyErr_Format(PyExc_ValueError, "adam_steps: job %zd: need a step count >= 0 and "
+                         "n >= 0", i);
+            goto done;
+        }
+    }
+    fs_status s = FS_OK;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k && s == FS_OK; i++) {
+        const float next = *steps[i] + 1.0f;
+        *steps[i] = next;
+        js[i].adam_h.step = (int64_t)next;
+        s = fs_optim_step(&js[i], (fs_simd)level, threads);
+    }
+    Py_END_ALLOW_THREADS
+    if (s != FS_OK) {
+        fs_raise(fs_state_from_module(m), s, "adam_steps");
+        goto done;
+    }
+    ret = Py_NewRef(Py_None);
+done:
+    PyMem_Free(js);
+    PyMem_Free(steps);
+    Py_DECREF(seq);
+    return ret;
+}
+
 PyDoc_STRVAR(sgd_step_doc,
              "sgd_step(param, grad, momentum_buf, copy, copy_dtype, n, *, lr, momentum,\n"
              "         dampening, weight_decay, nesterov, maximize, first_step, threads=1,\n"
@@ -184,6 +258,8 @@ static PyObject *py_optim_tune_reset(PyObject *m, PyObject *Py_UNUSED(a))
 static PyMethodDef optim_methods[] = {
     {"adam_step", (PyCFunction)(void (*)(void))py_adam_step, METH_VARARGS | METH_KEYWORDS,
      adam_step_doc},
+    {"adam_steps", (PyCFunction)(void (*)(void))py_adam_steps, METH_VARARGS | METH_KEYWORDS,
+     adam_steps_doc},
     {"sgd_step", (PyCFunction)(void (*)(void))py_sgd_step, METH_VARARGS | METH_KEYWORDS,
      sgd_step_doc},
     {"optim_tune_records", py_optim_tune_records, METH_NOARGS, optim_tune_records_doc},

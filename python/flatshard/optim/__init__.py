@@ -3,7 +3,10 @@
 Same arguments, state names and state_dict format as torch's, so a torch
 script swaps the class and keeps its checkpoints. Each step is one pass of C
 (csrc/optim/optim_cpu.c) per parameter, split over up to `threads` threads with the
-GIL released; on flatshard's flat shards one call updates a whole shard. How
+GIL released; on flatshard's flat shards one call updates a whole shard. Adam and
+AdamW hand a param group's host parameters to C in one call (_C.adam_steps,
+which also counts their steps), so a model of many small tensors pays a tuple
+of pointers per parameter, not a Python call into C each. How
 the loop runs (SIMD width, unrolling, prefetch, copy stores, thread split) is
 measured per size class in each process (csrc/optim/optim_tune.c, tune_report()).
 Parameters and gradients must be contiguous fp32 tensors, on the CPU or on a
@@ -285,8 +288,11 @@ class _Adam(torch.optim.Optimizer):
             return loss
         name = type(self).__name__
         for gi, group in enumerate(self.param_groups):
+            amsgrad = group["amsgrad"]
+            jobs = []  # the group's host parameters, stepped in one engine call
             for i, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
                 _check_pair(name, gi, i, p)
                 state = self.state[p]
@@ -296,18 +302,52 @@ class _Adam(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = _zeros_like(p)
                     state["exp_avg_sq"] = _zeros_like(p)
-                    if group["amsgrad"]:
+                    if amsgrad:
                         state["max_exp_avg_sq"] = _zeros_like(p)
-                state["step"] += 1
-                step_fn, extra = (cuda.adam_step_, {}) if p.is_cuda else \
-                    (adamw_step_, dict(threads=self.threads))
-                step_fn(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                        int(state["step"].item()), lr=group["lr"], betas=group["betas"],
-                        eps=group["eps"], weight_decay=group["weight_decay"],
-                        decoupled=self._decoupled, maximize=group["maximize"],
-                        max_exp_avg_sq=state.get("max_exp_avg_sq") if group["amsgrad"]
-                        else None, **extra)
+                job = None if p.is_cuda else _host_job(p, g, state, amsgrad)
+                if job is not None:
+                    jobs.append(job)
+                else:
+                    self._step_one(p, state, group)
+            if jobs:
+                b1, b2 = group["betas"]
+                _C.adam_steps(jobs, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                              weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                              maximize=group["maximize"], threads=_threads(self.threads))
         return loss
+
+    def _step_one(self, p, state, group):
+        """One parameter on its own: on a device, or with state that is not
+        the plain host layout (whose checks then name what is wrong)."""
+        state["step"] += 1
+        step_fn, extra = (cuda.adam_step_, {}) if p.is_cuda else \
+            (adamw_step_, dict(threads=self.threads))
+        step_fn(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                int(state["step"].item()), lr=group["lr"], betas=group["betas"],
+                eps=group["eps"], weight_decay=group["weight_decay"],
+                decoupled=self._decoupled, maximize=group["maximize"],
+                max_exp_avg_sq=state.get("max_exp_avg_sq") if group["amsgrad"]
+                else None, **extra)
+
+
+def _host_job(p, g, state, amsgrad):
+    """A host parameter's update as _C.adam_steps takes it: (param, grad,
+    exp_avg, exp_avg_sq, max_exp_avg_sq, step, n) pointers and size; None
+    unless its gradient and state are what that call needs (contiguous fp32
+    host tensors of its size; the step count a float32 host scalar, as
+    torch keeps it). The C side increments the count."""
+    n = p.numel()
+    m, v, st = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
+    mx = state.get("max_exp_avg_sq") if amsgrad else None
+    if g.numel() != n or not (_host_f32(m, n) and _host_f32(v, n) and _host_f32(st, 1)) or \
+            (amsgrad and not _host_f32(mx, n)):
+        return None
+    return (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
+            mx.data_ptr() if amsgrad else 0, st.data_ptr(), n)
+
+
+def _host_f32(t, n):
+    return is_dense(t, torch.float32, _CPU) and t.numel() == n
 
 
 class AdamW(_Adam):
