@@ -4,6 +4,7 @@ installed, DeepSpeedCPUAdam (adamw_mode=True), against a measured
 memory-copy ceiling.
 
     python3 benchmarks/bench_optim.py [--log2 20 24 26] [--threads 2] [--reps 5]
+        [--no-model]
 
 Hyperparameters as in LLM pre-training: lr 1e-3, betas (0.9, 0.95), eps
 1e-8, weight decay 0.1. A pure fp32 AdamW step reads param, grad, exp_avg,
@@ -13,7 +14,9 @@ of two streaming loops on buffers of the same size, counted as bytes read +
 written: `dst.copy_(src)` (whose stores also read dst first, uncounted, as
 every store to memory not already in cache does) and `a.add_(b)` (reads a
 and b, writes a: every byte moved is counted, as in the optimizer step).
-Also timed: the step that also writes a bf16 copy of the updated parameters
+Then one optimizer over GPT-2 small's parameter list (148 tensors), where
+what each tensor costs beside its bytes counts too. Also timed: the step
+that also writes a bf16 copy of the updated parameters
 (the offload / mixed-precision case; 30 bytes per parameter): flatshard in
 one pass vs torch's fused step followed by a separate `copy_`.
 
@@ -166,11 +169,65 @@ def bench_size(log2, args, ds_adam):
           f"than torch fused + copy_")
 
 
+def gpt2_shapes():
+    """GPT-2 small's parameter tensors (124M parameters in 148 tensors: the
+    token and position embeddings, then per layer two LayerNorms, the
+    attention's fused qkv and output projections, the MLP's two matrices)."""
+    shapes = [(50257, 768), (1024, 768)]
+    for _ in range(12):
+        shapes += [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,),
+                   (768,), (768,), (768, 3072), (3072,), (3072, 768), (768,)]
+    return shapes + [(768,), (768,)]
+
+
+def bench_model(args, ds_adam):
+    """One optimizer over a model's parameter list: every tensor its own
+    state, the per-tensor costs (Python, the call into C, the thread
+    split) paid 148 times per step."""
+    shapes = gpt2_shapes()
+    n = sum(torch.Size(s).numel() for s in shapes)
+    print(f"\nGPT-2 small's parameter list: {len(shapes)} tensors, {n:,} fp32 parameters")
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    names = ["torch fused", "flatshard"] + (["DeepSpeedCPUAdam"] if ds_adam else [])
+    steps = {}
+    for name in names:
+        ps = [torch.randn(s, generator=g) for s in shapes]
+        for p, gr in zip(ps, grads):
+            p.grad = gr
+        if name == "flatshard":
+            steps[name] = fo.AdamW(ps, **HP, threads=args.threads).step
+        elif name == "DeepSpeedCPUAdam":
+            steps[name] = ds_adam(ps, **HP, adamw_mode=True).step
+        else:
+            steps[name] = torch.optim.AdamW(ps, **HP, fused=True).step
+    for _ in range(40):  # flatshard's calibration and thread-split trials per size class
+        for fn in steps.values():
+            fn()
+    times = {name: [] for name in steps}
+    order = list(steps.items())
+    for r in range(args.reps):
+        k = r % len(order)
+        for name, fn in order[k:] + order[:k]:
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    print(f"{'step':>26} {'ms':>9} {'min ms':>9} {'GB/s':>7}")
+    for name, t in med.items():
+        print(f"{name:>26} {t * 1e3:9.2f} {min(times[name]) * 1e3:9.2f} {28 * n / t / 1e9:7.2f}")
+    print(f"flatshard vs torch fused: {med['torch fused'] / med['flatshard']:.2f}x faster"
+          + (f"; vs DeepSpeedCPUAdam: {med['DeepSpeedCPUAdam'] / med['flatshard']:.2f}x"
+             if ds_adam else ""))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--log2", type=int, nargs="+", default=[20, 24, 26])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-model", action="store_true",
+                    help="skip the step over GPT-2 small's 148 parameter tensors")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print("command: python3 " + " ".join(shlex.quote(a) for a in sys.argv))
@@ -181,6 +238,8 @@ def main():
           + ("timed" if ds_adam else f"not timed ({why})"))
     for log2 in args.log2:
         bench_size(log2, args, ds_adam)
+    if not args.no_model:
+        bench_model(args, ds_adam)
     print("\nflatshard's loop variants, as measured on each class's first step:")
     print("\n".join(fo.describe_tuning()))
 
