@@ -180,6 +180,35 @@ def test_a_group_call_checks_every_job_before_it_runs_any():
         opt.step()
 
 
+def test_sgd_group_steps_in_one_engine_call_and_checks_a_loaded_buffer():
+    """SGD's group call gives every parameter the bits of its own
+    _C.sgd_step; a momentum buffer of another size (a state dict loaded for
+    another model) is refused by name before anything is written."""
+    torch.manual_seed(0)
+    shapes = [(0,), (1,), (33,), (17, 5), (3, 1000)]
+    ps = [torch.randn(s) for s in shapes]
+    ref = [p.clone() for p in ps]
+    bufs = [torch.zeros(s) for s in shapes]
+    kw = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)
+    opt = fo.SGD(ps, **kw)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        for p, r in zip(ps, ref):
+            p.grad = torch.randn(p.shape, generator=g)
+            r.grad = p.grad.clone()
+        opt.step()
+        for r, b in zip(ref, bufs):
+            _C.sgd_step(r.data_ptr(), r.grad.data_ptr(), b.data_ptr(), 0, _C.BF16, r.numel(),
+                        **kw, nesterov=False, maximize=False, first_step=step == 0)
+    for p, r, b in zip(ps, ref, bufs):
+        assert torch.equal(p, r) and torch.equal(opt.state[p]["momentum_buffer"], b)
+    opt.state[ps[2]]["momentum_buffer"] = torch.zeros(5)
+    before = [p.clone() for p in ps]
+    with pytest.raises(ConfigError, match="group 0 momentum_buffer 2.*33 elements"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+
+
 def test_bad_arguments_are_named():
     p = [torch.zeros(3)]
     for make, word in [(lambda: fo.AdamW(p, lr=-1.0), "lr"),

@@ -183,6 +183,69 @@ static PyObject *py_sgd_step(PyObject *m, PyObject *args, PyObject *kw)
                    "or float16");
 }
 
+PyDoc_STRVAR(sgd_steps_doc,
+             "sgd_steps(jobs, *, lr, momentum, dampening, weight_decay, nesterov, maximize,\n"
+             "          threads=1, simd='auto')\n"
+             "sgd_step for each (param, grad, momentum_buf, first_step, n) of `jobs` (a param\n"
+             "group's; pointers as ints, momentum_buf 0 when momentum == 0), under one\n"
+             "release of the GIL. Every job is checked before any runs.");
+static PyObject *py_sgd_steps(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"jobs", "lr", "momentum", "dampening", "weight_decay", "nesterov",
+                             "maximize", "threads", "simd", NULL};
+    PyObject *jobs;
+    int nesterov = 0, maximize = 0, threads = 1;
+    float lr = 1e-3f, mom = 0.0f, damp = 0.0f, wd = 0.0f;
+    const char *simd = "auto";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$ffffppis", kwlist, &jobs, &lr, &mom, &damp,
+                                     &wd, &nesterov, &maximize, &threads, &simd))
+        return NULL;
+    int level = parse_simd(simd);
+    if (level < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(jobs, "sgd_steps: jobs must be a sequence");
+    if (!seq)
+        return NULL;
+    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    fs_optim_job *js = PyMem_Calloc(k ? (size_t)k : 1, sizeof *js);
+    PyObject *ret = NULL;
+    if (!js) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        unsigned long long p, g, buf;
+        int first;
+        long long n;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKpL;sgd_steps: each job is "
+                              "(param, grad, momentum_buf, first_step, n)", &p, &g, &buf, &first,
+                              &n))
+            goto done;
+        js[i] = (fs_optim_job){FS_OPTIM_SGD, {0}, {0},
+                               {(float *)p, (const float *)g, (float *)buf, NULL, FS_BF16, n},
+                               {lr, mom, damp, wd, nesterov, maximize, first}};
+        if ((mom != 0.0f && !buf && n > 0) || fs_optim_check(&js[i]) != FS_OK) {
+            PyErr_Format(PyExc_ValueError, "sgd_steps: job %zd: need n >= 0 and a momentum "
+                         "buffer when momentum != 0", i);
+            goto done;
+        }
+    }
+    fs_status s = FS_OK;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k && s == FS_OK; i++)
+        s = fs_optim_step(&js[i], (fs_simd)level, threads);
+    Py_END_ALLOW_THREADS
+    if (s != FS_OK) {
+        fs_raise(fs_state_from_module(m), s, "sgd_steps");
+        goto done;
+    }
+    ret = Py_NewRef(Py_None);
+done:
+    PyMem_Free(js);
+    Py_DECREF(seq);
+    return ret;
+}
+
 static PyObject *variant_str(const fs_optim_variant *v)
 {
     char name[FS_OPTIM_VARIANT_NAME_MAX];
@@ -262,6 +325,8 @@ static PyMethodDef optim_methods[] = {
      adam_steps_doc},
     {"sgd_step", (PyCFunction)(void (*)(void))py_sgd_step, METH_VARARGS | METH_KEYWORDS,
      sgd_step_doc},
+    {"sgd_steps", (PyCFunction)(void (*)(void))py_sgd_steps, METH_VARARGS | METH_KEYWORDS,
+     sgd_steps_doc},
     {"optim_tune_records", py_optim_tune_records, METH_NOARGS, optim_tune_records_doc},
     {"optim_tune_reset", py_optim_tune_reset, METH_NOARGS,
      "optim_tune_reset(): forget every size class's variant (the next step calibrates again)"},

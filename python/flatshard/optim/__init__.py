@@ -2,13 +2,14 @@
 
 Same arguments, state names and state_dict format as torch's, so a torch
 script swaps the class and keeps its checkpoints. Each step is one pass of C
-(csrc/optim/optim_cpu.c) per parameter, split over up to `threads` threads with the
-GIL released; on flatshard's flat shards one call updates a whole shard. Adam and
-AdamW hand a param group's host parameters to C in one call (_C.adam_steps,
-which also counts their steps), so a model of many small tensors pays a tuple
-of pointers per parameter, not a Python call into C each. How
-the loop runs (SIMD width, unrolling, prefetch, copy stores, thread split) is
-measured per size class in each process (csrc/optim/optim_tune.c, tune_report()).
+(csrc/optim/optim_cpu.c) per parameter, split over up to `threads` threads
+with the GIL released; on flatshard's flat shards one call updates a whole
+shard. Adam, AdamW and SGD hand a param group's host parameters to C in one
+call (_C.adam_steps, which also counts their steps; _C.sgd_steps), so a model
+of many small tensors pays a tuple of pointers per parameter, not a Python
+call into C each. How the loop runs (SIMD width, unrolling, prefetch, copy
+stores, thread split) is measured per size class in each process
+(csrc/optim/optim_tune.c, tune_report()).
 Parameters and gradients must be contiguous fp32 tensors, on the CPU or on a
 CUDA device, where each step is one fused kernel per parameter
 (csrc/cuda/optim.cu, through runtime/cuda.py) enqueued on the current stream;
@@ -350,6 +351,13 @@ def _host_f32(t, n):
     return is_dense(t, torch.float32, _CPU) and t.numel() == n
 
 
+def _describe(t):
+    if not torch.is_tensor(t):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}" + \
+        ("" if t.is_contiguous() else ", non-contiguous")
+
+
 class AdamW(_Adam):
     """torch.optim.AdamW's math (decoupled weight decay), fused in C.
 
@@ -402,8 +410,10 @@ class SGD(torch.optim.Optimizer):
         (optional) re-evaluates the model and returns the loss, as in torch."""
         loss = _call_closure(closure)
         for gi, group in enumerate(self.param_groups):
+            jobs = []  # the group's host parameters, stepped in one engine call
             for i, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
                 _check_pair("SGD", gi, i, p)
                 buf, first = None, False
@@ -414,16 +424,25 @@ class SGD(torch.optim.Optimizer):
                         first = True
                     buf = state["momentum_buffer"]
                 if p.is_cuda:
-                    cuda.sgd_step_(p, p.grad, buf, lr=group["lr"], momentum=group["momentum"],
+                    cuda.sgd_step_(p, g, buf, lr=group["lr"], momentum=group["momentum"],
                                    dampening=group["dampening"],
                                    weight_decay=group["weight_decay"],
                                    nesterov=group["nesterov"], maximize=group["maximize"],
                                    first_step=first)
                     continue
-                buf = buf.data_ptr() if buf is not None else 0
-                _C.sgd_step(p.data_ptr(), p.grad.data_ptr(), buf, 0, _C.BF16, p.numel(),
-                            lr=group["lr"], momentum=group["momentum"],
-                            dampening=group["dampening"], weight_decay=group["weight_decay"],
-                            nesterov=group["nesterov"], maximize=group["maximize"],
-                            first_step=first, threads=self.threads)
+                n = p.numel()
+                if g.numel() != n:
+                    raise bad_value(f"SGD: group {gi} gradient {i}", tuple(g.shape),
+                                    f"expected {n} elements, as its parameter")
+                if buf is not None and not _host_f32(buf, n):  # e.g. a loaded state
+                    raise bad_value(f"SGD: group {gi} momentum_buffer {i}",
+                                    _describe(buf), f"a contiguous float32 CPU tensor of "
+                                    f"{n} elements, as its parameter")
+                jobs.append((p.data_ptr(), g.data_ptr(),
+                             buf.data_ptr() if buf is not None else 0, first, n))
+            if jobs:
+                _C.sgd_steps(jobs, lr=group["lr"], momentum=group["momentum"],
+                             dampening=group["dampening"], weight_decay=group["weight_decay"],
+                             nesterov=group["nesterov"], maximize=group["maximize"],
+                             threads=self.threads)
         return loss
