@@ -35,6 +35,11 @@ from ..tensors import check_plain, dtype_code, is_dense
 from . import disk_offload
 from .disk_offload import DiskOffload
 
+try:  # fully_shard's parameters (and tensor-parallel ones) are DTensors
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a build of torch without distributed
+    DTensor = None
+
 __all__ = ["AdamW", "Adam", "SGD", "DiskOffload", "tune_report"]
 
 
@@ -59,6 +64,52 @@ def _zeros_like(p):
         return torch.zeros_like(p, memory_format=torch.preserve_format)
     storage = _C.mapped_storage(nbytes)
     return torch.empty(0, dtype=p.dtype).set_(storage, 0, p.shape, p.stride())
+
+
+# [Note: DTensor parameters] fully_shard's parameters are DTensors, each rank
+# holding its shard as the DTensor's local tensor. Every update here is
+# elementwise, so each rank steps its own local tensors, exactly as a step of
+# the whole parameter would, provided the gradient and the state are laid out
+# as the parameter is (mesh, placements, global shape): a Partial gradient (not
+# reduced yet) or state of another layout is refused by name. The state is
+# made as DTensors of the parameter's layout, as torch's optimizers make it,
+# so torch.distributed.checkpoint saves and loads it.
+
+def _locals(owner, gi, i, p, g):
+    """(the tensor the kernel steps, its gradient's): the parameter itself, or
+    a DTensor parameter's local tensors ([Note: DTensor parameters])."""
+    if DTensor is None or not isinstance(p, DTensor):
+        return p, g
+    if not (isinstance(g, DTensor) and _same_layout(g, p)):
+        raise bad_value(f"{owner}: group {gi} gradient {i}", _describe(g),
+                        f"a DTensor laid out as its parameter ({p.placements} of shape "
+                        f"{tuple(p.shape)}): a Partial gradient is reduced first")
+    return p._local_tensor, g._local_tensor
+
+
+def _same_layout(t, p):
+    return t.shape == p.shape and t.placements == p.placements and \
+        t.device_mesh == p.device_mesh
+
+
+def _state_local(t, p):
+    """A state tensor as the kernel takes it: a DTensor state of a DTensor
+    parameter's layout is its local tensor; anything else (a plain tensor
+    for a DTensor parameter, a state of another layout) comes back as it is,
+    for the checks to refuse by name."""
+    if DTensor is not None and isinstance(t, DTensor) and isinstance(p, DTensor) and \
+            _same_layout(t, p):
+        return t._local_tensor
+    return t
+
+
+def _zeros_state(p, local):
+    """Zero state for parameter p whose kernel tensor is `local`."""
+    z = _zeros_like(local)
+    if local is p:
+        return z
+    return DTensor.from_local(z, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
 
 
 def _threads(threads):
@@ -87,16 +138,15 @@ def _check_tensor(owner, what, i, t, cuda_ok=False):
                        "(dense gradients)")
 
 
-def _check_pair(owner, gi, i, p):
-    """A parameter and its gradient: fp32, contiguous, on one device (CPU
+def _check_pair(owner, gi, i, p, g):
+    """A parameter and its gradient g: fp32, contiguous, on one device (CPU
     or CUDA)."""
-    g = p.grad
     if is_dense(p, torch.float32, _CPU) and is_dense(g, torch.float32, _CPU):
         return  # every step's case (on the host), checked without building a message
     _check_tensor(owner, f"group {gi} parameter", i, p, cuda_ok=True)
-    _check_tensor(owner, f"group {gi} gradient", i, p.grad, cuda_ok=True)
-    if p.grad.device != p.device:
-        raise bad_value(f"{owner}: group {gi} gradient {i}", str(p.grad.device),
+    _check_tensor(owner, f"group {gi} gradient", i, g, cuda_ok=True)
+    if g.device != p.device:
+        raise bad_value(f"{owner}: group {gi} gradient {i}", str(g.device),
                         f"expected it on the parameter's device, {p.device}")
     if p.is_cuda and not cuda.built():
         raise bad_type(f"{owner}: group {gi} parameter {i}", str(p.device),
@@ -232,6 +282,11 @@ class _Adam(torch.optim.Optimizer):
                 disk_offload.check(name, self.offload, True)
             segments = []
             for i, p in enumerate(group["params"]):
+                if DTensor is not None and isinstance(p, DTensor):
+                    raise bad_type(f"{name}(offload=DiskOffload(...)): group {gi} parameter {i}",
+                                   "a DTensor", "plain tensors: the disk offload steps whole "
+                                   "parameters; keep the state in memory (offload=None) for "
+                                   "fully_shard's DTensor parameters")
                 off = disk.offsets[index]
                 index += 1
                 if p.grad is None:  # moments copied through, untouched (torch: no update)
@@ -295,21 +350,25 @@ class _Adam(torch.optim.Optimizer):
                 g = p.grad
                 if g is None:
                     continue
-                _check_pair(name, gi, i, p)
+                x, g = _locals(name, gi, i, p, g)
+                _check_pair(name, gi, i, x, g)
                 state = self.state[p]
                 if not state:
                     # torch's layout: a float32 scalar step (on the host, so that
                     # reading it never waits for a device) and moments like the param.
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = _zeros_like(p)
-                    state["exp_avg_sq"] = _zeros_like(p)
+                    state["exp_avg"] = _zeros_state(p, x)
+                    state["exp_avg_sq"] = _zeros_state(p, x)
                     if amsgrad:
-                        state["max_exp_avg_sq"] = _zeros_like(p)
-                job = None if p.is_cuda else _host_job(p, g, state, amsgrad)
+                        state["max_exp_avg_sq"] = _zeros_state(p, x)
+                m = _state_local(state.get("exp_avg"), p)
+                v = _state_local(state.get("exp_avg_sq"), p)
+                mx = _state_local(state.get("max_exp_avg_sq"), p) if amsgrad else None
+                job = None if x.is_cuda else _host_job(x, g, m, v, mx, state.get("step"), amsgrad)
                 if job is not None:
                     jobs.append(job)
                 else:
-                    self._step_one(p, state, group)
+                    self._step_one(x, g, m, v, mx, state, group)
             if jobs:
                 b1, b2 = group["betas"]
                 _C.adam_steps(jobs, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
@@ -317,29 +376,26 @@ class _Adam(torch.optim.Optimizer):
                               maximize=group["maximize"], threads=_threads(self.threads))
         return loss
 
-    def _step_one(self, p, state, group):
-        """One parameter on its own: on a device, or with state that is not
-        the plain host layout (whose checks then name what is wrong)."""
+    def _step_one(self, x, g, m, v, mx, state, group):
+        """One parameter on its own (x, g, m, v, mx: the tensors the kernel
+        steps): on a device, or with state that is not the plain host layout
+        (whose checks then name what is wrong)."""
         state["step"] += 1
-        step_fn, extra = (cuda.adam_step_, {}) if p.is_cuda else \
+        step_fn, extra = (cuda.adam_step_, {}) if x.is_cuda else \
             (adamw_step_, dict(threads=self.threads))
-        step_fn(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                int(state["step"].item()), lr=group["lr"], betas=group["betas"],
+        step_fn(x, g, m, v, int(state["step"].item()), lr=group["lr"], betas=group["betas"],
                 eps=group["eps"], weight_decay=group["weight_decay"],
                 decoupled=self._decoupled, maximize=group["maximize"],
-                max_exp_avg_sq=state.get("max_exp_avg_sq") if group["amsgrad"]
-                else None, **extra)
+                max_exp_avg_sq=mx, **extra)
 
 
-def _host_job(p, g, state, amsgrad):
+def _host_job(p, g, m, v, mx, st, amsgrad):
     """A host parameter's update as _C.adam_steps takes it: (param, grad,
     exp_avg, exp_avg_sq, max_exp_avg_sq, step, n) pointers and size; None
     unless its gradient and state are what that call needs (contiguous fp32
     host tensors of its size; the step count a float32 host scalar, as
     torch keeps it). The C side increments the count."""
     n = p.numel()
-    m, v, st = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
-    mx = state.get("max_exp_avg_sq") if amsgrad else None
     if g.numel() != n or not (_host_f32(m, n) and _host_f32(v, n) and _host_f32(st, 1)) or \
             (amsgrad and not _host_f32(mx, n)):
         return None
@@ -415,22 +471,23 @@ class SGD(torch.optim.Optimizer):
                 g = p.grad
                 if g is None:
                     continue
-                _check_pair("SGD", gi, i, p)
+                x, g = _locals("SGD", gi, i, p, g)
+                _check_pair("SGD", gi, i, x, g)
                 buf, first = None, False
                 if group["momentum"] != 0:  # without momentum, no state (as torch)
                     state = self.state[p]
                     if state.get("momentum_buffer") is None:
-                        state["momentum_buffer"] = _zeros_like(p)
+                        state["momentum_buffer"] = _zeros_state(p, x)
                         first = True
-                    buf = state["momentum_buffer"]
-                if p.is_cuda:
-                    cuda.sgd_step_(p, g, buf, lr=group["lr"], momentum=group["momentum"],
+                    buf = _state_local(state["momentum_buffer"], p)
+                if x.is_cuda:
+                    cuda.sgd_step_(x, g, buf, lr=group["lr"], momentum=group["momentum"],
                                    dampening=group["dampening"],
                                    weight_decay=group["weight_decay"],
                                    nesterov=group["nesterov"], maximize=group["maximize"],
                                    first_step=first)
                     continue
-                n = p.numel()
+                n = x.numel()
                 if g.numel() != n:
                     raise bad_value(f"SGD: group {gi} gradient {i}", tuple(g.shape),
                                     f"expected {n} elements, as its parameter")
@@ -438,7 +495,7 @@ class SGD(torch.optim.Optimizer):
                     raise bad_value(f"SGD: group {gi} momentum_buffer {i}",
                                     _describe(buf), f"a contiguous float32 CPU tensor of "
                                     f"{n} elements, as its parameter")
-                jobs.append((p.data_ptr(), g.data_ptr(),
+                jobs.append((x.data_ptr(), g.data_ptr(),
                              buf.data_ptr() if buf is not None else 0, first, n))
             if jobs:
                 _C.sgd_steps(jobs, lr=group["lr"], momentum=group["momentum"],
