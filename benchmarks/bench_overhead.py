@@ -16,10 +16,10 @@ drifts by up to 2x over seconds, which would otherwise fall on whichever impl
 ran then. "unwrapped" is the same model with no sharding at all; the others wrap
 every block and the root: "fsdp1" is flatshard.FullyShardedDataParallel
 (FULL_SHARD, one unit per block), "fully_shard" is flatshard.fully_shard on
-each block and the root (both with their default reduction bucket,
-FLATSHARD_REDUCE_BUCKET_BYTES, and the backend's default
-FLATSHARD_GATHER_AHEAD_BYTES: 1 MiB on torch, none on shm), "-nobucket" the
-same with every group reducing on its own, "-noahead" with every unit
+each block and the root (both with the backend's default
+FLATSHARD_REDUCE_BUCKET_BYTES and FLATSHARD_GATHER_AHEAD_BYTES: 1 MiB on
+torch, none on shm, unless the command's environment sets them), "-nobucket"
+the same with every group reducing on its own, "-noahead" with every unit
 gathering on its own, "torch-fully_shard" is torch's own. "+prefetch":
 torch's explicit prefetch lists in buckets of eight blocks (block 0, 8, ...
 prefetches the next seven in forward, 63, 55, ... the seven before in
@@ -60,6 +60,7 @@ IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-nobucket", "fsdp1-noahead", 
          "fully_shard-nobucket", "fully_shard-noahead", "fully_shard+prefetch",
          "torch-fully_shard", "torch-fully_shard+prefetch")
 AHEAD = os.environ.get("FLATSHARD_GATHER_AHEAD_BYTES")  # None: the backend's default
+BUCKET_ENV = os.environ.get("FLATSHARD_REDUCE_BUCKET_BYTES")  # likewise
 BUCKET = 8  # +prefetch: every BUCKET-th block prefetches the next BUCKET - 1
 
 
@@ -151,8 +152,12 @@ def _bucket_prefetch(blocks):
 def _set_env(impl):
     """The budgets an impl runs with; both are read at the root's first
     forward (its lazy init)."""
-    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = "0" if impl.endswith("-nobucket") else \
-        str(1 << 20)
+    if impl.endswith("-nobucket"):
+        os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = "0"
+    elif BUCKET_ENV is None:  # the backend's default
+        os.environ.pop("FLATSHARD_REDUCE_BUCKET_BYTES", None)
+    else:  # as the command was given it
+        os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = BUCKET_ENV
     if impl.endswith("-noahead"):
         os.environ["FLATSHARD_GATHER_AHEAD_BYTES"] = "0"
     elif AHEAD is None:  # the backend's default

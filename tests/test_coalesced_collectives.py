@@ -4,7 +4,8 @@
 - a module's gather and the gathers of the modules it prefetches (torch's
   explicit prefetch lists) go in one all-gather;
 - gradient reductions of consecutive groups go in one reduce-scatter, up to
-  FLATSHARD_REDUCE_BUCKET_BYTES (default 1 MiB; 0: none);
+  FLATSHARD_REDUCE_BUCKET_BYTES (runtime/bucket.py; default 1 MiB on the
+  torch backend, 0 on shm);
 - with no prefetch list, the modules that ran next in the last forward (in
   backward: before) join a module's all-gather, up to
   FLATSHARD_GATHER_AHEAD_BYTES (runtime/ahead.py; default 1 MiB on the
@@ -206,6 +207,23 @@ def test_budgets_are_validated(dist_pool, name, value):
         assert msg is not None and name in msg and value in msg, msg
 
 
+def test_default_budgets_follow_the_backend(monkeypatch):
+    """Without the environment variables, a reduction bucket and gathering
+    ahead on the torch backend (collectives of about a millisecond), neither
+    on shm (microseconds: measured slower with them) nor on one rank."""
+    from types import SimpleNamespace
+    from flatshard.runtime.ahead import ahead_bytes
+    from flatshard.runtime.bucket import bucket_bytes
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(AHEAD, raising=False)
+    for backend, want in (("torch", 1 << 20), ("shm", 0)):
+        comm = SimpleNamespace(backend=backend, device=None, world_size=2)
+        assert bucket_bytes(comm) == want and ahead_bytes(comm) == want, backend
+    assert ahead_bytes(SimpleNamespace(backend="torch", device=None, world_size=1)) == 0
+    monkeypatch.setenv(ENV, "4096")
+    assert bucket_bytes(SimpleNamespace(backend="shm", device=None, world_size=2)) == 4096
+
+
 def _reset_after_abort():
     """A backward that raised after some groups' reductions joined the
     bucket; reset_iter_state drops them without a collective, and the next
@@ -216,6 +234,10 @@ def _reset_after_abort():
         model = build(depth=4)
         _shard(model)
         x = torch.randn(2, 5, generator=torch.Generator().manual_seed(rank))
+        with _env(**{ENV: str(1 << 20)}):  # read at the first forward
+            model(x).sum().backward()
+        for p in model.parameters():
+            p.grad = None
         if which == "aborted":
             def stop(grad):
                 raise RuntimeError("stop")

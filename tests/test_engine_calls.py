@@ -61,12 +61,18 @@ def _inner(arg):
 
 
 def _fsdp1_calls(strategy):
+    import os
     from flatshard import ShardingStrategy
     torch.manual_seed(0)
     model = FSDP(Net(), auto_wrap_policy=ModuleWrapPolicy({Block}),
                  sharding_strategy=ShardingStrategy[strategy])
     x = torch.randn(4, 6)
-    model(x).sum().backward()  # lazy init, first step
+    # a reduction bucket (on shm none by default), read at the root's lazy init
+    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = str(1 << 20)
+    try:
+        model(x).sum().backward()  # lazy init, first step
+    finally:
+        del os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"]
     logs = {}
     for m in model.modules():
         unit = getattr(m, "_unit", None)
@@ -92,7 +98,7 @@ def test_fsdp1_one_engine_call_per_hook_event(dist_pool, strategy):
             # (BACKWARD_PRE, the default), one unshard() call
             others = [c for c in calls if c not in ("event", "flush_bucket")]
             assert others in ([], ["unshard"]), (name, calls)
-        # the default reduction bucket holds the three blocks' reduce-scatters
+        # the reduction bucket holds the three blocks' reduce-scatters
         # until the end of backward: one flush, through the first (the last
         # block's); SHARD_OPTIM all-reduces whole gradients at once
         flushes = [name for name, calls in logs.items() for c in calls if c == "flush_bucket"]
@@ -137,7 +143,7 @@ def test_fully_shard_engine_calls_per_hook_event(dist_pool):
 
 
 def test_fully_shard_engine_calls_with_a_reduction_bucket(dist_pool):
-    """The default bucket: each post_backward's reduce joins it, and the end
+    """A 1 MiB bucket: each post_backward's reduce joins it, and the end
     of backward flushes all three groups' in one call, through the group
     whose gradients came first (the last block's)."""
     for logs in dist_pool(2).run(_fully_shard_calls, str(1 << 20)):

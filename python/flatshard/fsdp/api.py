@@ -89,7 +89,7 @@ class RootState:
         self.order = ForwardOrder()
         self.final_queued = False
         self.inflight = InFlight()  # the unit whose deferred reduction is in flight
-        self.bucket = ReduceBucket(bucket_bytes())  # reductions issued as one (host)
+        self.bucket = ReduceBucket(bucket_bytes(owner._unit.c.comm))  # reductions as one (host)
         self.ahead = ahead_bytes(owner._unit.c.comm)  # units gathered with one (host)
 
     def reduce_issued(self, unit):

@@ -125,7 +125,6 @@ class FSDPState:
         if self.is_root is not None:
             return
         self.is_root, self.root, self.states = True, self, []
-        self.bucket = ReduceBucket(bucket_bytes())
         for m in (m for top in self.modules for m in top.modules()):
             st = state_of(m)
             if st is None or st in self.states:
@@ -135,10 +134,11 @@ class FSDPState:
             if st.reshard_after_forward_arg is None:  # True, except for the root
                 st.reshard_after_forward = st is not self
             self.states.append(st)
+        comm = next((st.group.comm for st in self.states if st.group is not None), None)
+        self.bucket = ReduceBucket(bucket_bytes(comm))
+        self.ahead = ahead_bytes(comm)
         self._check_no_shared_params()
         self._init_fqns()
-        comm = next((st.group.comm for st in self.states if st.group is not None), None)
-        self.ahead = ahead_bytes(comm)
 
     def _init_fqns(self):
         """Each state's module names in the root's tree, joined as torch's

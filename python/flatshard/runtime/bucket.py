@@ -11,7 +11,7 @@ reduce-scatters of several groups in a bucket and issue them as one
   reduction is a plain one (no all-reduce hook, no replicas: those run
   Python or a second collective between the reduce-scatter and the write);
 - the bucket is flushed once it holds FLATSHARD_REDUCE_BUCKET_BYTES of
-  gradients (the unsharded gradients in the reduce dtype), before a
+  gradients (default: 1 MiB on the torch backend, none on shm) (the unsharded gradients in the reduce dtype), before a
   reduction that cannot join it (another Comm or dtype, a group already in
   it, one too large), and at the end of backward, so the sharded gradients
   are all in place when backward returns, as without buckets;
@@ -28,12 +28,19 @@ Imports: _C and envvars only.
 from .. import _C, envvars
 
 ENV_BYTES = "FLATSHARD_REDUCE_BUCKET_BYTES"
-DEFAULT_BYTES = 1 << 20
+# By Comm backend; others 0. On shm a reduce-scatter costs microseconds, and
+# a bucket's bookkeeping cost more than the calls it saved: measured on the
+# per-unit model (bench_overhead.py, benchmarks/RESULTS.md), both APIs' steps
+# were 6-17% faster without it.
+DEFAULT_BYTES = {"torch": 1 << 20}
 
 
-def bucket_bytes():
-    """The budget from the environment (0: no buckets)."""
-    return envvars.read_bytes(ENV_BYTES, DEFAULT_BYTES, "every reduction on its own")
+def bucket_bytes(comm):
+    """The budget for reductions on `comm` (0: no buckets): the
+    environment's, else the backend's default."""
+    backend = comm.backend if comm is not None else None
+    return envvars.read_bytes(ENV_BYTES, DEFAULT_BYTES.get(backend, 0),
+                              "every reduction on its own")
 
 
 class ReduceBucket:
