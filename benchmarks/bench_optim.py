@@ -55,6 +55,20 @@ def median_time(fn, reps):
     return statistics.median(times)
 
 
+def time_rounds(steps, times, reps):
+    """`reps` rounds of every step in `steps` (name -> fn), each time
+    appended to times[name]. Each round starts from another contender: none
+    always follows the same one (whose OpenMP threads may still be spinning,
+    whose stores may still be draining)."""
+    order = list(steps.items())
+    for r in range(reps):
+        k = r % len(order)
+        for name, fn in order[k:] + order[:k]:
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+
+
 def cpu_model():
     fields = {}
     try:
@@ -139,16 +153,7 @@ def bench_size(log2, args, ds_adam):
         rounds += 1
     print(f"warm-up: {rounds} interleaved rounds (flatshard's calibrating step, then its "
           f"thread-split trials)")
-    # each round starts from another contender: none always follows the same
-    # one (whose OpenMP threads may still be spinning, whose stores may still
-    # be draining)
-    order = list(steps.items())
-    for r in range(args.reps):
-        k = r % len(order)
-        for name, fn in order[k:] + order[:k]:
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+    time_rounds(steps, times, args.reps)
     rows = {name: statistics.median(ts) for name, ts in times.items()}
     fastest = {name: min(ts) for name, ts in times.items()}
 
@@ -205,13 +210,7 @@ def bench_model(args, ds_adam):
         for fn in steps.values():
             fn()
     times = {name: [] for name in steps}
-    order = list(steps.items())
-    for r in range(args.reps):
-        k = r % len(order)
-        for name, fn in order[k:] + order[:k]:
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+    time_rounds(steps, times, args.reps)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     print(f"{'step':>26} {'ms':>9} {'min ms':>9} {'GB/s':>7}")
     for name, t in med.items():

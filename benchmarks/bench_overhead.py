@@ -152,18 +152,14 @@ def _bucket_prefetch(blocks):
 def _set_env(impl):
     """The budgets an impl runs with; both are read at the root's first
     forward (its lazy init)."""
-    if impl.endswith("-nobucket"):
-        os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = "0"
-    elif BUCKET_ENV is None:  # the backend's default
-        os.environ.pop("FLATSHARD_REDUCE_BUCKET_BYTES", None)
-    else:  # as the command was given it
-        os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = BUCKET_ENV
-    if impl.endswith("-noahead"):
-        os.environ["FLATSHARD_GATHER_AHEAD_BYTES"] = "0"
-    elif AHEAD is None:  # the backend's default
-        os.environ.pop("FLATSHARD_GATHER_AHEAD_BYTES", None)
-    else:  # as the command was given it
-        os.environ["FLATSHARD_GATHER_AHEAD_BYTES"] = AHEAD
+    for name, off, given in (("FLATSHARD_REDUCE_BUCKET_BYTES", "-nobucket", BUCKET_ENV),
+                             ("FLATSHARD_GATHER_AHEAD_BYTES", "-noahead", AHEAD)):
+        if impl.endswith(off):
+            os.environ[name] = "0"
+        elif given is None:  # the backend's default
+            os.environ.pop(name, None)
+        else:  # as the command was given it
+            os.environ[name] = given
 
 
 def one_step(model, x):

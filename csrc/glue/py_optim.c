@@ -82,6 +82,28 @@ static PyObject *py_adam_step(PyObject *m, PyObject *args, PyObject *kw)
                    "dtype bfloat16 or float16");
 }
 
+/* The checked jobs of a group call, in order, under one release of the GIL;
+ * steps (Adam) points at each job's float32 step count, incremented and then
+ * used, or is NULL. */
+static PyObject *run_jobs(PyObject *m, fs_optim_job *js, float **steps, Py_ssize_t k,
+                          int level, int threads, const char *what)
+{
+    fs_status s = FS_OK;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k && s == FS_OK; i++) {
+        if (steps) {
+            const float next = *steps[i] + 1.0f;
+            *steps[i] = next;
+            js[i].adam_h.step = (int64_t)next;
+        }
+        s = fs_optim_step(&js[i], (fs_simd)level, threads);
+    }
+    Py_END_ALLOW_THREADS
+    if (s != FS_OK)
+        return fs_raise(fs_state_from_module(m), s, "%s", what);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(adam_steps_doc,
              "adam_steps(jobs, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,\n"
              "           threads=1, simd='auto')\n"
@@ -135,20 +157,7 @@ static PyObject *py_adam_steps(PyObject *m, PyObject *args, PyObject *kw)
             goto done;
         }
     }
-    fs_status s = FS_OK;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < k && s == FS_OK; i++) {
-        const float next = *steps[i] + 1.0f;
-        *steps[i] = next;
-        js[i].adam_h.step = (int64_t)next;
-        s = fs_optim_step(&js[i], (fs_simd)level, threads);
-    }
-    Py_END_ALLOW_THREADS
-    if (s != FS_OK) {
-        fs_raise(fs_state_from_module(m), s, "adam_steps");
-        goto done;
-    }
-    ret = Py_NewRef(Py_None);
+    ret = run_jobs(m, js, steps, k, level, threads, "adam_steps");
 done:
     PyMem_Free(js);
     PyMem_Free(steps);
@@ -230,16 +239,7 @@ static PyObject *py_sgd_steps(PyObject *m, PyObject *args, PyObject *kw)
             goto done;
         }
     }
-    fs_status s = FS_OK;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < k && s == FS_OK; i++)
-        s = fs_optim_step(&js[i], (fs_simd)level, threads);
-    Py_END_ALLOW_THREADS
-    if (s != FS_OK) {
-        fs_raise(fs_state_from_module(m), s, "sgd_steps");
-        goto done;
-    }
-    ret = Py_NewRef(Py_None);
+    ret = run_jobs(m, js, NULL, k, level, threads, "sgd_steps");
 done:
     PyMem_Free(js);
     Py_DECREF(seq);

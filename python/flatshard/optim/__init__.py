@@ -131,9 +131,7 @@ def _check_tensor(owner, what, i, t, cuda_ok=False):
         check_plain(t, f"{what} {i}", owner)
     if not torch.is_tensor(t) or t.dtype != torch.float32 or t.device.type not in devices \
             or not t.is_contiguous() or t.is_sparse:
-        desc = (f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', non-contiguous'}"
-                if torch.is_tensor(t) else type(t).__name__)
-        raise bad_type(f"{owner}: {what} {i}", desc,
+        raise bad_type(f"{owner}: {what} {i}", _describe(t),
                        f"a contiguous float32 {' or '.join(d.upper() for d in devices)} tensor "
                        "(dense gradients)")
 
@@ -373,7 +371,7 @@ class _Adam(torch.optim.Optimizer):
                 b1, b2 = group["betas"]
                 _C.adam_steps(jobs, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                               weight_decay=group["weight_decay"], decoupled=self._decoupled,
-                              maximize=group["maximize"], threads=_threads(self.threads))
+                              maximize=group["maximize"], threads=self.threads)
         return loss
 
     def _step_one(self, x, g, m, v, mx, state, group):
