@@ -147,7 +147,7 @@ def bench_size(log2, args, ds_adam):
         return any(r["kind"] == "adam" and r["copy"] == copy and r["size_log2"] == log2
                    for r in fo.tune_report())
     rounds = 1
-    while rounds < 40 and not (tuned("none") and tuned("bfloat16")):
+    while rounds < 80 and not (tuned("none") and tuned("bfloat16")):
         for fn in steps.values():
             fn()
         rounds += 1

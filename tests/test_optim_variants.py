@@ -221,7 +221,7 @@ def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, timed_on)
     # steps after it and the steps with the chosen variant all give the
     # reference's bits; the class is listed once its trials are done.
     _C.optim_tune_reset()
-    for _ in range(48):
+    for _ in range(80):
         adam, sgd = _records("adam", n), _records("sgd", n)
         if len(adam) == 2 and len(sgd) == 1:
             break

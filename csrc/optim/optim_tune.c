@@ -83,13 +83,26 @@
  * waiting for cores included, and a split that is fast only in the moments
  * when nothing else runs should not win. The incumbent there is all threads in
  * contiguous slices on the OpenMP team, as torch runs its own parallel
- * work (started threads where the process has no OpenMP runtime). */
+ * work (started threads where the process has no OpenMP runtime).
+ *
+ * [Note: whole-step incumbent]
+ * Stage 3's first candidate is not the calibration's choice but the class's
+ * default loop (widest SIMD unrolled 4 times, no prefetch, streaming copy
+ * stores) with that incumbent split; the calibration's choice is one of the
+ * rivals, with each split. So a loop chosen on CPU-time slices replaces the
+ * default only when whole steps, waiting included, say it is faster by the
+ * margin. Measured on a 2-vCPU EPYC Zen 4, 2^26 elements, interleaved with
+ * torch's and DeepSpeed's steps: slices chose a 1 KiB prefetch (0.37 against
+ * 0.46 ns/element), which ran whole steps 9% slower than the default, and the
+ * bf16-copy class chose started threads after 5 rounds, 34% slower than the
+ * OpenMP team in the median of 25 steps at 2^24 (its fastest steps equal).
+ * Hence also TUNE_STEP_ROUNDS 7, not 5. */
 
 #define TUNE_ROUNDS 3
 #define TUNE_ROUNDS_MAX 8
 #define TUNE_SLICE_TARGET (1 << 18)
 #define TUNE_MARGIN 0.05
-#define TUNE_STEP_ROUNDS 5
+#define TUNE_STEP_ROUNDS 7
 #define TUNE_SLICE_MIN (1 << 16)
 #define TUNE_SAMPLE (1 << 18)
 #define TUNE_SAMPLE_S 2e-4
@@ -152,10 +165,12 @@ static int same_class(const fs_tune_record *a, const fs_tune_record *b)
            a->simd_max == b->simd_max;
 }
 
-/* The candidates of `stage`, each `best` with that stage's fields changed.
- * `unit` is how many elements one timed run updates (sizes the chunks). */
+/* The candidates of `stage`, each `best` with that stage's fields changed,
+ * at most `cap` (stage 3's ladder stops early on a machine with very many
+ * threads). `unit` is how many elements one timed run updates (sizes the
+ * chunks). */
 static int stage_candidates(int stage, const fs_tune_record *r, const fs_optim_variant *best,
-                            int64_t unit, fs_optim_variant *out)
+                            int64_t unit, fs_optim_variant *out, int cap)
 {
     int n = 0;
     fs_optim_variant v = *best;
@@ -188,7 +203,9 @@ static int stage_candidates(int stage, const fs_tune_record *r, const fs_optim_v
             v.stream_copy = s, out[n++] = v;
         break;
     case 3:
-        for (int t = 1;; t = t * 2 < r->threads_max ? t * 2 : r->threads_max) {
+        /* All threads first, then half as many, down to one: each count
+         * adds at most 5 candidates, and a cap cuts the fewest threads. */
+        for (int t = r->threads_max; t >= 1 && n + 5 <= cap; t = t > 1 ? t / 2 : 0) {
             v.threads = t, v.omp = 0, v.chunk_numel = 0, out[n++] = v;
             /* Chunks: large ones (each thread claims about eight), and small
              * ones that keep the threads' streams a few pages apart. */
@@ -205,8 +222,6 @@ static int stage_candidates(int stage, const fs_tune_record *r, const fs_optim_v
                 if (chunk >= 1024)
                     v.chunk_numel = chunk, out[n++] = v;
             }
-            if (t >= r->threads_max)
-                break;
         }
         /* First the incumbent: all threads in contiguous slices, as torch
          * runs its own parallel work (on its OpenMP team where there is one). */
@@ -228,7 +243,7 @@ static int count_candidates(const fs_tune_record *r, int64_t unit, int stages)
     fs_optim_variant tmp[FS_TUNE_MAX_CANDIDATES], v = fs_optim_default_variant(r->simd_max, 1);
     int total = 0;
     for (int stage = 0; stage < stages; stage++)
-        total += stage_candidates(stage, r, &v, unit, tmp);
+        total += stage_candidates(stage, r, &v, unit, tmp, FS_TUNE_MAX_CANDIDATES);
     return total;
 }
 
@@ -386,7 +401,7 @@ static fs_status calibrate(const fs_optim_job *j, fs_tune_record *r)
     int64_t pos = 0;      /* in place: the elements below pos are updated */
     for (int stage = 0; stage < 3 && st == FS_OK; stage++) {
         fs_optim_variant cand[FS_TUNE_MAX_CANDIDATES];
-        const int nc = stage_candidates(stage, r, &best, unit, cand);
+        const int nc = stage_candidates(stage, r, &best, unit, cand, FS_TUNE_MAX_CANDIDATES);
         if (nc == 0)
             continue;
         double t_best[FS_TUNE_MAX_CANDIDATES];
@@ -442,9 +457,25 @@ static fs_status calibrate(const fs_optim_job *j, fs_tune_record *r)
 static void start_trials(tune_entry *e)
 {
     fs_tune_record *r = &e->rec;
-    fs_optim_variant cand[FS_TUNE_MAX_CANDIDATES];
-    double untimed[FS_TUNE_MAX_CANDIDATES];
-    int nc = stage_candidates(3, r, &r->chosen, r->tuned_numel, cand);
+    fs_optim_variant cand[FS_TUNE_MAX_CANDIDATES + 1];
+    double untimed[FS_TUNE_MAX_CANDIDATES + 1];
+    int nc = stage_candidates(3, r, &r->chosen, r->tuned_numel, cand + 1,
+                              FS_TUNE_MAX_CANDIDATES);
+    /* The incumbent, first: the class's default with stage 3's own incumbent
+     * split ([Note: whole-step incumbent]), unless that is a candidate already. */
+    fs_optim_variant def = class_default(r);
+    def.stream_copy = r->copy_dtype >= 0 && r->simd_max >= FS_SIMD_AVX2;
+    if (nc > 0)
+        def.threads = cand[1].threads, def.omp = cand[1].omp, def.chunk_numel = cand[1].chunk_numel;
+    int have = 0;
+    for (int c = 1; c <= nc; c++)
+        have |= same_variant(&cand[c], &def);
+    if (nc > 0 && !have) {
+        cand[0] = def;
+        nc++;
+    } else {
+        memmove(cand, cand + 1, (size_t)nc * sizeof *cand);
+    }
     if (nc > FS_TUNE_MAX_CANDIDATES - r->ncandidates)
         nc = FS_TUNE_MAX_CANDIDATES - r->ncandidates;
     for (int c = 0; c < nc; c++)

@@ -33,8 +33,9 @@ def optimizer_tuning_lines(log2=23):
     def tuned(kind, copy):
         return any(r["kind"] == kind and r["copy"] == copy and r["tuned_numel"] == n
                    for r in optim.tune_report())
-    # Large classes choose their thread split over their first few whole steps.
-    for step in range(1, 65):
+    # Classes choose their thread split over their next whole steps, up to
+    # 7 per candidate ([Note: whole-step incumbent] in csrc/optim/optim_tune.c).
+    for step in range(1, 161):
         if tuned("adam", "none") and tuned("adam", "bfloat16") and tuned("sgd", "none"):
             break
         for copy in (None, low):

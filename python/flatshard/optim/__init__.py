@@ -206,7 +206,8 @@ def tune_report():
     size class (kind, size_log2, copy, amsgrad, threads_max, simd_max), with
     the variant chosen, how it was timed, and every candidate's best time in
     ns per element. The first step of each class calibrates it, its next
-    few steps try its thread splits, and it is listed once those are done."""
+    steps race its thread splits and the default loop, and it is listed once
+    those are done."""
     return _C.optim_tune_records()
 
 
