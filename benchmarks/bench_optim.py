@@ -129,7 +129,10 @@ def bench_size(log2, args, ds_adam):
         else:
             steps[name] = opt.step
     p = torch.randn(n)
-    st = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n), "step": 0}
+    # state placed as flatshard's AdamW places its own ([Note: state in huge
+    # pages] in flatshard/optim), so that the ratio to the plain step is the
+    # copy's cost alone
+    st = {"exp_avg": fo._zeros_like(p), "exp_avg_sq": fo._zeros_like(p), "step": 0}
 
     def fused_with_copy():
         st["step"] += 1
