@@ -31,7 +31,15 @@ out (as fully_shard registers its unsharded and sharded parameters), a hook
 on each block output (the pre-backward) and a post-accumulate-grad hook on
 each parameter that drops the gradient (the post-backward): what torch's
 hook machinery costs by itself, with no collective and no sharding, the
-floor under any hook-based wrapper. --breakdown adds fully_shard's engine
+floor under any hook-based wrapper. "fsdp1-floor" is "fsdp1" with each
+unit's hook bodies cut down to what no implementation of these hooks can
+skip: the engine's call per hook event (its gather, free and
+reduce-scatter), the parameter views and their registration, the hook on the
+unit's output, and the new gradient shard; no bookkeeping, no prefetch, no
+checks (valid only for this model and the default options: a measurement,
+not a mode). What it costs above "hooks-only" is the engine and torch's
+view ops; what "fsdp1" costs above it is all the Python a hook body would
+save by being written in C. --breakdown adds fully_shard's engine
 calls timed inside the steps and alone, both ranks in step: their
 difference is what each rank waits at the collectives for the other.
 Printed: the median and spread of the step time and the ratio to
@@ -56,7 +64,8 @@ import torch.nn as nn
 from harness import cpu_name, free_port  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
-IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-nobucket", "fsdp1-noahead", "fully_shard",
+IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-floor", "fsdp1-nobucket", "fsdp1-noahead",
+         "fully_shard",
          "fully_shard-nobucket", "fully_shard-noahead", "fully_shard+prefetch",
          "torch-fully_shard", "torch-fully_shard+prefetch")
 AHEAD = os.environ.get("FLATSHARD_GATHER_AHEAD_BYTES")  # None: the backend's default
@@ -113,6 +122,57 @@ def _noop(grad):
     return None
 
 
+def _floor_hooks(model):
+    """fsdp1-floor: the FSDP1 wrapper's hook bodies on every unit replaced
+    (on the instances) by the least they must do (see the module's doc)."""
+    from flatshard import _C
+    from flatshard.fsdp.unit import fsdp_units
+    from flatshard.runtime import eager
+    grad_on = _C.FLAG_GRAD_ENABLED
+
+    for m in fsdp_units(model):
+        u = m._unit
+
+        def pre_forward(u=u):
+            u.c.event(_C.EV_PRE_FORWARD, grad_on, -1, None, None, False, False, None, None)
+            for g in u.groups:
+                views = g.unsharded_views()
+                for d, attr, i in g.targets:
+                    d[attr] = views[i]
+
+        def pre_backward(grad, u=u):
+            u.root.queue_final_callback()
+            u.c.event(_C.EV_PRE_BACKWARD, 0, -1, None, None, False, False, None, None)
+
+        def post_forward(out, u=u, pre_backward=eager.wrap(pre_backward)):
+            u.c.event(_C.EV_POST_FORWARD, grad_on, -1, None, None, False, False, None, None)
+            out.register_hook(pre_backward)
+            return out
+
+        def post_backward(gi, full, u=u):
+            g = u.groups[gi]
+            grad, full.grad = full.grad, None
+            out = g.new_shard()
+            u.c.event(_C.EV_POST_BACKWARD, 0, gi, grad, out, False, False, None, None)
+            g.shard.grad = out
+
+        def fsdp_pre(args, kwargs, m=m):
+            root = m._root_state or m._lazy_init()
+            if root.owner is m:
+                root.begin_forward()
+            m._unit.pre_forward()
+            return args, kwargs
+
+        def fsdp_post(out, m=m):
+            out = m._unit.post_forward(out)
+            if m._root_state.owner is m:
+                m._root_state.end_forward()
+            return out
+        u.pre_forward, u.post_forward, u._post_backward = pre_forward, post_forward, post_backward
+        m._pre_forward, m._post_forward = eager.wrap(fsdp_pre), eager.wrap(fsdp_post)
+    return model
+
+
 def build(impl, units):
     torch.manual_seed(0)
     model = Tiny(units)
@@ -121,7 +181,9 @@ def build(impl, units):
     if impl.startswith("fsdp1"):
         import flatshard
         from flatshard import ModuleWrapPolicy
-        return flatshard.FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        model = flatshard.FullyShardedDataParallel(model,
+                                                   auto_wrap_policy=ModuleWrapPolicy({Block}))
+        return _floor_hooks(model) if impl == "fsdp1-floor" else model
     if impl.startswith(("fully_shard", "torch-fully_shard")):
         if impl.startswith("fully_shard"):
             from flatshard import fully_shard
