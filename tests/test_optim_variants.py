@@ -255,6 +255,30 @@ def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, timed_on)
         assert _winner(by_stage[-1]) == r["chosen"]
 
 
+def test_whole_step_trials_race_the_default_loop_first():
+    # Stage 3 (whole steps) starts from the class's default loop, whatever
+    # the calibration chose ([Note: whole-step incumbent]); with many threads
+    # the thread ladder stays within the candidate table (here 96 threads
+    # on any machine: a thread count is a cap, not a check of the CPU).
+    _C.optim_tune_reset()
+    n = 1031
+    for _ in range(80):
+        if any(r["threads_max"] == 96 for r in _records("adam", n)):
+            break
+        want = _adam(n, REFERENCE, 0, torch.bfloat16, True, False, False)
+        _same_bits(_adam(n, None, 0, torch.bfloat16, True, False, False, threads=96), want)
+    rec = [r for r in _records("adam", n) if r["threads_max"] == 96]
+    assert len(rec) == 1
+    trials = [c["variant"] for c in rec[0]["candidates"] if c["stage"] == "threads"]
+    assert len(rec[0]["candidates"]) <= 32 and len(trials) > 1
+    simd = _C.simd_level()
+    if simd != "scalar":
+        head = ("avx512bf16" if BF16_INSN and simd == "avx512" else simd) + ".u4.pf0.nt."
+        assert trials[0].startswith(head), trials[0]
+    assert trials[0].split(".")[-2] in ("omp96", "t96") and trials[0].endswith(".c0")
+    assert {t.split(".")[-2] for t in trials} >= {"t96", "t48"}
+
+
 def test_simd_cap_limits_the_candidates():
     _C.optim_tune_reset()
     p = torch.zeros(64)
