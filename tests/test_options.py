@@ -102,6 +102,61 @@ def test_meta_device_with_param_init_fn(dist_pool):
     assert dist_pool(2).run(_meta_init) == [True, True]
 
 
+class _Resettable(nn.Module):
+    """A block whose own parameter has a reset_parameters()."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(d))
+        self.lin = nn.Linear(d, d)
+        self.act = nn.GELU()
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.uniform_(self.gain, 0.5, 1.5)
+
+    def forward(self, x):
+        return self.act(self.lin(x)) * self.gain
+
+
+def _meta_like_torch(mode):
+    """The weights torch's FSDP gives a meta-device model from one seed, and
+    ours: param_init_fn called on every module of each unit in torch's
+    order, or (None) to_empty + reset_parameters. Also the modules torch
+    and we hand to param_init_fn."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    def make():
+        with torch.device("meta"):
+            return nn.Sequential(nn.Embedding(11, 6), _Resettable(6),
+                                 nn.Sequential(_Resettable(6), nn.ReLU()), nn.Linear(6, 3))
+    out = []
+    for cls, policy in ((TorchFSDP, ModuleWrapPolicy), (FSDP, flatshard.ModuleWrapPolicy)):
+        calls = []
+
+        def init(m, calls=calls):
+            calls.append(type(m).__name__)
+            m.to_empty(device="cpu", recurse=False)
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        torch.manual_seed(3)
+        model = cls(make(), auto_wrap_policy=policy({_Resettable}), device_id=torch.device("cpu"),
+                    param_init_fn=init if mode == "fn" else None)
+        with cls.summon_full_params(model):
+            out.append(({n: p.detach().clone() for n, p in model.named_parameters()}, calls))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fn", "none"])
+def test_meta_device_init_gives_torchs_weights(dist_pool, mode):
+    for (theirs, their_calls), (ours, our_calls) in dist_pool(2).run(_meta_like_torch, mode):
+        assert our_calls == their_calls
+        assert list(ours) == list(theirs)
+        for n in theirs:
+            assert torch.equal(ours[n], theirs[n]), n
+
+
 def _shared_across_units():
     model = build()
     model.blocks[1].ff.lin.weight = model.blocks[0].ff.lin.weight

@@ -183,20 +183,87 @@ def _expand_ignored(module, ignored_modules, ignored_states):
     return mods, params
 
 
-def _materialize(module, param_init_fn, ignored_modules):
-    def on_meta(m):
-        return any(t.is_meta for t in list(m.parameters(recurse=False)) +
-                   list(m.buffers(recurse=False)))
-    metas = [m for m in module.modules() if m not in ignored_modules and on_meta(m)]
-    if not metas:
-        return
-    if param_init_fn is None:
-        raise bad_value("param_init_fn", None, "the module has parameters on the meta device",
-                        "pass param_init_fn=lambda m: m.to_empty(device='cpu', recurse=False) "
-                        "followed by your initialization")
-    for m in metas:
-        param_init_fn(m)
-    left = [n for n, m in module.named_modules() if m not in ignored_modules and on_meta(m)]
+def _has_meta(m):
+    return any(t.is_meta for t in list(m.parameters(recurse=False)) +
+               list(m.buffers(recurse=False)))
+
+
+def _post_order(module, units):
+    """The units under `module`, children before parents and siblings in
+    registration order: the order torch's auto-wrap builds them in."""
+    out, seen = [], set()
+
+    def visit(m):
+        for child in m.children():
+            if id(child) not in seen:
+                seen.add(id(child))
+                visit(child)
+                if child in units:
+                    out.append(child)
+    visit(module)
+    return out
+
+
+def _own_modules(root, stop):
+    """`root` and the modules below it that belong to its unit, breadth-first,
+    not entering a module in `stop` (other units, ignored modules)."""
+    out, queue, seen = [], [root], {id(root)}
+    while queue:
+        m = queue.pop(0)
+        out.append(m)
+        for child in m.children():
+            if id(child) not in seen and child not in stop:
+                seen.add(id(child))
+                queue.append(child)
+    return out
+
+
+def _reset_on(device):
+    """What materializes a module when param_init_fn is None, as torch's FSDP
+    does: its own tensors moved to empty storage on `device`, then its own
+    reset_parameters()."""
+    def reset(m, name):
+        if not (list(m.parameters(recurse=False)) or list(m.buffers(recurse=False))):
+            return
+        if not callable(getattr(m, "reset_parameters", None)):
+            raise bad_value("param_init_fn", None, f"module {name or '<root>'} "
+                            f"({type(m).__name__}) is on the meta device and has no "
+                            "reset_parameters() to initialize it",
+                            "give it a reset_parameters() method, or pass param_init_fn="
+                            "lambda m: m.to_empty(device='cpu', recurse=False) followed by "
+                            "your initialization")
+        with torch.no_grad():
+            m.to_empty(device=device, recurse=False)
+            m.reset_parameters()
+    return reset
+
+
+def _materialize(module, param_init_fn, ignored_modules, ignored_params, units, device):
+    """Meta-device modules materialized unit by unit as torch's FSDP does,
+    so that the same seed gives the same weights: the units in the order
+    its auto-wrap builds them (children first, then the root), and in each
+    unit that has a parameter or buffer on the meta device every module of
+    the unit, breadth-first, handed to param_init_fn (all of them, as torch
+    does), or with param_init_fn None reset where it holds tensors of its
+    own (to_empty on the wrapper's device, then reset_parameters())."""
+    names = {m: n for n, m in module.named_modules()}
+    done = set()
+    for root in _post_order(module, units) + [module]:
+        stop = (units - {root}) | ignored_modules | done
+        own = _own_modules(root, stop)
+        # torch's test: a parameter it manages, or any buffer not ignored, on meta
+        if not (any(p.is_meta for p in root.parameters() if p not in ignored_params) or
+                any(b.is_meta for m in root.modules() if m not in ignored_modules
+                    for b in m.buffers(recurse=False))):
+            done.add(root)
+            continue
+        for m in own:
+            if param_init_fn is not None:
+                param_init_fn(m)
+            else:
+                _reset_on(device)(m, names.get(m, ""))
+        done.add(root)
+    left = [n for n, m in module.named_modules() if m not in ignored_modules and _has_meta(m)]
     if left:
         raise bad_value("param_init_fn", param_init_fn, "it left parameters on the meta device "
                         f"in {left[:3]}", "make it materialize every module it is given")
@@ -291,7 +358,12 @@ def _plan(module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states, 
     config.check_param_init_fn(param_init_fn)
     policy = config.checked_policy(auto_wrap_policy)
     ignored_mods, ignored_params = _expand_ignored(module, ignored_modules, ignored_states)
-    _materialize(module, param_init_fn, ignored_mods)
+    ctx = _WrapContext(ignored_mods, ignored_params)
+    # The policy sees the modules before they are materialized, as torch's does.
+    found = _policy_targets(policy, module, kw, ctx) if policy is not None else {}
+    _materialize(module, param_init_fn, ignored_mods, ignored_params,
+                 {m for m in found} | {m for m in module.modules()
+                                       if isinstance(m, FullyShardedDataParallel)}, cfg.device)
     for n, p in module.named_parameters():
         if p in ignored_params:
             continue
@@ -299,8 +371,6 @@ def _plan(module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states, 
         if p.device != cfg.device:
             raise bad_value("device_id", cfg.device, f"parameter {n} is on {p.device}",
                             f"move the module to {cfg.device} before wrapping")
-    ctx = _WrapContext(ignored_mods, ignored_params)
-    found = _policy_targets(policy, module, kw, ctx) if policy is not None else {}
     names = {m: n for n, m in module.named_modules()}
     units = [m for m in found if not isinstance(m, FullyShardedDataParallel)]
     unit_set, plan = set(units), []
