@@ -170,6 +170,42 @@ def test_torch_fsdp_checkpoints_load_into_flatshard_and_back(dist_pool, tmp_path
     assert dist_pool(2).run(_interop_load, theirs, back, str(tmp_path / "ours")) == [True] * 2
 
 
+def _resume_through_load_sharded_optimizer_state_dict(path, use_orig):
+    """torch's documented SHARDED resume of FSDP1: dcp.save of the model and
+    FSDP.optim_state_dict, then dcp.load of the model,
+    load_sharded_optimizer_state_dict (ShardedTensors chunked over the
+    ranks) and FSDP.optim_state_dict_to_load."""
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    data = batches(5, 2, dist.get_world_size(), seed=4)
+    straight = _wrap(use_orig=use_orig)
+    want = _steps(straight, optimizer("adamw", straight.parameters()), data)
+    first = _wrap(use_orig=use_orig)
+    opt = optimizer("adamw", first.parameters())
+    got = _steps(first, opt, data[:2])
+    with FSDP.state_dict_type(first, StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"model": first.state_dict(), "optim": FSDP.optim_state_dict(first, opt)},
+                 checkpoint_id=path)
+    again = _wrap(use_orig=use_orig, seed=5)
+    opt2 = optimizer("adamw", again.parameters())
+    with FSDP.state_dict_type(again, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": again.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        again.load_state_dict(state["model"])
+        osd = load_sharded_optimizer_state_dict(model_state_dict=state["model"],
+                                                optimizer_key="optim",
+                                                storage_reader=dcp.FileSystemReader(path))
+        opt2.load_state_dict(FSDP.optim_state_dict_to_load(again, opt2, osd["optim"]))
+    got += _steps(again, opt2, data[2:])
+    return got == want, got, want
+
+
+@pytest.mark.parametrize("use_orig", [False, True])
+def test_resume_through_torchs_load_sharded_optimizer_state_dict(dist_pool, tmp_path, use_orig):
+    for same, got, want in dist_pool(2).run(_resume_through_load_sharded_optimizer_state_dict,
+                                            str(tmp_path / "ckpt"), use_orig):
+        assert same, (got, want)
+
+
 # ---------------------------------------------------------------------------
 # save_checkpoint / load_checkpoint with the optimizer
 

@@ -214,10 +214,53 @@ def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=
             getattr(settings.optim_state_dict_config, "rank0_only", False):
         osd = _from_rank0(osd, root._cfg.group)
     if kind is not StateDictType.LOCAL_STATE_DICT:
-        osd = _to_local(osd, optim, held)
+        osd = _to_local(_whole_sharded_tensors(osd), optim, held)
     if load_directly:
         optim.load_state_dict(osd)
     return osd
+
+
+def _sharded_tensor_type():
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # a torch without it cannot have made one
+        return None
+    return ShardedTensor
+
+
+def _whole_sharded_tensors(osd):
+    """osd with each ShardedTensor value made whole on every rank: what
+    torch.distributed.checkpoint's load_sharded_optimizer_state_dict returns
+    (values chunked over the ranks along dim 0), which torch's
+    optim_state_dict_to_load accepts beside flatshard's own DTensors. Each
+    rank places its shards in a zero tensor of the whole size and the ranks
+    add them up (the shards do not overlap: exact); every rank walks the
+    same keys in the same order, so the collectives line up."""
+    kind = _sharded_tensor_type()
+    state = osd.get("state") if isinstance(osd, dict) else None
+    if kind is None or not isinstance(state, dict) or not any(
+            isinstance(v, kind) for st in state.values() if isinstance(st, dict)
+            for v in st.values()):
+        return osd
+    new = {}
+    for key in sorted(state, key=str):
+        st = state[key]
+        if isinstance(st, dict):
+            st = {n: _whole_of(v) if isinstance(v, kind) else v
+                  for n, v in sorted(st.items(), key=lambda kv: str(kv[0]))}
+        new[key] = st
+    return {**osd, "state": {k: new[k] for k in state}}
+
+
+def _whole_of(st):
+    md = st.metadata()
+    out = torch.zeros(tuple(md.size), dtype=md.tensor_properties.dtype)
+    for shard in st.local_shards():
+        at = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets,
+                                                   shard.metadata.shard_sizes))
+        out[at] = shard.tensor.to(out.device)
+    dist.all_reduce(out, group=getattr(st, "_process_group", None))
+    return out
 
 
 def _from_rank0(osd, group):
