@@ -278,6 +278,11 @@ def _registered(raf):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+        with torch.no_grad():  # an evaluation: resharded by reshard_after_forward alone
+            losses.append(((model(x) - y) ** 2).mean().item())
+        seen["no_grad forward"] = _kinds(model)
+        losses.append(((model(x) - y) ** 2).mean().item())  # and training goes on
+        seen["forward after"] = _kinds(model)
         model.blocks[0].unshard()
         seen["unshard"] = _kinds(model.blocks[0])
         model.blocks[0].reshard()
@@ -286,7 +291,7 @@ def _registered(raf):
     return out
 
 
-@pytest.mark.parametrize("raf", [False, None])
+@pytest.mark.parametrize("raf", [False, None, 1])
 def test_registered_parameters_follow_torch(dist_pool, raf):
     for out in dist_pool(2).run(_registered, raf, timeout=TIMEOUT):
         (ours, seen), (theirs, want) = out["ours"], out["torch"]
@@ -294,8 +299,12 @@ def test_registered_parameters_follow_torch(dist_pool, raf):
         assert seen == want
         after_forward = {n.split(".")[0]: k for n, k, _, _ in seen["forward"]}
         assert after_forward["inp"] == after_forward["out"] == "Parameter"   # the root's
-        assert after_forward["blocks"] == ("Parameter" if raf is False else "DTensor")
-        assert seen["plain"] == (raf is False)
+        whole = raf is False or raf == 1  # 1: the post-forward mesh of one rank holds all
+        assert after_forward["blocks"] == ("Parameter" if whole else "DTensor")
+        assert seen["plain"] == whole
+        # a no_grad forward leaves the root whole, as torch does
+        assert {n.split(".")[0]: k for n, k, _, _ in seen["no_grad forward"]}["out"] == \
+            "Parameter"
         assert {k for _, k, _, _ in seen["backward"]} == {"DTensor"}
         assert set(seen["state_dict"]) == {"DTensor"}
 

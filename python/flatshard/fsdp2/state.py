@@ -366,10 +366,12 @@ class FSDPState:
         grad = torch.is_grad_enabled()
         raf = self.reshard_after_forward
         with self._span("FSDP::post_forward"):
-            if isinstance(raf, int) and not isinstance(raf, bool) and grad:
+            # As torch: by reshard_after_forward alone, also with grad off (a
+            # no_grad forward leaves the root, and any raf=False state, whole)
+            if isinstance(raf, int) and not isinstance(raf, bool):
                 if self.group is not None:
                     self.group.reshard_to_post_forward()
-            elif raf or not grad:
+            elif raf:
                 self.reshard()
         if self.is_root:  # the forward is over: keep its order; drop unused prefetches
             self.order.end()
