@@ -84,10 +84,10 @@ def _wrap(mode, model, block):
 
     def init(m):  # one module at a time, so no whole model is ever materialized
         m.to_empty(device="cpu", recurse=False)
-        if m is model.lm_head:  # the tie to_empty broke
-            m.weight = model.transformer.wte.weight
-        else:
+        if m is not model.lm_head:
             model._init_weights(m)
+        # the tie to_empty broke; lm_head comes before wte (breadth-first, as torch)
+        model.lm_head.weight = model.transformer.wte.weight
     return flatshard.FullyShardedDataParallel(
         model, auto_wrap_policy=flatshard.ModuleWrapPolicy({block}),
         sharding_strategy=flatshard.ShardingStrategy.FULL_SHARD,

@@ -36,12 +36,11 @@ def _train(rank, world, port, queue):
     with torch.device("meta"):
         model = GPT2LMHeadModel(cfg)
 
-    def init(m):
+    def init(m):  # FSDP hands it the root's modules breadth-first: lm_head before wte
         m.to_empty(device="cpu", recurse=False)
-        if m is model.lm_head:
-            m.weight = model.transformer.wte.weight
-        else:
+        if m is not model.lm_head:
             model._init_weights(m)
+        model.lm_head.weight = model.transformer.wte.weight  # tied again, whichever came first
     fs = flatshard.FullyShardedDataParallel(
         model, auto_wrap_policy=flatshard.ModuleWrapPolicy({GPT2Block}),
         sharding_strategy=flatshard.ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"),

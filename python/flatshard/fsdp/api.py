@@ -218,15 +218,15 @@ def _own_modules(root, stop):
     return out
 
 
-def _reset_on(device):
+def _reset_on(device, names):
     """What materializes a module when param_init_fn is None, as torch's FSDP
     does: its own tensors moved to empty storage on `device`, then its own
-    reset_parameters()."""
-    def reset(m, name):
+    reset_parameters(). names: module -> its name, for the error."""
+    def reset(m):
         if not (list(m.parameters(recurse=False)) or list(m.buffers(recurse=False))):
             return
         if not callable(getattr(m, "reset_parameters", None)):
-            raise bad_value("param_init_fn", None, f"module {name or '<root>'} "
+            raise bad_value("param_init_fn", None, f"module {names.get(m) or '<root>'} "
                             f"({type(m).__name__}) is on the meta device and has no "
                             "reset_parameters() to initialize it",
                             "give it a reset_parameters() method, or pass param_init_fn="
@@ -247,22 +247,14 @@ def _materialize(module, param_init_fn, ignored_modules, ignored_params, units, 
     does), or with param_init_fn None reset where it holds tensors of its
     own (to_empty on the wrapper's device, then reset_parameters())."""
     names = {m: n for n, m in module.named_modules()}
-    done = set()
+    init = param_init_fn if param_init_fn is not None else _reset_on(device, names)
     for root in _post_order(module, units) + [module]:
-        stop = (units - {root}) | ignored_modules | done
-        own = _own_modules(root, stop)
         # torch's test: a parameter it manages, or any buffer not ignored, on meta
-        if not (any(p.is_meta for p in root.parameters() if p not in ignored_params) or
+        if any(p.is_meta for p in root.parameters() if p not in ignored_params) or \
                 any(b.is_meta for m in root.modules() if m not in ignored_modules
-                    for b in m.buffers(recurse=False))):
-            done.add(root)
-            continue
-        for m in own:
-            if param_init_fn is not None:
-                param_init_fn(m)
-            else:
-                _reset_on(device)(m, names.get(m, ""))
-        done.add(root)
+                    for b in m.buffers(recurse=False)):
+            for m in _own_modules(root, (units - {root}) | ignored_modules):
+                init(m)
     left = [n for n, m in module.named_modules() if m not in ignored_modules and _has_meta(m)]
     if left:
         raise bad_value("param_init_fn", param_init_fn, "it left parameters on the meta device "
