@@ -10,10 +10,14 @@ gloo, flatshard on its default backend), comparing losses step by step:
   reshard (reshard_after_forward=False, the root), DTensor shards otherwise;
   model.to(dtype) after fully_shard;
   a parameter tied across two fully_shard groups (torch's ValueError);
-  unshard(async_op=True) and FSDPModule._set_unshard_async_op.
+  unshard(async_op=True) and FSDPModule._set_unshard_async_op;
+  modules taking and returning dataclass objects (with mixed precision:
+  their tensors cast too).
 
 Where both run the same arithmetic (fp32 or fp64 compute, gradients summed
 over the 2 ranks and halved) losses and shards are compared bit for bit."""
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -478,3 +482,74 @@ def test_unshard_async_op_and_set_unshard_async_op(dist_pool):
 
 def test_fsdp_module_has_torchs_private_switch():
     assert callable(FSDPModule._set_unshard_async_op)
+
+
+# ----------------------------------------------------------------------
+# 6. dataclass objects in and out of a module
+
+
+@dataclasses.dataclass
+class _Hidden:
+    h: torch.Tensor
+    note: str = "kept"
+
+
+class _ToHidden(nn.Module):
+    def __init__(self, d=7):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return _Hidden(torch.tanh(self.lin(x)))
+
+
+class _FromHidden(nn.Module):
+    def __init__(self, d=7):
+        super().__init__()
+        self.lin = nn.Linear(d, 3)
+
+    def forward(self, hidden):
+        assert hidden.note == "kept"
+        return self.lin(hidden.h)
+
+
+class _DataclassNet(nn.Module):
+    """`a` returns a dataclass object and its input requires grad (so its
+    weight is needed again in backward: the pre-backward gather must find
+    the tensor inside); `b` takes one."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.a, self.b = _ToHidden(), _FromHidden()
+        self.seen = None
+
+    def forward(self, x):
+        hidden = self.a(self.inp(x))
+        self.seen = hidden.h.dtype  # output_dtype reaches inside
+        return self.b(_Hidden(hidden.h.float()))  # float32 in, cast by b's policy
+
+
+def _dataclass_flow(mixed):
+    out = {}
+    for name, fn in BOTH:
+        torch.manual_seed(0)
+        model = _DataclassNet()
+        kw = {}
+        if mixed:
+            mp_cls = TorchMP if name == "torch" else MixedPrecisionPolicy
+            kw["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+        fn(model.a, **kw)
+        fn(model.b, **kw)
+        fn(model)
+        out[name] = (_train(model), _locals(model), str(model.seen))
+    return out
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_dataclass_inputs_and_outputs(dist_pool, mixed):
+    for out in dist_pool(2).run(_dataclass_flow, mixed, timeout=TIMEOUT):
+        (ours, lo, seen), (theirs, lt, want) = out["ours"], out["torch"]
+        assert seen == want == "torch.float32"
+        assert ours == theirs
+        assert _same_locals(lo, lt)

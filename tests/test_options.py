@@ -1,6 +1,8 @@
 """Arguments (invalid ones: test_validation.py): torch's own option objects,
 sync_module_states, ignored modules/states, meta-device init, shared
 parameters across units, and the torch FSDP drop-in surface."""
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -204,3 +206,61 @@ def test_same_names_and_losses_as_torch_fsdp(dist_pool, use_orig):
         assert mods[0] == mods[1]
         for a, b in losses:
             assert abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+@dataclasses.dataclass
+class _Hidden:
+    h: torch.Tensor
+
+
+class _ToHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return _Hidden(torch.tanh(self.lin(x)))
+
+
+class _FromHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, hidden):
+        return self.lin(hidden.h)
+
+
+def _dataclass_units(mixed):
+    """Units that return and take dataclass objects, the first with an input
+    that requires grad (its weight is gathered again in backward through the
+    hook on the tensor inside): torch FSDP1's losses, with bf16 mixed
+    precision casting the tensors inside too."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import MixedPrecision as TorchMP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    losses = []
+    for cls, policy, mp in ((TorchFSDP, ModuleWrapPolicy, TorchMP),
+                            (FSDP, flatshard.ModuleWrapPolicy, flatshard.MixedPrecision)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), _ToHidden(), _FromHidden())
+        fs = cls(model, auto_wrap_policy=policy({_ToHidden, _FromHidden}),
+                 device_id=torch.device("cpu"),
+                 mixed_precision=mp(param_dtype=torch.bfloat16) if mixed else None)
+        opt = torch.optim.SGD(fs.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        run = []
+        for _ in range(3):
+            loss = fs(torch.randn(4, 5, generator=g)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    return losses
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_dataclass_outputs_and_inputs_as_torch_fsdp(dist_pool, mixed):
+    for theirs, ours in dist_pool(2).run(_dataclass_units, mixed):
+        assert ours == theirs

@@ -22,7 +22,6 @@ import dataclasses
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 from torch.autograd import Variable
 
 from .. import _C
@@ -36,6 +35,7 @@ from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
+from ..runtime.trees import map_tensors
 from ..state import optim_state
 from ..state import state_dict as state_dicts
 from ..tensors import DTYPE_CODES, check_plain, dtype_code
@@ -54,7 +54,7 @@ def _cast_inputs(tree, dtype):
         if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype:
             return x.to(dtype)
         return x
-    return tree_map(cast, tree)
+    return map_tensors(cast, tree)
 
 
 def _cast_buffers(module, dtype):

@@ -21,7 +21,6 @@ work on a wrapped model (summon, clip, state dicts, memory_stats) need not
 import the wrapper class.
 """
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .. import _C
 from ..errors import OutOfMemoryError, bad_value
@@ -29,6 +28,7 @@ from ..options import BackwardPrefetch
 from . import zero1
 from ..runtime import eager
 from ..runtime.heap import HEAP
+from ..runtime.trees import grad_tensors
 from .oom import oom_report
 
 _GRAD = _C.FLAG_GRAD_ENABLED
@@ -193,9 +193,8 @@ class UnitRuntime:
         act = self._event(_C.EV_POST_FORWARD, _GRAD if torch.is_grad_enabled() else 0)
         self._clear_unsharded_views()
         if act & _C.ACT_HOOK_BACKWARD:
-            for t in ((output,) if type(output) is torch.Tensor else tree_flatten(output)[0]):
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+            for t in grad_tensors(output):
+                t.register_hook(self._pre_backward)
         return output
 
     @eager.hook

@@ -31,7 +31,6 @@ as torch's fully_shard's do: Dynamo breaks the graph where torch's nn.Module
 code calls them and compiles the modules' own forwards (runtime/eager.py).
 """
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
@@ -39,6 +38,7 @@ from ..runtime.ahead import ahead_bytes, gather_ahead
 from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
+from ..runtime.trees import grad_tensors, map_tensors
 
 STATE_ATTR = "_flatshard_fsdp2_state"
 
@@ -55,7 +55,7 @@ def _cast(dtype, tree):
         if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype:
             return t.to(dtype)
         return t
-    return tree_map(cast, tree)
+    return map_tensors(cast, tree)
 
 
 def _issued(g):
@@ -380,9 +380,8 @@ class FSDPState:
                     st.reshard()
             self.prefetched = []
         if grad:
-            for t in ((output,) if type(output) is torch.Tensor else tree_flatten(output)[0]):
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+            for t in grad_tensors(output):
+                t.register_hook(self._pre_backward)
         if self.mp.output_dtype is None:
             return output
         with observe.span("FSDP::cast_forward_outputs"):

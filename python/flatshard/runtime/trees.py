@@ -1,0 +1,77 @@
+"""The tensors inside a module's inputs and outputs, as torch's FSDP finds
+them: in tensors, lists, tuples, named tuples, dicts and dataclass objects,
+nested (sets and other iterables are not entered, as torch's pytree does not
+enter them). A dataclass is what torch.utils._pytree does not enter and
+torch's FSDP does: a module returning one gets its pre-backward hook and its
+output cast all the same.
+
+Imports: torch only.
+"""
+import copy
+import dataclasses
+
+import torch
+
+_MAX_DEPTH = 100  # deeper is a cycle (an object holding itself)
+
+
+def _is_dataclass_object(x):
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _is_namedtuple(x):
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def grad_tensors(tree):
+    """The tensors in `tree` that require grad, in traversal order."""
+    out = []
+
+    def walk(x, depth):
+        if depth > _MAX_DEPTH:
+            raise RuntimeError("flatshard: a module's output nests deeper than "
+                               f"{_MAX_DEPTH} levels; is it a cycle?")
+        if torch.is_tensor(x):
+            if x.requires_grad:
+                out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, depth + 1)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, depth + 1)
+        elif _is_dataclass_object(x):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name), depth + 1)
+    if type(tree) is torch.Tensor:  # the common case, at no cost
+        return [tree] if tree.requires_grad else []
+    walk(tree, 0)
+    return out
+
+
+def map_tensors(fn, tree):
+    """`tree` with every tensor t replaced by fn(t): containers rebuilt
+    (a named tuple as its own type, a dataclass object as a shallow copy
+    with its fields replaced, also a frozen one), anything else kept."""
+    def walk(x, depth):
+        if depth > _MAX_DEPTH:
+            raise RuntimeError("flatshard: a module's input or output nests deeper than "
+                               f"{_MAX_DEPTH} levels; is it a cycle?")
+        if torch.is_tensor(x):
+            return fn(x)
+        if _is_namedtuple(x):
+            return type(x)(*(walk(v, depth + 1) for v in x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v, depth + 1) for v in x)
+        if isinstance(x, dict):
+            out = copy.copy(x)  # keeps an OrderedDict's (or other dict's) type
+            for k, v in x.items():
+                out[k] = walk(v, depth + 1)
+            return out
+        if _is_dataclass_object(x):
+            out = copy.copy(x)
+            for f in dataclasses.fields(x):
+                object.__setattr__(out, f.name, walk(getattr(x, f.name), depth + 1))
+            return out
+        return x
+    return walk(tree, 0)
