@@ -230,6 +230,29 @@ def _wrap_mismatches():
     return out
 
 
+def _fully_shard_backends_differ():
+    """fully_shard has no wrap-time comparison of its own: the Comm's set-up
+    compares the backends the ranks ask for before either one's set-up."""
+    from torch.distributed.device_mesh import DeviceMesh
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo")  # no Comm cached for it yet
+    os.environ[fcomm.ENV_BACKEND] = "shm" if rank == 0 else "torch"
+    start = time.monotonic()
+    try:
+        flatshard.fully_shard(nn.Linear(4, 4), mesh=DeviceMesh.from_group(group, "cpu"))
+        return "no error", 0.0
+    except ConfigError as e:
+        return str(e), time.monotonic() - start
+    finally:
+        del os.environ[fcomm.ENV_BACKEND]
+
+
+def test_fully_shard_ranks_asking_for_different_backends_are_named(dist_pool):
+    for msg, took in dist_pool(2).run(_fully_shard_backends_differ, timeout=60):
+        assert "rank 0 'shm', rank 1 'torch'" in msg and "comm_backend" in msg, msg
+        assert took < 10  # at once, not at a timeout
+
+
 def test_ranks_that_wrap_differently_are_named(dist_pool):
     r0, r1 = dist_pool(2).run(_wrap_mismatches, timeout=60)
     for name in ("model", "options"):
@@ -403,6 +426,55 @@ def test_a_dead_rank_0_is_named_on_the_torch_backend_with_its_store(tmp_path):
             f"(127.0.0.1:{port})") in msg, msg
     assert "rank 1's last collectives on this torch Comm" in msg, msg
     assert took < 5.0
+
+
+def _rank0_ends_on_the_wrap_error(rank, port, report_path):
+    """Models that differ between ranks; rank 0, whose process hosts the
+    store, ends as soon as it has its error, as a script would."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=20))
+    from flatshard.runtime import consistency
+    model = build()
+    if rank == 1:
+        model.blocks[1].ff.lin = nn.Linear(7, 14)
+        wait = consistency._wait
+
+        def slow_wait(store, prefix, *args):  # rank 1 reads the descriptions last
+            wait(store, prefix, *args)
+            if prefix.endswith("desc/"):
+                time.sleep(1.0)
+        consistency._wait = slow_wait
+    try:
+        FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        msg = "no error"
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}"
+    if rank == 1:
+        write_report(report_path, 0.0, msg)
+    os._exit(0)  # rank 0 at once: its store goes with it
+
+
+def test_the_wrap_error_reaches_every_rank_when_rank_0_ends_on_it(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = tmp_path / "rank1.txt"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank0_ends_on_the_wrap_error, args=(r, port, str(report)),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 120
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    _, msg = read_report(report)
+    assert msg.startswith("ConfigError: flatshard: the wrapped model differs between ranks"), msg
 
 
 def test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout(dist_pool):

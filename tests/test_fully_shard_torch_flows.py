@@ -12,7 +12,8 @@ gloo, flatshard on its default backend), comparing losses step by step:
   a parameter tied across two fully_shard groups (torch's ValueError);
   unshard(async_op=True) and FSDPModule._set_unshard_async_op;
   modules taking and returning dataclass objects (with mixed precision:
-  their tensors cast too).
+  their tensors cast too);
+  a frozen layer read before a trained one in the same group.
 
 Where both run the same arithmetic (fp32 or fp64 compute, gradients summed
 over the 2 ranks and halved) losses and shards are compared bit for bit."""
@@ -551,5 +552,45 @@ def test_dataclass_inputs_and_outputs(dist_pool, mixed):
     for out in dist_pool(2).run(_dataclass_flow, mixed, timeout=TIMEOUT):
         (ours, lo, seen), (theirs, lt, want) = out["ours"], out["torch"]
         assert seen == want == "torch.float32"
+        assert ours == theirs
+        assert _same_locals(lo, lt)
+
+
+# ----------------------------------------------------------------------
+# 7. a frozen layer before a trained one in one group
+
+
+def _frozen_first(when):
+    """blocks[i].lin frozen, blocks[i].norm trained: in backward lin's weight
+    is read for its input's gradient after norm's gradients have arrived
+    ([Note: frozen parameters] in fsdp2/state.py)."""
+    out = {}
+    for name, fn in BOTH:
+        model = _net()
+
+        def freeze():
+            for b in model.blocks:
+                b.lin.requires_grad_(False)
+        if when == "before":
+            freeze()
+        _shard(fn, model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for step, (x, y) in enumerate(_batches(3)):
+            if when == "between" and step == 1:
+                freeze()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[name] = (losses, _locals(model))
+    return out
+
+
+@pytest.mark.parametrize("when", ["before", "between"])
+def test_frozen_layer_before_a_trained_one(dist_pool, when):
+    for out in dist_pool(2).run(_frozen_first, when, timeout=TIMEOUT):
+        (ours, lo), (theirs, lt) = out["ours"], out["torch"]
         assert ours == theirs
         assert _same_locals(lo, lt)

@@ -17,9 +17,11 @@ ENV = {
         "group), 'shm', 'torch' or 'nccl'."),
     "FLATSHARD_COMM_TIMEOUT": (
         "300",
-        "Seconds any rank waits in a collective (and in the wrap-time agreement) before it "
-        "reports which rank did not arrive and where that rank was, and raises. From 1 to "
-        "604800 (a week); the process group's own timeout, where shorter, caps it."),
+        "Seconds any rank waits in a collective of the shm backend (and in the wrap-time "
+        "agreement) before it reports which rank did not arrive and where that rank was, and "
+        "raises. From 1 to 604800 (a week); the process group's own timeout, where shorter, "
+        "caps it. On the torch backend a collective waits for the process group's timeout "
+        "(init_process_group(timeout=...)) instead."),
     "FLATSHARD_SHM_SLOT_BYTES": (
         "8388608",
         "Bytes of staging each rank owns in the shared-memory segment (two halves; larger "

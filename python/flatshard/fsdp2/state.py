@@ -58,6 +58,22 @@ def _cast(dtype, tree):
     return map_tensors(cast, tree)
 
 
+class _InputsDone(torch.autograd.Function):
+    """The identity on a state's forward inputs; its backward tells the
+    state that the module's backward is done with them ([Note: frozen
+    parameters] in FSDPState)."""
+
+    @staticmethod
+    def forward(ctx, state, *tensors):
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state._inputs_done()
+        return (None,) + grads
+
+
 def _issued(g):
     """The collectives g's engine has issued so far, in observe.KINDS' order:
     all-gathers (over the shard group, or the post-forward group),
@@ -102,6 +118,8 @@ class FSDPState:
         self.order = ForwardOrder()       # the root's: the order states ran in (prefetch)
         self.prefetched = []              # the root's: implicitly prefetched this forward
         self.ready = set()                # trainable parameters whose gradient arrived
+        self.inputs_pending = 0           # [Note: frozen parameters]: input backwards to come
+        self.reshard_due = False          # ... a reshard waiting for them
         self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
         self.hooked = 0                   # ... on these parameters (bit i: parameter i)
         self.handles = []
@@ -353,6 +371,9 @@ class FSDPState:
                 root.prefetched += along  # resharded after forward if they did not run
         with self._span("FSDP::pre_forward"):
             self._unshard_and_wait(along)
+        g = self.group
+        if g is not None and g.trainable < len(g.sharded) and torch.is_grad_enabled():
+            args, kwargs = self._watch_inputs(args, kwargs)
         if self.forward_prefetch is not None:
             self._prefetch(self.forward_prefetch, "forward")
         elif nxt is not None:
@@ -414,6 +435,32 @@ class FSDPState:
             self._prefetch(self.backward_prefetch, "backward")
         return None
 
+    # [Note: frozen parameters] A group's post-backward runs when its trainable
+    # parameters' gradients have arrived. A frozen parameter used before a
+    # trainable one in forward (a frozen layer under a trained adapter or
+    # head) is read again later in backward, for the gradient of its input:
+    # resharding at the post-backward would free it first. So where a group
+    # has frozen parameters, the forward's inputs that require grad pass
+    # through _InputsDone, whose backward runs once the module's backward has
+    # reached them (torch's fully_shard hooks every group's inputs so); the
+    # reduction is not delayed, only the reshard, until then (or the end of
+    # backward). A group without frozen parameters pays nothing.
+
+    def _watch_inputs(self, args, kwargs):
+        tensors = grad_tensors((args, kwargs))
+        if not tensors:  # nothing upstream: a frozen use needs no gradient
+            return args, kwargs
+        out = iter(_InputsDone.apply(self, *tensors))
+        ids = {id(t) for t in tensors}
+        self.inputs_pending += 1
+        return map_tensors(lambda t: next(out) if id(t) in ids else t, (args, kwargs))
+
+    def _inputs_done(self):
+        self.inputs_pending = max(0, self.inputs_pending - 1)
+        if not self.inputs_pending and self.reshard_due:
+            self.reshard_due = False
+            self.group.reshard()
+
     def _make_grad_hook(self, i):
         def hook(param):
             self.ready.add(i)
@@ -437,13 +484,16 @@ class FSDPState:
                 root.finish_reducing()
             with observe.counted_span(_issued, g, g.comm, "FSDP::post_backward_reduce",
                                       self.label):
-                if g.reduce_grads(defer=True, reshard=self.reshard_after_backward,
-                                  bucket=root.bucket):
+                if g.reduce_grads(defer=True, bucket=root.bucket,
+                                  reshard=self.reshard_after_backward and not self.inputs_pending):
                     root.inflight.issued(self, g.finish_reduce)
             root.reduced = True
         with self._span("FSDP::post_backward_reshard"):
             if self.reshard_after_backward:
-                g.reshard()
+                if self.inputs_pending:  # a frozen parameter may still be read
+                    self.reshard_due = True
+                else:
+                    g.reshard()
             if not self.requires_gradient_sync:
                 g.to_accumulated_grads()
 
@@ -458,6 +508,7 @@ class FSDPState:
             self.callback_queued = False
             for st in self.states or [self]:
                 g = st.group
+                st.inputs_pending, st.reshard_due = 0, False
                 if g is None:
                     continue
                 if st.ready or (st.requires_gradient_sync and g.has_unsharded_grads()):

@@ -307,8 +307,17 @@ def comm_for(group, backend="torch", device=None):
     # Every rank's host and pid: for the choice, and for failure reports,
     # which can then tell a dead rank on this host when the store is gone
     # (a pid means something only in its pid namespace).
-    peers = [p.split("|", 2) for p in _all_gather_bytes(
-        f"{os.getpid()}|{_pid_namespace()}|{_host_identity()}", group, width=256)]
+    # The requested backend too: ranks that asked for different ones would
+    # otherwise part ways here (shm's set-up broadcast against a gloo
+    # collective) and wait for each other until the process group's timeout.
+    asked = [p.split("|", 3) for p in _all_gather_bytes(
+        f"{backend}|{os.getpid()}|{_pid_namespace()}|{_host_identity()}", group, width=256)]
+    if len({a[0] for a in asked}) > 1:
+        raise bad_value("comm_backend", backend, "the ranks of the group ask for different "
+                        "backends: " + ", ".join(f"rank {r} {a[0]!r}" for r, a in
+                                                 enumerate(asked)),
+                        f"give every rank the same comm_backend (and {ENV_BACKEND})")
+    peers = [a[1:] for a in asked]
     hosts = [host for _, _, host in peers]
     if backend in ("auto", "shm"):
         one_host = len(set(hosts)) == 1 and sys.platform.startswith("linux")

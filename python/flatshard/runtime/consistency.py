@@ -27,6 +27,7 @@ Keys are never deleted: a few short keys per rank per construction.
 """
 import datetime
 import hashlib
+import time
 from itertools import zip_longest
 
 import torch.distributed as dist
@@ -70,6 +71,7 @@ def agree(group, plan):
     if store.add(f"{prefix}arrived", 1) == world:
         store.set(f"{prefix}done", "1")
     if failed is not None:
+        _leave(store, prefix, world, timeout)
         raise failed
     _wait(store, prefix, ["done"], world, rank, "reach the wrap of this model", timeout)
     if store.add(f"{prefix}differ", 0) == 0:
@@ -77,12 +79,34 @@ def agree(group, plan):
     posts = [store.get(f"{prefix}{r}").decode() for r in range(world)]
     for r, p in enumerate(posts):
         if p.startswith("E"):
+            _leave(store, prefix, world, timeout)
             raise ConfigError(f"flatshard: rank {r} failed to wrap this model, so no rank can: "
                               f"{p[1:]}")
     store.set(f"{prefix}desc/{rank}", "\n".join(lines))
     _wait(store, f"{prefix}desc/", range(world), world, rank, "describe its model", timeout)
     texts = [store.get(f"{prefix}desc/{r}").decode().split("\n") for r in range(world)]
+    _leave(store, prefix, world, timeout)
     raise ConfigError(_difference(posts, texts))
+
+
+# A rank about to raise waits this long at most for the others to have read
+# what they need from the store: the store lives in one rank's process (rank
+# 0's, under torchrun's default and torch.multiprocessing launches), and a
+# script that ends on the error takes it down with it; a rank still reading
+# would then fail with a connection reset instead of the error.
+_LEAVE_S = 10.0
+
+
+def _leave(store, prefix, world, timeout):
+    """On a failed agreement only: count this rank out, then wait (bounded)
+    until every rank has."""
+    try:
+        store.add(f"{prefix}left", 1)
+        deadline = time.monotonic() + min(_LEAVE_S, timeout[0])
+        while store.add(f"{prefix}left", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.005)
+    except Exception:  # the store is gone already: nothing left to protect
+        pass
 
 
 def _wait(store, prefix, keys, world, rank, what, timeout):
