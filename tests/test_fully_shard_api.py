@@ -282,12 +282,13 @@ def _list_group(steps=2):
     for x, y in _data(steps, world):
         _step(model, ref, x, y, o, o_ref)
         _close_to(model, ref)
-    # one reduce-scatter per step for the two modules' gradients together
-    return st.group.n_reduce_scatters
+    # one reduce-scatter per step for the two modules' gradients together;
+    # the group's name in the ledger and in errors: its modules' paths
+    return st.group.n_reduce_scatters, st.group.c.name, model.shift._fsdp_state().group.c.name
 
 
 def test_one_group_over_a_list_of_modules(dist_pool):
-    assert dist_pool(2).run(_list_group, timeout=TIMEOUT) == [2, 2]
+    assert dist_pool(2).run(_list_group, timeout=TIMEOUT) == [(2, "a, b", "shift")] * 2
 
 
 def test_ignored_params_and_placement_fn(dist_pool):

@@ -3,6 +3,7 @@
  * objects behind the handles; the engine does the work without the GIL. */
 #include "py_unit.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "dim0.h"
@@ -607,7 +608,32 @@ static PyMethodDef Dim0_methods[] = {
     {NULL},
 };
 
+static PyObject *Dim0_get_name(Dim0Object *self, void *closure)
+{
+    (void)closure;
+    return Py_NewRef(self->name);
+}
+
+/* The ledger's and the errors' name for the group: its module's path, known
+ * only once the root's tree is (fully_shard names groups at lazy init). */
+static int Dim0_set_name(Dim0Object *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    if (!value || !PyUnicode_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "Dim0Group.name: a str");
+        return -1;
+    }
+    const char *utf8 = PyUnicode_AsUTF8(value);
+    if (!utf8)
+        return -1;
+    snprintf(self->g.name, sizeof self->g.name, "%s", utf8);
+    Py_SETREF(self->name, Py_NewRef(value));
+    return 0;
+}
+
 static PyGetSetDef Dim0_getset[] = {
+    {"name", (getter)Dim0_get_name, (setter)Dim0_set_name,
+     "the group's name in the ledger and in errors", NULL},
     {"entries", (getter)Dim0_get_entries, NULL, "this rank's Dim0Entry per parameter", NULL},
     {"offsets", (getter)Dim0_get_offsets, NULL, "each parameter's start in the unsharded buffer",
      NULL},

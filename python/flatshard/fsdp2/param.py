@@ -153,6 +153,12 @@ class ParamGroup:
     n_deferred = property(lambda self: self._count("deferred_gather"))
     n_deferred_reduces = property(lambda self: self._count("deferred_reduce"))
 
+    def rename(self, label):
+        """The group's name in the ledger and in errors from now on (the
+        module's path, once the root knows it; until then its parameters')."""
+        self.label = label
+        self.c.name = label
+
     def _count(self, kind):
         return self.c.counts[kind] + self.count_base.get(kind, 0)
 

@@ -169,6 +169,8 @@ class FSDPState:
             mine = {id(m) for m in st.modules}
             st.fqn = ", ".join(n for m, n in names.items() if id(m) in mine)
             st.label = f" ({st.fqn})" if st.fqn else ""
+            if st.group is not None:  # the ledger's and the errors' name: the module path
+                st.group.rename(st.fqn or "<root>")
 
     def _span(self, name):
         """torch's range `name` of this state's group while a profiler runs
