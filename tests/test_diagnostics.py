@@ -68,6 +68,7 @@ GUIDE_ENTRIES = {
     "rank-failed-to-wrap": "test_ranks_that_wrap_differently_are_named",
     "rank-missing-at-wrap": "test_ranks_that_wrap_differently_are_named",
     "collectives-differ": "test_a_skipped_unit_is_caught_at_once_on_shm",
+    "unit-sizes-differ": "test_a_unit_whose_shapes_differ_between_ranks_is_named",
     "rank-not-arrived": "test_a_rank_that_stops_issuing_is_named_at_the_timeout",
     "rank-died": "test_a_dead_rank_is_named_with_the_unit",
     "gloo-timeout": "test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout",
@@ -347,6 +348,34 @@ def _extra_forward_on_rank0():
         return "no error", 0.0
     with torch.no_grad():  # evaluation on rank 0 only: rank 1 never joins
         return _steps(model, skip=None, steps=1)
+
+
+def _fully_shard_shapes_differ():
+    """fully_shard has no wrap-time comparison: a layer of another shape on
+    rank 1 meets the same collective of the same unit with another size."""
+    from torch.distributed.device_mesh import DeviceMesh
+    group = dist.new_group(backend="gloo")  # a Comm of its own, on shm
+    os.environ[fcomm.ENV_BACKEND] = "shm"
+    try:
+        model = nn.Sequential(nn.Linear(4, 6 if dist.get_rank() == 1 else 4), nn.ReLU())
+        mesh = DeviceMesh.from_group(group, "cpu")
+        flatshard.fully_shard(model[0], mesh=mesh)
+        flatshard.fully_shard(model, mesh=mesh)
+    finally:
+        del os.environ[fcomm.ENV_BACKEND]
+    start = time.monotonic()
+    try:
+        model(torch.randn(2, 4))
+        return "no error", 0.0
+    except CoreError as e:
+        return str(e), time.monotonic() - start
+
+
+def test_a_unit_whose_shapes_differ_between_ranks_is_named(dist_pool):
+    (m0, t0), (m1, t1) = dist_pool(2).run(_fully_shard_shapes_differ, timeout=60)
+    assert m0.split("\n")[0] == m1.split("\n")[0]  # every rank says the same
+    assert_documented("unit-sizes-differ", m0)
+    assert t0 < 1.0 and t1 < 1.0
 
 
 def test_a_rank_that_stops_issuing_is_named_at_the_timeout(dist_pool):

@@ -272,10 +272,20 @@ static fs_status check_peers(fs_comm *c)
         char a[160], b[160], msg[512];
         describe(s, lo, a, sizeof a);
         describe(s, hi, b, sizeof b);
-        snprintf(msg, sizeof msg, "ranks are in different collectives: rank %d is in %s while "
-                 "rank %d is in %s; a rank skipped or added a collective (a data-dependent "
-                 "branch around a wrapped module?): every rank must run the same wrapped "
-                 "modules in the same order", lo, a, hi, b);
+        const shm_desc *other = &s->ranks[r].desc[s->seq & 1];
+        if (other->entry.seq == mine->entry.seq && other->entry.op == mine->entry.op &&
+            strncmp(other->entry.unit, mine->entry.unit, FS_LEDGER_UNIT) == 0)
+            /* the same collective of the same unit, another size: not a skipped
+             * collective but a unit whose parameters differ between the ranks */
+            snprintf(msg, sizeof msg, "ranks disagree on the size of one collective: rank %d "
+                     "is in %s while rank %d is in %s; that unit's parameters differ between "
+                     "the ranks (a model built or loaded differently on one rank?): every "
+                     "rank must wrap the same model", lo, a, hi, b);
+        else
+            snprintf(msg, sizeof msg, "ranks are in different collectives: rank %d is in %s "
+                     "while rank %d is in %s; a rank skipped or added a collective (a "
+                     "data-dependent branch around a wrapped module?): every rank must run "
+                     "the same wrapped modules in the same order", lo, a, hi, b);
         return shm_abort(c, msg);
     }
     return FS_OK;
