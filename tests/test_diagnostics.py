@@ -368,7 +368,7 @@ def _fully_shard_shapes_differ():
         model(torch.randn(2, 4))
         return "no error", 0.0
     except CoreError as e:
-        return str(e), time.monotonic() - start
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
 
 
 def test_a_unit_whose_shapes_differ_between_ranks_is_named(dist_pool):
