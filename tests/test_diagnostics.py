@@ -430,14 +430,15 @@ def _rank0_dies_with_the_store(rank, port, report_path):
     os._exit(0)  # the process group cannot be torn down without its store
 
 
-def test_a_dead_rank_0_is_named_on_the_torch_backend_with_its_store(tmp_path):
+def _two_fresh_ranks(target, report):
+    """target(rank, port, report) in two new processes whose rank 0 hosts
+    the store (not the pool's: these runs end a rank); (procs, port)."""
     with socket.socket() as s:  # a free port for rank 0's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    report = tmp_path / "rank1.txt"
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank0_dies_with_the_store, args=(r, port, str(report)),
-                         daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, str(report)), daemon=True)
+             for r in range(2)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 120
@@ -449,6 +450,12 @@ def test_a_dead_rank_0_is_named_on_the_torch_backend_with_its_store(tmp_path):
             if p.is_alive():
                 p.kill()
                 p.join()
+    return procs, port
+
+
+def test_a_dead_rank_0_is_named_on_the_torch_backend_with_its_store(tmp_path):
+    report = tmp_path / "rank1.txt"
+    procs, port = _two_fresh_ranks(_rank0_dies_with_the_store, report)
     assert procs[0].exitcode == -signal.SIGKILL, procs[0].exitcode
     took, msg = read_report(report)
     assert (f"rank 0 (pid {procs[0].pid}) died; it also hosted the process group's TCP store "
@@ -484,24 +491,8 @@ def _rank0_ends_on_the_wrap_error(rank, port, report_path):
 
 
 def test_the_wrap_error_reaches_every_rank_when_rank_0_ends_on_it(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     report = tmp_path / "rank1.txt"
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank0_ends_on_the_wrap_error, args=(r, port, str(report)),
-                         daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    _two_fresh_ranks(_rank0_ends_on_the_wrap_error, report)
     _, msg = read_report(report)
     assert msg.startswith("ConfigError: flatshard: the wrapped model differs between ranks"), msg
 
