@@ -146,6 +146,8 @@ def _bad_arguments():
         m.set_post_optim_event(object())
     with _expect(ConfigError, "reshard_after_forward=-1"):
         m.set_reshard_after_forward(-1)
+    with _expect(ConfigTypeError, "reshard_after_forward", "expected True, False or an int"):
+        m.set_reshard_after_forward(None)  # the allowed values as they are here: not None
     with _expect(ConfigError, "method_name"):
         register_fsdp_forward_method(m, "nope")
     with torch.device("meta"):

@@ -390,8 +390,8 @@ def _check_bool(arg, value):
 def _check_reshard(value, none_ok=True):
     if value is None and none_ok or isinstance(value, (bool, int)):
         return value
-    raise bad_type("reshard_after_forward", value,
-                   "None, True, False or an int (the size of the group to reshard to)")
+    raise bad_type("reshard_after_forward", value, ("None, " if none_ok else "") +
+                   "True, False or an int (the size of the group to reshard to)")
 
 
 _SUBGROUPS = {}
