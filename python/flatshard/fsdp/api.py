@@ -353,9 +353,9 @@ def _plan(module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states, 
     ctx = _WrapContext(ignored_mods, ignored_params)
     # The policy sees the modules before they are materialized, as torch's does.
     found = _policy_targets(policy, module, kw, ctx) if policy is not None else {}
-    _materialize(module, param_init_fn, ignored_mods, ignored_params,
-                 {m for m in found} | {m for m in module.modules()
-                                       if isinstance(m, FullyShardedDataParallel)}, cfg.device)
+    wrapped = {m for m in module.modules() if isinstance(m, FullyShardedDataParallel)}
+    _materialize(module, param_init_fn, ignored_mods, ignored_params, set(found) | wrapped,
+                 cfg.device)
     for n, p in module.named_parameters():
         if p in ignored_params:
             continue
