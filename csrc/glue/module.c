@@ -39,7 +39,14 @@ PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...)
     PyObject *exc = s == FS_ERR_BAD_STATE ? st->StateError
                     : s == FS_ERR_NO_MEMORY ? PyExc_MemoryError
                                             : st->CoreError;
-    PyErr_Format(exc, "%U: %s", msg, fs_status_str(s));
+    /* A backend's error carries its own words (the ranks, the collective,
+     * the cause); the status's name is added only where it has none. */
+    Py_ssize_t n = PyUnicode_GET_LENGTH(msg);
+    Py_UCS4 last = n ? PyUnicode_READ_CHAR(msg, n - 1) : ':';
+    if (s == FS_ERR_BACKEND && last != ':' && last != ' ')
+        PyErr_SetObject(exc, msg);
+    else
+        PyErr_Format(exc, "%U: %s", msg, fs_status_str(s));
     Py_DECREF(msg);
     return NULL;
 }

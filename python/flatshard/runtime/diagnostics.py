@@ -17,6 +17,7 @@ its pid, as the shm backend does in its own message.
 """
 import json
 import os
+import re
 import time
 
 GRACE_S = 0.5  # how long a failing rank waits for the other ranks' ledgers, at most
@@ -77,6 +78,9 @@ class _Reporter:
                 self.note = self._note(comm)
             except Exception as e:  # keep the real error whatever happens here
                 self.note = f"flatshard: could not compare ledgers across ranks: {e}"
+            fix = _fix(str(exc), self.note)
+            if fix:
+                self.note += "\n" + fix
         exc.add_note(self.note)
 
     def stopped(self, comm, why):
@@ -138,6 +142,23 @@ class _Reporter:
         causes = [f"  rank {r} stopped: {store.get(k).decode()}" for r, k in enumerate(stopped)
                   if r != comm.rank and store.check([k])]
         return "\n".join([report(ledgers, comm.world_size, self.grace)] + causes)
+
+
+def _fix(message, note):
+    """The fix line for a rank that died or stopped issuing collectives, from
+    the error's text and the note (None for the other failures, whose text
+    says what went apart)."""
+    text = f"{message}\n{note}"
+    if re.search(r"rank \d+ \(pid \d+\) died", text):
+        return ("flatshard: fix: the dead rank's own output says why it died (a traceback, "
+                "or the kernel's OOM killer: `dmesg`); see 'A rank died' in "
+                "docs/troubleshooting.md")
+    if "has not arrived" in text or "issued nothing after" in text:
+        return ("flatshard: fix: every rank must run every forward and backward of the "
+                "wrapped model, in the same order (a forward on some ranks only, such as an "
+                "evaluation on rank 0?); see 'A rank has not arrived' in "
+                "docs/troubleshooting.md")
+    return None
 
 
 def _deaths(dead):
