@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import flatshard
 from flatshard import (ConfigError, ConfigTypeError, FSDPModule, MixedPrecisionPolicy,
                        NotBuiltError, fully_shard, register_fsdp_forward_method)
+from flatshard.fsdp2.state import state_of
 
 TIMEOUT = 240
 PER_RANK = 2
@@ -148,6 +149,9 @@ def _bad_arguments():
         m.set_reshard_after_forward(-1)
     with _expect(ConfigTypeError, "reshard_after_forward", "expected True, False or an int"):
         m.set_reshard_after_forward(None)  # the allowed values as they are here: not None
+    with pytest.warns(UserWarning, match=r"reshard_after_forward=1 \(an int\).*pass True"):
+        m.set_reshard_after_forward(1)  # as torch warns: meant as True?
+    assert state_of(m).reshard_after_forward is False
     with _expect(ConfigError, "method_name"):
         register_fsdp_forward_method(m, "nope")
     with torch.device("meta"):

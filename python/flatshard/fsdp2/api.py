@@ -408,6 +408,10 @@ def _resolve_reshard(value, mesh):
     if not 1 <= value <= size or size % value:
         raise bad_value("reshard_after_forward", value, f"an int must divide the mesh's shard "
                         f"dim size {size}", "use a divisor such as the ranks per host, or a bool")
+    if value == 1:  # as torch warns: easily meant as True
+        warnings.warn("flatshard: reshard_after_forward=1 (an int) reshards to groups of one "
+                      "rank: the parameters stay whole after forward, as with False; pass True "
+                      "to free them", stacklevel=3)
     if value in (1, size):
         return value == size, None
     ranks = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))
