@@ -135,6 +135,40 @@ typedef struct {
 #define FS_INLINE static inline __attribute__((always_inline))
 #define FS_PF(ptr, i) _mm_prefetch((const char *)((ptr) + (i)), _MM_HINT_T0)
 
+/* The unrolled loop over [i, hi) of every vector kernel, W lanes of vector
+ * type VT: UPDATE(i) updates W elements and returns their parameters,
+ * PREFETCH(j) fetches a line (16 floats) of each stream at element j, COPY2
+ * stores the copy of two vectors (one 32- or 64-byte store), COPY1 of one
+ * (the last step). Needs x, lo, i, hi, ahead, copy, ct and st in scope. */
+#define FS_LOOP(VT, W, UPDATE, PREFETCH, COPY1, COPY2)                                      \
+    do {                                                                                   \
+        if (x->v.unroll >= 4)                                                              \
+            FS_BLOCKS(VT, W, 4, UPDATE, PREFETCH, COPY2);                                  \
+        if (x->v.unroll >= 2)                                                              \
+            FS_BLOCKS(VT, W, 2, UPDATE, PREFETCH, COPY2);                                  \
+        for (; i + (W) <= hi; i += (W)) {                                                  \
+            if (ahead && ((i - lo) & 15) == 0)                                             \
+                PREFETCH(i + ahead);                                                       \
+            VT p0 = UPDATE(i);                                                             \
+            if (copy)                                                                      \
+                COPY1(copy, ct, i, p0, st);                                                \
+        }                                                                                  \
+    } while (0)
+
+/* Blocks of N vectors (N even, a constant: the compiler unrolls it), their
+ * copy two vectors to a store. */
+#define FS_BLOCKS(VT, W, N, UPDATE, PREFETCH, COPY2)                                       \
+    for (; i + (N) * (W) <= hi; i += (N) * (W)) {                                          \
+        if (ahead)                                                                         \
+            for (int64_t k = 0; k < (N) * (W); k += 16)                                    \
+                PREFETCH(i + ahead + k);                                                   \
+        for (int q = 0; q < (N); q += 2) {                                                 \
+            VT p0 = UPDATE(i + q * (W)), p1 = UPDATE(i + (q + 1) * (W));                   \
+            if (copy)                                                                      \
+                COPY2(copy, ct, i + q * (W), p0, p1, st);                                  \
+        }                                                                                  \
+    }
+
 /* ---------------------------------------------------------------------------
  * AVX2 kernels: 8 lanes */
 
@@ -267,45 +301,6 @@ FS_INLINE void sgd_prefetch(const fs_sgd_buffers *b, int64_t j)
         FS_PF(b->momentum_buf, j);
 }
 
-/* The unrolled loop over [i, hi), as FS_LOOP512 below with 8 lanes:
- * UPDATE8(i) updates 8 elements and returns their parameters, PREFETCH(j)
- * fetches a line of each stream at element j; the copy goes out 16 elements
- * (32 bytes) at a time, 8 in the last step. Needs i, hi, ahead, copy, ct
- * and st in scope. */
-#define FS_LOOP256(UPDATE8, PREFETCH)                                                      \
-    do {                                                                                   \
-        if (x->v.unroll >= 4) {                                                            \
-            for (; i + 32 <= hi; i += 32) {                                                \
-                if (ahead) {                                                               \
-                    PREFETCH(i + ahead);                                                   \
-                    PREFETCH(i + ahead + 16);                                              \
-                }                                                                          \
-                __m256 p0 = UPDATE8(i), p1 = UPDATE8(i + 8);                               \
-                if (copy)                                                                  \
-                    copy16x2(copy, ct, i, p0, p1, st);                                     \
-                __m256 p2 = UPDATE8(i + 16), p3 = UPDATE8(i + 24);                         \
-                if (copy)                                                                  \
-                    copy16x2(copy, ct, i + 16, p2, p3, st);                                \
-            }                                                                              \
-        }                                                                                  \
-        if (x->v.unroll >= 2) {                                                            \
-            for (; i + 16 <= hi; i += 16) {                                                \
-                if (ahead)                                                                 \
-                    PREFETCH(i + ahead);                                                   \
-                __m256 p0 = UPDATE8(i), p1 = UPDATE8(i + 8);                               \
-                if (copy)                                                                  \
-                    copy16x2(copy, ct, i, p0, p1, st);                                     \
-            }                                                                              \
-        }                                                                                  \
-        for (; i + 8 <= hi; i += 8) {                                                      \
-            if (ahead && ((i - lo) & 15) == 0)                                             \
-                PREFETCH(i + ahead);                                                       \
-            __m256 p0 = UPDATE8(i);                                                        \
-            if (copy)                                                                      \
-                copy8(copy, ct, i, p0, st);                                                \
-        }                                                                                  \
-    } while (0)
-
 #define FS_ADAM8(j) adam8(b, h, l2, &c, (j))
 #define FS_ADAM_PF(j) adam_prefetch(b, (j))
 #define FS_SGD8(j) sgd8(b, h, &c, (j))
@@ -333,9 +328,9 @@ FS_AVX2 static int64_t adam_avx2(const range_ctx *x, int64_t lo, int64_t hi)
         hw.decoupled = 1, hw.maximize = 0, bw.max_exp_avg_sq = NULL;
         const fs_adam_hparams *const h = &hw;
         const fs_adam_buffers *const b = &bw;
-        FS_LOOP256(FS_ADAM8, FS_ADAM_PF);
+        FS_LOOP(__m256, 8, FS_ADAM8, FS_ADAM_PF, copy8, copy16x2);
     } else {
-        FS_LOOP256(FS_ADAM8, FS_ADAM_PF);
+        FS_LOOP(__m256, 8, FS_ADAM8, FS_ADAM_PF, copy8, copy16x2);
     }
     return i;
 }
@@ -352,7 +347,7 @@ FS_AVX2 static int64_t sgd_avx2(const range_ctx *x, int64_t lo, int64_t hi)
     void *const copy = b->copy;
     const fs_dtype ct = b->copy_dtype;
     int64_t i = lo;
-    FS_LOOP256(FS_SGD8, FS_SGD_PF);
+    FS_LOOP(__m256, 8, FS_SGD8, FS_SGD_PF, copy8, copy16x2);
     return i;
 }
 
@@ -511,46 +506,6 @@ FS_AVX512 FS_INLINE __m512 sgd16(const fs_sgd_buffers *b, const fs_sgd_hparams *
     return p;
 }
 
-/* The unrolled loop over [i, hi), shared by the two compilations of each
- * kernel: UPDATE16(i) updates 16 elements and returns their parameters,
- * PREFETCH(j) fetches a line of each stream at element j, COPY16/COPY32
- * store the copy (16 elements, or 32 as one line). Needs i, hi, ahead,
- * copy, ct and st in scope. */
-#define FS_LOOP512(UPDATE16, PREFETCH, COPY16, COPY32)                                     \
-    do {                                                                                   \
-        if (x->v.unroll >= 4) {                                                            \
-            for (; i + 64 <= hi; i += 64) {                                                \
-                if (ahead)                                                                 \
-                    for (int64_t k = 0; k < 64; k += 16)                                   \
-                        PREFETCH(i + ahead + k);                                           \
-                __m512 p0 = UPDATE16(i), p1 = UPDATE16(i + 16);                            \
-                if (copy)                                                                  \
-                    COPY32(copy, ct, i, p0, p1, st);                                       \
-                __m512 p2 = UPDATE16(i + 32), p3 = UPDATE16(i + 48);                       \
-                if (copy)                                                                  \
-                    COPY32(copy, ct, i + 32, p2, p3, st);                                  \
-            }                                                                              \
-        }                                                                                  \
-        if (x->v.unroll >= 2) {                                                            \
-            for (; i + 32 <= hi; i += 32) {                                                \
-                if (ahead) {                                                               \
-                    PREFETCH(i + ahead);                                                   \
-                    PREFETCH(i + ahead + 16);                                              \
-                }                                                                          \
-                __m512 p0 = UPDATE16(i), p1 = UPDATE16(i + 16);                            \
-                if (copy)                                                                  \
-                    COPY32(copy, ct, i, p0, p1, st);                                       \
-            }                                                                              \
-        }                                                                                  \
-        for (; i + 16 <= hi; i += 16) {                                                    \
-            if (ahead)                                                                     \
-                PREFETCH(i + ahead);                                                       \
-            __m512 p0 = UPDATE16(i);                                                       \
-            if (copy)                                                                      \
-                COPY16(copy, ct, i, p0, st);                                               \
-        }                                                                                  \
-    } while (0)
-
 #define FS_ADAM16(j) adam16(b, h, l2, &c, (j))
 #define FS_SGD16(j) sgd16(b, h, &c, (j))
 
@@ -578,9 +533,9 @@ FS_AVX512 FS_INLINE __m512 sgd16(const fs_sgd_buffers *b, const fs_sgd_hparams *
             hw.decoupled = 1, hw.maximize = 0, bw.max_exp_avg_sq = NULL;                   \
             const fs_adam_hparams *const h = &hw;                                          \
             const fs_adam_buffers *const b = &bw;                                          \
-            FS_LOOP512(FS_ADAM16, FS_ADAM_PF, COPY16, COPY32);                             \
+            FS_LOOP(__m512, 16, FS_ADAM16, FS_ADAM_PF, COPY16, COPY32);                       \
         } else {                                                                           \
-            FS_LOOP512(FS_ADAM16, FS_ADAM_PF, COPY16, COPY32);                             \
+            FS_LOOP(__m512, 16, FS_ADAM16, FS_ADAM_PF, COPY16, COPY32);                       \
         }                                                                                  \
         return i;                                                                          \
     }                                                                                      \
@@ -597,7 +552,7 @@ FS_AVX512 FS_INLINE __m512 sgd16(const fs_sgd_buffers *b, const fs_sgd_hparams *
         void *const copy = b->copy;                                                        \
         const fs_dtype ct = b->copy_dtype;                                                 \
         int64_t i = lo;                                                                    \
-        FS_LOOP512(FS_SGD16, FS_SGD_PF, COPY16, COPY32);                                   \
+        FS_LOOP(__m512, 16, FS_SGD16, FS_SGD_PF, COPY16, COPY32);                             \
         return i;                                                                          \
     }
 
