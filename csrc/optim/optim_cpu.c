@@ -37,8 +37,8 @@
  * is close to bound by its sqrt and divide as much as by memory. Both vector
  * Adam kernels also run AdamW without maximize or amsgrad as a loop of its
  * own, with those flags constants, and both write the half copy a 32- or
- * 64-byte store at a time (on AVX2 this took the bf16 copy's cost over the
- * plain step from 1.10 to 1.07 at 2^24, EPYC Zen 3). */
+ * 64-byte store at a time, rounding two vectors with one pack (on AVX2,
+ * EPYC Zen 3, both made the steps at 2^24 faster: benchmarks/RESULTS.md). */
 
 static inline void store_copy(void *copy, fs_dtype t, int64_t i, float v)
 {
