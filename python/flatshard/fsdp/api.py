@@ -17,6 +17,7 @@ unit.py (`fsdp_units`) and never import this module; register_comm_hook
 checks the hook in comm_hook.py and rebuilds the C units with its reduce
 dtype.
 """
+import collections
 import contextlib
 import dataclasses
 
@@ -35,7 +36,7 @@ from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
-from ..runtime.trees import map_tensors
+from ..runtime.trees import cast_floating
 from ..state import optim_state
 from ..state import state_dict as state_dicts
 from ..tensors import DTYPE_CODES, check_plain, dtype_code
@@ -46,15 +47,6 @@ from .unit import UnitRuntime
 from .wrap import targets
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-
-
-def _cast_inputs(tree, dtype):
-    """Floating-point tensors in forward's inputs -> dtype (mixed precision)."""
-    def cast(x):
-        if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-    return map_tensors(cast, tree)
 
 
 def _cast_buffers(module, dtype):
@@ -207,9 +199,9 @@ def _post_order(module, units):
 def _own_modules(root, stop):
     """`root` and the modules below it that belong to its unit, breadth-first,
     not entering a module in `stop` (other units, ignored modules)."""
-    out, queue, seen = [], [root], {id(root)}
+    out, queue, seen = [], collections.deque([root]), {id(root)}
     while queue:
-        m = queue.pop(0)
+        m = queue.popleft()
         out.append(m)
         for child in m.children():
             if id(child) not in seen and child not in stop:
@@ -550,7 +542,7 @@ class FullyShardedDataParallel(nn.Module):
         mp = self._cfg.mixed_precision
         if mp is not None and mp.param_dtype is not None and (
                 mp.cast_forward_inputs or (is_root and mp.cast_root_forward_inputs)):
-            args, kwargs = _cast_inputs((args, kwargs), mp.param_dtype)
+            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         self._unit.pre_forward()
         return args, kwargs
 

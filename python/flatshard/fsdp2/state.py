@@ -38,7 +38,7 @@ from ..runtime.ahead import ahead_bytes, gather_ahead
 from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
-from ..runtime.trees import grad_tensors, map_tensors
+from ..runtime.trees import cast_floating, grad_tensors, map_tensors
 
 STATE_ATTR = "_flatshard_fsdp2_state"
 
@@ -48,14 +48,7 @@ def state_of(module):
 
 
 def _cast(dtype, tree):
-    if dtype is None:
-        return tree
-
-    def cast(t):
-        if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype:
-            return t.to(dtype)
-        return t
-    return map_tensors(cast, tree)
+    return tree if dtype is None else cast_floating(tree, dtype)
 
 
 class _InputsDone(torch.autograd.Function):

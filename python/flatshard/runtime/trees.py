@@ -57,6 +57,14 @@ def _collect(x, out, depth):
             _collect(getattr(x, f.name), out, depth + 1)
 
 
+def cast_floating(tree, dtype):
+    """`tree` with its floating-point tensors of another dtype cast to `dtype`
+    (mixed precision's input and output casts)."""
+    def cast(t):
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+    return map_tensors(cast, tree)
+
+
 def map_tensors(fn, tree):
     """`tree` with every tensor t replaced by fn(t): containers rebuilt
     (a named tuple as its own type, a dataclass object as a shallow copy
