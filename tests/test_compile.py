@@ -205,6 +205,43 @@ def test_hooks_are_disabled_functions_once_installed():
         assert hooks and all(f._torchdynamo_disable for f in hooks)
 
 
+def test_wrapped_hook_runs_directly_in_eager_and_disabled_when_compiled():
+    """eager.wrap's function calls the hook itself where no frame evaluation
+    is set, and torch's disabled function inside a compiled region: there the
+    hook sees no frame evaluation (it runs eagerly, Dynamo breaks the graph on
+    it), and the compiled function's result is the eager one."""
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
+    from flatshard.runtime import eager
+
+    seen = []
+
+    def hook(x):
+        prior = set_eval_frame(None)  # what the hook's body runs under
+        set_eval_frame(prior)
+        seen.append(prior)
+        return x * 2
+
+    wrapped = eager.wrap(hook)
+    assert wrapped._torchdynamo_disable and wrapped._torchdynamo_orig_callable is hook
+    assert wrapped.__name__ == "hook"
+    assert wrapped(torch.ones(2)).tolist() == [2.0, 2.0] and seen == [None]
+
+    def f(x):
+        return wrapped(x + 1) - 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        x = torch.arange(3.0)
+        out = torch.compile(f, backend="eager")(x)
+        assert out.tolist() == f(x).tolist() == [1.0, 3.0, 5.0]
+        assert seen == [None, None, None]  # compiled call, then the eager one
+        assert sum(counters["graph_break"].values()) >= 1  # broke on the hook
+    finally:
+        torch._dynamo.reset()
+
+
 def test_import_does_not_import_dynamo():
     """torch._dynamo (about a second to import) is imported when the first
     wrapper is built, not by `import flatshard`."""

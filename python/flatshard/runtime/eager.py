@@ -22,20 +22,31 @@ the same through this file:
                          (a descriptor's __get__ would be traced).
   wrap(fn)               fn disabled, for hooks made as closures.
 
-A disabled function costs one eval-frame switch per call in eager mode (well
-under a microsecond) and is built once per function; torch's fully_shard
-builds one at every call of a hook instead.
+wrap() builds each disabled function once; torch's fully_shard builds one at
+every call of a hook instead. torch's disabled function switches the frame
+evaluation off and on around every call, a microsecond or more in eager mode,
+where there is nothing to switch: a fully_shard unit runs five hooks a step.
+So wrap() returns a function (made in eager_call.py, a file on Dynamo's skip
+list as torch's own wrapper's is) that carries the same marks for Dynamo (it
+graph-breaks on it alike) and asks the frame evaluation once: where none is
+set (plain eager code) it calls the hook directly; inside a compiled region
+it goes through torch's disabled function.
 
 The reason given to Dynamo is shown in its graph-break log; like torch's, it
 names the hooks, not the library. Where torch has no Dynamo (an import
 failure), nothing is replaced.
 
-Imports: torch only (torch._dynamo lazily, torch 2.11 to 2.13); nothing of
-fsdp/ or fsdp2/.
+Imports: torch only (torch._dynamo lazily, torch 2.11 to 2.13) and eager_call;
+nothing of fsdp/ or fsdp2/.
 """
+import functools
+
+from . import eager_call
+
 REASON = "FSDP hooks run eagerly: they unshard, reshard and reduce parameters"
 _MARK = "_flatshard_eager_recursive"  # on a marked method: its `recursive`
 _installed = set()                   # classes whose marked methods are replaced
+_skipping = False                    # eager_call.py is on Dynamo's skip list
 
 
 def hook(fn=None, *, recursive=True):
@@ -53,9 +64,39 @@ def wrap(fn, recursive=True):
     except ImportError:  # a torch without Dynamo compiles nothing
         return fn
     try:
-        return torch._dynamo.disable(fn, recursive=recursive, reason=REASON)
+        disabled = torch._dynamo.disable(fn, recursive=recursive, reason=REASON)
     except TypeError:  # a torch whose disable takes no reason
-        return torch._dynamo.disable(fn, recursive=recursive)
+        disabled = torch._dynamo.disable(fn, recursive=recursive)
+    return _eager_first(fn, disabled) if recursive else disabled
+
+
+# torch's disabled function's marks, which Dynamo reads off the function
+# object (inspect.getattr_static) to graph-break on it
+_MARKS = ("_torchdynamo_disable", "_torchdynamo_disable_msg",
+          "_torchdynamo_disable_recursive")
+
+
+def _eager_first(fn, disabled):
+    """disabled, with plain eager calls made directly (eager_call.py); torch's
+    own where this torch lacks what that needs."""
+    global _skipping
+    try:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+        from torch._dynamo import trace_rules
+    except ImportError:
+        return disabled
+    if not all(hasattr(disabled, m) for m in _MARKS) or not hasattr(trace_rules, "add"):
+        return disabled  # a torch that marks or skips otherwise
+    if not _skipping:
+        trace_rules.add(eager_call.__name__)
+        _skipping = True
+    call = eager_call.make(fn, disabled, set_eval_frame)
+    functools.update_wrapper(call, fn)
+    for m in _MARKS:
+        setattr(call, m, getattr(disabled, m))
+    call._torchdynamo_orig_callable = fn
+    call._torchdynamo_wrapper_id = id(call)
+    return call
 
 
 def install(cls):
