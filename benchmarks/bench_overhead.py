@@ -28,8 +28,9 @@ torch issues one per block. "hooks-only" is the unwrapped model with the
 torch hooks a per-unit wrapper needs, each doing the least it can: a forward
 pre-hook and a forward hook on every block that swap its parameters in and
 out (as fully_shard registers its unsharded and sharded parameters), a hook
-on each block output (the pre-backward) and a post-accumulate-grad hook on
-each parameter that drops the gradient (the post-backward): what torch's
+where backward reaches each block's output (the pre-backward, as both
+wrappers hook it: runtime/trees.hook_before_backward) and a
+post-accumulate-grad hook on each parameter that drops the gradient (the post-backward): what torch's
 hook machinery costs by itself, with no collective and no sharding, the
 floor under any hook-based wrapper. "fsdp1-floor" is "fsdp1" with each
 unit's hook bodies cut down to what no implementation of these hooks can
@@ -62,6 +63,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from harness import cpu_name, free_port  # noqa: E402
+from flatshard.runtime.trees import hook_before_backward  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
 IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-floor", "fsdp1-nobucket", "fsdp1-noahead",
@@ -112,7 +114,7 @@ def _hooks_only(model):
         def post(module, args, out, params=params, resting=resting):
             params.update(resting)
             if out.requires_grad:
-                out.register_hook(_noop)
+                hook_before_backward([out], _noop)
         b.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         b.register_forward_hook(post)
     return model
@@ -146,7 +148,7 @@ def _floor_hooks(model):
 
         def post_forward(out, u=u, pre_backward=eager.wrap(pre_backward)):
             u.c.event(_C.EV_POST_FORWARD, grad_on, -1, None, None, False, False, None, None)
-            out.register_hook(pre_backward)
+            hook_before_backward([out], pre_backward)
             return out
 
         def post_backward(gi, full, u=u):

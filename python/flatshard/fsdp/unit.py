@@ -7,7 +7,8 @@ torch-side work the actions ask for (parameter views, gradient tensors).
 Hooks used (all public torch APIs):
   forward           FSDP.forward calls pre_forward / post_forward around
                     the wrapped module.
-  pre-backward      Tensor.register_hook on the unit's forward outputs: runs
+  pre-backward      a hook where backward reaches the unit's forward outputs
+                    (runtime/trees.hook_before_backward): runs
                     before the unit's own gradient computation.
   post-backward     Tensor.register_post_accumulate_grad_hook on each full
                     buffer: runs once the unit's gradient is complete.
@@ -28,7 +29,7 @@ from ..options import BackwardPrefetch
 from . import zero1
 from ..runtime import eager
 from ..runtime.heap import HEAP
-from ..runtime.trees import grad_tensors
+from ..runtime.trees import grad_tensors, hook_before_backward
 from .oom import oom_report
 
 _GRAD = _C.FLAG_GRAD_ENABLED
@@ -193,8 +194,7 @@ class UnitRuntime:
         act = self._event(_C.EV_POST_FORWARD, _GRAD if torch.is_grad_enabled() else 0)
         self._clear_unsharded_views()
         if act & _C.ACT_HOOK_BACKWARD:
-            for t in grad_tensors(output):
-                t.register_hook(self._pre_backward)
+            hook_before_backward(grad_tensors(output), self._pre_backward)
         return output
 
     @eager.hook

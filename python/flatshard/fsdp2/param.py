@@ -619,6 +619,7 @@ def _run_hook(hook, stream, reduce_output):
 
 
 _UIDS = itertools.count()
+_new_dtensor = DTensor.__new__  # DTensor() also runs its __init__ (a no-op) through Dynamo's disable
 
 
 def _uid(p):
@@ -634,8 +635,8 @@ def _like(local, param):
     (a sharded gradient): built from the parameter's spec directly, as
     torch's fully_shard does, without from_local's per-call checks."""
     spec = param._spec
-    if local.dtype == spec.tensor_meta.dtype:
-        return DTensor(local, spec, requires_grad=False)
+    if local.dtype == spec.tensor_meta.dtype:  # __new__ builds it whole; __init__ adds nothing
+        return _new_dtensor(DTensor, local, spec, requires_grad=False)
     return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
                               shape=spec.shape, stride=spec.stride)
 

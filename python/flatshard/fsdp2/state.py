@@ -38,7 +38,7 @@ from ..runtime.ahead import ahead_bytes, gather_ahead
 from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
-from ..runtime.trees import cast_floating, grad_tensors, map_tensors
+from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
 
 STATE_ATTR = "_flatshard_fsdp2_state"
 
@@ -396,8 +396,7 @@ class FSDPState:
                     st.reshard()
             self.prefetched = []
         if grad:
-            for t in grad_tensors(output):
-                t.register_hook(self._pre_backward)
+            hook_before_backward(grad_tensors(output), self._pre_backward)
         if self.mp.output_dtype is None:
             return output
         with observe.span("FSDP::cast_forward_outputs"):
@@ -425,7 +424,9 @@ class FSDPState:
                 along = self.backward_prefetch
                 self._unshard_and_wait(root.gather_ahead(self, -1) if along is None else along)
             if self.backward_prefetch is None:  # torch's default prefetch is in the range
-                self._prefetch(self._implicit(root.order.previous(self)), "backward")
+                states = self._implicit(root.order.previous(self))
+                if states:
+                    self._prefetch(states, "backward")
         if self.backward_prefetch is not None:
             self._prefetch(self.backward_prefetch, "backward")
         return None

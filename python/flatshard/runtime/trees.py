@@ -39,6 +39,23 @@ def grad_tensors(tree):
     return out
 
 
+def hook_before_backward(tensors, hook):
+    """hook(grad) where backward reaches `tensors` (a unit's outputs): on each one's grad_fn
+    (a node's pre-hook, torch's C call; registered once on a node that makes
+    several outputs), or on the tensor where it has none (a leaf). The same
+    moment as a tensor hook: the node runs once all its outputs' gradients
+    have arrived; fewer Python steps (Tensor.register_hook makes the tensor's
+    hook dict first)."""
+    nodes = []
+    for t in tensors:
+        node = t.grad_fn
+        if node is None:
+            t.register_hook(hook)
+        elif node not in nodes:
+            node.register_prehook(hook)
+            nodes.append(node)
+
+
 def _collect(x, out, depth):
     if depth > _MAX_DEPTH:
         raise RuntimeError("flatshard: a module's output nests deeper than "
