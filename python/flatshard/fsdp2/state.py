@@ -168,7 +168,7 @@ class FSDPState:
     def _span(self, name):
         """torch's range `name` of this state's group while a profiler runs
         (none for a state without parameters: torch has no group there)."""
-        if self.group is None:
+        if self.group is None or not observe.profiling():
             return observe.NOTHING
         return observe.span(name, self.label)
 
