@@ -40,7 +40,13 @@ unit's output, and the new gradient shard; no bookkeeping, no prefetch, no
 checks (valid only for this model and the default options: a measurement,
 not a mode). What it costs above "hooks-only" is the engine and torch's
 view ops; what "fsdp1" costs above it is all the Python a hook body would
-save by being written in C. --breakdown adds fully_shard's engine
+save by being written in C. "fully_shard-floor" is the same for
+"fully_shard": each block's hooks removed and replaced by the engine's
+calls (gather, free, and one reduce-scatter that also frees once every
+parameter's gradient has arrived), the parameters registered in and out,
+the hook on the block's output, one gradient per parameter and the DTensor
+over it; no state, prefetch, order, bucket, profiler ranges or checks
+(valid only for this model and this flow, gradients dropped every step). --breakdown adds fully_shard's engine
 calls timed inside the steps and alone, both ranks in step: their
 difference is what each rank waits at the collectives for the other.
 Printed: the median and spread of the step time and the ratio to
@@ -67,7 +73,7 @@ from flatshard.runtime.trees import hook_before_backward  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
 IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-floor", "fsdp1-nobucket", "fsdp1-noahead",
-         "fully_shard",
+         "fully_shard", "fully_shard-floor",
          "fully_shard-nobucket", "fully_shard-noahead", "fully_shard+prefetch",
          "torch-fully_shard", "torch-fully_shard+prefetch")
 AHEAD = os.environ.get("FLATSHARD_GATHER_AHEAD_BYTES")  # None: the backend's default
@@ -175,6 +181,65 @@ def _floor_hooks(model):
     return model
 
 
+def _fully_shard_floor(model):
+    """fully_shard-floor: flatshard.fully_shard's hooks on every block
+    replaced (removed from the modules, new ones registered) by the least
+    they must do (see the module's doc)."""
+    from flatshard.fsdp2.param import _like
+    from flatshard.fsdp2.state import state_of
+    from flatshard.runtime import eager
+    from flatshard.tensors import dtype_code
+
+    for m in [model, *model.blocks]:
+        for h in state_of(m).handles:
+            h.remove()
+    for b in model.blocks:
+        g = state_of(b).group
+        g.unshard()  # the unsharded parameters, made once
+        g.reshard()
+        c, unsharded, sharded = g.c, g.unsharded, g.sharded
+        slots = [(m._parameters, attr, i) for i, al in enumerate(g.aliases) for m, attr in al]
+        codes = [dtype_code(p.dtype) for p in unsharded]
+        n, arrived = len(unsharded), [0]
+
+        def pre_backward(grad, c=c):
+            c.unshard(False)
+
+        def pre(module, args, kwargs, c=c, slots=slots, unsharded=unsharded):
+            c.unshard(False)
+            for d, attr, i in slots:
+                d[attr] = unsharded[i]
+
+        def post(module, args, out, c=c, slots=slots, sharded=sharded,
+                 pre_backward=eager.wrap(pre_backward)):
+            for d, attr, i in slots:
+                d[attr] = sharded[i]
+            c.reshard()
+            hook_before_backward([out], pre_backward)
+
+        def post_backward(param, c=c, unsharded=unsharded, sharded=sharded, codes=codes, n=n,
+                          arrived=arrived):
+            arrived[0] += 1
+            if arrived[0] < n:
+                return
+            arrived[0] = 0
+            grads = []
+            for p in unsharded:
+                grads.append(p.grad)
+                p.grad = None
+            outs = [torch.empty_like(p._local_tensor) for p in sharded]
+            c.reduce(grads, codes, outs, codes, [False] * n, 0.0, False, True,
+                     all_reduce=True, hold=0.0, bucket=None)  # and reshard
+            for p, out in zip(sharded, outs):
+                p.grad = _like(out, p)
+        post_backward = eager.wrap(post_backward)
+        for p in unsharded:
+            p.register_post_accumulate_grad_hook(post_backward)
+        b.register_forward_pre_hook(eager.wrap(pre), prepend=True, with_kwargs=True)
+        b.register_forward_hook(eager.wrap(post))
+    return model
+
+
 def build(impl, units):
     torch.manual_seed(0)
     model = Tiny(units)
@@ -198,6 +263,8 @@ def build(impl, units):
         fully_shard(model, mesh=mesh)
         if impl.endswith("+prefetch"):
             _bucket_prefetch(list(model.blocks))
+        if impl == "fully_shard-floor":
+            return _fully_shard_floor(model)
     return model
 
 
