@@ -4,51 +4,52 @@
         [--impl unwrapped,hooks-only,fsdp1,fully_shard,...] [--backend shm|torch]
         [--breakdown]
 
-The model is `units` blocks of relu(Linear(32, 32)(x)) + x, batch 8, float32.
-Two ranks on one host (BENCH_WORLD in the environment changes it; a gloo
-process group; flatshard on its default shared-memory backend, or with
+The model is `units` blocks of relu(Linear(32, 32)(x)) + x, batch 8,
+float32. Two ranks on one host (BENCH_WORLD in the environment changes it; a
+gloo process group; flatshard on its default shared-memory backend, or with
 --backend torch on the gloo group as torch's own FSDP is), one thread each.
 Every impl runs in the same processes, forward + backward only (no
 optimizer: the point is what wrapping adds around each unit), each step
 starting at a barrier and counted as the slower rank's time. The impls take
 turns step by step (each round builds them all afresh): this machine's speed
-drifts by up to 2x over seconds, which would otherwise fall on whichever impl
-ran then. "unwrapped" is the same model with no sharding at all; the others wrap
-every block and the root: "fsdp1" is flatshard.FullyShardedDataParallel
-(FULL_SHARD, one unit per block), "fully_shard" is flatshard.fully_shard on
-each block and the root (both with the backend's default
-FLATSHARD_REDUCE_BUCKET_BYTES and FLATSHARD_GATHER_AHEAD_BYTES: 1 MiB on
-torch, none on shm, unless the command's environment sets them), "-nobucket"
-the same with every group reducing on its own, "-noahead" with every unit
-gathering on its own, "torch-fully_shard" is torch's own. "+prefetch":
-torch's explicit prefetch lists in buckets of eight blocks (block 0, 8, ...
-prefetches the next seven in forward, 63, 55, ... the seven before in
-backward); flatshard gathers each bucket in one all-gather on a host Comm,
-torch issues one per block. "hooks-only" is the unwrapped model with the
-torch hooks a per-unit wrapper needs, each doing the least it can: a forward
-pre-hook and a forward hook on every block that swap its parameters in and
-out (as fully_shard registers its unsharded and sharded parameters), a hook
-where backward reaches each block's output (the pre-backward, as both
-wrappers hook it: runtime/trees.hook_before_backward) and a
-post-accumulate-grad hook on each parameter that drops the gradient (the post-backward): what torch's
-hook machinery costs by itself, with no collective and no sharding, the
-floor under any hook-based wrapper. "fsdp1-floor" is "fsdp1" with each
-unit's hook bodies cut down to what no implementation of these hooks can
-skip: the engine's call per hook event (its gather, free and
-reduce-scatter), the parameter views and their registration, the hook on the
-unit's output, and the new gradient shard; no bookkeeping, no prefetch, no
-checks (valid only for this model and the default options: a measurement,
-not a mode). What it costs above "hooks-only" is the engine and torch's
-view ops; what "fsdp1" costs above it is all the Python a hook body would
-save by being written in C. "fully_shard-floor" is the same for
-"fully_shard": each block's hooks removed and replaced by the engine's
-calls (gather, free, and one reduce-scatter that also frees once every
-parameter's gradient has arrived), the parameters registered in and out,
-the hook on the block's output, one gradient per parameter and the DTensor
-over it; no state, prefetch, order, bucket, profiler ranges or checks
-(valid only for this model and this flow, gradients dropped every step). --breakdown adds fully_shard's engine
-calls timed inside the steps and alone, both ranks in step: their
-difference is what each rank waits at the collectives for the other.
+drifts by up to 2x over seconds, which would otherwise fall on whichever
+impl ran then. "unwrapped" is the same model with no sharding at all; the
+others wrap every block and the root: "fsdp1" is
+flatshard.FullyShardedDataParallel (FULL_SHARD, one unit per block),
+"fully_shard" is flatshard.fully_shard on each block and the root (both with
+the backend's default FLATSHARD_REDUCE_BUCKET_BYTES and
+FLATSHARD_GATHER_AHEAD_BYTES: 1 MiB on torch, none on shm, unless the
+command's environment sets them), "-nobucket" the same with every group
+reducing on its own, "-noahead" with every unit gathering on its own,
+"torch-fully_shard" is torch's own. "+prefetch": torch's explicit prefetch
+lists in buckets of eight blocks (block 0, 8, ... prefetches the next seven
+in forward, 63, 55, ... the seven before in backward); flatshard gathers
+each bucket in one all-gather on a host Comm, torch issues one per block.
+"hooks-only" is the unwrapped model with the torch hooks a per-unit wrapper
+needs, each doing the least it can: a forward pre-hook and a forward hook on
+every block that swap its parameters in and out (as fully_shard registers
+its unsharded and sharded parameters), a hook where backward reaches each
+block's output (the pre-backward, as both wrappers hook it:
+runtime/trees.hook_before_backward) and a post-accumulate-grad hook on each
+parameter that drops the gradient (the post-backward): what torch's hook
+machinery costs by itself, with no collective and no sharding, the floor
+under any hook-based wrapper. "fsdp1-floor" is "fsdp1" with each unit's hook
+bodies cut down to what no implementation of these hooks can skip: the
+engine's call per hook event (its gather, free and reduce-scatter), the
+parameter views and their registration, the hook on the unit's output, and
+the new gradient shard; no bookkeeping, no prefetch, no checks (valid only
+for this model and the default options: a measurement, not a mode). What it
+costs above "hooks-only" is the engine and torch's view ops; what "fsdp1"
+costs above it is all the Python a hook body would save by being written in
+C. "fully_shard-floor" is the same for "fully_shard": each block's hooks
+removed and replaced by the engine's calls (gather, free, and one
+reduce-scatter that also frees once every parameter's gradient has arrived),
+the parameters registered in and out, the hook on the block's output, one
+gradient per parameter and the DTensor over it; no state, prefetch, order,
+bucket, profiler ranges or checks (valid only for this model and this flow,
+gradients dropped every step). --breakdown adds fully_shard's engine calls
+timed inside the steps and alone, both ranks in step: their difference is
+what each rank waits at the collectives for the other.
 Printed: the median and spread of the step time and the ratio to
 "unwrapped"; and the first loss of each, which must agree (same seed, same
 math).

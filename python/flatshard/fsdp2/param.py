@@ -619,7 +619,8 @@ def _run_hook(hook, stream, reduce_output):
 
 
 _UIDS = itertools.count()
-_new_dtensor = DTensor.__new__  # DTensor() also runs its __init__ (a no-op) through Dynamo's disable
+# DTensor() also runs DTensor.__init__, a no-op behind Dynamo's disable wrapper
+_new_dtensor = DTensor.__new__
 
 
 def _uid(p):

@@ -40,12 +40,12 @@ def grad_tensors(tree):
 
 
 def hook_before_backward(tensors, hook):
-    """hook(grad) where backward reaches `tensors` (a unit's outputs): on each one's grad_fn
-    (a node's pre-hook, torch's C call; registered once on a node that makes
-    several outputs), or on the tensor where it has none (a leaf). The same
-    moment as a tensor hook: the node runs once all its outputs' gradients
-    have arrived; fewer Python steps (Tensor.register_hook makes the tensor's
-    hook dict first)."""
+    """hook(grad) where backward reaches `tensors` (a unit's outputs): on
+    each one's grad_fn (a node's pre-hook, torch's C call; registered once on
+    a node that makes several outputs), or on the tensor where it has none (a
+    leaf). The same moment as a tensor hook: the node runs once all its
+    outputs' gradients have arrived; fewer Python steps (Tensor.register_hook
+    makes the tensor's hook dict first)."""
     nodes = []
     for t in tensors:
         node = t.grad_fn
