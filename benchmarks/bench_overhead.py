@@ -120,8 +120,7 @@ def _hooks_only(model):
 
         def post(module, args, out, params=params, resting=resting):
             params.update(resting)
-            if out.requires_grad:
-                hook_before_backward([out], _noop)
+            hook_before_backward(out, _noop)
         b.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         b.register_forward_hook(post)
     return model
@@ -155,7 +154,7 @@ def _floor_hooks(model):
 
         def post_forward(out, u=u, pre_backward=eager.wrap(pre_backward)):
             u.c.event(_C.EV_POST_FORWARD, grad_on, -1, None, None, False, False, None, None)
-            hook_before_backward([out], pre_backward)
+            hook_before_backward(out, pre_backward)
             return out
 
         def post_backward(gi, full, u=u):
@@ -216,7 +215,7 @@ def _fully_shard_floor(model):
             for d, attr, i in slots:
                 d[attr] = sharded[i]
             c.reshard()
-            hook_before_backward([out], pre_backward)
+            hook_before_backward(out, pre_backward)
 
         def post_backward(param, c=c, unsharded=unsharded, sharded=sharded, codes=codes, n=n,
                           arrived=arrived):

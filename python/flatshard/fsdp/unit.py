@@ -29,7 +29,7 @@ from ..options import BackwardPrefetch
 from . import zero1
 from ..runtime import eager
 from ..runtime.heap import HEAP
-from ..runtime.trees import grad_tensors, hook_before_backward
+from ..runtime.trees import hook_before_backward
 from .oom import oom_report
 
 _GRAD = _C.FLAG_GRAD_ENABLED
@@ -194,7 +194,7 @@ class UnitRuntime:
         act = self._event(_C.EV_POST_FORWARD, _GRAD if torch.is_grad_enabled() else 0)
         self._clear_unsharded_views()
         if act & _C.ACT_HOOK_BACKWARD:
-            hook_before_backward(grad_tensors(output), self._pre_backward)
+            hook_before_backward(output, self._pre_backward)
         return output
 
     @eager.hook

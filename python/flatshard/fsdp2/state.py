@@ -168,7 +168,7 @@ class FSDPState:
     def _span(self, name):
         """torch's range `name` of this state's group while a profiler runs
         (none for a state without parameters: torch has no group there)."""
-        if self.group is None or not observe.profiling():
+        if self.group is None:
             return observe.NOTHING
         return observe.span(name, self.label)
 
@@ -332,7 +332,9 @@ class FSDPState:
     def _prefetch(states, pass_type):
         """Issue the deferred gather of each state, in torch's range. On a
         host Comm the states not gathered yet are gathered in one all-gather
-        ([Note: coalesced gathers] in csrc/engine/engine.h)."""
+        ([Note: coalesced gathers] in csrc/engine/engine.h); none given, nothing."""
+        if not states:  # the host's implicit prefetch, every backward hook
+            return
         host = [st for st in states if st.group is not None and
                 st.group.comm.device is None and not st.group.is_unsharded]
         if len(host) > 1:
@@ -396,7 +398,7 @@ class FSDPState:
                     st.reshard()
             self.prefetched = []
         if grad:
-            hook_before_backward(grad_tensors(output), self._pre_backward)
+            hook_before_backward(output, self._pre_backward)
         if self.mp.output_dtype is None:
             return output
         with observe.span("FSDP::cast_forward_outputs"):
@@ -424,9 +426,7 @@ class FSDPState:
                 along = self.backward_prefetch
                 self._unshard_and_wait(root.gather_ahead(self, -1) if along is None else along)
             if self.backward_prefetch is None:  # torch's default prefetch is in the range
-                states = self._implicit(root.order.previous(self))
-                if states:
-                    self._prefetch(states, "backward")
+                self._prefetch(self._implicit(root.order.previous(self)), "backward")
         if self.backward_prefetch is not None:
             self._prefetch(self.backward_prefetch, "backward")
         return None

@@ -39,15 +39,15 @@ def grad_tensors(tree):
     return out
 
 
-def hook_before_backward(tensors, hook):
-    """hook(grad) where backward reaches `tensors` (a unit's outputs): on
-    each one's grad_fn (a node's pre-hook, torch's C call; registered once on
-    a node that makes several outputs), or on the tensor where it has none (a
-    leaf). The same moment as a tensor hook: the node runs once all its
-    outputs' gradients have arrived; fewer Python steps (Tensor.register_hook
-    makes the tensor's hook dict first)."""
+def hook_before_backward(tree, hook):
+    """hook(grad) where backward reaches the tensors in `tree` that require
+    grad (a unit's outputs): on each one's grad_fn (a node's pre-hook, torch's
+    C call; registered once on a node that makes several outputs), or on the
+    tensor where it has none (a leaf). The same moment as a tensor hook: the
+    node runs once all its outputs' gradients have arrived; fewer Python
+    steps (Tensor.register_hook makes the tensor's hook dict first)."""
     nodes = []
-    for t in tensors:
+    for t in grad_tensors(tree):
         node = t.grad_fn
         if node is None:
             t.register_hook(hook)
