@@ -594,3 +594,68 @@ def test_frozen_layer_before_a_trained_one(dist_pool, when):
         (ours, lo), (theirs, lt) = out["ours"], out["torch"]
         assert ours == theirs
         assert _same_locals(lo, lt)
+
+
+def _unsharded_blocks(model):
+    """How many blocks of flatshard's model hold their unsharded parameters."""
+    return sum(b._fsdp_state().group.c.is_unsharded for b in model.blocks)
+
+
+def _frozen_flow(flow):
+    """blocks[i].lin frozen as in _frozen_first, trained in `flow`:
+    "stray": each step first runs a forward whose graph is dropped unused (a
+    loss only logged, an evaluation without no_grad); "two_forwards": two
+    forwards, then the backward of each; "retain_graph": two backwards
+    through one graph. For flatshard also: how many blocks are unsharded
+    each time backward leaves a block, which must be what the plain flow
+    gives (each block resharded at its own post-backward)."""
+    out = {}
+    for name, fn in BOTH:
+        model = _net()
+        for b in model.blocks:
+            b.lin.requires_grad_(False)
+        _shard(fn, model)
+        seen = []
+        if name == "ours":
+            def watch(module, args):
+                if args[0].requires_grad:
+                    args[0].register_hook(lambda g: seen.append(_unsharded_blocks(model)))
+            for b in model.blocks:
+                b.register_forward_pre_hook(watch)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        batches = _batches(6)
+        for (x, y), (x2, y2) in zip(batches[0::2], batches[1::2]):
+            if flow == "stray":
+                ((model(x2) - y2) ** 2).mean().item()
+            loss = ((model(x) - y) ** 2).mean()
+            if flow == "two_forwards":
+                loss2 = ((model(x2) - y2) ** 2).mean()
+                loss.backward()
+                loss2.backward()
+                losses.append(loss2.item())
+            elif flow == "retain_graph":
+                loss.backward(retain_graph=True)
+                loss.backward()
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[name] = (losses, _locals(model), seen)
+    return out
+
+
+@pytest.mark.parametrize("flow", ["plain", "stray", "two_forwards", "retain_graph"])
+def test_frozen_layer_through_other_forward_backward_patterns(dist_pool, flow):
+    """Each forward counts in the backward that runs through it, and only
+    there ([Note: frozen parameters] in fsdp2/state.py): a dropped forward
+    does not keep every block gathered through the next backward, and a
+    second backward (of another forward, or of the same graph) finds its
+    frozen weights gathered again."""
+    for out in dist_pool(2).run(_frozen_flow, flow, timeout=TIMEOUT):
+        (ours, lo, seen), (theirs, lt, _) = out["ours"], out["torch"]
+        assert ours == theirs
+        assert _same_locals(lo, lt)
+        backwards = {"two_forwards": 6, "retain_graph": 6}.get(flow, 3)
+        assert seen == [1] * (backwards * 2)  # one of the two blocks at a time

@@ -52,19 +52,47 @@ def _cast(dtype, tree):
 
 
 class _InputsDone(torch.autograd.Function):
-    """The identity on a state's forward inputs; its backward tells the
-    state that the module's backward is done with them ([Note: frozen
-    parameters] in FSDPState)."""
+    """The identity on a state's forward inputs; its backward tells that
+    forward's _Forward that the module's backward is done with them ([Note:
+    frozen parameters] in FSDPState)."""
 
     @staticmethod
-    def forward(ctx, state, *tensors):
-        ctx.state = state
+    def forward(ctx, fwd, *tensors):
+        ctx.fwd = fwd
         return tensors
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state._inputs_done()
+        ctx.fwd.inputs_done()
         return (None,) + grads
+
+
+class _Forward:
+    """One forward of a state with frozen parameters whose inputs require
+    grad ([Note: frozen parameters] in FSDPState), and the pre-backward hook
+    on its outputs: from there until the same backward reaches the forward's
+    inputs, the state's parameters are still to be read. A forward that no
+    backward runs through (its graph dropped: a loss only logged) holds
+    nothing back."""
+    __slots__ = ("state",)
+
+    def __init__(self, state):
+        self.state = state
+
+    @eager.hook
+    def __call__(self, grad):
+        st = self.state
+        if self not in st.reading:
+            st.reading.append(self)
+        return st._pre_backward(grad)
+
+    def inputs_done(self):
+        st = self.state
+        if self in st.reading:
+            st.reading.remove(self)
+        if st.reshard_due and not st.reading:
+            st.reshard_due = False
+            st.group.reshard()
 
 
 def _issued(g):
@@ -85,6 +113,7 @@ def _issued_all(groups):
 class FSDPState:
     def __init__(self, modules, group, reshard_after_forward, mp_policy):
         eager.install(FSDPState)  # the hooks torch.compile runs eagerly
+        eager.install(_Forward)
         self.modules = modules            # one, or the list given to fully_shard (one group)
         self.group = group                # ParamGroup, or None (no parameters of its own)
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
@@ -111,7 +140,8 @@ class FSDPState:
         self.order = ForwardOrder()       # the root's: the order states ran in (prefetch)
         self.prefetched = []              # the root's: implicitly prefetched this forward
         self.ready = set()                # trainable parameters whose gradient arrived
-        self.inputs_pending = 0           # [Note: frozen parameters]: input backwards to come
+        self.watching = None              # frozen parameters: this forward's _Forward
+        self.reading = []                 # ... those this backward reached, not their inputs
         self.reshard_due = False          # ... a reshard waiting for them
         self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
         self.hooked = 0                   # ... on these parameters (bit i: parameter i)
@@ -369,6 +399,7 @@ class FSDPState:
         with self._span("FSDP::pre_forward"):
             self._unshard_and_wait(along)
         g = self.group
+        self.watching = None
         if g is not None and g.trainable < len(g.sharded) and torch.is_grad_enabled():
             args, kwargs = self._watch_inputs(args, kwargs)
         if self.forward_prefetch is not None:
@@ -398,7 +429,8 @@ class FSDPState:
                     st.reshard()
             self.prefetched = []
         if grad:
-            hook_before_backward(output, self._pre_backward)
+            fwd, self.watching = self.watching, None
+            hook_before_backward(output, self._pre_backward if fwd is None else fwd)
         if self.mp.output_dtype is None:
             return output
         with observe.span("FSDP::cast_forward_outputs"):
@@ -436,26 +468,25 @@ class FSDPState:
     # trainable one in forward (a frozen layer under a trained adapter or
     # head) is read again later in backward, for the gradient of its input:
     # resharding at the post-backward would free it first. So where a group
-    # has frozen parameters, the forward's inputs that require grad pass
+    # has frozen parameters, each forward's inputs that require grad pass
     # through _InputsDone, whose backward runs once the module's backward has
-    # reached them (torch's fully_shard hooks every group's inputs so); the
-    # reduction is not delayed, only the reshard, until then (or the end of
-    # backward). A group without frozen parameters pays nothing.
+    # reached them (torch's fully_shard hooks every group's inputs so), and
+    # that forward's outputs get its _Forward as their pre-backward hook. The
+    # reduction is not delayed, only the reshard: while this backward has
+    # reached the outputs of a forward and not yet its inputs (else at the
+    # end of backward). Each forward counts on its own, in the backward that
+    # runs through it: two forwards before two backwards, or a forward whose
+    # graph is dropped unused, hold back no other backward's reshard. A group
+    # without frozen parameters pays nothing.
 
     def _watch_inputs(self, args, kwargs):
         tensors = grad_tensors((args, kwargs))
         if not tensors:  # nothing upstream: a frozen use needs no gradient
             return args, kwargs
-        out = iter(_InputsDone.apply(self, *tensors))
+        self.watching = _Forward(self)
+        out = iter(_InputsDone.apply(self.watching, *tensors))
         ids = {id(t) for t in tensors}
-        self.inputs_pending += 1
         return map_tensors(lambda t: next(out) if id(t) in ids else t, (args, kwargs))
-
-    def _inputs_done(self):
-        self.inputs_pending = max(0, self.inputs_pending - 1)
-        if not self.inputs_pending and self.reshard_due:
-            self.reshard_due = False
-            self.group.reshard()
 
     def _make_grad_hook(self, i):
         def hook(param):
@@ -468,6 +499,7 @@ class FSDPState:
         """Reduce (on a device: deferred, one reduction in flight, so it runs
         beside the backward of the modules before this one) and reshard."""
         self.ready.clear()
+        reading = bool(self.reading)
         g = self.group
         with self._span("FSDP::post_backward_accumulate"):
             g.accumulate_unsharded_grads()
@@ -481,12 +513,12 @@ class FSDPState:
             with observe.counted_span(_issued, g, g.comm, "FSDP::post_backward_reduce",
                                       self.label):
                 if g.reduce_grads(defer=True, bucket=root.bucket,
-                                  reshard=self.reshard_after_backward and not self.inputs_pending):
+                                  reshard=self.reshard_after_backward and not reading):
                     root.inflight.issued(self, g.finish_reduce)
             root.reduced = True
         with self._span("FSDP::post_backward_reshard"):
             if self.reshard_after_backward:
-                if self.inputs_pending:  # a frozen parameter may still be read
+                if reading:  # a frozen parameter may still be read
                     self.reshard_due = True
                 else:
                     g.reshard()
@@ -504,7 +536,8 @@ class FSDPState:
             self.callback_queued = False
             for st in self.states or [self]:
                 g = st.group
-                st.inputs_pending, st.reshard_due = 0, False
+                st.reading.clear()
+                st.reshard_due = False
                 if g is None:
                     continue
                 if st.ready or (st.requires_gradient_sync and g.has_unsharded_grads()):
