@@ -15,7 +15,6 @@ import enum
 import inspect
 import os
 import re
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -146,14 +145,24 @@ def section(qual, obj):
 
 
 def cli_help():
-    env = dict(os.environ, COLUMNS="100")
-    top = subprocess.run([sys.executable, "-m", "flatshard", "--help"], capture_output=True,
-                         text=True, env=env, check=True).stdout
-    lines = ["```text", "$ python -m flatshard --help", top.rstrip(), "```", ""]
-    for cmd in re.findall(r"^    (\w+)\s", top, flags=re.M):
-        h = subprocess.run([sys.executable, "-m", "flatshard", cmd, "--help"],
-                           capture_output=True, text=True, env=env, check=True).stdout
-        lines += ["```text", f"$ python -m flatshard {cmd} --help", h.rstrip(), "```", ""]
+    """What `python -m flatshard --help` and each command's --help print at
+    100 columns: the same parser's help texts, made in this process."""
+    from flatshard.__main__ import _parser
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # argparse reads the width when it formats
+    try:
+        parser = _parser()
+        top = parser.format_help()
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        lines = ["```text", "$ python -m flatshard --help", top.rstrip(), "```", ""]
+        for cmd in re.findall(r"^    (\w+)\s", top, flags=re.M):
+            lines += ["```text", f"$ python -m flatshard {cmd} --help",
+                      commands.choices[cmd].format_help().rstrip(), "```", ""]
+    finally:
+        if before is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = before
     return lines
 
 
