@@ -48,8 +48,10 @@ the parameters registered in and out, the hook on the block's output, one
 gradient per parameter and the DTensor over it; no state, prefetch, order,
 bucket, profiler ranges or checks (valid only for this model and this flow,
 gradients dropped every step). --breakdown adds fully_shard's engine calls
-timed inside the steps and alone, both ranks in step: their difference is
-what each rank waits at the collectives for the other.
+timed inside the steps and alone, both ranks in step. Their difference is
+not only waiting at the collectives for the other rank: a call between
+pieces of torch's work runs with its code and data cold, which one rank
+shows by itself (benchmarks/bench_meet.py times the collectives alone).
 Printed: the median and spread of the step time and the ratio to
 "unwrapped"; and the first loss of each, which must agree (same seed, same
 math).
@@ -369,8 +371,8 @@ def breakdown(rank, args):
     """fully_shard's engine calls (the unshard with its all-gather, the
     reduction with its reduce-scatter) timed one by one inside the training
     steps, then the same calls of one group alone in a loop, both ranks in
-    step. Inside the steps a call also waits at the barrier for the later
-    rank; the difference is that wait. Returns us per call."""
+    step. Inside the steps a call runs cold, between torch's work, and
+    waits at the barrier for the later rank. Returns us per call."""
     from flatshard.fsdp2.state import state_of
     from flatshard.tensors import dtype_code
     # each group's reduction on its own: a bucketed one has no collective of
@@ -498,8 +500,8 @@ def main():
               + ", ".join(f"{k} {v:.2f}" for k, v in b.items()))
         wait = 2 * (b["unshard in the step"] - b["unshard alone"]) + \
             b["reduce in the step"] - b["reduce alone"]
-        print(f"# waiting at the collectives for the other rank: about {wait:.1f} us a unit "
-              "(two unshards and one reduction, in the step less alone)")
+        print(f"# in the step less alone: about {wait:.1f} us a unit (two unshards and one "
+              "reduction; run cold between torch's work, and waiting for the other rank)")
 
 
 if __name__ == "__main__":
