@@ -606,11 +606,17 @@ def _frozen_flow(flow):
     "stray": each step first runs a forward whose graph is dropped unused (a
     loss only logged, an evaluation without no_grad); "two_forwards": two
     forwards, then the backward of each; "retain_graph": two backwards
-    through one graph. For flatshard also: how many blocks are unsharded
-    each time backward leaves a block, which must be what the plain flow
-    gives (each block resharded at its own post-backward)."""
+    through one graph; "aborted": each step first runs a backward that
+    fails inside blocks[1] (after its gradients, before its inputs), then
+    reset_iter_state(), which must leave no trace of it. torch's fully_shard
+    does not come back to the run without the failed backward (its later
+    losses differ from it), so there torch runs the plain flow as the
+    reference. For flatshard also: how many blocks are unsharded each time
+    backward leaves a block, which must be what the plain flow gives (each
+    block resharded at its own post-backward)."""
     out = {}
     for name, fn in BOTH:
+        flow_here = "plain" if name == "torch" and flow == "aborted" else flow
         model = _net()
         for b in model.blocks:
             b.lin.requires_grad_(False)
@@ -626,15 +632,29 @@ def _frozen_flow(flow):
         losses = []
         batches = _batches(6)
         for (x, y), (x2, y2) in zip(batches[0::2], batches[1::2]):
-            if flow == "stray":
+            if flow_here == "stray":
                 ((model(x2) - y2) ** 2).mean().item()
+            if flow_here == "aborted":
+                def fail(grad):
+                    raise RuntimeError("failed in backward")
+
+                def arm(module, args, out):
+                    out.register_hook(fail)
+                handle = model.blocks[1].norm.register_forward_hook(arm)
+                mark = len(seen)
+                with pytest.raises(RuntimeError, match="failed in backward"):
+                    ((model(x2) - y2) ** 2).mean().backward()
+                handle.remove()
+                model.reset_iter_state()
+                opt.zero_grad()
+                del seen[mark:]  # blocks the failed backward left
             loss = ((model(x) - y) ** 2).mean()
-            if flow == "two_forwards":
+            if flow_here == "two_forwards":
                 loss2 = ((model(x2) - y2) ** 2).mean()
                 loss.backward()
                 loss2.backward()
                 losses.append(loss2.item())
-            elif flow == "retain_graph":
+            elif flow_here == "retain_graph":
                 loss.backward(retain_graph=True)
                 loss.backward()
             else:
@@ -646,7 +666,7 @@ def _frozen_flow(flow):
     return out
 
 
-@pytest.mark.parametrize("flow", ["plain", "stray", "two_forwards", "retain_graph"])
+@pytest.mark.parametrize("flow", ["plain", "stray", "two_forwards", "retain_graph", "aborted"])
 def test_frozen_layer_through_other_forward_backward_patterns(dist_pool, flow):
     """Each forward counts in the backward that runs through it, and only
     there ([Note: frozen parameters] in fsdp2/state.py): a dropped forward

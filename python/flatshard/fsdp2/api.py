@@ -174,8 +174,9 @@ class FSDPModule:
         failed iteration left is dropped: its unreduced gradients, those
         accumulated without gradient sync or without the replicas'
         all-reduce (HSDP), the parameters whose gradients
-        had arrived, and the root's end-of-backward callback, which the
-        autograd engine dropped. On a module that is not the root: a
+        had arrived, the reshards it held back for frozen parameters, and
+        the root's end-of-backward callback, which the autograd engine
+        dropped. On a module that is not the root: a
         RuntimeError, as in torch."""
         st = self._fsdp_state()
         if st.is_root is False:
@@ -188,6 +189,8 @@ class FSDPModule:
             st.prefetched = []
         for s in st.states or [st]:
             s.ready.clear()
+            s.reading.clear()  # frozen parameters: forwards the aborted backward had reached
+            s.reshard_due = False
             g = s.group
             if g is None:
                 continue
