@@ -329,11 +329,12 @@ def _skip_one_unit(backend, group_timeout=None):
     # the ranks reach their last collectives at different times, so the one
     # that timed out first waits here (the default group is healthy).
     dist.barrier()
-    return out
+    return out + (model._unit.c.comm.failure,)
 
 
 def test_a_skipped_unit_is_caught_at_once_on_shm(dist_pool):
-    (m0, t0), (m1, t1) = dist_pool(2).run(_skip_one_unit, "shm")
+    (m0, t0, f0), (m1, t1, f1) = dist_pool(2).run(_skip_one_unit, "shm")
+    assert f0 == f1 == "desync"  # what the fix line is chosen by (none for this one)
     first = m0.split("\n")[0]
     assert first == m1.split("\n")[0]  # every rank says the same
     assert_documented("collectives-differ", m0)
@@ -500,7 +501,8 @@ def test_the_wrap_error_reaches_every_rank_when_rank_0_ends_on_it(tmp_path):
 def test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout(dist_pool):
     # gloo cannot tell the units apart (same sizes): the ranks go on out of
     # step until one waits for a collective the other never issues.
-    (m0, t0), (m1, t1) = dist_pool(2).run(_skip_one_unit, "torch", 2)
+    (m0, t0, f0), (m1, t1, f1) = dist_pool(2).run(_skip_one_unit, "torch", 2)
+    assert f0 is f1 is None  # gloo's errors carry no kind: the ledgers' comparison decides
     # The rank whose wait timed out first reports its timeout. The other one
     # reports its own, or (on a loaded machine, when it began waiting later)
     # gloo's "Connection closed by peer" once the first rank's timeout closed

@@ -154,17 +154,18 @@ def _missing_rank(timeout_s):
         msg = "no error"
     except flatshard.CoreError as e:
         msg = str(e)
-    return msg, time.monotonic() - start
+    return msg, time.monotonic() - start, c.failure
 
 
 def test_a_rank_that_never_arrives_is_named_within_the_timeout(dist_pool):
     pids = pool_pids(dist_pool(3))
     res = dist_pool(3).run(_missing_rank, 1.5)
-    msg0, took0 = res[0]
+    msg0, took0, failure0 = res[0]
     assert "rank 1" in msg0 and "has not arrived" in msg0 and "all_gather" in msg0, msg0
+    assert [r[2] for r in res] == ["absent"] * 3  # the others learn it with the words
     assert 1.5 <= took0 < 6.0
     # Rank 1, arriving late, learns the cause instead of waiting out its own timeout.
-    msg1, took1 = res[1]
+    msg1, took1, _ = res[1]
     assert "aborted" in msg1 and "rank 1" in msg1 and took1 < 1.5 + 1.0 + 2.0
     assert not leftover_segments(pids)
 
@@ -179,7 +180,7 @@ def _dies(report_path):
         c.barrier()
         msg = "no error"
     except flatshard.CoreError as e:
-        msg = str(e)
+        msg = f"{e}\nfailure: {c.failure}"
     write_report(report_path, time.monotonic() - start, msg)
 
 
@@ -190,6 +191,7 @@ def test_a_dead_rank_is_named_by_the_others(dist_pool, tmp_path):
         dist_pool(2).run(_dies, str(report), timeout=60)
     took, msg = read_report(report)
     assert "rank 1 (pid" in msg and "died" in msg and "barrier" in msg, msg
+    assert msg.endswith("failure: dead"), msg
     assert took < 5.0  # noticed by liveness checks, not by the 300 s timeout
     assert not leftover_segments(pids)
 

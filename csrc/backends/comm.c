@@ -6,6 +6,7 @@
 static fs_status bad(fs_comm *c, const char *what)
 {
     snprintf(c->last_error, sizeof c->last_error, "%s", what);
+    c->last_fail = FS_FAIL_OTHER;
     return FS_ERR_INVALID_ARG;
 }
 

@@ -30,6 +30,15 @@ typedef enum { FS_RED_SUM = 0, FS_RED_AVG = 1 } fs_redop;
 
 typedef struct fs_comm fs_comm;
 
+/* What a failed collective met, where the backend can tell: the failure
+ * note's fix line is chosen by it (runtime/diagnostics.py). */
+typedef enum {
+    FS_FAIL_OTHER = 0, /* unknown, or nothing the ranks' order explains */
+    FS_FAIL_DEAD,      /* a rank's process ended */
+    FS_FAIL_ABSENT,    /* a live rank never came to the collective (timeout) */
+    FS_FAIL_DESYNC,    /* the ranks are in different collectives */
+} fs_fail_kind;
+
 typedef struct {
     const char *name;
     int needs_gil; /* the backend calls Python (torch); others run without the GIL */
@@ -51,6 +60,7 @@ struct fs_comm {
     int world_size;
     void *impl;
     char last_error[512]; /* backend's own words for the last FS_ERR_BACKEND */
+    fs_fail_kind last_fail; /* ... and what it met */
     /* What the collective being issued is for (a unit's name, a tag), set by
      * the caller around each call, or NULL; a backend that reports later
      * (the NCCL watchdog) copies it. */

@@ -53,7 +53,7 @@
 #include "ledger.h"
 #include "reduce.h"
 
-#define SHM_MAGIC 0x32304D4853534655ULL /* "UFSSHM02" */
+#define SHM_MAGIC 0x33304D4853534655ULL /* "UFSSHM03" */
 #define SPIN_ITERS 256
 /* [Note: spin before sleeping] A rank that reaches a barrier first spins
  * this long before it sleeps on the futex, when every rank of the segment
@@ -77,6 +77,7 @@ typedef struct {
     _Atomic uint32_t attached;
     _Atomic uint32_t aborted;
     char abort_msg[512];
+    uint32_t abort_kind; /* fs_fail_kind, written with the message */
     alignas(64) _Atomic uint32_t arrive;
     alignas(64) _Atomic uint32_t generation; /* futex word: barriers completed */
     _Atomic uint32_t sleepers;               /* ranks in futex_wait on it */
@@ -182,17 +183,19 @@ static void futex_wake_all(_Atomic uint32_t *addr)
 }
 
 /* Record the cause for every rank (first writer wins) and fail. */
-static fs_status shm_abort(fs_comm *c, const char *msg)
+static fs_status shm_abort(fs_comm *c, fs_fail_kind kind, const char *msg)
 {
     shm_impl *s = c->impl;
     uint32_t expected = 0;
     if (atomic_compare_exchange_strong(&s->hdr->aborted, &expected, 1u)) {
         snprintf(s->hdr->abort_msg, sizeof s->hdr->abort_msg, "%s", msg);
+        s->hdr->abort_kind = (uint32_t)kind;
         atomic_thread_fence(memory_order_seq_cst);
         atomic_store(&s->hdr->aborted, 2u); /* message complete */
         futex_wake_all(&s->hdr->generation);
     }
     snprintf(c->last_error, sizeof c->last_error, "%s", msg);
+    c->last_fail = kind;
     return FS_ERR_BACKEND;
 }
 
@@ -202,6 +205,7 @@ static fs_status aborted_elsewhere(fs_comm *c)
     while (atomic_load(&s->hdr->aborted) == 1u)
         cpu_relax(); /* the writer is finishing its message */
     snprintf(c->last_error, sizeof c->last_error, "shm group aborted: %s", s->hdr->abort_msg);
+    c->last_fail = (fs_fail_kind)s->hdr->abort_kind;
     return FS_ERR_BACKEND;
 }
 
@@ -223,7 +227,7 @@ static fs_status report_stuck(fs_comm *c, uint32_t gen, int dead_only)
 {
     shm_impl *s = c->impl;
     char msg[480], what[160];
-    int len = 0, found = 0;
+    int len = 0, found = 0, any_dead = 0;
     for (int r = 0; r < c->world_size; r++) {
         shm_rank *k = &s->ranks[r];
         int32_t pid = atomic_load(&k->pid);
@@ -233,6 +237,7 @@ static fs_status report_stuck(fs_comm *c, uint32_t gen, int dead_only)
         if (dead_only && !dead)
             continue;
         found = 1;
+        any_dead |= dead;
         len += snprintf(msg + len, sizeof msg - len > 0 ? sizeof msg - len : 0,
                         "%srank %d (pid %d) %s", len ? "; " : "", r, pid,
                         dead ? "died" : "has not arrived");
@@ -248,7 +253,7 @@ static fs_status report_stuck(fs_comm *c, uint32_t gen, int dead_only)
     describe(s, c->rank, what, sizeof what);
     snprintf(full, sizeof full, "rank %d waiting in %s%s: %s", c->rank, what,
              dead_only ? "" : " timed out", found ? msg : "no rank identified");
-    return shm_abort(c, full);
+    return shm_abort(c, !found ? FS_FAIL_OTHER : any_dead ? FS_FAIL_DEAD : FS_FAIL_ABSENT, full);
 }
 
 static int same_collective(const shm_desc *a, const shm_desc *b)
@@ -286,7 +291,7 @@ static fs_status check_peers(fs_comm *c)
                      "while rank %d is in %s; a rank skipped or added a collective (a "
                      "data-dependent branch around a wrapped module?): every rank must run "
                      "the same wrapped modules in the same order", lo, a, hi, b);
-        return shm_abort(c, msg);
+        return shm_abort(c, FS_FAIL_DESYNC, msg);
     }
     return FS_OK;
 }
@@ -497,7 +502,7 @@ static void s_destroy(fs_comm *c)
     free(c);
 }
 
-static void s_abort(fs_comm *c, const char *why) { shm_abort(c, why); }
+static void s_abort(fs_comm *c, const char *why) { shm_abort(c, FS_FAIL_OTHER, why); }
 
 static const fs_comm_ops shm_ops = {
     "shm",     0,         s_all_gather, s_reduce_scatter, s_all_reduce,

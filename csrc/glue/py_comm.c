@@ -278,6 +278,16 @@ static int Comm_set_on_failure(CommObject *self, PyObject *v, void *c)
     return 0;
 }
 
+static PyObject *Comm_get_failure(CommObject *self, void *c)
+{
+    switch (self->comm->last_fail) {
+    case FS_FAIL_DEAD: return PyUnicode_FromString("dead");
+    case FS_FAIL_ABSENT: return PyUnicode_FromString("absent");
+    case FS_FAIL_DESYNC: return PyUnicode_FromString("desync");
+    default: Py_RETURN_NONE;
+    }
+}
+
 static PyObject *Comm_get_rank(CommObject *self, void *c) { return PyLong_FromLong(self->comm->rank); }
 static PyObject *Comm_get_world(CommObject *self, void *c)
 {
@@ -335,6 +345,10 @@ static PyGetSetDef Comm_getset[] = {
     {"backend", (getter)Comm_get_backend, NULL, "backend name", NULL},
     {"device", (getter)Comm_get_device, NULL,
      "the device API of a kind='device' Comm ('cuda', or 'host'), else None", NULL},
+    {"failure", (getter)Comm_get_failure, NULL,
+     "what the last failed collective met, where the backend can tell: 'dead' (a rank's "
+     "process ended), 'absent' (a live rank never came), 'desync' (the ranks are in "
+     "different collectives); else None", NULL},
     {"on_failure", (getter)Comm_get_on_failure, (setter)Comm_set_on_failure,
      "on_failure(comm, exc), called after a collective failed (exc is about to be raised); "
      "None: no call", NULL},

@@ -17,7 +17,6 @@ its pid, as the shm backend does in its own message.
 """
 import json
 import os
-import re
 import time
 
 GRACE_S = 0.5  # how long a failing rank waits for the other ranks' ledgers, at most
@@ -75,10 +74,11 @@ class _Reporter:
     def __call__(self, comm, exc):
         if self.note is None:
             try:
-                self.note = self._note(comm)
+                self.note, found = self._note(comm)
             except Exception as e:  # keep the real error whatever happens here
                 self.note = f"flatshard: could not compare ledgers across ranks: {e}"
-            fix = _fix(str(exc), self.note)
+                found = set()
+            fix = _fix({comm.failure} | found)
             if fix:
                 self.note += "\n" + fix
         exc.add_note(self.note)
@@ -108,25 +108,32 @@ class _Reporter:
             time.sleep(0.02)
 
     def _note(self, comm):
+        """-> (the note's text, what it found: {"dead"} where it names a
+        rank that died, {"absent"} where a rank issued nothing after the
+        others' last collective, or neither)."""
         host = _store_host(self.group)
         holder = host[0] if host is not None and host[0] != comm.rank else None
         dead = self._dead(comm, 0.0)
         if holder not in dead:  # (a dead store fails slowly or noisily: not asked then)
             try:
-                return "\n".join([self._compare(comm)] + _deaths(self._dead(comm, 0.0)))
+                text, found = self._compare(comm)
+                dead = self._dead(comm, 0.0)
+                return "\n".join([text] + _deaths(dead)), found | ({"dead"} if dead else set())
             except Exception as e:
                 failed = f"flatshard: could not compare ledgers across ranks: {e}"
                 if holder is None:
-                    return "\n".join([failed] + _deaths(self._dead(comm, self.grace)))
+                    dead = self._dead(comm, self.grace)
+                    return "\n".join([failed] + _deaths(dead)), {"dead"} if dead else set()
                 dead = self._dead(comm, self.grace, watch=holder)
                 if holder not in dead:  # on another host: its death cannot be seen from here
                     return "\n".join([failed, f"  rank {holder} hosts the process group's TCP "
                                       f"store ({host[1]}), so that rank, or its host, most "
-                                      "likely died"] + _deaths(dead))
+                                      "likely died"] + _deaths(dead)), \
+                        {"dead"} if dead else set()
         pid = dead.pop(holder)
         return "\n".join([f"flatshard: rank {holder} (pid {pid}) died; it also hosted the process "
                           f"group's TCP store ({host[1]}), so the ranks' ledgers cannot be "
-                          "compared"] + _deaths(dead))
+                          "compared"] + _deaths(dead)), {"dead"}
 
     def _compare(self, comm):
         from torch.distributed import distributed_c10d as c10d
@@ -141,19 +148,20 @@ class _Reporter:
         ledgers = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
         causes = [f"  rank {r} stopped: {store.get(k).decode()}" for r, k in enumerate(stopped)
                   if r != comm.rank and store.check([k])]
-        return "\n".join([report(ledgers, comm.world_size, self.grace)] + causes)
+        text, behind = report(ledgers, comm.world_size, self.grace)
+        return "\n".join([text] + causes), {"absent"} if behind else set()
 
 
-def _fix(message, note):
-    """The fix line for a rank that died or stopped issuing collectives, from
-    the error's text and the note (None for the other failures, whose text
-    says what went apart)."""
-    text = f"{message}\n{note}"
-    if re.search(r"rank \d+ \(pid \d+\) died", text):
+def _fix(found):
+    """The fix line for a rank that died ("dead" in found: the backend's
+    Comm.failure, or the note's own finding) or stopped issuing collectives
+    ("absent"); None for the other failures, whose text says what went
+    apart."""
+    if "dead" in found:
         return ("flatshard: fix: the dead rank's own output says why it died (a traceback, "
                 "or the kernel's OOM killer: `dmesg`); see 'A rank died' in "
                 "docs/troubleshooting.md")
-    if "has not arrived" in text or "issued nothing after" in text:
+    if "absent" in found:
         return ("flatshard: fix: every rank must run every forward and backward of the "
                 "wrapped model, in the same order (a forward on some ranks only, such as an "
                 "evaluation on rank 0?); see 'A rank has not arrived' in "
@@ -180,7 +188,8 @@ def _key(e):
 
 
 def report(ledgers, world, grace):
-    """ledgers: rank -> its ledger (Comm.ledger()) -> the note's text."""
+    """ledgers: rank -> its ledger (Comm.ledger()) -> (the note's text,
+    whether a rank issued nothing after the others' last collective)."""
     lines = ["flatshard: the ranks' last collectives on this Comm (from the process group's "
              "store):"]
     for r in range(world):
@@ -207,4 +216,5 @@ def report(ledgers, world, grace):
             lines.append(f"  the ranks agree up to #{newest[behind]}; rank {behind} issued "
                          f"nothing after it while rank {max(newest, key=newest.get)} is at "
                          f"#{max(newest.values())}")
-    return "\n".join(lines)
+            return "\n".join(lines), True
+    return "\n".join(lines), False
