@@ -13,7 +13,9 @@ gloo, flatshard on its default backend), comparing losses step by step:
   unshard(async_op=True) and FSDPModule._set_unshard_async_op;
   modules taking and returning dataclass objects (with mixed precision:
   their tensors cast too);
-  a frozen layer read before a trained one in the same group.
+  a frozen layer read before a trained one in the same group, also with a
+  forward whose graph is dropped, two forwards before their backwards, a
+  retained graph and a backward that fails.
 
 Where both run the same arithmetic (fp32 or fp64 compute, gradients summed
 over the 2 ranks and halved) losses and shards are compared bit for bit."""
@@ -672,7 +674,8 @@ def test_frozen_layer_through_other_forward_backward_patterns(dist_pool, flow):
     there ([Note: frozen parameters] in fsdp2/state.py): a dropped forward
     does not keep every block gathered through the next backward, and a
     second backward (of another forward, or of the same graph) finds its
-    frozen weights gathered again."""
+    frozen weights gathered again, and a backward that failed leaves nothing
+    behind after reset_iter_state()."""
     for out in dist_pool(2).run(_frozen_flow, flow, timeout=TIMEOUT):
         (ours, lo, seen), (theirs, lt, _) = out["ours"], out["torch"]
         assert ours == theirs
