@@ -1,6 +1,6 @@
 """End to end features against plain torch: uneven sizes, nesting, policies,
 no_sync, frozen and tied parameters, buffers, eval/no_grad, repeated forwards,
-reuse of a unit, prefetch options, memory after reshard."""
+two backwards a step, reuse of a unit, prefetch options, memory after reshard."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -75,6 +75,43 @@ def test_same_unit_twice_in_one_forward(dist_pool, strategy):
 @pytest.mark.parametrize("use_orig", [False, True])
 def test_several_forwards_before_one_backward(dist_pool, use_orig):
     dist_pool(2).run(run_case, forwards=3, use_orig_params=use_orig)
+
+
+def _backwards_apart(flow, use_orig):
+    """Frozen parameters (toy_models' frozen=True), trained where a unit's
+    backward runs twice per step: "two_backwards" (two forwards, then the
+    backward of each) or "retain_graph" (two backwards through one graph).
+    Each rank trains on the whole batch, so the plain model is the reference."""
+    from parity import compare_params
+    fs = FSDP(build(frozen=True), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
+              use_orig_params=use_orig)
+    ref = build(frozen=True)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+            for m in (fs, ref)]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x, x2 = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+        for m, opt in zip((fs, ref), opts):
+            loss = m(x).pow(2).mean()
+            if flow == "two_backwards":
+                loss2 = m(x2).pow(2).mean()
+                loss.backward()
+                loss2.backward()
+            else:
+                loss.backward(retain_graph=True)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return compare_params(fs, ref)[1]
+
+
+@pytest.mark.parametrize("flow", ["two_backwards", "retain_graph"])
+@pytest.mark.parametrize("use_orig", [False, True])
+def test_frozen_parameters_through_two_backwards_a_step(dist_pool, flow, use_orig):
+    """Each unit is gathered again for the second backward (torch's FSDP1
+    raises there: a parameter's storage is already freed)."""
+    for compared in dist_pool(2).run(_backwards_apart, flow, use_orig):
+        assert compared > 0
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
