@@ -189,8 +189,7 @@ class FSDPModule:
             st.prefetched = []
         for s in st.states or [st]:
             s.ready.clear()
-            s.reading.clear()  # frozen parameters: forwards the aborted backward had reached
-            s.reshard_due = False
+            s.forget_held_reshard()  # frozen parameters: forwards the failed backward reached
             g = s.group
             if g is None:
                 continue

@@ -488,6 +488,12 @@ class FSDPState:
         ids = {id(t) for t in tensors}
         return map_tensors(lambda t: next(out) if id(t) in ids else t, (args, kwargs))
 
+    def forget_held_reshard(self):
+        """The end of a backward (or of a failed one): no forward's inputs are
+        awaited any more, no reshard is held back for them."""
+        self.reading.clear()
+        self.reshard_due = False
+
     def _make_grad_hook(self, i):
         def hook(param):
             self.ready.add(i)
@@ -536,8 +542,7 @@ class FSDPState:
             self.callback_queued = False
             for st in self.states or [self]:
                 g = st.group
-                st.reading.clear()
-                st.reshard_due = False
+                st.forget_held_reshard()
                 if g is None:
                     continue
                 if st.ready or (st.requires_gradient_sync and g.has_unsharded_grads()):

@@ -117,23 +117,20 @@ class _Reporter:
         if holder not in dead:  # (a dead store fails slowly or noisily: not asked then)
             try:
                 text, found = self._compare(comm)
-                dead = self._dead(comm, 0.0)
-                return "\n".join([text] + _deaths(dead)), found | ({"dead"} if dead else set())
+                return _with_deaths([text], self._dead(comm, 0.0), found)
             except Exception as e:
                 failed = f"flatshard: could not compare ledgers across ranks: {e}"
                 if holder is None:
-                    dead = self._dead(comm, self.grace)
-                    return "\n".join([failed] + _deaths(dead)), {"dead"} if dead else set()
+                    return _with_deaths([failed], self._dead(comm, self.grace))
                 dead = self._dead(comm, self.grace, watch=holder)
                 if holder not in dead:  # on another host: its death cannot be seen from here
-                    return "\n".join([failed, f"  rank {holder} hosts the process group's TCP "
-                                      f"store ({host[1]}), so that rank, or its host, most "
-                                      "likely died"] + _deaths(dead)), \
-                        {"dead"} if dead else set()
+                    return _with_deaths([failed, f"  rank {holder} hosts the process group's TCP "
+                                         f"store ({host[1]}), so that rank, or its host, most "
+                                         "likely died"], dead)
         pid = dead.pop(holder)
-        return "\n".join([f"flatshard: rank {holder} (pid {pid}) died; it also hosted the process "
-                          f"group's TCP store ({host[1]}), so the ranks' ledgers cannot be "
-                          "compared"] + _deaths(dead)), {"dead"}
+        return _with_deaths([f"flatshard: rank {holder} (pid {pid}) died; it also hosted the "
+                             f"process group's TCP store ({host[1]}), so the ranks' ledgers "
+                             "cannot be compared"], dead, {"dead"})
 
     def _compare(self, comm):
         from torch.distributed import distributed_c10d as c10d
@@ -169,8 +166,11 @@ def _fix(found):
     return None
 
 
-def _deaths(dead):
-    return [f"  rank {r} (pid {pid}) died" for r, pid in sorted(dead.items())]
+def _with_deaths(lines, dead, found=frozenset()):
+    """-> (lines and a line per rank in `dead` ({rank: pid}), found with
+    "dead" added when there is one)."""
+    deaths = [f"  rank {r} (pid {pid}) died" for r, pid in sorted(dead.items())]
+    return "\n".join(lines + deaths), set(found) | ({"dead"} if dead else set())
 
 
 def _fmt(e):
