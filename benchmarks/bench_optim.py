@@ -41,6 +41,7 @@ import time
 import torch
 
 import flatshard.optim as fo
+from flatshard.optim.checks import _zeros_like
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -132,7 +133,7 @@ def bench_size(log2, args, ds_adam):
     # state placed as flatshard's AdamW places its own ([Note: state in huge
     # pages] in flatshard/optim), so that the ratio to the plain step is the
     # copy's cost alone
-    st = {"exp_avg": fo._zeros_like(p), "exp_avg_sq": fo._zeros_like(p), "step": 0}
+    st = {"exp_avg": _zeros_like(p), "exp_avg_sq": _zeros_like(p), "step": 0}
 
     def fused_with_copy():
         st["step"] += 1
