@@ -5,15 +5,13 @@
 The public API, gathered from the subpackages (their own __init__.py says
 what each owns and may import). From the bottom: the leaves (errors,
 options, envvars, tensors), runtime/ (collectives, devices, failure reports),
-fsdp2/ (fully_shard) beside fsdp/ (the FSDP1 wrapper, whose lower modules
-state/ builds on: state dicts and checkpoints), then memory.py, optim/ and
+state/ (reading checkpoint files), fsdp2/ (fully_shard) beside fsdp/ (the
+FSDP1 wrapper, its state dicts and checkpoints), then memory.py, optim/ and
 plan/ (the planner; imported as flatshard.plan, flatshard.optim).
 """
 from . import _C
 from .errors import (ConfigError, ConfigTypeError, CoreError, NotBuiltError, OutOfMemoryError,
                      StateError)
-# fsdp/ before state/: state/'s modules import fsdp/'s lower ones, and the
-# package fsdp/ imports api.py, which imports state/ (see fsdp/__init__.py).
 from .fsdp import FSDP, FullyShardedDataParallel
 from .fsdp.wrap import (CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy,
                         size_based_auto_wrap_policy, transformer_auto_wrap_policy)
@@ -33,12 +31,12 @@ __all__ = [
     "StateError", "memory_stats",
 ]
 
-# State dicts and checkpoints (fsdp/summon.py, state/).
-from .state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+# State dicts and checkpoints (fsdp/state_dict.py, fsdp/checkpoint.py).
+from .fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from .errors import MetaDeviceError, StateDictError, UnsafeFileError  # noqa: E402
 from .options import (FullOptimStateDictConfig, LocalOptimStateDictConfig,  # noqa: E402
                       OptimStateDictConfig, ShardedOptimStateDictConfig)
-from .state.state_dict import StateDictSettings  # noqa: E402
+from .fsdp.state_dict import StateDictSettings  # noqa: E402
 
 __all__ += ["MetaDeviceError", "StateDictError", "UnsafeFileError", "StateDictSettings", "OptimStateDictConfig",
             "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig",

@@ -52,7 +52,7 @@ class BackwardPrefetch(enum.Enum):
 
 
 class StateDictType(enum.Enum):
-    """What FSDP.state_dict returns (flatshard.state.state_dict): whole parameters
+    """What FSDP.state_dict returns (flatshard.fsdp.state_dict): whole parameters
     under the plain model's keys, each rank's flat shards, or DTensors."""
     FULL_STATE_DICT = enum.auto()
     LOCAL_STATE_DICT = enum.auto()

@@ -4,19 +4,17 @@ FSDP1's class on flatshard's core.
 Owns the wrapper class and its argument checks (api.py, config.py, wrap.py),
 the flat groups and per-unit hooks (flat_param.py, unit.py, zero1.py), the
 process groups a unit runs over (groups.py), and what works on a wrapped
-model's units: summon_full_params (summon.py), clip_grad_norm_ (clip.py) and
-the out-of-memory report (oom.py).
+model's units: summon_full_params (summon.py), clip_grad_norm_ (clip.py),
+the out-of-memory report (oom.py), state dicts with torch's three types
+(state_dict.py), optimizer state keyed by parameter name (optim_state.py) and
+atomic sharded checkpoints (checkpoint.py).
 
-Imports: the leaves (errors, options, tensors, envvars) and runtime/. Only
-api.py imports state/ (the wrapper's state-dict methods delegate there), and
-state/ builds on this package's lower modules, never on api.py. Nothing here
+Imports: the leaves (errors, options, tensors, envvars), runtime/ and state/
+(the checkpoint directory and the rules for reading files). Nothing here
 imports fsdp2/, plan/, optim/ or memory.py. The modules below api.py find a
-model's units with unit.fsdp_units, never by the wrapper class.
-
-Import order: importing any module of state/ runs this file (state/ imports
-fsdp.unit, fsdp.summon, ...), which imports api.py, which imports state/.
-So this package is imported first (flatshard/__init__.py does), and api.py
-then finds state/ whole.
+model's units with unit.fsdp_units, never by the wrapper class, so the
+state-dict modules sit below api.py, which delegates its state-dict methods
+to them.
 """
 from .api import FSDP, FSDP_WRAPPED_MODULE, FullyShardedDataParallel
 from .flat_param import FLAT_PARAM, FlatParameter

@@ -11,8 +11,8 @@ Same constructor signature, same module structure (`_fsdp_wrapped_module`,
   6. build the units, innermost first, the root last.
 Each unit flattens its parameters (flat_param.py) and hands them to a C unit
 (the engine's unit, csrc/engine/unit.h); unit.py connects it to torch's hooks. The state-dict,
-summon and clipping methods delegate to state/state_dict.py,
-state/optim_state.py, summon.py and clip.py, which find the units through
+summon and clipping methods delegate to state_dict.py,
+optim_state.py, summon.py and clip.py, which find the units through
 unit.py (`fsdp_units`) and never import this module; register_comm_hook
 checks the hook in comm_hook.py and rebuilds the C units with its reduce
 dtype.
@@ -37,10 +37,9 @@ from ..runtime.device import empty_fn
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
 from ..runtime.trees import cast_floating
-from ..state import optim_state
-from ..state import state_dict as state_dicts
 from ..tensors import DTYPE_CODES, check_plain, dtype_code
-from . import clip, comm_hook, config, summon
+from . import clip, comm_hook, config, optim_state, summon
+from . import state_dict as state_dicts
 from .flat_param import Alias, FlatGroup, flat_param_name, mark_flat_param
 from .groups import unit_comms
 from .unit import UnitRuntime
@@ -672,7 +671,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """The plain model's keys; what the values are is set by
-        FSDP.state_dict_type (default FULL_STATE_DICT): see flatshard.state.state_dict.
+        FSDP.state_dict_type (default FULL_STATE_DICT): see flatshard.fsdp.state_dict.
         destination, prefix, keep_vars: nn.Module.state_dict's."""
         return state_dicts.state_dict(self, destination, prefix, keep_vars)
 

@@ -1,12 +1,10 @@
-"""State dicts and checkpoints of a model wrapped with the FSDP1 wrapper:
-model state dicts with torch's three types (state_dict.py), optimizer state
-keyed by parameter name (optim_state.py), atomic sharded checkpoints
-(checkpoint.py), one consolidated file from a checkpoint (consolidate.py),
-and the rules for reading files someone else may have written
-(safe_load.py).
+"""Files someone else may have written: one consolidated file from a sharded
+checkpoint, without a process group (consolidate.py), and the rules for
+reading checkpoint files (safe_load.py: plain data and known types only,
+every path inside its directory). The FSDP1 wrapper's state dicts and
+checkpoints that write those files are fsdp/'s (state_dict.py,
+optim_state.py, checkpoint.py).
 
-Imports: the leaves (errors, options) and fsdp/'s lower modules (unit,
-summon, flat_param, groups), to reach each wrapped unit; never fsdp/api.py
-(which delegates its state-dict methods here), fsdp2/, plan/ or optim/.
-safe_load.py imports nothing but errors, so optim/ can use it.
+Imports: errors only; nothing of fsdp/, fsdp2/, plan/ or optim/ (optim/ and
+fsdp/ use safe_load.py).
 """

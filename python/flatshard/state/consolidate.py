@@ -27,7 +27,7 @@ import torch
 
 from ..errors import bad_value
 from . import safe_load
-from .checkpoint import latest_checkpoint
+from .checkpoint_dir import latest_checkpoint
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
 _SAFETENSORS_DTYPES = {  # every dtype safetensors has

@@ -31,14 +31,14 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..errors import StateDictError, StateError, bad_type, bad_value, not_built
-from ..fsdp.flat_param import flat_param_name
-from ..fsdp.groups import hybrid_groups
-from ..fsdp.summon import summon_unit
-from ..fsdp.unit import fsdp_units, unit_of
 from ..options import (FullOptimStateDictConfig, FullStateDictConfig,
                        LocalOptimStateDictConfig, LocalStateDictConfig, OptimStateDictConfig,
                        ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType,
                        normalize_dataclass, normalize_enum)
+from .flat_param import flat_param_name
+from .groups import hybrid_groups
+from .summon import summon_unit
+from .unit import fsdp_units, unit_of
 
 WRAPPED = "_fsdp_wrapped_module"
 CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper

@@ -24,14 +24,10 @@ import torch.distributed as dist
 
 from ..errors import bad_type, bad_value
 from ..options import StateDictType
+from ..state.checkpoint_dir import LATEST, PREFIX, TMP, latest_checkpoint
+from ..state.safe_load import dcp_load, is_plain, reader
 from .optim_state import optim_state_dict, optim_state_dict_to_load
-from .safe_load import dcp_load, inside, is_plain, reader
 from .state_dict import mismatch_error, state_dict_type, units_of
-
-LATEST = "LATEST"
-PREFIX = "ckpt-"
-TMP = ".tmp-"
-
 
 def _group(model):
     """The group the checkpoint is written over: the model's, or under
@@ -132,21 +128,6 @@ def _commit(path, name):
         return None
     except OSError as e:
         return e
-
-
-def latest_checkpoint(path):
-    """The checkpoint directory `path` stands for: itself if it is a DCP
-    checkpoint, else the one its LATEST file names (inside `path`)."""
-    if os.path.exists(os.path.join(path, ".metadata")):
-        return path
-    try:
-        with open(os.path.join(path, LATEST)) as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"flatshard: no checkpoint at {path!r}: it has neither a "
-                                f"{LATEST} file (written by flatshard.save_checkpoint) nor DCP "
-                                ".metadata") from None
-    return inside(path, name, repr(os.path.join(path, LATEST)))
 
 
 def load_checkpoint(path, model, optimizer=None):

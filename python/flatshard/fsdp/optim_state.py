@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import StateDictError, bad_type, bad_value, not_built
-from ..fsdp.summon import all_gather_shard
-from ..fsdp.unit import fsdp_units
 from ..options import OptimStateKeyType, StateDictType, normalize_enum
 from .state_dict import (alias_keys, get_state_dict_type, mesh_of, plain_key, to_dtensor,
                          units_with_paths, whole, units_of)
+from .summon import all_gather_shard
+from .unit import fsdp_units
 
 
 class _Slot:
