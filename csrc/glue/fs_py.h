@@ -1,5 +1,6 @@
-/* fs_py.h - declarations shared by the CPython glue files (module.c,
- * py_comm.c, py_unit.c, ...). Only the glue includes Python.h; the core and the engine do not
+/* fs_py.h - declarations shared by the CPython glue files (module.c: init;
+ * py_helpers.c: the helpers below; py_comm.c, py_unit.c, ... : one type each).
+ * Only the glue includes Python.h; the core and the engine do not
  * (comm_torch.c excepted: that backend is a Python call by nature). */
 #ifndef FS_PY_H
 #define FS_PY_H
@@ -114,10 +115,6 @@ PyObject *fs_comm_failed(CommObject *self);
 /* None after a successful collective; else raise naming op and tag, with
  * the ledger's note (fs_comm_failed), and NULL. */
 PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char *tag);
-
-/* py_comm_ops.c: Comm.all_gather / reduce_scatter with their arguments. */
-PyObject *fs_comm_issue_all_gather(CommObject *self, PyObject *args);
-PyObject *fs_comm_issue_reduce_scatter(CommObject *self, PyObject *args);
 
 int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);

@@ -180,14 +180,40 @@ PyDoc_STRVAR(all_gather_doc, "all_gather(send_ptr, recv_ptr, count, dtype, tag='
                              TAG_DOC);
 static PyObject *Comm_all_gather(CommObject *self, PyObject *args)
 {
-    return fs_comm_issue_all_gather(self, args);
+    unsigned long long sp, rp;
+    long long n;
+    int t;
+    const char *tag = "";
+    if (!PyArg_ParseTuple(args, "KKLi|s", &sp, &rp, &n, &t, &tag))
+        return NULL;
+    if (fs_comm_bind_stream(self) < 0)
+        return NULL;
+    fs_status s;
+    FS_COMM_RECORD(self, s, FS_LOP_ALL_GATHER, tag, n, t,
+                   fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
+    return fs_comm_done(self, s, "all_gather", tag);
 }
 
 PyDoc_STRVAR(reduce_scatter_doc,
              "reduce_scatter(send_ptr, recv_ptr, recv_count, dtype, average, tag='')" TAG_DOC);
 static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
 {
-    return fs_comm_issue_reduce_scatter(self, args);
+    unsigned long long sp, rp;
+    long long n;
+    int t, avg;
+    const char *tag = "";
+    if (!PyArg_ParseTuple(args, "KKLip|s", &sp, &rp, &n, &t, &avg, &tag))
+        return NULL;
+    PyObject *ws;
+    if (fs_comm_bind_stream(self) < 0 ||
+        fs_comm_lend_workspace(self, t, n * self->comm->world_size, &ws) < 0)
+        return NULL;
+    fs_status s;
+    FS_COMM_RECORD(self, s, FS_LOP_REDUCE_SCATTER, tag, n, t,
+                   fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
+                                          avg ? FS_RED_AVG : FS_RED_SUM));
+    fs_comm_return_workspace(self, &ws);
+    return fs_comm_done(self, s, "reduce_scatter", tag);
 }
 
 PyDoc_STRVAR(all_reduce_doc, "all_reduce(ptr, count, dtype, average, tag='')" TAG_DOC);

@@ -1,0 +1,77 @@
+/* py_helpers.c - what every glue file calls: the module's state from a
+ * module or a heap type, raising a core status as a Python exception, a
+ * tensor's data pointer, lists of ints. Declared in fs_py.h; no entry points. */
+#include "fs_py.h"
+
+#include <stdarg.h>
+#include <stdlib.h>
+
+fs_mod_state *fs_state_from_module(PyObject *m) { return PyModule_GetState(m); }
+
+fs_mod_state *fs_state_from_type(PyTypeObject *tp)
+{
+    return PyModule_GetState(PyType_GetModuleByDef(tp, &fs_module_def));
+}
+
+PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...)
+{
+    if (s == FS_ERR_PYTHON && PyErr_Occurred())
+        return NULL;
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    if (!msg)
+        return NULL;
+    PyObject *exc = s == FS_ERR_BAD_STATE ? st->StateError
+                    : s == FS_ERR_NO_MEMORY ? PyExc_MemoryError
+                                            : st->CoreError;
+    /* A backend's error carries its own words (the ranks, the collective,
+     * the cause); the status's name is added only where it has none. */
+    Py_ssize_t n = PyUnicode_GET_LENGTH(msg);
+    Py_UCS4 last = n ? PyUnicode_READ_CHAR(msg, n - 1) : ':';
+    if (s == FS_ERR_BACKEND && last != ':' && last != ' ')
+        PyErr_SetObject(exc, msg);
+    else
+        PyErr_Format(exc, "%U: %s", msg, fs_status_str(s));
+    Py_DECREF(msg);
+    return NULL;
+}
+
+int fs_tensor_ptr(PyObject *tensor, void **out)
+{
+    static PyObject *name;
+    PyObject *p = FS_NAME(name, "data_ptr") ? PyObject_CallMethodNoArgs(tensor, name) : NULL;
+    if (!p)
+        return -1;
+    *out = PyLong_AsVoidPtr(p);
+    Py_DECREF(p);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------------------
+ * argument conversion shared by the glue */
+
+int64_t *fs_int64_list(PyObject *obj, Py_ssize_t *n, const char *what)
+{
+    PyObject *seq = PySequence_Fast(obj, what);
+    if (!seq)
+        return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    int64_t *v = malloc(sizeof(int64_t) * (size_t)(*n ? *n : 1));
+    if (!v) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        v[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v[i] == -1 && PyErr_Occurred()) {
+            free(v);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return v;
+}
