@@ -1,7 +1,7 @@
 /* fs_status.h - the one result type of the flatshard C core.
  *
  * Every C function that can fail returns an fs_status. Foreign errors
- * (errno, a Python exception raised inside a backend, later CUDA/NCCL) are
+ * (errno, a Python exception raised inside a backend, CUDA and NCCL) are
  * mapped at the edge; the CPython glue turns a status into an exception.
  * The core never prints, exits or aborts. */
 #ifndef FS_STATUS_H

@@ -105,7 +105,7 @@ fs_status fs_shm_unlink(const char *name);
 
 /* A collective through `self` failed and its exception is set: add this
  * rank's last ledger entries as a note, and call self.on_failure(exc) (set
- * by flatshard/diagnostics.py: it compares ledgers across ranks). Returns
+ * by flatshard/runtime/diagnostics.py: it compares ledgers across ranks). Returns
  * NULL, with the exception still set. */
 PyObject *fs_comm_failed(CommObject *self);
 
