@@ -388,31 +388,43 @@ static fs_status collect(fs_dim0_group *g)
             return fail(g, s, "all-reduce", 1, "all_reduce across replicas: %s",
                         r->comm->last_error);
     }
-    if (g->hold > 0 && g->hold != 1.0 &&
+    /* a hook reads what torch's reads: the collective's own divide done */
+    if (g->held && g->divide.in_comm != 1.0 &&
         (s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out, g->reduce,
-                                      g->block_numel, 1.0 / g->hold, 0)) != FS_OK)
+                                      g->block_numel, 1.0 / g->divide.in_comm, 0)) != FS_OK)
         return fail(g, s, "reduce-scatter", 0, "divide: %s", l->comm->last_error);
     return FS_OK;
 }
 
-/* The scale (what a held output was not divided by yet), each sharded gradient. */
+/* What the reduce output was not divided by yet, then each sharded
+ * gradient. The post divide runs in the reduce dtype before the cast and the
+ * add, as torch's does; fused into them where that changes no bits: the same
+ * dtype, and an add that rounds its product as the reduce dtype does (f32,
+ * f64). The collective's own divide stays fused, as the collective would
+ * round it. */
 static fs_status write_grads(fs_dim0_group *g)
 {
     fs_link *l = &g->link;
     fs_comm *c = l->comm;
     fs_status s = FS_OK;
-    const int world = c->world_size, rank = c->rank;
+    const int rank = c->rank;
     const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1;
     if (!writes(g))
         return FS_OK;
-    double scale = g->factor > 0 ? 1.0 / g->factor : 1.0 / world;
-    if (g->replicate.comm && g->factor <= 0)
-        scale /= g->replicate.comm->world_size;
-    if (g->hold > 0) {
-        const double divisor =
-            g->factor > 0 ? g->factor
-                          : (double)world * (g->replicate.comm ? g->replicate.comm->world_size : 1);
-        scale = g->hold / divisor;
+    double scale = g->held ? 1.0 : 1.0 / g->divide.in_comm;
+    if (g->divide.post != 1.0) {
+        int same = 1;
+        for (int i = 0; i < g->nparams; i++)
+            same &= !g->outs[i] ||
+                    (g->out_t[i] == g->reduce &&
+                     (!g->accumulate[i] || g->reduce == FS_F32 || g->reduce == FS_F64));
+        if (same) {
+            scale /= g->divide.post;
+        } else if ((s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out,
+                                                 g->reduce, g->block_numel,
+                                                 1.0 / g->divide.post, 0)) != FS_OK) {
+            return fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
+        }
     }
     const size_t rs = fs_dtype_size(g->reduce);
     for (int i = 0; i < g->nparams && s == FS_OK; i++) {
@@ -442,7 +454,7 @@ static void release_reduction(fs_dim0_group *g)
 
 fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
-                         double factor, double hold, unsigned flags)
+                         double factor, unsigned flags)
 {
     const fs_env *e = &g->env;
     fs_link *l = &g->link;
@@ -456,8 +468,13 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     if (g->reduce_pending && (s = fs_dim0_finish_reduce(g)) != FS_OK)
         return s;
     g->all_reduce = !(flags & FS_DIM0_NO_ALL_REDUCE);
-    g->hold = writes(g) && hold > 0 ? hold : 0.0;
-    if (bucketed && (!writes(g) || g->hold > 0))
+    g->held = writes(g) && (flags & FS_DIM0_HOLD);
+    if ((s = fs_divide_rule(FS_DIVIDE_FULLY_SHARD, g->reduce, world,
+                            g->replicate.comm ? g->replicate.comm->world_size : 1, factor,
+                            (flags & FS_DIM0_FORCE_SUM) != 0, &g->divide)) != FS_OK)
+        return fail(g, s, "reduce-scatter", 0, "group '%s': the gradient divide factor must be "
+                    "> 0 and finite, got %g", g->name, factor);
+    if (bucketed && (!writes(g) || g->held))
         return fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "a reduction into the HSDP "
                     "partial sum, or held for a hook, cannot wait in a bucket");
     void *rs_in;
@@ -469,7 +486,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
                                                 : FS_TAKE_TRANSIENT),
                      &rs_in, &g->rs_in_h)) != FS_OK ||
         (s = e->take(e->ctx, g->block_numel * (int64_t)rs,
-                     defer || g->hold > 0 ? 0 : bucketed ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT,
+                     defer || g->held ? 0 : bucketed ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT,
                      &g->rs_out, &g->rs_out_h)) !=
             FS_OK) {
         release_reduction(g);
@@ -506,7 +523,13 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
         g->out_t[i] = out_t[i];
         g->accumulate[i] = accumulate[i];
     }
-    g->factor = factor;
+    /* torch divides its reduce-scatter input in place, padding and all */
+    if (g->divide.pre != 1.0 &&
+        (s = fs_link_scale_accumulate(l, l->stream, rs_in, g->reduce, rs_in, g->reduce,
+                                      g->block_numel * world, 1.0 / g->divide.pre, 0)) != FS_OK) {
+        release_reduction(g);
+        return fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
+    }
     void *ws;
     if ((s = fs_link_lend(e, l, g->reduce, g->block_numel * world, &ws)) != FS_OK) {
         release_reduction(g);
@@ -542,7 +565,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     drop(g, &ws);
     drop(g, &g->rs_in_h);
     s = collect(g);
-    if (s == FS_OK && g->hold > 0)
+    if (s == FS_OK && g->held)
         return FS_OK; /* held: fs_dim0_finish_reduce writes */
     if (s == FS_OK)
         s = write_grads(g);
