@@ -75,25 +75,27 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
         g->block_numel = lay.block_numel;
     if (s == FS_OK)
         s = fs_layout_dim0(dim0, grows, nparams, world, rank, align, g->gentries, &lay);
-    free(rows);
-    free(grows);
-    if (s != FS_OK)
-        return fail(g, s, "construction", 0, "bad parameter shapes or alignment");
-    g->gather_block_numel = lay.block_numel;
-    /* each gathered parameter whole in the unsharded buffer, aligned */
-    int64_t pos = 0;
-    for (int i = 0; i < nparams; i++) {
+    if (s == FS_OK)
+        g->gather_block_numel = lay.block_numel;
+    /* each gathered parameter whole in the unsharded buffer (rows: its
+     * numels, grows: its offsets) */
+    for (int i = 0; i < nparams && s == FS_OK; i++)
+        rows[i] = dim0[i] < 0 || (grows[i] && dim0[i] > INT64_MAX / grows[i]) ? -1
+                                                                               : dim0[i] * grows[i];
+    if (s == FS_OK)
+        s = fs_layout_dim0_unsharded(rows, nparams, world, align, grows, &g->full_alloc);
+    for (int i = 0; i < nparams && s == FS_OK; i++) {
         fs_dim0_param *p = &g->params[i];
         p->outer = outer ? outer[i] : 1;
         p->dim0 = dim0[i];
         p->row_numel = row_numel[i];
         p->gathered = gathered[i];
-        p->full_offset = pos;
-        if (p->gathered)
-            pos += (p->outer * p->dim0 * p->row_numel + align - 1) / align * align;
+        p->full_offset = grows[i];
     }
-    /* padded so that any divisor of the world can split it (int reshard_after_forward) */
-    g->full_alloc = (pos + align * world - 1) / (align * world) * align * world;
+    free(rows);
+    free(grows);
+    if (s != FS_OK)
+        return fail(g, s, "construction", 0, "bad parameter shapes or alignment");
     return FS_OK;
 }
 
@@ -283,9 +285,13 @@ fs_status fs_dim0_unshard_from(fs_dim0_group *g, fs_link *post, void *chunk)
 {
     const fs_env *e = &g->env;
     const size_t es = fs_dtype_size(g->compute);
-    const int64_t count = g->full_alloc / post->comm->world_size;
     void *src, *dst, *none;
-    fs_status s;
+    int64_t count; /* the all-gather puts each rank's chunk back where it was cut */
+    fs_status s = fs_layout_dim0_post_chunk(g->full_alloc, post->comm->world_size,
+                                            post->comm->rank, NULL, &count);
+    if (s != FS_OK)
+        return fail(g, s, "unshard", 0, "a group of %d does not divide the unsharded buffer",
+                    post->comm->world_size);
     if ((s = fs_dim0_wait(g)) != FS_OK)
         return s;
     if (g->unsharded)

@@ -417,9 +417,9 @@ class ParamGroup:
         if not self.c.is_unsharded:
             return
         self.wait_unsharded()
-        k = self.post_comm.world_size
-        n = self.full_alloc // k
-        chunk = self.full.narrow(0, self.post_comm.rank * n, n).clone()
+        keep = _C.layout_dim0_post_chunk(self.full_alloc, self.post_comm.world_size,
+                                         self.post_comm.rank)
+        chunk = self.full[keep].clone()
         self.reshard()
         self.post_chunk = chunk
 
