@@ -177,6 +177,34 @@ fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsi
     return FS_OK;
 }
 
+fs_status fs_unit_dispatch(fs_unit *u, fs_event ev, const fs_unit_event_work *w,
+                           unsigned *actions, int *failed)
+{
+    unsigned act = 0;
+    fs_status s = FS_OK;
+    *failed = -1;
+    *actions = 0;
+    if (ev == FS_EV_FINALIZE)
+        s = fs_unit_wait_reduced(u);
+    if (s == FS_OK)
+        s = fs_unit_event(u, ev, w->flags, w->group, &act);
+    if (s == FS_OK && (w->nalong || (w->coalesce && (act & FS_ACT_UNSHARD))))
+        s = fs_unit_unshard_along(u, (act & FS_ACT_UNSHARD) != 0, w->along, w->nalong, failed);
+    else if (s == FS_OK && (act & FS_ACT_UNSHARD))
+        s = fs_unit_unshard(u, 0, 0);
+    if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
+        s = fs_unit_ready(u);
+    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && w->grad && w->out) {
+        u->link.bucket = w->bucket;
+        s = fs_unit_reduce(u, w->group, w->grad, w->out, w->accumulate, w->defer);
+        u->link.bucket = NULL;
+    }
+    if (s == FS_OK && (act & FS_ACT_RESHARD))
+        s = fs_unit_reshard(u);
+    *actions = act;
+    return s;
+}
+
 /* ---------------------------------------------------------------------------
  * gathers */
 
