@@ -11,21 +11,16 @@ static fs_status fail(fs_dim0_group *g, fs_status s, const char *what, int colle
 {
     g->err_what = what;
     g->err_collective = collective;
-    g->err[0] = '\0';
-    if (s != FS_ERR_HOST && fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(g->err, sizeof g->err, fmt, ap);
-        va_end(ap);
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    fs_group_words(g->err, sizeof g->err, s, fmt, ap);
+    va_end(ap);
     return s;
 }
 
 static void drop(fs_dim0_group *g, void **h)
 {
-    if (*h)
-        g->env.release(g->env.ctx, *h);
-    *h = NULL;
+    fs_group_drop(&g->env, h);
 }
 
 fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link link,
@@ -622,31 +617,32 @@ void fs_dim0_cancel_reduce(fs_dim0_group *g)
         release_reduction(g);
 }
 
+/* a bucket's parts: owners[i]'s reduction (group.h's callbacks) */
+static fs_status finish_part(void *owners, int i)
+{
+    fs_dim0_group *g = ((fs_dim0_group *const *)owners)[i];
+    g->in_bucket = 0;
+    return fs_dim0_finish_reduce(g);
+}
+
+static void cancel_part(void *owners, int i)
+{
+    fs_dim0_cancel_reduce(((fs_dim0_group *const *)owners)[i]);
+}
+
 void fs_dim0_cancel_bucket(fs_reduce_bucket *b, fs_dim0_group *const *owners)
 {
-    for (int i = 0; i < b->nparts; i++)
-        fs_dim0_cancel_reduce(owners[i]);
-    b->nparts = 0;
-    b->count = 0;
+    const fs_bucket_owners o = {finish_part, cancel_part, (void *)owners};
+    fs_group_cancel_bucket(b, &o);
 }
 
 fs_status fs_dim0_flush_bucket(fs_reduce_bucket *b, fs_dim0_group *g,
                                fs_dim0_group *const *owners, int *failed)
 {
-    const int n = b->nparts;
-    fs_status s = fs_reduce_bucket_flush(b, &g->link, &g->env);
-    b->nparts = 0;
-    b->count = 0;
-    *failed = -1;
-    if (s != FS_OK)
+    const fs_bucket_owners o = {finish_part, cancel_part, (void *)owners};
+    fs_status s = fs_group_flush_bucket(b, &g->link, &g->env, &o, failed);
+    if (s != FS_OK && *failed < 0)
         fail(g, s, "reduce-scatter", 1, "bucketed reduce_scatter: %s", g->link.comm->last_error);
-    for (int i = 0; i < n; i++) {
-        owners[i]->in_bucket = 0;
-        if (s != FS_OK)
-            fs_dim0_cancel_reduce(owners[i]);
-        else if ((s = fs_dim0_finish_reduce(owners[i])) != FS_OK)
-            *failed = i;
-    }
     return s;
 }
 

@@ -42,6 +42,7 @@
 #define FS_DIM0_H
 
 #include "engine.h"
+#include "group.h"
 #include "layout.h"
 #include "reduce_rule.h"
 

@@ -20,13 +20,9 @@ fs_status fs_unit_fail(fs_unit *u, fs_status s, const char *what, int group, con
     u->err_what = what;
     u->err_group = group;
     u->err_collective = 0;
-    if (s == FS_ERR_HOST || !fmt) {
-        u->err[0] = '\0';
-        return s;
-    }
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(u->err, sizeof u->err, fmt, ap);
+    fs_group_words(u->err, sizeof u->err, s, fmt, ap);
     va_end(ap);
     return s;
 }
@@ -60,9 +56,7 @@ static fs_status take(fs_unit *u, int64_t numel, fs_dtype t, void **data, void *
 
 static void drop(fs_unit *u, void **handle)
 {
-    if (*handle)
-        u->env.release(u->env.ctx, *handle);
-    *handle = NULL;
+    fs_group_drop(&u->env, handle);
 }
 
 /* ---------------------------------------------------------------------------

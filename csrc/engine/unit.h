@@ -32,6 +32,7 @@
 #define FS_UNIT_H
 
 #include "engine.h"
+#include "group.h"
 #include "unit_fsm.h"
 
 typedef struct {

@@ -326,30 +326,40 @@ void fs_unit_cancel_bucketed(fs_unit *u, int gi)
         let_go(u, &u->bucketed[gi]);
 }
 
+/* a bucket's parts: owners[i]'s group groups[i] (group.h's callbacks) */
+typedef struct {
+    fs_unit *const *owners;
+    const int *groups;
+} bucket_parts;
+
+static fs_status finish_part(void *ctx, int i)
+{
+    const bucket_parts *p = ctx;
+    return fs_unit_finish_bucketed(p->owners[i], p->groups[i]);
+}
+
+static void cancel_part(void *ctx, int i)
+{
+    const bucket_parts *p = ctx;
+    fs_unit_cancel_bucketed(p->owners[i], p->groups[i]);
+}
+
 void fs_unit_cancel_bucket(fs_reduce_bucket *b, fs_unit *const *owners, const int *groups)
 {
-    for (int i = 0; i < b->nparts; i++)
-        fs_unit_cancel_bucketed(owners[i], groups[i]);
-    b->nparts = 0;
-    b->count = 0;
+    bucket_parts p = {owners, groups};
+    const fs_bucket_owners o = {finish_part, cancel_part, &p};
+    fs_group_cancel_bucket(b, &o);
 }
 
 fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *owners,
                                const int *groups, int *failed)
 {
-    const int n = b->nparts;
-    fs_status s = fs_reduce_bucket_flush(b, &u->link, &u->env);
-    b->nparts = 0;
-    b->count = 0;
-    *failed = -1;
-    if (s != FS_OK)
-        fs_unit_fail_comm(u, s, "reduce-scatter", groups[0], "bucketed reduce_scatter: %s",
+    const int first = b->nparts ? groups[0] : -1;
+    bucket_parts p = {owners, groups};
+    const fs_bucket_owners o = {finish_part, cancel_part, &p};
+    fs_status s = fs_group_flush_bucket(b, &u->link, &u->env, &o, failed);
+    if (s != FS_OK && *failed < 0)
+        fs_unit_fail_comm(u, s, "reduce-scatter", first, "bucketed reduce_scatter: %s",
                           u->link.comm->last_error);
-    for (int i = 0; i < n; i++) {
-        if (s != FS_OK)
-            fs_unit_cancel_bucketed(owners[i], groups[i]);
-        else if ((s = fs_unit_finish_bucketed(owners[i], groups[i])) != FS_OK)
-            *failed = i;
-    }
     return s;
 }
