@@ -112,3 +112,39 @@ def test_align_numel_is_the_one_rule():
         assert _C.align_numel(elem_bytes) == want, elem_bytes
     with pytest.raises(ValueError, match="elem_bytes"):
         _C.align_numel(0)
+
+
+@pytest.mark.parametrize("numels,world,align", list(itertools.product(SIZES, WORLDS, ALIGNS)))
+def test_dim0_unsharded_buffer_and_post_forward_chunks(numels, world, align):
+    """The unsharded buffer against one built by torch ops (each parameter
+    padded to the alignment, concatenated, the end padded to align * world),
+    and every post-forward group's chunks against torch.chunk of it."""
+    gathered = [i % 3 != 1 for i in range(len(numels))]  # some left out (extensions)
+    sizes = [n if g else 0 for n, g in zip(numels, gathered)]
+    got = _C.layout_dim0_unsharded(sizes, world, align)
+    pieces = [torch.nn.functional.pad(torch.arange(1, n + 1, dtype=torch.float64),
+                                      (0, round_up(n, align) - n)) for n in sizes]
+    ref = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64)
+    ref = torch.nn.functional.pad(ref, (0, round_up(ref.numel(), align * world) - ref.numel()))
+    assert got["alloc_numel"] == ref.numel()
+    starts = [sum(p.numel() for p in pieces[:i]) for i in range(len(pieces))]
+    assert got["offsets"] == starts
+    for off, n in zip(got["offsets"], sizes):
+        assert off % align == 0
+        assert torch.equal(ref[off:off + n], torch.arange(1, n + 1, dtype=torch.float64))
+    for k in (k for k in range(1, world + 1) if world % k == 0):
+        chunks = torch.chunk(ref, k) if ref.numel() else [ref] * k
+        for rank in range(k):
+            keep = _C.layout_dim0_post_chunk(ref.numel(), k, rank)
+            assert keep.start % align == 0
+            assert torch.equal(ref[keep], chunks[rank])
+            assert keep.stop - keep.start == ref.numel() // k
+
+
+def test_dim0_unsharded_layouts_reject_bad_arguments():
+    for args in [([1], 0, 1), ([1], 1, 0), ([-1], 1, 1), ([2 ** 62, 2 ** 62], 1, 1)]:
+        with pytest.raises(_C.CoreError, match="layout_dim0_unsharded"):
+            _C.layout_dim0_unsharded(*args)
+    for args in [(8, 3, 0), (8, 0, 0), (8, 2, 2), (8, 2, -1), (-8, 2, 0)]:
+        with pytest.raises(_C.CoreError, match="layout_dim0_post_chunk"):
+            _C.layout_dim0_post_chunk(*args)

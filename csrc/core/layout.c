@@ -78,3 +78,31 @@ fs_status fs_layout_dim0(const int64_t *dim0, const int64_t *row_numel, int64_t 
     layout->gathered_numel = layout->block_numel * world_size;
     return FS_OK;
 }
+
+fs_status fs_layout_dim0_unsharded(const int64_t *numels, int64_t n, int64_t world_size,
+                                   int64_t align_numel, int64_t *offsets, int64_t *alloc_numel)
+{
+    if (n < 0 || world_size < 1 || align_numel < 1)
+        return FS_ERR_INVALID_ARG;
+    int64_t pos = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (numels[i] < 0 || numels[i] > INT64_MAX - pos - align_numel)
+            return FS_ERR_INVALID_ARG;
+        offsets[i] = pos;
+        pos += round_up(numels[i], align_numel);
+    }
+    *alloc_numel = round_up(pos, align_numel * world_size);
+    return FS_OK;
+}
+
+fs_status fs_layout_dim0_post_chunk(int64_t alloc_numel, int64_t group_size, int64_t rank,
+                                    int64_t *offset, int64_t *numel)
+{
+    if (alloc_numel < 0 || group_size < 1 || rank < 0 || rank >= group_size ||
+        alloc_numel % group_size)
+        return FS_ERR_INVALID_ARG;
+    *numel = alloc_numel / group_size;
+    if (offset)
+        *offset = rank * *numel;
+    return FS_OK;
+}

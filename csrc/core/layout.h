@@ -15,7 +15,9 @@
  *  is padded to that row count. A rank's all-gather input ("block") is its
  *  padded chunks laid end to end, each starting at a multiple of
  *  `align_numel`; the gathered buffer is (world_size, block_numel) and each
- *  parameter is copied out of it.
+ *  parameter is copied out of it into the unsharded buffer, where each
+ *  starts aligned too and the end is padded so that every post-forward group
+ *  (int reshard_after_forward) keeps an equal chunk.
  *
  * [Note: padding] Padding is decided here once and is always zero-filled by
  * the callers: FLAT pads between parameters (alignment) and at the end (so
@@ -79,6 +81,21 @@ typedef struct {
 fs_status fs_layout_dim0(const int64_t *dim0, const int64_t *row_numel, int64_t n,
                          int64_t world_size, int64_t rank, int64_t align_numel,
                          fs_dim0_entry *entries, fs_dim0_layout *layout);
+
+/* DIM0's unsharded buffer: numels[i] elements of parameter i (0 for one
+ * that is not gathered into it) at offsets[i], each start a multiple of
+ * align_numel; the whole (*alloc_numel) padded to a multiple of
+ * align_numel * world_size, so that any group size dividing world_size cuts
+ * it into equal aligned chunks (int reshard_after_forward). */
+fs_status fs_layout_dim0_unsharded(const int64_t *numels, int64_t n, int64_t world_size,
+                                   int64_t align_numel, int64_t *offsets, int64_t *alloc_numel);
+
+/* The chunk of that buffer which rank `rank` of a post-forward group of
+ * group_size ranks keeps after forward, and gathers it back from:
+ * [*offset, *offset + *numel) (offset may be NULL). group_size must
+ * divide alloc_numel. */
+fs_status fs_layout_dim0_post_chunk(int64_t alloc_numel, int64_t group_size, int64_t rank,
+                                    int64_t *offset, int64_t *numel);
 
 /* Rows that `rank` holds of a parameter cut by the DIM0 rule. */
 void fs_dim0_rows(int64_t dim0, int64_t world_size, int64_t rank, int64_t *row_begin,

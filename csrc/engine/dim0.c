@@ -11,21 +11,16 @@ static fs_status fail(fs_dim0_group *g, fs_status s, const char *what, int colle
 {
     g->err_what = what;
     g->err_collective = collective;
-    g->err[0] = '\0';
-    if (s != FS_ERR_HOST && fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(g->err, sizeof g->err, fmt, ap);
-        va_end(ap);
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    fs_group_words(g->err, sizeof g->err, s, fmt, ap);
+    va_end(ap);
     return s;
 }
 
 static void drop(fs_dim0_group *g, void **h)
 {
-    if (*h)
-        g->env.release(g->env.ctx, *h);
-    *h = NULL;
+    fs_group_drop(&g->env, h);
 }
 
 fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link link,
@@ -75,25 +70,27 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
         g->block_numel = lay.block_numel;
     if (s == FS_OK)
         s = fs_layout_dim0(dim0, grows, nparams, world, rank, align, g->gentries, &lay);
-    free(rows);
-    free(grows);
-    if (s != FS_OK)
-        return fail(g, s, "construction", 0, "bad parameter shapes or alignment");
-    g->gather_block_numel = lay.block_numel;
-    /* each gathered parameter whole in the unsharded buffer, aligned */
-    int64_t pos = 0;
-    for (int i = 0; i < nparams; i++) {
+    if (s == FS_OK)
+        g->gather_block_numel = lay.block_numel;
+    /* each gathered parameter whole in the unsharded buffer (rows: its
+     * numels, grows: its offsets) */
+    for (int i = 0; i < nparams && s == FS_OK; i++)
+        rows[i] = dim0[i] < 0 || (grows[i] && dim0[i] > INT64_MAX / grows[i]) ? -1
+                                                                               : dim0[i] * grows[i];
+    if (s == FS_OK)
+        s = fs_layout_dim0_unsharded(rows, nparams, world, align, grows, &g->full_alloc);
+    for (int i = 0; i < nparams && s == FS_OK; i++) {
         fs_dim0_param *p = &g->params[i];
         p->outer = outer ? outer[i] : 1;
         p->dim0 = dim0[i];
         p->row_numel = row_numel[i];
         p->gathered = gathered[i];
-        p->full_offset = pos;
-        if (p->gathered)
-            pos += (p->outer * p->dim0 * p->row_numel + align - 1) / align * align;
+        p->full_offset = grows[i];
     }
-    /* padded so that any divisor of the world can split it (int reshard_after_forward) */
-    g->full_alloc = (pos + align * world - 1) / (align * world) * align * world;
+    free(rows);
+    free(grows);
+    if (s != FS_OK)
+        return fail(g, s, "construction", 0, "bad parameter shapes or alignment");
     return FS_OK;
 }
 
@@ -283,9 +280,13 @@ fs_status fs_dim0_unshard_from(fs_dim0_group *g, fs_link *post, void *chunk)
 {
     const fs_env *e = &g->env;
     const size_t es = fs_dtype_size(g->compute);
-    const int64_t count = g->full_alloc / post->comm->world_size;
     void *src, *dst, *none;
-    fs_status s;
+    int64_t count; /* the all-gather puts each rank's chunk back where it was cut */
+    fs_status s = fs_layout_dim0_post_chunk(g->full_alloc, post->comm->world_size,
+                                            post->comm->rank, NULL, &count);
+    if (s != FS_OK)
+        return fail(g, s, "unshard", 0, "a group of %d does not divide the unsharded buffer",
+                    post->comm->world_size);
     if ((s = fs_dim0_wait(g)) != FS_OK)
         return s;
     if (g->unsharded)
@@ -388,31 +389,43 @@ static fs_status collect(fs_dim0_group *g)
             return fail(g, s, "all-reduce", 1, "all_reduce across replicas: %s",
                         r->comm->last_error);
     }
-    if (g->hold > 0 && g->hold != 1.0 &&
+    /* a hook reads what torch's reads: the collective's own divide done */
+    if (g->held && g->divide.in_comm != 1.0 &&
         (s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out, g->reduce,
-                                      g->block_numel, 1.0 / g->hold, 0)) != FS_OK)
+                                      g->block_numel, 1.0 / g->divide.in_comm, 0)) != FS_OK)
         return fail(g, s, "reduce-scatter", 0, "divide: %s", l->comm->last_error);
     return FS_OK;
 }
 
-/* The scale (what a held output was not divided by yet), each sharded gradient. */
+/* What the reduce output was not divided by yet, then each sharded
+ * gradient. The post divide runs in the reduce dtype before the cast and the
+ * add, as torch's does; fused into them where that changes no bits: the same
+ * dtype, and an add that rounds its product as the reduce dtype does (f32,
+ * f64). The collective's own divide stays fused, as the collective would
+ * round it. */
 static fs_status write_grads(fs_dim0_group *g)
 {
     fs_link *l = &g->link;
     fs_comm *c = l->comm;
     fs_status s = FS_OK;
-    const int world = c->world_size, rank = c->rank;
+    const int rank = c->rank;
     const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1;
     if (!writes(g))
         return FS_OK;
-    double scale = g->factor > 0 ? 1.0 / g->factor : 1.0 / world;
-    if (g->replicate.comm && g->factor <= 0)
-        scale /= g->replicate.comm->world_size;
-    if (g->hold > 0) {
-        const double divisor =
-            g->factor > 0 ? g->factor
-                          : (double)world * (g->replicate.comm ? g->replicate.comm->world_size : 1);
-        scale = g->hold / divisor;
+    double scale = g->held ? 1.0 : 1.0 / g->divide.in_comm;
+    if (g->divide.post != 1.0) {
+        int same = 1;
+        for (int i = 0; i < g->nparams; i++)
+            same &= !g->outs[i] ||
+                    (g->out_t[i] == g->reduce &&
+                     (!g->accumulate[i] || g->reduce == FS_F32 || g->reduce == FS_F64));
+        if (same) {
+            scale /= g->divide.post;
+        } else if ((s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out,
+                                                 g->reduce, g->block_numel,
+                                                 1.0 / g->divide.post, 0)) != FS_OK) {
+            return fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
+        }
     }
     const size_t rs = fs_dtype_size(g->reduce);
     for (int i = 0; i < g->nparams && s == FS_OK; i++) {
@@ -442,7 +455,7 @@ static void release_reduction(fs_dim0_group *g)
 
 fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
-                         double factor, double hold, unsigned flags)
+                         double factor, unsigned flags)
 {
     const fs_env *e = &g->env;
     fs_link *l = &g->link;
@@ -456,8 +469,13 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     if (g->reduce_pending && (s = fs_dim0_finish_reduce(g)) != FS_OK)
         return s;
     g->all_reduce = !(flags & FS_DIM0_NO_ALL_REDUCE);
-    g->hold = writes(g) && hold > 0 ? hold : 0.0;
-    if (bucketed && (!writes(g) || g->hold > 0))
+    g->held = writes(g) && (flags & FS_DIM0_HOLD);
+    if ((s = fs_divide_rule(FS_DIVIDE_FULLY_SHARD, g->reduce, world,
+                            g->replicate.comm ? g->replicate.comm->world_size : 1, factor,
+                            (flags & FS_DIM0_FORCE_SUM) != 0, &g->divide)) != FS_OK)
+        return fail(g, s, "reduce-scatter", 0, "group '%s': the gradient divide factor must be "
+                    "> 0 and finite, got %g", g->name, factor);
+    if (bucketed && (!writes(g) || g->held))
         return fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "a reduction into the HSDP "
                     "partial sum, or held for a hook, cannot wait in a bucket");
     void *rs_in;
@@ -469,7 +487,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
                                                 : FS_TAKE_TRANSIENT),
                      &rs_in, &g->rs_in_h)) != FS_OK ||
         (s = e->take(e->ctx, g->block_numel * (int64_t)rs,
-                     defer || g->hold > 0 ? 0 : bucketed ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT,
+                     defer || g->held ? 0 : bucketed ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT,
                      &g->rs_out, &g->rs_out_h)) !=
             FS_OK) {
         release_reduction(g);
@@ -506,7 +524,13 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
         g->out_t[i] = out_t[i];
         g->accumulate[i] = accumulate[i];
     }
-    g->factor = factor;
+    /* torch divides its reduce-scatter input in place, padding and all */
+    if (g->divide.pre != 1.0 &&
+        (s = fs_link_scale_accumulate(l, l->stream, rs_in, g->reduce, rs_in, g->reduce,
+                                      g->block_numel * world, 1.0 / g->divide.pre, 0)) != FS_OK) {
+        release_reduction(g);
+        return fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
+    }
     void *ws;
     if ((s = fs_link_lend(e, l, g->reduce, g->block_numel * world, &ws)) != FS_OK) {
         release_reduction(g);
@@ -542,7 +566,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     drop(g, &ws);
     drop(g, &g->rs_in_h);
     s = collect(g);
-    if (s == FS_OK && g->hold > 0)
+    if (s == FS_OK && g->held)
         return FS_OK; /* held: fs_dim0_finish_reduce writes */
     if (s == FS_OK)
         s = write_grads(g);
@@ -593,31 +617,32 @@ void fs_dim0_cancel_reduce(fs_dim0_group *g)
         release_reduction(g);
 }
 
+/* a bucket's parts: owners[i]'s reduction (group.h's callbacks) */
+static fs_status finish_part(void *owners, int i)
+{
+    fs_dim0_group *g = ((fs_dim0_group *const *)owners)[i];
+    g->in_bucket = 0;
+    return fs_dim0_finish_reduce(g);
+}
+
+static void cancel_part(void *owners, int i)
+{
+    fs_dim0_cancel_reduce(((fs_dim0_group *const *)owners)[i]);
+}
+
 void fs_dim0_cancel_bucket(fs_reduce_bucket *b, fs_dim0_group *const *owners)
 {
-    for (int i = 0; i < b->nparts; i++)
-        fs_dim0_cancel_reduce(owners[i]);
-    b->nparts = 0;
-    b->count = 0;
+    const fs_bucket_owners o = {finish_part, cancel_part, (void *)owners};
+    fs_group_cancel_bucket(b, &o);
 }
 
 fs_status fs_dim0_flush_bucket(fs_reduce_bucket *b, fs_dim0_group *g,
                                fs_dim0_group *const *owners, int *failed)
 {
-    const int n = b->nparts;
-    fs_status s = fs_reduce_bucket_flush(b, &g->link, &g->env);
-    b->nparts = 0;
-    b->count = 0;
-    *failed = -1;
-    if (s != FS_OK)
+    const fs_bucket_owners o = {finish_part, cancel_part, (void *)owners};
+    fs_status s = fs_group_flush_bucket(b, &g->link, &g->env, &o, failed);
+    if (s != FS_OK && *failed < 0)
         fail(g, s, "reduce-scatter", 1, "bucketed reduce_scatter: %s", g->link.comm->last_error);
-    for (int i = 0; i < n; i++) {
-        owners[i]->in_bucket = 0;
-        if (s != FS_OK)
-            fs_dim0_cancel_reduce(owners[i]);
-        else if ((s = fs_dim0_finish_reduce(owners[i])) != FS_OK)
-            *failed = i;
-    }
     return s;
 }
 

@@ -10,9 +10,11 @@
  * buffer (the compute dtype), the blocks are all-gathered in place, and
  * each rank's rows copied out into the unsharded buffer. Reduce: every rank's rows of each unsharded gradient are
  * cast into that rank's block of the reduce-scatter input (the reduce
- * dtype), reduce-scattered (summed), summed across replicas (HSDP), scaled
- * (the mean, or the divide factor the user set) and cast into each sharded
- * gradient, added to what is there when asked.
+ * dtype), divided before, in and after the collective as torch's fully_shard
+ * divides ([Note: divide rule] in reduce_rule.h: the mean, or the divide
+ * factor the user set), reduce-scattered (summed), summed across replicas
+ * (HSDP) and cast into each sharded gradient, added to what is there when
+ * asked.
  *
  * Parameters whose tensor class gathers for itself (torch's extension
  * protocol: flatshard/fsdp2/extension.py) have no room in the block nor the
@@ -28,9 +30,10 @@
  * block (rs_out: block_numel elements of the reduce dtype, each parameter's
  * rows at its block_offset), then `collect` (HSDP: the replicas' all-reduce,
  * or without it the partial sum below), then `write_grads` (the scale, each
- * sharded gradient). A held reduction (hold > 0) stops between the two with
- * rs_out divided by hold, so that the host can read and change it (torch's
- * all-reduce hook); fs_dim0_finish_reduce divides by the rest and writes.
+ * sharded gradient). A held reduction (FS_DIM0_HOLD) stops between the two
+ * with rs_out divided by the rule's `hold` (all that torch has divided by
+ * when its all-reduce hook runs), so that the host can read and change it;
+ * fs_dim0_finish_reduce divides by the rest (`post`) and writes.
  * HSDP without the all-reduce (torch's requires_all_reduce=False) adds
  * rs_out, a plain sum, into `partial`, kept across reductions, and writes
  * nothing; the next reduction that all-reduces adds `partial` to its rs_out
@@ -39,7 +42,9 @@
 #define FS_DIM0_H
 
 #include "engine.h"
+#include "group.h"
 #include "layout.h"
+#include "reduce_rule.h"
 
 typedef struct {
     /* the parameter viewed as (outer, dim0, row_numel), sharded on dim0: its
@@ -77,13 +82,13 @@ typedef struct {
     int reduce_pending, reduce_deferred;
     int in_bucket;           /* its reduce-scatter waits in a host bucket (not issued) */
     int all_reduce;          /* HSDP: this reduction all-reduces (0: into partial) */
-    double hold;             /* > 0: held after collect, rs_out divided by it */
+    int held;                /* held after collect, rs_out divided by divide.hold */
+    fs_divide divide;        /* this reduction's factors ([Note: divide rule]) */
     void *rs_in_h, *rs_out, *rs_out_h, *ws_h;
     void *partial, *partial_h; /* HSDP: (block_numel) reduce dtype, kept across reductions */
     void **outs;             /* nparams tensor handles (held) or NULL */
     fs_dtype *out_t;
     int *accumulate;
-    double factor;           /* > 0: divide by it instead of averaging */
     unsigned long long n_all_gather, n_reduce_scatter, n_deferred_gather, n_deferred_reduce,
         n_post_gather;
     char err[512];
@@ -126,17 +131,19 @@ fs_status fs_dim0_reshard(fs_dim0_group *g);
 enum {
     FS_DIM0_DEFER = 1,         /* a device: what follows the collective waits for finish */
     FS_DIM0_NO_ALL_REDUCE = 2, /* HSDP: into the partial sum, nothing written */
+    FS_DIM0_HOLD = 4,          /* stop for a hook before the sharded gradients */
+    FS_DIM0_FORCE_SUM = 8,     /* torch's set_force_sum_reduction_for_comms(True) */
 };
 
 /* grads[i]: the unsharded gradient (tensor handle, dtype grad_t[i], the
  * parameter's shape) or NULL; outs[i]: the sharded gradient to write
  * (out_t[i], this rank's rows) or NULL; accumulate[i]: add to it. factor >
- * 0: divide the sum by it, else average. hold > 0: stop before the sharded
- * gradients with rs_out divided by hold (reduce_pending; ignored with
- * FS_DIM0_NO_ALL_REDUCE, which writes nothing). flags: FS_DIM0_*. */
+ * 0: divide the sum by it, else average. FS_DIM0_HOLD: stop before the
+ * sharded gradients with rs_out divided by the rule's hold (reduce_pending;
+ * ignored with FS_DIM0_NO_ALL_REDUCE, which writes nothing). flags: FS_DIM0_*. */
 fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
-                         double factor, double hold, unsigned flags);
+                         double factor, unsigned flags);
 /* A deferred reduction: the stream waits for its reduce-scatter, then
  * collect is enqueued; a held rs_out is then ready on the stream. */
 fs_status fs_dim0_wait_reduce(fs_dim0_group *g);

@@ -20,13 +20,9 @@ fs_status fs_unit_fail(fs_unit *u, fs_status s, const char *what, int group, con
     u->err_what = what;
     u->err_group = group;
     u->err_collective = 0;
-    if (s == FS_ERR_HOST || !fmt) {
-        u->err[0] = '\0';
-        return s;
-    }
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(u->err, sizeof u->err, fmt, ap);
+    fs_group_words(u->err, sizeof u->err, s, fmt, ap);
     va_end(ap);
     return s;
 }
@@ -60,9 +56,7 @@ static fs_status take(fs_unit *u, int64_t numel, fs_dtype t, void **data, void *
 
 static void drop(fs_unit *u, void **handle)
 {
-    if (*handle)
-        u->env.release(u->env.ctx, *handle);
-    *handle = NULL;
+    fs_group_drop(&u->env, handle);
 }
 
 /* ---------------------------------------------------------------------------
@@ -175,6 +169,34 @@ fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsi
                             "state %s", u->name, fs_event_name(ev), group,
                             fs_unit_state_name(before));
     return FS_OK;
+}
+
+fs_status fs_unit_dispatch(fs_unit *u, fs_event ev, const fs_unit_event_work *w,
+                           unsigned *actions, int *failed)
+{
+    unsigned act = 0;
+    fs_status s = FS_OK;
+    *failed = -1;
+    *actions = 0;
+    if (ev == FS_EV_FINALIZE)
+        s = fs_unit_wait_reduced(u);
+    if (s == FS_OK)
+        s = fs_unit_event(u, ev, w->flags, w->group, &act);
+    if (s == FS_OK && (w->nalong || (w->coalesce && (act & FS_ACT_UNSHARD))))
+        s = fs_unit_unshard_along(u, (act & FS_ACT_UNSHARD) != 0, w->along, w->nalong, failed);
+    else if (s == FS_OK && (act & FS_ACT_UNSHARD))
+        s = fs_unit_unshard(u, 0, 0);
+    if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
+        s = fs_unit_ready(u);
+    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && w->grad && w->out) {
+        u->link.bucket = w->bucket;
+        s = fs_unit_reduce(u, w->group, w->grad, w->out, w->accumulate, w->defer);
+        u->link.bucket = NULL;
+    }
+    if (s == FS_OK && (act & FS_ACT_RESHARD))
+        s = fs_unit_reshard(u);
+    *actions = act;
+    return s;
 }
 
 /* ---------------------------------------------------------------------------

@@ -33,6 +33,7 @@
 #define FS_UNIT_H
 
 #include "engine.h"
+#include "group.h"
 #include "unit_fsm.h"
 
 typedef struct {
@@ -137,23 +138,46 @@ fs_status fs_unit_reshard(fs_unit *u);
 fs_status fs_unit_reduce(fs_unit *u, int group, void *grad, void *out, int accumulate,
                          int defer);
 fs_status fs_unit_wait_reduced(fs_unit *u);
-/* fs_unit_reduce with a bucket on the link records the reduce-scatter with
- * &u->bucketed[group] as its owner. After the flush, finish writes `out`;
- * cancel (a bucket given up) writes nothing. Both let the handles go. */
 /* Whether u's reductions can wait in a bucket: a host link, reduce-scattered
  * (not NO_SHARD's or SHARD_OPTIM's all-reduce), no replicas, no offload;
  * the others reduce at once. */
 int fs_unit_bucketable(const fs_unit *u);
+/* fs_unit_reduce with a bucket on the link records the reduce-scatter with
+ * &u->bucketed[group] as its owner. After the flush, finish writes `out`;
+ * cancel (a bucket given up) writes nothing. Both let the handles go. */
 fs_status fs_unit_finish_bucketed(fs_unit *u, int group);
 void fs_unit_cancel_bucketed(fs_unit *u, int group);
+/* The bucket given up without a collective: part i (owners[i]'s group
+ * groups[i]) cancelled, the bucket emptied. */
+void fs_unit_cancel_bucket(fs_reduce_bucket *b, fs_unit *const *owners, const int *groups);
 /* The bucket flushed through u's link, then part i finished as
  * owners[i]'s group groups[i] (all cancelled after a failed flush), and the
  * bucket emptied. On failure *failed is the index of the unit whose err
  * says why, or -1 for u. */
-/* The bucket given up without a collective: part i (owners[i]'s group
- * groups[i]) cancelled, the bucket emptied. */
-void fs_unit_cancel_bucket(fs_reduce_bucket *b, fs_unit *const *owners, const int *groups);
 fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *owners,
                                const int *groups, int *failed);
+
+/* What one event asks of the engine besides the state machine's step. */
+typedef struct {
+    unsigned flags;          /* FS_EVF_* (unit_fsm.h) */
+    int group;               /* the group a post-backward reduces, else -1 */
+    void *grad, *out;        /* tensor handles for fs_unit_reduce (both, or no reduction) */
+    int accumulate, defer;   /* fs_unit_reduce's */
+    fs_reduce_bucket *bucket; /* the reduction joins it (a host link), or NULL */
+    fs_unit *const *along;   /* units gathered in the same all-gather (a host link) */
+    int nalong;
+    int coalesce;            /* gather through a batch even with no along units */
+} fs_unit_event_work;
+
+/* An event, whole: the end of backward first waits for deferred
+ * reductions; then the state machine's step (fs_unit_event), and the work
+ * its actions leave to the engine, in this order: the gather (with along's
+ * [Note: coalesced gathers]), ready after a pre-forward or pre-backward, the
+ * reduction (FS_ACT_REDUCE_GRAD, w->grad and w->out given), the reshard.
+ * *actions: the FS_ACT_* bits, for the host's own work (views, hooks). On
+ * failure *failed is the index in along of the unit whose err says why, or
+ * -1 for u. */
+fs_status fs_unit_dispatch(fs_unit *u, fs_event ev, const fs_unit_event_work *w,
+                           unsigned *actions, int *failed);
 
 #endif

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "reduce_rule.h"
 #include "unit_internal.h"
 
 /* After the collective: the caller's stream already waits for it (not
@@ -83,6 +84,24 @@ fs_status fs_unit_wait_reduced(fs_unit *u)
     return FS_OK;
 }
 
+/* After the collective: the output (src, of dtype st) divided by what the
+ * rule left (scale = 1 / post), then cast (and added) into dst. The divide
+ * runs in the reduce dtype before the cast, as torch's does, unless fusing
+ * the two changes no bits: the same dtype, and an add that rounds the product
+ * as that dtype does (f32, f64) ([Note: divide rule] in reduce_rule.h). */
+static fs_status divide_out(fs_unit *u, void *stream, void *dst, fs_dtype dt, void *src,
+                            fs_dtype st, int64_t n, double scale, int accumulate)
+{
+    if (scale != 1.0 && !(st == dt && (!accumulate || dt == FS_F32 || dt == FS_F64))) {
+        FS_CHECK(fs_unit_scale_accumulate(u, stream, src, st, src, st, n, scale, 0));
+        scale = 1.0;
+    }
+    if (src == dst && scale == 1.0)
+        return FS_OK;
+    return fs_unit_scale_accumulate(u, stream, dst, dt, src, st, n, scale,
+                                    src == dst ? 0 : accumulate);
+}
+
 /* Where an accumulating reduce-scatter lands: u->scratch, grown to nbytes.
  * A deferred reduction may still read the old scratch: it is held. */
 static fs_status scratch(fs_unit *u, int64_t nbytes, int defer)
@@ -144,25 +163,35 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
                          &dev_out_h)) != FS_OK)
             return fs_unit_fail(u, s, what, gi, "out of device memory");
     }
-    /* the mean over every rank holding a replica of this shard too */
-    const double inv = 1.0 / (c->world_size *
-                              (u->replicate.comm ? u->replicate.comm->world_size : 1));
+    /* the mean over every rank holding a replica of this shard too, divided
+     * before and after the sum as torch's FSDP1 divides ([Note: divide rule]) */
+    fs_divide dv;
+    if ((s = fs_divide_rule(FS_DIVIDE_FLAT, g->reduce, c->world_size,
+                            u->replicate.comm ? u->replicate.comm->world_size : 1, 0.0, 0,
+                            &dv)) != FS_OK)
+        return fs_unit_fail(u, s, what, gi, "unit '%s': no divide rule for reduce dtype %s",
+                            u->name, fs_dtype_name(g->reduce));
     void *red_in_h = NULL, *ws_h = NULL; /* per-reduction buffers */
     /* The gradient arrives in the compute dtype; the collective runs in the
-     * reduce dtype. fp16 sums are divided first (they could overflow), the
-     * others after, in f32 or better ([Note: mixed precision]). */
+     * reduce dtype: the cast, then the pre divide in the reduce dtype (one
+     * pass where the cast is exact: the same dtype or a wider one)
+     * ([Note: mixed precision]). */
     void *src = gp;
-    double post_scale = inv;
-    if (g->reduce != g->compute || g->reduce == FS_F16) {
+    const double post_scale = 1.0 / dv.post;
+    if (g->reduce != g->compute || dv.pre != 1.0) {
         void *dst = gp;
+        const int exact = g->reduce == g->compute ||
+                          fs_dtype_size(g->reduce) > fs_dtype_size(g->compute);
         if (g->reduce != g->compute)
             s = e->take(e->ctx, g->padded_numel * (int64_t)fs_dtype_size(g->reduce),
                         pend ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT, &dst, &red_in_h);
         if (s == FS_OK)
             s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute,
-                                         g->padded_numel, inv, 0);
+                                         g->padded_numel, exact ? 1.0 / dv.pre : 1.0, 0);
+        if (s == FS_OK && !exact && dv.pre != 1.0)
+            s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, dst, g->reduce,
+                                         g->padded_numel, 1.0 / dv.pre, 0);
         src = dst;
-        post_scale = 1.0;
     }
     if (s == FS_OK && (!whole || c->world_size > 1))
         s = fs_link_lend(&u->env, &u->link, g->reduce, g->padded_numel, &ws_h);
@@ -174,8 +203,8 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
             FS_LINK_RUN(&u->link, s, FS_LOP_ALL_REDUCE, u->name, g->padded_numel, g->reduce,
                         fs_comm_all_reduce(c, src, g->padded_numel, g->reduce, FS_RED_SUM));
         if (s == FS_OK)
-            s = fs_unit_scale_accumulate(u, post, op, g->dtype, src, g->reduce, out_numel,
-                                         post_scale, accumulate);
+            s = divide_out(u, post, op, g->dtype, src, g->reduce, out_numel, post_scale,
+                           accumulate);
     } else {
         /* Where the reduce-scatter lands: the shard gradient itself when it
          * starts empty and keeps the dtype; else a buffer added into it. */
@@ -217,9 +246,9 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
                         fs_comm_reduce_scatter(c, src, land, g->shard_numel, lt, FS_RED_SUM));
         if (s == FS_OK)
             s = across_replicas(u, land, g->shard_numel, lt, defer, &post);
-        if (s == FS_OK && (land != op || post_scale != 1.0))
-            s = fs_unit_scale_accumulate(u, post, op, g->dtype, land, lt, g->shard_numel,
-                                         post_scale, land == op ? 0 : accumulate);
+        if (s == FS_OK)
+            s = divide_out(u, post, op, g->dtype, land, lt, g->shard_numel, post_scale,
+                           accumulate);
     }
     if (s == FS_OK && host_op) {
         s = d->copy(host_op, op, (size_t)out_numel * fs_dtype_size(g->dtype), post,
@@ -281,9 +310,9 @@ fs_status fs_unit_finish_bucketed(fs_unit *u, int gi)
     fs_unit_group *g = &u->groups[gi];
     void *op;
     fs_status s = u->env.data(u->env.ctx, p->out, &op);
-    if (s == FS_OK && (p->land != op || p->scale != 1.0))
-        s = fs_unit_scale_accumulate(u, u->link.stream, op, g->dtype, p->land, p->land_t,
-                                     g->shard_numel, p->scale, p->land == op ? 0 : p->accumulate);
+    if (s == FS_OK)
+        s = divide_out(u, u->link.stream, op, g->dtype, p->land, p->land_t, g->shard_numel,
+                       p->scale, p->accumulate);
     let_go(u, p);
     if (s != FS_OK)
         return fs_unit_fail(u, s, "reduce-scatter", gi, s == FS_ERR_HOST ? NULL
@@ -297,30 +326,40 @@ void fs_unit_cancel_bucketed(fs_unit *u, int gi)
         let_go(u, &u->bucketed[gi]);
 }
 
+/* a bucket's parts: owners[i]'s group groups[i] (group.h's callbacks) */
+typedef struct {
+    fs_unit *const *owners;
+    const int *groups;
+} bucket_parts;
+
+static fs_status finish_part(void *ctx, int i)
+{
+    const bucket_parts *p = ctx;
+    return fs_unit_finish_bucketed(p->owners[i], p->groups[i]);
+}
+
+static void cancel_part(void *ctx, int i)
+{
+    const bucket_parts *p = ctx;
+    fs_unit_cancel_bucketed(p->owners[i], p->groups[i]);
+}
+
 void fs_unit_cancel_bucket(fs_reduce_bucket *b, fs_unit *const *owners, const int *groups)
 {
-    for (int i = 0; i < b->nparts; i++)
-        fs_unit_cancel_bucketed(owners[i], groups[i]);
-    b->nparts = 0;
-    b->count = 0;
+    bucket_parts p = {owners, groups};
+    const fs_bucket_owners o = {finish_part, cancel_part, &p};
+    fs_group_cancel_bucket(b, &o);
 }
 
 fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *owners,
                                const int *groups, int *failed)
 {
-    const int n = b->nparts;
-    fs_status s = fs_reduce_bucket_flush(b, &u->link, &u->env);
-    b->nparts = 0;
-    b->count = 0;
-    *failed = -1;
-    if (s != FS_OK)
-        fs_unit_fail_comm(u, s, "reduce-scatter", groups[0], "bucketed reduce_scatter: %s",
+    const int first = b->nparts ? groups[0] : -1;
+    bucket_parts p = {owners, groups};
+    const fs_bucket_owners o = {finish_part, cancel_part, &p};
+    fs_status s = fs_group_flush_bucket(b, &u->link, &u->env, &o, failed);
+    if (s != FS_OK && *failed < 0)
+        fs_unit_fail_comm(u, s, "reduce-scatter", first, "bucketed reduce_scatter: %s",
                           u->link.comm->last_error);
-    for (int i = 0; i < n; i++) {
-        if (s != FS_OK)
-            fs_unit_cancel_bucketed(owners[i], groups[i]);
-        else if ((s = fs_unit_finish_bucketed(owners[i], groups[i])) != FS_OK)
-            *failed = i;
-    }
     return s;
 }

@@ -120,6 +120,7 @@ int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);
 int fs_optim_add(PyObject *module); /* py_optim.c */
 int fs_layout_add(PyObject *module, fs_mod_state *st); /* py_layout.c */
+int fs_divide_add(PyObject *module); /* py_divide.c */
 int fs_dim0_type_add(PyObject *module, fs_mod_state *st); /* py_dim0.c */
 int fs_bucket_type_add(PyObject *module, fs_mod_state *st); /* py_bucket.c */
 /* py_layout.c: a Dim0Entry record; NULL with an exception set. */

@@ -50,7 +50,7 @@ static int module_exec(PyObject *m)
     if (!st->StateError || PyModule_AddObjectRef(m, "StateError", st->StateError) < 0)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
-        fs_layout_add(m, st) < 0 || fs_dim0_type_add(m, st) < 0 ||
+        fs_layout_add(m, st) < 0 || fs_divide_add(m) < 0 || fs_dim0_type_add(m, st) < 0 ||
         fs_bucket_type_add(m, st) < 0 || fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
         fs_kernels_add(m) < 0 || add_constants(m) < 0)
         return -1;

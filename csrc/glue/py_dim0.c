@@ -304,32 +304,34 @@ static PyObject *Dim0_reshard(Dim0Object *self, PyObject *Py_UNUSED(a))
 
 PyDoc_STRVAR(reduce_doc,
              "reduce(grads, grad_codes, outs, out_codes, accumulate, factor=0.0, defer=False,\n"
-             "       reshard=False, *, all_reduce=True, hold=0.0)\n"
+             "       reshard=False, *, all_reduce=True, hold=False, force_sum=False)\n"
              "One reduce-scatter of every parameter's unsharded gradient (None: none) into\n"
              "the sharded gradients `outs` (None: not written), added to them where\n"
              "accumulate[i]; the mean over the ranks (and replicas), or the sum divided by\n"
-             "factor when factor > 0. defer (a device): the steps after the collective\n"
+             "factor when factor > 0, divided before and after the collective as torch's\n"
+             "fully_shard divides (force_sum: as under its set_force_sum_reduction_for_comms;\n"
+             "core/reduce_rule.h). defer (a device): the steps after the collective\n"
              "wait for finish_reduce(). reshard: then free the unsharded buffer (the\n"
              "post-backward event in one call). all_reduce=False (HSDP): add the\n"
              "reduce-scatter output into the group's partial sum instead, write nothing.\n"
-             "hold > 0: stop before the sharded gradients with the reduce output divided\n"
-             "by hold (reduce_output, after wait_reduce() when deferred); finish_reduce()\n"
-             "divides by the rest and writes (engine/dim0.h, [Note: reduce output]).\n"
+             "hold: stop before the sharded gradients with the reduce output divided by\n"
+             "grad_divide()'s hold (reduce_output, after wait_reduce() when deferred);\n"
+             "finish_reduce() divides by the rest and writes (engine/dim0.h, [Note:\n"
+             "reduce output]).\n"
              "bucket (a ReduceBucket; a host Comm): the reduce-scatter joins it; it runs\n"
              "at flush_bucket() ([Note: reduction buckets] in engine/engine.h).");
 static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"grads", "grad_codes", "outs", "out_codes", "accumulate", "factor",
-                             "defer", "reshard", "all_reduce", "hold", "bucket", NULL};
+                             "defer", "reshard", "all_reduce", "hold", "force_sum", "bucket",
+                             NULL};
     PyObject *grads, *gcodes, *outs, *ocodes, *accs, *bucket_o = Py_None;
-    double factor = 0.0, hold = 0.0;
-    int defer = 0, reshard = 0, all_reduce = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|dpp$pdO", kwlist, &grads, &gcodes, &outs,
+    double factor = 0.0;
+    int defer = 0, reshard = 0, all_reduce = 1, hold = 0, force_sum = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|dpp$pppO", kwlist, &grads, &gcodes, &outs,
                                      &ocodes, &accs, &factor, &defer, &reshard, &all_reduce,
-                                     &hold, &bucket_o))
+                                     &hold, &force_sum, &bucket_o))
         return NULL;
-    if (!(hold >= 0.0))
-        return PyErr_Format(PyExc_ValueError, "reduce: hold must be >= 0");
     fs_reduce_bucket *bucket = NULL;
     if (bucket_o != Py_None) {
         if (!(bucket = fs_glue_bucket(Py_TYPE(self), bucket_o)))
@@ -371,8 +373,9 @@ static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args, PyObject *kw)
         goto out;
     fs_status s;
     self->g.link.bucket = bucket;
-    s = fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor, hold,
-                       (defer ? FS_DIM0_DEFER : 0) | (all_reduce ? 0 : FS_DIM0_NO_ALL_REDUCE));
+    s = fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor,
+                       (defer ? FS_DIM0_DEFER : 0) | (all_reduce ? 0 : FS_DIM0_NO_ALL_REDUCE) |
+                           (hold ? FS_DIM0_HOLD : 0) | (force_sum ? FS_DIM0_FORCE_SUM : 0));
     self->g.link.bucket = NULL;
     if (s == FS_OK && reshard)
         s = fs_dim0_reshard(&self->g);
@@ -473,7 +476,7 @@ static int Dim0_getbuffer(Dim0Object *self, Py_buffer *view, int flags)
 {
     if (self->empty || !reduce_output_ready(self)) {
         PyErr_Format(PyExc_BufferError, "Dim0Group %U: no reduce output is held (a host "
-                     "group, between reduce(hold=...) and finish_reduce())", self->name);
+                     "group, between reduce(hold=True) and finish_reduce())", self->name);
         return -1;
     }
     Py_ssize_t nbytes = (Py_ssize_t)(self->g.block_numel * (int64_t)fs_dtype_size(self->g.reduce));

@@ -1,5 +1,5 @@
-/* py_layout.c - flatshard._C.layout_flat / layout_dim0: layout.c's results
- * as named records.
+/* py_layout.c - flatshard._C.layout_flat / layout_dim0 / layout_dim0_unsharded /
+ * layout_dim0_post_chunk: layout.c's results as named records.
  *
  * Each layout and each per-parameter entry reaches Python as a struct
  * sequence (FlatLayout, FlatEntry, Dim0Layout, Dim0Entry) whose fields carry
@@ -188,6 +188,75 @@ done:
     return res;
 }
 
+PyDoc_STRVAR(layout_dim0_unsharded_doc,
+             "layout_dim0_unsharded(numels, world_size, align_numel)\n"
+             "    -> {'offsets': [int], 'alloc_numel': int}\n"
+             "A DIM0 group's unsharded buffer (csrc/core/layout.h): each parameter's start\n"
+             "(numels[i] == 0 for one not gathered into it) and the buffer's padded size.");
+static PyObject *py_layout_dim0_unsharded(PyObject *m, PyObject *args)
+{
+    fs_mod_state *st = fs_state_from_module(m);
+    PyObject *n_obj, *res = NULL, *list = NULL;
+    long long world, align;
+    if (!PyArg_ParseTuple(args, "OLL", &n_obj, &world, &align))
+        return NULL;
+    Py_ssize_t n;
+    int64_t *numels = fs_int64_list(n_obj, &n, "layout_dim0_unsharded: numels must be a "
+                                               "sequence");
+    if (!numels)
+        return NULL;
+    int64_t *off = malloc(sizeof *off * (size_t)(n ? n : 1)), alloc;
+    if (!off) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    fs_status s = fs_layout_dim0_unsharded(numels, n, world, align, off, &alloc);
+    if (s != FS_OK) {
+        fs_raise(st, s, "layout_dim0_unsharded: need world_size >= 1, align_numel >= 1, "
+                        "numels >= 0 (and a total that fits in 64 bits)");
+        goto done;
+    }
+    if (!(list = PyList_New(n)))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromLongLong((long long)off[i]);
+        if (!x)
+            goto done;
+        PyList_SET_ITEM(list, i, x);
+    }
+    res = Py_BuildValue("{sOsL}", "offsets", list, "alloc_numel", (long long)alloc);
+done:
+    Py_XDECREF(list);
+    free(off);
+    free(numels);
+    return res;
+}
+
+PyDoc_STRVAR(layout_dim0_post_chunk_doc,
+             "layout_dim0_post_chunk(alloc_numel, group_size, rank) -> slice\n"
+             "The range of a DIM0 group's unsharded buffer that rank `rank` of a\n"
+             "post-forward group of group_size ranks keeps (int reshard_after_forward;\n"
+             "csrc/core/layout.h).");
+static PyObject *py_layout_dim0_post_chunk(PyObject *m, PyObject *args)
+{
+    fs_mod_state *st = fs_state_from_module(m);
+    long long alloc, size, rank;
+    if (!PyArg_ParseTuple(args, "LLL", &alloc, &size, &rank))
+        return NULL;
+    int64_t off, numel;
+    fs_status s = fs_layout_dim0_post_chunk(alloc, size, rank, &off, &numel);
+    if (s != FS_OK)
+        return fs_raise(st, s, "layout_dim0_post_chunk: need group_size >= 1 dividing "
+                               "alloc_numel >= 0 and 0 <= rank < group_size; got %lld, %lld, "
+                               "%lld", alloc, size, rank);
+    PyObject *a = PyLong_FromLongLong((long long)off), *b = PyLong_FromLongLong(
+                                                           (long long)(off + numel));
+    PyObject *r = a && b ? PySlice_New(a, b, NULL) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return r;
+}
+
 PyDoc_STRVAR(align_numel_doc,
              "align_numel(elem_bytes) -> elements: where every parameter of a flat buffer\n"
              "starts, for elements of elem_bytes (layout.h, FS_ALIGN_BYTES).");
@@ -206,6 +275,10 @@ static PyMethodDef layout_methods[] = {
     {"align_numel", py_align_numel, METH_O, align_numel_doc},
     {"layout_flat", py_layout_flat, METH_VARARGS, layout_flat_doc},
     {"layout_dim0", py_layout_dim0, METH_VARARGS, layout_dim0_doc},
+    {"layout_dim0_unsharded", py_layout_dim0_unsharded, METH_VARARGS,
+     layout_dim0_unsharded_doc},
+    {"layout_dim0_post_chunk", py_layout_dim0_post_chunk, METH_VARARGS,
+     layout_dim0_post_chunk_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -241,9 +241,7 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
             return PyErr_Format(PyExc_ValueError, "event: bucket is for host Comms, without "
                                 "defer");
     }
-    fs_unit *u = &self->u;
     unsigned act = 0;
-    fs_status s = FS_OK;
     UnitObject *others[FS_BATCH_MAX_PARTS];
     if (along != Py_None && self->comm->dev)
         return PyErr_Format(PyExc_ValueError, "event: along is for host Comms (a device's "
@@ -251,32 +249,16 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
     Py_ssize_t nothers = along_units(self, along, others);
     if (nothers < 0 || bind(self) < 0)
         return NULL;
-    if (ev == FS_EV_FINALIZE)
-        s = fs_unit_wait_reduced(u);
-    if (s == FS_OK)
-        s = fs_unit_event(u, ev, flags, group, &act);
-    if (s == FS_OK && nothers) {
-        fs_unit *units[FS_BATCH_MAX_PARTS];
-        int failed = -1;
-        for (Py_ssize_t i = 0; i < nothers; i++)
-            units[i] = &others[i]->u;
-        s = fs_unit_unshard_along(u, act & FS_ACT_UNSHARD, units, (int)nothers, &failed);
-        if (s != FS_OK)
-            return done(failed < 0 ? self : others[failed], s);
-    } else if (s == FS_OK && (act & FS_ACT_UNSHARD)) {
-        s = fs_unit_unshard(u, 0, 0);
-    }
-    if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
-        s = fs_unit_ready(u);
-    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && grad != Py_None && out != Py_None) {
-        u->link.bucket = bucket;
-        s = fs_unit_reduce(u, group, grad, out, accumulate, defer);
-        u->link.bucket = NULL;
-    }
-    if (s == FS_OK && (act & FS_ACT_RESHARD))
-        s = fs_unit_reshard(u);
+    fs_unit *units[FS_BATCH_MAX_PARTS];
+    for (Py_ssize_t i = 0; i < nothers; i++)
+        units[i] = &others[i]->u;
+    const fs_unit_event_work w = {flags, group, grad != Py_None ? grad : NULL,
+                                  out != Py_None ? out : NULL, accumulate, defer, bucket,
+                                  units, (int)nothers, 0};
+    int failed;
+    fs_status s = fs_unit_dispatch(&self->u, ev, &w, &act, &failed);
     if (s != FS_OK)
-        return done(self, s);
+        return done(failed < 0 ? self : others[failed], s);
     return PyLong_FromUnsignedLong(act);
 }
 

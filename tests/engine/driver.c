@@ -466,7 +466,8 @@ static void check(driver *d, fs_status s, const char *what)
         die("%s: %ld transient buffer(s) still taken after the call", what, d->h.live_transient);
 }
 
-/* What flatshard._C.Unit.event does (csrc/glue/py_unit.c), in its order. */
+/* flatshard._C.Unit.event (csrc/glue/py_unit.c): the engine's fs_unit_dispatch,
+ * after the root's bucket flush at the end of backward (fsdp/api.py). */
 static unsigned event(driver *d, fs_event ev, unsigned flags, int gi, hbuf *grad, hbuf *out,
                       int accumulate)
 {
@@ -482,24 +483,12 @@ static unsigned event(driver *d, fs_event ev, unsigned flags, int gi, hbuf *grad
         }
         s = fs_unit_flush_bucket(&d->bucket, u, owners, groups, &failed);
     }
-    if (s == FS_OK && ev == FS_EV_FINALIZE)
-        s = fs_unit_wait_reduced(u);
-    if (s == FS_OK)
-        s = fs_unit_event(u, ev, flags, gi, &act);
-    if (s == FS_OK && (act & FS_ACT_UNSHARD)) {
+    if (s == FS_OK) {
+        const fs_unit_event_work w = {flags, gi, grad, out, accumulate, 0,
+                                      d->coalesce ? &d->bucket : NULL, NULL, 0, d->coalesce};
         int failed;
-        s = d->coalesce ? fs_unit_unshard_along(u, 1, NULL, 0, &failed)
-                        : fs_unit_unshard(u, 0, 0);
+        s = fs_unit_dispatch(u, ev, &w, &act, &failed);
     }
-    if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
-        s = fs_unit_ready(u);
-    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && grad && out) {
-        u->link.bucket = d->coalesce ? &d->bucket : NULL;
-        s = fs_unit_reduce(u, gi, grad, out, accumulate, 0);
-        u->link.bucket = NULL;
-    }
-    if (s == FS_OK && (act & FS_ACT_RESHARD))
-        s = fs_unit_reshard(u);
     char what[64];
     snprintf(what, sizeof what, "event %s (group %d)", fs_event_name(ev), gi);
     check(d, s, what);

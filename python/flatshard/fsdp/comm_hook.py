@@ -16,20 +16,21 @@ does what the hook would do. torch's default hooks
       reduction with that reduce dtype (it replaces MixedPrecision's
       reduce_dtype, as the hook does in torch).
 
-As in torch, the averaging divides by the group's size; torch's hooks split
-that division in two (before and after the sum, gradient_predivide_factor x
-gradient_postdivide_factor), the engine divides float16 sums before and the
-others after (csrc/engine/unit_reduce.c): the same values up to the rounding
-of the sum. A state whose factors do not multiply to the group's size (a
-sum scaled some other way), a state over another process group, and any
-other hook are refused with a NotBuiltError naming the argument: they would
+As in torch, the averaging divides by the group's size, split in two
+(before and after the sum, gradient_predivide_factor x
+gradient_postdivide_factor); the engine splits it by the same rule
+(csrc/core/reduce_rule.c), so its values are the hook's. A state with other
+factors (a sum scaled some other way), a state over another process group,
+and any other hook are refused with a NotBuiltError naming the argument: they would
 need the engine to call Python between its collectives.
 """
 import torch
 import torch.distributed as dist
 
+from .. import _C
 from ..errors import ConfigAssertionError, bad_type, bad_value, not_built
 from ..options import ShardingStrategy
+from ..tensors import dtype_code
 
 _ALLOWED = ("torch's default hooks from torch.distributed.algorithms._comm_hooks.default_hooks: "
             "allreduce_hook (NO_SHARD), reduce_scatter_hook (sharded strategies), "
@@ -89,11 +90,13 @@ def plan(units, state, hook):
                             "over the unit's own process group only",
                             "pass DefaultState(process_group) with the model's process group")
         pre, post = state.gradient_predivide_factor, state.gradient_postdivide_factor
-        if abs(pre * post - world) > 1e-9 * world:
+        rule = _C.grad_divide("fsdp1", dtype_code(torch.float32), world)
+        if (pre, post) != (rule["pre"], rule["post"]):
             raise not_built("state", f"{type(state).__name__}(gradient_predivide_factor={pre}, "
                             f"gradient_postdivide_factor={post})", "the engine averages over "
-                            f"the group ({world} ranks); factors whose product is not the "
-                            "group's size scale the sum otherwise",
+                            f"the group ({world} ranks), dividing by {rule['pre']:g} before "
+                            f"the sum and {rule['post']:g} after, as torch's DefaultState "
+                            "does; other factors scale the sum otherwise",
                             "leave the factors DefaultState computes")
         if hook in low:
             for g in u.groups:

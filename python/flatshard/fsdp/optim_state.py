@@ -30,8 +30,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .. import _C
 from ..errors import StateDictError, bad_type, bad_value, not_built
 from ..options import OptimStateKeyType, StateDictType, normalize_enum
+from ..tensors import dtype_code
 from .state_dict import (alias_keys, get_state_dict_type, mesh_of, plain_key, to_dtensor,
                          units_with_paths, whole, units_of)
 from .summon import all_gather_shard
@@ -355,10 +357,19 @@ def _local_state(slot, saved, errors):
         if n not in elementwise:
             out[n] = _copy(v)  # the same for every parameter of a flat group
             continue
-        shard = torch.zeros(g.shard_numel, dtype=v.dtype)
+        # every parameter's piece of its whole value, in one C pass that also
+        # zeroes the padding (and a piece whose value had the wrong shape)
+        shard = torch.empty(g.shard_numel, dtype=v.dtype)
+        values, pieces = [], []
         for i, key, st in present:
+            value = _flat(whole(st[n]), g, i, key, n, errors)
             e = g.entries[i]
-            shard.narrow(0, e.shard_offset, e.piece_numel).copy_(_cut(whole(st[n]), g, i, key, n, errors))
+            if value is not None and e.piece_numel > 0:
+                values.append(value)
+                pieces.append((value.data_ptr(), dtype_code(value.dtype), e.param_offset,
+                               e.shard_offset, e.piece_numel))
+        pieces.sort(key=lambda p: p[3])
+        _C.gather_pieces(shard.data_ptr(), dtype_code(shard.dtype), g.shard_numel, pieces)
         out[n] = shard
     return out
 
@@ -372,14 +383,23 @@ def _element_names(g, keys, saved):
     return set()
 
 
-def _cut(value, g, i, key, name, errors):
-    """Parameter i's piece (1-D) of its whole state value."""
-    e = g.entries[i]
+def _flat(value, g, i, key, name, errors):
+    """Parameter i's whole state value as a flat, contiguous host tensor;
+    None (and an error noted) when its shape is not the parameter's."""
     if tuple(value.shape) != tuple(g.shapes[i]):
         errors.append(f"state {key}.{name} has shape {list(value.shape)}, the parameter "
                       f"{list(g.shapes[i])}")
+        return None
+    return value.detach().reshape(-1).cpu().contiguous()
+
+
+def _cut(value, g, i, key, name, errors):
+    """Parameter i's piece (1-D) of its whole state value."""
+    e = g.entries[i]
+    flat = _flat(value, g, i, key, name, errors)
+    if flat is None:
         return torch.zeros(e.piece_numel, dtype=value.dtype)
-    return value.reshape(-1).narrow(0, e.param_offset, e.piece_numel).clone()
+    return flat.narrow(0, e.param_offset, e.piece_numel).clone()
 
 
 # ---------------------------------------------------------------------------

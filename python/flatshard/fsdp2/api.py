@@ -265,8 +265,10 @@ class FSDPModule:
         divided by the gradient divide factor (the mean by default), for
         other dtypes by the power of two torch divides by before its
         reduce-scatter; the rest is divided after the hook. (torch under
-        set_force_sum_reduction_for_comms(True) divides only after the
-        hook; flatshard's hook sees the same values either way.)
+        set_force_sum_reduction_for_comms(True) divides only float16 and
+        float64 sums before the hook, by that power of two, and the rest
+        after; flatshard's hook sees the same values. _C.grad_divide's
+        `hold` says what the reduce output is divided by.)
 
         `stream`: a CUDA stream to run the hook on, on a 1-D CUDA mesh only;
         a ConfigError with HSDP (the hook runs where the all-reduce ran, as
@@ -297,10 +299,15 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable):
-        """torch: reduce with plain sums only, scaling before or after. The
-        engine always does (a sum, divided before for float16 and after
-        otherwise), so either value keeps its results. `enable`: a bool."""
+        """As in torch: this module's group reduces with plain sums, its
+        divide made before (float16, float64: the power of two torch divides
+        by against overflow) and after the collective instead of by it, so
+        that an all-reduce hook reads the undivided float32 or bfloat16 sum
+        (core/reduce_rule.h). `enable`: a bool."""
         _check_bool("enable", enable)
+        g = self._fsdp_state().group
+        if g is not None:
+            g.force_sum = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params, *, recurse=True):
         """torch: with reduce_scatter_unused_params=True, the parameters of a

@@ -96,6 +96,7 @@ class ParamGroup:
         self.sharded = [self._shard(i, p) for i, p in enumerate(params)]
         self._shards_to_engine()
         self.divide_factor = None
+        self.force_sum = False  # set_force_sum_reduction_for_comms
         # int reshard_after_forward: after forward keep 1/k of the unsharded buffer,
         # gathered back in backward over a group of k ranks (post_comm).
         self.post_comm = None
@@ -416,9 +417,9 @@ class ParamGroup:
         if not self.c.is_unsharded:
             return
         self.wait_unsharded()
-        k = self.post_comm.world_size
-        n = self.full_alloc // k
-        chunk = self.full.narrow(0, self.post_comm.rank * n, n).clone()
+        keep = _C.layout_dim0_post_chunk(self.full_alloc, self.post_comm.world_size,
+                                         self.post_comm.rank)
+        chunk = self.full[keep].clone()
         self.reshard()
         self.post_chunk = chunk
 
@@ -541,7 +542,7 @@ class ParamGroup:
         self.c.reduce(grads, grad_codes, outs, out_codes, accumulate,
                       float(factor) if factor is not None else 0.0,
                       deferred, reshard and not self.ext, all_reduce=not partial,
-                      hold=self._hook_divisor() if self.reducing_hook else 0.0,
+                      hold=self.reducing_hook is not None, force_sum=self.force_sum,
                       bucket=bucket.c if joins else None)
         self.reducing = fresh
         if joins:
@@ -551,24 +552,6 @@ class ParamGroup:
             return True
         self.finish_reduce()
         return False
-
-    def _hook_divisor(self):
-        """What torch's fully_shard has divided the reduce output by when its
-        all-reduce hook sees it (_get_gradient_divide_factors), so that the
-        hook sees the same values: for float32 and bfloat16 the whole
-        factor (its collectives average, or pre-multiply by 1/factor); for
-        other reduce dtypes the power of two it divides by before the
-        reduce-scatter against overflow. The engine divides the rest after
-        the hook. (torch with set_force_sum_reduction_for_comms(True) sums
-        and divides everything after the hook.)"""
-        world = self.world * (self.replicate_comm.world_size if self.replicate_comm else 1)
-        factor = self.divide_factor if self.divide_factor is not None else float(world)
-        if self.reduce_dtype in (torch.float32, torch.bfloat16):
-            return float(factor)
-        pre = 1
-        while factor % pre == 0 and factor / pre > pre:
-            pre *= 2
-        return float(pre)
 
     def _reduce_output(self):
         """The held reduce output as a flat tensor of the reduce dtype over
