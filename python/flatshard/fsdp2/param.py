@@ -29,6 +29,7 @@ from .. import _C
 from ..errors import ConfigError
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
+from ..runtime.grad_hooks import run_hooks
 from ..tensors import dtype_code
 from . import tp
 from .extension import Extension, has_extension
@@ -501,6 +502,7 @@ class ParamGroup:
         # reduction lands. With no gradient at all nothing is touched.
         unused = self.reduce_unused
         grads, grad_codes, outs, out_codes, accumulate, fresh = [], [], [], [], [], []
+        written = []  # the sharded parameters whose .grad this reduction writes
         use_any = False
         for i, sp in enumerate(sharded):
             g = accumulated[i]
@@ -528,6 +530,7 @@ class ParamGroup:
                         torch.empty(local.shape, dtype=local.dtype, device=local.device)
                     fresh.append((i, out))
                 out_codes.append(dtype_code(out.dtype))
+                written.append(sp)
             else:
                 out_codes.append(0)
             outs.append(out)
@@ -543,7 +546,7 @@ class ParamGroup:
                       deferred, reshard and not self.ext, all_reduce=not partial,
                       hold=self._hook_divisor() if self.reducing_hook else 0.0,
                       bucket=bucket.c if joins else None)
-        self.reducing = fresh
+        self.reducing = (fresh, written)
         if joins:
             bucket.joined(self, self.reduce_dtype)
             return False
@@ -584,10 +587,12 @@ class ParamGroup:
         """The second half of reduce_grads: the engine waits for a deferred
         reduce-scatter, the hook (if any) runs on the reduce output, and the
         engine writes the sharded gradients; the ones made new become the
-        parameters' DTensor gradients."""
+        parameters' DTensor gradients, and then each written parameter's
+        post-accumulate-grad hooks run, as torch's fully_shard runs them
+        (runtime/grad_hooks.py)."""
         if self.reducing is None:
             return
-        fresh, self.reducing = self.reducing, None
+        (fresh, written), self.reducing = self.reducing, None
         hook, self.reducing_hook = self.reducing_hook, None
         if self.c.reduce_pending:
             try:
@@ -598,6 +603,7 @@ class ParamGroup:
                 self.c.finish_reduce()
         for i, out in fresh:
             self.sharded[i].grad = _like(out, self.sharded[i])
+        run_hooks(written)
 
     def drop_reduce(self):
         """A reduction given up before it ran (a bucket cancelled): nothing

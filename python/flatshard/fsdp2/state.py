@@ -12,7 +12,9 @@ Hooks (all public torch APIs):
   post-backward  register_post_accumulate_grad_hook on each unsharded
                  parameter: once every trainable parameter of the group has
                  its gradient, reduce-scatter (unless gradient sync is off)
-                 and reshard (unless reshard_after_backward is off).
+                 and reshard (unless reshard_after_backward is off); the
+                 sharded parameters' own post-accumulate-grad hooks run once
+                 the reduction wrote their gradients (runtime/grad_hooks.py).
   end of backward  the root's callback on the autograd engine: groups whose
                  parameters did not all get a gradient (unused parameters) are
                  reduced and resharded here.
