@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from flatshard import ConfigError, MixedPrecisionPolicy, NotBuiltError, fully_shard
@@ -220,3 +221,86 @@ def test_torchao_float8_all_gather_matches_torch(dist_pool):
     pytest.importorskip("torchao.float8")
     for ours, theirs in dist_pool(2).run(_float8_training, timeout=TIMEOUT):
         assert ours == theirs
+
+
+# torch's TwoTensor given the extension at class level, as torch's own tests
+# do: its unsharded parameter, and so its unsharded gradient, is a TwoTensor.
+
+def _two_pre_v1(self, mesh):
+    return (self.a, self.b), None
+
+
+def _two_pre_v2(self, mesh, outer_size, outer_stride, module, mp_policy):
+    return (self.a, self.b), None
+
+
+def _two_post(self, outputs, metadata, param_dtype, *, out=None):
+    a, b = outputs
+    if out is not None:
+        if a.dtype != param_dtype:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.a.copy_(a)
+                out.b.copy_(b)
+        return None
+    return TwoTensor(a, b).to(param_dtype), (a, b)
+
+
+def _two_tensor_train(version, reshard_after_forward, param_dtype, steps=4):
+    """A model whose weights are TwoTensors with different halves (b = 2a + 1),
+    under torch's fully_shard and flatshard's: -> (per-step losses of both
+    halves, ours then torch's; whether every final local tensor, both halves,
+    is equal bit for bit; the type of a sharded gradient, ours and torch's)."""
+    TwoTensor.fsdp_pre_all_gather = _two_pre_v1 if version == 1 else _two_pre_v2
+    TwoTensor.fsdp_post_all_gather = _two_post
+    try:
+        models = []
+        for shard, mp in ((fully_shard, MixedPrecisionPolicy(param_dtype=param_dtype)),
+                          (torch_fully_shard, TorchMP(param_dtype=param_dtype))):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(),
+                              nn.Linear(16, 6, bias=False), nn.ReLU(), nn.Linear(6, 3))
+            for lin in (m[0], m[2]):
+                w = lin.weight.detach()
+                lin.weight = nn.Parameter(TwoTensor(w.clone(), 2 * w + 1))
+            for lin in (m[0], m[2], m[4]):
+                shard(lin, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            shard(m, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            models.append(m)
+        opts = [torch.optim.Adam(m.parameters(), lr=1e-2, foreach=True) for m in models]
+        g = torch.Generator().manual_seed(3 + dist.get_rank())
+        losses, grad_types = [], []
+        for step in range(steps):
+            x = torch.randn(2, 8, generator=g)
+            pair = []
+            for m, o in zip(models, opts):
+                loss = m(x).sum()
+                loss.backward()
+                if step == 0:
+                    gr = m[0].weight.grad
+                    grad_types.append((type(gr).__name__, type(gr._local_tensor).__name__))
+                o.step()
+                o.zero_grad(set_to_none=step % 2 == 0)
+                pair.append((loss.a.item(), loss.b.item()))
+            losses.append(tuple(pair))
+        same = True
+        for p, q in zip(*(m.parameters() for m in models)):
+            a, b = p._local_tensor, q._local_tensor
+            assert type(a) is type(b)
+            halves = (a.a, a.b, b.a, b.b) if isinstance(a, TwoTensor) else (a, a, b, b)
+            same = same and torch.equal(halves[0], halves[2]) and torch.equal(halves[1],
+                                                                              halves[3])
+        return losses, same, grad_types
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+
+
+@pytest.mark.parametrize("version,raf,param_dtype", [
+    (1, True, None), (2, False, None), (2, True, torch.bfloat16)])
+def test_two_tensor_gradients_train_as_torch(dist_pool, version, raf, param_dtype):
+    for losses, same, grad_types in dist_pool(2).run(_two_tensor_train, version, raf,
+                                                     param_dtype, timeout=TIMEOUT):
+        for ours, theirs in losses:
+            assert ours == theirs, losses
+        assert losses[0][0][0] != losses[0][0][1]  # the halves differ: each is checked
+        assert same
+        assert grad_types[0] == grad_types[1] == ("DTensor", "Tensor")

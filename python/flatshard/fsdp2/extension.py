@@ -16,8 +16,9 @@ The protocol, as torch's fully_shard runs it:
   reshard frees the storage of the outputs and the inner tensors.
 
 Each input is moved as raw bytes, so any dtype (float8 included) travels
-bit for bit. The parameter's gradient is plain and takes the group's
-ordinary reduce-scatter (param.py).
+bit for bit. The parameter's gradient takes the group's ordinary
+reduce-scatter into a plain sharded gradient; one of a subclass is first
+written into a plain tensor by the class's copy_ (param.py, _plain).
 """
 import inspect
 

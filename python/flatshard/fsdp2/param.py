@@ -438,7 +438,13 @@ class ParamGroup:
         """Unsharded parameter i's gradient as the engine reads it: the
         local tensor of a DTensor parameter's (tp.py)."""
         g = self.unsharded[i].grad
-        return tp.grad_local(g, self.tp[i]) if g is not None and i in self.tp else g
+        if g is None:
+            return None
+        if i in self.tp:
+            g = tp.grad_local(g, self.tp[i])
+        if type(g) is not torch.Tensor:
+            g = _plain(g)
+        return g
 
     def _accumulate(self, i, add):
         """The engine adds (add) or casts unsharded gradient i into its
@@ -609,6 +615,20 @@ class ParamGroup:
         """A reduction given up before it ran (a bucket cancelled): nothing
         is set."""
         self.reducing = self.reducing_hook = None
+
+
+def _plain(grad):
+    """A gradient that is a tensor subclass (an extension's class rebuilt
+    the unsharded parameter as one, a TwoTensor say, and autograd made its
+    gradient, and those of the parameters computing on its outputs, of the
+    class) as a plain tensor of its shape and dtype, written by the class's
+    own copy_: the values it says it holds, as torch's reduce-scatter
+    copy-in writes them (its _chunk_cat goes through the class alike; a
+    TwoTensor writes both of its halves in turn, the second last)."""
+    plain = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+    with torch.no_grad():
+        plain.copy_(grad)
+    return plain
 
 
 def _run_hook(hook, stream, reduce_output):
