@@ -36,7 +36,7 @@ from ..runtime import cuda
 from ..runtime.comm import backend_for_device, comm_for, requested_backend, self_comm
 from ..tensors import check_plain
 from . import dp_mesh
-from .extension import has_extension
+from .extension import gathers_itself
 from .param import ParamGroup
 from .state import STATE_ATTR, FSDPState, state_of
 
@@ -640,7 +640,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                             f"distribute_module). Got plain tensor for parameter '{name}'")
         if isinstance(p, DTensor):  # tensor parallel: its local tensor is sharded (tp.py)
             check_plain(p._local_tensor, f"parameter {name}'s local tensor", "fully_shard")
-        elif has_extension(p):  # its class all-gathers for itself (extension.py)
+        elif gathers_itself(p):  # its class all-gathers for itself, or may (extension.py)
             if isinstance(reshard_after_forward, int) and \
                     not isinstance(reshard_after_forward, bool):
                 raise not_built("reshard_after_forward", reshard_after_forward,
@@ -657,7 +657,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             raise bad_value("module", label, f"parameter {name} is on {p.device}, and the "
                             f"mesh's collectives move {want} memory",
                             f"move the module to {want} first, or pass a matching mesh")
-        dims.append(_shard_dim(shard_placement_fn, p, name, has_extension(p)))
+        dims.append(_shard_dim(shard_placement_fn, p, name, gathers_itself(p)))
     if len({p.dtype for p in params}) > 1:
         found = sorted({str(p.dtype) for p in params})
         raise bad_value("module", label, f"its parameters have several dtypes "

@@ -26,13 +26,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C
-from ..errors import ConfigError
+from ..errors import ConfigError, NotBuiltError
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
 from ..runtime.grad_hooks import run_hooks
-from ..tensors import dtype_code
+from ..tensors import check_plain, dtype_code, is_plain, to_plain
 from . import tp
-from .extension import Extension, has_extension
+from .extension import Extension, gathers_itself, has_extension
 
 
 class ParamGroup:
@@ -72,10 +72,11 @@ class ParamGroup:
             self.placements[i] = list(t.placements)
         self.label = ",".join(names) if names else "fully_shard"
         self.names = names or [str(i) for i in range(len(params))]
-        # Parameters whose class all-gathers for itself (extension.py): no
-        # room in the gather block nor in the unsharded buffer, but their
-        # plain gradients take the reduce-scatter with the rest.
-        self.gathered = [not has_extension(p) for p in params]
+        # Parameters whose class all-gathers for itself (extension.py), or
+        # a subclass's that may once its local tensor is given the methods:
+        # no room in the gather block nor in the unsharded buffer, but their
+        # gradients take the reduce-scatter with the rest.
+        self.gathered = [not gathers_itself(p) for p in params]
         self.c = None
         self.count_base = {}   # collectives of the engine groups replaced by a cast
         self._build_engine(params[0].dtype, params[0].device)
@@ -95,6 +96,9 @@ class ParamGroup:
         # so that one tied between two groups is found at lazy init.
         self.uids = [_uid(p) for p in params]
         self.sharded = [self._shard(i, p) for i, p in enumerate(params)]
+        for i in self.ext:  # a subclass whose shard lost its class can never gather itself
+            if is_plain(self.local(i)) and not has_extension(self.local(i)):
+                check_plain(params[i], f"parameter {self.names[i]}", "fully_shard")
         self._shards_to_engine()
         self.divide_factor = None
         # int reshard_after_forward: after forward keep 1/k of the unsharded buffer,
@@ -220,17 +224,29 @@ class ParamGroup:
         shards were registered (load_state_dict(assign=True),
         set_model_state_dict on a meta model, module.to_empty(), a cast of a
         submodule, `param.data = ...`) as the new shards, as torch's
-        fully_shard does. Returns whether anything changed."""
+        fully_shard does; and a local tensor given the all-gather extension
+        since (or one that lost it) takes its path from now on, as torch reads
+        the extension at every all-gather (extension.py). Returns whether
+        anything changed."""
         if self.registered_unsharded:
             return False
         heads = self._heads
         if heads is None:  # (parameter dict, name) of each parameter's first alias
             heads = self._heads = [(al[0][0]._parameters, al[0][1]) for al in self.aliases]
-        for (d, attr), sp, local in zip(heads, self.sharded, self.engine_locals):
-            if d.get(attr) is not sp or sp._local_tensor is not local:
+        for (d, attr), sp, local, gathered in zip(heads, self.sharded, self.engine_locals,
+                                                  self.gathered):
+            # (a plain local tensor's __dict__ is empty unless it was given attributes)
+            if d.get(attr) is not sp or sp._local_tensor is not local or \
+                    ((local.__dict__ or not gathered) and self._own_path(local) == gathered):
                 self.refresh_sharded()
                 return True
         return False
+
+    @staticmethod
+    def _own_path(local):
+        """Whether a sharded parameter with this local tensor all-gathers
+        through the extension (extension.py)."""
+        return has_extension(local) or not is_plain(local)
 
     def refresh_sharded(self):
         """Re-read the registered sharded parameters (after nn.Module._apply:
@@ -254,7 +270,27 @@ class ParamGroup:
         device = next((p._local_tensor.device for p in new if not p._local_tensor.is_meta),
                       new[0]._local_tensor.device)
         old = self.reduce_dtype
-        self._build_engine(new[0].dtype, device)
+        gathered = [i in self.tp or not self._own_path(p._local_tensor)
+                    for i, p in enumerate(new)]
+        switched = gathered != self.gathered
+        if switched:  # the engine's group holds the gathered ones' room: a new one
+            for i, (now, was) in enumerate(zip(gathered, self.gathered)):
+                if was and not now and (self.shard_dims[i] or self.post_comm is not None):
+                    why = (f"Shard({self.shard_dims[i]}) (shard_placement_fn)"
+                           if self.shard_dims[i] else
+                           f"reshard_after_forward={self.post_comm.world_size}")
+                    raise NotBuiltError(
+                        f"flatshard: fully_shard: parameter {self.names[i]}'s local tensor was "
+                        "given fsdp_pre_all_gather / fsdp_post_all_gather after fully_shard, "
+                        f"and the parameter is sharded with {why}, which that path does not "
+                        "take (dim 0 only, no post-forward group, as in torch): shard it on "
+                        "dim 0 with reshard_after_forward True or False")
+            self.gathered = gathered
+        self._build_engine(new[0].dtype, device, force=switched)
+        if switched:
+            self.ext = {i: Extension(p._local_tensor, self.names[i], self.aliases[i][0][0],
+                                     self.mp, self.entries[i].chunk_rows)
+                        for i, p in enumerate(new) if not gathered[i]}
         if self.reduce_dtype != old:
             self.accumulated = [a.to(self.reduce_dtype) if a is not None else None
                                 for a in self.accumulated]
@@ -442,8 +478,8 @@ class ParamGroup:
             return None
         if i in self.tp:
             g = tp.grad_local(g, self.tp[i])
-        if type(g) is not torch.Tensor:
-            g = _plain(g)
+        if type(g) is not torch.Tensor:  # a subclass (extension.py): its values, as torch
+            g = to_plain(g)
         return g
 
     def _accumulate(self, i, add):
@@ -615,20 +651,6 @@ class ParamGroup:
         """A reduction given up before it ran (a bucket cancelled): nothing
         is set."""
         self.reducing = self.reducing_hook = None
-
-
-def _plain(grad):
-    """A gradient that is a tensor subclass (an extension's class rebuilt
-    the unsharded parameter as one, a TwoTensor say, and autograd made its
-    gradient, and those of the parameters computing on its outputs, of the
-    class) as a plain tensor of its shape and dtype, written by the class's
-    own copy_: the values it says it holds, as torch's reduce-scatter
-    copy-in writes them (its _chunk_cat goes through the class alike; a
-    TwoTensor writes both of its halves in turn, the second last)."""
-    plain = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-    with torch.no_grad():
-        plain.copy_(grad)
-    return plain
 
 
 def _run_hook(hook, stream, reduce_output):

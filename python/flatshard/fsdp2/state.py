@@ -283,7 +283,7 @@ class FSDPState:
                 h.is_unsharded or h.ext or h.post_chunk is not None:
             return False
         self._before_gather()
-        return not h.is_unsharded  # (sync_registered may have rebuilt it)
+        return not h.is_unsharded and not h.ext  # (sync_registered may have rebuilt it)
 
     def _hook_grads(self):
         """Post-accumulate-grad hooks on trainable unsharded parameters that
