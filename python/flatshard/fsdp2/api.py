@@ -419,9 +419,12 @@ def _resolve_reshard(value, mesh):
     ranks = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))
     me = ranks.index(dist.get_rank())
     block = tuple(ranks[me // value * value:(me // value + 1) * value])
-    group = _SUBGROUPS.get(block)
+    # this rank's own: ranks run as threads of one process (torch's threaded
+    # process group) each make the group, and each gets its own object
+    key = (dist.get_rank(), block)
+    group = _SUBGROUPS.get(key)
     if group is None:
-        group = _SUBGROUPS[block] = dist.new_group(list(block), use_local_synchronization=True)
+        group = _SUBGROUPS[key] = dist.new_group(list(block), use_local_synchronization=True)
     return value, _comm(group, mesh)
 
 
