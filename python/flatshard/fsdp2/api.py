@@ -66,6 +66,13 @@ class FSDPModule:
     def _fsdp_state(self):
         return self.__dict__[STATE_ATTR]
 
+    def _get_fsdp_state(self):
+        """torch's name for this module's state (fsdp2/torch_state.py)."""
+        state = state_of(self)
+        if state is None:
+            raise AssertionError(f"No FSDP state found on {self}")
+        return state
+
     def _fsdp_modules(self, recurse):
         mods = self.modules() if recurse else [self]
         return [m for m in mods if isinstance(m, FSDPModule)]
@@ -688,3 +695,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
     return modules if isinstance(module, (list, tuple)) else module
+
+
+# torch's contract accessor: fully_shard.state(module) -> its state, or None
+fully_shard.state = state_of
