@@ -482,9 +482,10 @@ def _check_mesh(mesh, device_type):
             raise not_built("mesh", mesh, "a CUDA mesh needs flatshard built with nvcc and a "
                             "CUDA device visible to torch")
     if mesh.ndim not in (1, 2):
-        raise bad_value("mesh", mesh, f"a {mesh.ndim}-D mesh; fully_shard expects a 1D or 2D "
-                        "DeviceMesh (1-D: FSDP; 2-D: hybrid, replicate on dim 0 and shard on "
-                        "dim 1)")
+        # ends with torch's words, which scripts match
+        raise bad_value("mesh", mesh, f"a {mesh.ndim}-D mesh (1-D: FSDP; 2-D: hybrid, "
+                        "replicate on dim 0 and shard on dim 1): fully_shard expects a 1D or 2D "
+                        f"DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise ConfigAssertionError(
             f"flatshard: mesh={mesh!r} is not allowed; a 2-D mesh needs names for its "
@@ -660,9 +661,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         else:
             check_plain(p, f"parameter {name}", "fully_shard")
         if p.dim() == 0:
-            raise bad_value("module", label, f"parameter {name} is 0-d; dim-0 sharding needs "
-                            "at least one dimension (fully_shard doesn't support scalar "
-                            "parameters)", f"Change {name} to a 1D tensor with numel equal to 1")
+            raise bad_value("module", label, f"parameter {name} is 0-d and dim-0 sharding "
+                            "needs at least one dimension: fully_shard doesn't support scalar "
+                            "parameters", f"Change {name} to a 1D tensor with numel equal to 1.")
         if p.device.type != "meta" and p.device != want:
             raise bad_value("module", label, f"parameter {name} is on {p.device}, and the "
                             f"mesh's collectives move {want} memory",
