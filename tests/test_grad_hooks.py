@@ -6,6 +6,7 @@ parameters bit for bit, also with gradient accumulation without sync and
 with reductions in a bucket); the FSDP1 wrapper with use_orig_params=True
 against the same training of the plain model in one process (torch's FSDP1
 runs no such hook: checked too, it is why flatshard documents its choice)."""
+import contextlib
 import os
 
 import pytest
@@ -15,10 +16,32 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+import flatshard.fsdp.groups as fsdp_groups
+import flatshard.fsdp2.api as fsdp2_api
 from flatshard import FullyShardedDataParallel, fully_shard
+from flatshard.runtime.device import host_device_comm
 
 TIMEOUT = 240
 BUCKET_ENV = "FLATSHARD_REDUCE_BUCKET_BYTES"
+
+
+@contextlib.contextmanager
+def _device_comms(where):
+    """Wrappers built inside use device Comms over the host ones (the host
+    device table, runtime/device.py): reductions are deferred and landed
+    later, as on a GPU. where: the module whose comm_for is replaced."""
+    saved, made = where.comm_for, {}
+
+    def comm_for(group, backend, device=None):
+        host = saved(group, backend, device)
+        if id(host) not in made:
+            made[id(host)] = host_device_comm(host)
+        return made[id(host)]
+    where.comm_for = comm_for
+    try:
+        yield
+    finally:
+        where.comm_for = saved
 
 
 def _net():
@@ -146,3 +169,41 @@ def test_fsdp1_use_orig_params_runs_hooks_as_the_plain_model(dist_pool, bucket):
             # two ranks' mean gradients against one batch's: summation order only
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
         assert any(not torch.equal(a, b) for a, b in zip(ref, _net().parameters()))
+
+
+def _on_device_and_host(api, steps=3):
+    """(hook calls, final local parameters) of one API with
+    optimizer-in-backward on the device path and on the host path."""
+    rank = dist.get_rank()
+    out = []
+    for device in (True, False):
+        model = _net()
+        names = [n for n, _ in model.named_parameters()]
+        with _device_comms(fsdp2_api if api == "fully_shard" else fsdp_groups) if device \
+                else contextlib.nullcontext():
+            if api == "fully_shard":
+                fully_shard(model[0])
+                fully_shard(model)
+            else:
+                model[0] = FullyShardedDataParallel(model[0], use_orig_params=True)
+                model = FullyShardedDataParallel(model, use_orig_params=True)
+        calls = _in_backward(model, names)
+        g = torch.Generator().manual_seed(5 + rank)
+        per_step = []
+        for _ in range(steps):
+            model(torch.randn(3, 8, generator=g)).square().mean().backward()
+            per_step.append(list(calls))
+            calls.clear()
+        local = [(p._local_tensor if api == "fully_shard" else p).detach().clone()
+                 for p in model.parameters()]
+        out.append((per_step, local))
+    return out
+
+
+@pytest.mark.parametrize("api", ["fully_shard", "FSDP"])
+def test_hooks_run_once_deferred_reductions_land(dist_pool, api):
+    for (d_calls, d_params), (h_calls, h_params) in dist_pool(2).run(
+            _on_device_and_host, api, timeout=TIMEOUT):
+        assert d_calls == h_calls and all(len(c) == 4 for c in d_calls)
+        for a, b in zip(d_params, h_params):
+            assert torch.equal(a, b)
