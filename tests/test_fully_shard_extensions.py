@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from flatshard import ConfigError, MixedPrecisionPolicy, NotBuiltError, fully_shard
@@ -220,3 +221,190 @@ def test_torchao_float8_all_gather_matches_torch(dist_pool):
     pytest.importorskip("torchao.float8")
     for ours, theirs in dist_pool(2).run(_float8_training, timeout=TIMEOUT):
         assert ours == theirs
+
+
+# torch's TwoTensor given the extension at class level, as torch's own tests
+# do: its unsharded parameter, and so its unsharded gradient, is a TwoTensor.
+
+def _two_pre_v1(self, mesh):
+    return (self.a, self.b), None
+
+
+def _two_pre_v2(self, mesh, outer_size, outer_stride, module, mp_policy):
+    return (self.a, self.b), None
+
+
+def _two_post(self, outputs, metadata, param_dtype, *, out=None):
+    a, b = outputs
+    if out is not None:
+        if a.dtype != param_dtype:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.a.copy_(a)
+                out.b.copy_(b)
+        return None
+    return TwoTensor(a, b).to(param_dtype), (a, b)
+
+
+def _two_tensor_train(version, reshard_after_forward, param_dtype, steps=4):
+    """A model whose weights are TwoTensors with different halves (b = 2a + 1),
+    under torch's fully_shard and flatshard's: -> (per-step losses of both
+    halves, ours then torch's; whether every final local tensor, both halves,
+    is equal bit for bit; the type of a sharded gradient, ours and torch's)."""
+    TwoTensor.fsdp_pre_all_gather = _two_pre_v1 if version == 1 else _two_pre_v2
+    TwoTensor.fsdp_post_all_gather = _two_post
+    try:
+        models = []
+        for shard, mp in ((fully_shard, MixedPrecisionPolicy(param_dtype=param_dtype)),
+                          (torch_fully_shard, TorchMP(param_dtype=param_dtype))):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(),
+                              nn.Linear(16, 6, bias=False), nn.ReLU(), nn.Linear(6, 3))
+            for lin in (m[0], m[2]):
+                w = lin.weight.detach()
+                lin.weight = nn.Parameter(TwoTensor(w.clone(), 2 * w + 1))
+            for lin in (m[0], m[2], m[4]):
+                shard(lin, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            shard(m, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            models.append(m)
+        opts = [torch.optim.Adam(m.parameters(), lr=1e-2, foreach=True) for m in models]
+        g = torch.Generator().manual_seed(3 + dist.get_rank())
+        losses, grad_types = [], []
+        for step in range(steps):
+            x = torch.randn(2, 8, generator=g)
+            pair = []
+            for m, o in zip(models, opts):
+                loss = m(x).sum()
+                loss.backward()
+                if step == 0:
+                    gr = m[0].weight.grad
+                    grad_types.append((type(gr).__name__, type(gr._local_tensor).__name__))
+                o.step()
+                o.zero_grad(set_to_none=step % 2 == 0)
+                pair.append((loss.a.item(), loss.b.item()))
+            losses.append(tuple(pair))
+        same = True
+        for p, q in zip(*(m.parameters() for m in models)):
+            a, b = p._local_tensor, q._local_tensor
+            assert type(a) is type(b)
+            halves = (a.a, a.b, b.a, b.b) if isinstance(a, TwoTensor) else (a, a, b, b)
+            same = same and torch.equal(halves[0], halves[2]) and torch.equal(halves[1],
+                                                                              halves[3])
+        return losses, same, grad_types
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+
+
+@pytest.mark.parametrize("version,raf,param_dtype", [
+    (1, True, None), (2, False, None), (2, True, torch.bfloat16)])
+def test_two_tensor_gradients_train_as_torch(dist_pool, version, raf, param_dtype):
+    for losses, same, grad_types in dist_pool(2).run(_two_tensor_train, version, raf,
+                                                     param_dtype, timeout=TIMEOUT):
+        for ours, theirs in losses:
+            assert ours == theirs, losses
+        assert losses[0][0][0] != losses[0][0][1]  # the halves differ: each is checked
+        assert same
+        assert grad_types[0] == grad_types[1] == ("DTensor", "Tensor")
+
+
+# An extension attached to a parameter's local tensor after fully_shard, as
+# torch's own test attaches one: bound methods on `param._local_tensor` (after
+# to_empty, which makes new local tensors), on TwoTensor weights and on plain
+# ones, which flatshard moves from the group's flat all-gather to this path.
+
+def _attach_bf16_gather(local, ran):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        ran.append(1)
+        return (self.to(torch.bfloat16),), None
+
+    @torch.no_grad()
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (t,) = outputs
+        if out is not None:
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(t)
+            return None
+        up = t.to(param_dtype)
+        return up, (t, up)
+    local.fsdp_pre_all_gather = fsdp_pre_all_gather.__get__(local)
+    local.fsdp_post_all_gather = fsdp_post_all_gather.__get__(local)
+
+
+def _attached_train(kind, meta, steps=3):
+    """-> (per-step (ours, torch's) losses, whether the final local tensors are
+    equal bit for bit, how many pre-all-gathers ran in each)."""
+    models, ran = [], ([], [])
+    for shard, calls in ((fully_shard, ran[0]), (torch_fully_shard, ran[1])):
+        torch.manual_seed(0)
+        with torch.device("meta" if meta else "cpu"):
+            m = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(),
+                                              nn.Linear(16, 8, bias=False)) for _ in range(2)])
+        if kind == "two":
+            for blk in m:
+                for lin in (blk[0], blk[2]):
+                    w = lin.weight.detach()
+                    lin.weight = nn.Parameter(TwoTensor(w, w.clone()))
+        for blk in m:
+            shard(blk)
+        shard(m)
+        if meta:
+            m.to_empty(device="cpu")
+            torch.manual_seed(1)
+            for p in m.parameters():
+                nn.init.trunc_normal_(p)
+        for name, p in m.named_parameters():
+            # every TwoTensor (one without is refused, below); of the plain
+            # ones each block's first weight, beside a plain one in its group
+            if kind == "two" or name.endswith("0.weight"):
+                _attach_bf16_gather(p._local_tensor, calls)
+        models.append(m)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2, foreach=True) for m in models]
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(2, 8, generator=g)
+        pair = []
+        for m, o in zip(models, opts):
+            loss = m(x).sum()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            pair.append(loss.item())
+        losses.append(tuple(pair))
+    same = True
+    for p, q in zip(*(m.parameters() for m in models)):
+        a, b = p._local_tensor, q._local_tensor
+        same = same and type(a) is type(b) and (
+            torch.equal(a.a, b.a) and torch.equal(a.b, b.b) if isinstance(a, TwoTensor)
+            else torch.equal(a, b))
+    return losses, same, (len(ran[0]), len(ran[1]))
+
+
+@pytest.mark.parametrize("kind,meta", [("two", True), ("two", False), ("plain", False)])
+def test_extension_attached_after_fully_shard_trains_as_torch(dist_pool, kind, meta):
+    for losses, same, (ours_ran, torch_ran) in dist_pool(2).run(_attached_train, kind, meta,
+                                                                timeout=TIMEOUT):
+        for ours, theirs in losses:
+            assert ours == theirs, losses
+        assert same
+        assert ours_ran == torch_ran > 0  # one per gather of each patched weight
+
+
+def _subclass_without_extension():
+    """A TwoTensor weight is taken at wrap (its local tensor may be given the
+    extension); still without one at the first forward, refused there."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    w = m[0].weight.detach()
+    m[0].weight = nn.Parameter(TwoTensor(w, w.clone()))
+    fully_shard(m[0])
+    fully_shard(m)
+    try:
+        m(torch.randn(2, 4))
+    except NotBuiltError as e:
+        return str(e)
+    return None
+
+
+def test_subclass_without_extension_is_refused_at_its_first_gather(dist_pool):
+    for msg in dist_pool(2).run(_subclass_without_extension, timeout=TIMEOUT):
+        assert msg is not None and "parameter weight is a" in msg and "TwoTensor" in msg
+        assert "_local_tensor" in msg and "fsdp_pre_all_gather" in msg

@@ -65,6 +65,23 @@ def check_plain(t, what, api):
                             f"cpu, cuda")
 
 
+def is_plain(t):
+    """Whether t is a plain torch.Tensor or nn.Parameter (no subclass)."""
+    return type(t) in _PLAIN_TYPES
+
+
+def to_plain(t):
+    """A tensor subclass's values as a new plain tensor of its shape, dtype
+    and device, written by the class's own copy_ (its __torch_dispatch__
+    decides what it holds): what torch's fully_shard copy-ins write when
+    they meet one (a TwoTensor writes both of its halves in turn, so the
+    second one's values are kept)."""
+    plain = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        plain.copy_(t)
+    return plain
+
+
 def is_dense(t, dtype, devices):
     """Whether `t` is a plain, strided, contiguous tensor of `dtype` on one of
     `devices` (device type names): check_plain's rule and more, as a bool,

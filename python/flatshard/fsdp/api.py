@@ -88,7 +88,7 @@ class RootState:
         another unit is waited for first (its buffers go back), so backward
         holds at most one unit's reduction buffers beyond its own."""
         self.inflight.land(unless=unit)
-        self.inflight.issued(unit, unit.c.wait_reduced)
+        self.inflight.issued(unit, unit.land_reduced)
 
     def begin_forward(self):
         if self.final_queued:  # the last backward never finished: clean up

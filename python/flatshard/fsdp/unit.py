@@ -28,6 +28,7 @@ from ..errors import OutOfMemoryError, bad_value
 from ..options import BackwardPrefetch
 from . import zero1
 from ..runtime import eager
+from ..runtime.grad_hooks import run_hooks
 from ..runtime.heap import HEAP
 from ..runtime.trees import hook_before_backward
 from .oom import oom_report
@@ -64,6 +65,7 @@ class UnitRuntime:
         self.root = None          # RootState, set at lazy init
         self.parts = [None] * len(groups)  # each group as a bucket member, made at first use
         self.sync_grads = True    # False inside no_sync()
+        self.landing = []         # original parameters a deferred reduction writes (hooks)
         for g in groups:
             if g.requires_grad:
                 g.compute.register_post_accumulate_grad_hook(
@@ -245,13 +247,24 @@ class UnitRuntime:
         if defer:
             self.root.reduce_issued(self)
         part = self._bucket_part(gi, out, keep)
+        # use_orig_params: the parameters whose gradients this reduction
+        # writes get their post-accumulate-grad hooks run once the values are
+        # there (runtime/grad_hooks.py): now, at the bucket's flush, or when
+        # a deferred reduction is landed.
+        written = g.params if out is not None and self.use_orig_params else ()
         act = self._event(_C.EV_POST_BACKWARD, 0 if self.sync_grads else _C.FLAG_NO_SYNC, gi,
                           grad if out is not None else None, out, accumulate, defer,
                           self.root.bucket.c if part is not None else None)
         if out is not None and act & _C.ACT_REDUCE_GRAD and not accumulate:
             self._after_reduce(g, out, keep)
         if part is not None and act & _C.ACT_REDUCE_GRAD:
+            part.written = written
             self.root.bucket.joined(part, g.reduce_dtype)
+        elif written and act & _C.ACT_REDUCE_GRAD:
+            if defer:
+                self.landing += written
+            else:
+                run_hooks(written)
         if act & _C.ACT_RESHARD:
             self._clear_unsharded_views()
             if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
@@ -348,10 +361,21 @@ class UnitRuntime:
             p.grad = v
         g.grad_buf, g.grad_views = buf, views
 
+    def land_reduced(self):
+        """The current stream waits for this unit's deferred reductions; the
+        hooks of the parameters they wrote run."""
+        self.c.wait_reduced()
+        self._run_landed_hooks()
+
+    def _run_landed_hooks(self):
+        written, self.landing = self.landing, []
+        run_hooks(written)
+
     def finalize(self):
         """End of the backward pass: the current stream waits for deferred
         reductions, and whatever is still unsharded is freed."""
         act = self._event(_C.EV_FINALIZE, 0)  # deferred reductions are waited for first
+        self._run_landed_hooks()
         if act & _C.ACT_RESHARD:
             self._clear_unsharded_views()
         # Between steps the host keeps only its model states: the pool's
@@ -380,10 +404,11 @@ class _BucketPart:
     (runtime/bucket.py): its gradient tensors are set at the hook as
     always; the engine writes their values when the bucket is flushed."""
 
-    __slots__ = ("unit", "group")
+    __slots__ = ("unit", "group", "written")
 
     def __init__(self, unit, g):
         self.unit, self.group = unit, g
+        self.written = ()  # the parameters whose hooks run once the flush wrote them
 
     # read at each use: a comm hook may give the unit a new engine object
     # and the group a new reduce dtype
@@ -393,11 +418,15 @@ class _BucketPart:
                             self.group.reduce_dtype.itemsize)
 
     def finish_reduce(self):
-        """Nothing left: the engine wrote the gradients at the flush."""
+        """The engine wrote the gradients at the flush: their parameters'
+        hooks run."""
+        written, self.written = self.written, ()
+        run_hooks(written)
 
     def drop_reduce(self):
         """A bucket given up: what the reduction was to write is not there."""
         g = self.group
+        self.written = ()
         if self.unit.use_orig_params:
             for p in g.params:
                 p.grad = None

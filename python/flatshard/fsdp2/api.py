@@ -36,7 +36,7 @@ from ..runtime import cuda
 from ..runtime.comm import backend_for_device, comm_for, requested_backend, self_comm
 from ..tensors import check_plain
 from . import dp_mesh
-from .extension import has_extension
+from .extension import gathers_itself
 from .param import ParamGroup
 from .state import STATE_ATTR, FSDPState, state_of
 
@@ -65,6 +65,13 @@ class FSDPModule:
 
     def _fsdp_state(self):
         return self.__dict__[STATE_ATTR]
+
+    def _get_fsdp_state(self):
+        """torch's name for this module's state (fsdp2/torch_state.py)."""
+        state = state_of(self)
+        if state is None:
+            raise AssertionError(f"No FSDP state found on {self}")
+        return state
 
     def _fsdp_modules(self, recurse):
         mods = self.modules() if recurse else [self]
@@ -426,9 +433,12 @@ def _resolve_reshard(value, mesh):
     ranks = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))
     me = ranks.index(dist.get_rank())
     block = tuple(ranks[me // value * value:(me // value + 1) * value])
-    group = _SUBGROUPS.get(block)
+    # this rank's own: ranks run as threads of one process (torch's threaded
+    # process group) each make the group, and each gets its own object
+    key = (dist.get_rank(), block)
+    group = _SUBGROUPS.get(key)
     if group is None:
-        group = _SUBGROUPS[block] = dist.new_group(list(block), use_local_synchronization=True)
+        group = _SUBGROUPS[key] = dist.new_group(list(block), use_local_synchronization=True)
     return value, _comm(group, mesh)
 
 
@@ -479,9 +489,10 @@ def _check_mesh(mesh, device_type):
             raise not_built("mesh", mesh, "a CUDA mesh needs flatshard built with nvcc and a "
                             "CUDA device visible to torch")
     if mesh.ndim not in (1, 2):
-        raise bad_value("mesh", mesh, f"a {mesh.ndim}-D mesh; fully_shard expects a 1D or 2D "
-                        "DeviceMesh (1-D: FSDP; 2-D: hybrid, replicate on dim 0 and shard on "
-                        "dim 1)")
+        # ends with torch's words, which scripts match
+        raise bad_value("mesh", mesh, f"a {mesh.ndim}-D mesh (1-D: FSDP; 2-D: hybrid, "
+                        "replicate on dim 0 and shard on dim 1): fully_shard expects a 1D or 2D "
+                        f"DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise ConfigAssertionError(
             f"flatshard: mesh={mesh!r} is not allowed; a 2-D mesh needs names for its "
@@ -647,7 +658,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                             f"distribute_module). Got plain tensor for parameter '{name}'")
         if isinstance(p, DTensor):  # tensor parallel: its local tensor is sharded (tp.py)
             check_plain(p._local_tensor, f"parameter {name}'s local tensor", "fully_shard")
-        elif has_extension(p):  # its class all-gathers for itself (extension.py)
+        elif gathers_itself(p):  # its class all-gathers for itself, or may (extension.py)
             if isinstance(reshard_after_forward, int) and \
                     not isinstance(reshard_after_forward, bool):
                 raise not_built("reshard_after_forward", reshard_after_forward,
@@ -657,14 +668,14 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         else:
             check_plain(p, f"parameter {name}", "fully_shard")
         if p.dim() == 0:
-            raise bad_value("module", label, f"parameter {name} is 0-d; dim-0 sharding needs "
-                            "at least one dimension (fully_shard doesn't support scalar "
-                            "parameters)", f"Change {name} to a 1D tensor with numel equal to 1")
+            raise bad_value("module", label, f"parameter {name} is 0-d and dim-0 sharding "
+                            "needs at least one dimension: fully_shard doesn't support scalar "
+                            "parameters", f"Change {name} to a 1D tensor with numel equal to 1.")
         if p.device.type != "meta" and p.device != want:
             raise bad_value("module", label, f"parameter {name} is on {p.device}, and the "
                             f"mesh's collectives move {want} memory",
                             f"move the module to {want} first, or pass a matching mesh")
-        dims.append(_shard_dim(shard_placement_fn, p, name, has_extension(p)))
+        dims.append(_shard_dim(shard_placement_fn, p, name, gathers_itself(p)))
     if len({p.dtype for p in params}) > 1:
         found = sorted({str(p.dtype) for p in params})
         raise bad_value("module", label, f"its parameters have several dtypes "
@@ -692,3 +703,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
     return modules if isinstance(module, (list, tuple)) else module
+
+
+# torch's contract accessor: fully_shard.state(module) -> its state, or None
+fully_shard.state = state_of

@@ -26,12 +26,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C
-from ..errors import ConfigError
+from ..errors import ConfigError, NotBuiltError
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
-from ..tensors import dtype_code
+from ..runtime.grad_hooks import run_hooks
+from ..tensors import check_plain, dtype_code, is_plain, to_plain
 from . import tp
-from .extension import Extension, has_extension
+from .extension import Extension, gathers_itself, has_extension
 
 
 class ParamGroup:
@@ -71,10 +72,11 @@ class ParamGroup:
             self.placements[i] = list(t.placements)
         self.label = ",".join(names) if names else "fully_shard"
         self.names = names or [str(i) for i in range(len(params))]
-        # Parameters whose class all-gathers for itself (extension.py): no
-        # room in the gather block nor in the unsharded buffer, but their
-        # plain gradients take the reduce-scatter with the rest.
-        self.gathered = [not has_extension(p) for p in params]
+        # Parameters whose class all-gathers for itself (extension.py), or
+        # a subclass's that may once its local tensor is given the methods:
+        # no room in the gather block nor in the unsharded buffer, but their
+        # gradients take the reduce-scatter with the rest.
+        self.gathered = [not gathers_itself(p) for p in params]
         self.c = None
         self.count_base = {}   # collectives of the engine groups replaced by a cast
         self._build_engine(params[0].dtype, params[0].device)
@@ -94,6 +96,9 @@ class ParamGroup:
         # so that one tied between two groups is found at lazy init.
         self.uids = [_uid(p) for p in params]
         self.sharded = [self._shard(i, p) for i, p in enumerate(params)]
+        for i in self.ext:  # a subclass whose shard lost its class can never gather itself
+            if is_plain(self.local(i)) and not has_extension(self.local(i)):
+                check_plain(params[i], f"parameter {self.names[i]}", "fully_shard")
         self._shards_to_engine()
         self.divide_factor = None
         self.force_sum = False  # set_force_sum_reduction_for_comms
@@ -220,17 +225,29 @@ class ParamGroup:
         shards were registered (load_state_dict(assign=True),
         set_model_state_dict on a meta model, module.to_empty(), a cast of a
         submodule, `param.data = ...`) as the new shards, as torch's
-        fully_shard does. Returns whether anything changed."""
+        fully_shard does; and a local tensor given the all-gather extension
+        since (or one that lost it) takes its path from now on, as torch reads
+        the extension at every all-gather (extension.py). Returns whether
+        anything changed."""
         if self.registered_unsharded:
             return False
         heads = self._heads
         if heads is None:  # (parameter dict, name) of each parameter's first alias
             heads = self._heads = [(al[0][0]._parameters, al[0][1]) for al in self.aliases]
-        for (d, attr), sp, local in zip(heads, self.sharded, self.engine_locals):
-            if d.get(attr) is not sp or sp._local_tensor is not local:
+        for (d, attr), sp, local, gathered in zip(heads, self.sharded, self.engine_locals,
+                                                  self.gathered):
+            # (a plain local tensor's __dict__ is empty unless it was given attributes)
+            if d.get(attr) is not sp or sp._local_tensor is not local or \
+                    ((local.__dict__ or not gathered) and self._own_path(local) == gathered):
                 self.refresh_sharded()
                 return True
         return False
+
+    @staticmethod
+    def _own_path(local):
+        """Whether a sharded parameter with this local tensor all-gathers
+        through the extension (extension.py)."""
+        return has_extension(local) or not is_plain(local)
 
     def refresh_sharded(self):
         """Re-read the registered sharded parameters (after nn.Module._apply:
@@ -254,7 +271,27 @@ class ParamGroup:
         device = next((p._local_tensor.device for p in new if not p._local_tensor.is_meta),
                       new[0]._local_tensor.device)
         old = self.reduce_dtype
-        self._build_engine(new[0].dtype, device)
+        gathered = [i in self.tp or not self._own_path(p._local_tensor)
+                    for i, p in enumerate(new)]
+        switched = gathered != self.gathered
+        if switched:  # the engine's group holds the gathered ones' room: a new one
+            for i, (now, was) in enumerate(zip(gathered, self.gathered)):
+                if was and not now and (self.shard_dims[i] or self.post_comm is not None):
+                    why = (f"Shard({self.shard_dims[i]}) (shard_placement_fn)"
+                           if self.shard_dims[i] else
+                           f"reshard_after_forward={self.post_comm.world_size}")
+                    raise NotBuiltError(
+                        f"flatshard: fully_shard: parameter {self.names[i]}'s local tensor was "
+                        "given fsdp_pre_all_gather / fsdp_post_all_gather after fully_shard, "
+                        f"and the parameter is sharded with {why}, which that path does not "
+                        "take (dim 0 only, no post-forward group, as in torch): shard it on "
+                        "dim 0 with reshard_after_forward True or False")
+            self.gathered = gathered
+        self._build_engine(new[0].dtype, device, force=switched)
+        if switched:
+            self.ext = {i: Extension(p._local_tensor, self.names[i], self.aliases[i][0][0],
+                                     self.mp, self.entries[i].chunk_rows)
+                        for i, p in enumerate(new) if not gathered[i]}
         if self.reduce_dtype != old:
             self.accumulated = [a.to(self.reduce_dtype) if a is not None else None
                                 for a in self.accumulated]
@@ -438,7 +475,13 @@ class ParamGroup:
         """Unsharded parameter i's gradient as the engine reads it: the
         local tensor of a DTensor parameter's (tp.py)."""
         g = self.unsharded[i].grad
-        return tp.grad_local(g, self.tp[i]) if g is not None and i in self.tp else g
+        if g is None:
+            return None
+        if i in self.tp:
+            g = tp.grad_local(g, self.tp[i])
+        if type(g) is not torch.Tensor:  # a subclass (extension.py): its values, as torch
+            g = to_plain(g)
+        return g
 
     def _accumulate(self, i, add):
         """The engine adds (add) or casts unsharded gradient i into its
@@ -502,6 +545,7 @@ class ParamGroup:
         # reduction lands. With no gradient at all nothing is touched.
         unused = self.reduce_unused
         grads, grad_codes, outs, out_codes, accumulate, fresh = [], [], [], [], [], []
+        written = []  # the sharded parameters whose .grad this reduction writes
         use_any = False
         for i, sp in enumerate(sharded):
             g = accumulated[i]
@@ -529,6 +573,7 @@ class ParamGroup:
                         torch.empty(local.shape, dtype=local.dtype, device=local.device)
                     fresh.append((i, out))
                 out_codes.append(dtype_code(out.dtype))
+                written.append(sp)
             else:
                 out_codes.append(0)
             outs.append(out)
@@ -544,7 +589,7 @@ class ParamGroup:
                       deferred, reshard and not self.ext, all_reduce=not partial,
                       hold=self.reducing_hook is not None, force_sum=self.force_sum,
                       bucket=bucket.c if joins else None)
-        self.reducing = fresh
+        self.reducing = (fresh, written)
         if joins:
             bucket.joined(self, self.reduce_dtype)
             return False
@@ -567,10 +612,12 @@ class ParamGroup:
         """The second half of reduce_grads: the engine waits for a deferred
         reduce-scatter, the hook (if any) runs on the reduce output, and the
         engine writes the sharded gradients; the ones made new become the
-        parameters' DTensor gradients."""
+        parameters' DTensor gradients, and then each written parameter's
+        post-accumulate-grad hooks run, as torch's fully_shard runs them
+        (runtime/grad_hooks.py)."""
         if self.reducing is None:
             return
-        fresh, self.reducing = self.reducing, None
+        (fresh, written), self.reducing = self.reducing, None
         hook, self.reducing_hook = self.reducing_hook, None
         if self.c.reduce_pending:
             try:
@@ -581,6 +628,7 @@ class ParamGroup:
                 self.c.finish_reduce()
         for i, out in fresh:
             self.sharded[i].grad = _like(out, self.sharded[i])
+        run_hooks(written)
 
     def drop_reduce(self):
         """A reduction given up before it ran (a bucket cancelled): nothing

@@ -12,7 +12,9 @@ Hooks (all public torch APIs):
   post-backward  register_post_accumulate_grad_hook on each unsharded
                  parameter: once every trainable parameter of the group has
                  its gradient, reduce-scatter (unless gradient sync is off)
-                 and reshard (unless reshard_after_backward is off).
+                 and reshard (unless reshard_after_backward is off); the
+                 sharded parameters' own post-accumulate-grad hooks run once
+                 the reduction wrote their gradients (runtime/grad_hooks.py).
   end of backward  the root's callback on the autograd engine: groups whose
                  parameters did not all get a gradient (unused parameters) are
                  reduced and resharded here.
@@ -39,6 +41,7 @@ from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.inflight import InFlight
 from ..runtime.order import ForwardOrder
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
+from . import torch_state
 
 STATE_ATTR = "_flatshard_fsdp2_state"
 
@@ -158,6 +161,39 @@ class FSDPState:
         for m in holders.values():
             self.handles += [m.register_state_dict_pre_hook(self._to_sharded_hook),
                              m.register_load_state_dict_pre_hook(self._to_sharded_hook)]
+
+    # ------------------------------------------------------------------
+    # torch's private names (torch_state.py)
+
+    _fsdp_param_group = property(torch_state.param_group)
+    _fsdp_param_groups = property(lambda self: [] if self.group is None else
+                                  [torch_state.param_group(self)])
+    _is_root = property(lambda self: self.is_root)
+    _state_ctx = property(torch_state.state_ctx)
+
+    def post_backward_now(self):
+        """The group's post-backward outside autograd (torch's
+        FSDPParamGroup.post_backward called by hand): what it holds is
+        reduced unless gradient sync is off, and it is resharded; the
+        sharded gradients are in place on return."""
+        self._end_backward()
+        root = self.root or self
+        if root.bucket is not None:
+            root.bucket.flush()
+        root.finish_reducing()
+
+    def _end_backward(self):
+        """What the end of backward does for this state: a group that got
+        gradients (unused parameters aside) is reduced and resharded now,
+        one that got none resharded."""
+        self.forget_held_reshard()
+        g = self.group
+        if g is None:
+            return
+        if self.ready or (self.requires_gradient_sync and g.has_unsharded_grads()):
+            self._post_backward()
+        elif self.reshard_after_backward:
+            g.reshard()
 
     # ------------------------------------------------------------------
     # lazy init
@@ -281,7 +317,7 @@ class FSDPState:
                 h.is_unsharded or h.ext or h.post_chunk is not None:
             return False
         self._before_gather()
-        return not h.is_unsharded  # (sync_registered may have rebuilt it)
+        return not h.is_unsharded and not h.ext  # (sync_registered may have rebuilt it)
 
     def _hook_grads(self):
         """Post-accumulate-grad hooks on trainable unsharded parameters that
@@ -541,14 +577,7 @@ class FSDPState:
         with observe.span("FSDP::root_post_backward_callback"):
             self.callback_queued = False
             for st in self.states or [self]:
-                g = st.group
-                st.forget_held_reshard()
-                if g is None:
-                    continue
-                if st.ready or (st.requires_gradient_sync and g.has_unsharded_grads()):
-                    st._post_backward()
-                elif st.reshard_after_backward:
-                    g.reshard()
+                st._end_backward()
             self.bucket.flush()
             self.finish_reducing()  # every sharded gradient is in place when backward returns
             self.reduced = False

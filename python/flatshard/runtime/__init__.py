@@ -6,10 +6,11 @@ different models), the forward order kept for prefetching (order.py) and
 what torch's debugging tools see of flatshard's collectives (observe.py:
 profiler ranges, CommDebugMode counts), the hooks torch.compile runs
 eagerly (eager.py), the one gradient reduction a model keeps in flight
-(inflight.py) and the tensors inside a module's inputs and outputs
+(inflight.py), the post-accumulate-grad hooks of sharded parameters
+(grad_hooks.py) and the tensors inside a module's inputs and outputs
 (trees.py).
 
-Lowest first: trees, eager, inflight, observe, order, diagnostics, timeout, cuda < cuda_nccl < device < comm;
+Lowest first: trees, grad_hooks, eager, inflight, observe, order, diagnostics, timeout, cuda < cuda_nccl < device < comm;
 consistency needs only timeout. Imports: the leaves (errors, envvars,
 tensors) and _C/_C_cuda; nothing of fsdp/, fsdp2/, state/, plan/, optim/ or
 memory.py.

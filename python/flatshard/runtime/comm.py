@@ -137,7 +137,7 @@ def custom_comm(group, all_gather=None, reduce_scatter=None):
     return _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group), fn=run)
 
 
-_SELF = []
+_SELF = {}  # global rank -> its Comm (ranks may be threads of one process)
 
 
 def self_comm():
@@ -145,12 +145,14 @@ def self_comm():
     of a group that shards over nothing (fully_shard's DDP over a mesh dim,
     dp_mesh_dims with replicate names only). Its all-gather and
     reduce-scatter are copies; the rest do nothing."""
-    if not _SELF:
+    rank = dist.get_rank()
+    comm = _SELF.get(rank)
+    if comm is None:
         def run(op, a, b, arg):
             if op in ("all_gather", "reduce_scatter"):
                 from_dlpack(b).copy_(from_dlpack(a))
-        _SELF.append(_C.Comm("torch", 0, 1, fn=run))
-    return _SELF[0]
+        comm = _SELF[rank] = _C.Comm("torch", 0, 1, fn=run)
+    return comm
 
 
 def requested_backend(value):

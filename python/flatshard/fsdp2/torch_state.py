@@ -1,0 +1,109 @@
+"""torch's private names for fully_shard's per-module state, as frameworks
+and torch's own tests reach for them, over flatshard's FSDPState.
+
+  fully_shard.state(module)        the module's state, None if fully_shard was
+                                   not applied to it (torch's contract accessor)
+  FSDPModule._get_fsdp_state()     the same; AssertionError where there is none
+  state._fsdp_param_group          a ParamGroupView of the state's group, None
+                                   for a module without parameters of its own
+  state._fsdp_param_groups         that group in a list (empty: none)
+  state._is_root                   None before the first forward, then bool
+  state._state_ctx.all_states      the root's tree of states, root first
+
+  group.fsdp_params[i]             an FSDPParamView: sharded_param (the
+                                   registered DTensor), unsharded_param (the
+                                   plain Parameter the modules hold while
+                                   unsharded; None before the first gather),
+                                   sharded_size, padded_sharded_param_size
+  group.mesh_info.mesh             the mesh fully_shard was given (2-D for HSDP)
+  group.post_backward()            reduce what the group holds and reshard, at
+                                   once: torch's manual call after a backward
+                                   without gradient sync (pipelining does it)
+
+The views read the state live: a group rebuilt (to_empty, a cast, an
+assignment) shows its new parameters. Nothing else of torch's private
+classes is offered: where a script reads more, it fails on the name.
+
+Imports: torch only (the state is handed in).
+"""
+import torch
+
+
+class _MeshInfo:
+    __slots__ = ("mesh",)
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+
+class _StateCtx:
+    """torch's FSDPStateContext: what every state of one tree shares."""
+    __slots__ = ("_root",)
+
+    def __init__(self, root):
+        self._root = root
+
+    @property
+    def all_states(self):
+        return list(self._root.states or [self._root])
+
+
+class FSDPParamView:
+    """torch's FSDPParam, parameter i of a group, read live."""
+    __slots__ = ("_group", "_i")
+
+    def __init__(self, group, i):
+        self._group, self._i = group, i
+
+    @property
+    def sharded_param(self):
+        return self._group.sharded[self._i]
+
+    @property
+    def unsharded_param(self):
+        unsharded = self._group.unsharded
+        return None if unsharded is None else unsharded[self._i]
+
+    @property
+    def sharded_size(self):
+        """This rank's rows, unpadded (torch.chunk's)."""
+        return self.sharded_param._local_tensor.size()
+
+    @property
+    def padded_sharded_param_size(self):
+        """Every rank's chunk padded to the first one's rows, on dim 0
+        (torch's padding of the all-gather input)."""
+        g, i = self._group, self._i
+        d = g.shard_dims[i]
+        size = list(self.sharded_size)
+        if d == 0:
+            size[0] = g.entries[i].chunk_rows
+        return torch.Size(size)
+
+
+class ParamGroupView:
+    """torch's FSDPParamGroup of one state."""
+    __slots__ = ("_state",)
+
+    def __init__(self, state):
+        self._state = state
+
+    @property
+    def fsdp_params(self):
+        g = self._state.group
+        return [FSDPParamView(g, i) for i in range(len(g.sharded))]
+
+    @property
+    def mesh_info(self):
+        return _MeshInfo(self._state.group.mesh)
+
+    def post_backward(self):
+        self._state.post_backward_now()
+
+
+def param_group(state):
+    return None if state.group is None else ParamGroupView(state)
+
+
+def state_ctx(state):
+    return _StateCtx(state.root or state)
