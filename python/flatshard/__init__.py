@@ -8,6 +8,13 @@ options, envvars, tensors), runtime/ (collectives, devices, failure reports),
 fsdp2/ (fully_shard) beside fsdp/ (the FSDP1 wrapper, whose lower modules
 state/ builds on: state dicts and checkpoints), then memory.py, optim/ and
 plan/ (the planner; imported as flatshard.plan, flatshard.optim).
+
+torch.distributed.fsdp's module paths are here too, holding the names torch
+has there (flatshard's objects, torch's where flatshard has none), so that
+replacing `torch.distributed.fsdp` by `flatshard` in a script's imports
+works: flatshard.api, .wrap, .fully_sharded_data_parallel,
+.sharded_grad_scaler and ._fully_shard (with ._fully_shard._fully_shard and
+._fsdp_api). They are imported on demand, not here.
 """
 from . import _C
 from .errors import (ConfigError, ConfigTypeError, CoreError, NotBuiltError, OutOfMemoryError,
