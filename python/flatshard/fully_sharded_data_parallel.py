@@ -10,7 +10,8 @@ from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,  # noq
                   MixedPrecision, OptimStateDictConfig, ShardedOptimStateDictConfig,
                   ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictSettings,
                   StateDictType)
-from .fsdp import FLAT_PARAM, FSDP_WRAPPED_MODULE, FlatParameter, FullyShardedDataParallel  # noqa: F401
+from .fsdp import (FLAT_PARAM, FSDP_WRAPPED_MODULE, FlatParameter,  # noqa: F401
+                   FullyShardedDataParallel)
 from .fsdp.wrap import CustomPolicy, ModuleWrapPolicy  # noqa: F401
 from .options import OptimStateKeyType
 
