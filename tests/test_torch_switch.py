@@ -13,10 +13,12 @@ flatshard, and restore_torch_fsdp() puts torch's back.
   fsdp_version=2, transformer-based wrapping) on 2 gloo ranks, with the
   switch and with torch's own fully_shard in the same run: the same losses
   bit for bit, and the switched model's modules are flatshard's FSDPModule;
+  in fp32, and in bf16 with save_state / load_state (sharded) and the full
+  state dict (get_state_dict) equal to torch's too;
   torch's FSDP1 class with torch's option objects built before the switch,
   against torch's FSDP1 in the same run;
-  `python -m flatshard run` (-m MODULE in this process; a script under
-  torchrun on 2 ranks).
+  `python -m flatshard run` (-m MODULE in this process; a script on the
+  pool's 2 ranks, as torchrun's ranks run it).
 
 Each case undoes the switch before it returns: the pool's ranks are shared
 with the other test modules."""
@@ -24,7 +26,6 @@ import contextlib
 import importlib
 import io
 import os
-import subprocess
 import sys
 import types
 
@@ -39,13 +40,12 @@ from flatshard.__main__ import main as flatshard_main
 from parity import RTOL
 
 TIMEOUT = 240
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Where torch exposes its FSDP APIs (those present in the installed torch).
 PATHS = ["torch.distributed.fsdp", "torch.distributed.fsdp.api", "torch.distributed.fsdp.wrap",
-         "torch.distributed.fsdp.fully_sharded_data_parallel", "torch.distributed.fsdp._fully_shard",
-         "torch.distributed.fsdp._fully_shard._fully_shard", "torch.distributed._composable.fsdp",
-         "torch.distributed._composable.fsdp.fully_shard"]
+         "torch.distributed.fsdp.fully_sharded_data_parallel",
+         "torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp._fully_shard._fully_shard",
+         "torch.distributed._composable.fsdp", "torch.distributed._composable.fsdp.fully_shard"]
 # Names each is expected to hand over, where the path has them: FSDP1's class
 # and options, fully_shard's API, the wrap policies, the state-dict types.
 SWAPPED = ["FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
@@ -212,21 +212,27 @@ def _accelerate_env():
         os.environ.update(saved)
 
 
-def _accelerate_fsdp2(steps=4):
+def _accelerate_fsdp2(mixed_precision, ckpt_dir, steps=4):
     """accelerate's FSDP2 loop as its docs write it. accelerate picks FSDP
     only on accelerator devices; on CPU its state is set to FSDP by hand,
     after which prepare() takes its FSDP2 path (fully_shard per Block, on
-    the tail and on the root)."""
+    the tail and on the root). With ckpt_dir: save_state (sharded: DCP)
+    after the first step, the full state dict at the end, then load_state and one more
+    forward (whose loss is the first step's model's)."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
     with _accelerate_env():
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2,
                                                 auto_wrap_policy="transformer_based_wrap",
-                                                transformer_cls_names_to_wrap=["Block"])
-        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+                                                transformer_cls_names_to_wrap=["Block"],
+                                                state_dict_type="SHARDED_STATE_DICT")
+        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, mixed_precision=mixed_precision)
         state = AcceleratorState()
         state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, plugin
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if mixed_precision != "no":  # what accelerate's state does when it picks FSDP
+            plugin.set_mixed_precision(mixed_precision)
         model = _net()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         model, opt = accelerator.prepare(model, opt)
@@ -234,30 +240,44 @@ def _accelerate_fsdp2(steps=4):
         sharded = [isinstance(m, FSDPModule) for m in (model, *model.blocks)]
         ours = [isinstance(m, flatshard.FSDPModule) for m in (model, *model.blocks)]
         g = torch.Generator().manual_seed(1 + dist.get_rank())
-        losses = []
-        for _ in range(steps):
+        losses, full = [], None
+        for step in range(steps):
             x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
             loss = nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        return losses, sharded, ours
+            if ckpt_dir and step == 0:
+                accelerator.save_state(ckpt_dir)
+        if ckpt_dir:
+            full = {k: v.float() for k, v in accelerator.get_state_dict(model).items()}
+            accelerator.load_state(ckpt_dir)
+            x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+            losses.append(nn.functional.mse_loss(model(x), y).item())
+        return losses, sharded, ours, full
 
 
-def _accelerate_both():
+def _accelerate_both(mixed_precision, ckpt_dir):
     with _switched():
-        ours = _accelerate_fsdp2()
-    return ours, _accelerate_fsdp2()
+        ours = _accelerate_fsdp2(mixed_precision, ckpt_dir and os.path.join(ckpt_dir, "ours"))
+    return ours, _accelerate_fsdp2(mixed_precision, ckpt_dir and os.path.join(ckpt_dir, "torch"))
 
 
-def test_accelerate_fsdp2_loop_matches_torch(dist_pool):
-    for (losses, sharded, ours), (ref, ref_sharded, ref_ours) in \
-            dist_pool(2).run(_accelerate_both, timeout=TIMEOUT):
+@pytest.mark.parametrize("mixed_precision,checkpoint", [("no", False), ("bf16", True)],
+                         ids=["fp32", "bf16-save-load-full-state-dict"])
+def test_accelerate_fsdp2_loop_matches_torch(dist_pool, tmp_path, mixed_precision, checkpoint):
+    ckpt_dir = str(tmp_path) if checkpoint else None
+    for rank, ((losses, sharded, ours, full), (ref, ref_sharded, ref_ours, ref_full)) in \
+            enumerate(dist_pool(2).run(_accelerate_both, mixed_precision, ckpt_dir,
+                                       timeout=TIMEOUT)):
         assert losses == ref  # the same arithmetic: equal bit for bit
-        assert losses[-1] < losses[0]
+        assert losses[3] < losses[0]
         assert sharded == ours == [True, True, True]
         assert ref_sharded == [True, True, True] and ref_ours == [False, False, False]
+        if checkpoint and rank == 0:  # accelerate gathers the full state dict on rank 0
+            assert sorted(full) == sorted(ref_full) and len(full) == 12
+            assert all(torch.equal(full[k], ref_full[k]) for k in full)
 
 
 def _fsdp1_with_torch_options(steps=3):
@@ -331,30 +351,36 @@ from torch.distributed.fsdp import FSDPModule, fully_shard  # torch's names, as 
 
 import flatshard
 
-dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
 fully_shard(model[0])
 fully_shard(model)
-loss = model(torch.randn(3, 4)).sum()
-loss.backward()
-print(f"rank {dist.get_rank()} argv={sys.argv[1:]} ours={isinstance(model, flatshard.FSDPModule)} "
-      f"torch_check={isinstance(model, FSDPModule)} name={__name__}")
-dist.destroy_process_group()
+model(torch.randn(3, 4)).sum().backward()
+RESULT = (__name__, sys.argv[1:], sys.path[0], isinstance(model, flatshard.FSDPModule),
+          isinstance(model, FSDPModule), [p.grad is not None for p in model.parameters()])
+sys.modules["launched_script_result"] = RESULT
 """
 
 
-def test_run_under_torchrun(tmp_path):
+def _launch(script):
+    """`python -m flatshard run SCRIPT --steps 1` in this rank, whose process
+    group the script uses (torchrun would have started it; the pool's ranks
+    have one already). What run changes in the process is put back."""
+    argv, path = list(sys.argv), list(sys.path)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            flatshard_main(["run", script, "--steps", "1"])
+        return sys.modules.pop("launched_script_result"), err.getvalue()
+    finally:
+        flatshard.restore_torch_fsdp()
+        sys.argv[:], sys.path[:] = argv, path
+
+
+def test_run_a_script_on_2_ranks(dist_pool, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", "flatshard", "run", str(script),
-                           "--steps", "1"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for rank in (0, 1):
-        assert f"rank {rank} argv=['--steps', '1'] ours=True torch_check=True name=__main__" \
-            in proc.stdout
-    lines = [ln for ln in proc.stderr.splitlines() if "torch's FSDP APIs now run on" in ln]
-    assert len(lines) == 1  # rank 0 only
+    (first, line0), (second, line1) = dist_pool(2).run(_launch, str(script), timeout=TIMEOUT)
+    assert first == second == ("__main__", ["--steps", "1"], str(tmp_path), True, True,
+                               [True] * 4)
+    assert line0.count("torch's FSDP APIs now run on flatshard") == 1 and line1 == ""
