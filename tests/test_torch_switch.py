@@ -195,6 +195,21 @@ def test_one_line_on_rank_0(dist_pool):
         assert name in first
 
 
+@pytest.mark.parametrize("env,says", [({"RANK": "0", "LOCAL_RANK": "1"}, True),
+                                       ({"RANK": "1"}, False), ({"LOCAL_RANK": "1"}, False),
+                                       ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, False), ({}, True)])
+def test_rank_0_before_the_process_group_exists(monkeypatch, capsys, env, says):
+    # Lightning's own launcher starts the other ranks with LOCAL_RANK (and
+    # NODE_RANK) set, no RANK; torchrun sets RANK.
+    assert not dist.is_initialized()
+    for name in ("RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    flatshard.use_for_torch_fsdp().restore()
+    assert ("torch's FSDP APIs now run on flatshard" in capsys.readouterr().err) is says
+
+
 @contextlib.contextmanager
 def _accelerate_env():
     """accelerate reads the ranks from the environment; its state is a

@@ -131,10 +131,16 @@ def _torch_wrapped():
     return [type(o).__name__ for o in found[:3]], len(found)
 
 
-def _rank():
+def _is_rank_0():
+    """Rank 0 of the job, before the process group may exist: torchrun sets
+    RANK; launchers that start the other ranks themselves (Lightning's) set
+    only LOCAL_RANK and NODE_RANK in them."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+        return dist.get_rank() == 0
+    env = os.environ
+    if "RANK" in env:
+        return env["RANK"] == "0"
+    return env.get("LOCAL_RANK", "0") == "0" and env.get("NODE_RANK", "0") == "0"
 
 
 def use_for_torch_fsdp(announce=True):
@@ -187,7 +193,7 @@ def use_for_torch_fsdp(announce=True):
     for module, name, _, ours in switch.replaced:
         setattr(module, name, ours)
     _ACTIVE = switch
-    if announce and _rank() == 0:
+    if announce and _is_rank_0():
         print(switch.summary(), file=sys.stderr, flush=True)
     return switch
 
