@@ -1,6 +1,11 @@
 """Docs cannot drift: every python block in README.md and docs/*.md runs here
 (under torchrun on 2 ranks when it uses torch.distributed), the README opens
-with exactly two commands, and the demo they run works."""
+with exactly two commands, and the demo they run works.
+
+A block (python or bash) whose first line is `# needs: NAME[, NAME]` is the
+code of a framework the test extras do not install (docs/frameworks.md): it
+runs where every NAME imports, and is reported as skipped, naming it,
+elsewhere."""
 import glob
 import os
 import re
@@ -25,6 +30,14 @@ SNIPPETS = [(os.path.relpath(p, ROOT), i, code) for p in DOCS if not p.endswith(
             for i, code in enumerate(blocks(p, "python"))]
 
 
+def needs(code):
+    """Skip unless the packages the block's `# needs:` line names import."""
+    first = code.lstrip("\n").split("\n", 1)[0]
+    m = re.fullmatch(r"#\s*needs:\s*(.+)", first.strip())
+    for name in (m.group(1).split(",") if m else []):
+        pytest.importorskip(name.strip(), reason=f"the block needs {name.strip()}, not installed")
+
+
 def torchrun(args, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -35,6 +48,7 @@ def torchrun(args, timeout=240):
 @pytest.mark.parametrize("path,index,code", SNIPPETS,
                          ids=[f"{p}[{i}]" for p, i, _ in SNIPPETS])
 def test_snippet_runs(path, index, code, tmp_path):
+    needs(code)
     script = tmp_path / "snippet.py"
     script.write_text(code)
     if "torch.distributed" in code:
@@ -106,6 +120,7 @@ def ckpt_dir(tmp_path_factory):
 @pytest.mark.parametrize("path,cmd", COMMANDS, ids=[f"{p}:{c.split()[2] if len(c.split()) > 2 else c}"
                                                     for p, c in COMMANDS])
 def test_command_runs(path, cmd, tmp_path, request):
+    needs(cmd)
     if "CKPT_DIR" in cmd:
         cmd = cmd.replace("CKPT_DIR", str(request.getfixturevalue("ckpt_dir")))
     for name in ("examples", "benchmarks"):

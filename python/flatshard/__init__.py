@@ -8,6 +8,14 @@ options, envvars, tensors), runtime/ (collectives, devices, failure reports),
 state/ (reading checkpoint files), fsdp2/ (fully_shard) beside fsdp/ (the
 FSDP1 wrapper, its state dicts and checkpoints), then memory.py, optim/ and
 plan/ (the planner; imported as flatshard.plan, flatshard.optim).
+
+torch.distributed.fsdp's module paths are here too, holding the names torch
+has there (flatshard's objects, torch's where flatshard has none), so that
+replacing `torch.distributed.fsdp` by `flatshard` in a script's imports
+works: flatshard.api, .wrap, .fully_sharded_data_parallel,
+.sharded_grad_scaler and ._fully_shard (with ._fully_shard._fully_shard and
+._fsdp_api). Above them all, torch_switch.py (use_for_torch_fsdp) puts
+flatshard's objects at torch's own paths for a whole process.
 """
 from . import _C
 from .errors import (ConfigError, ConfigTypeError, CoreError, NotBuiltError, OutOfMemoryError,
@@ -64,3 +72,10 @@ from .fsdp import FlatParameter  # noqa: E402
 from .options import OptimStateKeyType  # noqa: E402
 
 __all__ += ["OptimStateKeyType", "FlatParameter"]
+
+# torch's FSDP APIs run on flatshard in the whole process (torch_switch.py;
+# `python -m flatshard run SCRIPT` for a script left as it is).
+from .torch_switch import (TorchFSDPSwitch, restore_torch_fsdp, torch_fsdp_switch,  # noqa: E402
+                           use_for_torch_fsdp)
+
+__all__ += ["use_for_torch_fsdp", "restore_torch_fsdp", "torch_fsdp_switch", "TorchFSDPSwitch"]

@@ -1,10 +1,11 @@
 """flatshard's command line: `python -m flatshard COMMAND ...`, one subcommand
-per tool (`consolidate`, `doctor`, `plan`); each adds a parser and a function
-below (the planner's lives in plan/cli.py). Above everything: nothing imports
-this module."""
+per tool (`consolidate`, `doctor`, `plan`, `run`); each adds a parser and a
+function below (the planner's lives in plan/cli.py). Above everything:
+nothing imports this module."""
 import argparse
 import os
 import platform
+import runpy
 import sys
 
 import torch
@@ -15,6 +16,7 @@ from .plan.cli import add_parser as add_plan
 from .runtime import cuda
 from .runtime.cuda_nccl import describe as cuda_line
 from .state.consolidate import FORMATS, consolidate
+from .torch_switch import use_for_torch_fsdp
 
 
 def _consolidate(args):
@@ -73,6 +75,25 @@ def _doctor(args):
     print("\n".join(doctor_report()))
 
 
+def _run(args):
+    """Switch torch's FSDP APIs to flatshard, then return what runs the
+    program as `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would: as
+    __main__, with the argv it expects."""
+    if not args.module and not os.path.isfile(args.target):
+        raise ConfigError(f"flatshard: run: no such script {args.target!r} (for a module, "
+                          f"give -m MODULE)")
+    use_for_torch_fsdp()
+    sys.argv = [args.target] + args.args
+
+    def program():
+        if args.module:
+            runpy.run_module(args.target, run_name="__main__", alter_sys=True)
+        else:  # the script's folder first on the path, as python SCRIPT has it
+            sys.path[0] = os.path.dirname(os.path.abspath(args.target))
+            runpy.run_path(args.target, run_name="__main__")
+    return program
+
+
 def _parser():
     parser = argparse.ArgumentParser(prog="python -m flatshard")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -92,6 +113,17 @@ def _parser():
     d = commands.add_parser("doctor", help="what flatshard was built with and can run here")
     d.set_defaults(run=_doctor)
     add_plan(commands)
+    r = commands.add_parser(
+        "run", help="run a training script with torch's FSDP APIs on flatshard",
+        description="Run SCRIPT (or -m MODULE) with its ARGS as python would, after "
+        "flatshard.use_for_torch_fsdp(): every torch.distributed.fsdp import in it, or in "
+        "the framework it uses, gets flatshard's classes. Under torchrun each rank runs it: "
+        "torchrun --nproc-per-node 2 -m flatshard run train.py ARGS.")
+    r.add_argument("-m", dest="module", action="store_true",
+                   help="TARGET is a module name, run as python -m runs it")
+    r.add_argument("target", metavar="TARGET", help="the script (or, with -m, the module)")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="its arguments, as it expects them")
+    r.set_defaults(run=_run)
     return parser
 
 
@@ -99,9 +131,11 @@ def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        args.run(args)
+        program = args.run(args)
     except (ConfigError, OSError) as e:  # a bad argument or file: the message names it
         parser.exit(1, f"{parser.prog} {args.command}: error: {e}\n")
+    if program is not None:  # `run`: the program's own errors are its own, traceback and all
+        program()
 
 
 if __name__ == "__main__":

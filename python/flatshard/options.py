@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
+import torch.distributed.fsdp as tfsdp
 
 from .errors import bad_type
 
@@ -133,9 +134,14 @@ class LocalOptimStateDictConfig(OptimStateDictConfig):
     offload_to_cpu: bool = False
 
 
+# torch's own classes of torch.distributed.fsdp's names, taken when flatshard
+# is imported: flatshard.use_for_torch_fsdp() later puts flatshard's classes
+# at those names, and torch's objects built before it must still be accepted.
+_TORCH_FSDP = {n: v for n, v in vars(tfsdp).items() if not n.startswith("_")}
+
+
 def _torch_enum(name):
-    import torch.distributed.fsdp as tfsdp
-    return getattr(tfsdp, name, None)
+    return _TORCH_FSDP.get(name)
 
 
 def normalize_enum(arg, value, ours, torch_name, allow_none=False):
