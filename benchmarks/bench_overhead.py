@@ -151,7 +151,7 @@ def _floor_hooks(model):
                     d[attr] = views[i]
 
         def pre_backward(grad, u=u):
-            u.root.queue_final_callback()
+            u.root.queue_final()
             u.c.event(_C.EV_PRE_BACKWARD, 0, -1, None, None, False, False, None, None)
 
         def post_forward(out, u=u, pre_backward=eager.wrap(pre_backward)):
@@ -176,7 +176,7 @@ def _floor_hooks(model):
         def fsdp_post(out, m=m):
             out = m._unit.post_forward(out)
             if m._root_state.owner is m:
-                m._root_state.end_forward()
+                m._root_state.order.end()
             return out
         u.pre_forward, u.post_forward, u._post_backward = pre_forward, post_forward, post_backward
         m._pre_forward, m._post_forward = eager.wrap(fsdp_pre), eager.wrap(fsdp_post)

@@ -251,9 +251,9 @@ def _reset_after_abort():
                 assert "stop" in str(e)
             handle.remove()
             root = model._fsdp_state()
-            assert root.bucket.members, "nothing joined the bucket before the error"
+            assert root.tree.bucket.members, "nothing joined the bucket before the error"
             model.reset_iter_state()
-            assert not root.bucket.members
+            assert not root.tree.bucket.members
             for p in model.parameters():
                 p.grad = None
         model(x).sum().backward()

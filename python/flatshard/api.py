@@ -6,7 +6,7 @@ from .options import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, Fu
                       LocalOptimStateDictConfig, LocalStateDictConfig, MixedPrecision,
                       OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig,
                       ShardingStrategy, StateDictConfig, StateDictType)
-from .state.state_dict import StateDictSettings
+from .fsdp.state_dict import StateDictSettings
 
 __all__ = ["ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType",
            "StateDictConfig", "FullStateDictConfig", "LocalStateDictConfig",

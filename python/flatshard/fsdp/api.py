@@ -23,19 +23,15 @@ import dataclasses
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 
 from .. import _C
 from ..errors import (ConfigAssertionError, ConfigError, ConfigTypeError, StateError, bad_type,
                       bad_value, not_built)
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency, eager
-from ..runtime.ahead import ahead_bytes, gather_ahead
-from ..runtime.bucket import ReduceBucket, bucket_bytes
 from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
-from ..runtime.inflight import InFlight
-from ..runtime.order import ForwardOrder
+from ..runtime.root import Root
 from ..runtime.trees import cast_floating
 from ..tensors import DTYPE_CODES, check_plain, dtype_code
 from . import clip, comm_hook, config, optim_state, summon
@@ -69,59 +65,33 @@ class _WrapContext:
         self.owner = {}  # id(param) -> (unit name, fqn) of the unit managing it
 
 
-class RootState:
-    """Per-model state kept by the root unit: every unit, the order units ran
-    in the last forward (for prefetching), and the end-of-backward callback."""
+class RootState(Root):
+    """The root unit's runtime/root.Root: every unit of the model, the root
+    module (`owner`), and what the end of backward does for them."""
 
     def __init__(self, owner, units):
         eager.install(RootState)
+        super().__init__(owner._unit.c.comm, self._final)
         self.owner = owner
         self.units = units
-        self.order = ForwardOrder()
-        self.final_queued = False
-        self.inflight = InFlight()  # the unit whose deferred reduction is in flight
-        self.bucket = ReduceBucket(bucket_bytes(owner._unit.c.comm))  # reductions as one (host)
-        self.ahead = ahead_bytes(owner._unit.c.comm)  # units gathered with one (host)
 
     def reduce_issued(self, unit):
-        """`unit` is about to defer a reduction: the one in flight from
-        another unit is waited for first (its buffers go back), so backward
-        holds at most one unit's reduction buffers beyond its own."""
-        self.inflight.land(unless=unit)
-        self.inflight.issued(unit, unit.land_reduced)
+        """`unit` is about to defer a reduction (Root.reduce_issued)."""
+        super().reduce_issued(unit, unit.land_reduced)
 
     def begin_forward(self):
         if self.final_queued:  # the last backward never finished: clean up
-            self.bucket.cancel()  # its reduce-scatter never ran: nothing to wait for
+            self.abandon_backward()
             self._final()
         self.order.begin()
 
-    def end_forward(self):
-        self.order.end()
-
-    def record_forward(self, unit):
-        """Note that `unit` runs now; return the unit that ran after it last time."""
-        return self.order.record(unit)
-
-    def previous_in_forward(self, unit):
-        return self.order.previous(unit)
-
-    def gather_ahead(self, unit, step):
-        """The engine units gathered in `unit`'s all-gather: those that ran
-        after it in the last forward (step 1) or before it (-1, backward),
-        within the budget (runtime/ahead.py); None for none."""
-        if not self.ahead:
-            return None
+    def unit_gather_ahead(self, unit, step):
+        """The engine units gathered in `unit`'s all-gather (Root.gather_ahead),
+        None for none: those on its Comm not gathered yet."""
         comm = unit.c.comm
-        run = gather_ahead(self.order, unit, step, self.ahead,
-                           lambda u: u.gathered_bytes if u.c.comm is comm and
-                           not u.c.is_unsharded else None)
+        run = self.gather_ahead(unit, step, lambda u: u.gathered_bytes if u.c.comm is comm and
+                                not u.c.is_unsharded else None)
         return tuple(u.c for u in run) or None
-
-    def queue_final_callback(self):
-        if not self.final_queued:
-            self.final_queued = True
-            Variable._execution_engine.queue_callback(self._final)
 
     @eager.hook
     def _final(self):
@@ -549,7 +519,7 @@ class FullyShardedDataParallel(nn.Module):
     def _post_forward(self, out):
         out = self._unit.post_forward(out)
         if self._root_state.owner is self:
-            self._root_state.end_forward()
+            self._root_state.order.end()
         return out
 
     @contextlib.contextmanager

@@ -158,7 +158,7 @@ class UnitRuntime:
                bucket=None, along=None):
         """One engine call per hook event: the state machine's step and what
         it asks for (gather, reduce, free), done in C. along: engine units
-        gathered in the same all-gather (RootState.gather_ahead)."""
+        gathered in the same all-gather (RootState.unit_gather_ahead)."""
         return self._call(self.c.event, ev, flags, group, grad, out, accumulate, defer,
                           along, bucket)
 
@@ -186,8 +186,8 @@ class UnitRuntime:
 
     def pre_forward(self):
         self._event(_C.EV_PRE_FORWARD, _GRAD if torch.is_grad_enabled() else 0,
-                    along=self.root.gather_ahead(self, 1))
-        nxt = self.root.record_forward(self)
+                    along=self.root.unit_gather_ahead(self, 1))
+        nxt = self.root.order.record(self)
         if self.forward_prefetch and nxt is not None and nxt.c.state == "IDLE":
             nxt.unshard(prefetch=True)
         self._set_unsharded_views()
@@ -211,10 +211,10 @@ class UnitRuntime:
 
     @eager.hook
     def _pre_backward(self, grad):
-        self.root.queue_final_callback()
+        self.root.queue_final()
         # a prefetched gather is waited for too; with backward prefetch on, the
-        # units before this one gather with it (RootState.gather_ahead)
-        along = self.root.gather_ahead(self, -1) if self.backward_prefetch is not None else None
+        # units before this one gather with it (RootState.unit_gather_ahead)
+        along = self.root.unit_gather_ahead(self, -1) if self.backward_prefetch is not None else None
         act = self._event(_C.EV_PRE_BACKWARD, 0, along=along)
         if act & _C.ACT_UNSHARD:
             if (self.use_orig_params and not self.no_shard) or \
@@ -229,7 +229,7 @@ class UnitRuntime:
         return None
 
     def _prefetch_backward(self):
-        prev = self.root.previous_in_forward(self)
+        prev = self.root.order.previous(self)
         if prev is not None and prev.c.state == "IDLE":
             prev.unshard(prefetch=True)
 
@@ -270,7 +270,7 @@ class UnitRuntime:
             if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
                 self._prefetch_backward()
             if self.c.comm.device is None:
-                prev = self.root.previous_in_forward(self) if self.root is not None else None
+                prev = self.root.order.previous(self) if self.root is not None else None
                 HEAP.freed(self.gathered_bytes, prev is None or prev.c.is_root)
 
     def _bucket_part(self, gi, out, keep):

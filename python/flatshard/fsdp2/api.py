@@ -190,9 +190,8 @@ class FSDPModule:
             raise RuntimeError("flatshard: reset_iter_state must be called on the root FSDP "
                                "module")
         if st.is_root:
-            st.bucket.cancel()  # its reduce-scatter never ran: nothing to wait for
+            st.tree.abandon_backward()  # its reduce-scatter never ran: nothing to wait for
             st.finish_reducing()
-            st.callback_queued = False
             st.prefetched = []
         for s in st.states or [st]:
             s.ready.clear()

@@ -36,10 +36,7 @@ import torch
 
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
-from ..runtime.ahead import ahead_bytes, gather_ahead
-from ..runtime.bucket import ReduceBucket, bucket_bytes
-from ..runtime.inflight import InFlight
-from ..runtime.order import ForwardOrder
+from ..runtime.root import Root
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
 from . import torch_state
 
@@ -133,14 +130,9 @@ class FSDPState:
         self.is_root = None
         self.root = None
         self.states = None                # the root's: every state of its tree
-        self.callback_queued = False
-        self.inflight = InFlight()        # the root's: the reduction in flight
-        self.bucket = None                # the root's: reductions issued as one (host)
-        self.ahead = 0                    # the root's: bytes gathered ahead (host)
-        self.reduced = False              # the root's: a group was reduced in this backward
+        self.tree = None                  # the root's: runtime.root.Root, set at lazy init
         self.fqn = ""                     # the modules' names in the root's tree (profiler)
         self.label = ""                   # " (fqn)": the suffix of this state's ranges
-        self.order = ForwardOrder()       # the root's: the order states ran in (prefetch)
         self.prefetched = []              # the root's: implicitly prefetched this forward
         self.ready = set()                # trainable parameters whose gradient arrived
         self.watching = None              # frozen parameters: this forward's _Forward
@@ -178,8 +170,8 @@ class FSDPState:
         sharded gradients are in place on return."""
         self._end_backward()
         root = self.root or self
-        if root.bucket is not None:
-            root.bucket.flush()
+        if root.tree is not None:
+            root.tree.bucket.flush()
         root.finish_reducing()
 
     def _end_backward(self):
@@ -212,8 +204,7 @@ class FSDPState:
                 st.reshard_after_forward = st is not self
             self.states.append(st)
         comm = next((st.group.comm for st in self.states if st.group is not None), None)
-        self.bucket = ReduceBucket(bucket_bytes(comm))
-        self.ahead = ahead_bytes(comm)
+        self.tree = Root(comm, self._finalize)
         self._check_no_shared_params()
         self._init_fqns()
 
@@ -368,7 +359,7 @@ class FSDPState:
         (step 1) or before it (-1, backward), within the budget
         (runtime/ahead.py). A state without parameters is passed over."""
         g = st.group
-        if not self.ahead or g is None:
+        if g is None:
             return ()
 
         def cost(o):
@@ -378,7 +369,7 @@ class FSDPState:
             if h.comm is not g.comm or h.is_unsharded or h.ext or h.post_chunk is not None:
                 return None
             return h.full_alloc * h.compute_dtype.itemsize
-        return gather_ahead(self.order, st, step, self.ahead, cost)
+        return self.tree.gather_ahead(st, step, cost)
 
     # ------------------------------------------------------------------
     # implicit prefetch (devices only)
@@ -421,9 +412,9 @@ class FSDPState:
                 ev, self.post_optim_event = self.post_optim_event, None
                 if ev is not None:
                     ev.synchronize()
-                self.order.begin()
+                self.tree.order.begin()
                 self.prefetched = []
-        nxt = root.order.record(self)
+        nxt = root.tree.order.record(self)
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             with observe.span("FSDP::cast_forward_inputs"):
                 args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
@@ -459,9 +450,9 @@ class FSDPState:
             elif raf:
                 self.reshard()
         if self.is_root:  # the forward is over: keep its order; drop unused prefetches
-            self.order.end()
+            self.tree.order.end()
             for st in self.prefetched:
-                if not self.order.ran(st) and st.reshard_after_forward is not False:
+                if not self.tree.order.ran(st) and st.reshard_after_forward is not False:
                     st.reshard()
             self.prefetched = []
         if grad:
@@ -486,15 +477,13 @@ class FSDPState:
     @eager.hook
     def _pre_backward(self, grad):
         root = self.root or self
-        if not root.callback_queued:
-            root.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(root._finalize)
+        root.tree.queue_final()
         with self._span("FSDP::pre_backward"):
             if self.unshard_in_backward:
                 along = self.backward_prefetch
                 self._unshard_and_wait(root.gather_ahead(self, -1) if along is None else along)
             if self.backward_prefetch is None:  # torch's default prefetch is in the range
-                self._prefetch(self._implicit(root.order.previous(self)), "backward")
+                self._prefetch(self._implicit(root.tree.order.previous(self)), "backward")
         if self.backward_prefetch is not None:
             self._prefetch(self.backward_prefetch, "backward")
         return None
@@ -550,14 +539,14 @@ class FSDPState:
             # the previous group's, before this one is issued (torch labels
             # its wait "(fqn)" even for the root's empty fqn)
             with (observe.span("FSDP::post_backward_rs_wait (", self.fqn, ")")
-                  if root.reduced else observe.NOTHING):
+                  if root.tree.reduced else observe.NOTHING):
                 root.finish_reducing()
             with observe.counted_span(_issued, g, g.comm, "FSDP::post_backward_reduce",
                                       self.label):
-                if g.reduce_grads(defer=True, bucket=root.bucket,
+                if g.reduce_grads(defer=True, bucket=root.tree.bucket,
                                   reshard=self.reshard_after_backward and not reading):
-                    root.inflight.issued(self, g.finish_reduce)
-            root.reduced = True
+                    root.tree.inflight.issued(self, g.finish_reduce)
+            root.tree.reduced = True
         with self._span("FSDP::post_backward_reshard"):
             if self.reshard_after_backward:
                 if reading:  # a frozen parameter may still be read
@@ -569,15 +558,16 @@ class FSDPState:
 
     def finish_reducing(self):
         """Root only: land the reduction left in flight, if any."""
-        self.inflight.land()
+        if self.tree is not None:
+            self.tree.inflight.land()
 
     @eager.hook
     def _finalize(self):
         """Root only, once the autograd engine is done with this backward."""
         with observe.span("FSDP::root_post_backward_callback"):
-            self.callback_queued = False
+            self.tree.final_queued = False
             for st in self.states or [self]:
                 st._end_backward()
-            self.bucket.flush()
+            self.tree.bucket.flush()
             self.finish_reducing()  # every sharded gradient is in place when backward returns
-            self.reduced = False
+            self.tree.reduced = False
