@@ -21,6 +21,14 @@ static fs_status fail(fs_dim0_group *g, fs_status s, const char *what, int colle
     return s;
 }
 
+/* [Note: copy counts]: n elements of dt written from st by a copy of `kind`
+ * (a cast when the dtypes differ). */
+static void count_copy(fs_dim0_group *g, int kind, fs_dtype dt, fs_dtype st, int64_t n)
+{
+    g->copied_bytes[dt == st ? kind : FS_DIM0_CAST] +=
+        (unsigned long long)n * fs_dtype_size(dt);
+}
+
 static void drop(fs_dim0_group *g, void **h)
 {
     if (*h)
@@ -166,6 +174,8 @@ static fs_status copy_out(fs_dim0_group *g, void *stream)
                                     src, rows * p->row_numel, g->compute, rows * p->row_numel,
                                     p->outer)) != FS_OK)
                 return fail(g, s, "unshard", 0, "copy-out: %s", g->link.comm->last_error);
+            count_copy(g, FS_DIM0_COPY_OUT, g->compute, g->compute,
+                       p->outer * rows * p->row_numel);
         }
     }
     return FS_OK;
@@ -206,6 +216,7 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
             return fail(g, s, "unshard", 0, s == FS_OK ? NULL : "copy-in: %s",
                         c->last_error);
         }
+        count_copy(g, FS_DIM0_COPY_IN, g->compute, shard_t[i], en->local_rows * en->row_numel);
     }
     if (defer)
         l->dev->set_defer(c, 1);
@@ -427,6 +438,9 @@ static fs_status write_grads(fs_dim0_group *g)
                                      e->local_rows * e->row_numel, scale, g->accumulate[i]);
         if (s != FS_OK)
             return fail(g, s, "reduce-scatter", 0, "gradient: %s", c->last_error);
+        if (!g->accumulate[i])
+            count_copy(g, FS_DIM0_REDUCE_OUT, g->out_t[i], g->reduce,
+                       e->local_rows * e->row_numel);
     }
     return s;
 }
@@ -499,6 +513,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
                 release_reduction(g);
                 return fail(g, s, "reduce-scatter", 0, "copy-in: %s", c->last_error);
             }
+            count_copy(g, FS_DIM0_REDUCE_IN, g->reduce, grad_t[i], run * p->outer);
         }
     }
     for (int i = 0; i < g->nparams; i++) {
@@ -641,5 +656,7 @@ fs_status fs_dim0_accumulate(fs_dim0_group *g, void *src, fs_dtype src_t, void *
     if ((s = fs_link_scale_accumulate(&g->link, g->link.stream, d_ptr, dst_t, s_ptr, src_t, n,
                                       1.0, add)) != FS_OK)
         return fail(g, s, "accumulate", 0, "%s", g->link.comm->last_error);
+    if (!add && src_t != dst_t) /* the first of the sums [Note: accumulation dtype] */
+        count_copy(g, FS_DIM0_CAST, dst_t, src_t, n);
     return FS_OK;
 }

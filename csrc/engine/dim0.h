@@ -34,7 +34,16 @@
  * HSDP without the all-reduce (torch's requires_all_reduce=False) adds
  * rs_out, a plain sum, into `partial`, kept across reductions, and writes
  * nothing; the next reduction that all-reduces adds `partial` to its rs_out
- * first and lets it go. */
+ * first and lets it go.
+ *
+ * [Note: copy counts] copied_bytes counts the bytes every copy writes, by
+ * kind: a same-dtype copy into the all-gather input (COPY_IN), out of the
+ * all-gather output (COPY_OUT), into the reduce-scatter input (REDUCE_IN),
+ * out of the reduce output into a sharded gradient written anew
+ * (REDUCE_OUT), and any copy that changes the dtype (CAST: mixed
+ * precision needs those). Adding the reduce output onto a gradient that is
+ * there is arithmetic the result needs, not a copy; the host's coalescing
+ * of several groups' collectives into one (engine.h) packs on its own. */
 #ifndef FS_DIM0_H
 #define FS_DIM0_H
 
@@ -52,6 +61,15 @@ typedef struct {
     int64_t full_offset;  /* its start in the unsharded buffer, elements */
     void *shard;          /* tensor handle: this rank's rows, contiguous */
 } fs_dim0_param;
+
+enum {
+    FS_DIM0_COPY_IN,
+    FS_DIM0_COPY_OUT,
+    FS_DIM0_REDUCE_IN,
+    FS_DIM0_REDUCE_OUT,
+    FS_DIM0_CAST,
+    FS_DIM0_NCOPY,
+};
 
 typedef struct {
     char name[128];
@@ -86,6 +104,7 @@ typedef struct {
     double factor;           /* > 0: divide by it instead of averaging */
     unsigned long long n_all_gather, n_reduce_scatter, n_deferred_gather, n_deferred_reduce,
         n_post_gather;
+    unsigned long long copied_bytes[FS_DIM0_NCOPY]; /* [Note: copy counts] */
     char err[512];
     const char *err_what;
     int err_collective;

@@ -579,6 +579,14 @@ static PyObject *Dim0_get_counts(Dim0Object *self, void *c)
                          self->g.n_post_gather);
 }
 
+static PyObject *Dim0_get_copied(Dim0Object *self, void *c)
+{
+    const unsigned long long *b = self->g.copied_bytes;
+    return Py_BuildValue("{sKsKsKsKsK}", "copy_in", b[FS_DIM0_COPY_IN], "copy_out",
+                         b[FS_DIM0_COPY_OUT], "reduce_in", b[FS_DIM0_REDUCE_IN], "reduce_out",
+                         b[FS_DIM0_REDUCE_OUT], "cast", b[FS_DIM0_CAST]);
+}
+
 static PyMethodDef Dim0_methods[] = {
     {"set_shards", (PyCFunction)Dim0_set_shards, METH_VARARGS, set_shards_doc},
     {"set_full", (PyCFunction)Dim0_set_full, METH_O, set_full_doc},
@@ -646,6 +654,8 @@ static PyGetSetDef Dim0_getset[] = {
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
      "memoryview (host) or a uint8 tensor (device); None when none is ready", NULL},
     {"counts", (getter)Dim0_get_counts, NULL, "collectives issued", NULL},
+    {"copied", (getter)Dim0_get_copied, NULL,
+     "bytes written by copies so far, by kind (engine/dim0.h, [Note: copy counts])", NULL},
     {NULL},
 };
 

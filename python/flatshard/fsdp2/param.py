@@ -76,7 +76,7 @@ class ParamGroup:
         # plain gradients take the reduce-scatter with the rest.
         self.gathered = [not has_extension(p) for p in params]
         self.c = None
-        self.count_base = {}   # collectives of the engine groups replaced by a cast
+        self.count_base = {}   # collectives (and copied bytes) of engine groups replaced
         self._build_engine(params[0].dtype, params[0].device)
         self.ext = {i: Extension(p, self.names[i], aliases[i][0][0], mp_policy,
                                  self.entries[i].chunk_rows)
@@ -126,7 +126,7 @@ class ParamGroup:
                 (compute, reduce) == (self.compute_dtype, self.reduce_dtype):
             return
         if self.c is not None:
-            for k, v in self.c.counts.items():
+            for k, v in itertools.chain(self.c.counts.items(), self.c.copied.items()):
                 self.count_base[k] = self.count_base.get(k, 0) + v
         self.compute_dtype, self.reduce_dtype = compute, reduce
         align = _C.align_numel(torch.empty((), dtype=compute).element_size())
@@ -161,6 +161,12 @@ class ParamGroup:
 
     def _count(self, kind):
         return self.c.counts[kind] + self.count_base.get(kind, 0)
+
+    def copied_bytes(self):
+        """Bytes the engine's copies wrote for this group so far, by kind
+        (copy_in, copy_out, reduce_in, reduce_out, cast: csrc/engine/dim0.h,
+        [Note: copy counts])."""
+        return {k: v + self.count_base.get(k, 0) for k, v in self.c.copied.items()}
 
     # ------------------------------------------------------------------
     # sharded parameters
