@@ -4,9 +4,12 @@ layout needs, computed here from the parameters' shapes (torch.chunk's rows
 per rank), and the training itself against torch's fully_shard in the same
 run, bit for bit:
 
-  every gather copies each shard in and every row out, every reduction
-  each gradient in and each new sharded gradient out; under mixed
-  precision the copies into the other dtype are casts.
+  2 ranks, groups of several parameters: every gather copies each shard in
+  and every row out, every reduction each gradient in and each new sharded
+  gradient out; a group of one evenly split Shard(0) parameter copies
+  nothing (its own all-gather output and reduce-scatter input);
+  1 rank, or HSDP over the replicas alone: the parameters are the shards,
+  nothing is copied in fp32; under mixed precision only the casts.
 
 With reshard_after_forward True, False and 2, gradient accumulation without
 sync, and the sharded state dict round trip."""
@@ -77,8 +80,16 @@ ALIGN_BYTES = 16  # every parameter's rows start at a multiple of it in a rank's
 
 def _direct(group, shard_world, es):
     """Whether the group's layout lets its collectives run on the parameters
-    and gradients themselves (csrc/engine/dim0.h, [Note: direct layout])."""
-    return False
+    and gradients themselves (csrc/engine/dim0.h, [Note: direct layout]): one
+    rank in the shard group, or one parameter whose rows split evenly into
+    whole multiples of ALIGN_BYTES (no padding in a rank's block)."""
+    if shard_world == 1:
+        return True
+    if len(group.sharded) != 1:
+        return False
+    shape = group.sharded[0].shape
+    rows, rest = divmod(shape[0], shard_world)
+    return rest == 0 and rows * (group.sharded[0].numel() // shape[0]) * es % ALIGN_BYTES == 0
 
 
 def _needed(group, shard_world, rank, mp):
@@ -183,6 +194,8 @@ def test_copies_fp32(dist_pool, world, raf):
         raf = 1
     outs = dist_pool(world).run(_flow, raf, False, False, False, timeout=TIMEOUT)
     _check(outs)
+    if world == 1:
+        assert sum(outs[0]["copied"].values()) == 0
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -198,3 +211,4 @@ def test_copies_with_accumulation(dist_pool, world):
 def test_copies_hsdp_replicas_alone(dist_pool):
     outs = dist_pool(2).run(_flow, True, False, False, True, timeout=TIMEOUT)
     _check(outs)
+    assert all(sum(o["copied"].values()) == 0 for o in outs)

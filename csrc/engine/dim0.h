@@ -36,6 +36,23 @@
  * nothing; the next reduction that all-reduces adds `partial` to its rs_out
  * first and lets it go.
  *
+ * [Note: direct layout] Where the layout leaves nothing to rearrange, no
+ * buffer stands between a parameter and its collective. With one rank in
+ * the shard group (world 1, or HSDP's replicate dim alone) the unsharded
+ * parameters are the shards: a gather issues nothing, the host's unsharded
+ * parameters alias the shards (`aliased`), or under another compute dtype
+ * each shard is cast straight into the unsharded buffer; a reduction sums
+ * each gradient across the replicas in place (one all-reduce per gradient:
+ * autograd hands each gradient over in a tensor of its own, so only a
+ * staging copy could make them one flat buffer) and scales it into the
+ * sharded gradient, in place when the host passes the gradient itself as
+ * the output. A group of one Shard(0) parameter that splits evenly, with
+ * no padding in its block, is its own all-gather output and reduce-scatter
+ * input: the rows are gathered straight into the unsharded buffer from the
+ * shard, and the gradient is reduce-scattered from where autograd left it.
+ * With more parameters each rank's rows of every parameter lie together in
+ * its block ((world, -1) rows), so the copies stay.
+ *
  * [Note: copy counts] copied_bytes counts the bytes every copy writes, by
  * kind: a same-dtype copy into the all-gather input (COPY_IN), out of the
  * all-gather output (COPY_OUT), into the reduce-scatter input (REDUCE_IN),
@@ -86,6 +103,9 @@ typedef struct {
     void *full;              /* tensor handle of the unsharded buffer (NULL until set) */
     void *storage;           /* its storage handle */
     int unsharded;
+    /* [Note: direct layout]: one rank, every gathered shard in the compute
+     * dtype (set with the shards): the unsharded parameters are the shards */
+    int aliased;
     /* a deferred gather: the copy-out waits for the mark */
     void *gather_event, *gathered, *gathered_h;
     int gather_pending;
@@ -119,9 +139,11 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
                        int64_t align, fs_dtype compute, fs_dtype reduce);
 void fs_dim0_destroy(fs_dim0_group *g);
 
-/* The local shards (tensor handles, nparams), and the unsharded buffer
- * (tensor and storage handles), set again after the host moved them. */
-void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards);
+/* The local shards (tensor handles and dtypes, nparams), and the unsharded
+ * buffer (tensor and storage handles), set again after the host moved them.
+ * After set_shards, `aliased` says whether the host's unsharded parameters
+ * must be the shards themselves [Note: direct layout]. */
+void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards, const fs_dtype *shard_t);
 void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage);
 
 /* One all-gather of every rank's block, then the copy-out into the

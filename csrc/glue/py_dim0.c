@@ -178,7 +178,7 @@ static PyObject *Dim0_set_shards(Dim0Object *self, PyObject *args)
         Py_DECREF(tup);
         return PyErr_NoMemory();
     }
-    fs_dim0_set_shards(&self->g, h);
+    fs_dim0_set_shards(&self->g, h, self->shard_t);
     free(h);
     Py_XSETREF(self->shards, tup);
     Py_RETURN_NONE;
@@ -579,6 +579,11 @@ static PyObject *Dim0_get_counts(Dim0Object *self, void *c)
                          self->g.n_post_gather);
 }
 
+static PyObject *Dim0_get_aliased(Dim0Object *self, void *c)
+{
+    return PyBool_FromLong(self->g.aliased);
+}
+
 static PyObject *Dim0_get_copied(Dim0Object *self, void *c)
 {
     const unsigned long long *b = self->g.copied_bytes;
@@ -654,6 +659,9 @@ static PyGetSetDef Dim0_getset[] = {
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
      "memoryview (host) or a uint8 tensor (device); None when none is ready", NULL},
     {"counts", (getter)Dim0_get_counts, NULL, "collectives issued", NULL},
+    {"aliased", (getter)Dim0_get_aliased, NULL,
+     "the unsharded parameters must be the shards themselves (one rank, the compute\n"
+     "dtype: engine/dim0.h, [Note: direct layout]); set with the shards", NULL},
     {"copied", (getter)Dim0_get_copied, NULL,
      "bytes written by copies so far, by kind (engine/dim0.h, [Note: copy counts])", NULL},
     {NULL},

@@ -338,15 +338,21 @@ class ParamGroup:
     # unshard / reshard
 
     def _make_full(self):
+        """The unsharded parameters: views of the flat buffer, or where the
+        engine says the shards are the unsharded parameters (one rank, the
+        compute dtype: csrc/engine/dim0.h, [Note: direct layout]) views of
+        the shards, the buffer then never filled."""
         device = self.local(0).device
         self.full = torch.empty(self.full_alloc, dtype=self.compute_dtype, device=device)
+        aliased = self.c.aliased
         self.unsharded = []
         for i, (off, shape, sp) in enumerate(zip(self.offsets, self.shapes, self.sharded)):
             if i in self.ext:  # made by its class at the first gather
                 self.unsharded.append(None)
                 continue
             n = int(torch.Size(shape).numel())
-            view = self.full.narrow(0, off, n).view(shape)
+            view = self.local(i).view(shape) if aliased else \
+                self.full.narrow(0, off, n).view(shape)
             if i in self.tp:  # the module computes on it as the DTensor it was
                 view = tp.unsharded(view, self.tp[i])
             self.unsharded.append(nn.Parameter(view, requires_grad=sp.requires_grad))
@@ -420,6 +426,9 @@ class ParamGroup:
         """Keep this rank's 1/k of the unsharded buffer (k: the post-forward
         group's size) and free the rest."""
         if not self.c.is_unsharded:
+            return
+        if self.c.aliased:  # the shards are the unsharded parameters: nothing to keep
+            self.reshard()
             return
         self.wait_unsharded()
         k = self.post_comm.world_size
@@ -495,9 +504,10 @@ class ParamGroup:
         sharded, accumulated, unsharded = self.sharded, self.accumulated, self.unsharded
         partial = self.replicate_comm is not None and not self.all_reduce
         joins = False
+        alone = self.world == 1  # nothing to scatter: the gradients reduced in place
         if bucket is not None:  # before reading .grad: a pending reduction of ours lands first
             if self.comm.device is None and self.replicate_comm is None and \
-                    self.all_reduce_hook is None:
+                    self.all_reduce_hook is None and not alone:
                 joins = bucket.admits(self, self.reduce_dtype)
             else:
                 bucket.flush()
@@ -527,6 +537,11 @@ class ParamGroup:
                 cur = sp.grad
                 if cur is not None:
                     out, add = cur._local_tensor, True
+                elif alone and g is not None and g.dtype == self.reduce_dtype and \
+                        type(g) is torch.Tensor and g.dtype == sp._local_tensor.dtype and \
+                        g.shape == sp._local_tensor.shape:
+                    out = g  # the new sharded gradient is the gradient itself
+                    fresh.append((i, out))
                 else:
                     local = sp._local_tensor  # a plain tensor for a subclass's shard too
                     out = torch.empty_like(local, memory_format=torch.contiguous_format) \
