@@ -43,10 +43,10 @@ class Net(nn.Module):
     ranks); head: one 16 x 7 weight (8 rows each, 16-byte multiples in fp32
     and bf16), a group of its own."""
 
-    def __init__(self, d=7):
+    def __init__(self, d=7, block=Block):
         super().__init__()
         self.inp = nn.Linear(5, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(2))
+        self.blocks = nn.ModuleList(block(d) for _ in range(2))
         self.head = nn.Linear(d, 16, bias=False)
         self.out = nn.Linear(16, 3)
 
@@ -212,3 +212,58 @@ def test_copies_hsdp_replicas_alone(dist_pool):
     outs = dist_pool(2).run(_flow, True, False, False, True, timeout=TIMEOUT)
     _check(outs)
     assert all(sum(o["copied"].values()) == 0 for o in outs)
+
+
+# ----------------------------------------------------------------------
+# the parameters being the shards, through what reads or swaps them
+
+
+class CheckpointedBlock(Block):
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
+def _checkpointed(fn):
+    torch.manual_seed(0)
+    model = Net(block=CheckpointedBlock)
+    for m in (*model.blocks, model.head):
+        fn(m)
+    return fn(model)
+
+
+def _swaps_and_checkpoints(tmp):
+    """Activation checkpointing, a `.data` swap of a sharded parameter, then
+    a DCP save, a load into a fresh model and more steps: both
+    implementations the same bits, and the loaded model the saved one's."""
+    import torch.distributed.checkpoint as dcp
+    out = {}
+    for name, fn in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        model = _checkpointed(fn)
+        losses = _steps(fn, model, 2, False)
+        w = model.head.weight
+        w.data = w.data * 0.5  # the module keeps the parameter, its local tensor is new
+        losses += _steps(fn, model, 1, False)
+        path = f"{tmp}/{name}"
+        dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+        fresh = _checkpointed(fn)
+        sd = {"model": fresh.state_dict()}
+        dcp.load(sd, checkpoint_id=path)
+        fresh.load_state_dict(sd["model"])
+        losses += _steps(fn, model, 1, False)
+        out[name] = (losses, _steps(fn, fresh, 1, False),
+                     {n: p.to_local().clone() for n, p in model.named_parameters()})
+        if fn is fully_shard:
+            out["copied"] = sum(flatshard.copy_stats(model).values())
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_shards_as_parameters_through_checkpointing_swaps_and_dcp(dist_pool, world, tmp_path):
+    for out in dist_pool(world).run(_swaps_and_checkpoints, str(tmp_path), timeout=TIMEOUT):
+        theirs, ours = out["torch"], out["ours"]
+        assert ours[0] == theirs[0]
+        assert ours[1] == theirs[1] == ours[0][-1:]  # the loaded model takes the same step
+        for k in theirs[2]:
+            assert torch.equal(theirs[2][k], ours[2][k]), k
+        if world == 1:
+            assert out["copied"] == 0
