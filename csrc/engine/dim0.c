@@ -664,7 +664,9 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     if (bucketed && (!writes(g) || g->hold > 0))
         return fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "a reduction into the HSDP "
                     "partial sum, or held for a hook, cannot wait in a bucket");
-    if (world == 1 && writes(g) && g->hold == 0 && !bucketed)
+    /* (a partial sum kept from reductions without the all-reduce is added
+     * to the reduce output first: the staged path) */
+    if (world == 1 && writes(g) && g->hold == 0 && !bucketed && !g->partial_h)
         return reduce_alone(g, grads, grad_t, outs, out_t, accumulate, factor);
     /* [Note: direct layout]: the gradient is the reduce-scatter input, a new
      * sharded gradient of the reduce dtype its output (held like taken
