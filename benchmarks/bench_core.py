@@ -15,10 +15,11 @@ Ratios are printed against "torch" and, for the fully_shard impls, against
 "torch-fsdp2".
 
 For every (model, impl) pair this spawns a fresh 2-rank gloo process group on
-CPU (one intra-op thread per rank, its own port), builds the model from the
-same seed, wraps it with the impl's FullyShardedDataParallel (one unit per
-block via torch's ModuleWrapPolicy) and trains it with AdamW on a fixed
-per-rank batch. It reports:
+CPU (BENCH_WORLD=N in the environment: N ranks; 1 shows each wrapper's cost
+over the model alone, with nothing to shard), one intra-op thread per rank,
+its own port, builds the model from the same seed, wraps it with the impl's
+FullyShardedDataParallel (one unit per block via torch's ModuleWrapPolicy)
+and trains it with AdamW on a fixed per-rank batch. It reports:
 
 * step time (zero_grad, forward, backward, optimizer step): each step starts
   at a barrier and counts as the slowest rank's time; median and mean over the
@@ -55,7 +56,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import MODELS  # noqa: E402
 from harness import free_port  # noqa: E402
 
-WORLD = 2
+def _world():
+    raw = os.environ.get("BENCH_WORLD", "2")
+    if not raw.isdigit() or int(raw) < 1:
+        sys.exit(f"bench_core: BENCH_WORLD must be a positive whole number of ranks, not {raw!r}")
+    return int(raw)
+
+
+WORLD = _world()
 N_LOSSES = 3
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 REPO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")

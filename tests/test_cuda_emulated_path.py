@@ -117,6 +117,18 @@ def test_emulated_device_path_with_accumulation_on_four_ranks(dist_pool, case):
         assert any(reduced[1])
 
 
+@pytest.mark.parametrize("mp", [None, "bf16", "bf16_reduce"])
+def test_fully_shard_at_one_rank_through_the_cuda_table(dist_pool, mp):
+    """One rank: the unsharded parameters are the shards (or their casts)
+    and each gradient is reduced in place (csrc/engine/dim0.h, [Note: direct
+    layout]) on the device path as on the host: the same bits, nothing left
+    pending."""
+    emu_build.build()
+    for same, n_comms, losses, pending, _ in dist_pool(1).run(_fully_shard_both, mp, True):
+        assert n_comms >= 1 and same and pending == 0
+        assert losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("mp,raf,prefetch,last_dim", [
     (None, True, False, False), ("bf16_reduce", True, False, False), (None, 2, False, False),
     (None, True, True, False), ("bf16", False, True, False),

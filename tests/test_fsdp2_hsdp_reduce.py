@@ -11,6 +11,7 @@ which round nothing, so gradients, parameters and what the hooks see are
 compared bit for bit."""
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -70,12 +71,12 @@ def _equal(a, b):
 # set_requires_all_reduce(False): reduce-scatter only, then one all-reduce
 
 
-def _accumulate(every):
+def _accumulate(every, shape=(2, 2)):
     """Three micro-batches without the replicas' all-reduce (unless `every`),
     one with it, an SGD step: -> {which: (which parameters had a sharded
     gradient before the last backward, the sharded gradients, the
     parameters after the step)}."""
-    mesh = _mesh((2, 2))
+    mesh = _mesh(shape)
     data = _batches(4)
     out = {}
     for which in WHICH:
@@ -93,9 +94,11 @@ def _accumulate(every):
     return out
 
 
-def test_reduce_scatter_only_then_all_reduce_matches_torch(dist_pool):
-    partial = dist_pool(4).run(_accumulate, False, timeout=TIMEOUT)
-    every = dist_pool(4).run(_accumulate, True, timeout=TIMEOUT)
+@pytest.mark.parametrize("shape", [(2, 2), (2, 1)])  # (2, 1): the replicas alone
+def test_reduce_scatter_only_then_all_reduce_matches_torch(dist_pool, shape):
+    n = math.prod(shape)
+    partial = dist_pool(n).run(_accumulate, False, shape, timeout=TIMEOUT)
+    every = dist_pool(n).run(_accumulate, True, shape, timeout=TIMEOUT)
     for p, e in zip(partial, every):
         t, o = p["torch"], p["flatshard"]
         assert o[0] == t[0] == [False] * 6  # nothing written before the all-reduce
@@ -196,6 +199,12 @@ def test_all_reduce_hook_on_a_1d_mesh_matches_torch(dist_pool):
 
 def test_all_reduce_hook_on_hsdp_matches_torch(dist_pool):
     _check_hooks(dist_pool(4).run(_hook_run, (2, 2), None, timeout=TIMEOUT))
+
+
+def test_all_reduce_hook_on_the_replicas_alone_matches_torch(dist_pool):
+    """A shard dim of one rank: the unsharded parameters are the shards, and
+    a held reduction still shows the hook what torch's does."""
+    _check_hooks(dist_pool(2).run(_hook_run, (2, 1), None, timeout=TIMEOUT))
 
 
 def test_all_reduce_hook_bf16_reduce_on_hsdp_matches_torch(dist_pool):

@@ -756,12 +756,15 @@ class _Branches(nn.Module):
         return self.c(torch.relu(h))
 
 
-def _unused_params():
+def _unused_params(replicas_alone=False):
     """set_reduce_scatter_unused_params(True): ranks that use different
     parameters still reduce together; every trainable parameter gets its
-    sharded gradient (zeros where no rank used it), as in torch."""
+    sharded gradient (zeros where no rank used it), as in torch.
+    replicas_alone: HSDP with a shard dim of one rank, where each gradient
+    is all-reduced on its own (csrc/engine/dim0.h, [Note: direct layout])."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("rep", "dp")) \
+        if replicas_alone else init_device_mesh("cpu", (dist.get_world_size(),))
     out = {}
     for which, shard in (("torch", tfsdp.fully_shard), ("flatshard", flatshard.fully_shard)):
         torch.manual_seed(0)
@@ -783,8 +786,9 @@ def _unused_params():
     return out
 
 
-def test_reduce_scatter_unused_params_matches_torch(dist_pool):
-    for r in dist_pool(2).run(_unused_params, timeout=TIMEOUT):
+@pytest.mark.parametrize("replicas_alone", [False, True])
+def test_reduce_scatter_unused_params_matches_torch(dist_pool, replicas_alone):
+    for r in dist_pool(2).run(_unused_params, replicas_alone, timeout=TIMEOUT):
         (tl, tg, tp), (fl, fg, fp) = r["torch"], r["flatshard"]
         assert fl == tl
         assert tg.keys() == fg.keys() and all(

@@ -18,6 +18,14 @@ static fs_status fail(fs_dim0_group *g, fs_status s, const char *what, int colle
     return s;
 }
 
+/* [Note: copy counts]: n elements of dt written from st by a copy of `kind`
+ * (a cast when the dtypes differ). */
+static void count_copy(fs_dim0_group *g, int kind, fs_dtype dt, fs_dtype st, int64_t n)
+{
+    g->copied_bytes[dt == st ? kind : FS_DIM0_CAST] +=
+        (unsigned long long)n * fs_dtype_size(dt);
+}
+
 static void drop(fs_dim0_group *g, void **h)
 {
     fs_group_drop(&g->env, h);
@@ -119,10 +127,35 @@ void fs_dim0_destroy(fs_dim0_group *g)
     memset(g, 0, sizeof *g);
 }
 
-void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards)
+void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards, const fs_dtype *shard_t)
 {
-    for (int i = 0; i < g->nparams; i++)
+    int same = 1;
+    for (int i = 0; i < g->nparams; i++) {
         g->params[i].shard = shards[i];
+        same = same && (!g->params[i].gathered || shard_t[i] == g->compute);
+    }
+    g->aliased = g->link.comm->world_size == 1 && same;
+}
+
+/* [Note: direct layout]: more than one rank, and the group one Shard(0)
+ * parameter whose rows split evenly with no padding in a block: the
+ * all-gather output is the unsharded parameter, the gradient the
+ * reduce-scatter input. */
+static int direct_layout(const fs_dim0_group *g)
+{
+    const int world = g->link.comm->world_size;
+    if (world < 2 || g->nparams != 1 || !g->params[0].gathered)
+        return 0;
+    const fs_dim0_param *p = &g->params[0];
+    const fs_dim0_entry *e = &g->gentries[0];
+    return p->outer == 1 && p->dim0 % world == 0 && p->full_offset == 0 &&
+           e->block_offset == 0 && g->gather_block_numel == e->local_rows * p->row_numel &&
+           g->block_numel == g->gather_block_numel;
+}
+
+static int64_t param_numel(const fs_dim0_param *p)
+{
+    return p->outer * p->dim0 * p->row_numel;
 }
 
 void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage)
@@ -141,6 +174,8 @@ static fs_status copy_out(fs_dim0_group *g, void *stream)
     const int world = g->link.comm->world_size;
     const size_t es = fs_dtype_size(g->compute);
     void *full;
+    if (direct_layout(g)) /* gathered in place [Note: direct layout] */
+        return FS_OK;
     fs_status s = g->env.data(g->env.ctx, g->full, &full);
     if (s != FS_OK)
         return fail(g, s, "unshard", 0, NULL);
@@ -163,8 +198,102 @@ static fs_status copy_out(fs_dim0_group *g, void *stream)
                                     src, rows * p->row_numel, g->compute, rows * p->row_numel,
                                     p->outer)) != FS_OK)
                 return fail(g, s, "unshard", 0, "copy-out: %s", g->link.comm->last_error);
+            count_copy(g, FS_DIM0_COPY_OUT, g->compute, g->compute,
+                       p->outer * rows * p->row_numel);
         }
     }
+    return FS_OK;
+}
+
+/* One rank [Note: direct layout]: nothing to gather; the host's unsharded
+ * parameters are the shards (aliased), or each shard is cast into the
+ * unsharded buffer. */
+static fs_status unshard_alone(fs_dim0_group *g, const fs_dtype *shard_t)
+{
+    const fs_env *e = &g->env;
+    const size_t es = fs_dtype_size(g->compute);
+    void *full, *src;
+    fs_status s;
+    if (!g->aliased) {
+        if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &full)) !=
+                FS_OK ||
+            (s = e->data(e->ctx, g->full, &full)) != FS_OK)
+            return fail(g, s, "unshard", 0, NULL);
+        for (int i = 0; i < g->nparams; i++) {
+            const fs_dim0_param *p = &g->params[i];
+            const int64_t n = param_numel(p);
+            if (!p->gathered || !n)
+                continue;
+            if ((s = e->data(e->ctx, p->shard, &src)) != FS_OK ||
+                (s = fs_link_cast(&g->link, g->link.stream, (char *)full + p->full_offset * es,
+                                  g->compute, src, shard_t[i], n)) != FS_OK)
+                return fail(g, s, "unshard", 0, s == FS_OK ? NULL : "cast: %s",
+                            g->link.comm->last_error);
+            count_copy(g, FS_DIM0_COPY_OUT, g->compute, shard_t[i], n);
+        }
+    }
+    g->n_all_gather++; /* the gather torch issues (and counts) at one rank too */
+    g->unsharded = 1;
+    return FS_OK;
+}
+
+/* [Note: direct layout]: the shard is the all-gather input (cast into this
+ * rank's rows of the unsharded buffer first in another compute dtype), the
+ * unsharded buffer its output. */
+static fs_status gather_input(fs_dim0_group *g, const fs_dtype *shard_t, const void **send,
+                              void **recv)
+{
+    const fs_env *e = &g->env;
+    const size_t es = fs_dtype_size(g->compute);
+    void *full, *src;
+    fs_status s;
+    if ((s = e->data(e->ctx, g->params[0].shard, &src)) != FS_OK ||
+        (s = e->data(e->ctx, g->full, &full)) != FS_OK)
+        return fail(g, s, "unshard", 0, NULL);
+    *send = src;
+    *recv = full;
+    if (shard_t[0] == g->compute || !g->gather_block_numel)
+        return FS_OK;
+    char *mine = (char *)full + (size_t)g->link.comm->rank * g->gather_block_numel * es;
+    if ((s = fs_link_cast(&g->link, g->link.stream, mine, g->compute, src, shard_t[0],
+                          g->gather_block_numel)) != FS_OK)
+        return fail(g, s, "unshard", 0, "cast: %s", g->link.comm->last_error);
+    count_copy(g, FS_DIM0_COPY_IN, g->compute, shard_t[0], g->gather_block_numel);
+    *send = mine;
+    return FS_OK;
+}
+
+/* In place: each rank's rows are cast straight into its own block of the
+ * gathered buffer, which is the all-gather's input. The padding at a
+ * block's end is never copied out, so it is left as it comes. */
+static fs_status stage_gather_input(fs_dim0_group *g, const fs_dtype *shard_t, int defer,
+                                    const void **send, void **recv)
+{
+    const fs_env *e = &g->env;
+    fs_link *l = &g->link;
+    fs_comm *c = l->comm;
+    const size_t es = fs_dtype_size(g->compute);
+    fs_status s;
+    if ((s = e->take(e->ctx, g->gather_block_numel * c->world_size * (int64_t)es,
+                     defer ? 0 : FS_TAKE_TRANSIENT, &g->gathered, &g->gathered_h)) != FS_OK)
+        return fail(g, s, "unshard", 0, "out of memory");
+    char *mine = (char *)g->gathered + (size_t)c->rank * g->gather_block_numel * es;
+    for (int i = 0; i < g->nparams; i++) {
+        const fs_dim0_entry *en = &g->gentries[i];
+        void *src;
+        if (!g->params[i].gathered || !en->local_rows || !en->row_numel)
+            continue;
+        if ((s = e->data(e->ctx, g->params[i].shard, &src)) != FS_OK ||
+            (s = fs_link_cast(l, l->stream, mine + en->block_offset * es, g->compute, src,
+                              shard_t[i], en->local_rows * en->row_numel)) != FS_OK) {
+            drop(g, &g->gathered_h);
+            return fail(g, s, "unshard", 0, s == FS_OK ? NULL : "copy-in: %s",
+                        c->last_error);
+        }
+        count_copy(g, FS_DIM0_COPY_IN, g->compute, shard_t[i], en->local_rows * en->row_numel);
+    }
+    *send = mine;
+    *recv = g->gathered;
     return FS_OK;
 }
 
@@ -181,32 +310,19 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
     fs_status s;
     if (g->unsharded) /* a pending gather is waited for, unless this is a prefetch too */
         return defer ? FS_OK : fs_dim0_wait(g);
+    if (world == 1)
+        return unshard_alone(g, shard_t);
     void *none;
     if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &none)) != FS_OK)
         return fail(g, s, "unshard", 0, NULL);
-    /* In place: each rank's rows are cast straight into its own block of the
-     * gathered buffer, which is the all-gather's input. The padding at a
-     * block's end is never copied out, so it is left as it comes. */
-    if ((s = e->take(e->ctx, g->gather_block_numel * world * (int64_t)es,
-                     defer ? 0 : FS_TAKE_TRANSIENT, &g->gathered, &g->gathered_h)) != FS_OK)
-        return fail(g, s, "unshard", 0, "out of memory");
-    char *mine = (char *)g->gathered + (size_t)c->rank * g->gather_block_numel * es;
-    for (int i = 0; i < g->nparams; i++) {
-        const fs_dim0_entry *en = &g->gentries[i];
-        void *src;
-        if (!g->params[i].gathered || !en->local_rows || !en->row_numel)
-            continue;
-        if ((s = e->data(e->ctx, g->params[i].shard, &src)) != FS_OK ||
-            (s = fs_link_cast(l, l->stream, mine + en->block_offset * es, g->compute, src,
-                              shard_t[i], en->local_rows * en->row_numel)) != FS_OK) {
-            drop(g, &g->gathered_h);
-            return fail(g, s, "unshard", 0, s == FS_OK ? NULL : "copy-in: %s",
-                        c->last_error);
-        }
-    }
+    const void *send = NULL;
+    void *recv = NULL;
+    if ((s = direct_layout(g) ? gather_input(g, shard_t, &send, &recv)
+                              : stage_gather_input(g, shard_t, defer, &send, &recv)) != FS_OK)
+        return s;
     if (defer)
         l->dev->set_defer(c, 1);
-    s = fs_link_all_gather(l, g->name, mine, g->gathered, g->gather_block_numel, g->compute);
+    s = fs_link_all_gather(l, g->name, send, recv, g->gather_block_numel, g->compute);
     if (defer) {
         l->dev->set_defer(c, 0);
         if (s == FS_OK)
@@ -435,11 +551,16 @@ static fs_status write_grads(fs_dim0_group *g)
             continue;
         if ((s = g->env.data(g->env.ctx, g->outs[i], &dst)) != FS_OK)
             return fail(g, s, "reduce-scatter", 0, NULL);
-        s = fs_link_scale_accumulate(l, l->stream, dst, g->out_t[i],
-                                     (char *)g->rs_out + e->block_offset * rs, g->reduce,
+        const char *src = (const char *)g->rs_out + e->block_offset * rs;
+        if (dst == src && scale == 1.0) /* reduced in place [Note: direct layout] */
+            continue;
+        s = fs_link_scale_accumulate(l, l->stream, dst, g->out_t[i], src, g->reduce,
                                      e->local_rows * e->row_numel, scale, g->accumulate[i]);
         if (s != FS_OK)
             return fail(g, s, "reduce-scatter", 0, "gradient: %s", c->last_error);
+        if (!g->accumulate[i] && dst != src)
+            count_copy(g, FS_DIM0_REDUCE_OUT, g->out_t[i], g->reduce,
+                       e->local_rows * e->row_numel);
     }
     return s;
 }
@@ -451,6 +572,104 @@ static void release_reduction(fs_dim0_group *g)
     for (int i = 0; i < g->nparams; i++)
         drop(g, &g->outs[i]);
     g->reduce_pending = g->reduce_deferred = 0;
+}
+
+/* One rank in the shard group [Note: direct layout]: each gradient summed
+ * across the replicas in place (HSDP: one all-reduce each, in parameter
+ * order on every rank), then scaled into its sharded gradient, in place when
+ * that is the gradient itself. A gradient of another dtype than the reduce
+ * dtype is cast first: into a new output of the reduce dtype, else into a
+ * buffer of its own (as for a trainable parameter without a gradient:
+ * zeros). */
+static fs_status reduce_alone(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
+                              void *const *outs, const fs_dtype *out_t, const int *accumulate)
+{
+    const fs_env *e = &g->env;
+    fs_link *l = &g->link;
+    fs_link *r = g->replicate.comm ? &g->replicate : NULL;
+    const size_t rs = fs_dtype_size(g->reduce);
+    const fs_divide *d = &g->divide; /* [Note: divide rule]: pre, then the sum, then the rest */
+    fs_status s = FS_OK;
+    const char *what = "reduce-scatter", *why = NULL;
+    int collective = 0;
+    for (int i = 0; i < g->nparams && s == FS_OK; i++) {
+        const int64_t numel = param_numel(&g->params[i]);
+        void *src = NULL, *dst = NULL, *buf, *tmp_h = NULL, *ws;
+        if ((!grads[i] && !outs[i]) || !numel)
+            continue;
+        if ((grads[i] && (s = e->data(e->ctx, grads[i], &src)) != FS_OK) ||
+            (outs[i] && (s = e->data(e->ctx, outs[i], &dst)) != FS_OK))
+            break;
+        if (src && grad_t[i] == g->reduce) {
+            buf = src;
+        } else if (src && dst && dst != src && !accumulate[i] && out_t[i] == g->reduce) {
+            if ((s = fs_link_cast(l, l->stream, dst, g->reduce, src, grad_t[i], numel)) !=
+                FS_OK) {
+                why = "cast";
+                break;
+            }
+            count_copy(g, FS_DIM0_REDUCE_IN, g->reduce, grad_t[i], numel);
+            buf = dst;
+        } else {
+            if ((s = e->take(e->ctx, numel * (int64_t)rs, FS_TAKE_ZERO | FS_TAKE_TRANSIENT,
+                             &buf, &tmp_h)) != FS_OK) {
+                why = "out of memory";
+                break;
+            }
+            if (src && (s = fs_link_cast(l, l->stream, buf, g->reduce, src, grad_t[i],
+                                         numel)) != FS_OK) {
+                drop(g, &tmp_h);
+                why = "copy-in";
+                break;
+            }
+            if (src)
+                count_copy(g, FS_DIM0_REDUCE_IN, g->reduce, grad_t[i], numel);
+        }
+        if (d->pre != 1.0 && (s = fs_link_scale_accumulate(l, l->stream, buf, g->reduce, buf,
+                                                           g->reduce, numel, 1.0 / d->pre, 0)) !=
+                                 FS_OK) {
+            drop(g, &tmp_h);
+            why = "divide";
+            break;
+        }
+        if (r && (s = fs_link_lend(e, r, g->reduce, numel, &ws)) == FS_OK) {
+            FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->name, numel, g->reduce,
+                        fs_comm_all_reduce(r->comm, buf, numel, g->reduce, FS_RED_SUM));
+            unlend(g, r, &ws);
+            if (s != FS_OK) {
+                what = "all-reduce";
+                collective = 1;
+                why = "all_reduce across replicas";
+            }
+        } else if (r) {
+            why = "out of memory";
+        }
+        /* the post divide fused into the write where that changes no bits
+         * (write_grads' rule) */
+        double scale = 1.0 / d->in_comm;
+        if (s == FS_OK && d->post != 1.0) {
+            if (dst && out_t[i] == g->reduce &&
+                (!accumulate[i] || g->reduce == FS_F32 || g->reduce == FS_F64))
+                scale /= d->post;
+            else if ((s = fs_link_scale_accumulate(l, l->stream, buf, g->reduce, buf, g->reduce,
+                                                   numel, 1.0 / d->post, 0)) != FS_OK)
+                why = "divide";
+        }
+        if (s == FS_OK && dst && !(dst == buf && scale == 1.0)) {
+            s = fs_link_scale_accumulate(l, l->stream, dst, out_t[i], buf, g->reduce, numel,
+                                         scale, accumulate[i]);
+            if (s != FS_OK)
+                why = "gradient";
+            else if (!accumulate[i] && dst != buf)
+                count_copy(g, FS_DIM0_REDUCE_OUT, out_t[i], g->reduce, numel);
+        }
+        drop(g, &tmp_h);
+    }
+    if (s != FS_OK)
+        return fail(g, s, what, collective, why ? "%s: %s" : NULL, why,
+                    (collective ? r : l)->comm->last_error);
+    g->n_reduce_scatter++; /* the reduction torch issues (and counts) at one rank too */
+    return FS_OK;
 }
 
 fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
@@ -478,24 +697,44 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     if (bucketed && (!writes(g) || g->held))
         return fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "a reduction into the HSDP "
                     "partial sum, or held for a hook, cannot wait in a bucket");
+    /* (a partial sum kept from reductions without the all-reduce is added
+     * to the reduce output first: the staged path) */
+    if (world == 1 && writes(g) && !g->held && !bucketed && !g->partial_h)
+        return reduce_alone(g, grads, grad_t, outs, out_t, accumulate);
+    /* [Note: direct layout]: the gradient is the reduce-scatter input, a new
+     * sharded gradient of the reduce dtype its output (held like taken
+     * buffers while a deferred collective reads them) */
+    const int direct = direct_layout(g) && !bucketed && writes(g) && !g->held;
+    const int direct_in = direct && grads[0] && grad_t[0] == g->reduce;
+    const int direct_out = direct && outs[0] && !accumulate[0] && out_t[0] == g->reduce;
     void *rs_in;
     /* zeroed: the padding, and the rows of parameters without a gradient;
      * a held rs_out outlives the call */
-    if ((s = e->take(e->ctx, g->block_numel * world * (int64_t)rs,
-                     FS_TAKE_ZERO | (defer      ? 0
-                                     : bucketed ? FS_TAKE_STAGING
-                                                : FS_TAKE_TRANSIENT),
-                     &rs_in, &g->rs_in_h)) != FS_OK ||
-        (s = e->take(e->ctx, g->block_numel * (int64_t)rs,
-                     defer || g->held ? 0 : bucketed ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT,
-                     &g->rs_out, &g->rs_out_h)) !=
-            FS_OK) {
+    if (direct_in) {
+        g->rs_in_h = e->hold(e->ctx, grads[0]);
+        s = e->data(e->ctx, grads[0], &rs_in);
+    } else {
+        s = e->take(e->ctx, g->block_numel * world * (int64_t)rs,
+                    FS_TAKE_ZERO | (defer      ? 0
+                                    : bucketed ? FS_TAKE_STAGING
+                                               : FS_TAKE_TRANSIENT),
+                    &rs_in, &g->rs_in_h);
+    }
+    if (s == FS_OK && direct_out) {
+        g->rs_out_h = e->hold(e->ctx, outs[0]);
+        s = e->data(e->ctx, outs[0], &g->rs_out);
+    } else if (s == FS_OK) {
+        s = e->take(e->ctx, g->block_numel * (int64_t)rs,
+                    defer || g->held ? 0 : bucketed ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT,
+                    &g->rs_out, &g->rs_out_h);
+    }
+    if (s != FS_OK) {
         release_reduction(g);
-        return fail(g, s, "reduce-scatter", 0, "out of memory");
+        return fail(g, s, "reduce-scatter", 0, s == FS_ERR_HOST ? NULL : "out of memory");
     }
     for (int i = 0; i < g->nparams; i++) {
         void *src;
-        if (!grads[i])
+        if (!grads[i] || direct_in)
             continue;
         if ((s = e->data(e->ctx, grads[i], &src)) != FS_OK) {
             release_reduction(g);
@@ -517,6 +756,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
                 release_reduction(g);
                 return fail(g, s, "reduce-scatter", 0, "copy-in: %s", c->last_error);
             }
+            count_copy(g, FS_DIM0_REDUCE_IN, g->reduce, grad_t[i], run * p->outer);
         }
     }
     for (int i = 0; i < g->nparams; i++) {
@@ -666,5 +906,7 @@ fs_status fs_dim0_accumulate(fs_dim0_group *g, void *src, fs_dtype src_t, void *
     if ((s = fs_link_scale_accumulate(&g->link, g->link.stream, d_ptr, dst_t, s_ptr, src_t, n,
                                       1.0, add)) != FS_OK)
         return fail(g, s, "accumulate", 0, "%s", g->link.comm->last_error);
+    if (!add && src_t != dst_t) /* the first of the sums [Note: accumulation dtype] */
+        count_copy(g, FS_DIM0_CAST, dst_t, src_t, n);
     return FS_OK;
 }

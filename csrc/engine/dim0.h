@@ -37,7 +37,33 @@
  * HSDP without the all-reduce (torch's requires_all_reduce=False) adds
  * rs_out, a plain sum, into `partial`, kept across reductions, and writes
  * nothing; the next reduction that all-reduces adds `partial` to its rs_out
- * first and lets it go. */
+ * first and lets it go.
+ *
+ * [Note: direct layout] Where the layout leaves nothing to rearrange, no
+ * buffer stands between a parameter and its collective. With one rank in
+ * the shard group (world 1, or HSDP's replicate dim alone) the unsharded
+ * parameters are the shards: a gather issues nothing, the host's unsharded
+ * parameters alias the shards (`aliased`), or under another compute dtype
+ * each shard is cast straight into the unsharded buffer; a reduction sums
+ * each gradient across the replicas in place (one all-reduce per gradient:
+ * autograd hands each gradient over in a tensor of its own, so only a
+ * staging copy could make them one flat buffer) and scales it into the
+ * sharded gradient, in place when the host passes the gradient itself as
+ * the output. A group of one Shard(0) parameter that splits evenly, with
+ * no padding in its block, is its own all-gather output and reduce-scatter
+ * input: the rows are gathered straight into the unsharded buffer from the
+ * shard, and the gradient is reduce-scattered from where autograd left it.
+ * With more parameters each rank's rows of every parameter lie together in
+ * its block ((world, -1) rows), so the copies stay.
+ *
+ * [Note: copy counts] copied_bytes counts the bytes every copy writes, by
+ * kind: a same-dtype copy into the all-gather input (COPY_IN), out of the
+ * all-gather output (COPY_OUT), into the reduce-scatter input (REDUCE_IN),
+ * out of the reduce output into a sharded gradient written anew
+ * (REDUCE_OUT), and any copy that changes the dtype (CAST: mixed
+ * precision needs those). Adding the reduce output onto a gradient that is
+ * there is arithmetic the result needs, not a copy; the host's coalescing
+ * of several groups' collectives into one (engine.h) packs on its own. */
 #ifndef FS_DIM0_H
 #define FS_DIM0_H
 
@@ -58,6 +84,15 @@ typedef struct {
     void *shard;          /* tensor handle: this rank's rows, contiguous */
 } fs_dim0_param;
 
+enum {
+    FS_DIM0_COPY_IN,
+    FS_DIM0_COPY_OUT,
+    FS_DIM0_REDUCE_IN,
+    FS_DIM0_REDUCE_OUT,
+    FS_DIM0_CAST,
+    FS_DIM0_NCOPY,
+};
+
 typedef struct {
     char name[128];
     fs_env env;
@@ -73,6 +108,9 @@ typedef struct {
     void *full;              /* tensor handle of the unsharded buffer (NULL until set) */
     void *storage;           /* its storage handle */
     int unsharded;
+    /* [Note: direct layout]: one rank, every gathered shard in the compute
+     * dtype (set with the shards): the unsharded parameters are the shards */
+    int aliased;
     /* a deferred gather: the copy-out waits for the mark */
     void *gather_event, *gathered, *gathered_h;
     int gather_pending;
@@ -91,6 +129,7 @@ typedef struct {
     int *accumulate;
     unsigned long long n_all_gather, n_reduce_scatter, n_deferred_gather, n_deferred_reduce,
         n_post_gather;
+    unsigned long long copied_bytes[FS_DIM0_NCOPY]; /* [Note: copy counts] */
     char err[512];
     const char *err_what;
     int err_collective;
@@ -105,9 +144,11 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
                        int64_t align, fs_dtype compute, fs_dtype reduce);
 void fs_dim0_destroy(fs_dim0_group *g);
 
-/* The local shards (tensor handles, nparams), and the unsharded buffer
- * (tensor and storage handles), set again after the host moved them. */
-void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards);
+/* The local shards (tensor handles and dtypes, nparams), and the unsharded
+ * buffer (tensor and storage handles), set again after the host moved them.
+ * After set_shards, `aliased` says whether the host's unsharded parameters
+ * must be the shards themselves [Note: direct layout]. */
+void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards, const fs_dtype *shard_t);
 void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage);
 
 /* One all-gather of every rank's block, then the copy-out into the

@@ -178,7 +178,7 @@ static PyObject *Dim0_set_shards(Dim0Object *self, PyObject *args)
         Py_DECREF(tup);
         return PyErr_NoMemory();
     }
-    fs_dim0_set_shards(&self->g, h);
+    fs_dim0_set_shards(&self->g, h, self->shard_t);
     free(h);
     Py_XSETREF(self->shards, tup);
     Py_RETURN_NONE;
@@ -582,6 +582,19 @@ static PyObject *Dim0_get_counts(Dim0Object *self, void *c)
                          self->g.n_post_gather);
 }
 
+static PyObject *Dim0_get_aliased(Dim0Object *self, void *c)
+{
+    return PyBool_FromLong(self->g.aliased);
+}
+
+static PyObject *Dim0_get_copied(Dim0Object *self, void *c)
+{
+    const unsigned long long *b = self->g.copied_bytes;
+    return Py_BuildValue("{sKsKsKsKsK}", "copy_in", b[FS_DIM0_COPY_IN], "copy_out",
+                         b[FS_DIM0_COPY_OUT], "reduce_in", b[FS_DIM0_REDUCE_IN], "reduce_out",
+                         b[FS_DIM0_REDUCE_OUT], "cast", b[FS_DIM0_CAST]);
+}
+
 static PyMethodDef Dim0_methods[] = {
     {"set_shards", (PyCFunction)Dim0_set_shards, METH_VARARGS, set_shards_doc},
     {"set_full", (PyCFunction)Dim0_set_full, METH_O, set_full_doc},
@@ -649,6 +662,11 @@ static PyGetSetDef Dim0_getset[] = {
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
      "memoryview (host) or a uint8 tensor (device); None when none is ready", NULL},
     {"counts", (getter)Dim0_get_counts, NULL, "collectives issued", NULL},
+    {"aliased", (getter)Dim0_get_aliased, NULL,
+     "the unsharded parameters must be the shards themselves (one rank, the compute\n"
+     "dtype: engine/dim0.h, [Note: direct layout]); set with the shards", NULL},
+    {"copied", (getter)Dim0_get_copied, NULL,
+     "bytes written by copies so far, by kind (engine/dim0.h, [Note: copy counts])", NULL},
     {NULL},
 };
 

@@ -23,7 +23,7 @@ from .errors import (ConfigError, ConfigTypeError, CoreError, NotBuiltError, Out
 from .fsdp import FSDP, FullyShardedDataParallel
 from .fsdp.wrap import (CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy,
                         size_based_auto_wrap_policy, transformer_auto_wrap_policy)
-from .memory import memory_stats
+from .memory import copy_stats, memory_stats
 from .options import (BackwardPrefetch, CPUOffload, FullStateDictConfig, LocalStateDictConfig,
                       MixedPrecision, ShardedStateDictConfig, ShardingStrategy, StateDictConfig,
                       StateDictType)
@@ -36,7 +36,7 @@ __all__ = [
     "LocalStateDictConfig", "ShardedStateDictConfig", "ModuleWrapPolicy", "CustomPolicy",
     "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "lambda_auto_wrap_policy",
     "ConfigError", "ConfigTypeError", "NotBuiltError", "OutOfMemoryError", "CoreError",
-    "StateError", "memory_stats",
+    "StateError", "memory_stats", "copy_stats",
 ]
 
 # State dicts and checkpoints (fsdp/state_dict.py, fsdp/checkpoint.py).

@@ -3,8 +3,9 @@ flatshard's bookkeeping), so tests and benchmarks can hold the sharding
 against what is really allocated; and the process's resident memory beside
 it, which is what the operating system (and an out-of-memory killer) sees.
 
-It reads a wrapped model's units (fsdp/unit.py's fsdp_units), so it sits
-above fsdp/; nothing in fsdp/, fsdp2/, state/ or runtime/ imports it. (The
+It reads a wrapped model's units (fsdp/unit.py's fsdp_units) and fully_shard
+groups (fsdp2/state.py's state_of), so it sits above fsdp/ and fsdp2/;
+nothing in fsdp/, fsdp2/, state/ or runtime/ imports it. (The
 text a unit raises when a gather runs out of memory is fsdp/oom.py.)"""
 import os
 import resource
@@ -14,6 +15,7 @@ import torch
 from . import _C
 from .fsdp.flat_param import gathered_buffers
 from .fsdp.unit import fsdp_units
+from .fsdp2.state import state_of
 from .tensors import storage_bytes
 
 
@@ -43,6 +45,9 @@ def memory_stats(model, optimizer=None):
                    activations, the runtime (Python, torch, libraries) and
                    whatever the C library's heap has not returned
     peak_resident  the process's peak resident memory so far
+    copied         bytes fully_shard's gathers and reductions have copied so
+                   far (a running total: a step's is the difference across
+                   it), copy_stats' sum
     """
     fulls, pending = [], []
     for m in fsdp_units(model):
@@ -60,6 +65,23 @@ def memory_stats(model, optimizer=None):
                                      for v in st.values() if torch.is_tensor(v))
     out["pool_cached"] = _C.pool_stats()["cached_bytes"]
     out["resident"], out["peak_resident"] = resident_bytes()
+    out["copied"] = sum(copy_stats(model).values())
+    return out
+
+
+def copy_stats(model):
+    """Bytes fully_shard's engine has copied so far for `model`'s groups, by
+    kind: copy_in (shards into the all-gather input), copy_out (the
+    all-gather output into the unsharded parameters), reduce_in (gradients
+    into the reduce-scatter input), reduce_out (the reduce output into new
+    sharded gradients), cast (a copy that changes the dtype: mixed
+    precision). See csrc/engine/dim0.h, [Note: copy counts]."""
+    out = {"copy_in": 0, "copy_out": 0, "reduce_in": 0, "reduce_out": 0, "cast": 0}
+    for m in model.modules():
+        st = state_of(m)
+        if st is not None and st.group is not None:
+            for k, v in st.group.copied_bytes().items():
+                out[k] += v
     return out
 
 

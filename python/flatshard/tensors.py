@@ -93,12 +93,13 @@ def is_dense(t, dtype, devices):
 
 def storage_bytes(tensors):
     """Bytes of the distinct storages behind `tensors`, each storage counted
-    once (views share one); None, non-tensors and empty storages add nothing."""
+    once (views share one); None, non-tensors and empty storages add nothing.
+    A DTensor (fully_shard's shards) counts its local tensor's."""
     seen, total = set(), 0
     for t in tensors:
         if t is None or not torch.is_tensor(t):
             continue
-        s = t.untyped_storage()
+        s = getattr(t, "_local_tensor", t).untyped_storage()
         if s.data_ptr() in seen or s.nbytes() == 0:
             continue
         seen.add(s.data_ptr())

@@ -78,7 +78,7 @@ class ParamGroup:
         # gradients take the reduce-scatter with the rest.
         self.gathered = [not gathers_itself(p) for p in params]
         self.c = None
-        self.count_base = {}   # collectives of the engine groups replaced by a cast
+        self.count_base = {}   # collectives (and copied bytes) of engine groups replaced
         self._build_engine(params[0].dtype, params[0].device)
         self.ext = {i: Extension(p, self.names[i], aliases[i][0][0], mp_policy,
                                  self.entries[i].chunk_rows)
@@ -132,7 +132,7 @@ class ParamGroup:
                 (compute, reduce) == (self.compute_dtype, self.reduce_dtype):
             return
         if self.c is not None:
-            for k, v in self.c.counts.items():
+            for k, v in itertools.chain(self.c.counts.items(), self.c.copied.items()):
                 self.count_base[k] = self.count_base.get(k, 0) + v
         self.compute_dtype, self.reduce_dtype = compute, reduce
         align = _C.align_numel(torch.empty((), dtype=compute).element_size())
@@ -167,6 +167,12 @@ class ParamGroup:
 
     def _count(self, kind):
         return self.c.counts[kind] + self.count_base.get(kind, 0)
+
+    def copied_bytes(self):
+        """Bytes the engine's copies wrote for this group so far, by kind
+        (copy_in, copy_out, reduce_in, reduce_out, cast: csrc/engine/dim0.h,
+        [Note: copy counts])."""
+        return {k: v + self.count_base.get(k, 0) for k, v in self.c.copied.items()}
 
     # ------------------------------------------------------------------
     # sharded parameters
@@ -370,15 +376,21 @@ class ParamGroup:
     # unshard / reshard
 
     def _make_full(self):
+        """The unsharded parameters: views of the flat buffer, or where the
+        engine says the shards are the unsharded parameters (one rank, the
+        compute dtype: csrc/engine/dim0.h, [Note: direct layout]) views of
+        the shards, the buffer then never filled."""
         device = self.local(0).device
         self.full = torch.empty(self.full_alloc, dtype=self.compute_dtype, device=device)
+        aliased = self.c.aliased
         self.unsharded = []
         for i, (off, shape, sp) in enumerate(zip(self.offsets, self.shapes, self.sharded)):
             if i in self.ext:  # made by its class at the first gather
                 self.unsharded.append(None)
                 continue
             n = int(torch.Size(shape).numel())
-            view = self.full.narrow(0, off, n).view(shape)
+            view = self.local(i).view(shape) if aliased else \
+                self.full.narrow(0, off, n).view(shape)
             if i in self.tp:  # the module computes on it as the DTensor it was
                 view = tp.unsharded(view, self.tp[i])
             self.unsharded.append(nn.Parameter(view, requires_grad=sp.requires_grad))
@@ -452,6 +464,9 @@ class ParamGroup:
         """Keep this rank's 1/k of the unsharded buffer (k: the post-forward
         group's size) and free the rest."""
         if not self.c.is_unsharded:
+            return
+        if self.c.aliased:  # the shards are the unsharded parameters: nothing to keep
+            self.reshard()
             return
         self.wait_unsharded()
         keep = _C.layout_dim0_post_chunk(self.full_alloc, self.post_comm.world_size,
@@ -533,9 +548,10 @@ class ParamGroup:
         sharded, accumulated, unsharded = self.sharded, self.accumulated, self.unsharded
         partial = self.replicate_comm is not None and not self.all_reduce
         joins = False
+        alone = self.world == 1  # nothing to scatter: the gradients reduced in place
         if bucket is not None:  # before reading .grad: a pending reduction of ours lands first
             if self.comm.device is None and self.replicate_comm is None and \
-                    self.all_reduce_hook is None:
+                    self.all_reduce_hook is None and not alone:
                 joins = bucket.admits(self, self.reduce_dtype)
             else:
                 bucket.flush()
@@ -566,6 +582,11 @@ class ParamGroup:
                 cur = sp.grad
                 if cur is not None:
                     out, add = cur._local_tensor, True
+                elif alone and g is not None and g.dtype == self.reduce_dtype and \
+                        type(g) is torch.Tensor and g.dtype == sp._local_tensor.dtype and \
+                        g.shape == sp._local_tensor.shape:
+                    out = g  # the new sharded gradient is the gradient itself
+                    fresh.append((i, out))
                 else:
                     local = sp._local_tensor  # a plain tensor for a subclass's shard too
                     out = torch.empty_like(local, memory_format=torch.contiguous_format) \
