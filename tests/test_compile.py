@@ -12,16 +12,23 @@ each case, after torch._dynamo.reset():
   compiled over the steps (recompilations included), are at most torch's
   fully_shard's on the same model (the wrapper's bound too: it breaks once
   per unit boundary, torch's fully_shard at the same modules' hooks);
-  no graph break logged (torch._logging's graph_breaks) says "flatshard" in
-  its location or reason: the hooks are skipped where torch's nn.Module code
-  calls them, and Dynamo never reaches flatshard's code or its C objects;
-  no Python warning raised while compiling and training mentions flatshard.
+  no graph break logged (torch._logging's graph_breaks) lies in flatshard's
+  code: neither its user-code location nor a source its stack variables came
+  from is a file of the installed package (the directory of
+  flatshard.__file__; a word in a path says nothing, a checkout is usually
+  cloned into a folder named flatshard): the hooks are skipped where torch's
+  nn.Module code calls them, and Dynamo never reaches flatshard's code or its
+  C objects;
+  no Python warning raised while compiling and training comes from a file of
+  the package or carries flatshard's "flatshard:" prefix.
 
 The backend is aot_eager: Dynamo and AOTAutograd, where the hooks meet the
 compiler, without inductor's C++ code generation (seconds per graph on 2
 cores); benchmarks/bench_compile.py runs inductor."""
 import contextlib
 import logging
+import os
+import re
 import subprocess
 import sys
 import warnings
@@ -34,6 +41,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+import flatshard
 from flatshard import FSDP, ModuleWrapPolicy, fully_shard
 from test_fsdp2_shard_dim import _train as train_sgd
 from test_fully_shard_torch_flows import Block
@@ -41,6 +49,7 @@ from test_fully_shard_torch_flows import Block
 TIMEOUT = 240
 BACKEND = "aot_eager"
 STEPS = 3
+PACKAGE_DIR = os.path.realpath(os.path.dirname(flatshard.__file__))
 
 
 class Net(nn.Module):
@@ -112,6 +121,41 @@ def _graph_breaks():
         handler.messages[:] = [m.split("User code traceback:")[0] for m in handler.messages]
 
 
+_LOCATION = re.compile(r"in user code at (.+):\d+$", re.MULTILINE)
+_FILE = re.compile(r'File "([^"]+)", line \d+')
+_SKIPPED = "The graph break occurred in the following user code:"
+
+
+def _break_files(message):
+    """The source files one graph-break log line places the break in: its
+    user-code location ("... in user code at FILE:LINE"; for a break that
+    makes Dynamo skip a frame, the innermost frame of the code it lists) and
+    the files its stack variables came from (Dynamo's source attribution).
+    Frames further out (the wrapper's forward among them) are the caller's,
+    not the break's."""
+    head, _, frames = message.partition(_SKIPPED)
+    files = _LOCATION.findall(head) + _FILE.findall(head)
+    return files + _FILE.findall(frames)[-1:]
+
+
+def _in_package(path):
+    path = os.path.realpath(path)
+    return os.path.commonpath([path, PACKAGE_DIR]) == PACKAGE_DIR
+
+
+def _flatshard_break(message):
+    """Whether a graph break lies in flatshard's own code. A line that names
+    no file is refused: a change in Dynamo's wording must fail the check,
+    not pass it unread."""
+    files = _break_files(message)
+    assert files, f"no source location read from the graph-break line:\n{message}"
+    return any(_in_package(f) for f in files)
+
+
+def _flatshard_warning(filename, message):
+    return _in_package(filename) or "flatshard:" in message
+
+
 def _case(kind, compiled):
     """Losses, graph-break log lines and warnings of one training run."""
     torch._dynamo.reset()
@@ -125,7 +169,7 @@ def _case(kind, compiled):
     graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     return {"losses": losses, "breaks": breaks, "graphs": graphs,
-            "warnings": [f"{w.filename}: {w.message}" for w in caught]}
+            "warnings": [(w.filename, str(w.message)) for w in caught]}
 
 
 def _graph_break_count(kind):
@@ -154,10 +198,10 @@ def _check(out, kind, same_as_torch):
     # graphs compiled over the steps, recompilations included
     assert ours["compiled"]["graphs"] <= out["torch"]["graphs"]
     assert ours["compiled"]["breaks"], "no graph break logged: nothing checked"
-    named = [m for m in ours["compiled"]["breaks"] if "flatshard" in m]
+    named = [m for m in ours["compiled"]["breaks"] if _flatshard_break(m)]
     assert not named, named[0]
     for run in ("eager", "compiled"):
-        named = [w for w in ours[run]["warnings"] if "flatshard" in w]
+        named = [w for w in ours[run]["warnings"] if _flatshard_warning(*w)]
         assert not named, named
 
 
@@ -175,6 +219,60 @@ def test_fsdp1_wrapper_compiles(dist_pool, world):
             # the eager wrapper's losses equal torch's fully_shard's
             # (flatshard's parity tests), not bit for bit: no second check
             _check(out, kind, same_as_torch=False)
+
+
+def _opens_a_file(x):
+    with open(os.devnull) as f:  # Dynamo cannot trace open(): a break here
+        f.read()
+    return x + 1
+
+
+def _breaks_of(fn):
+    torch._dynamo.reset()
+    try:
+        with _graph_breaks() as breaks:
+            torch.compile(fn, backend=BACKEND)(torch.ones(2))
+    finally:
+        torch._dynamo.reset()
+    assert breaks, f"{fn.__name__} compiled without a graph break: nothing checked"
+    return breaks
+
+
+def test_graph_break_verdict_reads_the_frames():
+    """_check's verdict on real graph breaks: one in a file of the package
+    (flatshard.memory.resident_bytes opens /proc, which Dynamo cannot trace)
+    is flatshard's; one in this test file is not, wherever the checkout lies,
+    also when its folder is named flatshard (the same break's line, moved
+    under such a folder) or sits beside the package with a name that starts
+    like it."""
+    from flatshard.memory import resident_bytes
+
+    def reads_memory(x):
+        resident_bytes()
+        return x + 1
+
+    ours = _breaks_of(reads_memory)
+    assert all(_flatshard_break(m) for m in ours), ours
+    assert any(_in_package(f) and f.endswith(os.path.join("flatshard", "memory.py"))
+               for m in ours for f in _break_files(m)), ours
+
+    theirs = _breaks_of(_opens_a_file)
+    here = os.path.dirname(os.path.realpath(__file__))
+    assert any(f == os.path.realpath(__file__) for m in theirs for f in _break_files(m))
+    assert not any(_flatshard_break(m) for m in theirs), theirs
+    for folder in ("/home/user/flatshard/tests", "/srv/flatshard/python/tests",
+                   PACKAGE_DIR + "_tests"):
+        moved = [m.replace(here, folder) for m in theirs]
+        assert moved != theirs and not any(_flatshard_break(m) for m in moved), moved
+    # and a break Dynamo reports as a skipped frame: its innermost frame decides
+    skipped = (f"Graph break: torch.compile cannot properly resume from this graph break\n"
+               f"{_SKIPPED}\n"
+               f'  File "{os.path.realpath(__file__)}", line 1, in f\n'
+               f'  File "{os.path.join(PACKAGE_DIR, "memory.py")}", line 24, in g\n')
+    assert _flatshard_break(skipped)
+    assert not _flatshard_break(skipped.replace(PACKAGE_DIR, "/home/user/flatshard/tests"))
+    with pytest.raises(AssertionError, match="no source location"):
+        _flatshard_break("Graph break somewhere, said differently")
 
 
 def test_hooks_are_disabled_functions_once_installed():

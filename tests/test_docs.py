@@ -1,12 +1,15 @@
 """Docs cannot drift: every python block in README.md and docs/*.md runs here
-(under torchrun on 2 ranks when it uses torch.distributed), the README opens
-with exactly two commands, and the demo they run works.
+(under torchrun on 2 ranks when it uses torch.distributed: one launch for
+all of them, each its own program), the README opens with exactly two
+commands, and the demo they run works.
 
 A block (python or bash) whose first line is `# needs: NAME[, NAME]` is the
 code of a framework the test extras do not install (docs/frameworks.md): it
 runs where every NAME imports, and is reported as skipped, naming it,
 elsewhere."""
 import glob
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -30,12 +33,17 @@ SNIPPETS = [(os.path.relpath(p, ROOT), i, code) for p in DOCS if not p.endswith(
             for i, code in enumerate(blocks(p, "python"))]
 
 
-def needs(code):
-    """Skip unless the packages the block's `# needs:` line names import."""
+def needed(code):
+    """The package names a block's `# needs:` first line names."""
     first = code.lstrip("\n").split("\n", 1)[0]
     m = re.fullmatch(r"#\s*needs:\s*(.+)", first.strip())
-    for name in (m.group(1).split(",") if m else []):
-        pytest.importorskip(name.strip(), reason=f"the block needs {name.strip()}, not installed")
+    return [name.strip() for name in m.group(1).split(",")] if m else []
+
+
+def needs(code):
+    """Skip unless the packages the block's `# needs:` line names import."""
+    for name in needed(code):
+        pytest.importorskip(name, reason=f"the block needs {name}, not installed")
 
 
 def torchrun(args, timeout=240):
@@ -45,18 +53,58 @@ def torchrun(args, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
+# (a block whose framework is not installed is skipped, not launched)
+DISTRIBUTED = [s for s in SNIPPETS if "torch.distributed" in s[2] and
+               all(importlib.util.find_spec(n) is not None for n in needed(s[2]))]
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory):
+    """Every snippet that uses torch.distributed, run on 2 ranks by one
+    torchrun launch (tests/snippet_runner.py: one forked program per
+    snippet): -> (the folder of their logs and exit statuses, the launch)."""
+    d = tmp_path_factory.mktemp("snippets")
+    jobs = []
+    for k, (_, _, code) in enumerate(DISTRIBUTED):
+        script = d / f"snippet{k}.py"
+        script.write_text(code)
+        jobs.append((f"snippet{k}", [str(script)]))
+    return d, run_in_one_launch(d, jobs)
+
+
+def run_in_one_launch(d, jobs, timeout=600):
+    """jobs: [(name, [script, args...])] run by tests/snippet_runner.py under
+    one torchrun launch on 2 ranks; their logs and statuses land in `d`."""
+    spec = d / "jobs.json"
+    spec.write_text(json.dumps({"out": str(d), "jobs": jobs}))
+    return torchrun([os.path.join(ROOT, "tests", "snippet_runner.py"), str(spec)],
+                    timeout=timeout)
+
+
+def one_launch_result(d, proc, name):
+    """(rank 0's output + rank 1's) of job `name`; asserts both exited 0."""
+    out = []
+    for rank in range(2):
+        rc, log = (d / f"{name}.rank{rank}.{ext}" for ext in ("rc", "log"))
+        assert rc.exists(), f"rank {rank} never ran {name}:\n{proc.stdout}{proc.stderr}"
+        assert rc.read_text() == "0", f"rank {rank}: {rc.read_text()}\n{log.read_text()}"
+        out.append(log.read_text())
+    return "".join(out)
+
+
 @pytest.mark.parametrize("path,index,code", SNIPPETS,
                          ids=[f"{p}[{i}]" for p, i, _ in SNIPPETS])
-def test_snippet_runs(path, index, code, tmp_path):
+def test_snippet_runs(path, index, code, tmp_path, request):
     needs(code)
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
-    if "torch.distributed" in code:
-        proc = torchrun([str(script)])
-    else:
+    if "torch.distributed" not in code:
+        script = tmp_path / "snippet.py"
+        script.write_text(code)
         proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                               timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return
+    d, proc = request.getfixturevalue("distributed_runs")
+    one_launch_result(d, proc, f"snippet{DISTRIBUTED.index((path, index, code))}")
 
 
 def test_readme_opens_with_two_commands():

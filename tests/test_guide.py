@@ -9,19 +9,40 @@ import sys
 
 import pytest
 
+from test_docs import one_launch_result, run_in_one_launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(ROOT, "docs", "guide.md")
 COMMANDS = [c.strip() for c in re.findall(r"```bash\n(.*?)```", open(GUIDE).read(), flags=re.S)]
 
 
-def run(cmd):
+# Short runs: the guide's figures do not depend on the step count.
+SHORT = ["--steps", "2", "--seq", "32"]
+
+
+def _job(cmd):
+    """A guide command's torchrun -> (its name, [script, args...])."""
     argv = shlex.split(cmd)
-    if argv[0] == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"] + argv[1:]
-    elif argv[0] == "python":
-        argv[0] = sys.executable
-    # Short runs: the guide's figures do not depend on the step count.
-    argv += ["--steps", "2", "--seq", "32"]
+    assert argv[:3] == ["torchrun", "--nproc-per-node", "2"], cmd  # the launch runs 2 ranks
+    return cmd.split("--stage ")[-1].split()[0], argv[3:] + SHORT
+
+
+@pytest.fixture(scope="module")
+def torchrun_outputs(tmp_path_factory):
+    """Every torchrun command of the guide, run by one torchrun launch
+    (tests/snippet_runner.py: each command its own program on 2 ranks)."""
+    d = tmp_path_factory.mktemp("guide")
+    jobs = [_job(c) for c in COMMANDS if c.startswith("torchrun")]
+    return d, run_in_one_launch(d, jobs)
+
+
+def run(cmd, request):
+    if cmd.startswith("torchrun"):
+        d, proc = request.getfixturevalue("torchrun_outputs")
+        return one_launch_result(d, proc, _job(cmd)[0])
+    argv = shlex.split(cmd)
+    assert argv[0] == "python", cmd
+    argv = [sys.executable] + argv[1:] + SHORT
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -36,8 +57,8 @@ def lines_of(out, rank):
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.split("--stage ")[-1] for c in COMMANDS])
-def test_guide_command(cmd):
-    out = run(cmd)
+def test_guide_command(cmd, request):
+    out = run(cmd, request)
     assert "MISMATCH" not in out
     stage = cmd.split("--stage ")[-1].split()[0]
     if stage == "single":

@@ -5,10 +5,19 @@ wrong types) whose message names the argument and the value given.
 The corpus runs on 2 ranks with every collective entry point replaced by a
 tripwire, so a check that only fires after a collective fails its case; the
 ranks then still agree on a real wrap and a training step, which they would
-not if any case had left them out of step."""
+not if any case had left them out of step.
+
+The same bad arguments on one rank only (what a rank-dependent code path
+gives), every argument of FSDP, fully_shard and FSDPModule's methods: rank 0
+passes each alone while rank 1 calls nothing, and each is refused at once,
+before the ranks' wrap agreement (runtime/consistency.py) as well as before
+any collective; only the cases that run the policy or param_init_fn on the
+model, or read its parameters (PLANNED), are the agreement's to decide."""
 import contextlib
 import functools
+import inspect
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -18,9 +27,11 @@ import torch.nn as nn
 
 import flatshard
 import flatshard.fsdp.groups as fgroups
+import flatshard.fsdp2.api as ffsdp2
 import flatshard.runtime.comm as fcomm
-from flatshard import (FSDP, ConfigError, CustomPolicy, ModuleWrapPolicy, NotBuiltError,
-                       ShardingStrategy)
+from flatshard import (FSDP, ConfigError, CustomPolicy, FSDPModule, ModuleWrapPolicy,
+                       NotBuiltError, ShardingStrategy, fully_shard, register_fsdp_forward_method)
+from flatshard.runtime import consistency
 from test_diagnostics import assert_documented
 from toy_models import Block, Net, build
 
@@ -108,6 +119,8 @@ CASES = {
                           lambda m: dict(limit_all_gathers=0), None),
     "sync_module_states": (T, "sync_module_states", "int 1", build,
                            lambda m: dict(sync_module_states=1), None),
+    "sync_module_states_str": (T, "sync_module_states", "'yes'", build,
+                               lambda m: dict(sync_module_states="yes"), None),
     # without a GPU: no CUDA device; with one: the module is still on the CPU
     "device_cuda": (V, "device_id", "cuda", build,
                     lambda m: dict(device_id=torch.device("cuda", 0)), None),
@@ -185,6 +198,7 @@ CASES = {
     "meta_without_init": (V, "param_init_fn", "None", _meta, lambda m: {}, None),
     "init_not_callable": (T, "param_init_fn", "int 42", build,
                           lambda m: dict(param_init_fn=42), None),
+    "init_str": (T, "param_init_fn", "'init'", build, lambda m: dict(param_init_fn="init"), None),
     "init_signature": (T, "param_init_fn", "lambda", _meta,
                        lambda m: dict(param_init_fn=lambda: None), None),
     "init_leaves_meta": (V, "param_init_fn", "meta device", _meta,
@@ -229,19 +243,25 @@ COLLECTIVES = ["all_gather_into_tensor", "all_gather_single", "all_gather", "all
 
 
 @contextlib.contextmanager
-def _tripwire():
-    """Every way flatshard reaches a collective raises instead. (A cached
-    Comm is reached through comm_for, so that is replaced too.)"""
+def _tripwire(agreement=False):
+    """Every way flatshard reaches a collective raises instead (a cached
+    Comm is reached through comm_for, so that is replaced too); with
+    `agreement`, so does the wrap agreement."""
     def trip(*args, **kwargs):
         raise AssertionError("a collective was issued before the error")
-    saved = [(dist, n, getattr(dist, n)) for n in COLLECTIVES if hasattr(dist, n)]
-    saved += [(fcomm, "comm_for", fcomm.comm_for), (fgroups, "comm_for", fgroups.comm_for)]
-    for mod, name, _ in saved:
-        setattr(mod, name, trip)
+
+    def trip_agreement(*args, **kwargs):
+        raise AssertionError("the error came only inside the ranks' wrap agreement")
+    saved = [(dist, n, getattr(dist, n), trip) for n in COLLECTIVES if hasattr(dist, n)]
+    saved += [(mod, "comm_for", mod.comm_for, trip) for mod in (fcomm, fgroups, ffsdp2)]
+    if agreement:
+        saved.append((consistency, "agree", consistency.agree, trip_agreement))
+    for mod, name, _, wire in saved:
+        setattr(mod, name, wire)
     try:
         yield
     finally:
-        for mod, name, fn in saved:
+        for mod, name, fn, _ in saved:
             setattr(mod, name, fn)
 
 
@@ -251,24 +271,30 @@ GUIDE = {"bad-type": "strategy_str", "not-built": "device_mps",
          "wrong-backend": "group_backend", "bad-timeout": "env_timeout"}
 
 
-def _check(name):
-    """(None if case `name` fails as it must, else what went wrong; the error)."""
+def _verdict(exc, arg, value, call):
+    """(None if call() fails as it must, else what went wrong; the error)."""
+    try:
+        call()
+    except ConfigError as e:
+        msg = f"{type(e).__name__}: {e}"
+        if not isinstance(e, exc) or not isinstance(e, (ValueError, TypeError)):
+            return f"{type(e).__name__} is not a {exc.__name__}: {msg}", msg
+        if arg not in msg or value not in msg:
+            return f"does not name {arg!r} and {value!r}: {msg}", msg
+        return None, msg
+    except Exception as e:
+        return f"raised {type(e).__name__}, not a ConfigError: {e}", None
+    return "no error", None
+
+
+def _check(name, agreement=False):
+    """_verdict of FSDP on case `name`; with `agreement`, the wrap agreement
+    is a tripwire too."""
     exc, arg, value, make, kwargs, env = CASES[name]
     model = make()
     kw = kwargs(model) if kwargs else {}
-    with _env(env), _tripwire():
-        try:
-            FSDP(model, **kw)
-        except ConfigError as e:
-            msg = f"{type(e).__name__}: {e}"
-            if not isinstance(e, exc) or not isinstance(e, (ValueError, TypeError)):
-                return f"{type(e).__name__} is not a {exc.__name__}: {msg}", msg
-            if arg not in msg or value not in msg:
-                return f"does not name {arg!r} and {value!r}: {msg}", msg
-            return None, msg
-        except Exception as e:
-            return f"raised {type(e).__name__}, not a ConfigError: {e}", None
-    return "no error", None
+    with _env(env), _tripwire(agreement):
+        return _verdict(exc, arg, value, lambda: FSDP(model, **kw))
 
 
 def _corpus():
@@ -290,6 +316,187 @@ def test_every_invalid_configuration_fails_before_any_collective(dist_pool):
     assert failures0 == {} and failures1 == {}, (failures0, failures1)
     for entry, message in messages.items():  # what the troubleshooting guide quotes
         assert_documented(entry, message)
+
+
+# Cases decided in the wrap agreement's plan: they run auto_wrap_policy or
+# param_init_fn on the model, or check the parameters the policy's units
+# hold, and the model may differ between ranks.
+PLANNED = {"meta_without_init", "init_leaves_meta", "policy_foreign_module", "policy_raises",
+           "custom_result", "torch_custom_result", "custom_unknown_key", "custom_bad_value",
+           "custom_root_options", "param_dtype", "shared_across_units"}
+
+
+def _pair():
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+# fully_shard: name -> (expected error, argument named, value shown, call)
+FULLY_SHARD_CASES = {
+    "fs_module": (T, "module", "int 3", lambda: fully_shard(3)),
+    "fs_module_empty": (V, "module", "[]", lambda: fully_shard([])),
+    "fs_mesh": (T, "mesh", "'cpu'", lambda: fully_shard(_pair(), mesh="cpu")),
+    "fs_reshard_type": (T, "reshard_after_forward", "'yes'",
+                        lambda: fully_shard(_pair(), reshard_after_forward="yes")),
+    "fs_reshard_divides": (V, "reshard_after_forward", "=3",
+                           lambda: fully_shard(_pair(), reshard_after_forward=3)),
+    "fs_placement_type": (T, "shard_placement_fn", "int 0",
+                          lambda: fully_shard(_pair(), shard_placement_fn=0)),
+    "fs_placement_result": (V, "shard_placement_fn", "Invalid shard_placement_fn",
+                            lambda: fully_shard(_pair(), shard_placement_fn=lambda p: "rows")),
+    "fs_mp_type": (T, "mp_policy", "torch.float16",
+                   lambda: fully_shard(_pair(), mp_policy=torch.float16)),
+    "fs_mp_dtype": (V, "mp_policy.param_dtype", "torch.int32",
+                    lambda: fully_shard(_pair(), mp_policy=ffsdp2.MixedPrecisionPolicy(
+                        param_dtype=torch.int32))),
+    "fs_offload": (T, "offload_policy", "bool True",
+                   lambda: fully_shard(_pair(), offload_policy=True)),
+    "fs_ignored": (T, "ignored_params", "int 3",
+                   lambda: fully_shard(_pair(), ignored_params=[3])),
+    "fs_dp_mesh_dims": (T, "dp_mesh_dims", "'shard'",
+                        lambda: fully_shard(_pair(), dp_mesh_dims="shard")),
+}
+
+
+# FSDPModule's methods, on a module both ranks sharded: name -> (expected
+# error, method, argument named, value shown, call(module))
+METHOD_CASES = {
+    "unshard": (T, "unshard", "async_op", "'yes'", lambda m: m.unshard(async_op="yes")),
+    "grad_sync": (T, "set_requires_gradient_sync", "requires_gradient_sync", "'no'",
+                  lambda m: m.set_requires_gradient_sync("no")),
+    "grad_sync_recurse": (T, "set_requires_gradient_sync", "recurse", "'yes'",
+                          lambda m: m.set_requires_gradient_sync(False, recurse="yes")),
+    "last_backward": (T, "set_is_last_backward", "is_last_backward", "int 1",
+                      lambda m: m.set_is_last_backward(1)),
+    "reshard_fwd": (T, "set_reshard_after_forward", "reshard_after_forward", "None",
+                    lambda m: m.set_reshard_after_forward(None)),
+    "reshard_fwd_divides": (V, "set_reshard_after_forward", "reshard_after_forward", "=3",
+                            lambda m: m.set_reshard_after_forward(3)),
+    "reshard_fwd_recurse": (T, "set_reshard_after_forward", "recurse", "'yes'",
+                            lambda m: m.set_reshard_after_forward(True, recurse="yes")),
+    "reshard_bwd": (T, "set_reshard_after_backward", "reshard_after_backward", "None",
+                    lambda m: m.set_reshard_after_backward(None)),
+    "reshard_bwd_recurse": (T, "set_reshard_after_backward", "recurse", "int 1",
+                            lambda m: m.set_reshard_after_backward(True, recurse=1)),
+    "forward_prefetch": (T, "set_modules_to_forward_prefetch", "modules", "Linear",
+                         lambda m: m.set_modules_to_forward_prefetch([nn.Linear(2, 2)])),
+    "backward_prefetch": (T, "set_modules_to_backward_prefetch", "modules", "'m'",
+                          lambda m: m.set_modules_to_backward_prefetch("m")),
+    "post_optim_event": (T, "set_post_optim_event", "event", "int 3",
+                         lambda m: m.set_post_optim_event(3)),
+    "divide_factor": (V, "set_gradient_divide_factor", "factor", "=0",
+                      lambda m: m.set_gradient_divide_factor(0)),
+    "divide_factor_type": (T, "set_gradient_divide_factor", "factor", "str '2'",
+                           lambda m: m.set_gradient_divide_factor("2")),
+    "unshard_in_backward": (T, "set_unshard_in_backward", "unshard_in_backward", "'no'",
+                            lambda m: m.set_unshard_in_backward("no")),
+    "all_reduce": (T, "set_requires_all_reduce", "requires_all_reduce", "None",
+                   lambda m: m.set_requires_all_reduce(None)),
+    "all_reduce_recurse": (T, "set_requires_all_reduce", "recurse", "'x'",
+                           lambda m: m.set_requires_all_reduce(True, recurse="x")),
+    "custom_all_gather": (T, "set_custom_all_gather", "comm", "int 3",
+                          lambda m: m.set_custom_all_gather(3)),
+    "custom_reduce_scatter": (T, "set_custom_reduce_scatter", "comm", "int 3",
+                              lambda m: m.set_custom_reduce_scatter(3)),
+    "all_reduce_hook": (T, "set_all_reduce_hook", "hook", "int 3",
+                        lambda m: m.set_all_reduce_hook(3)),
+    "all_reduce_hook_stream": (V, "set_all_reduce_hook", "stream", "CPU",
+                               lambda m: m.set_all_reduce_hook(lambda t: None, stream=object())),
+    "rs_divide_factor": (V, "set_reduce_scatter_divide_factor", "factor", "=-1",
+                         lambda m: m.set_reduce_scatter_divide_factor(-1)),
+    "force_sum": (T, "set_force_sum_reduction_for_comms", "enable", "'yes'",
+                  lambda m: m.set_force_sum_reduction_for_comms("yes")),
+    "unused_params": (T, "set_reduce_scatter_unused_params", "reduce_scatter_unused_params",
+                      "int 1", lambda m: m.set_reduce_scatter_unused_params(1)),
+    "unused_params_recurse": (T, "set_reduce_scatter_unused_params", "recurse", "'x'",
+                              lambda m: m.set_reduce_scatter_unused_params(True, recurse="x")),
+    "max_buffers": (V, "set_reduce_scatter_max_input_buffers", "max_input_buffers", "=0",
+                    lambda m: m.set_reduce_scatter_max_input_buffers(0)),
+    "max_buffers_type": (T, "set_reduce_scatter_max_input_buffers", "max_input_buffers",
+                         "'2'", lambda m: m.set_reduce_scatter_max_input_buffers("2")),
+    "max_buffers_recurse": (T, "set_reduce_scatter_max_input_buffers", "recurse", "'x'",
+                            lambda m: m.set_reduce_scatter_max_input_buffers(2, recurse="x")),
+    "separate_group": (T, "set_separate_reduce_scatter_group", "enable", "None",
+                       lambda m: m.set_separate_reduce_scatter_group(None)),
+    "separate_group_recurse": (T, "set_separate_reduce_scatter_group", "recurse", "'x'",
+                               lambda m: m.set_separate_reduce_scatter_group(True, recurse="x")),
+    "allocate_from_group": (T, "set_allocate_memory_from_process_group_for_comm", "enable",
+                            "'x'",
+                            lambda m: m.set_allocate_memory_from_process_group_for_comm("x")),
+    "symm_mem": (V, "set_symm_mem_for_comm", "backend", "'GLOO'",
+                 lambda m: m.set_symm_mem_for_comm("GLOO")),
+    "forward_method": (V, "register_fsdp_forward_method", "method_name", "'nope'",
+                       lambda m: register_fsdp_forward_method(m, "nope")),
+}
+
+
+def _arguments(fn):
+    return {n for n in inspect.signature(fn).parameters if n != "self"}
+
+
+def test_one_rank_cases_name_every_argument():
+    """Every argument of FSDP, fully_shard and FSDPModule's public methods
+    has a case in the one-rank test (a module that is not an FSDPModule is
+    register_fsdp_forward_method's no-op, as in torch)."""
+    fsdp1 = {CASES[n][1] for n in CASES if n not in PLANNED}
+    assert _arguments(FSDP.__init__) <= fsdp1, _arguments(FSDP.__init__) - fsdp1
+    fsdp2 = {c[1] for c in FULLY_SHARD_CASES.values()}
+    assert _arguments(fully_shard) <= fsdp2, _arguments(fully_shard) - fsdp2
+    methods = {(c[1], c[2]) for c in METHOD_CASES.values()}
+    wanted = {(name, a) for name, fn in vars(FSDPModule).items()
+              if callable(fn) and not name.startswith("_") for a in _arguments(fn)}
+    wanted |= {("register_fsdp_forward_method", "method_name")}
+    assert wanted <= methods, wanted - methods
+
+
+def _in_step(sharded):
+    """Both ranks: a real wrap agrees and trains, and the module fully_shard
+    sharded on both trains."""
+    model = FSDP(build(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    model(torch.randn(2, 5)).sum().backward()
+    sharded(torch.randn(3, 4)).sum().backward()
+    return True
+
+
+def _one_rank_refusals():
+    """Rank 0 passes each bad argument while rank 1 calls nothing until the
+    wrap that ends the run; rank 0's wrap agreement is a tripwire, and a
+    failed agreement would wait far past the run's deadline for rank 1."""
+    _other_backend_group()  # made by both ranks: making a group is a collective
+    sharded = _pair()
+    fully_shard(sharded[0])
+    fully_shard(sharded)
+    if dist.get_rank() != 0:
+        return _in_step(sharded)
+    leave, consistency._LEAVE_S = consistency._LEAVE_S, 3600.0
+    failures = {}
+    try:
+        for name in CASES:
+            if name not in PLANNED:
+                why, _ = _check(name, agreement=True)
+                if why is not None:
+                    failures[name] = why
+        with _tripwire(agreement=True), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # set_reduce_scatter_divide_factor
+            for name, (exc, arg, value, call) in FULLY_SHARD_CASES.items():
+                why, _ = _verdict(exc, arg, value, call)
+                if why is not None:
+                    failures[name] = why
+            for name, (exc, _, arg, value, call) in METHOD_CASES.items():
+                why, _ = _verdict(exc, arg, value, lambda: call(sharded))
+                if why is not None:
+                    failures[name] = why
+    finally:
+        consistency._LEAVE_S = leave
+    # here, not after the wrap below: a case that changed the module instead
+    # of raising would leave the ranks out of step there
+    assert not failures, failures
+    return _in_step(sharded)
+
+
+def test_bad_arguments_on_one_rank_are_refused_at_once(dist_pool):
+    # The deadline is far below the agreement's leave time set above: a case
+    # that reached the agreement and failed there would wait it out.
+    assert dist_pool(2).run(_one_rank_refusals, timeout=90) == [True, True]
 
 
 def test_errors_are_value_and_type_errors():

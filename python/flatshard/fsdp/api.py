@@ -2,7 +2,9 @@
 
 Same constructor signature, same module structure (`_fsdp_wrapped_module`,
 `_flat_param`), same strategies. Construction, in order:
-  1. resolve and validate every argument (config.py), before any collective;
+  1. resolve and validate every argument (config.py; the policy's,
+     param_init_fn's and the ignored modules' own checks here), on this rank
+     alone: a bad argument is refused at once, before the ranks agree;
   2. materialize meta-device parameters with param_init_fn;
   3. plan the units (auto_wrap_policy's targets, innermost first, then the
      root) and check their parameters: still no collective;
@@ -301,17 +303,28 @@ def _policy_targets(policy, module, kw, ctx):
                           f"{e}; fix the policy (it is called on every submodule)") from e
 
 
-def _plan(module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states, ignored_modules,
-          ignored_states):
-    """Validate the arguments resolve() does not and decide every unit, with
-    no collective: -> ([_UnitPlan, innermost first, the root last],
-    _WrapContext) and the description the ranks compare."""
+def _checked_arguments(module, auto_wrap_policy, param_init_fn, sync_module_states,
+                       ignored_modules, ignored_states):
+    """The arguments resolve() does not check, checked on this rank alone
+    (their types, and the ignored modules against the module): a bad one is
+    refused at once, on every rank that passes it, before the ranks agree.
+    A rank that raises in the agreement waits for the others to hear it
+    (consistency._leave), and a rank-dependent code path may leave them
+    never calling. -> (the policy to run, _WrapContext)."""
     if not isinstance(sync_module_states, bool):
         raise bad_type("sync_module_states", sync_module_states, "True or False")
     config.check_param_init_fn(param_init_fn)
     policy = config.checked_policy(auto_wrap_policy)
     ignored_mods, ignored_params = _expand_ignored(module, ignored_modules, ignored_states)
-    ctx = _WrapContext(ignored_mods, ignored_params)
+    return policy, _WrapContext(ignored_mods, ignored_params)
+
+
+def _plan(module, cfg, kw, policy, param_init_fn, sync_module_states, ctx):
+    """Decide every unit from the checked arguments, with no collective: run
+    the policy and param_init_fn, check the parameters. -> ([_UnitPlan,
+    innermost first, the root last], _WrapContext) and the description the
+    ranks compare."""
+    ignored_mods, ignored_params = ctx.ignored_modules, ctx.ignored_params
     # The policy sees the modules before they are materialized, as torch's does.
     found = _policy_targets(policy, module, kw, ctx) if policy is not None else {}
     wrapped = {m for m in module.modules() if isinstance(m, FullyShardedDataParallel)}
@@ -402,11 +415,13 @@ class FullyShardedDataParallel(nn.Module):
                   use_orig_params=use_orig_params, device_mesh=device_mesh,
                   comm_backend=comm_backend)
         cfg = config.resolve(kw)
-        # The rest of the checks and the plan are local too; the ranks then
-        # agree on what they wrap before the first collective (runtime/consistency.py).
+        policy, ctx = _checked_arguments(module, auto_wrap_policy, param_init_fn,
+                                         sync_module_states, ignored_modules, ignored_states)
+        # The plan is local too (it runs the policy and param_init_fn on the
+        # model, which may differ between ranks); the ranks then agree on
+        # what they wrap before the first collective (runtime/consistency.py).
         plan, ctx = consistency.agree(cfg.group, lambda: _plan(
-            module, cfg, kw, auto_wrap_policy, param_init_fn, sync_module_states,
-            ignored_modules, ignored_states))
+            module, cfg, kw, policy, param_init_fn, sync_module_states, ctx))
         _, comm, replicate, _ = unit_comms(cfg)
         if sync_module_states:  # across replicas first, then from each shard group's first
             if replicate is not None:

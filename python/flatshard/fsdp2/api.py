@@ -106,6 +106,7 @@ class FSDPModule:
         """torch's private switch, which its own code paths call: the
         pre-forward and pre-backward gathers of this module and the FSDP
         modules inside it are issued with async_op and waited for at once."""
+        _check_bool("async_op", async_op)
         for m in self._fsdp_modules(True):
             m._fsdp_state().unshard_async_op = async_op
 
@@ -115,6 +116,7 @@ class FSDPModule:
         True again reduces them all at the next backward. `recurse`: also
         for the FSDP modules inside this one."""
         _check_bool("requires_gradient_sync", requires_gradient_sync)
+        _check_bool("recurse", recurse)
         for m in self._fsdp_modules(recurse):
             m._fsdp_state().requires_gradient_sync = requires_gradient_sync
 
@@ -129,6 +131,7 @@ class FSDPModule:
         """Change `reshard_after_forward` (True, False or an int, as in
         fully_shard) for this module and, with `recurse`, those inside it."""
         _check_reshard(reshard_after_forward, none_ok=False)
+        _check_bool("recurse", recurse)
         for m in self._fsdp_modules(recurse):
             st = m._fsdp_state()
             if st.group is None:
@@ -141,6 +144,7 @@ class FSDPModule:
         """`reshard_after_backward=False` keeps the parameters gathered after
         backward (e.g. between micro-batches); `recurse` as above."""
         _check_bool("reshard_after_backward", reshard_after_backward)
+        _check_bool("recurse", recurse)
         for m in self._fsdp_modules(recurse):
             m._fsdp_state().reshard_after_backward = reshard_after_backward
 
@@ -162,7 +166,9 @@ class FSDPModule:
         """This module's gradients are summed over the data-parallel ranks
         and divided by `factor` instead of averaged. As in torch, only this
         module's own group: call it on each FSDP module that should use it."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise bad_type("factor", factor, "a positive number (int or float)")
+        if not factor > 0:
             raise bad_value("factor", factor, "expected a positive number")
         g = self._fsdp_state().group
         if g is not None:
@@ -409,6 +415,15 @@ def _check_reshard(value, none_ok=True):
                    "True, False or an int (the size of the group to reshard to)")
 
 
+def _check_reshard_divides(value, size):
+    """An int reshard_after_forward against the shard dim's size."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return
+    if not 1 <= value <= size or size % value:
+        raise bad_value("reshard_after_forward", value, f"an int must divide the mesh's shard "
+                        f"dim size {size}", "use a divisor such as the ranks per host, or a bool")
+
+
 _SUBGROUPS = {}
 
 
@@ -420,9 +435,7 @@ def _resolve_reshard(value, mesh):
     if value is None or isinstance(value, bool):
         return value, None
     size = mesh.size(mesh.ndim - 1)
-    if not 1 <= value <= size or size % value:
-        raise bad_value("reshard_after_forward", value, f"an int must divide the mesh's shard "
-                        f"dim size {size}", "use a divisor such as the ranks per host, or a bool")
+    _check_reshard_divides(value, size)
     if value == 1:  # as torch warns: easily meant as True
         warnings.warn("flatshard: reshard_after_forward=1 (an int) reshards to groups of one "
                       "rank: the parameters stay whole after forward, as with False; pass True "
@@ -645,9 +658,6 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             raise not_built("reshard_after_forward", reshard_after_forward, "an int is not "
                             "supported with dp_mesh_dims (nor by torch)", "use True or False")
     params, aliases, names = _collect(modules, ignored)
-    on_cuda = any(p.device.type == "cuda" for p in params)
-    mesh = _check_mesh(mesh, "cuda" if on_cuda else "cpu")
-    want = _mesh_device(mesh)
     label = ", ".join(type(m).__name__ for m in modules)
     dims = []  # each parameter's shard dim
     for p, name in zip(params, names):
@@ -670,16 +680,25 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             raise bad_value("module", label, f"parameter {name} is 0-d and dim-0 sharding "
                             "needs at least one dimension: fully_shard doesn't support scalar "
                             "parameters", f"Change {name} to a 1D tensor with numel equal to 1.")
-        if p.device.type != "meta" and p.device != want:
-            raise bad_value("module", label, f"parameter {name} is on {p.device}, and the "
-                            f"mesh's collectives move {want} memory",
-                            f"move the module to {want} first, or pass a matching mesh")
         dims.append(_shard_dim(shard_placement_fn, p, name, gathers_itself(p)))
     if len({p.dtype for p in params}) > 1:
         found = sorted({str(p.dtype) for p in params})
         raise bad_value("module", label, f"its parameters have several dtypes "
                         f"({', '.join(found)}); one group needs one dtype",
                         "apply fully_shard to the submodules of each dtype first")
+    # The checks above need no mesh: the default one is made below, and
+    # making it is a collective where CUDA is visible over a gloo group
+    # (torch's init_device_mesh then makes a group of its own).
+    if mesh is None and dist.is_available() and dist.is_initialized():
+        _check_reshard_divides(reshard_after_forward, dist.get_world_size())
+    on_cuda = any(p.device.type == "cuda" for p in params)
+    mesh = _check_mesh(mesh, "cuda" if on_cuda else "cpu")
+    want = _mesh_device(mesh)
+    for p, name in zip(params, names):
+        if p.device.type != "meta" and p.device != want:
+            raise bad_value("module", label, f"parameter {name} is on {p.device}, and the "
+                            f"mesh's collectives move {want} memory",
+                            f"move the module to {want} first, or pass a matching mesh")
     raf, post_comm = _resolve_reshard(reshard_after_forward, mesh)
     group = None
     if params:
