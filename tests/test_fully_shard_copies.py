@@ -24,18 +24,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import flatshard
 from flatshard import MixedPrecisionPolicy, fully_shard
 from flatshard.fsdp2.state import state_of
+from test_fully_shard_torch_flows import Block
 
 TIMEOUT = 240
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.norm(self.lin(x)))
 
 
 class Net(nn.Module):

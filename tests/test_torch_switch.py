@@ -38,6 +38,7 @@ import flatshard
 from flatshard import ConfigError
 from flatshard.__main__ import main as flatshard_main
 from parity import RTOL
+from test_fully_shard_torch_flows import Block, Net as FlowsNet
 
 TIMEOUT = 240
 
@@ -120,31 +121,10 @@ def test_bad_argument():
 
 # ------------------------------------------------------------ on 2 ranks --
 
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + torch.tanh(self.norm(self.lin(x)))
-
-
-class Net(nn.Module):
-    """7 rows in most weights: uneven shards on 2 ranks."""
+class Net(FlowsNet):
+    """test_fully_shard_torch_flows' model (uneven shards on 2 ranks), with the
+    block class accelerate's auto-wrap policy reads."""
     _no_split_modules = ["Block"]
-
-    def __init__(self, d=7):
-        super().__init__()
-        self.inp = nn.Linear(5, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(2))
-        self.out = nn.Linear(d, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
 
 
 def _net():
