@@ -120,7 +120,7 @@ def test_emulated_device_path_with_accumulation_on_four_ranks(dist_pool, case):
 @pytest.mark.parametrize("mp", [None, "bf16", "bf16_reduce"])
 def test_fully_shard_at_one_rank_through_the_cuda_table(dist_pool, mp):
     """One rank: the unsharded parameters are the shards (or their casts)
-    and each gradient is reduced in place (csrc/engine/dim0.h, [Note: direct
+    and each gradient is reduced in place (csrc/engine/shard_group.h, [Note: direct
     layout]) on the device path as on the host: the same bits, nothing left
     pending."""
     emu_build.build()

@@ -252,7 +252,7 @@ def test_device_comm_construction_errors(dist_pool):
 
 
 # ---------------------------------------------------------------------------
-# fully_shard: the engine's groups (csrc/engine/dim0.c) through the device table
+# fully_shard: the engine's groups (csrc/engine/shard_group.c) through the device table
 
 def _last_dim(p):
     from torch.distributed.tensor import Shard

@@ -1,4 +1,4 @@
-"""The unit engine (csrc/engine/) without Python: tests/engine/driver.c.
+"""The engine (csrc/engine/) without Python: tests/engine/driver.c.
 
 The driver is built here with the system C compiler from the engine's own
 sources (no Python.h, no torch), run as one process per rank on the

@@ -5,7 +5,7 @@ refuses, against single-process training on the whole batch.
 
 A rank's piece of a Shard(d) parameter is torch.chunk's piece of dim d: in
 the unsharded parameter its rows are prod(shape[:d]) runs apart, so the
-engine's copy-out and gradient copy-in are strided (csrc/engine/dim0.c);
+engine's copy-out and gradient copy-in are strided (csrc/engine/shard_group.c);
 both frameworks do the same arithmetic, so losses and shards are compared
 bit for bit."""
 import torch

@@ -1,5 +1,5 @@
 """The bytes fully_shard copies in a step (flatshard.copy_stats, the engine's
-[Note: copy counts] in csrc/engine/dim0.h), held against what each group's
+[Note: copy counts] in csrc/engine/shard_group.h), held against what each group's
 layout needs, computed here from the parameters' shapes (torch.chunk's rows
 per rank), and the training itself against torch's fully_shard in the same
 run, bit for bit:
@@ -71,7 +71,7 @@ ALIGN_BYTES = 16  # every parameter's rows start at a multiple of it in a rank's
 
 def _direct(group, shard_world, es):
     """Whether the group's layout lets its collectives run on the parameters
-    and gradients themselves (csrc/engine/dim0.h, [Note: direct layout]): one
+    and gradients themselves (csrc/engine/shard_group.h, [Note: direct layout]): one
     rank in the shard group, or one parameter whose rows split evenly into
     whole multiples of ALIGN_BYTES (no padding in a rank's block)."""
     if shard_world == 1:

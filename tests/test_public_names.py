@@ -761,7 +761,7 @@ def _unused_params(replicas_alone=False):
     parameters still reduce together; every trainable parameter gets its
     sharded gradient (zeros where no rank used it), as in torch.
     replicas_alone: HSDP with a shard dim of one rank, where each gradient
-    is all-reduced on its own (csrc/engine/dim0.h, [Note: direct layout])."""
+    is all-reduced on its own (csrc/engine/shard_group.h, [Note: direct layout])."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("rep", "dp")) \
         if replicas_alone else init_device_mesh("cpu", (dist.get_world_size(),))

@@ -1,10 +1,10 @@
 /* reduce_rule.h - the gradient divide rule: by what a gradient is divided
  * before its collective, by the collective itself and after it, and what a
  * held reduce output has been divided by when a hook reads it, for both
- * layouts (FSDP1's flat unit, fully_shard's dim-0 group), as torch decides.
+ * layouts (FSDP1's flat unit, fully_shard's shard group), as torch decides.
  *
  * Pure arithmetic on sizes and a dtype: no buffers, no Python, no device.
- * Both engines (engine/unit_reduce.c, engine/dim0.c) and Python (through
+ * Both engines (engine/unit_reduce.c, engine/shard_group.c) and Python (through
  * _C.grad_divide) take their factors from here and from nowhere else.
  *
  * [Note: divide rule] A gradient averaged over N ranks (the shard group's
@@ -44,7 +44,7 @@
 
 typedef enum {
     FS_DIVIDE_FLAT = 0,        /* FSDP1's flat unit */
-    FS_DIVIDE_FULLY_SHARD = 1, /* fully_shard's dim-0 group */
+    FS_DIVIDE_FULLY_SHARD = 1, /* fully_shard's shard group */
 } fs_divide_api;
 
 typedef struct {

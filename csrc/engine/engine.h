@@ -1,12 +1,13 @@
-/* engine.h - what the unit engine needs from the program around it.
+/* engine.h - what the engine needs from the program around it:
+ * FSDP1 units (unit.h) and fully_shard shard groups (shard_group.h) alike.
  *
- * The engine (unit.c, unit_reduce.c, dim0.c) owns sharding: it gathers,
+ * The engine (unit.c, unit_reduce.c, shard_group.c) owns sharding: it gathers,
  * frees, reduces and defers, for every strategy and both layouts, on the
  * host and through a device table (fs_device.h). It holds no Python object
  * and includes no Python header. What only the host program can do (give a
  * tensor's storage its bytes, hand out memory for one operation, keep an
  * object alive) comes through one fs_env table given when a unit is made:
- * the CPython glue fills it with torch calls (glue/py_unit_env.c), the C
+ * the CPython glue fills it with torch calls (glue/py_env.c), the C
  * driver test (tests/engine/driver.c) with malloc.
  *
  * Handles: the engine never looks inside one. A tensor handle stands for a
@@ -112,7 +113,7 @@ typedef struct {
  * then copies every part's send into this rank's block of one buffer,
  * all-gathers the blocks in place, and copies each rank's piece of each
  * part to recv + rank * part bytes (comm.h's rule). What reads a recorded
- * gather's output waits for the flush (dim0.c's copy-out). Each rank must
+ * gather's output waits for the flush (shard_group.c's copy-out). Each rank must
  * batch the same parts in the same order: the callers decide batches from
  * the forward order, which every rank shares. Device links never batch
  * (NCCL's own grouping is the tool there). */
@@ -148,7 +149,7 @@ fs_status fs_gather_batch_flush(fs_gather_batch *b, fs_link *l, const fs_env *en
  * buffer, one reduce-scatter (a sum, so each element adds the same values in
  * the same order as alone: the bits do not change) lands this rank's block,
  * and each part's piece is copied to its recv. Then each owner finishes
- * (dim0.h: fs_dim0_finish_reduce). Parts share one dtype; the host decides
+ * (shard_group.h: fs_shard_finish_reduce). Parts share one dtype; the host decides
  * when to flush (a byte budget, the end of backward) from events every rank
  * sees in the same order. */
 struct fs_reduce_bucket {

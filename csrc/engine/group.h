@@ -1,5 +1,5 @@
 /* group.h - what both kinds of engine group share: FSDP1's flat unit
- * (unit.h) and fully_shard's dim-0 group (dim0.h). A failure's words, a
+ * (unit.h) and fully_shard's shard group (shard_group.h). A failure's words, a
  * handle given back, and a reduction bucket flushed and finished, or given
  * up, through its owners' callbacks ([Note: reduction buckets] in engine.h).
  *

@@ -1,11 +1,11 @@
-/* unit.h - the unit engine: one FSDP1 unit's flat groups, sharded between
+/* unit.h - FSDP1's unit: one wrapped module's flat groups, sharded between
  * uses and gathered just in time, driven by its state machine (unit_fsm.h).
  *
  * One engine for every strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD,
  * ZERO1 (whole parameters and gradients, the optimizer state sharded),
  * hybrid (a second link across replicas), on the host and through a device
  * table, with CPU offload of the shards. fully_shard's per-parameter groups
- * are dim0.h's: they share the links (link.c) and the backends with units,
+ * are shard_group.h's: they share the links (link.c) and the backends with units,
  * not the state machine (a group's order comes from fully_shard's hooks).
  *
  * Memory ([Note: freeing without invalidating]): a group's unsharded buffer

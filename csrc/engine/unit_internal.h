@@ -1,4 +1,4 @@
-/* unit_internal.h - what unit.c, unit_reduce.c and dim0.c share inside the
+/* unit_internal.h - what unit.c, unit_reduce.c and shard_group.c share inside the
  * engine (not for the glue). */
 #ifndef FS_UNIT_INTERNAL_H
 #define FS_UNIT_INTERNAL_H

@@ -23,7 +23,7 @@ typedef struct {
     PyObject *FlatLayoutType;
     PyObject *Dim0EntryType;
     PyObject *Dim0LayoutType;
-    PyObject *Dim0GroupType;  /* py_dim0.c */
+    PyObject *ShardGroupType;  /* py_shard_group.c */
     PyObject *BucketType;     /* py_bucket.c */
 } fs_mod_state;
 
@@ -121,7 +121,7 @@ int fs_unit_type_add(PyObject *module, fs_mod_state *st);
 int fs_optim_add(PyObject *module); /* py_optim.c */
 int fs_layout_add(PyObject *module, fs_mod_state *st); /* py_layout.c */
 int fs_divide_add(PyObject *module); /* py_divide.c */
-int fs_dim0_type_add(PyObject *module, fs_mod_state *st); /* py_dim0.c */
+int fs_shard_group_type_add(PyObject *module, fs_mod_state *st); /* py_shard_group.c */
 int fs_bucket_type_add(PyObject *module, fs_mod_state *st); /* py_bucket.c */
 /* py_layout.c: a Dim0Entry record; NULL with an exception set. */
 PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e);

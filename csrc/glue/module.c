@@ -1,6 +1,6 @@
 /* module.c - flatshard._C's init: the module's state, its exceptions and
  * constants, and each glue file's types and functions added in turn
- * (py_comm.c, py_unit.c, py_dim0.c, py_kernels.c, ...). Nothing else: the
+ * (py_comm.c, py_unit.c, py_shard_group.c, py_kernels.c, ...). Nothing else: the
  * helpers every glue file calls are py_helpers.c's.
  *
  * CPython C API only (no binding generator, no torch headers). Multi-phase
@@ -34,7 +34,7 @@ static int add_constants(PyObject *m)
 }
 
 int fs_disk_add(PyObject *module);    /* py_disk.c */
-int fs_glue_pool_add(PyObject *module); /* py_unit_pool.c */
+int fs_glue_pool_add(PyObject *module); /* py_pool.c */
 int fs_kernels_add(PyObject *module);  /* py_kernels.c */
 
 static int module_exec(PyObject *m)
@@ -50,7 +50,7 @@ static int module_exec(PyObject *m)
     if (!st->StateError || PyModule_AddObjectRef(m, "StateError", st->StateError) < 0)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
-        fs_layout_add(m, st) < 0 || fs_divide_add(m) < 0 || fs_dim0_type_add(m, st) < 0 ||
+        fs_layout_add(m, st) < 0 || fs_divide_add(m) < 0 || fs_shard_group_type_add(m, st) < 0 ||
         fs_bucket_type_add(m, st) < 0 || fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
         fs_kernels_add(m) < 0 || add_constants(m) < 0)
         return -1;
@@ -71,7 +71,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->FlatLayoutType);
     Py_VISIT(st->Dim0EntryType);
     Py_VISIT(st->Dim0LayoutType);
-    Py_VISIT(st->Dim0GroupType);
+    Py_VISIT(st->ShardGroupType);
     Py_VISIT(st->BucketType);
     return 0;
 }
@@ -87,7 +87,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->FlatLayoutType);
     Py_CLEAR(st->Dim0EntryType);
     Py_CLEAR(st->Dim0LayoutType);
-    Py_CLEAR(st->Dim0GroupType);
+    Py_CLEAR(st->ShardGroupType);
     Py_CLEAR(st->BucketType);
     return 0;
 }

@@ -191,7 +191,7 @@ done:
 PyDoc_STRVAR(layout_dim0_unsharded_doc,
              "layout_dim0_unsharded(numels, world_size, align_numel)\n"
              "    -> {'offsets': [int], 'alloc_numel': int}\n"
-             "A DIM0 group's unsharded buffer (csrc/core/layout.h): each parameter's start\n"
+             "A shard group's unsharded buffer (csrc/core/layout.h): each parameter's start\n"
              "(numels[i] == 0 for one not gathered into it) and the buffer's padded size.");
 static PyObject *py_layout_dim0_unsharded(PyObject *m, PyObject *args)
 {
@@ -234,7 +234,7 @@ done:
 
 PyDoc_STRVAR(layout_dim0_post_chunk_doc,
              "layout_dim0_post_chunk(alloc_numel, group_size, rank) -> slice\n"
-             "The range of a DIM0 group's unsharded buffer that rank `rank` of a\n"
+             "The range of a shard group's unsharded buffer that rank `rank` of a\n"
              "post-forward group of group_size ranks keeps (int reshard_after_forward;\n"
              "csrc/core/layout.h).");
 static PyObject *py_layout_dim0_post_chunk(PyObject *m, PyObject *args)

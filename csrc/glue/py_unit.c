@@ -1,7 +1,7 @@
 /* py_unit.c - flatshard._C.Unit: the Python face of one engine unit
  * (engine/unit.h). Argument parsing, the Python objects the unit's handles
  * stand for, and errors turned into exceptions; the engine does the work,
- * without the GIL (py_unit_env.c takes it where torch must be called).
+ * without the GIL (py_env.c takes it where torch must be called).
  *
  * One call per hook event: event() steps the state machine and does what
  * it asks (gather, free, reduce) in the same call; the caller does only the

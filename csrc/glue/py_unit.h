@@ -1,5 +1,5 @@
 /* py_unit.h - flatshard._C.Unit's glue (py_unit.c) and the host table it
- * gives the engine (py_unit_env.c): Python objects and their lifetimes
+ * gives the engine (py_env.c): Python objects and their lifetimes
  * around the engine's fs_unit (engine/unit.h), which does the work. */
 #ifndef FS_PY_UNIT_H
 #define FS_PY_UNIT_H
@@ -19,7 +19,7 @@ typedef struct {
     int ready;             /* fs_unit_init ran (dealloc destroys it) */
 } UnitObject;
 
-/* py_unit_env.c: the engine's host table over torch. `empty`: the address
+/* py_env.c: the engine's host table over torch. `empty`: the address
  * of the owner's allocator callable (NULL there: host memory). */
 fs_env fs_glue_env(PyObject **empty);
 
@@ -41,7 +41,7 @@ fs_reduce_bucket *fs_glue_bucket(PyTypeObject *any, PyObject *o);
  * holds parts (whose owners the caller checks); NULL with an exception set. */
 fs_reduce_bucket *fs_glue_bucket_args(PyTypeObject *any, PyObject *args, PyObject **owners);
 
-/* py_unit_pool.c, [Note: pooled storage]: give a gathered buffer's storage
+/* py_pool.c, [Note: pooled storage]: give a gathered buffer's storage
  * nbytes (from the host pool; a device's through resize_), or take them
  * away (0). -1 with an exception set on failure. */
 int fs_glue_set_storage(PyObject *storage, int64_t nbytes, int on_device);

@@ -75,7 +75,7 @@ def copy_stats(model):
     all-gather output into the unsharded parameters), reduce_in (gradients
     into the reduce-scatter input), reduce_out (the reduce output into new
     sharded gradients), cast (a copy that changes the dtype: mixed
-    precision). See csrc/engine/dim0.h, [Note: copy counts]."""
+    precision). See csrc/engine/shard_group.h, [Note: copy counts]."""
     out = {"copy_in": 0, "copy_out": 0, "reduce_in": 0, "reduce_out": 0, "cast": 0}
     for m in model.modules():
         st = state_of(m)

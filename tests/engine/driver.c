@@ -1,4 +1,4 @@
-/* driver.c - the unit engine (csrc/engine/) driven without Python.
+/* driver.c - the engine (csrc/engine/) driven without Python.
  *
  * One process per rank, on the shared-memory backend (comm_shm.c) and a host
  * table (engine.h: fs_env) made of malloc and free. Each rank builds one
@@ -144,7 +144,7 @@ static fs_status env_data(void *ctx, void *tensor, void **ptr)
     return FS_OK;
 }
 
-/* The glue's rule (py_unit_pool.c): the same size is a no-op, anything else
+/* The glue's rule (py_pool.c): the same size is a no-op, anything else
  * drops the bytes and gives fresh (uninitialised) ones. */
 static fs_status env_set_storage(void *ctx, void *storage, int64_t nbytes, void **data)
 {

@@ -1,5 +1,5 @@
 """One fully_shard group: its parameters as dim-0 DTensor shards, gathered
-and reduced by the engine's group (flatshard._C.Dim0Group, csrc/engine/dim0.h).
+and reduced by the engine's group (flatshard._C.ShardGroup, csrc/engine/shard_group.h).
 
 The engine owns the layout (csrc/core/layout.h, DIM0: parameter i cut on its
 shard dim, dim 0 or the one shard_placement_fn chose, into chunks of
@@ -139,7 +139,7 @@ class ParamGroup:
         # each parameter as (outer, size of the shard dim, inner) for the engine
         views = [(int(torch.Size(s[:d]).numel()), s[d] if len(s) else 1,
                   int(torch.Size(s[d + 1:]).numel())) for s, d in zip(self.shapes, self.shard_dims)]
-        self.c = _C.Dim0Group(
+        self.c = _C.ShardGroup(
             self.label, self.comm, [v[1] for v in views], [v[2] for v in views], self.gathered,
             align, dtype_code(compute), dtype_code(reduce),
             empty=empty_fn(device) if self.comm.device is not None else None,
@@ -170,7 +170,7 @@ class ParamGroup:
 
     def copied_bytes(self):
         """Bytes the engine's copies wrote for this group so far, by kind
-        (copy_in, copy_out, reduce_in, reduce_out, cast: csrc/engine/dim0.h,
+        (copy_in, copy_out, reduce_in, reduce_out, cast: csrc/engine/shard_group.h,
         [Note: copy counts])."""
         return {k: v + self.count_base.get(k, 0) for k, v in self.c.copied.items()}
 
@@ -378,7 +378,7 @@ class ParamGroup:
     def _make_full(self):
         """The unsharded parameters: views of the flat buffer, or where the
         engine says the shards are the unsharded parameters (one rank, the
-        compute dtype: csrc/engine/dim0.h, [Note: direct layout]) views of
+        compute dtype: csrc/engine/shard_group.h, [Note: direct layout]) views of
         the shards, the buffer then never filled."""
         device = self.local(0).device
         self.full = torch.empty(self.full_alloc, dtype=self.compute_dtype, device=device)
@@ -539,7 +539,7 @@ class ParamGroup:
         sharded gradient is written; the next reduction with it adds the sum
         before the all-reduce. A hook (set_all_reduce_hook): the engine holds
         the reduce output after the collectives, finish_reduce() runs the
-        hook on it, then the engine writes [Note: reduce output] (dim0.h).
+        hook on it, then the engine writes [Note: reduce output] (shard_group.h).
 
         bucket (the root's runtime.bucket.ReduceBucket): on a host Comm a
         plain reduction joins it and runs when it is flushed (then False is

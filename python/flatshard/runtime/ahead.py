@@ -1,28 +1,29 @@
-"""Gathering ahead: the next units' all-gathers joined to this one's, on a
-Comm whose collectives have a fixed cost per call.
+"""Gathering ahead: the next members' all-gathers joined to this one's, on a
+Comm whose collectives have a fixed cost per call. A member is what gathers
+and reshards as one: an FSDP1 unit, or a fully_shard state's shard group.
 
 Through the process group (the torch backend: gloo over TCP) every
 collective costs about a millisecond however few bytes it moves; a model of
-small units spends its step in those calls. The engine can gather several
-units in one all-gather ([Note: coalesced gathers] in
-csrc/engine/engine.h). This file picks them: when a unit gathers, the units
+small members spends its step in those calls. The engine can gather several
+members in one all-gather ([Note: coalesced gathers] in
+csrc/engine/engine.h). This file picks them: when a member gathers, the members
 that ran right after it in the last forward (in backward: right before it)
 join its gather, while together they hold at most
 FLATSHARD_GATHER_AHEAD_BYTES of gathered parameters. They are then
 gathered when their own hook runs, and reshard after their own use as
-always. Until two forwards in a row ran in one order, each unit gathers on
-its own.
+always. Until two forwards in a row ran in one order, each member gathers
+on its own.
 
 The default budget is 1 MiB on the torch backend and 0 (nothing gathered
 ahead) on shared memory, where a collective costs microseconds and gathering
-128 units' collectives into 3 was measured to change no step time
-(benchmarks/RESULTS.md): there it would only raise the memory peak. A unit
+128 members' collectives into 3 was measured to change no step time
+(benchmarks/RESULTS.md): there it would only raise the memory peak. A member
 larger than what is left of the budget is not gathered ahead, so models of
-large units are unaffected. The bytes are the same and summed nowhere:
+large members are unaffected. The bytes are the same and summed nowhere:
 gathering ahead changes no bit.
 
 Every rank follows the same order (the collectives already require it), so
-every rank joins the same units. Used by the FSDP1 wrapper's units
+every rank joins the same members. Used by the FSDP1 wrapper's units
 (fsdp/unit.py) and fully_shard's states (fsdp2/state.py).
 
 Imports: envvars only.
@@ -34,13 +35,13 @@ DEFAULT_BYTES = {"torch": 1 << 20}  # by Comm backend; others 0
 
 
 def ahead_bytes(comm):
-    """The budget for units on `comm`: the environment's, else the
+    """The budget for members on `comm`: the environment's, else the
     backend's default; 0 on a device (its prefetches overlap instead) and
     on one rank (nothing to meet for)."""
     if comm is None or comm.device is not None or comm.world_size == 1:
         return 0
     return envvars.read_bytes(ENV_BYTES, DEFAULT_BYTES.get(comm.backend, 0),
-                              "every unit gathers on its own")
+                              "every member gathers on its own")
 
 
 def gather_ahead(order, item, step, budget, cost):

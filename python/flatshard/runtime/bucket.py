@@ -2,7 +2,7 @@
 
 Each reduce-scatter is a meeting point of all ranks, with a fixed cost per
 call (microseconds through shared memory, a millisecond through gloo over
-TCP) however few bytes it moves. When every unit is small, backward spends
+TCP) however few bytes it moves. When every group is small, backward spends
 more in those calls than in its compute. The engine can record the
 reduce-scatters of several groups in a bucket and issue them as one
 ([Note: reduction buckets] in csrc/engine/engine.h); this file decides when:
@@ -30,7 +30,7 @@ from .. import _C, envvars
 ENV_BYTES = "FLATSHARD_REDUCE_BUCKET_BYTES"
 # By Comm backend; others 0. On shm a reduce-scatter costs microseconds, and
 # a bucket's bookkeeping cost more than the calls it saved: measured on the
-# per-unit model (bench_overhead.py, benchmarks/RESULTS.md), both APIs' steps
+# per-group model (bench_overhead.py, benchmarks/RESULTS.md), both APIs' steps
 # were 6-17% faster without it.
 DEFAULT_BYTES = {"torch": 1 << 20}
 

@@ -1,7 +1,8 @@
-"""The order in which a model's units ran in its last forward, kept by the
-root for prefetching: the next one in forward, the previous one in backward.
-Used by the FSDP1 wrapper's units (fsdp/api.py's RootState) and by
-fully_shard's states (fsdp2/state.py's FSDPState)."""
+"""The order in which a model's members (FSDP1 units, fully_shard states)
+ran in its last forward, kept by the root for prefetching: the next one in
+forward, the previous one in backward. Used by the FSDP1 wrapper's units
+(fsdp/api.py's RootState) and by fully_shard's states (fsdp2/state.py's
+FSDPState)."""
 
 
 class ForwardOrder:
@@ -24,7 +25,7 @@ class ForwardOrder:
         if self._current:
             self.stable = self._current == self.order
             self.order = self._current
-            self.position = {id(u): i for i, u in enumerate(self.order)}
+            self.position = {id(m): i for i, m in enumerate(self.order)}
         self._current = None
 
     def record(self, item):

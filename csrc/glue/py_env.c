@@ -1,6 +1,6 @@
-/* py_unit_env.c - the engine's host table (engine.h) over torch: tensors'
+/* py_env.c - the engine's host table (engine.h) over torch: tensors'
  * data pointers, storages given and taken their bytes ([Note: pooled
- * storage] in py_unit_pool.c), memory for one operation, references held
+ * storage] in py_pool.c), memory for one operation, references held
  * across a deferred collective. Engine calls run with the GIL held (the
  * engine hands it back around collectives and long loops: the links'
  * unlock/lock); so do these entries. Every handle the engine releases is a Python object: a
@@ -87,7 +87,7 @@ fs_env fs_glue_env(PyObject **empty)
 }
 
 /* ---------------------------------------------------------------------------
- * what the engine objects' glue shares (py_unit.c, py_dim0.c) */
+ * what the engine objects' glue shares (py_unit.c, py_shard_group.c) */
 
 int fs_glue_bind(CommObject *comm, CommObject *replicate, fs_link *link, fs_link *rep)
 {

@@ -1,16 +1,16 @@
-/* py_dim0.c - flatshard._C.Dim0Group: the Python face of one fully_shard
- * group on the engine (engine/dim0.h). Argument parsing and the Python
+/* py_shard_group.c - flatshard._C.ShardGroup: the Python face of one fully_shard
+ * group on the engine (engine/shard_group.h). Argument parsing and the Python
  * objects behind the handles; the engine does the work without the GIL. */
 #include "py_unit.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "dim0.h"
+#include "shard_group.h"
 
 typedef struct {
     PyObject_HEAD
-    fs_dim0_group g;
+    fs_shard_group g;
     PyObject *name;
     CommObject *comm;
     CommObject *replicate;
@@ -19,14 +19,14 @@ typedef struct {
     fs_dtype *shard_t;
     PyObject *full, *storage;
     int ready;
-} Dim0Object;
+} ShardGroupObject;
 
-static int bind(Dim0Object *self)
+static int bind(ShardGroupObject *self)
 {
     return fs_glue_bind(self->comm, self->replicate, &self->g.link, &self->g.replicate);
 }
 
-static PyObject *done(Dim0Object *self, fs_status s)
+static PyObject *done(ShardGroupObject *self, fs_status s)
 {
     if (s == FS_OK)
         Py_RETURN_NONE;
@@ -50,14 +50,14 @@ static int dtype_arg(PyObject *o, fs_dtype *t)
     if (v == -1 && PyErr_Occurred())
         return -1;
     if (v < 0 || v >= FS_DTYPE_COUNT) {
-        PyErr_Format(PyExc_ValueError, "Dim0Group: invalid dtype code %ld", v);
+        PyErr_Format(PyExc_ValueError, "ShardGroup: invalid dtype code %ld", v);
         return -1;
     }
     *t = (fs_dtype)v;
     return 0;
 }
 
-static PyObject *Dim0_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
+static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"name", "comm", "dim0", "row_numel", "gathered", "align",
                              "compute_dtype", "reduce_dtype", "empty", "replicate", "outer",
@@ -73,33 +73,33 @@ static PyObject *Dim0_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     fs_mod_state *st = fs_state_from_type(tp);
     if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType) ||
         (replicate != Py_None && !PyObject_TypeCheck(replicate, (PyTypeObject *)st->CommType)))
-        return PyErr_Format(PyExc_TypeError, "Dim0Group: comm and replicate must be "
+        return PyErr_Format(PyExc_TypeError, "ShardGroup: comm and replicate must be "
                             "flatshard._C.Comm");
     if ((((CommObject *)comm)->dev != NULL) != (empty != Py_None))
-        return PyErr_Format(PyExc_TypeError, "Dim0Group: a Comm bound to a device needs "
+        return PyErr_Format(PyExc_TypeError, "ShardGroup: a Comm bound to a device needs "
                             "empty=callable(numel, dtype_code) -> tensor, and only such a Comm");
     if (cdt < 0 || cdt >= FS_DTYPE_COUNT || rdt < 0 || rdt >= FS_DTYPE_COUNT || align < 1)
-        return PyErr_Format(PyExc_ValueError, "Dim0Group: invalid dtype code or alignment");
+        return PyErr_Format(PyExc_ValueError, "ShardGroup: invalid dtype code or alignment");
     Py_ssize_t n = 0, n2 = 0, n3 = 0;
-    int64_t *d0 = fs_int64_list(dims, &n, "Dim0Group: dim0 must be a sequence of ints");
-    int64_t *rn = d0 ? fs_int64_list(rows, &n2, "Dim0Group: row_numel must be ints") : NULL;
-    int64_t *ga = rn ? fs_int64_list(gathered, &n3, "Dim0Group: gathered must be ints") : NULL;
+    int64_t *d0 = fs_int64_list(dims, &n, "ShardGroup: dim0 must be a sequence of ints");
+    int64_t *rn = d0 ? fs_int64_list(rows, &n2, "ShardGroup: row_numel must be ints") : NULL;
+    int64_t *ga = rn ? fs_int64_list(gathered, &n3, "ShardGroup: gathered must be ints") : NULL;
     Py_ssize_t n4 = n;
     int64_t *ou = NULL;
     if (ga && outers != Py_None)
-        ou = fs_int64_list(outers, &n4, "Dim0Group: outer must be a sequence of ints");
+        ou = fs_int64_list(outers, &n4, "ShardGroup: outer must be a sequence of ints");
     int *gi = ga && (ou || outers == Py_None) ? calloc(n ? (size_t)n : 1, sizeof *gi) : NULL;
-    Dim0Object *self = NULL;
+    ShardGroupObject *self = NULL;
     if (!gi)
         goto out;
     if (n != n2 || n != n3 || n != n4) {
-        PyErr_SetString(PyExc_ValueError, "Dim0Group: dim0, row_numel, gathered, outer differ "
+        PyErr_SetString(PyExc_ValueError, "ShardGroup: dim0, row_numel, gathered, outer differ "
                         "in length");
         goto out;
     }
     for (Py_ssize_t i = 0; i < n; i++)
         gi[i] = ga[i] != 0;
-    if (!(self = (Dim0Object *)tp->tp_alloc(tp, 0)))
+    if (!(self = (ShardGroupObject *)tp->tp_alloc(tp, 0)))
         goto out;
     self->name = Py_NewRef(name);
     self->comm = (CommObject *)Py_NewRef(comm);
@@ -110,12 +110,12 @@ static PyObject *Dim0_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         Py_CLEAR(self);
         goto out;
     }
-    fs_status s = fs_dim0_init(&self->g, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
+    fs_status s = fs_shard_init(&self->g, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
                                fs_glue_link(self->comm), fs_glue_link(self->replicate), (int)n,
                                ou, d0, rn, gi, align, cdt, rdt);
     self->ready = 1;
     if (s != FS_OK) {
-        fs_raise(st, s, "Dim0Group %U: %s", name, self->g.err);
+        fs_raise(st, s, "ShardGroup %U: %s", name, self->g.err);
         Py_CLEAR(self);
     }
 out:
@@ -127,11 +127,11 @@ out:
     return (PyObject *)self;
 }
 
-static void Dim0_dealloc(Dim0Object *self)
+static void ShardGroup_dealloc(ShardGroupObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     if (self->ready)
-        fs_dim0_destroy(&self->g);
+        fs_shard_destroy(&self->g);
     free(self->shard_t);
     Py_XDECREF(self->shards);
     Py_XDECREF(self->full);
@@ -147,7 +147,7 @@ static void Dim0_dealloc(Dim0Object *self)
 PyDoc_STRVAR(set_shards_doc,
              "set_shards(tensors, dtype_codes): each parameter's local rows (contiguous),\n"
              "read at every gather; set again when the module moved them.");
-static PyObject *Dim0_set_shards(Dim0Object *self, PyObject *args)
+static PyObject *ShardGroup_set_shards(ShardGroupObject *self, PyObject *args)
 {
     PyObject *ts, *codes;
     if (!PyArg_ParseTuple(args, "OO", &ts, &codes))
@@ -178,7 +178,7 @@ static PyObject *Dim0_set_shards(Dim0Object *self, PyObject *args)
         Py_DECREF(tup);
         return PyErr_NoMemory();
     }
-    fs_dim0_set_shards(&self->g, h, self->shard_t);
+    fs_shard_set_shards(&self->g, h, self->shard_t);
     free(h);
     Py_XSETREF(self->shards, tup);
     Py_RETURN_NONE;
@@ -186,7 +186,7 @@ static PyObject *Dim0_set_shards(Dim0Object *self, PyObject *args)
 
 PyDoc_STRVAR(set_full_doc, "set_full(tensor): the unsharded buffer (full_alloc elements of the\n"
                            "compute dtype); its storage's bytes come and go.");
-static PyObject *Dim0_set_full(Dim0Object *self, PyObject *full)
+static PyObject *ShardGroup_set_full(ShardGroupObject *self, PyObject *full)
 {
     PyObject *st = PyObject_CallMethod(full, "untyped_storage", NULL);
     if (!st)
@@ -194,37 +194,37 @@ static PyObject *Dim0_set_full(Dim0Object *self, PyObject *full)
     Py_XSETREF(self->full, Py_NewRef(full));
     Py_XSETREF(self->storage, st);
     self->g.unsharded = 0;
-    fs_dim0_set_full(&self->g, self->full, self->storage);
+    fs_shard_set_full(&self->g, self->full, self->storage);
     Py_RETURN_NONE;
 }
 
-static int settled(Dim0Object *self)
+static int settled(ShardGroupObject *self)
 {
     if (self->full && self->shards)
         return 0;
-    PyErr_Format(PyExc_RuntimeError, "Dim0Group %U: set_shards and set_full first", self->name);
+    PyErr_Format(PyExc_RuntimeError, "ShardGroup %U: set_shards and set_full first", self->name);
     return -1;
 }
 
 /* unshard with along: this group (when not gathered) and the groups of
  * `along` gathered in one all-gather. */
-static PyObject *unshard_along(Dim0Object *self, PyObject *along)
+static PyObject *unshard_along(ShardGroupObject *self, PyObject *along)
 {
     if (!PyTuple_Check(along))
-        return PyErr_Format(PyExc_TypeError, "unshard: along must be a tuple of Dim0Groups");
+        return PyErr_Format(PyExc_TypeError, "unshard: along must be a tuple of ShardGroups");
     if (self->comm->dev)
         return PyErr_Format(PyExc_ValueError, "unshard: along is for host Comms (a device's "
                             "gathers are not coalesced)");
-    fs_dim0_group *groups[FS_BATCH_MAX_PARTS];
+    fs_shard_group *groups[FS_BATCH_MAX_PARTS];
     const fs_dtype *types[FS_BATCH_MAX_PARTS];
-    Dim0Object *objs[FS_BATCH_MAX_PARTS];
+    ShardGroupObject *objs[FS_BATCH_MAX_PARTS];
     int n = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(along) && n < FS_BATCH_MAX_PARTS - 1; i++) {
         PyObject *o = PyTuple_GET_ITEM(along, i);
-        if (Py_TYPE(o) != Py_TYPE(self) || ((Dim0Object *)o)->comm != self->comm)
-            return PyErr_Format(PyExc_TypeError, "unshard: along[%zd] is not a Dim0Group on "
+        if (Py_TYPE(o) != Py_TYPE(self) || ((ShardGroupObject *)o)->comm != self->comm)
+            return PyErr_Format(PyExc_TypeError, "unshard: along[%zd] is not a ShardGroup on "
                                 "this group's Comm", i);
-        Dim0Object *a = (Dim0Object *)o;
+        ShardGroupObject *a = (ShardGroupObject *)o;
         if (a == self || a->g.unsharded)
             continue;
         if (settled(a) < 0)
@@ -234,11 +234,11 @@ static PyObject *unshard_along(Dim0Object *self, PyObject *along)
         types[n++] = a->shard_t;
     }
     int failed = -1;
-    fs_status s = fs_dim0_unshard_along(&self->g, self->shard_t, 1, groups, types, n, &failed);
+    fs_status s = fs_shard_unshard_along(&self->g, self->shard_t, 1, groups, types, n, &failed);
     return done(failed < 0 ? self : objs[failed], s);
 }
 
-static PyObject *Dim0_unshard(Dim0Object *self, PyObject *args, PyObject *kw)
+static PyObject *ShardGroup_unshard(ShardGroupObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"defer", "along", NULL};
     int defer = 0;
@@ -253,11 +253,11 @@ static PyObject *Dim0_unshard(Dim0Object *self, PyObject *args, PyObject *kw)
     if (along != Py_None)
         return unshard_along(self, along);
     fs_status s;
-    RUN(s, fs_dim0_unshard(&self->g, self->shard_t, defer));
+    RUN(s, fs_shard_unshard(&self->g, self->shard_t, defer));
     return done(self, s);
 }
 
-static PyObject *Dim0_unshard_from(Dim0Object *self, PyObject *args)
+static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
 {
     PyObject *comm, *chunk;
     if (!PyArg_ParseTuple(args, "OO", &comm, &chunk))
@@ -276,29 +276,29 @@ static PyObject *Dim0_unshard_from(Dim0Object *self, PyObject *args)
     fs_link post = fs_glue_link(pc);
     post.stream = pc->stream;
     fs_status s;
-    RUN(s, fs_dim0_unshard_from(&self->g, &post, chunk));
+    RUN(s, fs_shard_unshard_from(&self->g, &post, chunk));
     return done(self, s);
 }
 
-static PyObject *Dim0_wait(Dim0Object *self, PyObject *Py_UNUSED(a))
+static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
     if (!self->g.gather_pending)
         Py_RETURN_NONE;
     if (bind(self) < 0)
         return NULL;
     fs_status s;
-    RUN(s, fs_dim0_wait(&self->g));
+    RUN(s, fs_shard_wait(&self->g));
     return done(self, s);
 }
 
-static PyObject *Dim0_reshard(Dim0Object *self, PyObject *Py_UNUSED(a))
+static PyObject *ShardGroup_reshard(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
     if (!self->g.unsharded && !self->g.gather_pending)
         Py_RETURN_NONE;
     if (bind(self) < 0)
         return NULL;
     fs_status s;
-    RUN(s, fs_dim0_reshard(&self->g));
+    RUN(s, fs_shard_reshard(&self->g));
     return done(self, s);
 }
 
@@ -316,11 +316,11 @@ PyDoc_STRVAR(reduce_doc,
              "reduce-scatter output into the group's partial sum instead, write nothing.\n"
              "hold: stop before the sharded gradients with the reduce output divided by\n"
              "grad_divide()'s hold (reduce_output, after wait_reduce() when deferred);\n"
-             "finish_reduce() divides by the rest and writes (engine/dim0.h, [Note:\n"
+             "finish_reduce() divides by the rest and writes (engine/shard_group.h, [Note:\n"
              "reduce output]).\n"
              "bucket (a ReduceBucket; a host Comm): the reduce-scatter joins it; it runs\n"
              "at flush_bucket() ([Note: reduction buckets] in engine/engine.h).");
-static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args, PyObject *kw)
+static PyObject *ShardGroup_reduce(ShardGroupObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"grads", "grad_codes", "outs", "out_codes", "accumulate", "factor",
                              "defer", "reshard", "all_reduce", "hold", "force_sum", "bucket",
@@ -373,12 +373,12 @@ static PyObject *Dim0_reduce(Dim0Object *self, PyObject *args, PyObject *kw)
         goto out;
     fs_status s;
     self->g.link.bucket = bucket;
-    s = fs_dim0_reduce(&self->g, gh, gt, oh, ot, acc, factor,
-                       (defer ? FS_DIM0_DEFER : 0) | (all_reduce ? 0 : FS_DIM0_NO_ALL_REDUCE) |
-                           (hold ? FS_DIM0_HOLD : 0) | (force_sum ? FS_DIM0_FORCE_SUM : 0));
+    s = fs_shard_reduce(&self->g, gh, gt, oh, ot, acc, factor,
+                       (defer ? FS_SHARD_DEFER : 0) | (all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
+                           (hold ? FS_SHARD_HOLD : 0) | (force_sum ? FS_SHARD_FORCE_SUM : 0));
     self->g.link.bucket = NULL;
     if (s == FS_OK && reshard)
-        s = fs_dim0_reshard(&self->g);
+        s = fs_shard_reshard(&self->g);
     r = done(self, s);
 out:
     for (int k = 0; k < 5; k++)
@@ -392,8 +392,8 @@ out:
 /* The bucket of args (bucket, groups), with `groups` checked to be its
  * parts' owners in its order (their engine groups into owners); NULL with
  * an exception set. */
-static fs_reduce_bucket *bucket_owners(Dim0Object *self, PyObject *args, PyObject **groupsp,
-                                       fs_dim0_group **owners)
+static fs_reduce_bucket *bucket_owners(ShardGroupObject *self, PyObject *args, PyObject **groupsp,
+                                       fs_shard_group **owners)
 {
     fs_reduce_bucket *b = fs_glue_bucket_args(Py_TYPE(self), args, groupsp);
     if (!b)
@@ -401,7 +401,7 @@ static fs_reduce_bucket *bucket_owners(Dim0Object *self, PyObject *args, PyObjec
     PyObject *groups = *groupsp;
     for (int i = 0; i < b->nparts; i++) {
         PyObject *o = PyTuple_GET_ITEM(groups, i);
-        owners[i] = &((Dim0Object *)o)->g;
+        owners[i] = &((ShardGroupObject *)o)->g;
         if (Py_TYPE(o) != Py_TYPE(self) || owners[i] != b->part[i].owner) {
             PyErr_Format(PyExc_ValueError, "flush_bucket: groups[%d] is not the bucket's "
                          "part %d", i, i);
@@ -416,66 +416,66 @@ PyDoc_STRVAR(flush_bucket_doc,
              "each group's reduction finished (its sharded gradients written). groups: the\n"
              "bucket's groups, in the order their reduce(bucket=True) calls came. After a\n"
              "failure no group keeps a pending reduction.");
-static PyObject *Dim0_flush_bucket(Dim0Object *self, PyObject *args)
+static PyObject *ShardGroup_flush_bucket(ShardGroupObject *self, PyObject *args)
 {
     PyObject *groups;
-    fs_dim0_group *owners[FS_BATCH_MAX_PARTS];
+    fs_shard_group *owners[FS_BATCH_MAX_PARTS];
     fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
     if (!b || bind(self) < 0)
         return NULL;
     int failed = -1;
-    fs_status s = fs_dim0_flush_bucket(b, &self->g, owners, &failed);
-    return done(failed < 0 ? self : (Dim0Object *)PyTuple_GET_ITEM(groups, failed), s);
+    fs_status s = fs_shard_flush_bucket(b, &self->g, owners, &failed);
+    return done(failed < 0 ? self : (ShardGroupObject *)PyTuple_GET_ITEM(groups, failed), s);
 }
 
 PyDoc_STRVAR(cancel_bucket_doc,
              "cancel_bucket(bucket, groups): give the bucket up without a collective (a\n"
              "backward that did not finish): the groups' reductions are dropped.");
-static PyObject *Dim0_cancel_bucket(Dim0Object *self, PyObject *args)
+static PyObject *ShardGroup_cancel_bucket(ShardGroupObject *self, PyObject *args)
 {
     PyObject *groups;
-    fs_dim0_group *owners[FS_BATCH_MAX_PARTS];
+    fs_shard_group *owners[FS_BATCH_MAX_PARTS];
     fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
     if (!b)
         return NULL;
-    fs_dim0_cancel_bucket(b, owners);
+    fs_shard_cancel_bucket(b, owners);
     Py_RETURN_NONE;
 }
 
-static PyObject *Dim0_finish_reduce(Dim0Object *self, PyObject *Py_UNUSED(a))
+static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
     if (!self->g.reduce_pending)
         Py_RETURN_NONE;
     if (bind(self) < 0)
         return NULL;
     fs_status s;
-    RUN(s, fs_dim0_finish_reduce(&self->g));
+    RUN(s, fs_shard_finish_reduce(&self->g));
     return done(self, s);
 }
 
-static PyObject *Dim0_wait_reduce(Dim0Object *self, PyObject *Py_UNUSED(a))
+static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
     if (!self->g.reduce_deferred)
         Py_RETURN_NONE;
     if (bind(self) < 0)
         return NULL;
     fs_status s;
-    RUN(s, fs_dim0_wait_reduce(&self->g));
+    RUN(s, fs_shard_wait_reduce(&self->g));
     return done(self, s);
 }
 
 /* The reduce output of a reduction left to finish, once collected: a host
  * group exports it through the buffer protocol, each export holding the
  * memory's handle, so that a tensor over it outlives finish_reduce(). */
-static int reduce_output_ready(Dim0Object *self)
+static int reduce_output_ready(ShardGroupObject *self)
 {
     return self->g.reduce_pending && !self->g.reduce_deferred && self->g.rs_out_h;
 }
 
-static int Dim0_getbuffer(Dim0Object *self, Py_buffer *view, int flags)
+static int ShardGroup_getbuffer(ShardGroupObject *self, Py_buffer *view, int flags)
 {
     if (self->empty || !reduce_output_ready(self)) {
-        PyErr_Format(PyExc_BufferError, "Dim0Group %U: no reduce output is held (a host "
+        PyErr_Format(PyExc_BufferError, "ShardGroup %U: no reduce output is held (a host "
                      "group, between reduce(hold=True) and finish_reduce())", self->name);
         return -1;
     }
@@ -486,12 +486,12 @@ static int Dim0_getbuffer(Dim0Object *self, Py_buffer *view, int flags)
     return 0;
 }
 
-static void Dim0_releasebuffer(Dim0Object *self, Py_buffer *view)
+static void ShardGroup_releasebuffer(ShardGroupObject *self, Py_buffer *view)
 {
     Py_XDECREF((PyObject *)view->internal);
 }
 
-static PyObject *Dim0_get_reduce_output(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_reduce_output(ShardGroupObject *self, void *c)
 {
     if (!reduce_output_ready(self))
         Py_RETURN_NONE;
@@ -504,7 +504,7 @@ PyDoc_STRVAR(accumulate_doc,
              "accumulate(src, src_code, dst, dst_code, n, add)\n"
              "dst = (dst if add else 0) + src over n elements, cast to dst's dtype: an\n"
              "unsharded gradient summed across backwards without sync.");
-static PyObject *Dim0_accumulate(Dim0Object *self, PyObject *args)
+static PyObject *ShardGroup_accumulate(ShardGroupObject *self, PyObject *args)
 {
     PyObject *src, *dst, *scode, *dcode;
     long long n;
@@ -514,21 +514,21 @@ static PyObject *Dim0_accumulate(Dim0Object *self, PyObject *args)
         dtype_arg(scode, &st) < 0 || dtype_arg(dcode, &dt) < 0)
         return NULL;
     if (n < 0)
-        return PyErr_Format(PyExc_ValueError, "Dim0Group.accumulate: n must be >= 0");
+        return PyErr_Format(PyExc_ValueError, "ShardGroup.accumulate: n must be >= 0");
     if (bind(self) < 0)
         return NULL;
     fs_status s;
-    RUN(s, fs_dim0_accumulate(&self->g, src, st, dst, dt, (int64_t)n, add));
+    RUN(s, fs_shard_accumulate(&self->g, src, st, dst, dt, (int64_t)n, add));
     return done(self, s);
 }
 
-static PyObject *Dim0_drop_partial(Dim0Object *self, PyObject *Py_UNUSED(a))
+static PyObject *ShardGroup_drop_partial(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    fs_dim0_drop_partial(&self->g);
+    fs_shard_drop_partial(&self->g);
     Py_RETURN_NONE;
 }
 
-static PyObject *Dim0_get_entries(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_entries(ShardGroupObject *self, void *c)
 {
     fs_mod_state *st = fs_state_from_type(Py_TYPE(self));
     int n = self->g.nparams, rank = self->g.link.comm->rank;
@@ -544,7 +544,7 @@ static PyObject *Dim0_get_entries(Dim0Object *self, void *c)
     return l;
 }
 
-static PyObject *Dim0_get_offsets(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_offsets(ShardGroupObject *self, void *c)
 {
     PyObject *t = PyTuple_New(self->g.nparams);
     for (int i = 0; t && i < self->g.nparams; i++) {
@@ -558,23 +558,23 @@ static PyObject *Dim0_get_offsets(Dim0Object *self, void *c)
     return t;
 }
 
-static PyObject *Dim0_get_full_alloc(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_full_alloc(ShardGroupObject *self, void *c)
 {
     return PyLong_FromLongLong(self->g.full_alloc);
 }
-static PyObject *Dim0_get_unsharded(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_unsharded(ShardGroupObject *self, void *c)
 {
     return PyBool_FromLong(self->g.unsharded);
 }
-static PyObject *Dim0_get_gather_pending(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_gather_pending(ShardGroupObject *self, void *c)
 {
     return PyBool_FromLong(self->g.gather_pending);
 }
-static PyObject *Dim0_get_reduce_pending(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_reduce_pending(ShardGroupObject *self, void *c)
 {
     return PyBool_FromLong(self->g.reduce_pending);
 }
-static PyObject *Dim0_get_counts(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_counts(ShardGroupObject *self, void *c)
 {
     return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.n_all_gather, "reduce_scatter",
                          self->g.n_reduce_scatter, "deferred_gather", self->g.n_deferred_gather,
@@ -582,49 +582,49 @@ static PyObject *Dim0_get_counts(Dim0Object *self, void *c)
                          self->g.n_post_gather);
 }
 
-static PyObject *Dim0_get_aliased(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_aliased(ShardGroupObject *self, void *c)
 {
     return PyBool_FromLong(self->g.aliased);
 }
 
-static PyObject *Dim0_get_copied(Dim0Object *self, void *c)
+static PyObject *ShardGroup_get_copied(ShardGroupObject *self, void *c)
 {
     const unsigned long long *b = self->g.copied_bytes;
-    return Py_BuildValue("{sKsKsKsKsK}", "copy_in", b[FS_DIM0_COPY_IN], "copy_out",
-                         b[FS_DIM0_COPY_OUT], "reduce_in", b[FS_DIM0_REDUCE_IN], "reduce_out",
-                         b[FS_DIM0_REDUCE_OUT], "cast", b[FS_DIM0_CAST]);
+    return Py_BuildValue("{sKsKsKsKsK}", "copy_in", b[FS_SHARD_COPY_IN], "copy_out",
+                         b[FS_SHARD_COPY_OUT], "reduce_in", b[FS_SHARD_REDUCE_IN], "reduce_out",
+                         b[FS_SHARD_REDUCE_OUT], "cast", b[FS_SHARD_CAST]);
 }
 
-static PyMethodDef Dim0_methods[] = {
-    {"set_shards", (PyCFunction)Dim0_set_shards, METH_VARARGS, set_shards_doc},
-    {"set_full", (PyCFunction)Dim0_set_full, METH_O, set_full_doc},
-    {"unshard", (PyCFunction)(void (*)(void))Dim0_unshard, METH_VARARGS | METH_KEYWORDS,
+static PyMethodDef ShardGroup_methods[] = {
+    {"set_shards", (PyCFunction)ShardGroup_set_shards, METH_VARARGS, set_shards_doc},
+    {"set_full", (PyCFunction)ShardGroup_set_full, METH_O, set_full_doc},
+    {"unshard", (PyCFunction)(void (*)(void))ShardGroup_unshard, METH_VARARGS | METH_KEYWORDS,
      "unshard(defer=False, along=None): gather into the unsharded buffer (defer: a device\n"
-     "prefetch). along: a tuple of Dim0Groups on this Comm (host) gathered now too, in the\n"
+     "prefetch). along: a tuple of ShardGroups on this Comm (host) gathered now too, in the\n"
      "same all-gather (those already gathered are skipped)."},
-    {"unshard_from", (PyCFunction)Dim0_unshard_from, METH_VARARGS,
+    {"unshard_from", (PyCFunction)ShardGroup_unshard_from, METH_VARARGS,
      "unshard_from(comm, chunk): gather the unsharded buffer over `comm` from the chunk\n"
      "this rank kept after forward (int reshard_after_forward)."},
-    {"wait", (PyCFunction)Dim0_wait, METH_NOARGS,
+    {"wait", (PyCFunction)ShardGroup_wait, METH_NOARGS,
      "wait(): a deferred gather: the stream waits, then the copy-out is enqueued."},
-    {"reshard", (PyCFunction)Dim0_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},
-    {"flush_bucket", (PyCFunction)Dim0_flush_bucket, METH_VARARGS, flush_bucket_doc},
-    {"cancel_bucket", (PyCFunction)Dim0_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
-    {"reduce", (PyCFunction)(void (*)(void))Dim0_reduce, METH_VARARGS | METH_KEYWORDS,
+    {"reshard", (PyCFunction)ShardGroup_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},
+    {"flush_bucket", (PyCFunction)ShardGroup_flush_bucket, METH_VARARGS, flush_bucket_doc},
+    {"cancel_bucket", (PyCFunction)ShardGroup_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
+    {"reduce", (PyCFunction)(void (*)(void))ShardGroup_reduce, METH_VARARGS | METH_KEYWORDS,
      reduce_doc},
-    {"wait_reduce", (PyCFunction)Dim0_wait_reduce, METH_NOARGS,
+    {"wait_reduce", (PyCFunction)ShardGroup_wait_reduce, METH_NOARGS,
      "wait_reduce(): a deferred reduction: the stream waits for its reduce-scatter, then\n"
      "the replicas' all-reduce and a held output's divide are enqueued."},
-    {"finish_reduce", (PyCFunction)Dim0_finish_reduce, METH_NOARGS,
+    {"finish_reduce", (PyCFunction)ShardGroup_finish_reduce, METH_NOARGS,
      "finish_reduce(): what is left of a reduction (the wait, the all-reduce, the scale)\n"
      "and the sharded gradients written."},
-    {"accumulate", (PyCFunction)Dim0_accumulate, METH_VARARGS, accumulate_doc},
-    {"drop_partial", (PyCFunction)Dim0_drop_partial, METH_NOARGS,
+    {"accumulate", (PyCFunction)ShardGroup_accumulate, METH_VARARGS, accumulate_doc},
+    {"drop_partial", (PyCFunction)ShardGroup_drop_partial, METH_NOARGS,
      "drop_partial(): forget the HSDP partial sum (reset_iter_state)."},
     {NULL},
 };
 
-static PyObject *Dim0_get_name(Dim0Object *self, void *closure)
+static PyObject *ShardGroup_get_name(ShardGroupObject *self, void *closure)
 {
     (void)closure;
     return Py_NewRef(self->name);
@@ -632,11 +632,11 @@ static PyObject *Dim0_get_name(Dim0Object *self, void *closure)
 
 /* The ledger's and the errors' name for the group: its module's path, known
  * only once the root's tree is (fully_shard names groups at lazy init). */
-static int Dim0_set_name(Dim0Object *self, PyObject *value, void *closure)
+static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *closure)
 {
     (void)closure;
     if (!value || !PyUnicode_Check(value)) {
-        PyErr_SetString(PyExc_TypeError, "Dim0Group.name: a str");
+        PyErr_SetString(PyExc_TypeError, "ShardGroup.name: a str");
         return -1;
     }
     const char *utf8 = PyUnicode_AsUTF8(value);
@@ -647,52 +647,52 @@ static int Dim0_set_name(Dim0Object *self, PyObject *value, void *closure)
     return 0;
 }
 
-static PyGetSetDef Dim0_getset[] = {
-    {"name", (getter)Dim0_get_name, (setter)Dim0_set_name,
+static PyGetSetDef ShardGroup_getset[] = {
+    {"name", (getter)ShardGroup_get_name, (setter)ShardGroup_set_name,
      "the group's name in the ledger and in errors", NULL},
-    {"entries", (getter)Dim0_get_entries, NULL, "this rank's Dim0Entry per parameter", NULL},
-    {"offsets", (getter)Dim0_get_offsets, NULL, "each parameter's start in the unsharded buffer",
+    {"entries", (getter)ShardGroup_get_entries, NULL, "this rank's Dim0Entry per parameter", NULL},
+    {"offsets", (getter)ShardGroup_get_offsets, NULL, "each parameter's start in the unsharded buffer",
      NULL},
-    {"full_alloc", (getter)Dim0_get_full_alloc, NULL, "elements of the unsharded buffer", NULL},
-    {"is_unsharded", (getter)Dim0_get_unsharded, NULL, "gathered (maybe pending)", NULL},
-    {"gather_pending", (getter)Dim0_get_gather_pending, NULL, "a deferred gather", NULL},
-    {"reduce_pending", (getter)Dim0_get_reduce_pending, NULL,
+    {"full_alloc", (getter)ShardGroup_get_full_alloc, NULL, "elements of the unsharded buffer", NULL},
+    {"is_unsharded", (getter)ShardGroup_get_unsharded, NULL, "gathered (maybe pending)", NULL},
+    {"gather_pending", (getter)ShardGroup_get_gather_pending, NULL, "a deferred gather", NULL},
+    {"reduce_pending", (getter)ShardGroup_get_reduce_pending, NULL,
      "a reduction left to finish (deferred or held)", NULL},
-    {"reduce_output", (getter)Dim0_get_reduce_output, NULL,
+    {"reduce_output", (getter)ShardGroup_get_reduce_output, NULL,
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
      "memoryview (host) or a uint8 tensor (device); None when none is ready", NULL},
-    {"counts", (getter)Dim0_get_counts, NULL, "collectives issued", NULL},
-    {"aliased", (getter)Dim0_get_aliased, NULL,
+    {"counts", (getter)ShardGroup_get_counts, NULL, "collectives issued", NULL},
+    {"aliased", (getter)ShardGroup_get_aliased, NULL,
      "the unsharded parameters must be the shards themselves (one rank, the compute\n"
-     "dtype: engine/dim0.h, [Note: direct layout]); set with the shards", NULL},
-    {"copied", (getter)Dim0_get_copied, NULL,
-     "bytes written by copies so far, by kind (engine/dim0.h, [Note: copy counts])", NULL},
+     "dtype: engine/shard_group.h, [Note: direct layout]); set with the shards", NULL},
+    {"copied", (getter)ShardGroup_get_copied, NULL,
+     "bytes written by copies so far, by kind (engine/shard_group.h, [Note: copy counts])", NULL},
     {NULL},
 };
 
-static PyType_Slot Dim0_slots[] = {
-    {Py_tp_new, Dim0_new},
-    {Py_tp_dealloc, Dim0_dealloc},
-    {Py_tp_methods, Dim0_methods},
-    {Py_tp_getset, Dim0_getset},
-    {Py_bf_getbuffer, Dim0_getbuffer},
-    {Py_bf_releasebuffer, Dim0_releasebuffer},
-    {Py_tp_doc, "Dim0Group(name, comm, dim0, row_numel, gathered, align, compute_dtype,\n"
+static PyType_Slot ShardGroup_slots[] = {
+    {Py_tp_new, ShardGroup_new},
+    {Py_tp_dealloc, ShardGroup_dealloc},
+    {Py_tp_methods, ShardGroup_methods},
+    {Py_tp_getset, ShardGroup_getset},
+    {Py_bf_getbuffer, ShardGroup_getbuffer},
+    {Py_bf_releasebuffer, ShardGroup_releasebuffer},
+    {Py_tp_doc, "ShardGroup(name, comm, dim0, row_numel, gathered, align, compute_dtype,\n"
                 "reduce_dtype, *, empty=None, replicate=None, outer=None): one fully_shard\n"
-                "group on the engine (engine/dim0.h); parameter i is viewed as (outer[i],\n"
+                "group on the engine (engine/shard_group.h); parameter i is viewed as (outer[i],\n"
                 "dim0[i], row_numel[i]) and sharded on its middle dim."},
     {0, NULL},
 };
 
-static PyType_Spec Dim0_spec = {
-    "flatshard._C.Dim0Group", sizeof(Dim0Object), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, Dim0_slots,
+static PyType_Spec ShardGroup_spec = {
+    "flatshard._C.ShardGroup", sizeof(ShardGroupObject), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, ShardGroup_slots,
 };
 
-int fs_dim0_type_add(PyObject *module, fs_mod_state *st)
+int fs_shard_group_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->Dim0GroupType = PyType_FromModuleAndSpec(module, &Dim0_spec, NULL);
-    if (!st->Dim0GroupType)
+    st->ShardGroupType = PyType_FromModuleAndSpec(module, &ShardGroup_spec, NULL);
+    if (!st->ShardGroupType)
         return -1;
-    return PyModule_AddObjectRef(module, "Dim0Group", st->Dim0GroupType);
+    return PyModule_AddObjectRef(module, "ShardGroup", st->ShardGroupType);
 }

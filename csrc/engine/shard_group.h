@@ -1,4 +1,4 @@
-/* dim0.h - the engine's fully_shard group: parameters sharded on dim 0
+/* shard_group.h - the engine's fully_shard group: parameters sharded on dim 0
  * (torch FSDP2's per-parameter layout, layout.h DIM0), gathered with one
  * all-gather into one unsharded buffer and reduced with one reduce-scatter.
  *
@@ -23,17 +23,17 @@
  * The same code runs on the host and on a device (the link's table): every
  * copy is a cast of a contiguous range; a block's padding is never read
  * (the gathered buffer is not kept between gathers). On a device a gather can be deferred (a
- * prefetch: the copy-out waits for fs_dim0_wait) and so can a reduction (the
- * steps after the collective wait for fs_dim0_finish_reduce).
+ * prefetch: the copy-out waits for fs_shard_wait) and so can a reduction (the
+ * steps after the collective wait for fs_shard_finish_reduce).
  *
  * [Note: reduce output] A reduction is the reduce-scatter into this rank's
  * block (rs_out: block_numel elements of the reduce dtype, each parameter's
  * rows at its block_offset), then `collect` (HSDP: the replicas' all-reduce,
  * or without it the partial sum below), then `write_grads` (the scale, each
- * sharded gradient). A held reduction (FS_DIM0_HOLD) stops between the two
+ * sharded gradient). A held reduction (FS_SHARD_HOLD) stops between the two
  * with rs_out divided by the rule's `hold` (all that torch has divided by
  * when its all-reduce hook runs), so that the host can read and change it;
- * fs_dim0_finish_reduce divides by the rest (`post`) and writes.
+ * fs_shard_finish_reduce divides by the rest (`post`) and writes.
  * HSDP without the all-reduce (torch's requires_all_reduce=False) adds
  * rs_out, a plain sum, into `partial`, kept across reductions, and writes
  * nothing; the next reduction that all-reduces adds `partial` to its rs_out
@@ -64,8 +64,8 @@
  * precision needs those). Adding the reduce output onto a gradient that is
  * there is arithmetic the result needs, not a copy; the host's coalescing
  * of several groups' collectives into one (engine.h) packs on its own. */
-#ifndef FS_DIM0_H
-#define FS_DIM0_H
+#ifndef FS_SHARD_GROUP_H
+#define FS_SHARD_GROUP_H
 
 #include "engine.h"
 #include "group.h"
@@ -82,15 +82,15 @@ typedef struct {
     int gathered;         /* 0: its class gathers it (an extension) */
     int64_t full_offset;  /* its start in the unsharded buffer, elements */
     void *shard;          /* tensor handle: this rank's rows, contiguous */
-} fs_dim0_param;
+} fs_shard_param;
 
 enum {
-    FS_DIM0_COPY_IN,
-    FS_DIM0_COPY_OUT,
-    FS_DIM0_REDUCE_IN,
-    FS_DIM0_REDUCE_OUT,
-    FS_DIM0_CAST,
-    FS_DIM0_NCOPY,
+    FS_SHARD_COPY_IN,
+    FS_SHARD_COPY_OUT,
+    FS_SHARD_REDUCE_IN,
+    FS_SHARD_REDUCE_OUT,
+    FS_SHARD_CAST,
+    FS_SHARD_NCOPY,
 };
 
 typedef struct {
@@ -99,7 +99,7 @@ typedef struct {
     fs_link link;          /* the shard group */
     fs_link replicate;     /* HSDP: across replicas (comm NULL otherwise) */
     int nparams;
-    fs_dim0_param *params;
+    fs_shard_param *params;
     fs_dim0_entry *entries;  /* world x nparams: each rank's entries (reduce layout) */
     fs_dim0_entry *gentries; /* nparams: this rank's gather entries (extensions: no rows) */
     int64_t block_numel, gather_block_numel;
@@ -129,86 +129,86 @@ typedef struct {
     int *accumulate;
     unsigned long long n_all_gather, n_reduce_scatter, n_deferred_gather, n_deferred_reduce,
         n_post_gather;
-    unsigned long long copied_bytes[FS_DIM0_NCOPY]; /* [Note: copy counts] */
+    unsigned long long copied_bytes[FS_SHARD_NCOPY]; /* [Note: copy counts] */
     char err[512];
     const char *err_what;
     int err_collective;
-} fs_dim0_group;
+} fs_shard_group;
 
 /* outer[i] (NULL: all 1), dim0[i], row_numel[i], gathered[i] for nparams
  * parameters; align: every parameter's start in the block and the unsharded
  * buffer, in elements. */
-fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link link,
+fs_status fs_shard_init(fs_shard_group *g, const char *name, fs_env env, fs_link link,
                        fs_link replicate, int nparams, const int64_t *outer,
                        const int64_t *dim0, const int64_t *row_numel, const int *gathered,
                        int64_t align, fs_dtype compute, fs_dtype reduce);
-void fs_dim0_destroy(fs_dim0_group *g);
+void fs_shard_destroy(fs_shard_group *g);
 
 /* The local shards (tensor handles and dtypes, nparams), and the unsharded
  * buffer (tensor and storage handles), set again after the host moved them.
  * After set_shards, `aliased` says whether the host's unsharded parameters
  * must be the shards themselves [Note: direct layout]. */
-void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards, const fs_dtype *shard_t);
-void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage);
+void fs_shard_set_shards(fs_shard_group *g, void *const *shards, const fs_dtype *shard_t);
+void fs_shard_set_full(fs_shard_group *g, void *full, void *storage);
 
 /* One all-gather of every rank's block, then the copy-out into the
  * unsharded buffer (given its storage first). defer: a device prefetch. */
-fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer);
+fs_status fs_shard_unshard(fs_shard_group *g, const fs_dtype *shard_t, int defer);
 /* g (when own) and the groups in along (those not gathered; the same host
  * comm) gathered in one all-gather ([Note: coalesced gathers] in
  * engine.h), each copied out after it; shard_t[k]: along[k]'s shard dtypes.
  * On failure *failed is the index in along of the group whose err says
  * why, or -1 for g. */
-fs_status fs_dim0_unshard_along(fs_dim0_group *g, const fs_dtype *own_t, int own,
-                                fs_dim0_group *const *along, const fs_dtype *const *shard_t,
+fs_status fs_shard_unshard_along(fs_shard_group *g, const fs_dtype *own_t, int own,
+                                fs_shard_group *const *along, const fs_dtype *const *shard_t,
                                 int n, int *failed);
-fs_status fs_dim0_wait(fs_dim0_group *g);
+fs_status fs_shard_wait(fs_shard_group *g);
 /* int reshard_after_forward: the unsharded buffer gathered again over a
  * smaller group `post`, from the 1/post-size chunk this rank kept (tensor
  * handle, full_alloc / post world elements of compute). */
-fs_status fs_dim0_unshard_from(fs_dim0_group *g, fs_link *post, void *chunk);
-fs_status fs_dim0_reshard(fs_dim0_group *g);
+fs_status fs_shard_unshard_from(fs_shard_group *g, fs_link *post, void *chunk);
+fs_status fs_shard_reshard(fs_shard_group *g);
 
 enum {
-    FS_DIM0_DEFER = 1,         /* a device: what follows the collective waits for finish */
-    FS_DIM0_NO_ALL_REDUCE = 2, /* HSDP: into the partial sum, nothing written */
-    FS_DIM0_HOLD = 4,          /* stop for a hook before the sharded gradients */
-    FS_DIM0_FORCE_SUM = 8,     /* torch's set_force_sum_reduction_for_comms(True) */
+    FS_SHARD_DEFER = 1,         /* a device: what follows the collective waits for finish */
+    FS_SHARD_NO_ALL_REDUCE = 2, /* HSDP: into the partial sum, nothing written */
+    FS_SHARD_HOLD = 4,          /* stop for a hook before the sharded gradients */
+    FS_SHARD_FORCE_SUM = 8,     /* torch's set_force_sum_reduction_for_comms(True) */
 };
 
 /* grads[i]: the unsharded gradient (tensor handle, dtype grad_t[i], the
  * parameter's shape) or NULL; outs[i]: the sharded gradient to write
  * (out_t[i], this rank's rows) or NULL; accumulate[i]: add to it. factor >
- * 0: divide the sum by it, else average. FS_DIM0_HOLD: stop before the
+ * 0: divide the sum by it, else average. FS_SHARD_HOLD: stop before the
  * sharded gradients with rs_out divided by the rule's hold (reduce_pending;
- * ignored with FS_DIM0_NO_ALL_REDUCE, which writes nothing). flags: FS_DIM0_*. */
-fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
+ * ignored with FS_SHARD_NO_ALL_REDUCE, which writes nothing). flags: FS_SHARD_*. */
+fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype *grad_t,
                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
                          double factor, unsigned flags);
 /* A deferred reduction: the stream waits for its reduce-scatter, then
  * collect is enqueued; a held rs_out is then ready on the stream. */
-fs_status fs_dim0_wait_reduce(fs_dim0_group *g);
+fs_status fs_shard_wait_reduce(fs_shard_group *g);
 /* What is left of a reduction: the wait, collect, write. */
-fs_status fs_dim0_finish_reduce(fs_dim0_group *g);
+fs_status fs_shard_finish_reduce(fs_shard_group *g);
 /* A host reduction whose bucket is given up without a flush ([Note:
  * reduction buckets]): its buffers go back, nothing is written. */
-void fs_dim0_cancel_reduce(fs_dim0_group *g);
+void fs_shard_cancel_reduce(fs_shard_group *g);
 /* The bucket flushed through g's link, then each owner's reduction
  * finished (all cancelled after a failed flush), and the bucket emptied.
  * On failure *failed is the index of the group whose err says why, or -1
  * for g. */
 /* The bucket given up without a collective: each owner's reduction
  * cancelled, the bucket emptied. */
-void fs_dim0_cancel_bucket(fs_reduce_bucket *b, fs_dim0_group *const *owners);
-fs_status fs_dim0_flush_bucket(fs_reduce_bucket *b, fs_dim0_group *g,
-                               fs_dim0_group *const *owners, int *failed);
+void fs_shard_cancel_bucket(fs_reduce_bucket *b, fs_shard_group *const *owners);
+fs_status fs_shard_flush_bucket(fs_reduce_bucket *b, fs_shard_group *g,
+                               fs_shard_group *const *owners, int *failed);
 /* Forget the HSDP partial sum (an iteration given up: reset_iter_state). */
-void fs_dim0_drop_partial(fs_dim0_group *g);
+void fs_shard_drop_partial(fs_shard_group *g);
 
 /* Without gradient sync, an unsharded gradient kept as a reduce-dtype sum
  * across backwards: dst (tensor handle, dst_t) = (add ? dst : 0) + src
  * (src_t), n elements, on the link's host loops or device stream. */
-fs_status fs_dim0_accumulate(fs_dim0_group *g, void *src, fs_dtype src_t, void *dst,
+fs_status fs_shard_accumulate(fs_shard_group *g, void *src, fs_dtype src_t, void *dst,
                              fs_dtype dst_t, int64_t n, int add);
 
 #endif

@@ -1,26 +1,26 @@
-/* dim0_internal.h - what dim0.c and dim0_reduce.c share inside the engine
+/* shard_group_internal.h - what shard_group.c and shard_group_reduce.c share inside the engine
  * (not for the glue). */
-#ifndef FS_DIM0_INTERNAL_H
-#define FS_DIM0_INTERNAL_H
+#ifndef FS_SHARD_GROUP_INTERNAL_H
+#define FS_SHARD_GROUP_INTERNAL_H
 
-#include "dim0.h"
+#include "shard_group.h"
 
 /* Record a failure in g's record (what, whether a collective failed, the
  * words from fmt: none for NULL or FS_ERR_HOST) and return s. */
-fs_status fs_dim0_fail(fs_dim0_group *g, fs_status s, const char *what, int collective,
+fs_status fs_shard_fail(fs_shard_group *g, fs_status s, const char *what, int collective,
                        const char *fmt, ...);
 /* [Note: copy counts]: n elements of dt written from st by a copy of `kind`
  * (a cast when the dtypes differ). */
-void fs_dim0_count_copy(fs_dim0_group *g, int kind, fs_dtype dt, fs_dtype st, int64_t n);
+void fs_shard_count_copy(fs_shard_group *g, int kind, fs_dtype dt, fs_dtype st, int64_t n);
 /* [Note: direct layout]: more than one rank, and the group one Shard(0)
  * parameter whose rows split evenly with no padding in a block: the
  * all-gather output is the unsharded parameter, the gradient the
  * reduce-scatter input. */
-int fs_dim0_direct_layout(const fs_dim0_group *g);
+int fs_shard_direct_layout(const fs_shard_group *g);
 
-static inline void fs_dim0_drop(fs_dim0_group *g, void **h) { fs_group_drop(&g->env, h); }
+static inline void fs_shard_drop(fs_shard_group *g, void **h) { fs_group_drop(&g->env, h); }
 
-static inline int64_t fs_dim0_param_numel(const fs_dim0_param *p)
+static inline int64_t fs_shard_param_numel(const fs_shard_param *p)
 {
     return p->outer * p->dim0 * p->row_numel;
 }

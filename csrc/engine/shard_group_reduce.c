@@ -1,9 +1,9 @@
-/* dim0_reduce.c - see dim0.h: a fully_shard group's gradient reductions:
+/* shard_group_reduce.c - see shard_group.h: a fully_shard group's gradient reductions:
  * the reduce-scatter (staged, or straight from the gradient [Note: direct
  * layout]), the one-rank reduction in place, the replicas' all-reduce and the
  * HSDP partial sum, the divides of the rule (core/reduce_rule.h), deferral and
  * the reduction bucket. No Python. */
-#include "dim0_internal.h"
+#include "shard_group_internal.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -11,22 +11,22 @@
 /* ---------------------------------------------------------------------------
  * reduce */
 
-static void unlend(fs_dim0_group *g, fs_link *l, void **h)
+static void unlend(fs_shard_group *g, fs_link *l, void **h)
 {
     if (*h)
         fs_link_unlend(l);
-    fs_dim0_drop(g, h);
+    fs_shard_drop(g, h);
 }
 
 /* A reduction without the replicas' all-reduce writes nothing. */
-static int writes(const fs_dim0_group *g)
+static int writes(const fs_shard_group *g)
 {
     return !g->replicate.comm || g->all_reduce;
 }
 
 /* After the reduce-scatter [Note: reduce output]: across replicas (with the
  * partial sum), or into the partial sum; then a held output's divide. */
-static fs_status collect(fs_dim0_group *g)
+static fs_status collect(fs_shard_group *g)
 {
     fs_link *l = &g->link;
     fs_status s = FS_OK;
@@ -36,10 +36,10 @@ static fs_status collect(fs_dim0_group *g)
         const int add = g->partial_h != NULL;
         if (!add && (s = g->env.take(g->env.ctx, g->block_numel * (int64_t)rs, 0, &g->partial,
                                      &g->partial_h)) != FS_OK)
-            return fs_dim0_fail(g, s, "reduce-scatter", 0, "partial sum: out of memory");
+            return fs_shard_fail(g, s, "reduce-scatter", 0, "partial sum: out of memory");
         if ((s = fs_link_scale_accumulate(l, l->stream, g->partial, g->reduce, g->rs_out,
                                           g->reduce, g->block_numel, 1.0, add)) != FS_OK)
-            return fs_dim0_fail(g, s, "reduce-scatter", 0, "partial sum: %s", l->comm->last_error);
+            return fs_shard_fail(g, s, "reduce-scatter", 0, "partial sum: %s", l->comm->last_error);
         return FS_OK;
     }
     if (g->replicate.comm) {
@@ -48,25 +48,25 @@ static fs_status collect(fs_dim0_group *g)
         if (g->partial_h) {
             s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->partial,
                                          g->reduce, g->block_numel, 1.0, 1);
-            fs_dim0_drop(g, &g->partial_h); /* the stream orders its reuse */
+            fs_shard_drop(g, &g->partial_h); /* the stream orders its reuse */
             if (s != FS_OK)
-                return fs_dim0_fail(g, s, "all-reduce", 0, "partial sum: %s", l->comm->last_error);
+                return fs_shard_fail(g, s, "all-reduce", 0, "partial sum: %s", l->comm->last_error);
         }
         if ((s = fs_link_lend(&g->env, r, g->reduce, g->block_numel, &ws)) != FS_OK)
-            return fs_dim0_fail(g, s, "all-reduce", 0, "out of memory");
+            return fs_shard_fail(g, s, "all-reduce", 0, "out of memory");
         FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->name, g->block_numel, g->reduce,
                     fs_comm_all_reduce(r->comm, g->rs_out, g->block_numel, g->reduce,
                                        FS_RED_SUM));
         unlend(g, r, &ws);
         if (s != FS_OK)
-            return fs_dim0_fail(g, s, "all-reduce", 1, "all_reduce across replicas: %s",
+            return fs_shard_fail(g, s, "all-reduce", 1, "all_reduce across replicas: %s",
                                 r->comm->last_error);
     }
     /* a hook reads what torch's reads: the collective's own divide done */
     if (g->held && g->divide.in_comm != 1.0 &&
         (s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out, g->reduce,
                                       g->block_numel, 1.0 / g->divide.in_comm, 0)) != FS_OK)
-        return fs_dim0_fail(g, s, "reduce-scatter", 0, "divide: %s", l->comm->last_error);
+        return fs_shard_fail(g, s, "reduce-scatter", 0, "divide: %s", l->comm->last_error);
     return FS_OK;
 }
 
@@ -76,7 +76,7 @@ static fs_status collect(fs_dim0_group *g)
  * dtype, and an add that rounds its product as the reduce dtype does (f32,
  * f64). The collective's own divide stays fused, as the collective would
  * round it. */
-static fs_status write_grads(fs_dim0_group *g)
+static fs_status write_grads(fs_shard_group *g)
 {
     fs_link *l = &g->link;
     fs_comm *c = l->comm;
@@ -97,7 +97,7 @@ static fs_status write_grads(fs_dim0_group *g)
         } else if ((s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out,
                                                  g->reduce, g->block_numel,
                                                  1.0 / g->divide.post, 0)) != FS_OK) {
-            return fs_dim0_fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
+            return fs_shard_fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
         }
     }
     const size_t rs = fs_dtype_size(g->reduce);
@@ -107,27 +107,27 @@ static fs_status write_grads(fs_dim0_group *g)
         if (!g->outs[i] || !e->local_rows || !e->row_numel)
             continue;
         if ((s = g->env.data(g->env.ctx, g->outs[i], &dst)) != FS_OK)
-            return fs_dim0_fail(g, s, "reduce-scatter", 0, NULL);
+            return fs_shard_fail(g, s, "reduce-scatter", 0, NULL);
         const char *src = (const char *)g->rs_out + e->block_offset * rs;
         if (dst == src && scale == 1.0) /* reduced in place [Note: direct layout] */
             continue;
         s = fs_link_scale_accumulate(l, l->stream, dst, g->out_t[i], src, g->reduce,
                                      e->local_rows * e->row_numel, scale, g->accumulate[i]);
         if (s != FS_OK)
-            return fs_dim0_fail(g, s, "reduce-scatter", 0, "gradient: %s", c->last_error);
+            return fs_shard_fail(g, s, "reduce-scatter", 0, "gradient: %s", c->last_error);
         if (!g->accumulate[i] && dst != src)
-            fs_dim0_count_copy(g, FS_DIM0_REDUCE_OUT, g->out_t[i], g->reduce,
+            fs_shard_count_copy(g, FS_SHARD_REDUCE_OUT, g->out_t[i], g->reduce,
                                e->local_rows * e->row_numel);
     }
     return s;
 }
 
-static void release_reduction(fs_dim0_group *g)
+static void release_reduction(fs_shard_group *g)
 {
-    fs_dim0_drop(g, &g->rs_in_h);
-    fs_dim0_drop(g, &g->rs_out_h);
+    fs_shard_drop(g, &g->rs_in_h);
+    fs_shard_drop(g, &g->rs_out_h);
     for (int i = 0; i < g->nparams; i++)
-        fs_dim0_drop(g, &g->outs[i]);
+        fs_shard_drop(g, &g->outs[i]);
     g->reduce_pending = g->reduce_deferred = 0;
 }
 
@@ -138,7 +138,7 @@ static void release_reduction(fs_dim0_group *g)
  * dtype is cast first: into a new output of the reduce dtype, else into a
  * buffer of its own (as for a trainable parameter without a gradient:
  * zeros). */
-static fs_status reduce_alone(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
+static fs_status reduce_alone(fs_shard_group *g, void *const *grads, const fs_dtype *grad_t,
                               void *const *outs, const fs_dtype *out_t, const int *accumulate)
 {
     const fs_env *e = &g->env;
@@ -150,7 +150,7 @@ static fs_status reduce_alone(fs_dim0_group *g, void *const *grads, const fs_dty
     const char *what = "reduce-scatter", *why = NULL;
     int collective = 0;
     for (int i = 0; i < g->nparams && s == FS_OK; i++) {
-        const int64_t numel = fs_dim0_param_numel(&g->params[i]);
+        const int64_t numel = fs_shard_param_numel(&g->params[i]);
         void *src = NULL, *dst = NULL, *buf, *tmp_h = NULL, *ws;
         if ((!grads[i] && !outs[i]) || !numel)
             continue;
@@ -165,7 +165,7 @@ static fs_status reduce_alone(fs_dim0_group *g, void *const *grads, const fs_dty
                 why = "cast";
                 break;
             }
-            fs_dim0_count_copy(g, FS_DIM0_REDUCE_IN, g->reduce, grad_t[i], numel);
+            fs_shard_count_copy(g, FS_SHARD_REDUCE_IN, g->reduce, grad_t[i], numel);
             buf = dst;
         } else {
             if ((s = e->take(e->ctx, numel * (int64_t)rs, FS_TAKE_ZERO | FS_TAKE_TRANSIENT,
@@ -175,17 +175,17 @@ static fs_status reduce_alone(fs_dim0_group *g, void *const *grads, const fs_dty
             }
             if (src && (s = fs_link_cast(l, l->stream, buf, g->reduce, src, grad_t[i],
                                          numel)) != FS_OK) {
-                fs_dim0_drop(g, &tmp_h);
+                fs_shard_drop(g, &tmp_h);
                 why = "copy-in";
                 break;
             }
             if (src)
-                fs_dim0_count_copy(g, FS_DIM0_REDUCE_IN, g->reduce, grad_t[i], numel);
+                fs_shard_count_copy(g, FS_SHARD_REDUCE_IN, g->reduce, grad_t[i], numel);
         }
         if (d->pre != 1.0 && (s = fs_link_scale_accumulate(l, l->stream, buf, g->reduce, buf,
                                                            g->reduce, numel, 1.0 / d->pre, 0)) !=
                                  FS_OK) {
-            fs_dim0_drop(g, &tmp_h);
+            fs_shard_drop(g, &tmp_h);
             why = "divide";
             break;
         }
@@ -218,18 +218,18 @@ static fs_status reduce_alone(fs_dim0_group *g, void *const *grads, const fs_dty
             if (s != FS_OK)
                 why = "gradient";
             else if (!accumulate[i] && dst != buf)
-                fs_dim0_count_copy(g, FS_DIM0_REDUCE_OUT, out_t[i], g->reduce, numel);
+                fs_shard_count_copy(g, FS_SHARD_REDUCE_OUT, out_t[i], g->reduce, numel);
         }
-        fs_dim0_drop(g, &tmp_h);
+        fs_shard_drop(g, &tmp_h);
     }
     if (s != FS_OK)
-        return fs_dim0_fail(g, s, what, collective, why ? "%s: %s" : NULL, why,
+        return fs_shard_fail(g, s, what, collective, why ? "%s: %s" : NULL, why,
                             (collective ? r : l)->comm->last_error);
     g->n_reduce_scatter++; /* the reduction torch issues (and counts) at one rank too */
     return FS_OK;
 }
 
-fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *grad_t,
+fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype *grad_t,
                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
                          double factor, unsigned flags)
 {
@@ -238,22 +238,22 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     fs_comm *c = l->comm;
     const int world = c->world_size;
     const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1, rs = fs_dtype_size(g->reduce);
-    const int defer = (flags & FS_DIM0_DEFER) && l->dev;
+    const int defer = (flags & FS_SHARD_DEFER) && l->dev;
     /* [Note: reduction buckets]: kept like a deferred one until the flush */
     const int bucketed = l->bucket && !l->dev;
     fs_status s;
-    if (g->reduce_pending && (s = fs_dim0_finish_reduce(g)) != FS_OK)
+    if (g->reduce_pending && (s = fs_shard_finish_reduce(g)) != FS_OK)
         return s;
-    g->all_reduce = !(flags & FS_DIM0_NO_ALL_REDUCE);
-    g->held = writes(g) && (flags & FS_DIM0_HOLD);
+    g->all_reduce = !(flags & FS_SHARD_NO_ALL_REDUCE);
+    g->held = writes(g) && (flags & FS_SHARD_HOLD);
     if ((s = fs_divide_rule(FS_DIVIDE_FULLY_SHARD, g->reduce, world,
                             g->replicate.comm ? g->replicate.comm->world_size : 1, factor,
-                            (flags & FS_DIM0_FORCE_SUM) != 0, &g->divide)) != FS_OK)
-        return fs_dim0_fail(g, s, "reduce-scatter", 0,
+                            (flags & FS_SHARD_FORCE_SUM) != 0, &g->divide)) != FS_OK)
+        return fs_shard_fail(g, s, "reduce-scatter", 0,
                             "group '%s': the gradient divide factor must be > 0 and "
                             "finite, got %g", g->name, factor);
     if (bucketed && (!writes(g) || g->held))
-        return fs_dim0_fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "a reduction into the HSDP "
+        return fs_shard_fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "a reduction into the HSDP "
                             "partial sum, or held for a hook, cannot wait in a bucket");
     /* (a partial sum kept from reductions without the all-reduce is added
      * to the reduce output first: the staged path) */
@@ -262,7 +262,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     /* [Note: direct layout]: the gradient is the reduce-scatter input, a new
      * sharded gradient of the reduce dtype its output (held like taken
      * buffers while a deferred collective reads them) */
-    const int direct = fs_dim0_direct_layout(g) && !bucketed && writes(g) && !g->held;
+    const int direct = fs_shard_direct_layout(g) && !bucketed && writes(g) && !g->held;
     const int direct_in = direct && grads[0] && grad_t[0] == g->reduce;
     const int direct_out = direct && outs[0] && !accumulate[0] && out_t[0] == g->reduce;
     void *rs_in;
@@ -288,7 +288,7 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     }
     if (s != FS_OK) {
         release_reduction(g);
-        return fs_dim0_fail(g, s, "reduce-scatter", 0, s == FS_ERR_HOST ? NULL : "out of memory");
+        return fs_shard_fail(g, s, "reduce-scatter", 0, s == FS_ERR_HOST ? NULL : "out of memory");
     }
     for (int i = 0; i < g->nparams; i++) {
         void *src;
@@ -296,10 +296,10 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
             continue;
         if ((s = e->data(e->ctx, grads[i], &src)) != FS_OK) {
             release_reduction(g);
-            return fs_dim0_fail(g, s, "reduce-scatter", 0, NULL);
+            return fs_shard_fail(g, s, "reduce-scatter", 0, NULL);
         }
         size_t gs = fs_dtype_size(grad_t[i]);
-        const fs_dim0_param *p = &g->params[i];
+        const fs_shard_param *p = &g->params[i];
         for (int r = 0; r < world; r++) {
             const fs_dim0_entry *en = &g->entries[(size_t)r * n + i];
             if (!en->local_rows || !en->row_numel)
@@ -312,9 +312,9 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
                                p->dim0 * p->row_numel, grad_t[i], run, p->outer);
             if (s != FS_OK) {
                 release_reduction(g);
-                return fs_dim0_fail(g, s, "reduce-scatter", 0, "copy-in: %s", c->last_error);
+                return fs_shard_fail(g, s, "reduce-scatter", 0, "copy-in: %s", c->last_error);
             }
-            fs_dim0_count_copy(g, FS_DIM0_REDUCE_IN, g->reduce, grad_t[i], run * p->outer);
+            fs_shard_count_copy(g, FS_SHARD_REDUCE_IN, g->reduce, grad_t[i], run * p->outer);
         }
     }
     for (int i = 0; i < g->nparams; i++) {
@@ -327,12 +327,12 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
         (s = fs_link_scale_accumulate(l, l->stream, rs_in, g->reduce, rs_in, g->reduce,
                                       g->block_numel * world, 1.0 / g->divide.pre, 0)) != FS_OK) {
         release_reduction(g);
-        return fs_dim0_fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
+        return fs_shard_fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
     }
     void *ws;
     if ((s = fs_link_lend(e, l, g->reduce, g->block_numel * world, &ws)) != FS_OK) {
         release_reduction(g);
-        return fs_dim0_fail(g, s, "reduce-scatter", 0, "out of memory");
+        return fs_shard_fail(g, s, "reduce-scatter", 0, "out of memory");
     }
     if (defer)
         l->dev->set_defer(c, 1);
@@ -345,9 +345,9 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
     if (ws) /* a deferred collective reads it until waited for (g->ws_h) */
         fs_link_unlend(l);
     if (s != FS_OK) {
-        fs_dim0_drop(g, &ws);
+        fs_shard_drop(g, &ws);
         release_reduction(g);
-        return fs_dim0_fail(g, s, "reduce-scatter", 1, "reduce_scatter: %s", c->last_error);
+        return fs_shard_fail(g, s, "reduce-scatter", 1, "reduce_scatter: %s", c->last_error);
     }
     g->n_reduce_scatter++;
     g->reduce_pending = 1;
@@ -361,33 +361,33 @@ fs_status fs_dim0_reduce(fs_dim0_group *g, void *const *grads, const fs_dtype *g
         g->n_deferred_reduce++;
         return FS_OK;
     }
-    fs_dim0_drop(g, &ws);
-    fs_dim0_drop(g, &g->rs_in_h);
+    fs_shard_drop(g, &ws);
+    fs_shard_drop(g, &g->rs_in_h);
     s = collect(g);
     if (s == FS_OK && g->held)
-        return FS_OK; /* held: fs_dim0_finish_reduce writes */
+        return FS_OK; /* held: fs_shard_finish_reduce writes */
     if (s == FS_OK)
         s = write_grads(g);
     release_reduction(g);
     return s;
 }
 
-fs_status fs_dim0_wait_reduce(fs_dim0_group *g)
+fs_status fs_shard_wait_reduce(fs_shard_group *g)
 {
     if (!g->reduce_deferred)
         return FS_OK;
     if (g->in_bucket)
-        return fs_dim0_fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "its reduce-scatter still "
+        return fs_shard_fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "its reduce-scatter still "
                             "waits in a bucket: flush the bucket first");
     fs_comm *c = g->link.comm;
     g->reduce_deferred = 0;
     fs_status s = g->link.dev ? g->link.dev->wait(g->reduce_event, g->link.stream,
                                                   c->last_error, sizeof c->last_error)
                               : FS_OK; /* a host bucket: flushed by now */
-    fs_dim0_drop(g, &g->ws_h);
-    fs_dim0_drop(g, &g->rs_in_h); /* the stream waited for the collective that read it */
+    fs_shard_drop(g, &g->ws_h);
+    fs_shard_drop(g, &g->rs_in_h); /* the stream waited for the collective that read it */
     if (s != FS_OK)
-        s = fs_dim0_fail(g, s, "reduce-scatter", 0, "waiting for a gradient reduction: %s",
+        s = fs_shard_fail(g, s, "reduce-scatter", 0, "waiting for a gradient reduction: %s",
                          c->last_error);
     else
         s = collect(g);
@@ -396,11 +396,11 @@ fs_status fs_dim0_wait_reduce(fs_dim0_group *g)
     return s;
 }
 
-fs_status fs_dim0_finish_reduce(fs_dim0_group *g)
+fs_status fs_shard_finish_reduce(fs_shard_group *g)
 {
     if (!g->reduce_pending)
         return FS_OK;
-    fs_status s = fs_dim0_wait_reduce(g);
+    fs_status s = fs_shard_wait_reduce(g);
     if (s != FS_OK)
         return s;
     s = write_grads(g);
@@ -408,7 +408,7 @@ fs_status fs_dim0_finish_reduce(fs_dim0_group *g)
     return s;
 }
 
-void fs_dim0_cancel_reduce(fs_dim0_group *g)
+void fs_shard_cancel_reduce(fs_shard_group *g)
 {
     g->in_bucket = 0;
     if (g->reduce_pending && !g->link.dev)
@@ -418,54 +418,54 @@ void fs_dim0_cancel_reduce(fs_dim0_group *g)
 /* a bucket's parts: owners[i]'s reduction (group.h's callbacks) */
 static fs_status finish_part(void *owners, int i)
 {
-    fs_dim0_group *g = ((fs_dim0_group *const *)owners)[i];
+    fs_shard_group *g = ((fs_shard_group *const *)owners)[i];
     g->in_bucket = 0;
-    return fs_dim0_finish_reduce(g);
+    return fs_shard_finish_reduce(g);
 }
 
 static void cancel_part(void *owners, int i)
 {
-    fs_dim0_cancel_reduce(((fs_dim0_group *const *)owners)[i]);
+    fs_shard_cancel_reduce(((fs_shard_group *const *)owners)[i]);
 }
 
-void fs_dim0_cancel_bucket(fs_reduce_bucket *b, fs_dim0_group *const *owners)
+void fs_shard_cancel_bucket(fs_reduce_bucket *b, fs_shard_group *const *owners)
 {
     const fs_bucket_owners o = {finish_part, cancel_part, (void *)owners};
     fs_group_cancel_bucket(b, &o);
 }
 
-fs_status fs_dim0_flush_bucket(fs_reduce_bucket *b, fs_dim0_group *g,
-                               fs_dim0_group *const *owners, int *failed)
+fs_status fs_shard_flush_bucket(fs_reduce_bucket *b, fs_shard_group *g,
+                               fs_shard_group *const *owners, int *failed)
 {
     const fs_bucket_owners o = {finish_part, cancel_part, (void *)owners};
     fs_status s = fs_group_flush_bucket(b, &g->link, &g->env, &o, failed);
     if (s != FS_OK && *failed < 0)
-        fs_dim0_fail(g, s, "reduce-scatter", 1, "bucketed reduce_scatter: %s",
+        fs_shard_fail(g, s, "reduce-scatter", 1, "bucketed reduce_scatter: %s",
                      g->link.comm->last_error);
     return s;
 }
 
-void fs_dim0_drop_partial(fs_dim0_group *g)
+void fs_shard_drop_partial(fs_shard_group *g)
 {
-    fs_dim0_drop(g, &g->partial_h);
+    fs_shard_drop(g, &g->partial_h);
     g->partial = NULL;
 }
 
 /* ---------------------------------------------------------------------------
  * accumulation without sync */
 
-fs_status fs_dim0_accumulate(fs_dim0_group *g, void *src, fs_dtype src_t, void *dst,
+fs_status fs_shard_accumulate(fs_shard_group *g, void *src, fs_dtype src_t, void *dst,
                              fs_dtype dst_t, int64_t n, int add)
 {
     const fs_env *e = &g->env;
     void *s_ptr, *d_ptr;
     fs_status s;
     if ((s = e->data(e->ctx, src, &s_ptr)) != FS_OK || (s = e->data(e->ctx, dst, &d_ptr)) != FS_OK)
-        return fs_dim0_fail(g, s, "accumulate", 0, NULL);
+        return fs_shard_fail(g, s, "accumulate", 0, NULL);
     if ((s = fs_link_scale_accumulate(&g->link, g->link.stream, d_ptr, dst_t, s_ptr, src_t, n,
                                       1.0, add)) != FS_OK)
-        return fs_dim0_fail(g, s, "accumulate", 0, "%s", g->link.comm->last_error);
+        return fs_shard_fail(g, s, "accumulate", 0, "%s", g->link.comm->last_error);
     if (!add && src_t != dst_t) /* the first of the sums [Note: accumulation dtype] */
-        fs_dim0_count_copy(g, FS_DIM0_CAST, dst_t, src_t, n);
+        fs_shard_count_copy(g, FS_SHARD_CAST, dst_t, src_t, n);
     return FS_OK;
 }

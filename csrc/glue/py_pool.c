@@ -1,4 +1,4 @@
-/* py_unit_pool.c - host units' unsharded buffers from flatshard's pool
+/* py_pool.c - host units' unsharded buffers from flatshard's pool
  * (pool.h) instead of torch's CPU allocator, and the module functions that
  * show and steer the pool.
  *

@@ -1,14 +1,14 @@
-/* dim0.c - see dim0.h: fully_shard's groups on the engine: their layout,
- * gathers and frees, and what dim0_reduce.c shares (dim0_internal.h).
- * Gradient reductions are in dim0_reduce.c. No Python. */
-#include "dim0_internal.h"
+/* shard_group.c - see shard_group.h: fully_shard's groups on the engine: their layout,
+ * gathers and frees, and what shard_group_reduce.c shares (shard_group_internal.h).
+ * Gradient reductions are in shard_group_reduce.c. No Python. */
+#include "shard_group_internal.h"
 
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-fs_status fs_dim0_fail(fs_dim0_group *g, fs_status s, const char *what, int collective,
+fs_status fs_shard_fail(fs_shard_group *g, fs_status s, const char *what, int collective,
                        const char *fmt, ...)
 {
     g->err_what = what;
@@ -20,25 +20,25 @@ fs_status fs_dim0_fail(fs_dim0_group *g, fs_status s, const char *what, int coll
     return s;
 }
 
-void fs_dim0_count_copy(fs_dim0_group *g, int kind, fs_dtype dt, fs_dtype st, int64_t n)
+void fs_shard_count_copy(fs_shard_group *g, int kind, fs_dtype dt, fs_dtype st, int64_t n)
 {
-    g->copied_bytes[dt == st ? kind : FS_DIM0_CAST] +=
+    g->copied_bytes[dt == st ? kind : FS_SHARD_CAST] +=
         (unsigned long long)n * fs_dtype_size(dt);
 }
 
-int fs_dim0_direct_layout(const fs_dim0_group *g)
+int fs_shard_direct_layout(const fs_shard_group *g)
 {
     const int world = g->link.comm->world_size;
     if (world < 2 || g->nparams != 1 || !g->params[0].gathered)
         return 0;
-    const fs_dim0_param *p = &g->params[0];
+    const fs_shard_param *p = &g->params[0];
     const fs_dim0_entry *e = &g->gentries[0];
     return p->outer == 1 && p->dim0 % world == 0 && p->full_offset == 0 &&
            e->block_offset == 0 && g->gather_block_numel == e->local_rows * p->row_numel &&
            g->block_numel == g->gather_block_numel;
 }
 
-fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link link,
+fs_status fs_shard_init(fs_shard_group *g, const char *name, fs_env env, fs_link link,
                        fs_link replicate, int nparams, const int64_t *outer,
                        const int64_t *dim0, const int64_t *row_numel, const int *gathered,
                        int64_t align, fs_dtype compute, fs_dtype reduce)
@@ -63,7 +63,7 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
         !rows || !grows) {
         free(rows);
         free(grows);
-        return fs_dim0_fail(g, FS_ERR_NO_MEMORY, "construction", 0, "out of host memory");
+        return fs_shard_fail(g, FS_ERR_NO_MEMORY, "construction", 0, "out of host memory");
     }
     g->nparams = nparams;
     fs_status s = FS_OK;
@@ -95,7 +95,7 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
     if (s == FS_OK)
         s = fs_layout_dim0_unsharded(rows, nparams, world, align, grows, &g->full_alloc);
     for (int i = 0; i < nparams && s == FS_OK; i++) {
-        fs_dim0_param *p = &g->params[i];
+        fs_shard_param *p = &g->params[i];
         p->outer = outer ? outer[i] : 1;
         p->dim0 = dim0[i];
         p->row_numel = row_numel[i];
@@ -105,19 +105,19 @@ fs_status fs_dim0_init(fs_dim0_group *g, const char *name, fs_env env, fs_link l
     free(rows);
     free(grows);
     if (s != FS_OK)
-        return fs_dim0_fail(g, s, "construction", 0, "bad parameter shapes or alignment");
+        return fs_shard_fail(g, s, "construction", 0, "bad parameter shapes or alignment");
     return FS_OK;
 }
 
-void fs_dim0_destroy(fs_dim0_group *g)
+void fs_shard_destroy(fs_shard_group *g)
 {
     if (g->env.release) {
-        fs_dim0_drop(g, &g->gathered_h);
-        fs_dim0_drop(g, &g->rs_in_h);
-        fs_dim0_drop(g, &g->rs_out_h);
-        fs_dim0_drop(g, &g->partial_h);
+        fs_shard_drop(g, &g->gathered_h);
+        fs_shard_drop(g, &g->rs_in_h);
+        fs_shard_drop(g, &g->rs_out_h);
+        fs_shard_drop(g, &g->partial_h);
         for (int i = 0; i < g->nparams && g->outs; i++)
-            fs_dim0_drop(g, &g->outs[i]);
+            fs_shard_drop(g, &g->outs[i]);
     }
     if (g->link.dev) {
         if (g->gather_event)
@@ -134,7 +134,7 @@ void fs_dim0_destroy(fs_dim0_group *g)
     memset(g, 0, sizeof *g);
 }
 
-void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards, const fs_dtype *shard_t)
+void fs_shard_set_shards(fs_shard_group *g, void *const *shards, const fs_dtype *shard_t)
 {
     int same = 1;
     for (int i = 0; i < g->nparams; i++) {
@@ -144,7 +144,7 @@ void fs_dim0_set_shards(fs_dim0_group *g, void *const *shards, const fs_dtype *s
     g->aliased = g->link.comm->world_size == 1 && same;
 }
 
-void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage)
+void fs_shard_set_full(fs_shard_group *g, void *full, void *storage)
 {
     g->full = full;
     g->storage = storage;
@@ -155,18 +155,18 @@ void fs_dim0_set_full(fs_dim0_group *g, void *full, void *storage)
 
 /* Each rank's rows of every gathered parameter, from the gathered blocks
  * into the unsharded buffer. */
-static fs_status copy_out(fs_dim0_group *g, void *stream)
+static fs_status copy_out(fs_shard_group *g, void *stream)
 {
     const int world = g->link.comm->world_size;
     const size_t es = fs_dtype_size(g->compute);
     void *full;
-    if (fs_dim0_direct_layout(g)) /* gathered in place [Note: direct layout] */
+    if (fs_shard_direct_layout(g)) /* gathered in place [Note: direct layout] */
         return FS_OK;
     fs_status s = g->env.data(g->env.ctx, g->full, &full);
     if (s != FS_OK)
-        return fs_dim0_fail(g, s, "unshard", 0, NULL);
+        return fs_shard_fail(g, s, "unshard", 0, NULL);
     for (int i = 0; i < g->nparams; i++) {
-        const fs_dim0_param *p = &g->params[i];
+        const fs_shard_param *p = &g->params[i];
         const fs_dim0_entry *e = &g->gentries[i];
         if (!p->gathered)
             continue;
@@ -183,8 +183,8 @@ static fs_status copy_out(fs_dim0_group *g, void *stream)
             if ((s = fs_link_cast2d(&g->link, stream, dst, p->dim0 * p->row_numel, g->compute,
                                     src, rows * p->row_numel, g->compute, rows * p->row_numel,
                                     p->outer)) != FS_OK)
-                return fs_dim0_fail(g, s, "unshard", 0, "copy-out: %s", g->link.comm->last_error);
-            fs_dim0_count_copy(g, FS_DIM0_COPY_OUT, g->compute, g->compute,
+                return fs_shard_fail(g, s, "unshard", 0, "copy-out: %s", g->link.comm->last_error);
+            fs_shard_count_copy(g, FS_SHARD_COPY_OUT, g->compute, g->compute,
                                p->outer * rows * p->row_numel);
         }
     }
@@ -194,7 +194,7 @@ static fs_status copy_out(fs_dim0_group *g, void *stream)
 /* One rank [Note: direct layout]: nothing to gather; the host's unsharded
  * parameters are the shards (aliased), or each shard is cast into the
  * unsharded buffer. */
-static fs_status unshard_alone(fs_dim0_group *g, const fs_dtype *shard_t)
+static fs_status unshard_alone(fs_shard_group *g, const fs_dtype *shard_t)
 {
     const fs_env *e = &g->env;
     const size_t es = fs_dtype_size(g->compute);
@@ -204,18 +204,18 @@ static fs_status unshard_alone(fs_dim0_group *g, const fs_dtype *shard_t)
         if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &full)) !=
                 FS_OK ||
             (s = e->data(e->ctx, g->full, &full)) != FS_OK)
-            return fs_dim0_fail(g, s, "unshard", 0, NULL);
+            return fs_shard_fail(g, s, "unshard", 0, NULL);
         for (int i = 0; i < g->nparams; i++) {
-            const fs_dim0_param *p = &g->params[i];
-            const int64_t n = fs_dim0_param_numel(p);
+            const fs_shard_param *p = &g->params[i];
+            const int64_t n = fs_shard_param_numel(p);
             if (!p->gathered || !n)
                 continue;
             if ((s = e->data(e->ctx, p->shard, &src)) != FS_OK ||
                 (s = fs_link_cast(&g->link, g->link.stream, (char *)full + p->full_offset * es,
                                   g->compute, src, shard_t[i], n)) != FS_OK)
-                return fs_dim0_fail(g, s, "unshard", 0, s == FS_OK ? NULL : "cast: %s",
+                return fs_shard_fail(g, s, "unshard", 0, s == FS_OK ? NULL : "cast: %s",
                                     g->link.comm->last_error);
-            fs_dim0_count_copy(g, FS_DIM0_COPY_OUT, g->compute, shard_t[i], n);
+            fs_shard_count_copy(g, FS_SHARD_COPY_OUT, g->compute, shard_t[i], n);
         }
     }
     g->n_all_gather++; /* the gather torch issues (and counts) at one rank too */
@@ -226,7 +226,7 @@ static fs_status unshard_alone(fs_dim0_group *g, const fs_dtype *shard_t)
 /* [Note: direct layout]: the shard is the all-gather input (cast into this
  * rank's rows of the unsharded buffer first in another compute dtype), the
  * unsharded buffer its output. */
-static fs_status gather_input(fs_dim0_group *g, const fs_dtype *shard_t, const void **send,
+static fs_status gather_input(fs_shard_group *g, const fs_dtype *shard_t, const void **send,
                               void **recv)
 {
     const fs_env *e = &g->env;
@@ -235,7 +235,7 @@ static fs_status gather_input(fs_dim0_group *g, const fs_dtype *shard_t, const v
     fs_status s;
     if ((s = e->data(e->ctx, g->params[0].shard, &src)) != FS_OK ||
         (s = e->data(e->ctx, g->full, &full)) != FS_OK)
-        return fs_dim0_fail(g, s, "unshard", 0, NULL);
+        return fs_shard_fail(g, s, "unshard", 0, NULL);
     *send = src;
     *recv = full;
     if (shard_t[0] == g->compute || !g->gather_block_numel)
@@ -243,8 +243,8 @@ static fs_status gather_input(fs_dim0_group *g, const fs_dtype *shard_t, const v
     char *mine = (char *)full + (size_t)g->link.comm->rank * g->gather_block_numel * es;
     if ((s = fs_link_cast(&g->link, g->link.stream, mine, g->compute, src, shard_t[0],
                           g->gather_block_numel)) != FS_OK)
-        return fs_dim0_fail(g, s, "unshard", 0, "cast: %s", g->link.comm->last_error);
-    fs_dim0_count_copy(g, FS_DIM0_COPY_IN, g->compute, shard_t[0], g->gather_block_numel);
+        return fs_shard_fail(g, s, "unshard", 0, "cast: %s", g->link.comm->last_error);
+    fs_shard_count_copy(g, FS_SHARD_COPY_IN, g->compute, shard_t[0], g->gather_block_numel);
     *send = mine;
     return FS_OK;
 }
@@ -252,7 +252,7 @@ static fs_status gather_input(fs_dim0_group *g, const fs_dtype *shard_t, const v
 /* In place: each rank's rows are cast straight into its own block of the
  * gathered buffer, which is the all-gather's input. The padding at a
  * block's end is never copied out, so it is left as it comes. */
-static fs_status stage_gather_input(fs_dim0_group *g, const fs_dtype *shard_t, int defer,
+static fs_status stage_gather_input(fs_shard_group *g, const fs_dtype *shard_t, int defer,
                                     const void **send, void **recv)
 {
     const fs_env *e = &g->env;
@@ -262,7 +262,7 @@ static fs_status stage_gather_input(fs_dim0_group *g, const fs_dtype *shard_t, i
     fs_status s;
     if ((s = e->take(e->ctx, g->gather_block_numel * c->world_size * (int64_t)es,
                      defer ? 0 : FS_TAKE_TRANSIENT, &g->gathered, &g->gathered_h)) != FS_OK)
-        return fs_dim0_fail(g, s, "unshard", 0, "out of memory");
+        return fs_shard_fail(g, s, "unshard", 0, "out of memory");
     char *mine = (char *)g->gathered + (size_t)c->rank * g->gather_block_numel * es;
     for (int i = 0; i < g->nparams; i++) {
         const fs_dim0_entry *en = &g->gentries[i];
@@ -272,11 +272,11 @@ static fs_status stage_gather_input(fs_dim0_group *g, const fs_dtype *shard_t, i
         if ((s = e->data(e->ctx, g->params[i].shard, &src)) != FS_OK ||
             (s = fs_link_cast(l, l->stream, mine + en->block_offset * es, g->compute, src,
                               shard_t[i], en->local_rows * en->row_numel)) != FS_OK) {
-            fs_dim0_drop(g, &g->gathered_h);
-            return fs_dim0_fail(g, s, "unshard", 0, s == FS_OK ? NULL : "copy-in: %s",
+            fs_shard_drop(g, &g->gathered_h);
+            return fs_shard_fail(g, s, "unshard", 0, s == FS_OK ? NULL : "copy-in: %s",
                                 c->last_error);
         }
-        fs_dim0_count_copy(g, FS_DIM0_COPY_IN, g->compute, shard_t[i],
+        fs_shard_count_copy(g, FS_SHARD_COPY_IN, g->compute, shard_t[i],
                            en->local_rows * en->row_numel);
     }
     *send = mine;
@@ -284,7 +284,7 @@ static fs_status stage_gather_input(fs_dim0_group *g, const fs_dtype *shard_t, i
     return FS_OK;
 }
 
-fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
+fs_status fs_shard_unshard(fs_shard_group *g, const fs_dtype *shard_t, int defer)
 {
     const fs_env *e = &g->env;
     fs_link *l = &g->link;
@@ -296,15 +296,15 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
     const int batched = l->batch && !l->dev;
     fs_status s;
     if (g->unsharded) /* a pending gather is waited for, unless this is a prefetch too */
-        return defer ? FS_OK : fs_dim0_wait(g);
+        return defer ? FS_OK : fs_shard_wait(g);
     if (world == 1)
         return unshard_alone(g, shard_t);
     void *none;
     if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &none)) != FS_OK)
-        return fs_dim0_fail(g, s, "unshard", 0, NULL);
+        return fs_shard_fail(g, s, "unshard", 0, NULL);
     const void *send = NULL;
     void *recv = NULL;
-    if ((s = fs_dim0_direct_layout(g) ? gather_input(g, shard_t, &send, &recv)
+    if ((s = fs_shard_direct_layout(g) ? gather_input(g, shard_t, &send, &recv)
                               : stage_gather_input(g, shard_t, defer, &send, &recv)) != FS_OK)
         return s;
     if (defer)
@@ -316,8 +316,8 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
             s = l->dev->record(c, &g->gather_event, c->last_error, sizeof c->last_error);
     }
     if (s != FS_OK) {
-        fs_dim0_drop(g, &g->gathered_h);
-        return fs_dim0_fail(g, s, "all-gather", 1, "all_gather: %s", c->last_error);
+        fs_shard_drop(g, &g->gathered_h);
+        return fs_shard_fail(g, s, "all-gather", 1, "all_gather: %s", c->last_error);
     }
     g->n_all_gather++;
     g->unsharded = 1;
@@ -327,24 +327,24 @@ fs_status fs_dim0_unshard(fs_dim0_group *g, const fs_dtype *shard_t, int defer)
         return FS_OK;
     }
     s = copy_out(g, l->stream);
-    fs_dim0_drop(g, &g->gathered_h);
+    fs_shard_drop(g, &g->gathered_h);
     return s;
 }
 
 /* A recorded gather whose batch failed: nothing was gathered. */
-static void abandon(fs_dim0_group *g)
+static void abandon(fs_shard_group *g)
 {
     if (!g->gather_pending || g->link.dev)
         return;
     void *none;
     g->gather_pending = 0;
-    fs_dim0_drop(g, &g->gathered_h);
+    fs_shard_drop(g, &g->gathered_h);
     g->env.set_storage(g->env.ctx, g->storage, 0, &none);
     g->unsharded = 0;
 }
 
-fs_status fs_dim0_unshard_along(fs_dim0_group *g, const fs_dtype *own_t, int own,
-                                fs_dim0_group *const *along, const fs_dtype *const *shard_t,
+fs_status fs_shard_unshard_along(fs_shard_group *g, const fs_dtype *own_t, int own,
+                                fs_shard_group *const *along, const fs_dtype *const *shard_t,
                                 int n, int *failed)
 {
     fs_gather_batch batch;
@@ -354,33 +354,33 @@ fs_status fs_dim0_unshard_along(fs_dim0_group *g, const fs_dtype *own_t, int own
     *failed = -1;
     g->link.batch = &batch;
     if (own && !g->unsharded)
-        s = fs_dim0_unshard(g, own_t, 0);
+        s = fs_shard_unshard(g, own_t, 0);
     g->link.batch = NULL;
     for (int i = 0; i < n && s == FS_OK; i++) {
         if (along[i]->unsharded)
             continue;
         along[i]->link.batch = &batch;
-        s = fs_dim0_unshard(along[i], shard_t[i], 0);
+        s = fs_shard_unshard(along[i], shard_t[i], 0);
         along[i]->link.batch = NULL;
         if (s != FS_OK)
             *failed = i;
     }
     if (s == FS_OK && (s = fs_gather_batch_flush(&batch, &g->link, &g->env)) != FS_OK)
-        s = fs_dim0_fail(g, s, "all-gather", 1, "coalesced all_gather: %s",
+        s = fs_shard_fail(g, s, "all-gather", 1, "coalesced all_gather: %s",
                          g->link.comm->last_error);
     /* the copy-outs, or after a failure the buffers back */
     for (int i = -1; i < n; i++) {
-        fs_dim0_group *x = i < 0 ? g : along[i];
+        fs_shard_group *x = i < 0 ? g : along[i];
         if (s != FS_OK) {
             abandon(x);
-        } else if ((s = fs_dim0_wait(x)) != FS_OK) {
+        } else if ((s = fs_shard_wait(x)) != FS_OK) {
             *failed = i;
         }
     }
     return s;
 }
 
-fs_status fs_dim0_unshard_from(fs_dim0_group *g, fs_link *post, void *chunk)
+fs_status fs_shard_unshard_from(fs_shard_group *g, fs_link *post, void *chunk)
 {
     const fs_env *e = &g->env;
     const size_t es = fs_dtype_size(g->compute);
@@ -389,27 +389,27 @@ fs_status fs_dim0_unshard_from(fs_dim0_group *g, fs_link *post, void *chunk)
     fs_status s = fs_layout_dim0_post_chunk(g->full_alloc, post->comm->world_size,
                                             post->comm->rank, NULL, &count);
     if (s != FS_OK)
-        return fs_dim0_fail(g, s, "unshard", 0,
+        return fs_shard_fail(g, s, "unshard", 0,
                             "a group of %d does not divide the unsharded buffer",
                             post->comm->world_size);
-    if ((s = fs_dim0_wait(g)) != FS_OK)
+    if ((s = fs_shard_wait(g)) != FS_OK)
         return s;
     if (g->unsharded)
         return FS_OK;
     if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &none)) != FS_OK ||
         (s = e->data(e->ctx, chunk, &src)) != FS_OK || (s = e->data(e->ctx, g->full, &dst)) != FS_OK)
-        return fs_dim0_fail(g, s, "unshard", 0, NULL);
+        return fs_shard_fail(g, s, "unshard", 0, NULL);
     FS_LINK_RUN(post, s, FS_LOP_ALL_GATHER, g->name, count, g->compute,
                 fs_comm_all_gather(post->comm, src, dst, count, g->compute));
     if (s != FS_OK)
-        return fs_dim0_fail(g, s, "all-gather", 1, "all_gather after forward: %s",
+        return fs_shard_fail(g, s, "all-gather", 1, "all_gather after forward: %s",
                             post->comm->last_error);
     g->n_post_gather++;
     g->unsharded = 1;
     return FS_OK;
 }
 
-fs_status fs_dim0_wait(fs_dim0_group *g)
+fs_status fs_shard_wait(fs_shard_group *g)
 {
     if (!g->gather_pending)
         return FS_OK;
@@ -419,23 +419,23 @@ fs_status fs_dim0_wait(fs_dim0_group *g)
                                                   c->last_error, sizeof c->last_error)
                               : FS_OK; /* a host batch: flushed by now */
     if (s != FS_OK) {
-        fs_dim0_drop(g, &g->gathered_h);
-        return fs_dim0_fail(g, s, "unshard", 0, "waiting for a prefetched all-gather: %s",
+        fs_shard_drop(g, &g->gathered_h);
+        return fs_shard_fail(g, s, "unshard", 0, "waiting for a prefetched all-gather: %s",
                             c->last_error);
     }
     s = copy_out(g, g->link.stream);
-    fs_dim0_drop(g, &g->gathered_h); /* the caller's stream orders its reuse */
+    fs_shard_drop(g, &g->gathered_h); /* the caller's stream orders its reuse */
     return s;
 }
 
-fs_status fs_dim0_reshard(fs_dim0_group *g)
+fs_status fs_shard_reshard(fs_shard_group *g)
 {
-    fs_status s = fs_dim0_wait(g); /* its buffers go back only after the stream waited */
+    fs_status s = fs_shard_wait(g); /* its buffers go back only after the stream waited */
     if (s != FS_OK || !g->unsharded)
         return s;
     void *none;
     if ((s = g->env.set_storage(g->env.ctx, g->storage, 0, &none)) != FS_OK)
-        return fs_dim0_fail(g, s, "reshard", 0, NULL);
+        return fs_shard_fail(g, s, "reshard", 0, NULL);
     g->unsharded = 0;
     return FS_OK;
 }
