@@ -43,6 +43,12 @@ ENV = {
         "most this many bytes (0: every unit gathers on its own). Default: 1048576 on the "
         "torch backend, whose collectives cost about a millisecond each; 0 on shm. Read when "
         "a model's root runs its first forward."),
+    "FLATSHARD_C_HOOKS": (
+        "1",
+        "fully_shard's hooks: 1 runs their common case in C (flatshard._C.Hook: the "
+        "all-gather or free and the parameters swapped, no Python frame); 0 runs every "
+        "hook event in Python. Both give the same results; 0 is for comparing and for "
+        "debugging a hook in Python. Read when a model's root runs its first forward."),
     "FLATSHARD_NCCL_LIBRARY": (
         "(search)",
         "Path of libnccl.so.2 for the NCCL backend; by default the copy torch loaded, then the "
@@ -70,6 +76,17 @@ def read(name):
     if name not in ENV:
         raise KeyError(f"flatshard: {name} is not in envvars.ENV; document it there first")
     return os.environ.get(name)
+
+
+def read_flag(name, default):
+    """A 0/1 switch from FLATSHARD_* variable `name`: `default` when unset
+    (a ConfigError naming the variable for anything else)."""
+    raw = read(name)
+    if raw is None:
+        return default
+    if raw not in ("0", "1"):
+        raise bad_value(name, raw, "expected 0 or 1")
+    return raw == "1"
 
 
 def read_bytes(name, default, zero):
