@@ -35,7 +35,9 @@ typedef struct {
     PyObject *group;       /* its ParamGroup's __dict__, or None */
     PyObject *fallback;    /* the Python hook: the same arguments */
     PyObject *then;        /* POST_FORWARD: the pre-backward Hook it registers; ARRIVE: the index */
-    unsigned long long taken, passed; /* calls run here, calls given to the fallback */
+    /* calls run here, calls given to the fallback (ARRIVE: arrivals ending
+     * in the Python post-backward) */
+    unsigned long long taken, passed;
 } HookObject;
 
 /* What every lane check needs from torch, given once (set_hook_tools). */
@@ -45,6 +47,11 @@ static struct {
     PyObject *grad_enabled;   /* torch.is_grad_enabled */
     PyObject *tensor_type;    /* torch.Tensor */
     PyObject *hook_outputs;   /* runtime.trees.hook_before_backward */
+    PyObject *dtype_codes;    /* tensors.DTYPE_CODES: torch dtype -> the core's code */
+    PyObject *empty_like;     /* torch.empty_like */
+    PyObject *contiguous;     /* torch.contiguous_format */
+    PyObject *like;           /* fsdp2.param._like: a sharded gradient's DTensor */
+    PyObject *run_hooks;      /* runtime.grad_hooks.run_hooks */
 } tools;
 
 static PyObject *s_c_hooks, *s_is_root, *s_forward_prefetch, *s_backward_prefetch,
@@ -53,7 +60,11 @@ static PyObject *s_c_hooks, *s_is_root, *s_forward_prefetch, *s_backward_prefetc
     *s_unsharded, *s_sharded, *s_engine_locals, *s_gathered, *s_heads, *s_slots,
     *s_post_chunk, *s_ext, *s_tp, *s_registered_unsharded, *s_trainable, *s_trainable_mask,
     *s_is_unsharded, *s_unshard, *s_reshard, *s_local_tensor, *s_dict, *s_requires_grad,
-    *s_grad_fn, *s_register_prehook;
+    *s_grad_fn, *s_register_prehook, *s_reading, *s_requires_gradient_sync,
+    *s_reshard_after_backward, *s_replicate_comm, *s_all_reduce_hook, *s_accumulated,
+    *s_world, *s_divide_factor, *s_force_sum, *s_grad, *s_contiguous, *s_dtype, *s_reduce,
+    *s_reduce_pending, *s_finish_reduce, *s_reducing, *s_reduced, *s_pahooks, *s_memory_format,
+    *s_reduce_kw, *s_like_kw;
 
 static int names_made(void)
 {
@@ -71,8 +82,21 @@ static int names_made(void)
     N(s_trainable_mask, "trainable_mask"); N(s_is_unsharded, "is_unsharded");
     N(s_unshard, "unshard"); N(s_reshard, "reshard"); N(s_local_tensor, "_local_tensor");
     N(s_dict, "__dict__"); N(s_requires_grad, "requires_grad"); N(s_grad_fn, "grad_fn");
-    N(s_register_prehook, "register_prehook");
+    N(s_register_prehook, "register_prehook"); N(s_reading, "reading");
+    N(s_requires_gradient_sync, "requires_gradient_sync");
+    N(s_reshard_after_backward, "reshard_after_backward"); N(s_replicate_comm, "replicate_comm");
+    N(s_all_reduce_hook, "all_reduce_hook"); N(s_accumulated, "accumulated");
+    N(s_world, "world"); N(s_divide_factor, "divide_factor"); N(s_force_sum, "force_sum");
+    N(s_grad, "grad"); N(s_contiguous, "contiguous"); N(s_dtype, "dtype"); N(s_reduce, "reduce");
+    N(s_reduce_pending, "reduce_pending"); N(s_finish_reduce, "finish_reduce");
+    N(s_reducing, "reducing"); N(s_reduced, "reduced");
+    N(s_pahooks, "_post_accumulate_grad_hooks"); N(s_memory_format, "memory_format");
 #undef N
+    if (!s_reduce_kw && !(s_reduce_kw = Py_BuildValue("(ssss)", "all_reduce", "hold", "force_sum",
+                                                      "bucket")))
+        return -1;
+    if (!s_like_kw && !(s_like_kw = Py_BuildValue("(O)", s_memory_format)))
+        return -1;
     return 0;
 }
 
@@ -334,6 +358,9 @@ static PyObject *post_forward(HookObject *h, PyObject *c, PyObject *output)
     Py_RETURN_NONE;
 }
 
+static int reduce_ready(HookObject *h, Py_ssize_t *n);
+static PyObject *post_backward(HookObject *h, Py_ssize_t n);
+
 /* A parameter's gradient has arrived: its index into the state's `ready`
  * set; once every trainable parameter's has, the group's post-backward. */
 static PyObject *arrive(HookObject *h)
@@ -352,9 +379,271 @@ static PyObject *arrive(HookObject *h)
     Py_ssize_t want = PyLong_AsSsize_t(trainable);
     if (want == -1 && PyErr_Occurred())
         return NULL;
-    if (PySet_GET_SIZE(ready) == want)
-        return PyObject_CallNoArgs(h->fallback);
-    Py_RETURN_NONE;
+    if (PySet_GET_SIZE(ready) != want) {
+        h->taken++;
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = 0;
+    int t = lane_open(h);
+    if (t == 1)
+        t = reduce_ready(h, &n);
+    if (t < 0)
+        return NULL;
+    if (t) {
+        h->taken++;
+        return post_backward(h, n);
+    }
+    h->passed++; /* the group's post-backward in Python */
+    return PyObject_CallNoArgs(h->fallback);
+}
+
+/* The post-backward's lane: a host group of several ranks, its plain
+ * reduction (no replicas, hook, accumulation without sync, extension or
+ * tensor-parallel parameter), every parameter's gradient a plain tensor,
+ * and resharding after it. The conditions of FSDPState._post_backward()
+ * and ParamGroup.reduce_grads() taking their plain path, with the root's
+ * bucket off (its budget is 0 where the lane is open). 1, 0, -1. */
+static int reduce_ready(HookObject *h, Py_ssize_t *n)
+{
+    PyObject *st = h->state, *g = h->group;
+    PyObject *reading = item(st, s_reading), *acc = item(g, s_accumulated);
+    PyObject *un = item(g, s_unsharded), *sh = item(g, s_sharded), *ext = item(g, s_ext);
+    PyObject *tp = item(g, s_tp), *slots = item(g, s_slots), *world = item(g, s_world);
+    PyObject *trainable = item(g, s_trainable);
+    if (PyErr_Occurred())
+        return -1;
+    if (!reading || !PyList_CheckExact(reading) || PyList_GET_SIZE(reading) ||
+        item(st, s_requires_gradient_sync) != Py_True ||
+        item(st, s_reshard_after_backward) != Py_True ||
+        item(g, s_replicate_comm) != Py_None || item(g, s_all_reduce_hook) != Py_None ||
+        item(g, s_post_chunk) != Py_None || !acc || !PyList_CheckExact(acc) || !un ||
+        !PyList_CheckExact(un) || !sh || !PyList_CheckExact(sh) || !ext ||
+        !PyDict_CheckExact(ext) || PyDict_GET_SIZE(ext) || !tp || !PyDict_CheckExact(tp) ||
+        PyDict_GET_SIZE(tp) || !slots || !PyList_CheckExact(slots) || !world ||
+        !PyLong_CheckExact(world) || PyLong_AsLong(world) < 2 || !item(g, s_c) || !trainable ||
+        !PyLong_CheckExact(trainable))
+        return PyErr_Occurred() ? -1 : 0;
+    *n = PyList_GET_SIZE(sh);
+    if (PyList_GET_SIZE(un) != *n || PyList_GET_SIZE(acc) != *n ||
+        PyLong_AsSsize_t(trainable) != *n)
+        return PyErr_Occurred() ? -1 : 0;
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        if (PyList_GET_ITEM(acc, i) != Py_None)
+            return 0;
+        PyObject *gr = PyObject_GetAttr(PyList_GET_ITEM(un, i), s_grad);
+        if (!gr)
+            return -1;
+        int plain = Py_TYPE(gr) == (PyTypeObject *)tools.tensor_type;
+        Py_DECREF(gr);
+        if (!plain)
+            return 0;
+    }
+    return 1;
+}
+
+/* The core's code of tensor t's dtype; -1 with an exception. */
+static int code_of(PyObject *t)
+{
+    PyObject *dt = PyObject_GetAttr(t, s_dtype);
+    if (!dt)
+        return -1;
+    PyObject *code = PyDict_GetItemWithError(tools.dtype_codes, dt);
+    Py_DECREF(dt);
+    if (!code) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "flatshard: a gradient's dtype is not supported "
+                            "by the C core");
+        return -1;
+    }
+    return (int)PyLong_AsLong(code);
+}
+
+static int append_new(PyObject *list, PyObject *o)
+{
+    if (!o)
+        return -1;
+    int rc = PyList_Append(list, o);
+    Py_DECREF(o);
+    return rc;
+}
+
+/* One parameter's part of the reduction: its gradient handed over (the
+ * unsharded parameter's .grad cleared), and where the reduction lands: onto
+ * the sharded gradient that is there, or a new tensor like the shard
+ * (`fresh`, its DTensor set after the reduction). */
+static int reduce_part(PyObject *up, PyObject *sp, Py_ssize_t i, PyObject *lists[6])
+{
+    PyObject *gr = PyObject_GetAttr(up, s_grad), *args[3];
+    if (!gr)
+        return -1;
+    args[0] = gr;
+    PyObject *g = PyObject_VectorcallMethod(s_contiguous, args,
+                                            1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(gr);
+    if (!g)
+        return -1;
+    int code = code_of(g);
+    if (code < 0) {
+        Py_DECREF(g);
+        return -1;
+    }
+    if (append_new(lists[0], g) < 0 || append_new(lists[1], PyLong_FromLong(code)) < 0 ||
+        PyObject_SetAttr(up, s_grad, Py_None) < 0)
+        return -1;
+    PyObject *cur = PyObject_GetAttr(sp, s_grad), *out;
+    if (!cur)
+        return -1;
+    int add = cur != Py_None;
+    if (add) {
+        out = PyObject_GetAttr(cur, s_local_tensor);
+    } else {
+        PyObject *local = PyObject_GetAttr(sp, s_local_tensor);
+        if (!local) {
+            Py_DECREF(cur);
+            return -1;
+        }
+        args[1] = local;
+        args[2] = tools.contiguous;
+        out = PyObject_Vectorcall(tools.empty_like, args + 1, 1, s_like_kw);
+        Py_DECREF(local);
+    }
+    Py_DECREF(cur);
+    if (!out)
+        return -1;
+    if (!add) {
+        PyObject *pair = Py_BuildValue("(nO)", i, out);
+        if (append_new(lists[5], pair) < 0) {
+            Py_DECREF(out);
+            return -1;
+        }
+    }
+    code = code_of(out);
+    if (code < 0) {
+        Py_DECREF(out);
+        return -1;
+    }
+    if (append_new(lists[2], out) < 0 || append_new(lists[3], PyLong_FromLong(code)) < 0 ||
+        PyList_Append(lists[4], add ? Py_True : Py_False) < 0)
+        return -1;
+    return 0;
+}
+
+/* Whether any of params has a post-accumulate-grad hook of its own. */
+static int any_hooked(PyObject *params)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++) {
+        PyObject *d = PyObject_GetAttr(PyList_GET_ITEM(params, i), s_pahooks);
+        if (!d) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return -1;
+            PyErr_Clear();
+            continue;
+        }
+        int has = d != Py_None && PyObject_IsTrue(d);
+        Py_DECREF(d);
+        if (has)
+            return has < 0 ? -1 : 1;
+    }
+    return 0;
+}
+
+/* FSDPState._post_backward() on the lane: one engine reduce-scatter that
+ * also frees the unsharded buffer, the new sharded gradients set, their
+ * parameters' hooks run, and the sharded parameters registered back. */
+static PyObject *post_backward(HookObject *h, Py_ssize_t n)
+{
+    PyObject *g = h->group, *lists[6] = {0}, *r = NULL, *c = item(g, s_c);
+    PyObject *un = item(g, s_unsharded), *sh = item(g, s_sharded);
+    Py_INCREF(c);
+    Py_INCREF(un);
+    Py_INCREF(sh);
+    PySet_Clear(item(h->state, s_ready));
+    for (int k = 0; k < 6; k++)
+        if (!(lists[k] = PyList_New(0)))
+            goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (reduce_part(PyList_GET_ITEM(un, i), PyList_GET_ITEM(sh, i), i, lists) < 0)
+            goto done;
+    PyObject *none = PyList_New(n);
+    if (!none)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyList_SET_ITEM(none, i, Py_NewRef(Py_None));
+    int bad = PyDict_SetItem(g, s_accumulated, none);
+    Py_DECREF(none);
+    if (bad)
+        goto done;
+    PyObject *f = item(g, s_divide_factor), *fs = item(g, s_force_sum);
+    double factor = f && f != Py_None ? PyFloat_AsDouble(f) : 0.0;
+    if ((factor == -1.0 && PyErr_Occurred()) || !fs)
+        goto done;
+    PyObject *factor_o = PyFloat_FromDouble(factor);
+    if (!factor_o)
+        goto done;
+    /* reduce(grads, codes, outs, out_codes, accumulate, factor, deferred,
+     *        reshard, all_reduce=, hold=, force_sum=, bucket=) */
+    PyObject *args[13] = {c, lists[0], lists[1], lists[2], lists[3], lists[4], factor_o,
+                          Py_False, Py_True, Py_True, Py_False, fs, Py_None};
+    PyObject *res = PyObject_VectorcallMethod(s_reduce, args,
+                                              9 | PY_VECTORCALL_ARGUMENTS_OFFSET, s_reduce_kw);
+    Py_DECREF(factor_o);
+    if (!res)
+        goto done;
+    Py_DECREF(res);
+    int t = attr_true(c, s_reduce_pending);
+    if (t < 0)
+        goto done;
+    if (t) {
+        if (!(res = call_method0(c, s_finish_reduce, NULL)))
+            goto done;
+        Py_DECREF(res);
+    }
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(lists[5]); k++) {
+        PyObject *pair = PyList_GET_ITEM(lists[5], k);
+        PyObject *sp = PyList_GET_ITEM(sh, PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0)));
+        PyObject *d = PyObject_CallFunctionObjArgs(tools.like, PyTuple_GET_ITEM(pair, 1), sp,
+                                                   NULL);
+        if (!d)
+            goto done;
+        bad = PyObject_SetAttr(sp, s_grad, d);
+        Py_DECREF(d);
+        if (bad)
+            goto done;
+    }
+    if ((t = any_hooked(sh)) < 0)
+        goto done;
+    if (t) {
+        if (!(res = PyObject_CallOneArg(tools.run_hooks, sh)))
+            goto done;
+        Py_DECREF(res);
+    }
+    PyObject *root = item(h->state, s_root), *tree = root ? PyObject_GetAttr(root, s_tree) : NULL;
+    if (!tree)
+        goto done;
+    bad = PyObject_SetAttr(tree, s_reduced, Py_True);
+    Py_DECREF(tree);
+    if (bad)
+        goto done;
+    /* ParamGroup.reshard(): the engine's reduce freed the buffer already */
+    if (item(g, s_registered_unsharded) != Py_False &&
+        (register_params(item(g, s_slots), sh) < 0 ||
+         PyDict_SetItem(g, s_registered_unsharded, Py_False) < 0))
+        goto done;
+    if ((t = attr_true(c, s_is_unsharded)) < 0)
+        goto done;
+    if (t) {
+        if (!(res = call_method0(c, s_reshard, NULL)))
+            goto done;
+        Py_DECREF(res);
+    }
+    r = Py_NewRef(Py_None);
+done:
+    for (int k = 0; k < 6; k++)
+        Py_XDECREF(lists[k]);
+    Py_DECREF(c);
+    Py_DECREF(un);
+    Py_DECREF(sh);
+    return r;
 }
 
 static PyObject *Hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf,
@@ -367,10 +656,8 @@ static PyObject *Hook_vectorcall(PyObject *self, PyObject *const *args, size_t n
         return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
     }
     if (h->kind == HOOK_ARRIVE) {
-        if (nargs == 1) {
-            h->taken++;
+        if (nargs == 1)
             return arrive(h);
-        }
         h->passed++;
         return PyObject_Vectorcall(h->fallback, args, nargsf, NULL);
     }
@@ -513,15 +800,19 @@ static PyType_Spec Hook_spec = {
 };
 
 PyDoc_STRVAR(set_hook_tools_doc,
-             "set_hook_tools(profiling, stack_len, grad_enabled, tensor_type, hook_outputs)\n"
-             "What Hook reads from torch, given once by fsdp2/state.py: the profiler's and the "
-             "dispatch-mode stack's probes (stack_len None where torch has none), "
-             "torch.is_grad_enabled, torch.Tensor and runtime.trees.hook_before_backward.");
+             "set_hook_tools(profiling, stack_len, grad_enabled, tensor_type, hook_outputs,\n"
+             "               dtype_codes, empty_like, contiguous_format, like, run_hooks)\n"
+             "What Hook reads from torch and flatshard, given once by fsdp2/state.py: the "
+             "profiler's and the dispatch-mode stack's probes (stack_len None where torch has "
+             "none), torch.is_grad_enabled, torch.Tensor, runtime.trees.hook_before_backward, "
+             "tensors.DTYPE_CODES, torch.empty_like, torch.contiguous_format, fsdp2.param's "
+             "_like and runtime.grad_hooks.run_hooks.");
 
 static PyObject *set_hook_tools(PyObject *m, PyObject *args)
 {
-    PyObject *p, *s, *g, *t, *o;
-    if (!PyArg_ParseTuple(args, "OOOO!O:set_hook_tools", &p, &s, &g, &PyType_Type, &t, &o))
+    PyObject *p, *s, *g, *t, *o, *codes, *el, *cf, *like, *run;
+    if (!PyArg_ParseTuple(args, "OOOO!OO!OOOO:set_hook_tools", &p, &s, &g, &PyType_Type, &t, &o,
+                          &PyDict_Type, &codes, &el, &cf, &like, &run))
         return NULL;
     if (!PyCallable_Check(p) || (s != Py_None && !PyCallable_Check(s)) ||
         !PyCallable_Check(g) || !PyCallable_Check(o))
@@ -532,6 +823,11 @@ static PyObject *set_hook_tools(PyObject *m, PyObject *args)
     Py_XSETREF(tools.grad_enabled, Py_NewRef(g));
     Py_XSETREF(tools.tensor_type, Py_NewRef(t));
     Py_XSETREF(tools.hook_outputs, Py_NewRef(o));
+    Py_XSETREF(tools.dtype_codes, Py_NewRef(codes));
+    Py_XSETREF(tools.empty_like, Py_NewRef(el));
+    Py_XSETREF(tools.contiguous, Py_NewRef(cf));
+    Py_XSETREF(tools.like, Py_NewRef(like));
+    Py_XSETREF(tools.run_hooks, Py_NewRef(run));
     Py_RETURN_NONE;
 }
 

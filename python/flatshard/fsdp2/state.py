@@ -40,8 +40,8 @@ swapped, without a Python frame; each call checks the lane's conditions on
 the state's and the group's attributes as they are then, and every other
 case is the Python hook's. A state's lane is opened at the root's lazy init
 (c_hooks) where nothing it leaves out is read: every group of the tree on a
-host Comm (no implicit prefetch), no gather-ahead budget, no input or output
-cast. The Python steps it leaves out are then no-ops, or read by nothing:
+host Comm (no implicit prefetch), no gather-ahead or reduce-bucket budget,
+no input or output cast. The Python steps it leaves out are then no-ops, or read by nothing:
 the forward order's record (read only by gather-ahead and the device's
 implicit prefetch), the profiler ranges and CommDebugMode counts (the lane
 is closed while either watches). Each call also requires the plain path of
@@ -50,7 +50,12 @@ piece, the modules still holding the registered shards, every parameter
 trainable and hooked; pre- and post-forward also a non-root state,
 reshard_after_forward True and no prefetch list; pre-backward the root's
 callback queued. A gradient's arrival is C always (a set insert and a
-count; the group's post-backward in Python at the last). FLATSHARD_C_HOOKS=0
+count); at the last one the post-backward runs in C too where its plain
+path holds (several ranks, gradient sync on, resharding after backward, no
+replicas, all-reduce hook, held reshard, kept accumulation, extension or
+tensor-parallel parameter; every gradient a plain tensor): one engine
+reduce-scatter that frees the unsharded buffer, the new sharded gradients'
+DTensors, the parameters' own post-accumulate-grad hooks. FLATSHARD_C_HOOKS=0
 keeps every event in Python.
 """
 import torch
@@ -58,13 +63,17 @@ import torch
 from .. import _C, envvars
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
+from ..runtime.grad_hooks import run_hooks
 from ..runtime.root import Root
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
+from ..tensors import DTYPE_CODES
 from . import torch_state
+from .param import _like
 
 STATE_ATTR = "_flatshard_fsdp2_state"
 _C.set_hook_tools(observe.profiling, getattr(torch._C, "_len_torch_dispatch_stack", None),
-                  torch.is_grad_enabled, torch.Tensor, hook_before_backward)
+                  torch.is_grad_enabled, torch.Tensor, hook_before_backward, DTYPE_CODES,
+                  torch.empty_like, torch.contiguous_format, _like, run_hooks)
 
 
 def state_of(module):
@@ -243,7 +252,8 @@ class FSDPState:
         """Root only: each state's hook lane, where nothing the lane leaves
         out is read ([Note: hook lane])."""
         host = all(st.group is None or st.group.comm.device is None for st in self.states)
-        tree_ok = host and not self.tree.ahead and envvars.read_flag("FLATSHARD_C_HOOKS", True)
+        tree_ok = host and not self.tree.ahead and not self.tree.bucket.budget and \
+            envvars.read_flag("FLATSHARD_C_HOOKS", True)
         for st in self.states:
             mp = st.mp
             st.c_hooks = tree_ok and st.group is not None and mp.output_dtype is None and \
