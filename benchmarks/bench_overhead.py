@@ -166,8 +166,9 @@ def _floor_hooks(model):
             u.c.event(_C.EV_POST_BACKWARD, 0, gi, grad, out, False, False, None, None)
             g.shard.grad = out
 
-        def fsdp_pre(args, kwargs, m=m):
+        def fsdp_pre(args, kwargs, m=m, u=u):
             root = m._root_state or m._lazy_init()
+            u.c_hooks = False  # these hooks, not the C lane's ([Note: unit hook lane])
             if root.owner is m:
                 root.begin_forward()
             m._unit.pre_forward()
@@ -360,8 +361,8 @@ class _Timed:
             slot[0] += time.perf_counter() - t
             slot[1] += 1
 
-    def unshard(self, *args):
-        return self._timed("unshard", self._c.unshard, *args)
+    def unshard(self, *args, **kwargs):
+        return self._timed("unshard", self._c.unshard, *args, **kwargs)
 
     def reduce(self, *args, **kwargs):
         return self._timed("reduce", self._c.reduce, *args, **kwargs)

@@ -60,20 +60,16 @@ keeps every event in Python.
 """
 import torch
 
-from .. import _C, envvars
+from .. import _C
 from ..errors import ConfigError, MetaDeviceError
-from ..runtime import eager, observe
-from ..runtime.grad_hooks import run_hooks
+from ..runtime import eager, hooks, observe
 from ..runtime.root import Root
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
-from ..tensors import DTYPE_CODES
 from . import torch_state
 from .param import _like
 
 STATE_ATTR = "_flatshard_fsdp2_state"
-_C.set_hook_tools(observe.profiling, getattr(torch._C, "_len_torch_dispatch_stack", None),
-                  torch.is_grad_enabled, torch.Tensor, hook_before_backward, DTYPE_CODES,
-                  torch.empty_like, torch.contiguous_format, _like, run_hooks)
+hooks.give_tools(like=_like)
 
 
 def state_of(module):
@@ -253,7 +249,7 @@ class FSDPState:
         out is read ([Note: hook lane])."""
         host = all(st.group is None or st.group.comm.device is None for st in self.states)
         tree_ok = host and not self.tree.ahead and not self.tree.bucket.budget and \
-            envvars.read_flag("FLATSHARD_C_HOOKS", True)
+            hooks.c_hooks_on()
         for st in self.states:
             mp = st.mp
             st.c_hooks = tree_ok and st.group is not None and mp.output_dtype is None and \
