@@ -23,7 +23,7 @@ typedef struct {
 
 static int bind(ShardGroupObject *self)
 {
-    return fs_glue_bind(self->comm, self->replicate, &self->g.link, &self->g.replicate);
+    return fs_glue_bind(self->comm, self->replicate, &self->g.core.link, &self->g.core.replicate);
 }
 
 static PyObject *done(ShardGroupObject *self, fs_status s)
@@ -33,10 +33,10 @@ static PyObject *done(ShardGroupObject *self, fs_status s)
     fs_comm *c = self->comm->comm;
     PyObject *n = PyUnicode_FromFormat(
         "flatshard: during %s of fully_shard group '%U' (rank %d of %d)",
-        self->g.err_what ? self->g.err_what : "an operation", self->name, c->rank,
+        self->g.core.err_what ? self->g.core.err_what : "an operation", self->name, c->rank,
         c->world_size);
-    PyObject *r = fs_glue_failed(Py_TYPE(self), s, self->g.err, self->comm,
-                                 self->g.err_collective, n);
+    PyObject *r = fs_glue_failed(Py_TYPE(self), s, self->g.core.err, self->comm,
+                                 self->g.core.err_collective, n);
     Py_XDECREF(n);
     return r;
 }
@@ -115,7 +115,7 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
                                ou, d0, rn, gi, align, cdt, rdt);
     self->ready = 1;
     if (s != FS_OK) {
-        fs_raise(st, s, "ShardGroup %U: %s", name, self->g.err);
+        fs_raise(st, s, "ShardGroup %U: %s", name, self->g.core.err);
         Py_CLEAR(self);
     }
 out:
@@ -193,7 +193,7 @@ static PyObject *ShardGroup_set_full(ShardGroupObject *self, PyObject *full)
         return NULL;
     Py_XSETREF(self->full, Py_NewRef(full));
     Py_XSETREF(self->storage, st);
-    self->g.unsharded = 0;
+    self->g.core.unsharded = 0;
     fs_shard_set_full(&self->g, self->full, self->storage);
     Py_RETURN_NONE;
 }
@@ -225,7 +225,7 @@ static PyObject *unshard_along(ShardGroupObject *self, PyObject *along)
             return PyErr_Format(PyExc_TypeError, "unshard: along[%zd] is not a ShardGroup on "
                                 "this group's Comm", i);
         ShardGroupObject *a = (ShardGroupObject *)o;
-        if (a == self || a->g.unsharded)
+        if (a == self || a->g.core.unsharded)
             continue;
         if (settled(a) < 0)
             return NULL;
@@ -282,7 +282,7 @@ static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
 
 static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->g.gather_pending)
+    if (!self->g.core.gather_pending)
         Py_RETURN_NONE;
     if (bind(self) < 0)
         return NULL;
@@ -293,7 +293,7 @@ static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 
 static PyObject *ShardGroup_reshard(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->g.unsharded && !self->g.gather_pending)
+    if (!self->g.core.unsharded && !self->g.core.gather_pending)
         Py_RETURN_NONE;
     if (bind(self) < 0)
         return NULL;
@@ -372,11 +372,11 @@ static PyObject *ShardGroup_reduce(ShardGroupObject *self, PyObject *args, PyObj
     if (bind(self) < 0)
         goto out;
     fs_status s;
-    self->g.link.bucket = bucket;
+    self->g.core.link.bucket = bucket;
     s = fs_shard_reduce(&self->g, gh, gt, oh, ot, acc, factor,
                        (defer ? FS_SHARD_DEFER : 0) | (all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
                            (hold ? FS_SHARD_HOLD : 0) | (force_sum ? FS_SHARD_FORCE_SUM : 0));
-    self->g.link.bucket = NULL;
+    self->g.core.link.bucket = NULL;
     if (s == FS_OK && reshard)
         s = fs_shard_reshard(&self->g);
     r = done(self, s);
@@ -444,7 +444,7 @@ static PyObject *ShardGroup_cancel_bucket(ShardGroupObject *self, PyObject *args
 
 static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->g.reduce_pending)
+    if (!self->g.core.reduce_pending)
         Py_RETURN_NONE;
     if (bind(self) < 0)
         return NULL;
@@ -469,7 +469,7 @@ static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNU
  * memory's handle, so that a tensor over it outlives finish_reduce(). */
 static int reduce_output_ready(ShardGroupObject *self)
 {
-    return self->g.reduce_pending && !self->g.reduce_deferred && self->g.rs_out_h;
+    return self->g.core.reduce_pending && !self->g.reduce_deferred && self->g.rs_out_h;
 }
 
 static int ShardGroup_getbuffer(ShardGroupObject *self, Py_buffer *view, int flags)
@@ -531,7 +531,7 @@ static PyObject *ShardGroup_drop_partial(ShardGroupObject *self, PyObject *Py_UN
 static PyObject *ShardGroup_get_entries(ShardGroupObject *self, void *c)
 {
     fs_mod_state *st = fs_state_from_type(Py_TYPE(self));
-    int n = self->g.nparams, rank = self->g.link.comm->rank;
+    int n = self->g.nparams, rank = self->g.core.link.comm->rank;
     PyObject *l = PyList_New(n);
     for (int i = 0; l && i < n; i++) {
         PyObject *rec = fs_dim0_entry_record(st, &self->g.entries[(size_t)rank * n + i]);
@@ -564,20 +564,20 @@ static PyObject *ShardGroup_get_full_alloc(ShardGroupObject *self, void *c)
 }
 static PyObject *ShardGroup_get_unsharded(ShardGroupObject *self, void *c)
 {
-    return PyBool_FromLong(self->g.unsharded);
+    return PyBool_FromLong(self->g.core.unsharded);
 }
 static PyObject *ShardGroup_get_gather_pending(ShardGroupObject *self, void *c)
 {
-    return PyBool_FromLong(self->g.gather_pending);
+    return PyBool_FromLong(self->g.core.gather_pending);
 }
 static PyObject *ShardGroup_get_reduce_pending(ShardGroupObject *self, void *c)
 {
-    return PyBool_FromLong(self->g.reduce_pending);
+    return PyBool_FromLong(self->g.core.reduce_pending);
 }
 static PyObject *ShardGroup_get_counts(ShardGroupObject *self, void *c)
 {
-    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.n_all_gather, "reduce_scatter",
-                         self->g.n_reduce_scatter, "deferred_gather", self->g.n_deferred_gather,
+    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.core.n_all_gather, "reduce_scatter",
+                         self->g.core.n_reduce, "deferred_gather", self->g.n_deferred_gather,
                          "deferred_reduce", self->g.n_deferred_reduce, "post_gather",
                          self->g.n_post_gather);
 }
@@ -642,7 +642,7 @@ static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *cl
     const char *utf8 = PyUnicode_AsUTF8(value);
     if (!utf8)
         return -1;
-    snprintf(self->g.name, sizeof self->g.name, "%s", utf8);
+    snprintf(self->g.core.name, sizeof self->g.core.name, "%s", utf8);
     Py_SETREF(self->name, Py_NewRef(value));
     return 0;
 }

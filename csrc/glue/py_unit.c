@@ -15,7 +15,7 @@
 
 static int bind(UnitObject *self)
 {
-    return fs_glue_bind(self->comm, self->replicate, &self->u.link, &self->u.replicate);
+    return fs_glue_bind(self->comm, self->replicate, &self->u.core.link, &self->u.core.replicate);
 }
 
 /* The note every unit error carries: which unit, operation, state, rank. */
@@ -32,11 +32,11 @@ static PyObject *done(UnitObject *self, fs_status s)
 {
     if (s == FS_OK)
         Py_RETURN_NONE;
-    fs_unit *u = &self->u;
+    const fs_group_core *c = &self->u.core;
     PyObject *n = s == FS_ERR_BAD_STATE ? NULL /* the state machine's words say it all */
-                  : note(self, u->err_what ? u->err_what : "unit operation", u->err_group);
-    PyObject *r = fs_glue_failed(Py_TYPE(self), s, u->err, self->comm,
-                                 s != FS_ERR_BAD_STATE && u->err_collective, n);
+                  : note(self, c->err_what ? c->err_what : "unit operation", c->err_group);
+    PyObject *r = fs_glue_failed(Py_TYPE(self), s, c->err, self->comm,
+                                 s != FS_ERR_BAD_STATE && c->err_collective, n);
     Py_XDECREF(n);
     return r;
 }
@@ -150,8 +150,8 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     gs = NULL;
     if (s != FS_OK) {
         if (s != FS_ERR_HOST)
-            PyErr_Format(PyExc_ValueError, "Unit %U group %d: %s", name, self->u.err_group,
-                         self->u.err);
+            PyErr_Format(PyExc_ValueError, "Unit %U group %d: %s", name,
+                         self->u.core.err_group, self->u.core.err);
         goto fail;
     }
     return (PyObject *)self;
@@ -201,7 +201,7 @@ static Py_ssize_t along_units(UnitObject *self, PyObject *along, UnitObject **ou
             return PyErr_Format(PyExc_TypeError, "event: along[%zd] is not a Unit on this "
                                 "unit's Comm", i), -1;
         UnitObject *a = (UnitObject *)o;
-        if (a == self || a->u.unsharded || a->u.replicated)
+        if (a == self || a->u.core.unsharded || a->u.replicated)
             continue;
         if (parts + a->u.ngroups > FS_BATCH_MAX_PARTS)
             break;
@@ -278,14 +278,12 @@ static fs_reduce_bucket *bucket_parts(UnitObject *self, PyObject *args, PyObject
             PyErr_Format(PyExc_TypeError, "flush_bucket: units[%d] is not a Unit", i);
             return NULL;
         }
-        fs_unit *u = owners[i] = &((UnitObject *)o)->u;
-        const char *own = b->part[i].owner, *first = (const char *)u->bucketed;
-        if (own < first || own >= first + (size_t)u->ngroups * sizeof *u->bucketed) {
+        owners[i] = &((UnitObject *)o)->u;
+        if ((groups[i] = fs_unit_bucket_group(owners[i], b->part[i].owner)) < 0) {
             PyErr_Format(PyExc_ValueError, "flush_bucket: the bucket's part %d is not "
                          "units[%d]'s", i, i);
             return NULL;
         }
-        groups[i] = (int)((own - first) / sizeof *u->bucketed);
     }
     return b;
 }
@@ -372,7 +370,7 @@ PyDoc_STRVAR(ready_doc, "ready(): the current stream waits for a prefetched all-
                         "(a no-op when none is pending, and on the host).");
 static PyObject *Unit_ready(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->u.gather_pending)
+    if (!self->u.core.gather_pending)
         Py_RETURN_NONE;
     if (bind(self) < 0)
         return NULL;
@@ -416,7 +414,7 @@ PyDoc_STRVAR(wait_reduced_doc,
              "their buffers are released (a no-op when none is pending, and on the host).");
 static PyObject *Unit_wait_reduced(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->u.reduce_pending && !self->u.host_pending)
+    if (!self->u.core.reduce_pending && !self->u.host_pending)
         Py_RETURN_NONE;
     if (bind(self) < 0)
         return NULL;
@@ -439,15 +437,15 @@ static PyObject *Unit_get_bucketable(UnitObject *self, void *c)
 
 static PyObject *Unit_get_unsharded(UnitObject *self, void *c)
 {
-    return PyBool_FromLong(self->u.unsharded);
+    return PyBool_FromLong(self->u.core.unsharded);
 }
 static PyObject *Unit_get_pending(UnitObject *self, void *c)
 {
-    return PyBool_FromLong(self->u.gather_pending);
+    return PyBool_FromLong(self->u.core.gather_pending);
 }
 static PyObject *Unit_get_reduce_pending(UnitObject *self, void *c)
 {
-    return PyBool_FromLong(self->u.reduce_pending);
+    return PyBool_FromLong(self->u.core.reduce_pending);
 }
 static PyObject *Unit_get_name(UnitObject *self, void *c) { return Py_NewRef(self->name); }
 static PyObject *Unit_get_root(UnitObject *self, void *c)
@@ -471,8 +469,8 @@ static PyObject *Unit_get_comm(UnitObject *self, void *c)
 }
 static PyObject *Unit_get_counts(UnitObject *self, void *c)
 {
-    return Py_BuildValue("{sKsK}", "all_gather", self->u.n_all_gather, "reduce",
-                         self->u.n_reduce);
+    return Py_BuildValue("{sKsK}", "all_gather", self->u.core.n_all_gather, "reduce",
+                         self->u.core.n_reduce);
 }
 
 static PyMethodDef Unit_methods[] = {
