@@ -9,36 +9,23 @@
 #include "shard_group.h"
 
 typedef struct {
-    PyObject_HEAD
+    FS_GROUP_OBJECT_HEAD
     fs_shard_group g;
-    PyObject *name;
-    CommObject *comm;
-    CommObject *replicate;
-    PyObject *empty;       /* device groups: empty(numel, dtype_code) -> tensor */
     PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
     fs_dtype *shard_t;
     PyObject *full, *storage;
-    int ready;
 } ShardGroupObject;
-
-static int bind(ShardGroupObject *self)
-{
-    return fs_glue_bind(self->comm, self->replicate, &self->g.core.link, &self->g.core.replicate);
-}
 
 static PyObject *done(ShardGroupObject *self, fs_status s)
 {
     if (s == FS_OK)
         Py_RETURN_NONE;
+    const fs_group_core *g = &self->g.core;
     fs_comm *c = self->comm->comm;
     PyObject *n = PyUnicode_FromFormat(
         "flatshard: during %s of fully_shard group '%U' (rank %d of %d)",
-        self->g.core.err_what ? self->g.core.err_what : "an operation", self->name, c->rank,
-        c->world_size);
-    PyObject *r = fs_glue_failed(Py_TYPE(self), s, self->g.core.err, self->comm,
-                                 self->g.core.err_collective, n);
-    Py_XDECREF(n);
-    return r;
+        g->err_what ? g->err_what : "an operation", self->name, c->rank, c->world_size);
+    return fs_glue_group_failed(FS_GROUP(self), s, g->err_collective, n);
 }
 
 /* The engine hands the GIL back itself where it blocks (links' unlock). */
@@ -101,10 +88,7 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         gi[i] = ga[i] != 0;
     if (!(self = (ShardGroupObject *)tp->tp_alloc(tp, 0)))
         goto out;
-    self->name = Py_NewRef(name);
-    self->comm = (CommObject *)Py_NewRef(comm);
-    self->replicate = replicate != Py_None ? (CommObject *)Py_NewRef(replicate) : NULL;
-    self->empty = empty != Py_None ? Py_NewRef(empty) : NULL;
+    fs_glue_group_init(FS_GROUP(self), &self->g.core, name, comm, replicate, empty);
     if (!(self->shard_t = calloc(n ? (size_t)n : 1, sizeof *self->shard_t))) {
         PyErr_NoMemory();
         Py_CLEAR(self);
@@ -136,10 +120,7 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     Py_XDECREF(self->shards);
     Py_XDECREF(self->full);
     Py_XDECREF(self->storage);
-    Py_XDECREF(self->empty);
-    Py_XDECREF(self->name);
-    Py_XDECREF(self->comm);
-    Py_XDECREF(self->replicate);
+    fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -245,7 +226,7 @@ static PyObject *ShardGroup_unshard(ShardGroupObject *self, PyObject *args, PyOb
     PyObject *along = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|pO", kwlist, &defer, &along))
         return NULL;
-    if (settled(self) < 0 || bind(self) < 0)
+    if (settled(self) < 0 || fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     if (along != Py_None && defer)
         return PyErr_Format(PyExc_ValueError, "unshard: along gathers now (host): not with "
@@ -271,7 +252,7 @@ static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
     if (self->g.full_alloc % pc->comm->world_size)
         return PyErr_Format(PyExc_ValueError, "unshard_from: a group of %d does not divide "
                             "the unsharded buffer", pc->comm->world_size);
-    if (bind(self) < 0 || fs_comm_bind_stream(pc) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0 || fs_comm_bind_stream(pc) < 0)
         return NULL;
     fs_link post = fs_glue_link(pc);
     post.stream = pc->stream;
@@ -284,7 +265,7 @@ static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
     if (!self->g.core.gather_pending)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_wait(&self->g));
@@ -295,7 +276,7 @@ static PyObject *ShardGroup_reshard(ShardGroupObject *self, PyObject *Py_UNUSED(
 {
     if (!self->g.core.unsharded && !self->g.core.gather_pending)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_reshard(&self->g));
@@ -369,7 +350,7 @@ static PyObject *ShardGroup_reduce(ShardGroupObject *self, PyObject *args, PyObj
             (acc[i] = PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq[4], i))) < 0)
             goto out;
     }
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         goto out;
     fs_status s;
     self->g.core.link.bucket = bucket;
@@ -421,7 +402,7 @@ static PyObject *ShardGroup_flush_bucket(ShardGroupObject *self, PyObject *args)
     PyObject *groups;
     fs_shard_group *owners[FS_BATCH_MAX_PARTS];
     fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
-    if (!b || bind(self) < 0)
+    if (!b || fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     int failed = -1;
     fs_status s = fs_shard_flush_bucket(b, &self->g, owners, &failed);
@@ -446,7 +427,7 @@ static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_U
 {
     if (!self->g.core.reduce_pending)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_finish_reduce(&self->g));
@@ -457,7 +438,7 @@ static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNU
 {
     if (!self->g.reduce_deferred)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_wait_reduce(&self->g));
@@ -515,7 +496,7 @@ static PyObject *ShardGroup_accumulate(ShardGroupObject *self, PyObject *args)
         return NULL;
     if (n < 0)
         return PyErr_Format(PyExc_ValueError, "ShardGroup.accumulate: n must be >= 0");
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_accumulate(&self->g, src, st, dst, dt, (int64_t)n, add));
@@ -562,24 +543,12 @@ static PyObject *ShardGroup_get_full_alloc(ShardGroupObject *self, void *c)
 {
     return PyLong_FromLongLong(self->g.full_alloc);
 }
-static PyObject *ShardGroup_get_unsharded(ShardGroupObject *self, void *c)
-{
-    return PyBool_FromLong(self->g.core.unsharded);
-}
-static PyObject *ShardGroup_get_gather_pending(ShardGroupObject *self, void *c)
-{
-    return PyBool_FromLong(self->g.core.gather_pending);
-}
-static PyObject *ShardGroup_get_reduce_pending(ShardGroupObject *self, void *c)
-{
-    return PyBool_FromLong(self->g.core.reduce_pending);
-}
 static PyObject *ShardGroup_get_counts(ShardGroupObject *self, void *c)
 {
-    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.core.n_all_gather, "reduce_scatter",
-                         self->g.core.n_reduce, "deferred_gather", self->g.n_deferred_gather,
-                         "deferred_reduce", self->g.n_deferred_reduce, "post_gather",
-                         self->g.n_post_gather);
+    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.core.n_all_gather,
+                         "reduce_scatter", self->g.core.n_reduce, "deferred_gather",
+                         self->g.n_deferred_gather, "deferred_reduce", self->g.n_deferred_reduce,
+                         "post_gather", self->g.n_post_gather);
 }
 
 static PyObject *ShardGroup_get_aliased(ShardGroupObject *self, void *c)
@@ -624,12 +593,6 @@ static PyMethodDef ShardGroup_methods[] = {
     {NULL},
 };
 
-static PyObject *ShardGroup_get_name(ShardGroupObject *self, void *closure)
-{
-    (void)closure;
-    return Py_NewRef(self->name);
-}
-
 /* The ledger's and the errors' name for the group: its module's path, known
  * only once the root's tree is (fully_shard names groups at lazy init). */
 static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *closure)
@@ -648,15 +611,15 @@ static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *cl
 }
 
 static PyGetSetDef ShardGroup_getset[] = {
-    {"name", (getter)ShardGroup_get_name, (setter)ShardGroup_set_name,
+    {"name", (getter)fs_glue_group_get_name, (setter)ShardGroup_set_name,
      "the group's name in the ledger and in errors", NULL},
     {"entries", (getter)ShardGroup_get_entries, NULL, "this rank's Dim0Entry per parameter", NULL},
     {"offsets", (getter)ShardGroup_get_offsets, NULL, "each parameter's start in the unsharded buffer",
      NULL},
     {"full_alloc", (getter)ShardGroup_get_full_alloc, NULL, "elements of the unsharded buffer", NULL},
-    {"is_unsharded", (getter)ShardGroup_get_unsharded, NULL, "gathered (maybe pending)", NULL},
-    {"gather_pending", (getter)ShardGroup_get_gather_pending, NULL, "a deferred gather", NULL},
-    {"reduce_pending", (getter)ShardGroup_get_reduce_pending, NULL,
+    {"is_unsharded", (getter)fs_glue_group_get_unsharded, NULL, "gathered (maybe pending)", NULL},
+    {"gather_pending", (getter)fs_glue_group_get_gather_pending, NULL, "a deferred gather", NULL},
+    {"reduce_pending", (getter)fs_glue_group_get_reduce_pending, NULL,
      "a reduction left to finish (deferred or held)", NULL},
     {"reduce_output", (getter)ShardGroup_get_reduce_output, NULL,
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
