@@ -5,8 +5,9 @@
  * ZERO1 (whole parameters and gradients, the optimizer state sharded),
  * hybrid (a second link across replicas), on the host and through a device
  * table, with CPU offload of the shards. fully_shard's per-parameter groups
- * are shard_group.h's: they share the links (link.c) and the backends with units,
- * not the state machine (a group's order comes from fully_shard's hooks).
+ * are shard_group.h's: they share the group core (group.h), the links
+ * (link.c) and the backends with units, not the state machine (a group's
+ * order comes from fully_shard's hooks).
  *
  * Memory ([Note: freeing without invalidating]): a group's unsharded buffer
  * is a host storage whose bytes come and go through env->set_storage; the
