@@ -119,12 +119,16 @@ typedef struct {
  * (NCCL's own grouping is the tool there). */
 #define FS_BATCH_MAX_PARTS 256
 
+/* One collective recorded in a batch or a bucket (below). */
+typedef struct {
+    const void *send;
+    void *recv;
+    int64_t size;         /* a batch's: per-rank bytes; a bucket's: recv elements */
+    void *owner;          /* a bucket's: the engine object that finishes it */
+} fs_coalesced_part;
+
 struct fs_gather_batch {
-    struct {
-        const void *send;
-        void *recv;
-        int64_t nbytes;   /* this part's per-rank bytes */
-    } part[FS_BATCH_MAX_PARTS];
+    fs_coalesced_part part[FS_BATCH_MAX_PARTS];
     int nparts;
     int64_t nbytes;       /* per rank, all parts */
     fs_dtype dtype;       /* the parts' dtype; FS_U8 once they differ */
@@ -153,12 +157,7 @@ fs_status fs_gather_batch_flush(fs_gather_batch *b, fs_link *l, const fs_env *en
  * when to flush (a byte budget, the end of backward) from events every rank
  * sees in the same order. */
 struct fs_reduce_bucket {
-    struct {
-        const void *send;   /* world_size * count */
-        void *recv;         /* count */
-        int64_t count;
-        void *owner;
-    } part[FS_BATCH_MAX_PARTS];
+    fs_coalesced_part part[FS_BATCH_MAX_PARTS]; /* send: world_size * size, recv: size */
     int nparts;
     int64_t count;          /* per rank, all parts, elements */
     fs_dtype dtype;

@@ -127,6 +127,33 @@ static void coalesced_name(char what[FS_LEDGER_UNIT], const char *first, int n)
     snprintf(what, FS_LEDGER_UNIT, "%.*s +%d", FS_LEDGER_UNIT - 8, first ? first : "", n - 1);
 }
 
+/* A part recorded at the end of a batch's or a bucket's list: the first
+ * one names the whole in the ledger and gives its dtype; a batch of several
+ * dtypes moves bytes (a bucket refuses another dtype before). */
+static void record(fs_coalesced_part *part, int *nparts, fs_dtype *dtype, const char **first,
+                   const char *what, fs_dtype t, fs_coalesced_part p)
+{
+    if (!*nparts) {
+        *dtype = t;
+        *first = what;
+    } else if (*dtype != t) {
+        *dtype = FS_U8;
+    }
+    part[(*nparts)++] = p;
+}
+
+/* The one buffer n coalesced parts are packed into for their collective
+ * (`kind` names it in the words of a failure). */
+static fs_status take_staging(const fs_env *env, fs_comm *c, int64_t nbytes, const char *kind,
+                              void **buf, void **h)
+{
+    fs_status s = env->take(env->ctx, nbytes, FS_TAKE_TRANSIENT, buf, h);
+    if (s != FS_OK)
+        snprintf(c->last_error, sizeof c->last_error, "out of memory for %lld bytes of %s",
+                 (long long)nbytes, kind);
+    return s;
+}
+
 fs_status fs_link_all_gather(fs_link *l, const char *what, const void *send, void *recv,
                              int64_t count, fs_dtype t)
 {
@@ -145,16 +172,8 @@ fs_status fs_link_all_gather(fs_link *l, const char *what, const void *send, voi
     const int64_t nbytes = count * (int64_t)fs_dtype_size(t);
     if (!nbytes)
         return FS_OK;
-    if (!b->nparts) {
-        b->dtype = t;
-        b->what = what;
-    } else if (b->dtype != t) {
-        b->dtype = FS_U8;
-    }
-    b->part[b->nparts].send = send;
-    b->part[b->nparts].recv = recv;
-    b->part[b->nparts].nbytes = nbytes;
-    b->nparts++;
+    record(b->part, &b->nparts, &b->dtype, &b->what, what, t,
+           (fs_coalesced_part){send, recv, nbytes, NULL});
     b->nbytes += nbytes;
     return FS_OK;
 }
@@ -180,17 +199,14 @@ fs_status fs_gather_batch_flush(fs_gather_batch *b, fs_link *l, const fs_env *en
     char what[FS_LEDGER_UNIT];
     coalesced_name(what, b->what, n);
     void *buf, *h;
-    if ((s = env->take(env->ctx, total * c->world_size, FS_TAKE_TRANSIENT, &buf, &h)) != FS_OK) {
-        snprintf(c->last_error, sizeof c->last_error,
-                 "out of memory for %lld bytes of coalesced all-gather",
-                 (long long)(total * c->world_size));
+    if ((s = take_staging(env, c, total * c->world_size, "coalesced all-gather", &buf, &h)) !=
+        FS_OK)
         return s;
-    }
     char *mine = (char *)buf + (size_t)c->rank * (size_t)total;
     int64_t off = 0;
     for (int i = 0; i < n; i++) {
-        memcpy(mine + off, b->part[i].send, (size_t)b->part[i].nbytes);
-        off += b->part[i].nbytes;
+        memcpy(mine + off, b->part[i].send, (size_t)b->part[i].size);
+        off += b->part[i].size;
     }
     FS_LINK_RUN(l, s, FS_LOP_ALL_GATHER, what, total / (int64_t)es, b->dtype,
                 fs_comm_all_gather(c, mine, buf, total / (int64_t)es, b->dtype));
@@ -199,7 +215,7 @@ fs_status fs_gather_batch_flush(fs_gather_batch *b, fs_link *l, const fs_env *en
             const char *from = (const char *)buf + (size_t)r * (size_t)total;
             off = 0;
             for (int i = 0; i < n; i++) {
-                const int64_t nb = b->part[i].nbytes;
+                const int64_t nb = b->part[i].size;
                 memcpy((char *)b->part[i].recv + (size_t)r * (size_t)nb, from + off, (size_t)nb);
                 off += nb;
             }
@@ -228,15 +244,8 @@ fs_status fs_link_reduce_scatter(fs_link *l, const char *what, const void *send,
                  FS_BATCH_MAX_PARTS);
         return FS_ERR_INVALID_ARG;
     }
-    if (!b->nparts) {
-        b->dtype = t;
-        b->what = what;
-    }
-    b->part[b->nparts].send = send;
-    b->part[b->nparts].recv = recv;
-    b->part[b->nparts].count = recv_count;
-    b->part[b->nparts].owner = owner;
-    b->nparts++;
+    record(b->part, &b->nparts, &b->dtype, &b->what, what, t,
+           (fs_coalesced_part){send, recv, recv_count, owner});
     b->count += recv_count;
     return FS_OK;
 }
@@ -259,18 +268,14 @@ fs_status fs_reduce_bucket_flush(fs_reduce_bucket *b, fs_link *l, const fs_env *
     char what[FS_LEDGER_UNIT];
     coalesced_name(what, b->what, n);
     void *buf, *h;
-    if ((s = env->take(env->ctx, total * (world + 1) * (int64_t)es, FS_TAKE_TRANSIENT, &buf,
-                       &h)) != FS_OK) {
-        snprintf(c->last_error, sizeof c->last_error,
-                 "out of memory for %lld bytes of bucketed reduce-scatter",
-                 (long long)(total * (world + 1) * (int64_t)es));
+    if ((s = take_staging(env, c, total * (world + 1) * (int64_t)es, "bucketed reduce-scatter",
+                          &buf, &h)) != FS_OK)
         return s;
-    }
     char *in = buf, *out = (char *)buf + (size_t)(total * world) * es;
     for (int r = 0; r < world; r++) { /* rank r's block: every part's rank-r block */
         char *to = in + (size_t)(r * total) * es;
         for (int i = 0; i < n; i++) {
-            const size_t nb = (size_t)b->part[i].count * es;
+            const size_t nb = (size_t)b->part[i].size * es;
             memcpy(to, (const char *)b->part[i].send + (size_t)r * nb, nb);
             to += nb;
         }
@@ -280,7 +285,7 @@ fs_status fs_reduce_bucket_flush(fs_reduce_bucket *b, fs_link *l, const fs_env *
     if (s == FS_OK) {
         const char *from = out;
         for (int i = 0; i < n; i++) {
-            const size_t nb = (size_t)b->part[i].count * es;
+            const size_t nb = (size_t)b->part[i].size * es;
             memcpy(b->part[i].recv, from, nb);
             from += nb;
         }

@@ -3,22 +3,9 @@
  * Gradient reductions are in shard_group_reduce.c. No Python. */
 #include "shard_group_internal.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-fs_status fs_shard_fail(fs_shard_group *g, fs_status s, const char *what, int collective,
-                       const char *fmt, ...)
-{
-    g->err_what = what;
-    g->err_collective = collective;
-    va_list ap;
-    va_start(ap, fmt);
-    fs_group_words(g->err, sizeof g->err, s, fmt, ap);
-    va_end(ap);
-    return s;
-}
 
 void fs_shard_count_copy(fs_shard_group *g, int kind, fs_dtype dt, fs_dtype st, int64_t n)
 {
@@ -28,7 +15,7 @@ void fs_shard_count_copy(fs_shard_group *g, int kind, fs_dtype dt, fs_dtype st, 
 
 int fs_shard_direct_layout(const fs_shard_group *g)
 {
-    const int world = g->link.comm->world_size;
+    const int world = g->core.link.comm->world_size;
     if (world < 2 || g->nparams != 1 || !g->params[0].gathered)
         return 0;
     const fs_shard_param *p = &g->params[0];
@@ -44,10 +31,7 @@ fs_status fs_shard_init(fs_shard_group *g, const char *name, fs_env env, fs_link
                        int64_t align, fs_dtype compute, fs_dtype reduce)
 {
     memset(g, 0, sizeof *g);
-    snprintf(g->name, sizeof g->name, "%s", name);
-    g->env = env;
-    g->link = link;
-    g->replicate = replicate;
+    fs_group_core_init(&g->core, name, env, link, replicate);
     g->compute = compute;
     g->reduce = reduce;
     const int world = link.comm->world_size, rank = link.comm->rank;
@@ -63,7 +47,7 @@ fs_status fs_shard_init(fs_shard_group *g, const char *name, fs_env env, fs_link
         !rows || !grows) {
         free(rows);
         free(grows);
-        return fs_shard_fail(g, FS_ERR_NO_MEMORY, "construction", 0, "out of host memory");
+        return fs_group_fail(&g->core, FS_ERR_NO_MEMORY, "construction", 0, "out of host memory");
     }
     g->nparams = nparams;
     fs_status s = FS_OK;
@@ -105,26 +89,21 @@ fs_status fs_shard_init(fs_shard_group *g, const char *name, fs_env env, fs_link
     free(rows);
     free(grows);
     if (s != FS_OK)
-        return fs_shard_fail(g, s, "construction", 0, "bad parameter shapes or alignment");
+        return fs_group_fail(&g->core, s, "construction", 0, "bad parameter shapes or alignment");
     return FS_OK;
 }
 
 void fs_shard_destroy(fs_shard_group *g)
 {
-    if (g->env.release) {
-        fs_shard_drop(g, &g->gathered_h);
-        fs_shard_drop(g, &g->rs_in_h);
-        fs_shard_drop(g, &g->rs_out_h);
-        fs_shard_drop(g, &g->partial_h);
+    if (g->core.env.release) {
+        fs_group_drop(&g->core, &g->gathered_h);
+        fs_group_drop(&g->core, &g->rs_in_h);
+        fs_group_drop(&g->core, &g->rs_out_h);
+        fs_group_drop(&g->core, &g->partial_h);
         for (int i = 0; i < g->nparams && g->outs; i++)
-            fs_shard_drop(g, &g->outs[i]);
+            fs_group_drop(&g->core, &g->outs[i]);
     }
-    if (g->link.dev) {
-        if (g->gather_event)
-            g->link.dev->event_free(g->gather_event);
-        if (g->reduce_event)
-            g->link.dev->event_free(g->reduce_event);
-    }
+    fs_group_core_destroy(&g->core);
     free(g->params);
     free(g->entries);
     free(g->gentries);
@@ -141,7 +120,7 @@ void fs_shard_set_shards(fs_shard_group *g, void *const *shards, const fs_dtype 
         g->params[i].shard = shards[i];
         same = same && (!g->params[i].gathered || shard_t[i] == g->compute);
     }
-    g->aliased = g->link.comm->world_size == 1 && same;
+    g->aliased = g->core.link.comm->world_size == 1 && same;
 }
 
 void fs_shard_set_full(fs_shard_group *g, void *full, void *storage)
@@ -157,14 +136,14 @@ void fs_shard_set_full(fs_shard_group *g, void *full, void *storage)
  * into the unsharded buffer. */
 static fs_status copy_out(fs_shard_group *g, void *stream)
 {
-    const int world = g->link.comm->world_size;
+    const int world = g->core.link.comm->world_size;
     const size_t es = fs_dtype_size(g->compute);
     void *full;
     if (fs_shard_direct_layout(g)) /* gathered in place [Note: direct layout] */
         return FS_OK;
-    fs_status s = g->env.data(g->env.ctx, g->full, &full);
+    fs_status s = g->core.env.data(g->core.env.ctx, g->full, &full);
     if (s != FS_OK)
-        return fs_shard_fail(g, s, "unshard", 0, NULL);
+        return fs_group_fail(&g->core, s, "unshard", 0, NULL);
     for (int i = 0; i < g->nparams; i++) {
         const fs_shard_param *p = &g->params[i];
         const fs_dim0_entry *e = &g->gentries[i];
@@ -180,10 +159,11 @@ static fs_status copy_out(fs_shard_group *g, void *stream)
             char *dst = (char *)full + (p->full_offset + begin * p->row_numel) * es;
             /* outer runs of this rank's rows: packed in the block, dim0 rows
              * apart in the unsharded parameter */
-            if ((s = fs_link_cast2d(&g->link, stream, dst, p->dim0 * p->row_numel, g->compute,
+            if ((s = fs_link_cast2d(&g->core.link, stream, dst, p->dim0 * p->row_numel, g->compute,
                                     src, rows * p->row_numel, g->compute, rows * p->row_numel,
                                     p->outer)) != FS_OK)
-                return fs_shard_fail(g, s, "unshard", 0, "copy-out: %s", g->link.comm->last_error);
+                return fs_group_fail(&g->core, s, "unshard", 0, "copy-out: %s",
+                                     g->core.link.comm->last_error);
             fs_shard_count_copy(g, FS_SHARD_COPY_OUT, g->compute, g->compute,
                                p->outer * rows * p->row_numel);
         }
@@ -196,7 +176,7 @@ static fs_status copy_out(fs_shard_group *g, void *stream)
  * unsharded buffer. */
 static fs_status unshard_alone(fs_shard_group *g, const fs_dtype *shard_t)
 {
-    const fs_env *e = &g->env;
+    const fs_env *e = &g->core.env;
     const size_t es = fs_dtype_size(g->compute);
     void *full, *src;
     fs_status s;
@@ -204,22 +184,23 @@ static fs_status unshard_alone(fs_shard_group *g, const fs_dtype *shard_t)
         if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &full)) !=
                 FS_OK ||
             (s = e->data(e->ctx, g->full, &full)) != FS_OK)
-            return fs_shard_fail(g, s, "unshard", 0, NULL);
+            return fs_group_fail(&g->core, s, "unshard", 0, NULL);
         for (int i = 0; i < g->nparams; i++) {
             const fs_shard_param *p = &g->params[i];
             const int64_t n = fs_shard_param_numel(p);
             if (!p->gathered || !n)
                 continue;
             if ((s = e->data(e->ctx, p->shard, &src)) != FS_OK ||
-                (s = fs_link_cast(&g->link, g->link.stream, (char *)full + p->full_offset * es,
+                (s = fs_link_cast(&g->core.link, g->core.link.stream,
+                                  (char *)full + p->full_offset * es,
                                   g->compute, src, shard_t[i], n)) != FS_OK)
-                return fs_shard_fail(g, s, "unshard", 0, s == FS_OK ? NULL : "cast: %s",
-                                    g->link.comm->last_error);
+                return fs_group_fail(&g->core, s, "unshard", 0, s == FS_OK ? NULL : "cast: %s",
+                                     g->core.link.comm->last_error);
             fs_shard_count_copy(g, FS_SHARD_COPY_OUT, g->compute, shard_t[i], n);
         }
     }
-    g->n_all_gather++; /* the gather torch issues (and counts) at one rank too */
-    g->unsharded = 1;
+    g->core.n_all_gather++; /* the gather torch issues (and counts) at one rank too */
+    g->core.unsharded = 1;
     return FS_OK;
 }
 
@@ -229,21 +210,21 @@ static fs_status unshard_alone(fs_shard_group *g, const fs_dtype *shard_t)
 static fs_status gather_input(fs_shard_group *g, const fs_dtype *shard_t, const void **send,
                               void **recv)
 {
-    const fs_env *e = &g->env;
+    const fs_env *e = &g->core.env;
     const size_t es = fs_dtype_size(g->compute);
     void *full, *src;
     fs_status s;
     if ((s = e->data(e->ctx, g->params[0].shard, &src)) != FS_OK ||
         (s = e->data(e->ctx, g->full, &full)) != FS_OK)
-        return fs_shard_fail(g, s, "unshard", 0, NULL);
+        return fs_group_fail(&g->core, s, "unshard", 0, NULL);
     *send = src;
     *recv = full;
     if (shard_t[0] == g->compute || !g->gather_block_numel)
         return FS_OK;
-    char *mine = (char *)full + (size_t)g->link.comm->rank * g->gather_block_numel * es;
-    if ((s = fs_link_cast(&g->link, g->link.stream, mine, g->compute, src, shard_t[0],
+    char *mine = (char *)full + (size_t)g->core.link.comm->rank * g->gather_block_numel * es;
+    if ((s = fs_link_cast(&g->core.link, g->core.link.stream, mine, g->compute, src, shard_t[0],
                           g->gather_block_numel)) != FS_OK)
-        return fs_shard_fail(g, s, "unshard", 0, "cast: %s", g->link.comm->last_error);
+        return fs_group_fail(&g->core, s, "unshard", 0, "cast: %s", g->core.link.comm->last_error);
     fs_shard_count_copy(g, FS_SHARD_COPY_IN, g->compute, shard_t[0], g->gather_block_numel);
     *send = mine;
     return FS_OK;
@@ -255,14 +236,14 @@ static fs_status gather_input(fs_shard_group *g, const fs_dtype *shard_t, const 
 static fs_status stage_gather_input(fs_shard_group *g, const fs_dtype *shard_t, int defer,
                                     const void **send, void **recv)
 {
-    const fs_env *e = &g->env;
-    fs_link *l = &g->link;
+    const fs_env *e = &g->core.env;
+    fs_link *l = &g->core.link;
     fs_comm *c = l->comm;
     const size_t es = fs_dtype_size(g->compute);
     fs_status s;
     if ((s = e->take(e->ctx, g->gather_block_numel * c->world_size * (int64_t)es,
                      defer ? 0 : FS_TAKE_TRANSIENT, &g->gathered, &g->gathered_h)) != FS_OK)
-        return fs_shard_fail(g, s, "unshard", 0, "out of memory");
+        return fs_group_fail(&g->core, s, "unshard", 0, "out of memory");
     char *mine = (char *)g->gathered + (size_t)c->rank * g->gather_block_numel * es;
     for (int i = 0; i < g->nparams; i++) {
         const fs_dim0_entry *en = &g->gentries[i];
@@ -272,9 +253,9 @@ static fs_status stage_gather_input(fs_shard_group *g, const fs_dtype *shard_t, 
         if ((s = e->data(e->ctx, g->params[i].shard, &src)) != FS_OK ||
             (s = fs_link_cast(l, l->stream, mine + en->block_offset * es, g->compute, src,
                               shard_t[i], en->local_rows * en->row_numel)) != FS_OK) {
-            fs_shard_drop(g, &g->gathered_h);
-            return fs_shard_fail(g, s, "unshard", 0, s == FS_OK ? NULL : "copy-in: %s",
-                                c->last_error);
+            fs_group_drop(&g->core, &g->gathered_h);
+            return fs_group_fail(&g->core, s, "unshard", 0, s == FS_OK ? NULL : "copy-in: %s",
+                                 c->last_error);
         }
         fs_shard_count_copy(g, FS_SHARD_COPY_IN, g->compute, shard_t[i],
                            en->local_rows * en->row_numel);
@@ -286,8 +267,8 @@ static fs_status stage_gather_input(fs_shard_group *g, const fs_dtype *shard_t, 
 
 fs_status fs_shard_unshard(fs_shard_group *g, const fs_dtype *shard_t, int defer)
 {
-    const fs_env *e = &g->env;
-    fs_link *l = &g->link;
+    const fs_env *e = &g->core.env;
+    fs_link *l = &g->core.link;
     fs_comm *c = l->comm;
     const int world = c->world_size;
     const size_t es = fs_dtype_size(g->compute);
@@ -295,13 +276,13 @@ fs_status fs_shard_unshard(fs_shard_group *g, const fs_dtype *shard_t, int defer
     /* [Note: coalesced gathers]: the copy-out waits for the batch's flush */
     const int batched = l->batch && !l->dev;
     fs_status s;
-    if (g->unsharded) /* a pending gather is waited for, unless this is a prefetch too */
+    if (g->core.unsharded) /* a pending gather is waited for, unless this is a prefetch too */
         return defer ? FS_OK : fs_shard_wait(g);
     if (world == 1)
         return unshard_alone(g, shard_t);
     void *none;
     if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &none)) != FS_OK)
-        return fs_shard_fail(g, s, "unshard", 0, NULL);
+        return fs_group_fail(&g->core, s, "unshard", 0, NULL);
     const void *send = NULL;
     void *recv = NULL;
     if ((s = fs_shard_direct_layout(g) ? gather_input(g, shard_t, &send, &recv)
@@ -309,38 +290,38 @@ fs_status fs_shard_unshard(fs_shard_group *g, const fs_dtype *shard_t, int defer
         return s;
     if (defer)
         l->dev->set_defer(c, 1);
-    s = fs_link_all_gather(l, g->name, send, recv, g->gather_block_numel, g->compute);
+    s = fs_link_all_gather(l, g->core.name, send, recv, g->gather_block_numel, g->compute);
     if (defer) {
         l->dev->set_defer(c, 0);
         if (s == FS_OK)
-            s = l->dev->record(c, &g->gather_event, c->last_error, sizeof c->last_error);
+            s = l->dev->record(c, &g->core.gather_event, c->last_error, sizeof c->last_error);
     }
     if (s != FS_OK) {
-        fs_shard_drop(g, &g->gathered_h);
-        return fs_shard_fail(g, s, "all-gather", 1, "all_gather: %s", c->last_error);
+        fs_group_drop(&g->core, &g->gathered_h);
+        return fs_group_fail_comm(&g->core, s, "all-gather", 0, "all_gather: %s", c->last_error);
     }
-    g->n_all_gather++;
-    g->unsharded = 1;
+    g->core.n_all_gather++;
+    g->core.unsharded = 1;
     if (defer || batched) {
-        g->gather_pending = 1;
+        g->core.gather_pending = 1;
         g->n_deferred_gather += defer;
         return FS_OK;
     }
     s = copy_out(g, l->stream);
-    fs_shard_drop(g, &g->gathered_h);
+    fs_group_drop(&g->core, &g->gathered_h);
     return s;
 }
 
 /* A recorded gather whose batch failed: nothing was gathered. */
 static void abandon(fs_shard_group *g)
 {
-    if (!g->gather_pending || g->link.dev)
+    if (!g->core.gather_pending || g->core.link.dev)
         return;
     void *none;
-    g->gather_pending = 0;
-    fs_shard_drop(g, &g->gathered_h);
-    g->env.set_storage(g->env.ctx, g->storage, 0, &none);
-    g->unsharded = 0;
+    g->core.gather_pending = 0;
+    fs_group_drop(&g->core, &g->gathered_h);
+    g->core.env.set_storage(g->core.env.ctx, g->storage, 0, &none);
+    g->core.unsharded = 0;
 }
 
 fs_status fs_shard_unshard_along(fs_shard_group *g, const fs_dtype *own_t, int own,
@@ -352,22 +333,22 @@ fs_status fs_shard_unshard_along(fs_shard_group *g, const fs_dtype *own_t, int o
     batch.nbytes = 0;
     fs_status s = FS_OK;
     *failed = -1;
-    g->link.batch = &batch;
-    if (own && !g->unsharded)
+    g->core.link.batch = &batch;
+    if (own && !g->core.unsharded)
         s = fs_shard_unshard(g, own_t, 0);
-    g->link.batch = NULL;
+    g->core.link.batch = NULL;
     for (int i = 0; i < n && s == FS_OK; i++) {
-        if (along[i]->unsharded)
+        if (along[i]->core.unsharded)
             continue;
-        along[i]->link.batch = &batch;
+        along[i]->core.link.batch = &batch;
         s = fs_shard_unshard(along[i], shard_t[i], 0);
-        along[i]->link.batch = NULL;
+        along[i]->core.link.batch = NULL;
         if (s != FS_OK)
             *failed = i;
     }
-    if (s == FS_OK && (s = fs_gather_batch_flush(&batch, &g->link, &g->env)) != FS_OK)
-        s = fs_shard_fail(g, s, "all-gather", 1, "coalesced all_gather: %s",
-                         g->link.comm->last_error);
+    if (s == FS_OK && (s = fs_gather_batch_flush(&batch, &g->core.link, &g->core.env)) != FS_OK)
+        s = fs_group_fail_comm(&g->core, s, "all-gather", 0, "coalesced all_gather: %s",
+                               g->core.link.comm->last_error);
     /* the copy-outs, or after a failure the buffers back */
     for (int i = -1; i < n; i++) {
         fs_shard_group *x = i < 0 ? g : along[i];
@@ -382,60 +363,58 @@ fs_status fs_shard_unshard_along(fs_shard_group *g, const fs_dtype *own_t, int o
 
 fs_status fs_shard_unshard_from(fs_shard_group *g, fs_link *post, void *chunk)
 {
-    const fs_env *e = &g->env;
+    const fs_env *e = &g->core.env;
     const size_t es = fs_dtype_size(g->compute);
     void *src, *dst, *none;
     int64_t count; /* the all-gather puts each rank's chunk back where it was cut */
     fs_status s = fs_layout_dim0_post_chunk(g->full_alloc, post->comm->world_size,
                                             post->comm->rank, NULL, &count);
     if (s != FS_OK)
-        return fs_shard_fail(g, s, "unshard", 0,
-                            "a group of %d does not divide the unsharded buffer",
-                            post->comm->world_size);
+        return fs_group_fail(&g->core, s, "unshard", 0,
+                             "a group of %d does not divide the unsharded buffer",
+                             post->comm->world_size);
     if ((s = fs_shard_wait(g)) != FS_OK)
         return s;
-    if (g->unsharded)
+    if (g->core.unsharded)
         return FS_OK;
     if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &none)) != FS_OK ||
-        (s = e->data(e->ctx, chunk, &src)) != FS_OK || (s = e->data(e->ctx, g->full, &dst)) != FS_OK)
-        return fs_shard_fail(g, s, "unshard", 0, NULL);
-    FS_LINK_RUN(post, s, FS_LOP_ALL_GATHER, g->name, count, g->compute,
+        (s = e->data(e->ctx, chunk, &src)) != FS_OK || (s = e->data(e->ctx, g->full,
+                                                                    &dst)) != FS_OK)
+        return fs_group_fail(&g->core, s, "unshard", 0, NULL);
+    FS_LINK_RUN(post, s, FS_LOP_ALL_GATHER, g->core.name, count, g->compute,
                 fs_comm_all_gather(post->comm, src, dst, count, g->compute));
     if (s != FS_OK)
-        return fs_shard_fail(g, s, "all-gather", 1, "all_gather after forward: %s",
-                            post->comm->last_error);
+        return fs_group_fail_comm(&g->core, s, "all-gather", 0, "all_gather after forward: %s",
+                                  post->comm->last_error);
     g->n_post_gather++;
-    g->unsharded = 1;
+    g->core.unsharded = 1;
     return FS_OK;
 }
 
 fs_status fs_shard_wait(fs_shard_group *g)
 {
-    if (!g->gather_pending)
+    if (!g->core.gather_pending)
         return FS_OK;
-    fs_comm *c = g->link.comm;
-    g->gather_pending = 0;
-    fs_status s = g->link.dev ? g->link.dev->wait(g->gather_event, g->link.stream,
-                                                  c->last_error, sizeof c->last_error)
-                              : FS_OK; /* a host batch: flushed by now */
+    g->core.gather_pending = 0;
+    fs_status s = fs_group_wait_mark(&g->core, g->core.gather_event, "unshard",
+                                     "a prefetched all-gather");
     if (s != FS_OK) {
-        fs_shard_drop(g, &g->gathered_h);
-        return fs_shard_fail(g, s, "unshard", 0, "waiting for a prefetched all-gather: %s",
-                            c->last_error);
+        fs_group_drop(&g->core, &g->gathered_h);
+        return s;
     }
-    s = copy_out(g, g->link.stream);
-    fs_shard_drop(g, &g->gathered_h); /* the caller's stream orders its reuse */
+    s = copy_out(g, g->core.link.stream);
+    fs_group_drop(&g->core, &g->gathered_h); /* the caller's stream orders its reuse */
     return s;
 }
 
 fs_status fs_shard_reshard(fs_shard_group *g)
 {
     fs_status s = fs_shard_wait(g); /* its buffers go back only after the stream waited */
-    if (s != FS_OK || !g->unsharded)
+    if (s != FS_OK || !g->core.unsharded)
         return s;
     void *none;
-    if ((s = g->env.set_storage(g->env.ctx, g->storage, 0, &none)) != FS_OK)
-        return fs_shard_fail(g, s, "reshard", 0, NULL);
-    g->unsharded = 0;
+    if ((s = g->core.env.set_storage(g->core.env.ctx, g->storage, 0, &none)) != FS_OK)
+        return fs_group_fail(&g->core, s, "reshard", 0, NULL);
+    g->core.unsharded = 0;
     return FS_OK;
 }

@@ -94,10 +94,7 @@ enum {
 };
 
 typedef struct {
-    char name[128];
-    fs_env env;
-    fs_link link;          /* the shard group */
-    fs_link replicate;     /* HSDP: across replicas (comm NULL otherwise) */
+    fs_group_core core;      /* name, links, live buffer, marks, counts, failure (group.h) */
     int nparams;
     fs_shard_param *params;
     fs_dim0_entry *entries;  /* world x nparams: each rank's entries (reduce layout) */
@@ -107,17 +104,15 @@ typedef struct {
     fs_dtype compute, reduce;
     void *full;              /* tensor handle of the unsharded buffer (NULL until set) */
     void *storage;           /* its storage handle */
-    int unsharded;
     /* [Note: direct layout]: one rank, every gathered shard in the compute
      * dtype (set with the shards): the unsharded parameters are the shards */
     int aliased;
-    /* a deferred gather: the copy-out waits for the mark */
-    void *gather_event, *gathered, *gathered_h;
-    int gather_pending;
-    /* a reduction left to finish [Note: reduce output]: deferred (what
-     * follows the reduce-scatter waits for reduce_event), or held */
-    void *reduce_event;
-    int reduce_pending, reduce_deferred;
+    /* a deferred gather (core.gather_pending): the copy-out waits for the mark */
+    void *gathered, *gathered_h;
+    /* a reduction left to finish (core.reduce_pending) [Note: reduce output]:
+     * deferred (what follows the reduce-scatter waits for core.reduce_event),
+     * or held */
+    int reduce_deferred;
     int in_bucket;           /* its reduce-scatter waits in a host bucket (not issued) */
     int all_reduce;          /* HSDP: this reduction all-reduces (0: into partial) */
     int held;                /* held after collect, rs_out divided by divide.hold */
@@ -127,12 +122,9 @@ typedef struct {
     void **outs;             /* nparams tensor handles (held) or NULL */
     fs_dtype *out_t;
     int *accumulate;
-    unsigned long long n_all_gather, n_reduce_scatter, n_deferred_gather, n_deferred_reduce,
-        n_post_gather;
+    /* besides core.n_all_gather and core.n_reduce (its reduce-scatters) */
+    unsigned long long n_deferred_gather, n_deferred_reduce, n_post_gather;
     unsigned long long copied_bytes[FS_SHARD_NCOPY]; /* [Note: copy counts] */
-    char err[512];
-    const char *err_what;
-    int err_collective;
 } fs_shard_group;
 
 /* outer[i] (NULL: all 1), dim0[i], row_numel[i], gathered[i] for nparams
@@ -193,13 +185,13 @@ fs_status fs_shard_finish_reduce(fs_shard_group *g);
 /* A host reduction whose bucket is given up without a flush ([Note:
  * reduction buckets]): its buffers go back, nothing is written. */
 void fs_shard_cancel_reduce(fs_shard_group *g);
+/* The bucket given up without a collective: each owner's reduction
+ * cancelled, the bucket emptied. */
+void fs_shard_cancel_bucket(fs_reduce_bucket *b, fs_shard_group *const *owners);
 /* The bucket flushed through g's link, then each owner's reduction
  * finished (all cancelled after a failed flush), and the bucket emptied.
  * On failure *failed is the index of the group whose err says why, or -1
  * for g. */
-/* The bucket given up without a collective: each owner's reduction
- * cancelled, the bucket emptied. */
-void fs_shard_cancel_bucket(fs_reduce_bucket *b, fs_shard_group *const *owners);
 fs_status fs_shard_flush_bucket(fs_reduce_bucket *b, fs_shard_group *g,
                                fs_shard_group *const *owners, int *failed);
 /* Forget the HSDP partial sum (an iteration given up: reset_iter_state). */

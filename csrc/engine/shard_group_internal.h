@@ -5,10 +5,6 @@
 
 #include "shard_group.h"
 
-/* Record a failure in g's record (what, whether a collective failed, the
- * words from fmt: none for NULL or FS_ERR_HOST) and return s. */
-fs_status fs_shard_fail(fs_shard_group *g, fs_status s, const char *what, int collective,
-                       const char *fmt, ...);
 /* [Note: copy counts]: n elements of dt written from st by a copy of `kind`
  * (a cast when the dtypes differ). */
 void fs_shard_count_copy(fs_shard_group *g, int kind, fs_dtype dt, fs_dtype st, int64_t n);
@@ -17,8 +13,6 @@ void fs_shard_count_copy(fs_shard_group *g, int kind, fs_dtype dt, fs_dtype st, 
  * all-gather output is the unsharded parameter, the gradient the
  * reduce-scatter input. */
 int fs_shard_direct_layout(const fs_shard_group *g);
-
-static inline void fs_shard_drop(fs_shard_group *g, void **h) { fs_group_drop(&g->env, h); }
 
 static inline int64_t fs_shard_param_numel(const fs_shard_param *p)
 {

@@ -11,62 +11,59 @@
 /* ---------------------------------------------------------------------------
  * reduce */
 
-static void unlend(fs_shard_group *g, fs_link *l, void **h)
-{
-    if (*h)
-        fs_link_unlend(l);
-    fs_shard_drop(g, h);
-}
-
 /* A reduction without the replicas' all-reduce writes nothing. */
 static int writes(const fs_shard_group *g)
 {
-    return !g->replicate.comm || g->all_reduce;
+    return !g->core.replicate.comm || g->all_reduce;
 }
 
 /* After the reduce-scatter [Note: reduce output]: across replicas (with the
  * partial sum), or into the partial sum; then a held output's divide. */
 static fs_status collect(fs_shard_group *g)
 {
-    fs_link *l = &g->link;
+    fs_link *l = &g->core.link;
     fs_status s = FS_OK;
     const size_t rs = fs_dtype_size(g->reduce);
     if (!writes(g)) {
         /* kept past the call: the next reductions add to it */
         const int add = g->partial_h != NULL;
-        if (!add && (s = g->env.take(g->env.ctx, g->block_numel * (int64_t)rs, 0, &g->partial,
-                                     &g->partial_h)) != FS_OK)
-            return fs_shard_fail(g, s, "reduce-scatter", 0, "partial sum: out of memory");
+        if (!add && (s = g->core.env.take(g->core.env.ctx, g->block_numel * (int64_t)rs, 0,
+                                          &g->partial,
+                                          &g->partial_h)) != FS_OK)
+            return fs_group_fail(&g->core, s, "reduce-scatter", 0, "partial sum: out of memory");
         if ((s = fs_link_scale_accumulate(l, l->stream, g->partial, g->reduce, g->rs_out,
                                           g->reduce, g->block_numel, 1.0, add)) != FS_OK)
-            return fs_shard_fail(g, s, "reduce-scatter", 0, "partial sum: %s", l->comm->last_error);
+            return fs_group_fail(&g->core, s, "reduce-scatter", 0, "partial sum: %s",
+                                 l->comm->last_error);
         return FS_OK;
     }
-    if (g->replicate.comm) {
-        fs_link *r = &g->replicate;
+    if (g->core.replicate.comm) {
+        fs_link *r = &g->core.replicate;
         void *ws;
         if (g->partial_h) {
             s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->partial,
                                          g->reduce, g->block_numel, 1.0, 1);
-            fs_shard_drop(g, &g->partial_h); /* the stream orders its reuse */
+            fs_group_drop(&g->core, &g->partial_h); /* the stream orders its reuse */
             if (s != FS_OK)
-                return fs_shard_fail(g, s, "all-reduce", 0, "partial sum: %s", l->comm->last_error);
+                return fs_group_fail(&g->core, s, "all-reduce", 0, "partial sum: %s",
+                                     l->comm->last_error);
         }
-        if ((s = fs_link_lend(&g->env, r, g->reduce, g->block_numel, &ws)) != FS_OK)
-            return fs_shard_fail(g, s, "all-reduce", 0, "out of memory");
-        FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->name, g->block_numel, g->reduce,
+        if ((s = fs_link_lend(&g->core.env, r, g->reduce, g->block_numel, &ws)) != FS_OK)
+            return fs_group_fail(&g->core, s, "all-reduce", 0, "out of memory");
+        FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->core.name, g->block_numel, g->reduce,
                     fs_comm_all_reduce(r->comm, g->rs_out, g->block_numel, g->reduce,
                                        FS_RED_SUM));
-        unlend(g, r, &ws);
+        fs_group_unlend(&g->core, r, &ws, 0);
         if (s != FS_OK)
-            return fs_shard_fail(g, s, "all-reduce", 1, "all_reduce across replicas: %s",
-                                r->comm->last_error);
+            return fs_group_fail_comm(&g->core, s, "all-reduce", 0,
+                                      "all_reduce across replicas: %s",
+                                      r->comm->last_error);
     }
     /* a hook reads what torch's reads: the collective's own divide done */
     if (g->held && g->divide.in_comm != 1.0 &&
         (s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out, g->reduce,
                                       g->block_numel, 1.0 / g->divide.in_comm, 0)) != FS_OK)
-        return fs_shard_fail(g, s, "reduce-scatter", 0, "divide: %s", l->comm->last_error);
+        return fs_group_fail(&g->core, s, "reduce-scatter", 0, "divide: %s", l->comm->last_error);
     return FS_OK;
 }
 
@@ -78,7 +75,7 @@ static fs_status collect(fs_shard_group *g)
  * round it. */
 static fs_status write_grads(fs_shard_group *g)
 {
-    fs_link *l = &g->link;
+    fs_link *l = &g->core.link;
     fs_comm *c = l->comm;
     fs_status s = FS_OK;
     const int rank = c->rank;
@@ -97,7 +94,7 @@ static fs_status write_grads(fs_shard_group *g)
         } else if ((s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out,
                                                  g->reduce, g->block_numel,
                                                  1.0 / g->divide.post, 0)) != FS_OK) {
-            return fs_shard_fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
+            return fs_group_fail(&g->core, s, "reduce-scatter", 0, "divide: %s", c->last_error);
         }
     }
     const size_t rs = fs_dtype_size(g->reduce);
@@ -106,15 +103,15 @@ static fs_status write_grads(fs_shard_group *g)
         void *dst;
         if (!g->outs[i] || !e->local_rows || !e->row_numel)
             continue;
-        if ((s = g->env.data(g->env.ctx, g->outs[i], &dst)) != FS_OK)
-            return fs_shard_fail(g, s, "reduce-scatter", 0, NULL);
+        if ((s = g->core.env.data(g->core.env.ctx, g->outs[i], &dst)) != FS_OK)
+            return fs_group_fail(&g->core, s, "reduce-scatter", 0, NULL);
         const char *src = (const char *)g->rs_out + e->block_offset * rs;
         if (dst == src && scale == 1.0) /* reduced in place [Note: direct layout] */
             continue;
         s = fs_link_scale_accumulate(l, l->stream, dst, g->out_t[i], src, g->reduce,
                                      e->local_rows * e->row_numel, scale, g->accumulate[i]);
         if (s != FS_OK)
-            return fs_shard_fail(g, s, "reduce-scatter", 0, "gradient: %s", c->last_error);
+            return fs_group_fail(&g->core, s, "reduce-scatter", 0, "gradient: %s", c->last_error);
         if (!g->accumulate[i] && dst != src)
             fs_shard_count_copy(g, FS_SHARD_REDUCE_OUT, g->out_t[i], g->reduce,
                                e->local_rows * e->row_numel);
@@ -124,11 +121,11 @@ static fs_status write_grads(fs_shard_group *g)
 
 static void release_reduction(fs_shard_group *g)
 {
-    fs_shard_drop(g, &g->rs_in_h);
-    fs_shard_drop(g, &g->rs_out_h);
+    fs_group_drop(&g->core, &g->rs_in_h);
+    fs_group_drop(&g->core, &g->rs_out_h);
     for (int i = 0; i < g->nparams; i++)
-        fs_shard_drop(g, &g->outs[i]);
-    g->reduce_pending = g->reduce_deferred = 0;
+        fs_group_drop(&g->core, &g->outs[i]);
+    g->core.reduce_pending = g->reduce_deferred = 0;
 }
 
 /* One rank in the shard group [Note: direct layout]: each gradient summed
@@ -141,9 +138,9 @@ static void release_reduction(fs_shard_group *g)
 static fs_status reduce_alone(fs_shard_group *g, void *const *grads, const fs_dtype *grad_t,
                               void *const *outs, const fs_dtype *out_t, const int *accumulate)
 {
-    const fs_env *e = &g->env;
-    fs_link *l = &g->link;
-    fs_link *r = g->replicate.comm ? &g->replicate : NULL;
+    const fs_env *e = &g->core.env;
+    fs_link *l = &g->core.link;
+    fs_link *r = g->core.replicate.comm ? &g->core.replicate : NULL;
     const size_t rs = fs_dtype_size(g->reduce);
     const fs_divide *d = &g->divide; /* [Note: divide rule]: pre, then the sum, then the rest */
     fs_status s = FS_OK;
@@ -175,7 +172,7 @@ static fs_status reduce_alone(fs_shard_group *g, void *const *grads, const fs_dt
             }
             if (src && (s = fs_link_cast(l, l->stream, buf, g->reduce, src, grad_t[i],
                                          numel)) != FS_OK) {
-                fs_shard_drop(g, &tmp_h);
+                fs_group_drop(&g->core, &tmp_h);
                 why = "copy-in";
                 break;
             }
@@ -185,14 +182,14 @@ static fs_status reduce_alone(fs_shard_group *g, void *const *grads, const fs_dt
         if (d->pre != 1.0 && (s = fs_link_scale_accumulate(l, l->stream, buf, g->reduce, buf,
                                                            g->reduce, numel, 1.0 / d->pre, 0)) !=
                                  FS_OK) {
-            fs_shard_drop(g, &tmp_h);
+            fs_group_drop(&g->core, &tmp_h);
             why = "divide";
             break;
         }
         if (r && (s = fs_link_lend(e, r, g->reduce, numel, &ws)) == FS_OK) {
-            FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->name, numel, g->reduce,
+            FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->core.name, numel, g->reduce,
                         fs_comm_all_reduce(r->comm, buf, numel, g->reduce, FS_RED_SUM));
-            unlend(g, r, &ws);
+            fs_group_unlend(&g->core, r, &ws, 0);
             if (s != FS_OK) {
                 what = "all-reduce";
                 collective = 1;
@@ -220,12 +217,14 @@ static fs_status reduce_alone(fs_shard_group *g, void *const *grads, const fs_dt
             else if (!accumulate[i] && dst != buf)
                 fs_shard_count_copy(g, FS_SHARD_REDUCE_OUT, out_t[i], g->reduce, numel);
         }
-        fs_shard_drop(g, &tmp_h);
+        fs_group_drop(&g->core, &tmp_h);
     }
-    if (s != FS_OK)
-        return fs_shard_fail(g, s, what, collective, why ? "%s: %s" : NULL, why,
-                            (collective ? r : l)->comm->last_error);
-    g->n_reduce_scatter++; /* the reduction torch issues (and counts) at one rank too */
+    if (s != FS_OK) {
+        fs_group_fail(&g->core, s, what, 0, why ? "%s: %s" : NULL, why,
+                      (collective ? r : l)->comm->last_error);
+        return collective ? fs_group_collective(&g->core, s) : s;
+    }
+    g->core.n_reduce++; /* the reduction torch issues (and counts) at one rank too */
     return FS_OK;
 }
 
@@ -233,8 +232,8 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
                          double factor, unsigned flags)
 {
-    const fs_env *e = &g->env;
-    fs_link *l = &g->link;
+    const fs_env *e = &g->core.env;
+    fs_link *l = &g->core.link;
     fs_comm *c = l->comm;
     const int world = c->world_size;
     const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1, rs = fs_dtype_size(g->reduce);
@@ -242,19 +241,20 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
     /* [Note: reduction buckets]: kept like a deferred one until the flush */
     const int bucketed = l->bucket && !l->dev;
     fs_status s;
-    if (g->reduce_pending && (s = fs_shard_finish_reduce(g)) != FS_OK)
+    if (g->core.reduce_pending && (s = fs_shard_finish_reduce(g)) != FS_OK)
         return s;
     g->all_reduce = !(flags & FS_SHARD_NO_ALL_REDUCE);
     g->held = writes(g) && (flags & FS_SHARD_HOLD);
     if ((s = fs_divide_rule(FS_DIVIDE_FULLY_SHARD, g->reduce, world,
-                            g->replicate.comm ? g->replicate.comm->world_size : 1, factor,
+                            g->core.replicate.comm ? g->core.replicate.comm->world_size : 1, factor,
                             (flags & FS_SHARD_FORCE_SUM) != 0, &g->divide)) != FS_OK)
-        return fs_shard_fail(g, s, "reduce-scatter", 0,
-                            "group '%s': the gradient divide factor must be > 0 and "
-                            "finite, got %g", g->name, factor);
+        return fs_group_fail(&g->core, s, "reduce-scatter", 0,
+                             "group '%s': the gradient divide factor must be > 0 and "
+                             "finite, got %g", g->core.name, factor);
     if (bucketed && (!writes(g) || g->held))
-        return fs_shard_fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "a reduction into the HSDP "
-                            "partial sum, or held for a hook, cannot wait in a bucket");
+        return fs_group_fail(&g->core, FS_ERR_INVALID_ARG, "reduce-scatter", 0,
+                             "a reduction into the HSDP partial sum, or held for a hook, "
+                             "cannot wait in a bucket");
     /* (a partial sum kept from reductions without the all-reduce is added
      * to the reduce output first: the staged path) */
     if (world == 1 && writes(g) && !g->held && !bucketed && !g->partial_h)
@@ -288,7 +288,8 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
     }
     if (s != FS_OK) {
         release_reduction(g);
-        return fs_shard_fail(g, s, "reduce-scatter", 0, s == FS_ERR_HOST ? NULL : "out of memory");
+        return fs_group_fail(&g->core, s, "reduce-scatter", 0,
+                             s == FS_ERR_HOST ? NULL : "out of memory");
     }
     for (int i = 0; i < g->nparams; i++) {
         void *src;
@@ -296,7 +297,7 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
             continue;
         if ((s = e->data(e->ctx, grads[i], &src)) != FS_OK) {
             release_reduction(g);
-            return fs_shard_fail(g, s, "reduce-scatter", 0, NULL);
+            return fs_group_fail(&g->core, s, "reduce-scatter", 0, NULL);
         }
         size_t gs = fs_dtype_size(grad_t[i]);
         const fs_shard_param *p = &g->params[i];
@@ -312,7 +313,8 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
                                p->dim0 * p->row_numel, grad_t[i], run, p->outer);
             if (s != FS_OK) {
                 release_reduction(g);
-                return fs_shard_fail(g, s, "reduce-scatter", 0, "copy-in: %s", c->last_error);
+                return fs_group_fail(&g->core, s, "reduce-scatter", 0, "copy-in: %s",
+                                     c->last_error);
             }
             fs_shard_count_copy(g, FS_SHARD_REDUCE_IN, g->reduce, grad_t[i], run * p->outer);
         }
@@ -327,30 +329,31 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
         (s = fs_link_scale_accumulate(l, l->stream, rs_in, g->reduce, rs_in, g->reduce,
                                       g->block_numel * world, 1.0 / g->divide.pre, 0)) != FS_OK) {
         release_reduction(g);
-        return fs_shard_fail(g, s, "reduce-scatter", 0, "divide: %s", c->last_error);
+        return fs_group_fail(&g->core, s, "reduce-scatter", 0, "divide: %s", c->last_error);
     }
     void *ws;
     if ((s = fs_link_lend(e, l, g->reduce, g->block_numel * world, &ws)) != FS_OK) {
         release_reduction(g);
-        return fs_shard_fail(g, s, "reduce-scatter", 0, "out of memory");
+        return fs_group_fail(&g->core, s, "reduce-scatter", 0, "out of memory");
     }
     if (defer)
         l->dev->set_defer(c, 1);
-    s = fs_link_reduce_scatter(l, g->name, rs_in, g->rs_out, g->block_numel, g->reduce, g);
+    s = fs_link_reduce_scatter(l, g->core.name, rs_in, g->rs_out, g->block_numel, g->reduce, g);
     if (defer) {
         l->dev->set_defer(c, 0);
         if (s == FS_OK)
-            s = l->dev->record(c, &g->reduce_event, c->last_error, sizeof c->last_error);
+            s = l->dev->record(c, &g->core.reduce_event, c->last_error, sizeof c->last_error);
     }
     if (ws) /* a deferred collective reads it until waited for (g->ws_h) */
         fs_link_unlend(l);
     if (s != FS_OK) {
-        fs_shard_drop(g, &ws);
+        fs_group_drop(&g->core, &ws);
         release_reduction(g);
-        return fs_shard_fail(g, s, "reduce-scatter", 1, "reduce_scatter: %s", c->last_error);
+        return fs_group_fail_comm(&g->core, s, "reduce-scatter", 0, "reduce_scatter: %s",
+                                  c->last_error);
     }
-    g->n_reduce_scatter++;
-    g->reduce_pending = 1;
+    g->core.n_reduce++;
+    g->core.reduce_pending = 1;
     if (bucketed) { /* the host flushes, then finishes (ws: none on the host) */
         g->reduce_deferred = g->in_bucket = 1;
         return FS_OK;
@@ -361,8 +364,8 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
         g->n_deferred_reduce++;
         return FS_OK;
     }
-    fs_shard_drop(g, &ws);
-    fs_shard_drop(g, &g->rs_in_h);
+    fs_group_drop(&g->core, &ws);
+    fs_group_drop(&g->core, &g->rs_in_h);
     s = collect(g);
     if (s == FS_OK && g->held)
         return FS_OK; /* held: fs_shard_finish_reduce writes */
@@ -377,19 +380,15 @@ fs_status fs_shard_wait_reduce(fs_shard_group *g)
     if (!g->reduce_deferred)
         return FS_OK;
     if (g->in_bucket)
-        return fs_shard_fail(g, FS_ERR_INVALID_ARG, "reduce-scatter", 0, "its reduce-scatter still "
-                            "waits in a bucket: flush the bucket first");
-    fs_comm *c = g->link.comm;
+        return fs_group_fail(&g->core, FS_ERR_INVALID_ARG, "reduce-scatter", 0,
+                             "its reduce-scatter still waits in a bucket: flush the "
+                             "bucket first");
     g->reduce_deferred = 0;
-    fs_status s = g->link.dev ? g->link.dev->wait(g->reduce_event, g->link.stream,
-                                                  c->last_error, sizeof c->last_error)
-                              : FS_OK; /* a host bucket: flushed by now */
-    fs_shard_drop(g, &g->ws_h);
-    fs_shard_drop(g, &g->rs_in_h); /* the stream waited for the collective that read it */
-    if (s != FS_OK)
-        s = fs_shard_fail(g, s, "reduce-scatter", 0, "waiting for a gradient reduction: %s",
-                         c->last_error);
-    else
+    fs_status s = fs_group_wait_mark(&g->core, g->core.reduce_event, "reduce-scatter",
+                                     "a gradient reduction");
+    fs_group_drop(&g->core, &g->ws_h);
+    fs_group_drop(&g->core, &g->rs_in_h); /* the stream waited for the collective that read it */
+    if (s == FS_OK)
         s = collect(g);
     if (s != FS_OK)
         release_reduction(g);
@@ -398,7 +397,7 @@ fs_status fs_shard_wait_reduce(fs_shard_group *g)
 
 fs_status fs_shard_finish_reduce(fs_shard_group *g)
 {
-    if (!g->reduce_pending)
+    if (!g->core.reduce_pending)
         return FS_OK;
     fs_status s = fs_shard_wait_reduce(g);
     if (s != FS_OK)
@@ -411,7 +410,7 @@ fs_status fs_shard_finish_reduce(fs_shard_group *g)
 void fs_shard_cancel_reduce(fs_shard_group *g)
 {
     g->in_bucket = 0;
-    if (g->reduce_pending && !g->link.dev)
+    if (g->core.reduce_pending && !g->core.link.dev)
         release_reduction(g);
 }
 
@@ -438,16 +437,12 @@ fs_status fs_shard_flush_bucket(fs_reduce_bucket *b, fs_shard_group *g,
                                fs_shard_group *const *owners, int *failed)
 {
     const fs_bucket_owners o = {finish_part, cancel_part, (void *)owners};
-    fs_status s = fs_group_flush_bucket(b, &g->link, &g->env, &o, failed);
-    if (s != FS_OK && *failed < 0)
-        fs_shard_fail(g, s, "reduce-scatter", 1, "bucketed reduce_scatter: %s",
-                     g->link.comm->last_error);
-    return s;
+    return fs_group_flush_bucket(b, &g->core, 0, &o, failed);
 }
 
 void fs_shard_drop_partial(fs_shard_group *g)
 {
-    fs_shard_drop(g, &g->partial_h);
+    fs_group_drop(&g->core, &g->partial_h);
     g->partial = NULL;
 }
 
@@ -457,14 +452,14 @@ void fs_shard_drop_partial(fs_shard_group *g)
 fs_status fs_shard_accumulate(fs_shard_group *g, void *src, fs_dtype src_t, void *dst,
                              fs_dtype dst_t, int64_t n, int add)
 {
-    const fs_env *e = &g->env;
+    const fs_env *e = &g->core.env;
     void *s_ptr, *d_ptr;
     fs_status s;
     if ((s = e->data(e->ctx, src, &s_ptr)) != FS_OK || (s = e->data(e->ctx, dst, &d_ptr)) != FS_OK)
-        return fs_shard_fail(g, s, "accumulate", 0, NULL);
-    if ((s = fs_link_scale_accumulate(&g->link, g->link.stream, d_ptr, dst_t, s_ptr, src_t, n,
-                                      1.0, add)) != FS_OK)
-        return fs_shard_fail(g, s, "accumulate", 0, "%s", g->link.comm->last_error);
+        return fs_group_fail(&g->core, s, "accumulate", 0, NULL);
+    if ((s = fs_link_scale_accumulate(&g->core.link, g->core.link.stream, d_ptr, dst_t, s_ptr,
+                                      src_t, n, 1.0, add)) != FS_OK)
+        return fs_group_fail(&g->core, s, "accumulate", 0, "%s", g->core.link.comm->last_error);
     if (!add && src_t != dst_t) /* the first of the sums [Note: accumulation dtype] */
         fs_shard_count_copy(g, FS_SHARD_CAST, dst_t, src_t, n);
     return FS_OK;

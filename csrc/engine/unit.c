@@ -1,9 +1,8 @@
 /* unit.c - see unit.h: a unit's groups, its state machine, and the gathers
  * and frees that follow from it. Gradient reductions are in unit_reduce.c.
- * No Python: what the host must do comes through u->env (engine.h). */
+ * No Python: what the host must do comes through u->core.env (engine.h). */
 #include "unit.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,51 +11,25 @@
 #include "unit_internal.h"
 
 /* ---------------------------------------------------------------------------
- * errors and kernels */
-
-fs_status fs_unit_fail(fs_unit *u, fs_status s, const char *what, int group, const char *fmt,
-                       ...)
-{
-    u->err_what = what;
-    u->err_group = group;
-    u->err_collective = 0;
-    va_list ap;
-    va_start(ap, fmt);
-    fs_group_words(u->err, sizeof u->err, s, fmt, ap);
-    va_end(ap);
-    return s;
-}
-
-fs_status fs_unit_fail_comm(fs_unit *u, fs_status s, const char *what, int group,
-                            const char *fmt, const char *detail)
-{
-    fs_unit_fail(u, s, what, group, fmt, detail);
-    u->err_collective = 1;
-    return s;
-}
+ * kernels and memory */
 
 fs_status fs_unit_cast(fs_unit *u, void *stream, void *dst, fs_dtype dt, const void *src,
                        fs_dtype st, int64_t n)
 {
-    return fs_link_cast(&u->link, stream, dst, dt, src, st, n);
+    return fs_link_cast(&u->core.link, stream, dst, dt, src, st, n);
 }
 
 fs_status fs_unit_scale_accumulate(fs_unit *u, void *stream, void *dst, fs_dtype dt,
                                    const void *src, fs_dtype st, int64_t n, double scale,
                                    int accumulate)
 {
-    return fs_link_scale_accumulate(&u->link, stream, dst, dt, src, st, n, scale, accumulate);
+    return fs_link_scale_accumulate(&u->core.link, stream, dst, dt, src, st, n, scale, accumulate);
 }
 
 static fs_status take(fs_unit *u, int64_t numel, fs_dtype t, void **data, void **handle)
 {
     int64_t nbytes = numel * (int64_t)fs_dtype_size(t);
-    return u->env.take(u->env.ctx, nbytes ? nbytes : 1, 0, data, handle);
-}
-
-static void drop(fs_unit *u, void **handle)
-{
-    fs_group_drop(&u->env, handle);
+    return u->core.env.take(u->core.env.ctx, nbytes ? nbytes : 1, 0, data, handle);
 }
 
 /* ---------------------------------------------------------------------------
@@ -67,25 +40,22 @@ fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
                        const fs_unit_group *groups, int ngroups, int offload)
 {
     memset(u, 0, sizeof *u);
-    snprintf(u->name, sizeof u->name, "%s", name);
-    u->env = env;
-    u->link = link;
-    u->replicate = replicate;
+    fs_group_core_init(&u->core, name, env, link, replicate);
     u->offload = offload;
     if (strategy != FS_FULL_SHARD && strategy != FS_SHARD_GRAD_OP &&
         strategy != FS_NO_SHARD && strategy != FS_SHARD_OPTIM)
-        return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", -1,
-                            "strategy %d is not FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or "
-                            "SHARD_OPTIM", (int)strategy);
+        return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, "construction", -1,
+                             "strategy %d is not FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or "
+                             "SHARD_OPTIM", (int)strategy);
     if (ngroups < 0 || ngroups > 64)
-        return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", -1,
-                            "at most 64 groups, got %d", ngroups);
+        return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, "construction", -1,
+                             "at most 64 groups, got %d", ngroups);
     if (!(u->groups = calloc(ngroups ? (size_t)ngroups : 1, sizeof *u->groups)))
-        return fs_unit_fail(u, FS_ERR_NO_MEMORY, "construction", -1, "out of host memory");
+        return fs_group_fail(&u->core, FS_ERR_NO_MEMORY, "construction", -1, "out of host memory");
     memcpy(u->groups, groups, (size_t)ngroups * sizeof *groups);
     u->ngroups = ngroups;
     if (!(u->bucketed = calloc(ngroups ? (size_t)ngroups : 1, sizeof *u->bucketed)))
-        return fs_unit_fail(u, FS_ERR_NO_MEMORY, "construction", -1, "out of host memory");
+        return fs_group_fail(&u->core, FS_ERR_NO_MEMORY, "construction", -1, "out of host memory");
     u->cfg.strategy = strategy;
     u->cfg.grad_mask = grad_mask;
     fs_unit_fsm_init(&u->fsm);
@@ -95,21 +65,21 @@ fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
      * gather: the state machine runs as SHARD_GRAD_OP, the data movement
      * stays NO_SHARD's (a local cast; an all-reduce for gradients). */
     u->replicated = strategy == FS_NO_SHARD;
-    u->unsharded = u->replicated;
+    u->core.unsharded = u->replicated;
     const int world = link.comm->world_size;
     for (int i = 0; i < ngroups; i++) {
         fs_unit_group *g = &u->groups[i];
         g->lp_shard = g->red_out = g->lp_shard_h = g->red_out_h = NULL;
         if ((g->compute != g->dtype) != (g->lp != NULL) || !fs_dtype_is_float(g->reduce))
-            return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", i,
-                                "a compute dtype other than the parameters' needs an lp buffer");
+            return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, "construction", i,
+                                 "a compute dtype other than the parameters' needs an lp buffer");
         if (fs_dtype_size(g->dtype) == 0 || g->shard_numel < 0 ||
             g->padded_numel != g->shard_numel * (u->replicated ? 1 : world))
-            return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", i,
-                                "inconsistent sizes/dtype");
+            return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, "construction", i,
+                                 "inconsistent sizes/dtype");
         if (g->lp && u->replicated) { /* lp, not the full buffer, is what moves */
             u->cfg.strategy = FS_SHARD_GRAD_OP;
-            u->unsharded = 0;
+            u->core.unsharded = 0;
         }
         fs_status s = FS_OK;
         if (g->lp && !u->replicated)
@@ -117,38 +87,27 @@ fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
         if (s == FS_OK && g->reduce != g->dtype)
             s = take(u, g->shard_numel, g->reduce, &g->red_out, &g->red_out_h);
         if (s != FS_OK)
-            return fs_unit_fail(u, s, "construction", i, "out of memory");
+            return fs_group_fail(&u->core, s, "construction", i, "out of memory");
         /* One rank with full == shard has nothing to move: only NO_SHARD fits. */
         if (!u->replicated && world == 1 && !g->lp && !offload)
-            return fs_unit_fail(u, FS_ERR_INVALID_ARG, "construction", i,
-                                "one rank has nothing to shard; use NO_SHARD");
+            return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, "construction", i,
+                                 "one rank has nothing to shard; use NO_SHARD");
     }
-    u->full_unsharded = u->replicated || u->unsharded; /* NO_SHARD: full is the shard */
+    u->full_unsharded = u->replicated || u->core.unsharded; /* NO_SHARD: full is the shard */
     return FS_OK;
 }
 
 void fs_unit_destroy(fs_unit *u)
 {
-    if (u->link.comm) {
-        fs_held_free(&u->held, &u->env);
-        fs_held_free(&u->gather_held, &u->env);
-    }
     for (int i = 0; i < u->ngroups; i++) {
         fs_unit_group *g = &u->groups[i];
-        drop(u, &g->lp_shard_h);
-        drop(u, &g->red_out_h);
+        fs_group_drop(&u->core, &g->lp_shard_h);
+        fs_group_drop(&u->core, &g->red_out_h);
     }
-    if (u->env.release)
-        drop(u, &u->scratch_h);
-    const fs_device_api *d = u->link.dev;
-    if (d) {
-        if (u->gather_event)
-            d->event_free(u->gather_event);
-        if (u->reduce_event)
-            d->event_free(u->reduce_event);
-        if (u->scatter_event)
-            d->event_free(u->scatter_event);
-    }
+    if (u->core.env.release)
+        fs_group_drop(&u->core, &u->scratch_h);
+    if (u->core.link.dev && u->scatter_event)
+        u->core.link.dev->event_free(u->scatter_event);
     if (u->bucketed) {
         for (int i = 0; i < u->ngroups; i++)
             fs_unit_cancel_bucketed(u, i);
@@ -158,16 +117,17 @@ void fs_unit_destroy(fs_unit *u)
     free(u->groups);
     u->groups = NULL;
     u->ngroups = 0;
+    fs_group_core_destroy(&u->core);
 }
 
 fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsigned *actions)
 {
     fs_unit_state before = u->fsm.state;
-    fs_status s = fs_unit_step(&u->cfg, &u->fsm, ev, flags, group, u->unsharded, actions);
+    fs_status s = fs_unit_step(&u->cfg, &u->fsm, ev, flags, group, u->core.unsharded, actions);
     if (s != FS_OK)
-        return fs_unit_fail(u, s, "state machine", group, "unit '%s': event %s (group %d) in "
-                            "state %s", u->name, fs_event_name(ev), group,
-                            fs_unit_state_name(before));
+        return fs_group_fail(&u->core, s, "state machine", group,
+                             "unit '%s': event %s (group %d) in state %s", u->core.name,
+                             fs_event_name(ev), group, fs_unit_state_name(before));
     return FS_OK;
 }
 
@@ -189,9 +149,9 @@ fs_status fs_unit_dispatch(fs_unit *u, fs_event ev, const fs_unit_event_work *w,
     if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
         s = fs_unit_ready(u);
     if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && w->grad && w->out) {
-        u->link.bucket = w->bucket;
+        u->core.link.bucket = w->bucket;
         s = fs_unit_reduce(u, w->group, w->grad, w->out, w->accumulate, w->defer);
-        u->link.bucket = NULL;
+        u->core.link.bucket = NULL;
     }
     if (s == FS_OK && (act & FS_ACT_RESHARD))
         s = fs_unit_reshard(u);
@@ -205,16 +165,14 @@ fs_status fs_unit_dispatch(fs_unit *u, fs_event ev, const fs_unit_event_work *w,
 /* The caller's stream waits for a deferred gather ([Note: deferred collectives]). */
 static fs_status wait_gathered(fs_unit *u)
 {
-    if (!u->gather_pending)
+    if (!u->core.gather_pending)
         return FS_OK;
-    fs_comm *c = u->link.comm;
-    fs_status s = u->link.dev->wait(u->gather_event, u->link.stream, c->last_error,
-                                    sizeof c->last_error);
+    fs_status s = fs_group_wait_mark(&u->core, u->core.gather_event, "unshard",
+                                     "a prefetched all-gather");
     if (s != FS_OK)
-        return fs_unit_fail(u, s, "unshard", 0, "waiting for a prefetched all-gather: %s",
-                            c->last_error);
-    u->gather_pending = 0;
-    fs_held_release(&u->gather_held, &u->env);
+        return s;
+    u->core.gather_pending = 0;
+    fs_held_release(&u->core.gather_held, &u->core.env);
     return FS_OK;
 }
 
@@ -229,8 +187,8 @@ fs_status fs_unit_ready(fs_unit *u)
  * keep: a deferred gather, whose per-gather buffers are held until waited. */
 static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int keep)
 {
-    const fs_env *e = &u->env;
-    fs_comm *c = u->link.comm;
+    const fs_env *e = &u->core.env;
+    fs_comm *c = u->core.link.comm;
     for (int i = 0; i < u->ngroups; i++) {
         fs_unit_group *g = &u->groups[i];
         int use_lp = g->lp && !full_precision;
@@ -245,29 +203,30 @@ static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int
             if ((allocate && (s = e->set_storage(e->ctx, storage, nbytes, &dp)) != FS_OK) ||
                 (s = e->data(e->ctx, g->shard, &sp)) != FS_OK ||
                 (s = e->data(e->ctx, g->lp, &dp)) != FS_OK)
-                return fs_unit_fail(u, s, "unshard", i, NULL);
-            if ((s = fs_unit_cast(u, u->link.stream, dp, g->compute, sp, g->dtype,
+                return fs_group_fail(&u->core, s, "unshard", i, NULL);
+            if ((s = fs_unit_cast(u, u->core.link.stream, dp, g->compute, sp, g->dtype,
                                   g->padded_numel)) != FS_OK)
-                return fs_unit_fail(u, s, "unshard", i, "cast: %s", c->last_error);
+                return fs_group_fail(&u->core, s, "unshard", i, "cast: %s", c->last_error);
             continue;
         }
         if ((allocate && (s = e->set_storage(e->ctx, storage, nbytes, &dp)) != FS_OK) ||
             (s = e->data(e->ctx, g->shard, &sp)) != FS_OK ||
             (s = e->data(e->ctx, use_lp ? g->lp : g->full, &dp)) != FS_OK)
-            return fs_unit_fail(u, s, "unshard", i, NULL);
+            return fs_group_fail(&u->core, s, "unshard", i, NULL);
         s = FS_OK;
         void *staged = NULL; /* released after the gather (held if it is deferred) */
         /* A deferred gather of host shards copies and casts on the backend's
          * stream, after the caller's work so far: beside the caller's compute. */
-        void *on = u->link.stream;
+        void *on = u->core.link.stream;
         if (u->offload) { /* the host shard, staged on the device for this gather */
-            const fs_device_api *d = u->link.dev;
+            const fs_device_api *d = u->core.link.dev;
             void *stage;
             if ((s = take(u, g->shard_numel, g->dtype, &stage, &staged)) != FS_OK)
-                return fs_unit_fail(u, s, "unshard", i, "out of device memory");
-            if (keep && fs_held_add(&u->gather_held, staged) < 0) {
-                drop(u, &staged);
-                return fs_unit_fail(u, FS_ERR_NO_MEMORY, "unshard", i, "out of host memory");
+                return fs_group_fail(&u->core, s, "unshard", i, "out of device memory");
+            if (keep && fs_held_add(&u->core.gather_held, staged) < 0) {
+                fs_group_drop(&u->core, &staged);
+                return fs_group_fail(&u->core, FS_ERR_NO_MEMORY, "unshard", i,
+                                     "out of host memory");
             }
             if (keep) {
                 staged = NULL; /* the held list owns it now */
@@ -286,33 +245,34 @@ static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int
         /* Not in place: the shard is its own buffer, so that resharding can
          * drop the whole unsharded storage. */
         if (s == FS_OK) /* with a batch on the link, it lands at the flush */
-            s = fs_link_all_gather(&u->link, u->name, sp, dp, g->shard_numel, t);
+            s = fs_link_all_gather(&u->core.link, u->core.name, sp, dp, g->shard_numel, t);
         /* Not held: the caller's stream waits for the gather, and the
          * allocator reuses the block in that stream's order. */
-        drop(u, &staged);
+        fs_group_drop(&u->core, &staged);
         if (s != FS_OK)
-            return fs_unit_fail_comm(u, s, "all-gather", i, "all_gather: %s", c->last_error);
-        u->n_all_gather++;
+            return fs_group_fail_comm(&u->core, s, "all-gather", i, "all_gather: %s",
+                                      c->last_error);
+        u->core.n_all_gather++;
     }
     return FS_OK;
 }
 
 static fs_status gather(fs_unit *u, int full_precision, int defer)
 {
-    const fs_device_api *d = u->link.dev;
+    const fs_device_api *d = u->core.link.dev;
     defer = defer && d;
     if (!defer)
         return gather_groups(u, full_precision, 1, 0);
-    fs_comm *c = u->link.comm;
+    fs_comm *c = u->core.link.comm;
     d->set_defer(c, 1);
     fs_status s = gather_groups(u, full_precision, 1, 1);
     d->set_defer(c, 0);
     if (s != FS_OK)
         return s;
-    if ((s = d->record(c, &u->gather_event, c->last_error, sizeof c->last_error)) != FS_OK)
-        return fs_unit_fail(u, s, "unshard", 0, "marking a prefetched all-gather: %s",
-                            c->last_error);
-    u->gather_pending = 1;
+    if ((s = d->record(c, &u->core.gather_event, c->last_error, sizeof c->last_error)) != FS_OK)
+        return fs_group_fail(&u->core, s, "unshard", 0, "marking a prefetched all-gather: %s",
+                             c->last_error);
+    u->core.gather_pending = 1;
     return FS_OK;
 }
 
@@ -324,7 +284,7 @@ static int is_mixed(const fs_unit *u)
 fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch)
 {
     int mixed = is_mixed(u);
-    int *live = full_precision && mixed ? &u->full_unsharded : &u->unsharded;
+    int *live = full_precision && mixed ? &u->full_unsharded : &u->core.unsharded;
     fs_status s;
     if (!prefetch && (s = wait_gathered(u)) != FS_OK)
         return s;
@@ -346,22 +306,22 @@ fs_status fs_unit_unshard_along(fs_unit *u, int own, fs_unit *const *along, int 
     batch.nbytes = 0;
     fs_status s = FS_OK;
     *failed = -1;
-    u->link.batch = &batch;
+    u->core.link.batch = &batch;
     if (own)
         s = fs_unit_unshard(u, 0, 0);
     for (int i = 0; i < n && s == FS_OK; i++) {
-        along[i]->link.batch = &batch;
+        along[i]->core.link.batch = &batch;
         s = fs_unit_unshard(along[i], 0, 1);
-        along[i]->link.batch = NULL;
+        along[i]->core.link.batch = NULL;
         if (s != FS_OK)
             *failed = i;
     }
-    u->link.batch = NULL;
+    u->core.link.batch = NULL;
     if (s != FS_OK)
         return s; /* nothing issued: every rank fails the same way or times out */
-    if ((s = fs_gather_batch_flush(&batch, &u->link, &u->env)) != FS_OK)
-        return fs_unit_fail_comm(u, s, "all-gather", 0, "coalesced all_gather: %s",
-                                 u->link.comm->last_error);
+    if ((s = fs_gather_batch_flush(&batch, &u->core.link, &u->core.env)) != FS_OK)
+        return fs_group_fail_comm(&u->core, s, "all-gather", 0, "coalesced all_gather: %s",
+                                  u->core.link.comm->last_error);
     return FS_OK;
 }
 
@@ -376,14 +336,15 @@ fs_status fs_unit_regather(fs_unit *u)
     if (mixed && u->full_unsharded && !u->replicated) {
         for (int i = 0; i < u->ngroups; i++) {
             void *none;
-            if ((s = u->env.set_storage(u->env.ctx, u->groups[i].storage, 0, &none)) != FS_OK)
-                return fs_unit_fail(u, s, "regather", i, NULL);
+            if ((s = u->core.env.set_storage(u->core.env.ctx, u->groups[i].storage, 0,
+                                             &none)) != FS_OK)
+                return fs_group_fail(&u->core, s, "regather", i, NULL);
         }
         u->full_unsharded = 0;
     }
-    if ((s = gather_groups(u, 0, !u->unsharded, 0)) != FS_OK)
+    if ((s = gather_groups(u, 0, !u->core.unsharded, 0)) != FS_OK)
         return s;
-    u->unsharded = 1;
+    u->core.unsharded = 1;
     if (!mixed)
         u->full_unsharded = 1;
     return FS_OK;
@@ -391,7 +352,7 @@ fs_status fs_unit_regather(fs_unit *u)
 
 fs_status fs_unit_reshard(fs_unit *u)
 {
-    if ((!u->unsharded && !u->full_unsharded) || u->cfg.strategy == FS_NO_SHARD ||
+    if ((!u->core.unsharded && !u->full_unsharded) || u->cfg.strategy == FS_NO_SHARD ||
         u->cfg.strategy == FS_SHARD_OPTIM)
         return FS_OK;
     fs_status s;
@@ -401,11 +362,12 @@ fs_status fs_unit_reshard(fs_unit *u)
         fs_unit_group *g = &u->groups[i];
         void *none;
         if ((!u->replicated &&
-             (s = u->env.set_storage(u->env.ctx, g->storage, 0, &none)) != FS_OK) ||
-            (g->lp && (s = u->env.set_storage(u->env.ctx, g->lp_storage, 0, &none)) != FS_OK))
-            return fs_unit_fail(u, s, "reshard", i, NULL);
+             (s = u->core.env.set_storage(u->core.env.ctx, g->storage, 0, &none)) != FS_OK) ||
+            (g->lp && (s = u->core.env.set_storage(u->core.env.ctx, g->lp_storage, 0,
+                                                   &none)) != FS_OK))
+            return fs_group_fail(&u->core, s, "reshard", i, NULL);
     }
-    u->unsharded = 0;
+    u->core.unsharded = 0;
     u->full_unsharded = u->replicated; /* NO_SHARD's full buffer is the shard: kept */
     return FS_OK;
 }

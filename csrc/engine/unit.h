@@ -5,8 +5,9 @@
  * ZERO1 (whole parameters and gradients, the optimizer state sharded),
  * hybrid (a second link across replicas), on the host and through a device
  * table, with CPU offload of the shards. fully_shard's per-parameter groups
- * are shard_group.h's: they share the links (link.c) and the backends with units,
- * not the state machine (a group's order comes from fully_shard's hooks).
+ * are shard_group.h's: they share the group core (group.h), the links
+ * (link.c) and the backends with units, not the state machine (a group's
+ * order comes from fully_shard's hooks).
  *
  * Memory ([Note: freeing without invalidating]): a group's unsharded buffer
  * is a host storage whose bytes come and go through env->set_storage; the
@@ -68,38 +69,23 @@ typedef struct {
 } fs_unit_bucketed;
 
 typedef struct {
-    char name[128];       /* the module path, for the ledger and errors */
-    fs_env env;
-    fs_link link;         /* the shard group */
-    fs_link replicate;    /* HYBRID_SHARD: across replicas (comm NULL otherwise) */
+    fs_group_core core;   /* name, links, live buffers, marks, counts, failure (group.h) */
     fs_unit_cfg cfg;
     fs_unit_fsm fsm;
     int ngroups;
     fs_unit_group *groups;
     int replicated;       /* NO_SHARD: every rank's shard is the whole buffer */
     int offload;          /* shards and their gradients in host memory (CPUOffload) */
-    int unsharded;        /* the compute buffers (lp, else full) are live and gathered */
     int full_unsharded;   /* the full-precision buffers are live and gathered */
     void *scratch;        /* reduce-scatter landing area when accumulating */
     void *scratch_h;
     int64_t scratch_bytes;
-    void *gather_event;   /* device: the mark of a deferred gather */
-    int gather_pending;
-    void *reduce_event;   /* device: the mark of deferred reductions */
     void *scatter_event;  /* HYBRID_SHARD: the reduce-scatter the replicas' all-reduce follows */
-    int reduce_pending;
     int host_pending;     /* offload: a copy to host memory the host has not waited for */
-    fs_held held;         /* what deferred reductions use, until waited for */
     fs_unit_bucketed *bucketed; /* ngroups: reductions waiting in a host bucket */
-    fs_held gather_held;  /* what a deferred gather uses, until waited for */
-    unsigned long long n_all_gather, n_reduce;
-    char err[512];        /* what the last failure was, in words */
-    const char *err_what; /* which operation failed ("all-gather", ...) */
-    int err_group;
-    int err_collective;   /* it failed in or around a collective (the ledger has it) */
 } fs_unit;
 
-/* Strategy and groups are checked here; on failure u->err says why. The
+/* Strategy and groups are checked here; on failure u->core.err says why. The
  * groups array is copied; its handles belong to the unit from now on (the
  * host keeps them alive until fs_unit_destroy). */
 fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
@@ -147,6 +133,9 @@ int fs_unit_bucketable(const fs_unit *u);
  * cancel (a bucket given up) writes nothing. Both let the handles go. */
 fs_status fs_unit_finish_bucketed(fs_unit *u, int group);
 void fs_unit_cancel_bucketed(fs_unit *u, int group);
+/* The group of u whose bucketed reduction a bucket part's owner is, or -1
+ * when it is none of u's. */
+int fs_unit_bucket_group(const fs_unit *u, const void *owner);
 /* The bucket given up without a collective: part i (owners[i]'s group
  * groups[i]) cancelled, the bucket emptied. */
 void fs_unit_cancel_bucket(fs_reduce_bucket *b, fs_unit *const *owners, const int *groups);

@@ -10,23 +10,6 @@
 #include "reduce_rule.h"
 #include "unit_internal.h"
 
-/* After the collective: the caller's stream already waits for it (not
- * deferred), so the allocator may reuse the block; a deferred one holds it. */
-static fs_status return_workspace(fs_unit *u, fs_link *l, void **h, int defer)
-{
-    if (!*h)
-        return FS_OK;
-    fs_link_unlend(l);
-    if (defer) {
-        if (fs_held_add(&u->held, *h) < 0)
-            return FS_ERR_NO_MEMORY;
-    } else {
-        u->env.release(u->env.ctx, *h);
-    }
-    *h = NULL;
-    return FS_OK;
-}
-
 /* HYBRID_SHARD: sum a reduce-scattered shard gradient across the replicas
  * too (its sum over the shard group is in buf). Deferred, the replicas'
  * stream first waits for the reduce-scatter on the shard group's stream,
@@ -34,11 +17,11 @@ static fs_status return_workspace(fs_unit *u, fs_link *l, void **h, int defer)
 static fs_status across_replicas(fs_unit *u, void *buf, int64_t count, fs_dtype t, int defer,
                                  void **post)
 {
-    fs_link *r = &u->replicate;
+    fs_link *r = &u->core.replicate;
     if (!r->comm)
         return FS_OK;
-    const fs_device_api *d = u->link.dev;
-    fs_comm *c = u->link.comm, *rc = r->comm;
+    const fs_device_api *d = u->core.link.dev;
+    fs_comm *c = u->core.link.comm, *rc = r->comm;
     fs_status s = FS_OK;
     if (defer &&
         ((s = d->record(c, &u->scatter_event, c->last_error, sizeof c->last_error)) != FS_OK ||
@@ -46,17 +29,17 @@ static fs_status across_replicas(fs_unit *u, void *buf, int64_t count, fs_dtype 
                       sizeof c->last_error)) != FS_OK))
         return s;
     void *ws;
-    if ((s = fs_link_lend(&u->env, r, t, count, &ws)) != FS_OK)
+    if ((s = fs_link_lend(&u->core.env, r, t, count, &ws)) != FS_OK)
         return s;
     if (defer)
         d->set_defer(rc, 1);
-    FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, u->name, count, t,
+    FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, u->core.name, count, t,
                 fs_comm_all_reduce(rc, buf, count, t, FS_RED_SUM));
     if (defer) {
         d->set_defer(rc, 0);
         *post = d->comm_stream(rc); /* ws is read on the replicas' stream until waited for */
     }
-    fs_status s2 = return_workspace(u, r, &ws, defer);
+    fs_status s2 = fs_group_unlend(&u->core, r, &ws, defer);
     if (s == FS_OK)
         s = s2;
     if (s == FS_ERR_BACKEND)
@@ -66,21 +49,22 @@ static fs_status across_replicas(fs_unit *u, void *buf, int64_t count, fs_dtype 
 
 fs_status fs_unit_wait_reduced(fs_unit *u)
 {
-    if (!u->reduce_pending && !u->host_pending)
+    if (!u->core.reduce_pending && !u->host_pending)
         return FS_OK;
-    fs_comm *c = u->link.comm;
-    const fs_device_api *d = u->link.dev;
+    fs_comm *c = u->core.link.comm;
     fs_status s = FS_OK;
-    if (u->reduce_pending)
-        s = d->wait(u->reduce_event, u->link.stream, c->last_error, sizeof c->last_error);
+    if (u->core.reduce_pending &&
+        (s = fs_group_wait_mark(&u->core, u->core.reduce_event, "reduce-scatter",
+                                "a gradient reduction")) != FS_OK)
+        return s;
     /* offload: the host (its optimizer) reads the gradients copied out */
-    if (s == FS_OK && u->host_pending)
-        s = d->synchronize(u->link.stream, c->last_error, sizeof c->last_error);
-    if (s != FS_OK)
-        return fs_unit_fail(u, s, "reduce-scatter", 0, "waiting for a gradient reduction: %s",
-                            c->last_error);
-    u->reduce_pending = u->host_pending = 0;
-    fs_held_release(&u->held, &u->env);
+    if (u->host_pending &&
+        (s = u->core.link.dev->synchronize(u->core.link.stream, c->last_error,
+                                           sizeof c->last_error)) != FS_OK)
+        return fs_group_fail(&u->core, s, "reduce-scatter", 0,
+                             "waiting for a gradient reduction: %s", c->last_error);
+    u->core.reduce_pending = u->host_pending = 0;
+    fs_held_release(&u->core.held, &u->core.env);
     return FS_OK;
 }
 
@@ -110,16 +94,17 @@ static fs_status scratch(fs_unit *u, int64_t nbytes, int defer)
         return FS_OK;
     if (u->scratch_h) {
         if (defer) {
-            if (fs_held_add(&u->held, u->scratch_h) < 0)
+            if (fs_held_add(&u->core.held, u->scratch_h) < 0)
                 return FS_ERR_NO_MEMORY;
         } else {
-            u->env.release(u->env.ctx, u->scratch_h);
+            u->core.env.release(u->core.env.ctx, u->scratch_h);
         }
         u->scratch_h = NULL;
         u->scratch = NULL;
         u->scratch_bytes = 0;
     }
-    fs_status s = u->env.take(u->env.ctx, nbytes ? nbytes : 1, 0, &u->scratch, &u->scratch_h);
+    fs_status s = u->core.env.take(u->core.env.ctx, nbytes ? nbytes : 1, 0, &u->scratch,
+                                   &u->scratch_h);
     if (s == FS_OK)
         u->scratch_bytes = nbytes;
     return s;
@@ -128,26 +113,26 @@ static fs_status scratch(fs_unit *u, int64_t nbytes, int defer)
 fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumulate, int defer)
 {
     if (gi < 0 || gi >= u->ngroups)
-        return fs_unit_fail(u, FS_ERR_INVALID_ARG, "reduce-scatter", gi, "unit '%s': no group "
-                            "%d", u->name, gi);
-    const fs_env *e = &u->env;
-    const fs_device_api *d = u->link.dev;
+        return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, "reduce-scatter", gi,
+                             "unit '%s': no group %d", u->core.name, gi);
+    const fs_env *e = &u->core.env;
+    const fs_device_api *d = u->core.link.dev;
     defer = defer && d;
     fs_unit_group *g = &u->groups[gi];
-    fs_comm *c = u->link.comm;
+    fs_comm *c = u->core.link.comm;
     const int whole = u->replicated || u->cfg.strategy == FS_SHARD_OPTIM; /* all-reduce */
     const char *what = whole ? "all-reduce" : "reduce-scatter";
     /* [Note: reduction buckets]: recorded; the steps after it wait for the
      * flush, so what they read is held until then (as on a device) */
-    fs_unit_bucketed *pend = u->link.bucket && fs_unit_bucketable(u) ? &u->bucketed[gi] : NULL;
+    fs_unit_bucketed *pend = u->core.link.bucket && fs_unit_bucketable(u) ? &u->bucketed[gi] : NULL;
     if (pend && pend->pending)
-        return fs_unit_fail(u, FS_ERR_INVALID_ARG, what, gi, "unit '%s': group %d's last "
-                            "reduction still waits in a bucket: flush it first", u->name, gi);
+        return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, what, gi, "unit '%s': group %d's last "
+                             "reduction still waits in a bucket: flush it first", u->core.name, gi);
     void *gp, *op;
     fs_status s;
     if ((s = e->data(e->ctx, grad, &gp)) != FS_OK || (s = e->data(e->ctx, out, &op)) != FS_OK)
-        return fs_unit_fail(u, s, what, gi, NULL);
-    void *pre = u->link.stream;                  /* before the collective */
+        return fs_group_fail(&u->core, s, what, gi, NULL);
+    void *pre = u->core.link.stream;                  /* before the collective */
     void *post = defer ? d->comm_stream(c) : pre; /* after it */
     /* the elements `out` gets: SHARD_OPTIM keeps the whole gradient */
     const int64_t out_numel = u->cfg.strategy == FS_SHARD_OPTIM ? g->padded_numel : g->shard_numel;
@@ -155,22 +140,22 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
     void *host_op = NULL, *dev_out_h = NULL;
     if (u->offload) {
         if (accumulate)
-            return fs_unit_fail(u, FS_ERR_INVALID_ARG, what, gi, "unit '%s': with parameter "
-                                "offload, gradients are not accumulated across backward "
-                                "passes", u->name);
+            return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, what, gi,
+                                 "unit '%s': with parameter offload, gradients are not "
+                                 "accumulated across backward passes", u->core.name);
         host_op = op;
         if ((s = e->take(e->ctx, out_numel * (int64_t)fs_dtype_size(g->dtype), 0, &op,
                          &dev_out_h)) != FS_OK)
-            return fs_unit_fail(u, s, what, gi, "out of device memory");
+            return fs_group_fail(&u->core, s, what, gi, "out of device memory");
     }
     /* the mean over every rank holding a replica of this shard too, divided
      * before and after the sum as torch's FSDP1 divides ([Note: divide rule]) */
     fs_divide dv;
     if ((s = fs_divide_rule(FS_DIVIDE_FLAT, g->reduce, c->world_size,
-                            u->replicate.comm ? u->replicate.comm->world_size : 1, 0.0, 0,
+                            u->core.replicate.comm ? u->core.replicate.comm->world_size : 1, 0.0, 0,
                             &dv)) != FS_OK)
-        return fs_unit_fail(u, s, what, gi, "unit '%s': no divide rule for reduce dtype %s",
-                            u->name, fs_dtype_name(g->reduce));
+        return fs_group_fail(&u->core, s, what, gi, "unit '%s': no divide rule for reduce dtype %s",
+                             u->core.name, fs_dtype_name(g->reduce));
     void *red_in_h = NULL, *ws_h = NULL; /* per-reduction buffers */
     /* The gradient arrives in the compute dtype; the collective runs in the
      * reduce dtype: the cast, then the pre divide in the reduce dtype (one
@@ -194,13 +179,14 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
         src = dst;
     }
     if (s == FS_OK && (!whole || c->world_size > 1))
-        s = fs_link_lend(&u->env, &u->link, g->reduce, g->padded_numel, &ws_h);
+        s = fs_link_lend(&u->core.env, &u->core.link, g->reduce, g->padded_numel, &ws_h);
     if (defer)
         d->set_defer(c, 1);
     if (s != FS_OK) {
     } else if (whole) { /* summed in the reduce dtype, in place */
         if (c->world_size > 1) /* one rank's sum is its own gradient */
-            FS_LINK_RUN(&u->link, s, FS_LOP_ALL_REDUCE, u->name, g->padded_numel, g->reduce,
+            FS_LINK_RUN(&u->core.link, s, FS_LOP_ALL_REDUCE, u->core.name, g->padded_numel,
+                        g->reduce,
                         fs_comm_all_reduce(c, src, g->padded_numel, g->reduce, FS_RED_SUM));
         if (s == FS_OK)
             s = divide_out(u, post, op, g->dtype, src, g->reduce, out_numel, post_scale,
@@ -222,7 +208,8 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
                 land = u->scratch;
         }
         if (s == FS_OK && pend) {
-            s = fs_link_reduce_scatter(&u->link, u->name, src, land, g->shard_numel, lt, pend);
+            s = fs_link_reduce_scatter(&u->core.link, u->core.name, src, land, g->shard_numel, lt,
+                                       pend);
             if (s == FS_OK) {
                 *pend = (fs_unit_bucketed){1, e->hold(e->ctx, out),
                                            red_in_h ? NULL : e->hold(e->ctx, grad), red_in_h,
@@ -232,17 +219,17 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
             if (land_h)
                 e->release(e->ctx, land_h);
             if (ws_h) /* none on the host */
-                fs_link_unlend(&u->link);
+                fs_link_unlend(&u->core.link);
             if (red_in_h)
                 e->release(e->ctx, red_in_h);
             if (s != FS_OK)
-                return fs_unit_fail_comm(u, s, what, gi, "gradient reduction: %s",
-                                         c->last_error);
-            u->n_reduce++;
+                return fs_group_fail_comm(&u->core, s, what, gi, "gradient reduction: %s",
+                                          c->last_error);
+            u->core.n_reduce++;
             return FS_OK;
         }
         if (s == FS_OK)
-            FS_LINK_RUN(&u->link, s, FS_LOP_REDUCE_SCATTER, u->name, g->shard_numel, lt,
+            FS_LINK_RUN(&u->core.link, s, FS_LOP_REDUCE_SCATTER, u->core.name, g->shard_numel, lt,
                         fs_comm_reduce_scatter(c, src, land, g->shard_numel, lt, FS_RED_SUM));
         if (s == FS_OK)
             s = across_replicas(u, land, g->shard_numel, lt, defer, &post);
@@ -255,20 +242,21 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
                     c->last_error, sizeof c->last_error);
         u->host_pending = 1; /* the host waits before reading it (wait_reduced) */
     }
-    fs_status ws_s = return_workspace(u, &u->link, &ws_h, defer && s == FS_OK);
+    fs_status ws_s = fs_group_unlend(&u->core, &u->core.link, &ws_h, defer && s == FS_OK);
     if (s == FS_OK)
         s = ws_s;
     if (defer) {
         d->set_defer(c, 0);
         /* the mark goes on the stream the last of the work went to */
-        fs_comm *last = u->replicate.comm && !whole ? u->replicate.comm : c;
+        fs_comm *last = u->core.replicate.comm && !whole ? u->core.replicate.comm : c;
         if (s == FS_OK)
-            s = d->record(last, &u->reduce_event, c->last_error, sizeof c->last_error);
+            s = d->record(last, &u->core.reduce_event, c->last_error, sizeof c->last_error);
         if (s == FS_OK) { /* what the enqueued work reads and writes stays alive */
-            u->reduce_pending = 1;
+            u->core.reduce_pending = 1;
             void *hg = e->hold(e->ctx, grad), *ho = e->hold(e->ctx, out);
-            if (fs_held_add(&u->held, hg) < 0 || fs_held_add(&u->held, ho) < 0 ||
-                fs_held_add(&u->held, red_in_h) < 0 || fs_held_add(&u->held, dev_out_h) < 0)
+            if (fs_held_add(&u->core.held, hg) < 0 || fs_held_add(&u->core.held, ho) < 0 ||
+                fs_held_add(&u->core.held, red_in_h) < 0 || fs_held_add(&u->core.held,
+                                                                        dev_out_h) < 0)
                 s = FS_ERR_NO_MEMORY; /* not reached in practice; the handles leak */
             red_in_h = dev_out_h = NULL;
         }
@@ -278,8 +266,8 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
     if (dev_out_h)
         e->release(e->ctx, dev_out_h);
     if (s != FS_OK)
-        return fs_unit_fail_comm(u, s, what, gi, "gradient reduction: %s", c->last_error);
-    u->n_reduce++;
+        return fs_group_fail_comm(&u->core, s, what, gi, "gradient reduction: %s", c->last_error);
+    u->core.n_reduce++;
     return FS_OK;
 }
 
@@ -288,13 +276,13 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
 
 int fs_unit_bucketable(const fs_unit *u)
 {
-    return !u->link.dev && !u->replicated && u->cfg.strategy != FS_SHARD_OPTIM &&
-           !u->replicate.comm && !u->offload;
+    return !u->core.link.dev && !u->replicated && u->cfg.strategy != FS_SHARD_OPTIM &&
+           !u->core.replicate.comm && !u->offload;
 }
 
 static void let_go(fs_unit *u, fs_unit_bucketed *p)
 {
-    const fs_env *e = &u->env;
+    const fs_env *e = &u->core.env;
     void *hs[4] = {p->out, p->grad, p->send_h, p->land_h};
     *p = (fs_unit_bucketed){0};
     for (int i = 0; i < 4; i++)
@@ -309,15 +297,24 @@ fs_status fs_unit_finish_bucketed(fs_unit *u, int gi)
         return FS_OK;
     fs_unit_group *g = &u->groups[gi];
     void *op;
-    fs_status s = u->env.data(u->env.ctx, p->out, &op);
+    fs_status s = u->core.env.data(u->core.env.ctx, p->out, &op);
     if (s == FS_OK)
-        s = divide_out(u, u->link.stream, op, g->dtype, p->land, p->land_t, g->shard_numel,
+        s = divide_out(u, u->core.link.stream, op, g->dtype, p->land, p->land_t, g->shard_numel,
                        p->scale, p->accumulate);
     let_go(u, p);
     if (s != FS_OK)
-        return fs_unit_fail(u, s, "reduce-scatter", gi, s == FS_ERR_HOST ? NULL
-                            : "gradient after a bucketed reduction: %s", u->link.comm->last_error);
+        return fs_group_fail(&u->core, s, "reduce-scatter", gi,
+                             s == FS_ERR_HOST ? NULL : "gradient after a bucketed reduction: %s",
+                             u->core.link.comm->last_error);
     return FS_OK;
+}
+
+int fs_unit_bucket_group(const fs_unit *u, const void *owner)
+{
+    for (int i = 0; i < u->ngroups; i++)
+        if (owner == &u->bucketed[i])
+            return i;
+    return -1;
 }
 
 void fs_unit_cancel_bucketed(fs_unit *u, int gi)
@@ -357,9 +354,5 @@ fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *
     const int first = b->nparts ? groups[0] : -1;
     bucket_parts p = {owners, groups};
     const fs_bucket_owners o = {finish_part, cancel_part, &p};
-    fs_status s = fs_group_flush_bucket(b, &u->link, &u->env, &o, failed);
-    if (s != FS_OK && *failed < 0)
-        fs_unit_fail_comm(u, s, "reduce-scatter", first, "bucketed reduce_scatter: %s",
-                          u->link.comm->last_error);
-    return s;
+    return fs_group_flush_bucket(b, &u->core, first, &o, failed);
 }

@@ -9,36 +9,23 @@
 #include "shard_group.h"
 
 typedef struct {
-    PyObject_HEAD
+    FS_GROUP_OBJECT_HEAD
     fs_shard_group g;
-    PyObject *name;
-    CommObject *comm;
-    CommObject *replicate;
-    PyObject *empty;       /* device groups: empty(numel, dtype_code) -> tensor */
     PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
     fs_dtype *shard_t;
     PyObject *full, *storage;
-    int ready;
 } ShardGroupObject;
-
-static int bind(ShardGroupObject *self)
-{
-    return fs_glue_bind(self->comm, self->replicate, &self->g.link, &self->g.replicate);
-}
 
 static PyObject *done(ShardGroupObject *self, fs_status s)
 {
     if (s == FS_OK)
         Py_RETURN_NONE;
+    const fs_group_core *g = &self->g.core;
     fs_comm *c = self->comm->comm;
     PyObject *n = PyUnicode_FromFormat(
         "flatshard: during %s of fully_shard group '%U' (rank %d of %d)",
-        self->g.err_what ? self->g.err_what : "an operation", self->name, c->rank,
-        c->world_size);
-    PyObject *r = fs_glue_failed(Py_TYPE(self), s, self->g.err, self->comm,
-                                 self->g.err_collective, n);
-    Py_XDECREF(n);
-    return r;
+        g->err_what ? g->err_what : "an operation", self->name, c->rank, c->world_size);
+    return fs_glue_group_failed(FS_GROUP(self), s, g->err_collective, n);
 }
 
 /* The engine hands the GIL back itself where it blocks (links' unlock). */
@@ -101,10 +88,7 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         gi[i] = ga[i] != 0;
     if (!(self = (ShardGroupObject *)tp->tp_alloc(tp, 0)))
         goto out;
-    self->name = Py_NewRef(name);
-    self->comm = (CommObject *)Py_NewRef(comm);
-    self->replicate = replicate != Py_None ? (CommObject *)Py_NewRef(replicate) : NULL;
-    self->empty = empty != Py_None ? Py_NewRef(empty) : NULL;
+    fs_glue_group_init(FS_GROUP(self), &self->g.core, name, comm, replicate, empty);
     if (!(self->shard_t = calloc(n ? (size_t)n : 1, sizeof *self->shard_t))) {
         PyErr_NoMemory();
         Py_CLEAR(self);
@@ -115,7 +99,7 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
                                ou, d0, rn, gi, align, cdt, rdt);
     self->ready = 1;
     if (s != FS_OK) {
-        fs_raise(st, s, "ShardGroup %U: %s", name, self->g.err);
+        fs_raise(st, s, "ShardGroup %U: %s", name, self->g.core.err);
         Py_CLEAR(self);
     }
 out:
@@ -136,10 +120,7 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     Py_XDECREF(self->shards);
     Py_XDECREF(self->full);
     Py_XDECREF(self->storage);
-    Py_XDECREF(self->empty);
-    Py_XDECREF(self->name);
-    Py_XDECREF(self->comm);
-    Py_XDECREF(self->replicate);
+    fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -193,7 +174,7 @@ static PyObject *ShardGroup_set_full(ShardGroupObject *self, PyObject *full)
         return NULL;
     Py_XSETREF(self->full, Py_NewRef(full));
     Py_XSETREF(self->storage, st);
-    self->g.unsharded = 0;
+    self->g.core.unsharded = 0;
     fs_shard_set_full(&self->g, self->full, self->storage);
     Py_RETURN_NONE;
 }
@@ -225,7 +206,7 @@ static PyObject *unshard_along(ShardGroupObject *self, PyObject *along)
             return PyErr_Format(PyExc_TypeError, "unshard: along[%zd] is not a ShardGroup on "
                                 "this group's Comm", i);
         ShardGroupObject *a = (ShardGroupObject *)o;
-        if (a == self || a->g.unsharded)
+        if (a == self || a->g.core.unsharded)
             continue;
         if (settled(a) < 0)
             return NULL;
@@ -245,7 +226,7 @@ static PyObject *ShardGroup_unshard(ShardGroupObject *self, PyObject *args, PyOb
     PyObject *along = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|pO", kwlist, &defer, &along))
         return NULL;
-    if (settled(self) < 0 || bind(self) < 0)
+    if (settled(self) < 0 || fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     if (along != Py_None && defer)
         return PyErr_Format(PyExc_ValueError, "unshard: along gathers now (host): not with "
@@ -271,7 +252,7 @@ static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
     if (self->g.full_alloc % pc->comm->world_size)
         return PyErr_Format(PyExc_ValueError, "unshard_from: a group of %d does not divide "
                             "the unsharded buffer", pc->comm->world_size);
-    if (bind(self) < 0 || fs_comm_bind_stream(pc) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0 || fs_comm_bind_stream(pc) < 0)
         return NULL;
     fs_link post = fs_glue_link(pc);
     post.stream = pc->stream;
@@ -282,9 +263,9 @@ static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
 
 static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->g.gather_pending)
+    if (!self->g.core.gather_pending)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_wait(&self->g));
@@ -293,9 +274,9 @@ static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 
 static PyObject *ShardGroup_reshard(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->g.unsharded && !self->g.gather_pending)
+    if (!self->g.core.unsharded && !self->g.core.gather_pending)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_reshard(&self->g));
@@ -369,14 +350,14 @@ static PyObject *ShardGroup_reduce(ShardGroupObject *self, PyObject *args, PyObj
             (acc[i] = PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq[4], i))) < 0)
             goto out;
     }
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         goto out;
     fs_status s;
-    self->g.link.bucket = bucket;
+    self->g.core.link.bucket = bucket;
     s = fs_shard_reduce(&self->g, gh, gt, oh, ot, acc, factor,
                        (defer ? FS_SHARD_DEFER : 0) | (all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
                            (hold ? FS_SHARD_HOLD : 0) | (force_sum ? FS_SHARD_FORCE_SUM : 0));
-    self->g.link.bucket = NULL;
+    self->g.core.link.bucket = NULL;
     if (s == FS_OK && reshard)
         s = fs_shard_reshard(&self->g);
     r = done(self, s);
@@ -421,7 +402,7 @@ static PyObject *ShardGroup_flush_bucket(ShardGroupObject *self, PyObject *args)
     PyObject *groups;
     fs_shard_group *owners[FS_BATCH_MAX_PARTS];
     fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
-    if (!b || bind(self) < 0)
+    if (!b || fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     int failed = -1;
     fs_status s = fs_shard_flush_bucket(b, &self->g, owners, &failed);
@@ -444,9 +425,9 @@ static PyObject *ShardGroup_cancel_bucket(ShardGroupObject *self, PyObject *args
 
 static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->g.reduce_pending)
+    if (!self->g.core.reduce_pending)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_finish_reduce(&self->g));
@@ -457,7 +438,7 @@ static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNU
 {
     if (!self->g.reduce_deferred)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_wait_reduce(&self->g));
@@ -469,7 +450,7 @@ static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNU
  * memory's handle, so that a tensor over it outlives finish_reduce(). */
 static int reduce_output_ready(ShardGroupObject *self)
 {
-    return self->g.reduce_pending && !self->g.reduce_deferred && self->g.rs_out_h;
+    return self->g.core.reduce_pending && !self->g.reduce_deferred && self->g.rs_out_h;
 }
 
 static int ShardGroup_getbuffer(ShardGroupObject *self, Py_buffer *view, int flags)
@@ -515,7 +496,7 @@ static PyObject *ShardGroup_accumulate(ShardGroupObject *self, PyObject *args)
         return NULL;
     if (n < 0)
         return PyErr_Format(PyExc_ValueError, "ShardGroup.accumulate: n must be >= 0");
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(s, fs_shard_accumulate(&self->g, src, st, dst, dt, (int64_t)n, add));
@@ -531,7 +512,7 @@ static PyObject *ShardGroup_drop_partial(ShardGroupObject *self, PyObject *Py_UN
 static PyObject *ShardGroup_get_entries(ShardGroupObject *self, void *c)
 {
     fs_mod_state *st = fs_state_from_type(Py_TYPE(self));
-    int n = self->g.nparams, rank = self->g.link.comm->rank;
+    int n = self->g.nparams, rank = self->g.core.link.comm->rank;
     PyObject *l = PyList_New(n);
     for (int i = 0; l && i < n; i++) {
         PyObject *rec = fs_dim0_entry_record(st, &self->g.entries[(size_t)rank * n + i]);
@@ -562,24 +543,12 @@ static PyObject *ShardGroup_get_full_alloc(ShardGroupObject *self, void *c)
 {
     return PyLong_FromLongLong(self->g.full_alloc);
 }
-static PyObject *ShardGroup_get_unsharded(ShardGroupObject *self, void *c)
-{
-    return PyBool_FromLong(self->g.unsharded);
-}
-static PyObject *ShardGroup_get_gather_pending(ShardGroupObject *self, void *c)
-{
-    return PyBool_FromLong(self->g.gather_pending);
-}
-static PyObject *ShardGroup_get_reduce_pending(ShardGroupObject *self, void *c)
-{
-    return PyBool_FromLong(self->g.reduce_pending);
-}
 static PyObject *ShardGroup_get_counts(ShardGroupObject *self, void *c)
 {
-    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.n_all_gather, "reduce_scatter",
-                         self->g.n_reduce_scatter, "deferred_gather", self->g.n_deferred_gather,
-                         "deferred_reduce", self->g.n_deferred_reduce, "post_gather",
-                         self->g.n_post_gather);
+    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.core.n_all_gather,
+                         "reduce_scatter", self->g.core.n_reduce, "deferred_gather",
+                         self->g.n_deferred_gather, "deferred_reduce", self->g.n_deferred_reduce,
+                         "post_gather", self->g.n_post_gather);
 }
 
 static PyObject *ShardGroup_get_aliased(ShardGroupObject *self, void *c)
@@ -624,12 +593,6 @@ static PyMethodDef ShardGroup_methods[] = {
     {NULL},
 };
 
-static PyObject *ShardGroup_get_name(ShardGroupObject *self, void *closure)
-{
-    (void)closure;
-    return Py_NewRef(self->name);
-}
-
 /* The ledger's and the errors' name for the group: its module's path, known
  * only once the root's tree is (fully_shard names groups at lazy init). */
 static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *closure)
@@ -642,21 +605,21 @@ static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *cl
     const char *utf8 = PyUnicode_AsUTF8(value);
     if (!utf8)
         return -1;
-    snprintf(self->g.name, sizeof self->g.name, "%s", utf8);
+    snprintf(self->g.core.name, sizeof self->g.core.name, "%s", utf8);
     Py_SETREF(self->name, Py_NewRef(value));
     return 0;
 }
 
 static PyGetSetDef ShardGroup_getset[] = {
-    {"name", (getter)ShardGroup_get_name, (setter)ShardGroup_set_name,
+    {"name", (getter)fs_glue_group_get_name, (setter)ShardGroup_set_name,
      "the group's name in the ledger and in errors", NULL},
     {"entries", (getter)ShardGroup_get_entries, NULL, "this rank's Dim0Entry per parameter", NULL},
     {"offsets", (getter)ShardGroup_get_offsets, NULL, "each parameter's start in the unsharded buffer",
      NULL},
     {"full_alloc", (getter)ShardGroup_get_full_alloc, NULL, "elements of the unsharded buffer", NULL},
-    {"is_unsharded", (getter)ShardGroup_get_unsharded, NULL, "gathered (maybe pending)", NULL},
-    {"gather_pending", (getter)ShardGroup_get_gather_pending, NULL, "a deferred gather", NULL},
-    {"reduce_pending", (getter)ShardGroup_get_reduce_pending, NULL,
+    {"is_unsharded", (getter)fs_glue_group_get_unsharded, NULL, "gathered (maybe pending)", NULL},
+    {"gather_pending", (getter)fs_glue_group_get_gather_pending, NULL, "a deferred gather", NULL},
+    {"reduce_pending", (getter)fs_glue_group_get_reduce_pending, NULL,
      "a reduction left to finish (deferred or held)", NULL},
     {"reduce_output", (getter)ShardGroup_get_reduce_output, NULL,
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"

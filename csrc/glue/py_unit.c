@@ -13,11 +13,6 @@
 /* ---------------------------------------------------------------------------
  * calling the engine */
 
-static int bind(UnitObject *self)
-{
-    return fs_glue_bind(self->comm, self->replicate, &self->u.link, &self->u.replicate);
-}
-
 /* The note every unit error carries: which unit, operation, state, rank. */
 static PyObject *note(UnitObject *self, const char *what, int g)
 {
@@ -32,13 +27,11 @@ static PyObject *done(UnitObject *self, fs_status s)
 {
     if (s == FS_OK)
         Py_RETURN_NONE;
-    fs_unit *u = &self->u;
+    const fs_group_core *c = &self->u.core;
     PyObject *n = s == FS_ERR_BAD_STATE ? NULL /* the state machine's words say it all */
-                  : note(self, u->err_what ? u->err_what : "unit operation", u->err_group);
-    PyObject *r = fs_glue_failed(Py_TYPE(self), s, u->err, self->comm,
-                                 s != FS_ERR_BAD_STATE && u->err_collective, n);
-    Py_XDECREF(n);
-    return r;
+                  : note(self, c->err_what ? c->err_what : "unit operation", c->err_group);
+    return fs_glue_group_failed(FS_GROUP(self), s, s != FS_ERR_BAD_STATE && c->err_collective,
+                                n);
 }
 
 /* The engine hands the GIL back itself where it blocks (links' unlock). */
@@ -113,10 +106,7 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         Py_XDECREF(self);
         return gs ? NULL : PyErr_NoMemory();
     }
-    self->name = Py_NewRef(name);
-    self->comm = (CommObject *)Py_NewRef(comm);
-    self->replicate = replicate != Py_None ? (CommObject *)Py_NewRef(replicate) : NULL;
-    self->empty = empty != Py_None ? Py_NewRef(empty) : NULL;
+    fs_glue_group_init(FS_GROUP(self), &self->u.core, name, comm, replicate, empty);
     for (Py_ssize_t i = 0; i < n; i++) {
         fs_unit_group *g = &gs[i];
         PyObject *shard, *full, *lp = Py_None;
@@ -150,8 +140,8 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     gs = NULL;
     if (s != FS_OK) {
         if (s != FS_ERR_HOST)
-            PyErr_Format(PyExc_ValueError, "Unit %U group %d: %s", name, self->u.err_group,
-                         self->u.err);
+            PyErr_Format(PyExc_ValueError, "Unit %U group %d: %s", name,
+                         self->u.core.err_group, self->u.core.err);
         goto fail;
     }
     return (PyObject *)self;
@@ -170,10 +160,7 @@ static void Unit_dealloc(UnitObject *self)
     for (Py_ssize_t i = 0; i < self->nrefs; i++)
         Py_DECREF(self->refs[i]);
     free(self->refs);
-    Py_XDECREF(self->empty);
-    Py_XDECREF(self->name);
-    Py_XDECREF(self->comm);
-    Py_XDECREF(self->replicate);
+    fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -201,7 +188,7 @@ static Py_ssize_t along_units(UnitObject *self, PyObject *along, UnitObject **ou
             return PyErr_Format(PyExc_TypeError, "event: along[%zd] is not a Unit on this "
                                 "unit's Comm", i), -1;
         UnitObject *a = (UnitObject *)o;
-        if (a == self || a->u.unsharded || a->u.replicated)
+        if (a == self || a->u.core.unsharded || a->u.replicated)
             continue;
         if (parts + a->u.ngroups > FS_BATCH_MAX_PARTS)
             break;
@@ -247,7 +234,7 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
         return PyErr_Format(PyExc_ValueError, "event: along is for host Comms (a device's "
                             "gathers are not coalesced)");
     Py_ssize_t nothers = along_units(self, along, others);
-    if (nothers < 0 || bind(self) < 0)
+    if (nothers < 0 || fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_unit *units[FS_BATCH_MAX_PARTS];
     for (Py_ssize_t i = 0; i < nothers; i++)
@@ -278,14 +265,12 @@ static fs_reduce_bucket *bucket_parts(UnitObject *self, PyObject *args, PyObject
             PyErr_Format(PyExc_TypeError, "flush_bucket: units[%d] is not a Unit", i);
             return NULL;
         }
-        fs_unit *u = owners[i] = &((UnitObject *)o)->u;
-        const char *own = b->part[i].owner, *first = (const char *)u->bucketed;
-        if (own < first || own >= first + (size_t)u->ngroups * sizeof *u->bucketed) {
+        owners[i] = &((UnitObject *)o)->u;
+        if ((groups[i] = fs_unit_bucket_group(owners[i], b->part[i].owner)) < 0) {
             PyErr_Format(PyExc_ValueError, "flush_bucket: the bucket's part %d is not "
                          "units[%d]'s", i, i);
             return NULL;
         }
-        groups[i] = (int)((own - first) / sizeof *u->bucketed);
     }
     return b;
 }
@@ -301,7 +286,7 @@ static PyObject *Unit_flush_bucket(UnitObject *self, PyObject *args)
     fs_unit *owners[FS_BATCH_MAX_PARTS];
     int groups[FS_BATCH_MAX_PARTS];
     fs_reduce_bucket *b = bucket_parts(self, args, &units, owners, groups);
-    if (!b || bind(self) < 0)
+    if (!b || fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     int failed = -1;
     fs_status s = fs_unit_flush_bucket(b, &self->u, owners, groups, &failed);
@@ -347,7 +332,7 @@ PyDoc_STRVAR(unshard_doc,
 static PyObject *Unit_unshard(UnitObject *self, PyObject *args)
 {
     int fp = 0, prefetch = 0;
-    if (!PyArg_ParseTuple(args, "|pp", &fp, &prefetch) || bind(self) < 0)
+    if (!PyArg_ParseTuple(args, "|pp", &fp, &prefetch) || fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(self, s, fs_unit_unshard(&self->u, fp, prefetch));
@@ -361,7 +346,7 @@ PyDoc_STRVAR(regather_doc,
              "stale then, and is freed. Gathers if not live.");
 static PyObject *Unit_regather(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(self, s, fs_unit_regather(&self->u));
@@ -372,9 +357,9 @@ PyDoc_STRVAR(ready_doc, "ready(): the current stream waits for a prefetched all-
                         "(a no-op when none is pending, and on the host).");
 static PyObject *Unit_ready(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->u.gather_pending)
+    if (!self->u.core.gather_pending)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(self, s, fs_unit_ready(&self->u));
@@ -385,7 +370,7 @@ PyDoc_STRVAR(reshard_doc, "reshard(): free every unsharded buffer (no-op if shar
                           "or SHARD_OPTIM).");
 static PyObject *Unit_reshard(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(self, s, fs_unit_reshard(&self->u));
@@ -404,7 +389,7 @@ static PyObject *Unit_reduce_grad(UnitObject *self, PyObject *args)
     int gi, accumulate, defer = 0;
     PyObject *grad, *out;
     if (!PyArg_ParseTuple(args, "iOOp|p", &gi, &grad, &out, &accumulate, &defer) ||
-        bind(self) < 0)
+        fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(self, s, fs_unit_reduce(&self->u, gi, grad, out, accumulate, defer));
@@ -416,9 +401,9 @@ PyDoc_STRVAR(wait_reduced_doc,
              "their buffers are released (a no-op when none is pending, and on the host).");
 static PyObject *Unit_wait_reduced(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->u.reduce_pending && !self->u.host_pending)
+    if (!self->u.core.reduce_pending && !self->u.host_pending)
         Py_RETURN_NONE;
-    if (bind(self) < 0)
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     fs_status s;
     RUN(self, s, fs_unit_wait_reduced(&self->u));
@@ -437,19 +422,6 @@ static PyObject *Unit_get_bucketable(UnitObject *self, void *c)
     return PyBool_FromLong(fs_unit_bucketable(&self->u));
 }
 
-static PyObject *Unit_get_unsharded(UnitObject *self, void *c)
-{
-    return PyBool_FromLong(self->u.unsharded);
-}
-static PyObject *Unit_get_pending(UnitObject *self, void *c)
-{
-    return PyBool_FromLong(self->u.gather_pending);
-}
-static PyObject *Unit_get_reduce_pending(UnitObject *self, void *c)
-{
-    return PyBool_FromLong(self->u.reduce_pending);
-}
-static PyObject *Unit_get_name(UnitObject *self, void *c) { return Py_NewRef(self->name); }
 static PyObject *Unit_get_root(UnitObject *self, void *c)
 {
     return PyBool_FromLong(self->u.cfg.is_root);
@@ -465,14 +437,10 @@ static int Unit_set_root(UnitObject *self, PyObject *v, void *c)
     self->u.cfg.is_root = b;
     return 0;
 }
-static PyObject *Unit_get_comm(UnitObject *self, void *c)
-{
-    return Py_NewRef((PyObject *)self->comm);
-}
 static PyObject *Unit_get_counts(UnitObject *self, void *c)
 {
-    return Py_BuildValue("{sKsK}", "all_gather", self->u.n_all_gather, "reduce",
-                         self->u.n_reduce);
+    return Py_BuildValue("{sKsK}", "all_gather", self->u.core.n_all_gather, "reduce",
+                         self->u.core.n_reduce);
 }
 
 static PyMethodDef Unit_methods[] = {
@@ -491,17 +459,19 @@ static PyMethodDef Unit_methods[] = {
 
 static PyGetSetDef Unit_getset[] = {
     {"state", (getter)Unit_get_state, NULL, "state-machine state name", NULL},
-    {"is_unsharded", (getter)Unit_get_unsharded, NULL, "full buffers live and gathered", NULL},
+    {"is_unsharded", (getter)fs_glue_group_get_unsharded, NULL, "full buffers live and gathered",
+     NULL},
     {"bucketable", (getter)Unit_get_bucketable, NULL,
      "its reductions can wait in a host bucket (event(bucket=True))", NULL},
-    {"gather_pending", (getter)Unit_get_pending, NULL,
+    {"gather_pending", (getter)fs_glue_group_get_gather_pending, NULL,
      "a prefetched all-gather the current stream has not waited for yet", NULL},
-    {"reduce_pending", (getter)Unit_get_reduce_pending, NULL,
+    {"reduce_pending", (getter)fs_glue_group_get_reduce_pending, NULL,
      "deferred gradient reductions the current stream has not waited for yet", NULL},
-    {"name", (getter)Unit_get_name, NULL, "unit name (module path)", NULL},
+    {"name", (getter)fs_glue_group_get_name, NULL, "unit name (module path)", NULL},
     {"is_root", (getter)Unit_get_root, (setter)Unit_set_root, "root unit flag", NULL},
     {"counts", (getter)Unit_get_counts, NULL, "collectives issued by this unit", NULL},
-    {"comm", (getter)Unit_get_comm, NULL, "the Comm this unit's collectives go through", NULL},
+    {"comm", (getter)fs_glue_group_get_comm, NULL, "the Comm this unit's collectives go through",
+     NULL},
     {NULL},
 };
 

@@ -1,23 +1,59 @@
-/* py_unit.h - flatshard._C.Unit's glue (py_unit.c) and the host table it
- * gives the engine (py_env.c): Python objects and their lifetimes
- * around the engine's fs_unit (engine/unit.h), which does the work. */
+/* py_unit.h - the glue of the engine's groups: flatshard._C.Unit
+ * (py_unit.c) and flatshard._C.ShardGroup (py_shard_group.c), what both
+ * share (py_group.c), and the host table they give the engine (py_env.c):
+ * Python objects and their lifetimes around the engine's fs_unit
+ * (engine/unit.h) and fs_shard_group (engine/shard_group.h), which do the
+ * work. */
 #ifndef FS_PY_UNIT_H
 #define FS_PY_UNIT_H
 
 #include "fs_py.h"
+#include "group.h"
 #include "unit.h"
 
+/* What a Unit and a ShardGroup share, first in both as PyObject_HEAD is
+ * first in every object: the Python objects around the engine object, and
+ * where its core (engine/group.h) is, which py_group.c reads. */
+#define FS_GROUP_OBJECT_HEAD                                                           \
+    PyObject_HEAD                                                                      \
+    fs_group_core *core;   /* the engine object's core, inside this object */          \
+    PyObject *name;                                                                    \
+    CommObject *comm;                                                                  \
+    CommObject *replicate; /* HSDP, HYBRID_SHARD: the Comm across replicas, or NULL */ \
+    PyObject *empty;       /* device groups: empty(numel, dtype_code) -> tensor */     \
+    int ready;             /* the engine object was made (dealloc destroys it) */
+
 typedef struct {
-    PyObject_HEAD
+    FS_GROUP_OBJECT_HEAD
+} GroupObject;
+
+#define FS_GROUP(o) ((GroupObject *)(o))
+
+typedef struct {
+    FS_GROUP_OBJECT_HEAD
     fs_unit u;
-    PyObject *name;
-    CommObject *comm;
-    CommObject *replicate; /* HYBRID_SHARD: the Comm across replicas, or NULL */
-    PyObject *empty;       /* device units: empty(numel, dtype_code) -> tensor */
     PyObject **refs;       /* what the groups' handles point at, owned here */
     Py_ssize_t nrefs;
-    int ready;             /* fs_unit_init ran (dealloc destroys it) */
 } UnitObject;
+
+/* py_group.c: the head set (new references to name, comm and, when not
+ * None, replicate and empty) around `core`, or cleared. */
+void fs_glue_group_init(GroupObject *self, fs_group_core *core, PyObject *name,
+                        PyObject *comm, PyObject *replicate, PyObject *empty);
+void fs_glue_group_clear(GroupObject *self);
+/* The streams of the group's Comms bound for one engine call; -1 with an
+ * exception set. */
+int fs_glue_group_bind(GroupObject *self);
+/* The core's failure as an exception (fs_glue_failed) with `note` added
+ * (may be NULL; its reference is given up here); collective: the ledger's
+ * account too. NULL. */
+PyObject *fs_glue_group_failed(GroupObject *self, fs_status s, int collective, PyObject *note);
+/* Getters both types share (their own tables give the docs). */
+PyObject *fs_glue_group_get_name(GroupObject *self, void *closure);
+PyObject *fs_glue_group_get_comm(GroupObject *self, void *closure);
+PyObject *fs_glue_group_get_unsharded(GroupObject *self, void *closure);
+PyObject *fs_glue_group_get_gather_pending(GroupObject *self, void *closure);
+PyObject *fs_glue_group_get_reduce_pending(GroupObject *self, void *closure);
 
 /* py_env.c: the engine's host table over torch. `empty`: the address
  * of the owner's allocator callable (NULL there: host memory). */

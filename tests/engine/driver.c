@@ -459,9 +459,9 @@ static void check(driver *d, fs_status s, const char *what)
     if (d->h.errors)
         die("%s: the host table was misused (above)", what);
     if (s != FS_OK)
-        die("%s: %s: %s [%s, group %d%s]", what, fs_status_str(s), d->u.err,
-            d->u.err_what ? d->u.err_what : "-", d->u.err_group,
-            d->u.err_collective ? ", collective" : "");
+        die("%s: %s: %s [%s, group %d%s]", what, fs_status_str(s), d->u.core.err,
+            d->u.core.err_what ? d->u.core.err_what : "-", d->u.core.err_group,
+            d->u.core.err_collective ? ", collective" : "");
     if (d->h.live_transient)
         die("%s: %ld transient buffer(s) still taken after the call", what, d->h.live_transient);
 }
@@ -479,7 +479,7 @@ static unsigned event(driver *d, fs_event ev, unsigned flags, int gi, hbuf *grad
         int groups[FS_BATCH_MAX_PARTS], failed;
         for (int i = 0; i < d->bucket.nparts; i++) {
             owners[i] = u;
-            groups[i] = (int)((fs_unit_bucketed *)d->bucket.part[i].owner - u->bucketed);
+            groups[i] = fs_unit_bucket_group(u, d->bucket.part[i].owner);
         }
         s = fs_unit_flush_bucket(&d->bucket, u, owners, groups, &failed);
     }
@@ -663,7 +663,7 @@ int main(int argc, char **argv)
         die("writing %s: %s", cfg.out, strerror(errno));
     check(d, fs_unit_reshard(&d->u), "final reshard");
 
-    unsigned long long n_gather = d->u.n_all_gather, n_reduce = d->u.n_reduce;
+    unsigned long long n_gather = d->u.core.n_all_gather, n_reduce = d->u.core.n_reduce;
     fs_unit_destroy(&d->u);
     if (d->h.errors)
         die("the host table was misused (above)");
