@@ -1,5 +1,5 @@
-/* py_cuda.c - flatshard._C_cuda: the CUDA kernels and the NCCL backend for
- * Python.
+/* py_cuda.c - flatshard._C_cuda: the CUDA kernels and the NCCL backend of
+ * csrc/cuda/ for Python, and their device table for flatshard._C.
  *
  * Same conventions as flatshard._C: buffers cross as data pointers (ints
  * from Tensor.data_ptr()) with element counts and dtype codes, checked by

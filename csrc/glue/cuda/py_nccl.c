@@ -1,4 +1,4 @@
-/* py_nccl.c - flatshard._C_cuda.NcclComm: the NCCL backend (comm_nccl.c)
+/* py_nccl.c - flatshard._C_cuda.NcclComm: the NCCL backend (cuda/comm_nccl.c)
  * for Python, with the same collectives as flatshard._C.Comm over device
  * pointers plus a `stream` argument (see fs_cuda.h for the ordering). */
 #include "py_cuda.h"
