@@ -116,17 +116,19 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
                                &self->ledger, &self->comm, err, sizeof err);
         Py_END_ALLOW_THREADS
     } else {
-        Py_DECREF(self);
-        return PyErr_Format(PyExc_ValueError, "Comm: kind must be 'torch' (with fn), 'shm' "
-                            "(with name) or 'device' (with capsule, owner, device_api and "
-                            "stream_fn), got %s", kind);
+        PyErr_Format(PyExc_ValueError, "Comm: kind must be 'torch' (with fn), 'shm' (with "
+                     "name) or 'device' (with capsule, owner, device_api and stream_fn), got %s",
+                     kind);
+        goto fail;
     }
     if (s != FS_OK) {
-        Py_DECREF(self);
-        return fs_raise(st, s, "Comm(kind='%s', rank=%d, world_size=%d): %s", kind, rank, world,
-                        err);
+        fs_raise(st, s, "Comm(kind='%s', rank=%d, world_size=%d): %s", kind, rank, world, err);
+        goto fail;
     }
     return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
 }
 
 static void Comm_dealloc(CommObject *self)

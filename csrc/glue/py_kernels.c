@@ -79,24 +79,21 @@ static PyObject *py_gather_pieces(PyObject *m, PyObject *args)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     fs_piece *p = malloc(sizeof *p * (size_t)(n ? n : 1));
+    PyObject *res = NULL;
     int64_t bytes = 0;
     if (!p) {
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long sp;
         int st;
         long long so, doff, num;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiLLL", &sp, &st, &so, &doff, &num)) {
-            free(p);
-            Py_DECREF(seq);
-            return NULL;
-        }
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiLLL", &sp, &st, &so, &doff, &num))
+            goto done;
         p[i] = (fs_piece){(void *)sp, st, so, doff, num};
         bytes += num;
     }
-    Py_DECREF(seq);
     fs_status s;
     if (bytes * 4 > FS_GIL_RELEASE_BYTES) {
         Py_BEGIN_ALLOW_THREADS
@@ -105,10 +102,14 @@ static PyObject *py_gather_pieces(PyObject *m, PyObject *args)
     } else {
         s = fs_gather_pieces((void *)dp, dt, dn, p, n);
     }
-    free(p);
     if (s != FS_OK)
-        return raise_mod(m, s, "gather_pieces: pieces must be in order, in range, castable");
-    Py_RETURN_NONE;
+        raise_mod(m, s, "gather_pieces: pieces must be in order, in range, castable");
+    else
+        res = Py_NewRef(Py_None);
+done:
+    free(p);
+    Py_DECREF(seq);
+    return res;
 }
 
 static int parse_dim0_entry(PyObject *t, fs_dim0_entry *e)
@@ -181,9 +182,10 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
     if (!ptrs)
         return NULL;
     const void **srcs = malloc(sizeof(void *) * (size_t)(k ? k : 1));
+    PyObject *res = NULL;
     if (!srcs) {
-        free(ptrs);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto done;
     }
     for (Py_ssize_t i = 0; i < k; i++)
         srcs[i] = (const void *)(intptr_t)ptrs[i];
@@ -191,11 +193,14 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     s = fs_reduce_sum((void *)dp, srcs, (int)k, n, t, scale, simd);
     Py_END_ALLOW_THREADS
+    if (s != FS_OK)
+        raise_mod(m, s, "reduce_sum: need >= 1 source and a float dtype");
+    else
+        res = Py_NewRef(Py_None);
+done:
     free(srcs);
     free(ptrs);
-    if (s != FS_OK)
-        return raise_mod(m, s, "reduce_sum: need >= 1 source and a float dtype");
-    Py_RETURN_NONE;
+    return res;
 }
 
 PyDoc_STRVAR(norm_partial_doc,
@@ -211,28 +216,29 @@ static PyObject *py_norm_partial(PyObject *m, PyObject *args)
     PyObject *seq = PySequence_Fast(obj, "norm_partial: tensors must be a sequence");
     if (!seq)
         return NULL;
+    PyObject *res = NULL;
     double total = 0.0;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         unsigned long long p;
         int t;
         long long n;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiL", &p, &t, &n)) {
-            Py_DECREF(seq);
-            return NULL;
-        }
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiL", &p, &t, &n))
+            goto done;
         double part;
         fs_status s;
         Py_BEGIN_ALLOW_THREADS
         s = fs_norm_partial((const void *)p, t, n, inf, &part);
         Py_END_ALLOW_THREADS
         if (s != FS_OK) {
-            Py_DECREF(seq);
-            return raise_mod(m, s, "norm_partial: float dtypes only");
+            raise_mod(m, s, "norm_partial: float dtypes only");
+            goto done;
         }
         total = inf ? (part > total || part != part ? part : total) : total + part;
     }
+    res = PyFloat_FromDouble(total);
+done:
     Py_DECREF(seq);
-    return PyFloat_FromDouble(total);
+    return res;
 }
 
 static PyObject *py_simd_level(PyObject *m, PyObject *Py_UNUSED(a))

@@ -264,12 +264,9 @@ static PyObject *record_dict(const fs_tune_record *r)
                                            "ns_per_elem", r->candidates[k].ns_per_elem)
                            : NULL;
         Py_XDECREF(name);
-        if (!c || PyList_Append(cands, c) < 0) {
-            Py_XDECREF(c);
+        if (!c || PyList_Append(cands, c) < 0)
             Py_CLEAR(cands);
-            break;
-        }
-        Py_DECREF(c);
+        Py_XDECREF(c);
     }
     PyObject *chosen = cands ? variant_str(&r->chosen) : NULL;
     PyObject *d = chosen ? Py_BuildValue(
@@ -294,12 +291,11 @@ static PyObject *py_optim_tune_records(PyObject *m, PyObject *Py_UNUSED(a))
     fs_tune_record *recs = NULL;
     int count = fs_tune_records(NULL, 0);
     PyObject *out = PyList_New(0);
-    if (out && count > 0) {
-        recs = PyMem_Malloc(sizeof(fs_tune_record) * (size_t)count);
-        if (!recs) {
-            Py_DECREF(out);
-            return PyErr_NoMemory();
-        }
+    if (out && count > 0 && !(recs = PyMem_Malloc(sizeof(fs_tune_record) * (size_t)count))) {
+        Py_CLEAR(out);
+        PyErr_NoMemory();
+    }
+    if (recs) {
         count = fs_tune_records(recs, count); /* may have grown: take what fits */
         for (int k = 0; k < count && out; k++) {
             PyObject *d = record_dict(&recs[k]);
