@@ -38,6 +38,13 @@ PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...)
     return NULL;
 }
 
+PyObject *fs_result(PyObject *m, fs_status s, const char *what)
+{
+    if (s != FS_OK)
+        return fs_raise(fs_state_from_module(m), s, "%s", what);
+    Py_RETURN_NONE;
+}
+
 int fs_tensor_ptr(PyObject *tensor, void **out)
 {
     static PyObject *name;

@@ -17,11 +17,6 @@
 /* Below this many bytes a copy is cheaper than releasing the GIL. */
 #define FS_GIL_RELEASE_BYTES (256 * 1024)
 
-static PyObject *raise_mod(PyObject *m, fs_status s, const char *what)
-{
-    return fs_raise(fs_state_from_module(m), s, "%s", what);
-}
-
 /* ---------------------------------------------------------------------------
  * copies and casts */
 
@@ -37,9 +32,7 @@ static PyObject *py_cast(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     s = fs_cast((void *)dp, dt, (void *)sp, stype, n);
     Py_END_ALLOW_THREADS
-    if (s != FS_OK)
-        return raise_mod(m, s, "cast");
-    Py_RETURN_NONE;
+    return fs_result(m, s, "cast");
 }
 
 PyDoc_STRVAR(scale_accumulate_doc,
@@ -57,9 +50,7 @@ static PyObject *py_scale_accumulate(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     s = fs_scale_accumulate((void *)dp, dt, (void *)sp, stype, n, scale, acc);
     Py_END_ALLOW_THREADS
-    if (s != FS_OK)
-        return raise_mod(m, s, "scale_accumulate");
-    Py_RETURN_NONE;
+    return fs_result(m, s, "scale_accumulate");
 }
 
 PyDoc_STRVAR(gather_pieces_doc,
@@ -102,10 +93,7 @@ static PyObject *py_gather_pieces(PyObject *m, PyObject *args)
     } else {
         s = fs_gather_pieces((void *)dp, dt, dn, p, n);
     }
-    if (s != FS_OK)
-        raise_mod(m, s, "gather_pieces: pieces must be in order, in range, castable");
-    else
-        res = Py_NewRef(Py_None);
+    res = fs_result(m, s, "gather_pieces: pieces must be in order, in range, castable");
 done:
     free(p);
     Py_DECREF(seq);
@@ -135,9 +123,7 @@ static PyObject *py_dim0_copy_out(PyObject *m, PyObject *args)
         parse_dim0_entry(eo, &e) < 0)
         return NULL;
     fs_status s = fs_dim0_copy_out((void *)dp, dt, (void *)gp, t, world, block, &e);
-    if (s != FS_OK)
-        return raise_mod(m, s, "dim0_copy_out");
-    Py_RETURN_NONE;
+    return fs_result(m, s, "dim0_copy_out");
 }
 
 PyDoc_STRVAR(dim0_copy_in_doc, "dim0_copy_in(block_ptr, dtype, src_ptr, src_dtype, entry)\n"
@@ -151,9 +137,7 @@ static PyObject *py_dim0_copy_in(PyObject *m, PyObject *args)
     if (!PyArg_ParseTuple(args, "KiKiO", &bp, &t, &sp, &st, &eo) || parse_dim0_entry(eo, &e) < 0)
         return NULL;
     fs_status s = fs_dim0_copy_in((void *)bp, t, (void *)sp, st, &e);
-    if (s != FS_OK)
-        return raise_mod(m, s, "dim0_copy_in");
-    Py_RETURN_NONE;
+    return fs_result(m, s, "dim0_copy_in");
 }
 
 PyDoc_STRVAR(reduce_sum_doc,
@@ -193,10 +177,7 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     s = fs_reduce_sum((void *)dp, srcs, (int)k, n, t, scale, simd);
     Py_END_ALLOW_THREADS
-    if (s != FS_OK)
-        raise_mod(m, s, "reduce_sum: need >= 1 source and a float dtype");
-    else
-        res = Py_NewRef(Py_None);
+    res = fs_result(m, s, "reduce_sum: need >= 1 source and a float dtype");
 done:
     free(srcs);
     free(ptrs);
@@ -230,7 +211,7 @@ static PyObject *py_norm_partial(PyObject *m, PyObject *args)
         s = fs_norm_partial((const void *)p, t, n, inf, &part);
         Py_END_ALLOW_THREADS
         if (s != FS_OK) {
-            raise_mod(m, s, "norm_partial: float dtypes only");
+            fs_raise(fs_state_from_module(m), s, "norm_partial: float dtypes only");
             goto done;
         }
         total = inf ? (part > total || part != part ? part : total) : total + part;
