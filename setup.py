@@ -1,8 +1,9 @@
 """Build flatshard._C from csrc/ with the C compiler: CPython C API only, no
 torch at build time, so `pip install .` takes seconds.
 
-CUDA sources (csrc/cuda/*.cu) are compiled with nvcc into a separate
-extension, flatshard._C_cuda, when a toolkit is found (CUDA_HOME, or
+CUDA sources (csrc/cuda/: kernels, NCCL backend) are compiled with nvcc,
+with their CPython glue (csrc/glue/cuda/), into a separate extension,
+flatshard._C_cuda, when a toolkit is found (CUDA_HOME, or
 /usr/local/cuda, or nvcc on PATH); without one they are skipped and the CPU
 build is complete on its own. FLATSHARD_NO_CUDA=1 skips them explicitly. A
 toolkit that is found must build: an nvcc error fails the install. The
@@ -20,10 +21,13 @@ from setuptools.command.build_ext import build_ext
 HERE = os.path.dirname(os.path.abspath(__file__))
 # csrc/: core (pure arithmetic: layout, casts, reductions), engine (the unit
 # engine, no Python), backends (collectives), optim (CPU optimizers), glue
-# (the CPython module), cuda (kernels and NCCL). Each folder is on the
-# include path, so a header is named by its file alone.
+# (the CPython module), cuda (kernels and NCCL) and glue/cuda (the CPython
+# module over them). Each folder is on the include path of what it builds,
+# so a header is named by its file alone. flatshard._C takes csrc/glue/*.c
+# only: glue/cuda/ is _C_cuda's.
 C_DIRS = ["core", "engine", "backends", "optim", "glue"]
 INCLUDE_DIRS = [os.path.join("csrc", d) for d in C_DIRS]
+CUDA_DIRS = ["csrc/cuda", "csrc/glue/cuda"]
 C_FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
            "-Wno-missing-field-initializers", "-Wno-format-truncation",
            "-fvisibility=hidden"]
@@ -105,9 +109,9 @@ def extensions():
         # (csrc/cuda/comm_nccl.c). comm.c is the core's argument checking.
         exts.append(Extension(
             "flatshard._C_cuda",
-            sorted(glob.glob("csrc/cuda/*.c")) + ["csrc/backends/comm.c", "csrc/core/status.c"] +
-            cu_sources,
-            include_dirs=INCLUDE_DIRS + ["csrc/cuda", os.path.join(home, "include")],
+            sorted(s for d in CUDA_DIRS for s in glob.glob(os.path.join(d, "*.c"))) +
+            ["csrc/backends/comm.c", "csrc/core/status.c"] + cu_sources,
+            include_dirs=INCLUDE_DIRS + CUDA_DIRS + [os.path.join(home, "include")],
             library_dirs=[os.path.join(home, "lib64")],
             libraries=["cudart_static", "stdc++", "dl", "rt", "pthread"],
             extra_compile_args=C_FLAGS))

@@ -152,11 +152,11 @@ fs_status fs_nccl_wait(struct fs_comm *c, double timeout_s);
 int fs_nccl_version(void);
 
 /* ---------------------------------------------------------------------------
- * For flatshard._C's units (fs_device.h): py_cuda.c exports the cast and
- * accumulate kernels and the NCCL stream/workspace setters as an
+ * For flatshard._C's units (fs_device.h): glue/cuda/py_cuda.c exports the
+ * cast and accumulate kernels and the NCCL stream/workspace setters as an
  * fs_device_api capsule (flatshard._C_cuda.device_api), and
- * NcclComm.capsule() exports the communicator's fs_comm*, which the core
- * drives through comm.h like any backend. */
+ * NcclComm.capsule() (glue/cuda/py_nccl.c) exports the communicator's
+ * fs_comm*, which the core drives through comm.h like any backend. */
 
 #ifdef __cplusplus
 }

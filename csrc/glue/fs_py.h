@@ -36,6 +36,9 @@ fs_mod_state *fs_state_from_module(PyObject *m);
  * exception already set; others raise CoreError (StateError for BAD_STATE)
  * with the formatted context followed by the status text. */
 PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...);
+/* How a module function ends: None for FS_OK, else fs_raise with `what`
+ * (m: the module) and NULL. */
+PyObject *fs_result(PyObject *m, fs_status s, const char *what);
 
 /* Data pointer of a torch tensor, through its data_ptr() method. */
 int fs_tensor_ptr(PyObject *tensor, void **out);

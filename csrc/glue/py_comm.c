@@ -116,17 +116,19 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
                                &self->ledger, &self->comm, err, sizeof err);
         Py_END_ALLOW_THREADS
     } else {
-        Py_DECREF(self);
-        return PyErr_Format(PyExc_ValueError, "Comm: kind must be 'torch' (with fn), 'shm' "
-                            "(with name) or 'device' (with capsule, owner, device_api and "
-                            "stream_fn), got %s", kind);
+        PyErr_Format(PyExc_ValueError, "Comm: kind must be 'torch' (with fn), 'shm' (with "
+                     "name) or 'device' (with capsule, owner, device_api and stream_fn), got %s",
+                     kind);
+        goto fail;
     }
     if (s != FS_OK) {
-        Py_DECREF(self);
-        return fs_raise(st, s, "Comm(kind='%s', rank=%d, world_size=%d): %s", kind, rank, world,
-                        err);
+        fs_raise(st, s, "Comm(kind='%s', rank=%d, world_size=%d): %s", kind, rank, world, err);
+        goto fail;
     }
     return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
 }
 
 static void Comm_dealloc(CommObject *self)
@@ -175,95 +177,102 @@ PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char
     return fs_comm_failed(self);
 }
 
+/* ---------------------------------------------------------------------------
+ * collectives: each method parses its arguments into one record, and
+ * collective() runs it (the caller's stream bound, float32 staging lent to a
+ * device reduction, recorded in the ledger, raised as fs_comm_done says). */
+
+typedef struct {
+    fs_ledger_op op;
+    const char *tag;
+    unsigned long long send, recv; /* one buffer (send) for the in-place ops */
+    long long count;               /* recv_count for reduce_scatter */
+    int dtype, average, root;
+} coll_args;
+
+static fs_status coll_run(CommObject *self, const coll_args *a)
+{
+    fs_redop red = a->average ? FS_RED_AVG : FS_RED_SUM;
+    switch (a->op) {
+    case FS_LOP_ALL_GATHER:
+        return fs_comm_all_gather(self->comm, (void *)a->send, (void *)a->recv, a->count,
+                                  a->dtype);
+    case FS_LOP_REDUCE_SCATTER:
+        return fs_comm_reduce_scatter(self->comm, (void *)a->send, (void *)a->recv, a->count,
+                                      a->dtype, red);
+    case FS_LOP_ALL_REDUCE:
+        return fs_comm_all_reduce(self->comm, (void *)a->send, a->count, a->dtype, red);
+    case FS_LOP_BROADCAST:
+        return fs_comm_broadcast(self->comm, (void *)a->send, a->count, a->dtype, a->root);
+    default:
+        return fs_comm_barrier(self->comm);
+    }
+}
+
+static PyObject *collective(CommObject *self, const coll_args *a)
+{
+    /* what a bfloat16/float16 reduction stages through on a device */
+    long long staged = a->op == FS_LOP_REDUCE_SCATTER ? a->count * self->comm->world_size
+                                                      : a->count;
+    int reduces = a->op == FS_LOP_REDUCE_SCATTER || a->op == FS_LOP_ALL_REDUCE;
+    PyObject *ws = NULL;
+    if (fs_comm_bind_stream(self) < 0 ||
+        (reduces && fs_comm_lend_workspace(self, a->dtype, staged, &ws) < 0))
+        return NULL;
+    fs_status s;
+    FS_COMM_RECORD(self, s, a->op, a->tag, a->count, a->dtype, coll_run(self, a));
+    fs_comm_return_workspace(self, &ws);
+    return fs_comm_done(self, s, fs_ledger_op_name(a->op), a->tag);
+}
+
 PyDoc_STRVAR(all_gather_doc, "all_gather(send_ptr, recv_ptr, count, dtype, tag='')\n"
                              "recv holds world_size*count; rank r's send lands at recv + r*count."
                              TAG_DOC);
 static PyObject *Comm_all_gather(CommObject *self, PyObject *args)
 {
-    unsigned long long sp, rp;
-    long long n;
-    int t;
-    const char *tag = "";
-    if (!PyArg_ParseTuple(args, "KKLi|s", &sp, &rp, &n, &t, &tag))
+    coll_args a = {FS_LOP_ALL_GATHER, ""};
+    if (!PyArg_ParseTuple(args, "KKLi|s", &a.send, &a.recv, &a.count, &a.dtype, &a.tag))
         return NULL;
-    if (fs_comm_bind_stream(self) < 0)
-        return NULL;
-    fs_status s;
-    FS_COMM_RECORD(self, s, FS_LOP_ALL_GATHER, tag, n, t,
-                   fs_comm_all_gather(self->comm, (void *)sp, (void *)rp, n, t));
-    return fs_comm_done(self, s, "all_gather", tag);
+    return collective(self, &a);
 }
 
 PyDoc_STRVAR(reduce_scatter_doc,
              "reduce_scatter(send_ptr, recv_ptr, recv_count, dtype, average, tag='')" TAG_DOC);
 static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args)
 {
-    unsigned long long sp, rp;
-    long long n;
-    int t, avg;
-    const char *tag = "";
-    if (!PyArg_ParseTuple(args, "KKLip|s", &sp, &rp, &n, &t, &avg, &tag))
+    coll_args a = {FS_LOP_REDUCE_SCATTER, ""};
+    if (!PyArg_ParseTuple(args, "KKLip|s", &a.send, &a.recv, &a.count, &a.dtype, &a.average,
+                          &a.tag))
         return NULL;
-    PyObject *ws;
-    if (fs_comm_bind_stream(self) < 0 ||
-        fs_comm_lend_workspace(self, t, n * self->comm->world_size, &ws) < 0)
-        return NULL;
-    fs_status s;
-    FS_COMM_RECORD(self, s, FS_LOP_REDUCE_SCATTER, tag, n, t,
-                   fs_comm_reduce_scatter(self->comm, (void *)sp, (void *)rp, n, t,
-                                          avg ? FS_RED_AVG : FS_RED_SUM));
-    fs_comm_return_workspace(self, &ws);
-    return fs_comm_done(self, s, "reduce_scatter", tag);
+    return collective(self, &a);
 }
 
 PyDoc_STRVAR(all_reduce_doc, "all_reduce(ptr, count, dtype, average, tag='')" TAG_DOC);
 static PyObject *Comm_all_reduce(CommObject *self, PyObject *args)
 {
-    unsigned long long p;
-    long long n;
-    int t, avg;
-    const char *tag = "";
-    if (!PyArg_ParseTuple(args, "KLip|s", &p, &n, &t, &avg, &tag))
+    coll_args a = {FS_LOP_ALL_REDUCE, ""};
+    if (!PyArg_ParseTuple(args, "KLip|s", &a.send, &a.count, &a.dtype, &a.average, &a.tag))
         return NULL;
-    PyObject *ws;
-    if (fs_comm_bind_stream(self) < 0 || fs_comm_lend_workspace(self, t, n, &ws) < 0)
-        return NULL;
-    fs_status s;
-    FS_COMM_RECORD(self, s, FS_LOP_ALL_REDUCE, tag, n, t,
-                   fs_comm_all_reduce(self->comm, (void *)p, n, t, avg ? FS_RED_AVG : FS_RED_SUM));
-    fs_comm_return_workspace(self, &ws);
-    return fs_comm_done(self, s, "all_reduce", tag);
+    return collective(self, &a);
 }
 
 PyDoc_STRVAR(broadcast_doc, "broadcast(ptr, count, dtype, root, tag=''): root is a rank of this "
                             "group." TAG_DOC);
 static PyObject *Comm_broadcast(CommObject *self, PyObject *args)
 {
-    unsigned long long p;
-    long long n;
-    int t, root;
-    const char *tag = "";
-    if (!PyArg_ParseTuple(args, "KLii|s", &p, &n, &t, &root, &tag))
+    coll_args a = {FS_LOP_BROADCAST, ""};
+    if (!PyArg_ParseTuple(args, "KLii|s", &a.send, &a.count, &a.dtype, &a.root, &a.tag))
         return NULL;
-    if (fs_comm_bind_stream(self) < 0)
-        return NULL;
-    fs_status s;
-    FS_COMM_RECORD(self, s, FS_LOP_BROADCAST, tag, n, t,
-                   fs_comm_broadcast(self->comm, (void *)p, n, t, root));
-    return fs_comm_done(self, s, "broadcast", tag);
+    return collective(self, &a);
 }
 
 PyDoc_STRVAR(barrier_doc, "barrier(tag='')" TAG_DOC);
 static PyObject *Comm_barrier(CommObject *self, PyObject *args)
 {
-    const char *tag = "";
-    if (!PyArg_ParseTuple(args, "|s", &tag))
+    coll_args a = {FS_LOP_BARRIER, "", .dtype = FS_U8};
+    if (!PyArg_ParseTuple(args, "|s", &a.tag))
         return NULL;
-    if (fs_comm_bind_stream(self) < 0)
-        return NULL;
-    fs_status s;
-    FS_COMM_RECORD(self, s, FS_LOP_BARRIER, tag, 0, FS_U8, fs_comm_barrier(self->comm));
-    return fs_comm_done(self, s, "barrier", tag);
+    return collective(self, &a);
 }
 
 PyDoc_STRVAR(ledger_doc,

@@ -34,28 +34,25 @@ static PyObject *py_disk_adam_step(PyObject *m, PyObject *args, PyObject *kw)
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    fs_disk_segment *segs = NULL;
+    PyObject *res = NULL, *text = NULL, *e = NULL;
     if (n > 1 << 30) {
-        Py_DECREF(seq);
-        return PyErr_Format(PyExc_ValueError, "disk_adam_step: too many segments");
+        PyErr_Format(PyExc_ValueError, "disk_adam_step: too many segments");
+        goto done;
     }
-    fs_disk_segment *segs = calloc(n ? (size_t)n : 1, sizeof(fs_disk_segment));
-    if (!segs) {
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
+    if (!(segs = calloc(n ? (size_t)n : 1, sizeof(fs_disk_segment)))) {
+        PyErr_NoMemory();
+        goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long p, g;
         long long cnt, off, step;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKLLL;disk_adam_step: each "
                               "segment is (param_ptr, grad_ptr, n, file_offset, step)",
-                              &p, &g, &cnt, &off, &step)) {
-            free(segs);
-            Py_DECREF(seq);
-            return NULL;
-        }
+                              &p, &g, &cnt, &off, &step))
+            goto done;
         segs[i] = (fs_disk_segment){(float *)p, (const float *)g, cnt, off, step};
     }
-    Py_DECREF(seq);
     fs_disk_stream s = {.fd_in = fd_in, .fd_out = fd_out, .chunk_numel = chunk,
                         .nslots = nslots, .threads = threads};
     fs_adam_hparams h = {lr, b1, b2, eps, wd, 1, decoupled, maximize};
@@ -63,24 +60,24 @@ static PyObject *py_disk_adam_step(PyObject *m, PyObject *args, PyObject *kw)
     Py_BEGIN_ALLOW_THREADS
     st = fs_disk_adam_step(&s, segs, (int)n, &h, fs_simd_best());
     Py_END_ALLOW_THREADS
-    free(segs);
-    if (st == FS_ERR_BACKEND) {
-        PyObject *text = PyUnicode_FromFormat(
-            "flatshard: disk offload: %s the optimizer state file failed: %s",
-            s.err_write ? "writing" : "reading", strerror(s.err));
-        if (text) {
-            PyObject *e = Py_BuildValue("(iO)", s.err, text);
-            if (e)
-                PyErr_SetObject(PyExc_OSError, e);
-            Py_XDECREF(e);
-        }
-        Py_XDECREF(text);
-        return NULL;
+    if (st == FS_ERR_BACKEND) { /* OSError(errno, text), as open() raises it */
+        text = PyUnicode_FromFormat("flatshard: disk offload: %s the optimizer state file "
+                                    "failed: %s", s.err_write ? "writing" : "reading",
+                                    strerror(s.err));
+        if (text && (e = Py_BuildValue("(iO)", s.err, text)))
+            PyErr_SetObject(PyExc_OSError, e);
+    } else if (st != FS_OK) {
+        fs_raise(fs_state_from_module(m), st, "disk_adam_step: need chunk_numel > 0, "
+                 "nslots >= 2, fd_out >= 0, n >= 0, step >= 1");
+    } else {
+        res = Py_BuildValue("LL", (long long)s.bytes_read, (long long)s.bytes_written);
     }
-    if (st != FS_OK)
-        return fs_raise(fs_state_from_module(m), st, "disk_adam_step: need chunk_numel > 0, "
-                        "nslots >= 2, fd_out >= 0, n >= 0, step >= 1");
-    return Py_BuildValue("LL", (long long)s.bytes_read, (long long)s.bytes_written);
+done:
+    Py_XDECREF(e);
+    Py_XDECREF(text);
+    free(segs);
+    Py_DECREF(seq);
+    return res;
 }
 
 static PyMethodDef disk_methods[] = {

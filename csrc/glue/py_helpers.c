@@ -38,6 +38,13 @@ PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...)
     return NULL;
 }
 
+PyObject *fs_result(PyObject *m, fs_status s, const char *what)
+{
+    if (s != FS_OK)
+        return fs_raise(fs_state_from_module(m), s, "%s", what);
+    Py_RETURN_NONE;
+}
+
 int fs_tensor_ptr(PyObject *tensor, void **out)
 {
     static PyObject *name;
@@ -58,20 +65,20 @@ int64_t *fs_int64_list(PyObject *obj, Py_ssize_t *n, const char *what)
     if (!seq)
         return NULL;
     *n = PySequence_Fast_GET_SIZE(seq);
-    int64_t *v = malloc(sizeof(int64_t) * (size_t)(*n ? *n : 1));
+    int64_t *v = malloc(sizeof(int64_t) * (size_t)(*n ? *n : 1)), *res = NULL;
     if (!v) {
-        Py_DECREF(seq);
         PyErr_NoMemory();
-        return NULL;
+        goto done;
     }
     for (Py_ssize_t i = 0; i < *n; i++) {
         v[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v[i] == -1 && PyErr_Occurred()) {
-            free(v);
-            Py_DECREF(seq);
-            return NULL;
-        }
+        if (v[i] == -1 && PyErr_Occurred())
+            goto done;
     }
+    res = v;
+    v = NULL;
+done:
+    free(v);
     Py_DECREF(seq);
-    return v;
+    return res;
 }

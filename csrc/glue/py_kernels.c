@@ -17,11 +17,6 @@
 /* Below this many bytes a copy is cheaper than releasing the GIL. */
 #define FS_GIL_RELEASE_BYTES (256 * 1024)
 
-static PyObject *raise_mod(PyObject *m, fs_status s, const char *what)
-{
-    return fs_raise(fs_state_from_module(m), s, "%s", what);
-}
-
 /* ---------------------------------------------------------------------------
  * copies and casts */
 
@@ -37,9 +32,7 @@ static PyObject *py_cast(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     s = fs_cast((void *)dp, dt, (void *)sp, stype, n);
     Py_END_ALLOW_THREADS
-    if (s != FS_OK)
-        return raise_mod(m, s, "cast");
-    Py_RETURN_NONE;
+    return fs_result(m, s, "cast");
 }
 
 PyDoc_STRVAR(scale_accumulate_doc,
@@ -57,9 +50,7 @@ static PyObject *py_scale_accumulate(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     s = fs_scale_accumulate((void *)dp, dt, (void *)sp, stype, n, scale, acc);
     Py_END_ALLOW_THREADS
-    if (s != FS_OK)
-        return raise_mod(m, s, "scale_accumulate");
-    Py_RETURN_NONE;
+    return fs_result(m, s, "scale_accumulate");
 }
 
 PyDoc_STRVAR(gather_pieces_doc,
@@ -79,24 +70,21 @@ static PyObject *py_gather_pieces(PyObject *m, PyObject *args)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     fs_piece *p = malloc(sizeof *p * (size_t)(n ? n : 1));
+    PyObject *res = NULL;
     int64_t bytes = 0;
     if (!p) {
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long sp;
         int st;
         long long so, doff, num;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiLLL", &sp, &st, &so, &doff, &num)) {
-            free(p);
-            Py_DECREF(seq);
-            return NULL;
-        }
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiLLL", &sp, &st, &so, &doff, &num))
+            goto done;
         p[i] = (fs_piece){(void *)sp, st, so, doff, num};
         bytes += num;
     }
-    Py_DECREF(seq);
     fs_status s;
     if (bytes * 4 > FS_GIL_RELEASE_BYTES) {
         Py_BEGIN_ALLOW_THREADS
@@ -105,10 +93,11 @@ static PyObject *py_gather_pieces(PyObject *m, PyObject *args)
     } else {
         s = fs_gather_pieces((void *)dp, dt, dn, p, n);
     }
+    res = fs_result(m, s, "gather_pieces: pieces must be in order, in range, castable");
+done:
     free(p);
-    if (s != FS_OK)
-        return raise_mod(m, s, "gather_pieces: pieces must be in order, in range, castable");
-    Py_RETURN_NONE;
+    Py_DECREF(seq);
+    return res;
 }
 
 static int parse_dim0_entry(PyObject *t, fs_dim0_entry *e)
@@ -134,9 +123,7 @@ static PyObject *py_dim0_copy_out(PyObject *m, PyObject *args)
         parse_dim0_entry(eo, &e) < 0)
         return NULL;
     fs_status s = fs_dim0_copy_out((void *)dp, dt, (void *)gp, t, world, block, &e);
-    if (s != FS_OK)
-        return raise_mod(m, s, "dim0_copy_out");
-    Py_RETURN_NONE;
+    return fs_result(m, s, "dim0_copy_out");
 }
 
 PyDoc_STRVAR(dim0_copy_in_doc, "dim0_copy_in(block_ptr, dtype, src_ptr, src_dtype, entry)\n"
@@ -150,9 +137,7 @@ static PyObject *py_dim0_copy_in(PyObject *m, PyObject *args)
     if (!PyArg_ParseTuple(args, "KiKiO", &bp, &t, &sp, &st, &eo) || parse_dim0_entry(eo, &e) < 0)
         return NULL;
     fs_status s = fs_dim0_copy_in((void *)bp, t, (void *)sp, st, &e);
-    if (s != FS_OK)
-        return raise_mod(m, s, "dim0_copy_in");
-    Py_RETURN_NONE;
+    return fs_result(m, s, "dim0_copy_in");
 }
 
 PyDoc_STRVAR(reduce_sum_doc,
@@ -181,9 +166,10 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
     if (!ptrs)
         return NULL;
     const void **srcs = malloc(sizeof(void *) * (size_t)(k ? k : 1));
+    PyObject *res = NULL;
     if (!srcs) {
-        free(ptrs);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto done;
     }
     for (Py_ssize_t i = 0; i < k; i++)
         srcs[i] = (const void *)(intptr_t)ptrs[i];
@@ -191,11 +177,11 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     s = fs_reduce_sum((void *)dp, srcs, (int)k, n, t, scale, simd);
     Py_END_ALLOW_THREADS
+    res = fs_result(m, s, "reduce_sum: need >= 1 source and a float dtype");
+done:
     free(srcs);
     free(ptrs);
-    if (s != FS_OK)
-        return raise_mod(m, s, "reduce_sum: need >= 1 source and a float dtype");
-    Py_RETURN_NONE;
+    return res;
 }
 
 PyDoc_STRVAR(norm_partial_doc,
@@ -211,28 +197,29 @@ static PyObject *py_norm_partial(PyObject *m, PyObject *args)
     PyObject *seq = PySequence_Fast(obj, "norm_partial: tensors must be a sequence");
     if (!seq)
         return NULL;
+    PyObject *res = NULL;
     double total = 0.0;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         unsigned long long p;
         int t;
         long long n;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiL", &p, &t, &n)) {
-            Py_DECREF(seq);
-            return NULL;
-        }
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KiL", &p, &t, &n))
+            goto done;
         double part;
         fs_status s;
         Py_BEGIN_ALLOW_THREADS
         s = fs_norm_partial((const void *)p, t, n, inf, &part);
         Py_END_ALLOW_THREADS
         if (s != FS_OK) {
-            Py_DECREF(seq);
-            return raise_mod(m, s, "norm_partial: float dtypes only");
+            fs_raise(fs_state_from_module(m), s, "norm_partial: float dtypes only");
+            goto done;
         }
         total = inf ? (part > total || part != part ? part : total) : total + part;
     }
+    res = PyFloat_FromDouble(total);
+done:
     Py_DECREF(seq);
-    return PyFloat_FromDouble(total);
+    return res;
 }
 
 static PyObject *py_simd_level(PyObject *m, PyObject *Py_UNUSED(a))

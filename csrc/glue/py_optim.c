@@ -44,9 +44,7 @@ static PyObject *run_job(PyObject *m, const fs_optim_job *job, const char *simd,
             s = fs_optim_step(job, (fs_simd)level, threads);
         Py_END_ALLOW_THREADS
     }
-    if (s != FS_OK)
-        return fs_raise(fs_state_from_module(m), s, "%s", what);
-    Py_RETURN_NONE;
+    return fs_result(m, s, what);
 }
 
 PyDoc_STRVAR(adam_step_doc,
@@ -99,9 +97,71 @@ static PyObject *run_jobs(PyObject *m, fs_optim_job *js, float **steps, Py_ssize
         s = fs_optim_step(&js[i], (fs_simd)level, threads);
     }
     Py_END_ALLOW_THREADS
-    if (s != FS_OK)
-        return fs_raise(fs_state_from_module(m), s, "%s", what);
-    Py_RETURN_NONE;
+    return fs_result(m, s, what);
+}
+
+/* One job of a group call: `item` (a tuple) and what every job of the call
+ * shares (`proto`: kind and hyperparameters) into *job, and for Adam the
+ * address of its float32 step count into *step; -1 with an exception set
+ * when it is refused. */
+typedef int (*job_item)(PyObject *item, Py_ssize_t i, const fs_optim_job *proto,
+                        fs_optim_job *job, float **step);
+
+/* adam_steps and sgd_steps: every job of `jobs` made and checked, then all
+ * run under one release of the GIL (run_jobs). with_steps: Adam's counts. */
+static PyObject *group_call(PyObject *m, PyObject *jobs, const char *name, const char *simd,
+                            int threads, const fs_optim_job *proto, job_item item,
+                            int with_steps)
+{
+    int level = parse_simd(simd);
+    if (level < 0)
+        return NULL;
+    char what[64];
+    snprintf(what, sizeof what, "%s: jobs must be a sequence", name);
+    PyObject *seq = PySequence_Fast(jobs, what);
+    if (!seq)
+        return NULL;
+    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    fs_optim_job *js = PyMem_Calloc(k ? (size_t)k : 1, sizeof *js);
+    float **steps = with_steps ? PyMem_Calloc(k ? (size_t)k : 1, sizeof *steps) : NULL;
+    PyObject *ret = NULL;
+    if (!js || (with_steps && !steps)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (item(PySequence_Fast_GET_ITEM(seq, i), i, proto, &js[i],
+                 with_steps ? &steps[i] : NULL) < 0)
+            goto done;
+    ret = run_jobs(m, js, steps, k, level, threads, name);
+done:
+    PyMem_Free(js);
+    PyMem_Free(steps);
+    Py_DECREF(seq);
+    return ret;
+}
+
+static int adam_item(PyObject *item, Py_ssize_t i, const fs_optim_job *proto, fs_optim_job *job,
+                     float **step)
+{
+    unsigned long long p, g, ea, eas, mx, st;
+    long long n;
+    if (!PyArg_ParseTuple(item, "KKKKKKL;adam_steps: each job is (param, grad, exp_avg, "
+                          "exp_avg_sq, max_exp_avg_sq, step, n)", &p, &g, &ea, &eas, &mx, &st,
+                          &n))
+        return -1;
+    /* the count as it will be used: finite and >= 1 once incremented */
+    const float next = st ? *(const float *)st + 1.0f : 0.0f;
+    *job = *proto;
+    job->adam = (fs_adam_buffers){(float *)p, (const float *)g, (float *)ea, (float *)eas,
+                                  (float *)mx, NULL, FS_BF16, n};
+    *step = (float *)st;
+    if (!st || !(next >= 1.0f && next <= 9.2e18f) || fs_optim_check(job) != FS_OK) {
+        PyErr_Format(PyExc_ValueError, "adam_steps: job %zd: need a step count >= 0 and "
+                     "n >= 0", i);
+        return -1;
+    }
+    return 0;
 }
 
 PyDoc_STRVAR(adam_steps_doc,
@@ -123,46 +183,8 @@ static PyObject *py_adam_steps(PyObject *m, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$fffffppis", kwlist, &jobs, &lr, &b1, &b2,
                                      &eps, &wd, &decoupled, &maximize, &threads, &simd))
         return NULL;
-    int level = parse_simd(simd);
-    if (level < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(jobs, "adam_steps: jobs must be a sequence");
-    if (!seq)
-        return NULL;
-    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
-    fs_optim_job *js = PyMem_Calloc(k ? (size_t)k : 1, sizeof *js);
-    float **steps = PyMem_Calloc(k ? (size_t)k : 1, sizeof *steps);
-    PyObject *ret = NULL;
-    if (!js || !steps) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        unsigned long long p, g, ea, eas, mx, st;
-        long long n;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKKKKL;adam_steps: each job "
-                              "is (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, n)",
-                              &p, &g, &ea, &eas, &mx, &st, &n))
-            goto done;
-        /* the count as it will be used: finite and >= 1 once incremented */
-        const float next = st ? *(const float *)st + 1.0f : 0.0f;
-        js[i] = (fs_optim_job){FS_OPTIM_ADAM,
-                               {(float *)p, (const float *)g, (float *)ea, (float *)eas,
-                                (float *)mx, NULL, FS_BF16, n},
-                               {lr, b1, b2, eps, wd, 1, decoupled, maximize}};
-        steps[i] = (float *)st;
-        if (!st || !(next >= 1.0f && next <= 9.2e18f) || fs_optim_check(&js[i]) != FS_OK) {
-            PyErr_Format(PyExc_ValueError, "adam_steps: job %zd: need a step count >= 0 and "
-                         "n >= 0", i);
-            goto done;
-        }
-    }
-    ret = run_jobs(m, js, steps, k, level, threads, "adam_steps");
-done:
-    PyMem_Free(js);
-    PyMem_Free(steps);
-    Py_DECREF(seq);
-    return ret;
+    fs_optim_job proto = {FS_OPTIM_ADAM, {0}, {lr, b1, b2, eps, wd, 1, decoupled, maximize}};
+    return group_call(m, jobs, "adam_steps", simd, threads, &proto, adam_item, 1);
 }
 
 PyDoc_STRVAR(sgd_step_doc,
@@ -192,6 +214,26 @@ static PyObject *py_sgd_step(PyObject *m, PyObject *args, PyObject *kw)
                    "or float16");
 }
 
+static int sgd_item(PyObject *item, Py_ssize_t i, const fs_optim_job *proto, fs_optim_job *job,
+                    float **step)
+{
+    unsigned long long p, g, buf;
+    int first;
+    long long n;
+    if (!PyArg_ParseTuple(item, "KKKpL;sgd_steps: each job is (param, grad, momentum_buf, "
+                          "first_step, n)", &p, &g, &buf, &first, &n))
+        return -1;
+    *job = *proto;
+    job->sgd = (fs_sgd_buffers){(float *)p, (const float *)g, (float *)buf, NULL, FS_BF16, n};
+    job->sgd_h.first_step = first;
+    if ((job->sgd_h.momentum != 0.0f && !buf && n > 0) || fs_optim_check(job) != FS_OK) {
+        PyErr_Format(PyExc_ValueError, "sgd_steps: job %zd: need n >= 0 and a momentum "
+                     "buffer when momentum != 0", i);
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(sgd_steps_doc,
              "sgd_steps(jobs, *, lr, momentum, dampening, weight_decay, nesterov, maximize,\n"
              "          threads=1, simd='auto')\n"
@@ -209,41 +251,8 @@ static PyObject *py_sgd_steps(PyObject *m, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$ffffppis", kwlist, &jobs, &lr, &mom, &damp,
                                      &wd, &nesterov, &maximize, &threads, &simd))
         return NULL;
-    int level = parse_simd(simd);
-    if (level < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(jobs, "sgd_steps: jobs must be a sequence");
-    if (!seq)
-        return NULL;
-    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
-    fs_optim_job *js = PyMem_Calloc(k ? (size_t)k : 1, sizeof *js);
-    PyObject *ret = NULL;
-    if (!js) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        unsigned long long p, g, buf;
-        int first;
-        long long n;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKpL;sgd_steps: each job is "
-                              "(param, grad, momentum_buf, first_step, n)", &p, &g, &buf, &first,
-                              &n))
-            goto done;
-        js[i] = (fs_optim_job){FS_OPTIM_SGD, {0}, {0},
-                               {(float *)p, (const float *)g, (float *)buf, NULL, FS_BF16, n},
-                               {lr, mom, damp, wd, nesterov, maximize, first}};
-        if ((mom != 0.0f && !buf && n > 0) || fs_optim_check(&js[i]) != FS_OK) {
-            PyErr_Format(PyExc_ValueError, "sgd_steps: job %zd: need n >= 0 and a momentum "
-                         "buffer when momentum != 0", i);
-            goto done;
-        }
-    }
-    ret = run_jobs(m, js, NULL, k, level, threads, "sgd_steps");
-done:
-    PyMem_Free(js);
-    Py_DECREF(seq);
-    return ret;
+    fs_optim_job proto = {FS_OPTIM_SGD, {0}, {0}, {0}, {lr, mom, damp, wd, nesterov, maximize, 0}};
+    return group_call(m, jobs, "sgd_steps", simd, threads, &proto, sgd_item, 0);
 }
 
 static PyObject *variant_str(const fs_optim_variant *v)
@@ -264,12 +273,9 @@ static PyObject *record_dict(const fs_tune_record *r)
                                            "ns_per_elem", r->candidates[k].ns_per_elem)
                            : NULL;
         Py_XDECREF(name);
-        if (!c || PyList_Append(cands, c) < 0) {
-            Py_XDECREF(c);
+        if (!c || PyList_Append(cands, c) < 0)
             Py_CLEAR(cands);
-            break;
-        }
-        Py_DECREF(c);
+        Py_XDECREF(c);
     }
     PyObject *chosen = cands ? variant_str(&r->chosen) : NULL;
     PyObject *d = chosen ? Py_BuildValue(
@@ -294,12 +300,11 @@ static PyObject *py_optim_tune_records(PyObject *m, PyObject *Py_UNUSED(a))
     fs_tune_record *recs = NULL;
     int count = fs_tune_records(NULL, 0);
     PyObject *out = PyList_New(0);
-    if (out && count > 0) {
-        recs = PyMem_Malloc(sizeof(fs_tune_record) * (size_t)count);
-        if (!recs) {
-            Py_DECREF(out);
-            return PyErr_NoMemory();
-        }
+    if (out && count > 0 && !(recs = PyMem_Malloc(sizeof(fs_tune_record) * (size_t)count))) {
+        Py_CLEAR(out);
+        PyErr_NoMemory();
+    }
+    if (recs) {
         count = fs_tune_records(recs, count); /* may have grown: take what fits */
         for (int k = 0; k < count && out; k++) {
             PyObject *d = record_dict(&recs[k]);

@@ -186,20 +186,19 @@ int fs_glue_set_storage(PyObject *storage, int64_t nbytes, int on_device)
     if (now == nbytes)
         return 0;
     PyObject *other = NULL;
+    int rc = -1;
     if (now > 0) { /* back to zero bytes first; the block returns to the pool */
         if (torch_refs() < 0 || !(other = PyObject_CallNoArgs(storage_type)) ||
-            swap_into(storage, other) < 0) {
-            Py_XDECREF(other);
-            return -1;
-        }
+            swap_into(storage, other) < 0)
+            goto done;
         Py_CLEAR(other);
     }
     if (nbytes == 0)
-        return 0;
-    if (!(other = pooled_storage(nbytes, 1)))
-        return -1;
-    int rc = swap_into(storage, other);
-    Py_DECREF(other); /* holds the zero-byte data pointer now, or the block on failure */
+        rc = 0;
+    else if ((other = pooled_storage(nbytes, 1)))
+        rc = swap_into(storage, other);
+done:
+    Py_XDECREF(other); /* after a swap, what the storage held; after a failed one, its own */
     return rc;
 }
 

@@ -1,7 +1,8 @@
 """Builds csrc/cuda/ for the host (fs_emu_rt.h): the emulated runtime, a
 fake libnccl over flatshard's shared-memory backend, the kernels alone, and
-flatshard._C_cuda itself, into a directory named by the sources' hash, so
-every process of a test session (ranks included) shares one build."""
+flatshard._C_cuda itself (with its glue, csrc/glue/cuda/), into a directory
+named by the sources' hash, so every process of a test session (ranks
+included) shares one build."""
 import glob
 import hashlib
 import importlib.machinery
@@ -18,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CSRC = ROOT / "csrc"
 CUDA = CSRC / "cuda"
+CUDA_GLUE = CSRC / "glue" / "cuda"  # flatshard._C_cuda's CPython glue
 # setup.py's C folders, each on the include path
 C_DIRS = [CSRC / d for d in ("core", "engine", "backends", "optim", "glue")]
 # The device table's name in this build: flatshard's Python layer treats
@@ -42,7 +44,8 @@ def available():
 
 def _sources():
     return sorted(glob.glob(str(HERE / "*.h")) + glob.glob(str(HERE / "*.cc")) + [__file__] +
-                  [p for d in C_DIRS for p in glob.glob(str(d / "*.[ch]"))] + glob.glob(str(CUDA / "*")))
+                  [p for d in C_DIRS for p in glob.glob(str(d / "*.[ch]"))] +
+                  glob.glob(str(CUDA / "*")) + glob.glob(str(CUDA_GLUE / "*")))
 
 
 def _digest():
@@ -62,7 +65,8 @@ def _run(cmd, cwd):
 
 def _build(out):
     cc, cxx = compilers()
-    inc = ["-I", str(HERE), "-I", str(CUDA)] + [f for d in C_DIRS for f in ("-I", str(d))]
+    inc = (["-I", str(HERE), "-I", str(CUDA), "-I", str(CUDA_GLUE)] +
+           [f for d in C_DIRS for f in ("-I", str(d))])
     py = ["-I", sysconfig.get_paths()["include"]]
     rpath = ["-L", out, "-lfs_cudart_emu", "-Wl,-rpath,$ORIGIN"]
     # the runtime: streams, events, memory, the fiber scheduler
@@ -90,8 +94,8 @@ def _build(out):
           "-o", "libnccl_fake.so"], out)
     # flatshard._C_cuda, as setup.py builds it, with the host runtime
     ext_objs = []
-    for src in sorted(glob.glob(str(CUDA / "*.c"))) + [str(CSRC / "backends" / "comm.c"),
-                                                       str(CSRC / "core" / "status.c")]:
+    for src in (sorted(glob.glob(str(CUDA / "*.c")) + glob.glob(str(CUDA_GLUE / "*.c"))) +
+                [str(CSRC / "backends" / "comm.c"), str(CSRC / "core" / "status.c")]):
         obj = "ext_" + Path(src).stem + ".o"
         _run([cc, *C_FLAGS, *inc, *py, f"-DFS_CUDA_DEVICE_NAME=\"{DEVICE_NAME}\"", "-c", src,
               "-o", obj], out)

@@ -1,5 +1,7 @@
 /* py_cuda.h - what the CPython glue of flatshard._C_cuda shares
- * (py_cuda.c: module and kernels; py_nccl.c: the NcclComm type). */
+ * (py_cuda.c: module and kernels; py_nccl.c: the NcclComm type). The
+ * kernels and the NCCL backend they wrap are csrc/cuda/'s (fs_cuda.h);
+ * this folder only parses arguments and raises. */
 #ifndef FS_PY_CUDA_H
 #define FS_PY_CUDA_H
 

@@ -1,4 +1,4 @@
-/* py_nccl.c - flatshard._C_cuda.NcclComm: the NCCL backend (comm_nccl.c)
+/* py_nccl.c - flatshard._C_cuda.NcclComm: the NCCL backend (cuda/comm_nccl.c)
  * for Python, with the same collectives as flatshard._C.Comm over device
  * pointers plus a `stream` argument (see fs_cuda.h for the ordering). */
 #include "py_cuda.h"
@@ -19,14 +19,15 @@ static PyObject *NcclComm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iiy*i|d", kwlist, &rank, &world, &id, &device,
                                      &timeout_s))
         return NULL;
-    if (id.len != 128) {
-        PyBuffer_Release(&id);
-        return PyErr_Format(PyExc_ValueError, "NcclComm: unique_id must be 128 bytes, got %zd",
-                            id.len);
-    }
+    /* copied before NCCL's join releases the GIL (a bytearray could change) */
     unsigned char raw[128];
-    memcpy(raw, id.buf, sizeof raw);
+    const Py_ssize_t id_len = id.len;
+    if (id_len == 128)
+        memcpy(raw, id.buf, sizeof raw);
     PyBuffer_Release(&id);
+    if (id_len != 128)
+        return PyErr_Format(PyExc_ValueError, "NcclComm: unique_id must be 128 bytes, got %zd",
+                            id_len);
     NcclCommObject *self = (NcclCommObject *)tp->tp_alloc(tp, 0);
     if (!self)
         return NULL;
@@ -35,14 +36,15 @@ static PyObject *NcclComm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     Py_BEGIN_ALLOW_THREADS /* blocks until every rank has joined */
     s = fs_comm_nccl_create(raw, rank, world, device, timeout_s, &self->comm, err, sizeof err);
     Py_END_ALLOW_THREADS
-    if (s != FS_OK) {
-        Py_DECREF(self);
-        if (s == FS_ERR_NO_MEMORY)
-            return PyErr_NoMemory();
-        return PyErr_Format(state_of_type(tp)->NcclError, "flatshard NCCL init (rank %d of %d, "
-                            "device %d): %s", rank, world, device, err);
-    }
-    return (PyObject *)self;
+    if (s == FS_OK)
+        return (PyObject *)self;
+    if (s == FS_ERR_NO_MEMORY)
+        PyErr_NoMemory();
+    else
+        PyErr_Format(state_of_type(tp)->NcclError, "flatshard NCCL init (rank %d of %d, "
+                     "device %d): %s", rank, world, device, err);
+    Py_DECREF(self);
+    return NULL;
 }
 
 static void NcclComm_dealloc(NcclCommObject *self)

@@ -1,5 +1,5 @@
-/* py_cuda.c - flatshard._C_cuda: the CUDA kernels and the NCCL backend for
- * Python.
+/* py_cuda.c - flatshard._C_cuda: the CUDA kernels and the NCCL backend of
+ * csrc/cuda/ for Python, and their device table for flatshard._C.
  *
  * Same conventions as flatshard._C: buffers cross as data pointers (ints
  * from Tensor.data_ptr()) with element counts and dtype codes, checked by
@@ -130,6 +130,7 @@ static PyObject *segments(PyObject *m, PyObject *args, int unpack)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     fs_cuda_segment tab[FS_CUDA_SEGMENTS];
+    PyObject *res = NULL;
     int k = 0;
     for (Py_ssize_t i = 0; i <= n; i++) {
         if (i < n) {
@@ -138,10 +139,8 @@ static PyObject *segments(PyObject *m, PyObject *args, int unpack)
             int dt;
             if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KLLLi;segment must be "
                                   "(ptr, ptr_offset, flat_offset, numel, dtype)", &p, &po, &fo,
-                                  &numel, &dt)) {
-                Py_DECREF(seq);
-                return NULL;
-            }
+                                  &numel, &dt))
+                goto done;
             tab[k++] = (fs_cuda_segment){(void *)p, po, fo, numel, dt};
         }
         if (k == FS_CUDA_SEGMENTS || (i == n && k > 0)) {
@@ -150,13 +149,15 @@ static PyObject *segments(PyObject *m, PyObject *args, int unpack)
                                    : fs_cuda_pack((void *)flat, ft, tab, k, (cudaStream_t)stream);
             k = 0;
             if (e != cudaSuccess) {
-                Py_DECREF(seq);
-                return cuda_raise(m, unpack ? "unpack" : "pack", e);
+                cuda_raise(m, unpack ? "unpack" : "pack", e);
+                goto done;
             }
         }
     }
+    res = Py_NewRef(Py_None);
+done:
     Py_DECREF(seq);
-    Py_RETURN_NONE;
+    return res;
 }
 
 PyDoc_STRVAR(pack_doc,
