@@ -1,0 +1,101 @@
+"""Who owns what, as the imports show it: no circle between the Python
+subpackages of flatshard (runtime/ below fsdp/ and fsdp2/, state/ below
+the wrappers, ...), and none between csrc/'s headers (a header and its own
+.c file aside). Read from the sources, so a new import that closes a circle
+fails here, whatever the import order at run time would hide."""
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "python", "flatshard")
+CSRC = os.path.join(ROOT, "csrc")
+
+
+def _unit_of(rel):
+    """A module's owner: its subpackage, or the top-level module itself."""
+    parts = rel.split(os.sep)
+    return parts[0] if len(parts) > 1 else parts[0][:-3]
+
+
+def _python_edges():
+    edges = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            rel = os.path.relpath(path, PKG)
+            here = _unit_of(rel)
+            pkg_parts = os.path.dirname(rel).split(os.sep) if os.path.dirname(rel) else []
+            for node in ast.walk(ast.parse(open(path).read(), path)):
+                targets = []
+                if isinstance(node, ast.ImportFrom):
+                    if node.level:
+                        base = pkg_parts[:len(pkg_parts) - (node.level - 1)] \
+                            if node.level > 1 else pkg_parts
+                        mod = base + (node.module.split(".") if node.module else [])
+                        if node.module is None:  # from . import a, b
+                            targets = [mod + [a.name] for a in node.names]
+                        else:
+                            targets = [mod]
+                    elif node.module and node.module.startswith("flatshard."):
+                        targets = [node.module.split(".")[1:]]
+                elif isinstance(node, ast.Import):
+                    targets = [a.name.split(".")[1:] for a in node.names
+                               if a.name.startswith("flatshard.")]
+                for t in targets:
+                    if not t:
+                        continue
+                    other = t[0]
+                    if other != here:
+                        edges.setdefault(here, set()).add(other)
+    return edges
+
+
+def _cycles(edges):
+    """Each circle found by a depth-first walk, as the list of its nodes."""
+    found, state = [], {}
+
+    def walk(n, stack):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(edges.get(n, ())):
+            if state.get(m) == 1:
+                found.append(stack[stack.index(m):] + [m])
+            elif m not in state:
+                walk(m, stack)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(edges):
+        if n not in state:
+            walk(n, [])
+    return found
+
+
+def test_no_circle_between_python_subpackages():
+    edges = _python_edges()
+    assert "fsdp" in edges and "runtime" in edges["fsdp"]  # the walk reads imports
+    assert _cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_circle_between_c_headers():
+    include = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+    edges, headers = {}, {}
+    for dirpath, _, files in os.walk(CSRC):
+        for f in files:
+            if f.endswith((".h", ".cuh")):
+                headers[f] = os.path.join(dirpath, f)
+    for name, path in headers.items():
+        for inc in include.findall(open(path).read()):
+            inc = os.path.basename(inc)
+            if inc in headers and inc != name:
+                edges.setdefault(name, set()).add(inc)
+    assert edges  # the walk reads includes
+    assert _cycles(edges) == []
