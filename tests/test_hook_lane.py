@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from flatshard import MixedPrecisionPolicy, _C, fully_shard
 from flatshard.errors import ConfigError
 from flatshard.fsdp2.state import state_of
+from test_fully_shard_torch_flows import Block
 
 TIMEOUT = 240
 ENV = "FLATSHARD_C_HOOKS"
@@ -25,16 +26,8 @@ KINDS = {_C.HOOK_PRE_FORWARD: "pre_forward", _C.HOOK_POST_FORWARD: "post_forward
          _C.HOOK_PRE_BACKWARD: "pre_backward", _C.HOOK_ARRIVE: "arrive"}
 
 
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x):
-        return torch.relu(self.lin(x)) + x
-
-
 def _net(blocks=3, d=12):
+    """Blocks of Linear and LayerNorm (4 parameters each) and a head."""
     torch.manual_seed(0)
     return nn.Sequential(*[Block(d) for _ in range(blocks)], nn.Linear(d, 3))
 
@@ -119,7 +112,7 @@ def test_the_plain_flow_runs_in_c_and_trains_as_torch(dist_pool):
     steps = 4
     for runs in dist_pool(2).run(_plain, steps, timeout=TIMEOUT):
         _same_as_torch(runs)
-        blocks, params = 3, 2
+        blocks, params = 3, len(list(Block(1).parameters()))
         first, last = runs["lane"][2], runs["lane"][3]
         # step 0: lazy init and the first gathers (the gradient hooks are put
         # on then) are Python's; the root's pre-backward, each backward's
@@ -144,7 +137,7 @@ def test_the_plain_flow_runs_in_c_and_trains_as_torch(dist_pool):
 def _freeze_then_thaw(model, step):
     """A frozen parameter (a group with frozen parameters watches its
     inputs, in Python) in steps 1 and 2, trainable again in step 3."""
-    model[1].lin.bias.requires_grad_(step not in (1, 2))
+    model[1].norm.bias.requires_grad_(step not in (1, 2))
 
 
 def _reassign(model, step):

@@ -11,32 +11,19 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.fsdp import BackwardPrefetch as TorchBP
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
 
 from flatshard import BackwardPrefetch, FullyShardedDataParallel, ModuleWrapPolicy, _C
 from flatshard.fsdp.unit import fsdp_units
+from test_hook_lane import _net
+from test_fully_shard_torch_flows import Block
 
 TIMEOUT = 240
 ENV = "FLATSHARD_C_HOOKS"
 KINDS = {_C.HOOK_UNIT_PRE_FORWARD: "pre_forward", _C.HOOK_UNIT_POST_FORWARD: "post_forward",
          _C.HOOK_UNIT_PRE_BACKWARD: "pre_backward", _C.HOOK_UNIT_POST_BACKWARD: "post_backward"}
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x):
-        return torch.relu(self.lin(x)) + x
-
-
-def _net(blocks=3, d=12):
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block(d) for _ in range(blocks)], nn.Linear(d, 3))
 
 
 def _counts(model):
