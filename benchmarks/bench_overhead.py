@@ -21,8 +21,6 @@ the backend's default FLATSHARD_REDUCE_BUCKET_BYTES and
 FLATSHARD_GATHER_AHEAD_BYTES: 1 MiB on torch, none on shm, unless the
 command's environment sets them), "-nobucket" the same with every group
 reducing on its own, "-noahead" with every unit gathering on its own,
-"-pyhooks" with every hook event in Python (FLATSHARD_C_HOOKS=0; by
-default the common case of each runs in C, flatshard._C.Hook),
 "torch-fully_shard" is torch's own. "+prefetch": torch's explicit prefetch
 lists in buckets of eight blocks (block 0, 8, ... prefetches the next seven
 in forward, 63, 55, ... the seven before in backward); flatshard gathers
@@ -77,8 +75,8 @@ from harness import cpu_name, free_port  # noqa: E402
 from flatshard.runtime.trees import hook_before_backward  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
-IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-pyhooks", "fsdp1-floor", "fsdp1-nobucket",
-         "fsdp1-noahead", "fully_shard", "fully_shard-pyhooks", "fully_shard-floor",
+IMPLS = ("unwrapped", "hooks-only", "fsdp1", "fsdp1-floor", "fsdp1-nobucket",
+         "fsdp1-noahead", "fully_shard", "fully_shard-floor",
          "fully_shard-nobucket", "fully_shard-noahead", "fully_shard+prefetch",
          "torch-fully_shard", "torch-fully_shard+prefetch")
 AHEAD = os.environ.get("FLATSHARD_GATHER_AHEAD_BYTES")  # None: the backend's default
@@ -170,7 +168,6 @@ def _floor_hooks(model):
 
         def fsdp_pre(args, kwargs, m=m, u=u):
             root = m._root_state or m._lazy_init()
-            u.c_hooks = False  # these hooks, not the C lane's ([Note: unit hook lane])
             if root.owner is m:
                 root.begin_forward()
             m._unit.pre_forward()
@@ -286,12 +283,8 @@ def _bucket_prefetch(blocks):
 
 
 def _set_env(impl):
-    """The budgets an impl runs with, and whether its hooks run in C; all
-    are read at the root's first forward (its lazy init)."""
-    if impl.endswith("-pyhooks"):
-        os.environ["FLATSHARD_C_HOOKS"] = "0"
-    else:
-        os.environ.pop("FLATSHARD_C_HOOKS", None)
+    """The budgets an impl runs with, read at the root's first forward (its
+    lazy init)."""
     for name, off, given in (("FLATSHARD_REDUCE_BUCKET_BYTES", "-nobucket", BUCKET_ENV),
                              ("FLATSHARD_GATHER_AHEAD_BYTES", "-noahead", AHEAD)):
         if impl.endswith(off):

@@ -43,12 +43,6 @@ ENV = {
         "most this many bytes (0: every unit gathers on its own). Default: 1048576 on the "
         "torch backend, whose collectives cost about a millisecond each; 0 on shm. Read when "
         "a model's root runs its first forward."),
-    "FLATSHARD_C_HOOKS": (
-        "1",
-        "fully_shard's hooks: 1 runs their common case in C (flatshard._C.Hook: the "
-        "all-gather or free and the parameters swapped, no Python frame); 0 runs every "
-        "hook event in Python. Both give the same results; 0 is for comparing and for "
-        "debugging a hook in Python. Read when a model's root runs its first forward."),
     "FLATSHARD_NCCL_LIBRARY": (
         "(search)",
         "Path of libnccl.so.2 for the NCCL backend; by default the copy torch loaded, then the "

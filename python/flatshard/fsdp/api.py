@@ -30,7 +30,7 @@ from .. import _C
 from ..errors import (ConfigAssertionError, ConfigError, ConfigTypeError, StateError, bad_type,
                       bad_value, not_built)
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
-from ..runtime import consistency, eager, hooks
+from ..runtime import consistency, eager
 from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
 from ..runtime.root import Root
@@ -40,9 +40,8 @@ from . import clip, comm_hook, config, optim_state, summon
 from . import state_dict as state_dicts
 from .flat_param import Alias, FlatGroup, flat_param_name, mark_flat_param
 from .groups import unit_comms
-from .unit import UnitRuntime, open_lane
+from .unit import UnitRuntime
 
-hooks.give_tools()
 from .wrap import targets
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -487,13 +486,6 @@ class FullyShardedDataParallel(nn.Module):
                                  cfg.backward_prefetch, cfg.forward_prefetch,
                                  shard_optim=shard_optim, offload_params=cfg.offload_params)
         self._unit.flat_param_module = module  # stays so under a checkpoint wrapper
-        # the forward's steps as the unit's C hooks ([Note: unit hook lane]),
-        # each made with the Python step it stands for
-        u = self._unit
-        self._pre_forward = _C.Hook(_C.HOOK_UNIT_PRE_FORWARD, u.__dict__, None,
-                                    self._pre_forward, owner=u)
-        self._post_forward = _C.Hook(_C.HOOK_UNIT_POST_FORWARD, u.__dict__, None,
-                                     self._post_forward, u.pre_backward_hook, owner=u)
         cut = len(up.name) + 1 if up.name else 0
         for g in groups:  # isinstance(g.shard, FlatParameter) is True, as in torch
             mark_flat_param(g.shard, [a[0].fqn[cut:] for a in g.aliases], g.shapes, g.numels)
@@ -508,7 +500,6 @@ class FullyShardedDataParallel(nn.Module):
             m._root_state = state
             m._unit.root = state
             m._unit.c.is_root = m is self
-            m._unit.c_hooks = open_lane(m._unit, state, m._cfg.mixed_precision)
         return state
 
     # ------------------------------------------------------------------

@@ -27,7 +27,7 @@ from .. import _C
 from ..errors import OutOfMemoryError, bad_value
 from ..options import BackwardPrefetch
 from . import zero1
-from ..runtime import eager, hooks
+from ..runtime import eager
 from ..runtime.grad_hooks import run_hooks
 from ..runtime.heap import HEAP
 from ..runtime.trees import hook_before_backward
@@ -66,14 +66,10 @@ class UnitRuntime:
         self.parts = [None] * len(groups)  # each group as a bucket member, made at first use
         self.sync_grads = True    # False inside no_sync()
         self.landing = []         # original parameters a deferred reduction writes (hooks)
-        self.c_hooks = False      # the hook lane open ([Note: unit hook lane]), at lazy init
-        self.pre_backward_hook = _C.Hook(_C.HOOK_UNIT_PRE_BACKWARD, self.__dict__, None,
-                                         self._pre_backward, owner=self)
+        self.pre_backward_hook = self._pre_backward
         for g in groups:
             if g.requires_grad:
-                g.compute.register_post_accumulate_grad_hook(_C.Hook(
-                    _C.HOOK_UNIT_POST_BACKWARD, self.__dict__, None,
-                    self._make_post_backward(g.index), g.index, owner=self))
+                g.compute.register_post_accumulate_grad_hook(self._make_post_backward(g.index))
         if shard_optim:
             self.c.unshard()  # whole from now on (collective: units are built in one order)
             zero1.register(self)
@@ -176,13 +172,6 @@ class UnitRuntime:
             if not _is_alloc_failure(e):
                 raise
             self._out_of_memory(e)
-
-    def _failed(self, e):
-        """Raise what the failed engine call's exception `e` becomes, as
-        _call does (the C hook lane's engine calls)."""
-        if not _is_alloc_failure(e):
-            raise e
-        self._out_of_memory(e)
 
     def _out_of_memory(self, e):
         msg = oom_report(self, e)
@@ -447,35 +436,6 @@ class _BucketPart:
             g.grad_buf = g.grad_views = None
         else:
             g.shard.grad = None
-
-
-# [Note: unit hook lane] The hooks torch calls for a unit are
-# flatshard._C.Hook objects (csrc/glue/py_hooks_unit.c), each made with its
-# Python hook here: the wrapper's forward steps (FSDP._pre_forward and
-# _post_forward, instance attributes), the pre-backward hook on the outputs
-# and each flat buffer's post-accumulate-grad hook. In the common case, "the
-# lane", an event runs in C: the engine event, the parameter views made and
-# registered (or dropped), the forward order recorded, the reduced gradient
-# set. Each call checks what it needs as it is then (the root known and not
-# this unit, the end-of-backward callback queued, gradient sync on, a new
-# gradient to reduce and no gradient the user set to add); every other case
-# is the Python hook's. A unit's lane is opened at the root's lazy init
-# (open_lane) where nothing it leaves out is read: a host Comm (nothing
-# deferred, no landing), no gather-ahead or reduce-bucket budget, FULL_SHARD
-# or SHARD_GRAD_OP without CPU offload, no forward prefetch or
-# BACKWARD_POST, no input cast. FLATSHARD_C_HOOKS=0 keeps every event in
-# Python.
-
-
-def open_lane(unit, root, mixed_precision):
-    """Whether `unit`'s hook lane may open under `root` ([Note: unit hook
-    lane]); mixed_precision: its wrapper's MixedPrecision or None."""
-    mp = mixed_precision
-    return (hooks.c_hooks_on() and unit.c.comm.device is None and not root.ahead and
-            not root.bucket.budget and not unit.no_shard and not unit.shard_optim and
-            not unit.offload_params and not unit.forward_prefetch and
-            unit.backward_prefetch is not BackwardPrefetch.BACKWARD_POST and
-            not (mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs))
 
 
 def unit_of(module):

@@ -31,45 +31,16 @@ CommDebugMode as torch's c10d ones would be (runtime/observe.py).
 Under torch.compile the hook entry points (marked @eager.hook) run eagerly,
 as torch's fully_shard's do: Dynamo breaks the graph where torch's nn.Module
 code calls them and compiles the modules' own forwards (runtime/eager.py).
-
-[Note: hook lane] The hooks torch calls are flatshard._C.Hook objects
-(csrc/glue/py_hooks.c), each made with its Python hook here. In the common
-case, "the lane", the pre-forward, post-forward and pre-backward events run
-in C: the engine group's unshard or reshard and the modules' parameters
-swapped, without a Python frame; each call checks the lane's conditions on
-the state's and the group's attributes as they are then, and every other
-case is the Python hook's. A state's lane is opened at the root's lazy init
-(c_hooks) where nothing it leaves out is read: every group of the tree on a
-host Comm (no implicit prefetch), no gather-ahead or reduce-bucket budget,
-no input or output cast. The Python steps it leaves out are then no-ops, or read by nothing:
-the forward order's record (read only by gather-ahead and the device's
-implicit prefetch), the profiler ranges and CommDebugMode counts (the lane
-is closed while either watches). Each call also requires the plain path of
-unshard(): not gathered yet, no extension, tensor-parallel or post-forward
-piece, the modules still holding the registered shards, every parameter
-trainable and hooked; pre- and post-forward also a non-root state,
-reshard_after_forward True and no prefetch list; pre-backward the root's
-callback queued. A gradient's arrival is C always (a set insert and a
-count); at the last one the post-backward runs in C too where its plain
-path holds (several ranks, gradient sync on, resharding after backward, no
-replicas, all-reduce hook, held reshard, kept accumulation, extension or
-tensor-parallel parameter; every gradient a plain tensor): one engine
-reduce-scatter that frees the unsharded buffer, the new sharded gradients'
-DTensors, the parameters' own post-accumulate-grad hooks. FLATSHARD_C_HOOKS=0
-keeps every event in Python.
 """
 import torch
 
-from .. import _C
 from ..errors import ConfigError, MetaDeviceError
-from ..runtime import eager, hooks, observe
+from ..runtime import eager, observe
 from ..runtime.root import Root
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
 from . import torch_state
-from .param import _like
 
 STATE_ATTR = "_flatshard_fsdp2_state"
-hooks.give_tools(like=_like)
 
 
 def state_of(module):
@@ -169,14 +140,9 @@ class FSDPState:
         self.reshard_due = False          # ... a reshard waiting for them
         self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
         self.hooked = 0                   # ... on these parameters (bit i: parameter i)
-        self.c_hooks = False              # the lane open ([Note: hook lane]), at lazy init
         self.handles = []
-        gd = group.__dict__ if group is not None else None
-        self.pre_backward_hook = _C.Hook(_C.HOOK_PRE_BACKWARD, self.__dict__, gd,
-                                         self._pre_backward)
-        pre = _C.Hook(_C.HOOK_PRE_FORWARD, self.__dict__, gd, self._pre_forward_hook)
-        post = _C.Hook(_C.HOOK_POST_FORWARD, self.__dict__, gd, self._post_forward_hook,
-                       self.pre_backward_hook)
+        self.pre_backward_hook = self._pre_backward
+        pre, post = self._pre_forward_hook, self._post_forward_hook
         for module in modules:
             self.handles += [
                 module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
@@ -242,18 +208,6 @@ class FSDPState:
         self.tree = Root(comm, self._finalize)
         self._check_no_shared_params()
         self._init_fqns()
-        self._open_lanes()
-
-    def _open_lanes(self):
-        """Root only: each state's hook lane, where nothing the lane leaves
-        out is read ([Note: hook lane])."""
-        host = all(st.group is None or st.group.comm.device is None for st in self.states)
-        tree_ok = host and not self.tree.ahead and not self.tree.bucket.budget and \
-            hooks.c_hooks_on()
-        for st in self.states:
-            mp = st.mp
-            st.c_hooks = tree_ok and st.group is not None and mp.output_dtype is None and \
-                not (mp.cast_forward_inputs and mp.param_dtype is not None)
 
     def _init_fqns(self):
         """Each state's module names in the root's tree, joined as torch's
@@ -367,9 +321,19 @@ class FSDPState:
         if todo:
             for i, p in enumerate(g.unsharded):
                 if todo >> i & 1:
-                    p.register_post_accumulate_grad_hook(
-                        _C.Hook(_C.HOOK_ARRIVE, self.__dict__, g.__dict__, self._post_backward, i))
+                    p.register_post_accumulate_grad_hook(self._arrival(i))
             self.hooked |= todo
+
+    def _arrival(self, i):
+        """Parameter i's post-accumulate-grad hook: its gradient has
+        arrived; once every trainable parameter's has, the post-backward."""
+        ready = self.ready
+
+        def arrive(param):
+            ready.add(i)
+            if len(ready) == self.group.trainable:
+                self._post_backward()
+        return eager.wrap(arrive)
 
     @eager.hook
     def _to_sharded_hook(self, *args, **kwargs):
