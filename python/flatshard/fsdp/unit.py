@@ -159,8 +159,12 @@ class UnitRuntime:
         """One engine call per hook event: the state machine's step and what
         it asks for (gather, reduce, free), done in C. along: engine units
         gathered in the same all-gather (RootState.unit_gather_ahead)."""
-        return self._call(self.c.event, ev, flags, group, grad, out, accumulate, defer,
-                          along, bucket)
+        try:
+            return self.c.event(ev, flags, group, grad, out, accumulate, defer, along, bucket)
+        except (RuntimeError, MemoryError) as e:
+            if not _is_alloc_failure(e):
+                raise
+            self._out_of_memory(e)
 
     def _call(self, fn, *args):
         """An allocation failure becomes an OutOfMemoryError carrying this
@@ -188,8 +192,9 @@ class UnitRuntime:
     # forward
 
     def pre_forward(self):
+        root = self.root
         self._event(_C.EV_PRE_FORWARD, _GRAD if torch.is_grad_enabled() else 0,
-                    along=self.root.unit_gather_ahead(self, 1))
+                    along=root.unit_gather_ahead(self, 1) if root.ahead else None)
         nxt = self.root.order.record(self)
         if self.forward_prefetch and nxt is not None and nxt.c.state == "IDLE":
             nxt.unshard(prefetch=True)
@@ -217,7 +222,8 @@ class UnitRuntime:
         self.root.queue_final()
         # a prefetched gather is waited for too; with backward prefetch on, the
         # units before this one gather with it (RootState.unit_gather_ahead)
-        along = self.root.unit_gather_ahead(self, -1) if self.backward_prefetch is not None else None
+        along = self.root.unit_gather_ahead(self, -1) \
+            if self.backward_prefetch is not None and self.root.ahead else None
         act = self._event(_C.EV_PRE_BACKWARD, 0, along=along)
         if act & _C.ACT_UNSHARD:
             if (self.use_orig_params and not self.no_shard) or \
@@ -436,6 +442,20 @@ class _BucketPart:
             g.grad_buf = g.grad_views = None
         else:
             g.shard.grad = None
+
+
+# [Note: unit events] Each of a unit's events (the wrapper's forward steps,
+# the pre-backward hook on its outputs, each flat buffer's
+# post-accumulate-grad hook, the root's end of backward) has one
+# implementation: the method here, which makes one engine call
+# (flatshard._C.Unit.event: the state machine's step and the gather, reduce
+# or free it asks for, in C) and does the torch-side work the step's actions
+# ask for (the parameter views, the gradient tensors). The cases a tree may
+# need (gather-ahead, a prefetch, a bucket, a deferred reduction, a cast,
+# no_sync) are branches on fields read in the same pass; a tree without
+# gather-ahead does not even ask the root for it. A second implementation
+# of the plain case in C was measured against this one and gained nothing
+# a step (benchmarks/RESULTS.md, "One implementation per event").
 
 
 def unit_of(module):

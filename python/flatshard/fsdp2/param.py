@@ -30,7 +30,7 @@ from ..errors import ConfigError, NotBuiltError
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
 from ..runtime.grad_hooks import run_hooks
-from ..tensors import check_plain, dtype_code, is_plain, to_plain
+from ..tensors import DTYPE_CODES, check_plain, dtype_code, is_plain, to_plain
 from . import tp
 from .extension import Extension, gathers_itself, has_extension
 
@@ -343,7 +343,13 @@ class ParamGroup:
     def register_sharded(self):
         """The modules hold the sharded DTensor parameters (after reshard)."""
         if self.registered_unsharded is not False:
-            self._register(self.sharded)
+            if self._slots is None:
+                self._register(self.sharded)
+                return
+            sharded = self.sharded
+            for d, attr, i in self._slots:
+                d[attr] = sharded[i]
+            self.registered_unsharded = False
 
     def _register(self, params):
         slots = self._slots
@@ -361,7 +367,8 @@ class ParamGroup:
         requires_grad follows the sharded parameter's (the user may have
         changed it)."""
         trainable, mask = 0, 0
-        for i, (up, sp) in enumerate(zip(self.unsharded, self.sharded)):
+        unsharded = self.unsharded
+        for i, (up, sp) in enumerate(zip(unsharded, self.sharded)):
             rg = sp.requires_grad
             if up.requires_grad != rg:
                 up.requires_grad_(rg)
@@ -370,7 +377,12 @@ class ParamGroup:
                 mask |= 1 << i
         self.trainable = trainable  # the gradient hooks that fire in this backward
         self.trainable_mask = mask
-        self._register(self.unsharded)
+        if self._slots is None:
+            self._register(unsharded)
+            return
+        for d, attr, i in self._slots:
+            d[attr] = unsharded[i]
+        self.registered_unsharded = True
 
     # ------------------------------------------------------------------
     # unshard / reshard
@@ -457,8 +469,9 @@ class ParamGroup:
         self.post_chunk = None
         if self.c.is_unsharded:
             self.c.reshard()  # a pending gather is waited for first
-            for x in self.ext.values():
-                x.free()
+            if self.ext:
+                for x in self.ext.values():
+                    x.free()
 
     def reshard_to_post_forward(self):
         """Keep this rank's 1/k of the unsharded buffer (k: the post-forward
@@ -481,10 +494,15 @@ class ParamGroup:
     def has_unsharded_grads(self):
         """Whether this group has gradients to reduce at the end of backward
         (with reduce_unused, a gathered group always has: zeros)."""
-        return self.unsharded is not None and (
-            any(p.grad is not None for p in self.unsharded) or
-            any(a is not None for a in self.accumulated) or
-            (self.reduce_unused and self.c.is_unsharded and self.n_trainable() > 0))
+        if self.unsharded is None:
+            return False
+        for p in self.unsharded:
+            if p.grad is not None:
+                return True
+        for a in self.accumulated:
+            if a is not None:
+                return True
+        return self.reduce_unused and self.c.is_unsharded and self.n_trainable() > 0
 
     def _grad(self, i):
         """Unsharded parameter i's gradient as the engine reads it: the
@@ -563,14 +581,17 @@ class ParamGroup:
         grads, grad_codes, outs, out_codes, accumulate, fresh = [], [], [], [], [], []
         written = []  # the sharded parameters whose .grad this reduction writes
         use_any = False
+        tps, codes = self.tp, DTYPE_CODES
         for i, sp in enumerate(sharded):
             g = accumulated[i]
             if g is None:
-                g = self._grad(i)
+                g = unsharded[i].grad
+                if g is not None and (tps or type(g) is not torch.Tensor):
+                    g = self._grad(i)
             if g is not None:
                 if not g.is_contiguous():
                     g = g.contiguous()
-                grad_codes.append(dtype_code(g.dtype))
+                grad_codes.append(codes[g.dtype] if g.dtype in codes else dtype_code(g.dtype))
                 unsharded[i].grad = None  # handed to the engine: not needed any more
             else:
                 grad_codes.append(0)
@@ -593,7 +614,8 @@ class ParamGroup:
                         if type(local) is torch.Tensor else \
                         torch.empty(local.shape, dtype=local.dtype, device=local.device)
                     fresh.append((i, out))
-                out_codes.append(dtype_code(out.dtype))
+                out_codes.append(codes[out.dtype] if out.dtype in codes else
+                                 dtype_code(out.dtype))
                 written.append(sp)
             else:
                 out_codes.append(0)

@@ -140,6 +140,7 @@ class FSDPState:
         self.reshard_due = False          # ... a reshard waiting for them
         self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
         self.hooked = 0                   # ... on these parameters (bit i: parameter i)
+        self.lean = False                 # [Note: lean events], decided at lazy init
         self.handles = []
         self.pre_backward_hook = self._pre_backward
         pre, post = self._pre_forward_hook, self._post_forward_hook
@@ -179,7 +180,8 @@ class FSDPState:
         """What the end of backward does for this state: a group that got
         gradients (unused parameters aside) is reduced and resharded now,
         one that got none resharded."""
-        self.forget_held_reshard()
+        if self.reading or self.reshard_due:
+            self.forget_held_reshard()
         g = self.group
         if g is None:
             return
@@ -208,6 +210,18 @@ class FSDPState:
         self.tree = Root(comm, self._finalize)
         self._check_no_shared_params()
         self._init_fqns()
+        self._decide_lean()
+
+    def _decide_lean(self):
+        """Root only: which states' events may skip what only the root, a
+        device, gather-ahead or a cast needs ([Note: lean events])."""
+        host = all(st.group is None or st.group.comm.device is None for st in self.states)
+        tree_ok = host and not self.tree.ahead
+        for st in self.states:
+            mp = st.mp
+            st.lean = tree_ok and st is not self and st.group is not None and \
+                mp.output_dtype is None and not (mp.cast_forward_inputs and
+                                                 mp.param_dtype is not None)
 
     def _init_fqns(self):
         """Each state's module names in the root's tree, joined as torch's
@@ -257,16 +271,17 @@ class FSDPState:
     # ------------------------------------------------------------------
     # unshard with the post-backward hooks attached
 
-    def unshard(self, defer=False, along=()):
+    def unshard(self, defer=False, along=(), watched=True):
         """defer: a prefetch (the caller's stream waits at the next
         unshard of this state, see ParamGroup.unshard). along: states whose
         gathers join this one's on the host, one all-gather for all ([Note:
         coalesced gathers] in csrc/engine/engine.h): the prefetches of a
-        host Comm."""
+        host Comm. watched False: the caller found nothing watching
+        (observe.watching())."""
         g = self.group
         if g is None:
             return
-        if g.is_unsharded:  # waits for a pending gather, unless this is a prefetch too
+        if g.c.is_unsharded:  # waits for a pending gather, unless this is a prefetch too
             with (observe.span("FSDP::all_gather_copy_out", self.label)
                   if not defer and g.pending else observe.NOTHING):
                 g.unshard(defer)
@@ -280,17 +295,21 @@ class FSDPState:
                 g.unshard(along=groups)
             for st in joined:
                 st._hook_grads()
-        else:
+        elif watched and observe.watching():
             with observe.counted_span(_issued, g, g.comm, "FSDP::all_gather", self.label):
                 g.unshard(defer)
-        self._hook_grads()
+        else:
+            g.unshard(defer)
+        if self.hooked_full is not g.full or g.trainable_mask & ~self.hooked:
+            self._hook_grads()
 
     def _before_gather(self):
         g = self.group
         if g.post_chunk is None:
             g.sync_registered()  # parameters assigned since: the new shards
-        meta = [] if g.full is not None else \
-            [n for i, n in enumerate(g.names) if g.local(i).is_meta]
+        if g.full is not None:
+            return
+        meta = [n for i, n in enumerate(g.names) if g.local(i).is_meta]
         if meta:  # torch: a RuntimeError; MetaDeviceError is one
             raise MetaDeviceError(
                 f"flatshard: fully_shard module {type(self.modules[0]).__name__} still has its "
@@ -416,7 +435,47 @@ class FSDPState:
     # ------------------------------------------------------------------
     # forward
 
+    # [Note: lean events] Each event has one implementation: the engine
+    # group's call (ParamGroup.unshard, reshard, reduce_grads, which call
+    # flatshard._C.ShardGroup) and the registration around it, reached from
+    # here by every path. What else an event does is needed only in some
+    # trees: lazy init and the root's start and end of forward (the root),
+    # the forward order's record (read by gather-ahead and a device's
+    # implicit prefetch only), torch's profiler ranges and CommDebugMode's
+    # counts (while one watches), the casts of mixed precision, the prefetch
+    # lists, async_op, a device's deferred reduction, the frozen-parameter
+    # reshard held back, no gradient sync. `lean` is decided once, at the
+    # root's lazy init (_decide_lean): a state that is not the root, in a
+    # tree of host Comms without gather-ahead, with no cast. Each event then
+    # checks what a user may change between steps (a prefetch list,
+    # reshard_after_forward, gradient sync, async_op, a profiler) with a few
+    # attribute reads, and a lean event goes straight to the implementation;
+    # any other runs the *_full method around the same calls. The plain
+    # case's frozen or reassigned parameters are the implementation's own
+    # (sync_registered, register_unsharded): a changed parameter takes the
+    # same path there as in any event.
+
     def pre_forward(self, args, kwargs):
+        lean = self.lean and self.forward_prefetch is None and not self.unshard_async_op and \
+            not observe.watching()
+        nxt = None
+        if lean:  # [Note: lean events]
+            self.unshard(watched=False)
+        else:
+            args, kwargs, nxt = self._pre_forward_full(args, kwargs)
+        g = self.group
+        self.watching = None
+        if g is not None and g.trainable < len(g.sharded) and torch.is_grad_enabled():
+            args, kwargs = self._watch_inputs(args, kwargs)
+        if not lean:
+            self._prefetch_forward(nxt)
+        return args, kwargs
+
+    def _pre_forward_full(self, args, kwargs):
+        """pre_forward's gather with all that a lean event skips: lazy init,
+        the root's start of forward, the order's record, the input cast, the
+        gather-ahead and torch's range. Returns (args, kwargs, the state that
+        ran next in the last forward)."""
         self.lazy_init()
         root = self.root or self
         if self.is_root:
@@ -437,21 +496,34 @@ class FSDPState:
                 root.prefetched += along  # resharded after forward if they did not run
         with self._span("FSDP::pre_forward"):
             self._unshard_and_wait(along)
-        g = self.group
-        self.watching = None
-        if g is not None and g.trainable < len(g.sharded) and torch.is_grad_enabled():
-            args, kwargs = self._watch_inputs(args, kwargs)
+        return args, kwargs, nxt
+
+    def _prefetch_forward(self, nxt):
+        """The user's forward prefetch list, or on a device the implicit one."""
         if self.forward_prefetch is not None:
             self._prefetch(self.forward_prefetch, "forward")
         elif nxt is not None:
             states = self._implicit(nxt)
             if states:
+                root = self.root or self
                 root.prefetched += [st for st in states if not st.group.is_unsharded]
                 self._prefetch(states, "forward")
-        return args, kwargs
 
     def post_forward(self, output):
         grad = torch.is_grad_enabled()
+        if self.lean and self.reshard_after_forward is True and not observe.watching():
+            self.group.reshard()  # [Note: lean events]
+        else:
+            self._post_forward_full()
+        if grad:
+            fwd, self.watching = self.watching, None
+            hook_before_backward(output, self.pre_backward_hook if fwd is None else fwd)
+        if self.mp.output_dtype is None:
+            return output
+        with observe.span("FSDP::cast_forward_outputs"):
+            return _cast(self.mp.output_dtype, output)
+
+    def _post_forward_full(self):
         raf = self.reshard_after_forward
         with self._span("FSDP::post_forward"):
             # As torch: by reshard_after_forward alone, also with grad off (a
@@ -467,13 +539,6 @@ class FSDPState:
                 if not self.tree.order.ran(st) and st.reshard_after_forward is not False:
                     st.reshard()
             self.prefetched = []
-        if grad:
-            fwd, self.watching = self.watching, None
-            hook_before_backward(output, self.pre_backward_hook if fwd is None else fwd)
-        if self.mp.output_dtype is None:
-            return output
-        with observe.span("FSDP::cast_forward_outputs"):
-            return _cast(self.mp.output_dtype, output)
 
     @eager.hook
     def _pre_forward_hook(self, module, args, kwargs):
@@ -490,6 +555,17 @@ class FSDPState:
     def _pre_backward(self, grad):
         root = self.root or self
         root.tree.queue_final()
+        if self.lean and self.backward_prefetch is None and not self.unshard_async_op and \
+                not observe.watching():
+            if self.unshard_in_backward:  # [Note: lean events]
+                self.unshard(watched=False)
+            return None
+        self._pre_backward_full(root)
+        return None
+
+    def _pre_backward_full(self, root):
+        """_pre_backward with all that a lean event skips: torch's range, the
+        prefetch lists, the implicit prefetch of a device and gather-ahead."""
         with self._span("FSDP::pre_backward"):
             if self.unshard_in_backward:
                 along = self.backward_prefetch
@@ -498,7 +574,6 @@ class FSDPState:
                 self._prefetch(self._implicit(root.tree.order.previous(self)), "backward")
         if self.backward_prefetch is not None:
             self._prefetch(self.backward_prefetch, "backward")
-        return None
 
     # [Note: frozen parameters] A group's post-backward runs when its trainable
     # parameters' gradients have arrived. A frozen parameter used before a
@@ -536,6 +611,21 @@ class FSDPState:
         beside the backward of the modules before this one) and reshard."""
         self.ready.clear()
         reading = bool(self.reading)
+        g = self.group
+        if self.lean and not reading and self.requires_gradient_sync and \
+                self.reshard_after_backward and not observe.watching():
+            tree = self.root.tree  # [Note: lean events]
+            g.accumulate_unsharded_grads()
+            g.reduce_grads(bucket=tree.bucket if tree.bucket.budget else None, reshard=True)
+            tree.reduced = True
+            g.reshard()
+            return
+        self._post_backward_full(reading)
+
+    def _post_backward_full(self, reading):
+        """_post_backward with all that a lean event skips: torch's ranges,
+        the deferred reduction of a device, no gradient sync, resharding
+        held for a frozen parameter, or none after backward."""
         g = self.group
         with self._span("FSDP::post_backward_accumulate"):
             g.accumulate_unsharded_grads()

@@ -147,7 +147,7 @@ class _Issued:
         return False
 
 
-def _watching():
+def watching():
     """Whether span() or issued() could record anything now: a profiler
     runs, or a dispatch mode (a CommDebugMode among them) is active."""
     return profiling() or (_stack_len is not None and _stack_len() > 0)
@@ -163,7 +163,7 @@ def counted_span(read, obj, comm, *parts):
     """span(*parts) around issued(read, obj, comm), as one context: the
     shared no-op one after a single check while nothing watches (the
     engine calls of every hook)."""
-    return _counted(read, obj, comm, parts) if _watching() else NOTHING
+    return _counted(read, obj, comm, parts) if watching() else NOTHING
 
 
 def issued(read, obj, comm):
