@@ -41,6 +41,7 @@ from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, m
 from . import torch_state
 
 STATE_ATTR = "_flatshard_fsdp2_state"
+_profiling, _depth = observe.profiling, observe.dispatch_depth  # observe.watching, frameless
 
 
 def state_of(module):
@@ -187,7 +188,8 @@ class FSDPState:
             return
         if self.ready or (self.requires_gradient_sync and g.has_unsharded_grads()):
             self._post_backward()
-        elif self.reshard_after_backward:
+        elif self.reshard_after_backward and (g.registered_unsharded or g.c.is_unsharded or
+                                              g.post_chunk is not None):
             g.reshard()
 
     # ------------------------------------------------------------------
@@ -286,7 +288,10 @@ class FSDPState:
                   if not defer and g.pending else observe.NOTHING):
                 g.unshard(defer)
             return
-        self._before_gather()
+        if g.post_chunk is None:
+            g.sync_registered()  # parameters assigned since: the new shards
+        if g.full is None:
+            self._check_materialized()
         joined = [st for st in along if st._joins(g)] if along and not defer else None
         if joined:
             groups = tuple(st.group for st in joined)
@@ -295,7 +300,7 @@ class FSDPState:
                 g.unshard(along=groups)
             for st in joined:
                 st._hook_grads()
-        elif watched and observe.watching():
+        elif watched and (_profiling() or _depth()):
             with observe.counted_span(_issued, g, g.comm, "FSDP::all_gather", self.label):
                 g.unshard(defer)
         else:
@@ -307,8 +312,12 @@ class FSDPState:
         g = self.group
         if g.post_chunk is None:
             g.sync_registered()  # parameters assigned since: the new shards
-        if g.full is not None:
-            return
+        if g.full is None:
+            self._check_materialized()
+
+    def _check_materialized(self):
+        """Before the first gather: no parameter left on the meta device."""
+        g = self.group
         meta = [n for i, n in enumerate(g.names) if g.local(i).is_meta]
         if meta:  # torch: a RuntimeError; MetaDeviceError is one
             raise MetaDeviceError(
@@ -455,9 +464,10 @@ class FSDPState:
     # (sync_registered, register_unsharded): a changed parameter takes the
     # same path there as in any event.
 
-    def pre_forward(self, args, kwargs):
+    @eager.hook
+    def _pre_forward_hook(self, module, args, kwargs):
         lean = self.lean and self.forward_prefetch is None and not self.unshard_async_op and \
-            not observe.watching()
+            not (_profiling() or _depth())
         nxt = None
         if lean:  # [Note: lean events]
             self.unshard(watched=False)
@@ -509,9 +519,10 @@ class FSDPState:
                 root.prefetched += [st for st in states if not st.group.is_unsharded]
                 self._prefetch(states, "forward")
 
-    def post_forward(self, output):
+    @eager.hook
+    def _post_forward_hook(self, module, args, output):
         grad = torch.is_grad_enabled()
-        if self.lean and self.reshard_after_forward is True and not observe.watching():
+        if self.lean and self.reshard_after_forward is True and not (_profiling() or _depth()):
             self.group.reshard()  # [Note: lean events]
         else:
             self._post_forward_full()
@@ -540,14 +551,6 @@ class FSDPState:
                     st.reshard()
             self.prefetched = []
 
-    @eager.hook
-    def _pre_forward_hook(self, module, args, kwargs):
-        return self.pre_forward(args, kwargs)
-
-    @eager.hook
-    def _post_forward_hook(self, module, args, output):
-        return self.post_forward(output)
-
     # ------------------------------------------------------------------
     # backward
 
@@ -556,7 +559,7 @@ class FSDPState:
         root = self.root or self
         root.tree.queue_final()
         if self.lean and self.backward_prefetch is None and not self.unshard_async_op and \
-                not observe.watching():
+                not (_profiling() or _depth()):
             if self.unshard_in_backward:  # [Note: lean events]
                 self.unshard(watched=False)
             return None
@@ -613,7 +616,7 @@ class FSDPState:
         reading = bool(self.reading)
         g = self.group
         if self.lean and not reading and self.requires_gradient_sync and \
-                self.reshard_after_backward and not observe.watching():
+                self.reshard_after_backward and not (_profiling() or _depth()):
             tree = self.root.tree  # [Note: lean events]
             g.accumulate_unsharded_grads()
             g.reduce_grads(bucket=tree.bucket if tree.bucket.budget else None, reshard=True)
