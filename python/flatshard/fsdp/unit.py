@@ -265,7 +265,7 @@ class UnitRuntime:
                           grad if out is not None else None, out, accumulate, defer,
                           self.root.bucket.c if part is not None else None)
         if out is not None and act & _C.ACT_REDUCE_GRAD and not accumulate:
-            self._after_reduce(g, out, keep)
+            self._set_reduced(g, out, keep)
         if part is not None and act & _C.ACT_REDUCE_GRAD:
             part.written = written
             self.root.bucket.joined(part, g.reduce_dtype)
@@ -287,7 +287,7 @@ class UnitRuntime:
         (runtime/bucket.py), or None: it reduces at once. Not when gradients
         the user set are added to the new one (that reads it)."""
         bucket = self.root.bucket if self.root is not None else None
-        if bucket is None or out is None or not self.c.bucketable or \
+        if bucket is None or not bucket.budget or out is None or not self.c.bucketable or \
                 (keep is not None and any(k is not None for k in keep)):
             return None
         part = self.parts[gi]
@@ -311,7 +311,7 @@ class UnitRuntime:
     def _plan_reduce(self, g, grad):
         """Where the engine reduces `grad`: (out, accumulate, defer, keep).
         accumulate: into the gradient this unit left there. keep: gradients
-        the user set (or kept) that _after_reduce adds to a new one. On a
+        the user set (or kept) that _set_reduced adds to a new one. On a
         device the reduction is deferred ([Note: deferred collectives] in
         csrc/engine/unit.h) unless a tensor op must read its result now; the
         root keeps one in flight and waits for the rest at the end of
@@ -343,29 +343,25 @@ class UnitRuntime:
         # gradients the user set or kept are added after, on this stream: no deferral
         return self._new_out(g), False, defer and all(c is None for c in current), current
 
-    def _after_reduce(self, g, out, keep):
-        """A new reduced gradient becomes the parameters' gradients, plus what
-        the user had set (added with autograd off: a gradient made with
-        create_graph requires grad)."""
-        if keep is None or all(c is None for c in keep):
-            self._set_reduced(g, out, keep)
-            return
-        with torch.no_grad():
-            self._set_reduced(g, out, keep)
-
     def _set_reduced(self, g, out, keep):
+        """A new reduced gradient becomes the parameters' gradients, plus what
+        the user had set or kept (added with autograd off: a gradient made
+        with create_graph requires grad)."""
         if self.shard_optim:
             g.whole_grad = out
         buf = self._shard_of(g, out)
         if not self.use_orig_params:
             if keep is not None:
-                buf.add_(keep[0])
+                with torch.no_grad():
+                    buf.add_(keep[0])
             g.shard.grad = buf
             return
         views = [g.piece(buf, i, self.no_shard) for i in range(len(g.params))]
-        for v, c in zip(views, keep):  # gradients the user set or kept
-            if c is not None:
-                v.add_(c.reshape(v.shape))
+        if keep is not None:
+            with torch.no_grad():
+                for v, c in zip(views, keep):  # gradients the user set or kept
+                    if c is not None:
+                        v.add_(c.reshape(v.shape))
         for p, v in zip(g.params, views):
             p.grad = v
         g.grad_buf, g.grad_views = buf, views
@@ -377,8 +373,9 @@ class UnitRuntime:
         self._run_landed_hooks()
 
     def _run_landed_hooks(self):
-        written, self.landing = self.landing, []
-        run_hooks(written)
+        if self.landing:
+            written, self.landing = self.landing, []
+            run_hooks(written)
 
     def finalize(self):
         """End of the backward pass: the current stream waits for deferred
