@@ -62,7 +62,7 @@ class RootState(Root):
 
     def __init__(self, owner, units):
         eager.install(RootState)
-        super().__init__(owner._unit.c.comm, self._final)
+        super().__init__(owner._unit.c.comm, self._finish_backward)
         self.owner = owner
         self.units = units
 
@@ -73,7 +73,7 @@ class RootState(Root):
     def begin_forward(self):
         if self.final_queued:  # the last backward never finished: clean up
             self.abandon_backward()
-            self._final()
+            self._finish_backward()
         self.order.begin()
 
     def unit_gather_ahead(self, unit, step):
@@ -85,7 +85,9 @@ class RootState(Root):
         return tuple(u.c for u in run) or None
 
     @eager.hook
-    def _final(self):
+    def _finish_backward(self):
+        """The end-of-backward callback (Root's `final`): the bucket flushed,
+        then every unit finalized."""
         self.final_queued = False
         self.bucket.flush()  # every gradient is in place when backward returns
         self.inflight.forget()  # each unit's finalize waits for its own
