@@ -153,11 +153,11 @@ def test_fully_shard_through_the_cuda_table_and_nccl_backend(dist_pool, mp, raf,
 def _async_unshard():
     """unshard(async_op=True) on a device: the handle's wait() is what makes
     the module's parameters readable; the module's forward then reuses them."""
-    import flatshard.fsdp2.api as ffsdp2
+    import flatshard.fsdp2.mesh as fmesh  # where fully_shard makes its Comms
     from flatshard import fully_shard
     from toy_models import build
     torch.manual_seed(0)
-    saved = ffsdp2.comm_for
+    saved = fmesh.comm_for
     made = {}
 
     def comm_for(group, backend, device=None):
@@ -165,7 +165,7 @@ def _async_unshard():
         if id(host) not in made:
             made[id(host)] = _device_comm(group, host)
         return made[id(host)]
-    ffsdp2.comm_for = comm_for
+    fmesh.comm_for = comm_for
     try:
         model = build()
         want = [p.detach().clone() for p in model.blocks[1].parameters()]
@@ -173,7 +173,7 @@ def _async_unshard():
             fully_shard(b)
         fully_shard(model)
     finally:
-        ffsdp2.comm_for = saved
+        fmesh.comm_for = saved
     handle = model.blocks[1].unshard(async_op=True)
     group = model.blocks[1]._fsdp_state().group
     pending_before = group.pending is not None
@@ -204,26 +204,26 @@ def _skipped_prefetch():
     """The implicit prefetch follows the last forward's order; a module it
     prefetched that this forward skips is resharded when the forward ends,
     and training matches the host path."""
-    import flatshard.fsdp2.api as ffsdp2
+    import flatshard.fsdp2.mesh as fmesh  # where fully_shard makes its Comms
     from flatshard import fully_shard
     results = []
     for device in (False, True):
         torch.manual_seed(0)
-        saved, made = ffsdp2.comm_for, {}
+        saved, made = fmesh.comm_for, {}
 
         def comm_for(group, backend, device_=None):
             host = saved(group, backend, device_)
             if device and id(host) not in made:
                 made[id(host)] = _device_comm(group, host)
             return made.get(id(host), host)
-        ffsdp2.comm_for = comm_for
+        fmesh.comm_for = comm_for
         try:
             model = _Skippy()
             for b in model.blocks:
                 fully_shard(b)
             fully_shard(model)
         finally:
-            ffsdp2.comm_for = saved
+            fmesh.comm_for = saved
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(dist.get_rank())
         losses, left = [], []

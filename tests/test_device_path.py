@@ -264,11 +264,11 @@ def _fully_shard_train(device_path, mp, raf, prefetch=False, last_dim=False):
     prefetch: each block prefetches the next in forward and the one before
     in backward (deferred all-gathers on a device). last_dim: every
     parameter sharded on its last dim (strided copies in the engine)."""
-    import flatshard.fsdp2.api as ffsdp2
+    import flatshard.fsdp2.mesh as fmesh  # where fully_shard makes its Comms
     from flatshard import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     model = build()
-    saved = ffsdp2.comm_for
+    saved = fmesh.comm_for
     made = {}
     make = device_path if callable(device_path) else lambda group, host: host_device_comm(host)
 
@@ -279,7 +279,7 @@ def _fully_shard_train(device_path, mp, raf, prefetch=False, last_dim=False):
         return made[id(host)][1]
 
     if device_path:
-        ffsdp2.comm_for = comm_for
+        fmesh.comm_for = comm_for
     try:
         kw = dict(reshard_after_forward=raf, shard_placement_fn=_last_dim if last_dim else None)
         if mp:  # "bf16": reduced in float32; "bf16_reduce": in bfloat16 (staged in float32)
@@ -295,7 +295,7 @@ def _fully_shard_train(device_path, mp, raf, prefetch=False, last_dim=False):
                 a.set_modules_to_forward_prefetch([b])
                 b.set_modules_to_backward_prefetch([a])
     finally:
-        ffsdp2.comm_for = saved
+        fmesh.comm_for = saved
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses = []

@@ -242,9 +242,9 @@ def _hook_and_partial(device_path):
     """HSDP, a hook on the root and on the first block, two backwards
     reduce-scatter only, then one all-reducing: -> (what the hooks saw, the
     sharded gradients, reductions deferred)."""
-    import flatshard.fsdp2.api as ffsdp2
+    import flatshard.fsdp2.mesh as fmesh  # where fully_shard makes its Comms
     from flatshard.runtime.device import host_device_comm
-    saved, made = ffsdp2.comm_for, {}
+    saved, made = fmesh.comm_for, {}
 
     def comm_for(group, backend, device=None):  # one device Comm per host Comm
         host = saved(group, backend, device)
@@ -252,11 +252,11 @@ def _hook_and_partial(device_path):
             made[id(host)] = (host, host_device_comm(host))
         return made[id(host)][1]
     if device_path:
-        ffsdp2.comm_for = comm_for
+        fmesh.comm_for = comm_for
     try:
         m = _shard("flatshard", _mesh((2, 2)))
     finally:
-        ffsdp2.comm_for = saved
+        fmesh.comm_for = saved
     seen = []
 
     def hook(t):

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import flatshard.fsdp.groups as fsdp_groups
-import flatshard.fsdp2.api as fsdp2_api
+import flatshard.fsdp2.mesh as fsdp2_mesh  # where fully_shard makes its Comms
 from flatshard import FullyShardedDataParallel, fully_shard
 from flatshard.runtime.device import host_device_comm
 
@@ -179,7 +179,7 @@ def _on_device_and_host(api, steps=3):
     for device in (True, False):
         model = _net()
         names = [n for n, _ in model.named_parameters()]
-        with _device_comms(fsdp2_api if api == "fully_shard" else fsdp_groups) if device \
+        with _device_comms(fsdp2_mesh if api == "fully_shard" else fsdp_groups) if device \
                 else contextlib.nullcontext():
             if api == "fully_shard":
                 fully_shard(model[0])

@@ -1,8 +1,9 @@
 """Who owns what, as the imports show it: no circle between the Python
 subpackages of flatshard (runtime/ below fsdp/ and fsdp2/, state/ below
-the wrappers, ...), and none between csrc/'s headers (a header and its own
-.c file aside). Read from the sources, so a new import that closes a circle
-fails here, whatever the import order at run time would hide."""
+the wrappers, ...), the leaves importing what README.md says they do, and
+no circle between csrc/'s headers (a header and its own .c file aside).
+Read from the sources, so a new import that closes a circle fails here,
+whatever the import order at run time would hide."""
 import ast
 import os
 import re
@@ -78,6 +79,17 @@ def test_no_circle_between_python_subpackages():
     edges = _python_edges()
     assert "fsdp" in edges and "runtime" in edges["fsdp"]  # the walk reads imports
     assert _cycles(edges) == []
+
+
+# README.md's layout: "the leaves: errors imports only _C; options and
+# envvars only errors; tensors only _C and errors"
+LEAVES = {"errors": {"_C"}, "options": {"errors"}, "envvars": {"errors"},
+          "tensors": {"_C", "errors"}}
+
+
+def test_the_leaves_import_what_the_readme_says():
+    edges = _python_edges()
+    assert {leaf: edges.get(leaf, set()) for leaf in LEAVES} == LEAVES
 
 
 def test_the_cycle_finder_finds_one():

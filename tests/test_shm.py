@@ -1,11 +1,14 @@
 """The shared-memory backend: its reduction kernels against float64, backend
 selection and its errors, and failure handling (a rank that never arrives,
 a rank that dies, a rank that dies or is interrupted during the set-up)
-with no segment left behind."""
+with no segment left behind, and none removed that the set-up did not
+create."""
+import contextlib
 import datetime
 import os
 import signal
 import time
+import uuid
 
 import pytest
 import torch
@@ -293,6 +296,46 @@ def test_a_setting_bad_on_one_rank_fails_the_set_up_everywhere(dist_pool):
     assert "could not set up the shm backend (another rank failed)" in msg0
 
 
+def _set_up_with_name(name):
+    """The shm set-up of a new group, its rank 0 choosing `name` -> this
+    rank's error text ("no error" if none)."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    real = fcomm._segment_name
+    if dist.get_rank() == 0:
+        fcomm._segment_name = lambda: name
+    try:
+        fcomm.comm_for(group, "shm")
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        fcomm._segment_name = real
+
+
+def test_a_name_taken_by_another_segment_is_refused_and_left_alone(dist_pool):
+    """Rank 0's create fails when a segment of that name exists already
+    (another process's): every rank refuses, and none removes the name,
+    which this group never created."""
+    name = f"flatshard-planted-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path = os.path.join("/dev/shm", name)
+    payload = b"another process's segment"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        try:
+            os.write(fd, payload)
+        finally:
+            os.close(fd)
+        msg0, msg1 = dist_pool(2).run(_set_up_with_name, "/" + name, timeout=60)
+        assert "rank 0 could not set up the shm backend" in msg0, msg0
+        assert name in msg0 and "File exists" in msg0 and "comm_backend='torch'" in msg0, msg0
+        assert "rank 1 could not set up the shm backend (rank 0 could not create" in msg1, msg1
+        with open(path, "rb") as f:  # still there, untouched
+            assert f.read() == payload
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def test_no_segment_left_in_dev_shm():
     assert _PIDS and not leftover_segments(_PIDS)
 
@@ -304,7 +347,6 @@ def test_attaching_to_a_segment_not_yet_sized_is_an_error_not_a_crash(tmp_path):
     the test instead of killing pytest."""
     import subprocess
     import sys
-    import uuid
     name = f"flatshard-{os.getpid()}-unsized-{uuid.uuid4().hex[:8]}"
     path = os.path.join("/dev/shm", name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

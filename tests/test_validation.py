@@ -28,6 +28,7 @@ import torch.nn as nn
 import flatshard
 import flatshard.fsdp.groups as fgroups
 import flatshard.fsdp2.api as ffsdp2
+import flatshard.fsdp2.mesh as fmesh
 import flatshard.runtime.comm as fcomm
 from flatshard import (FSDP, ConfigError, CustomPolicy, FSDPModule, ModuleWrapPolicy,
                        NotBuiltError, ShardingStrategy, fully_shard, register_fsdp_forward_method)
@@ -253,7 +254,7 @@ def _tripwire(agreement=False):
     def trip_agreement(*args, **kwargs):
         raise AssertionError("the error came only inside the ranks' wrap agreement")
     saved = [(dist, n, getattr(dist, n), trip) for n in COLLECTIVES if hasattr(dist, n)]
-    saved += [(mod, "comm_for", mod.comm_for, trip) for mod in (fcomm, fgroups, ffsdp2)]
+    saved += [(mod, "comm_for", mod.comm_for, trip) for mod in (fcomm, fgroups, fmesh)]
     if agreement:
         saved.append((consistency, "agree", consistency.agree, trip_agreement))
     for mod, name, _, wire in saved:

@@ -3,14 +3,15 @@
 Same constructor signature, same module structure (`_fsdp_wrapped_module`,
 `_flat_param`), same strategies. Construction, in order:
   1. resolve and validate every argument (config.py; the policy's,
-     param_init_fn's and the ignored modules' own checks here), on this rank
-     alone: a bad argument is refused at once, before the ranks agree;
-  2. materialize meta-device parameters with param_init_fn;
-  3. plan the units (auto_wrap_policy's targets, innermost first, then the
-     root) and check their parameters: still no collective;
-  4. the ranks agree that they wrap the same thing (runtime/consistency.py);
-  5. sync_module_states: broadcast parameters and buffers from rank 0;
-  6. build the units, innermost first, the root last.
+     param_init_fn's and the ignored modules' own checks: unit_plan.py), on
+     this rank alone: a bad argument is refused at once, before the ranks
+     agree;
+  2. plan the units (unit_plan.py: auto_wrap_policy's targets, innermost
+     first, then the root; meta-device parameters materialized with
+     param_init_fn; each unit's options and parameters): still no collective;
+  3. the ranks agree that they wrap the same thing (runtime/consistency.py);
+  4. sync_module_states: broadcast parameters and buffers from rank 0;
+  5. build the units, innermost first, the root last (_setup).
 Each unit flattens its parameters (flat_param.py) and hands them to a C unit
 (the engine's unit, csrc/engine/unit.h); unit.py connects it to torch's hooks. The state-dict,
 summon and clipping methods delegate to state_dict.py,
@@ -19,7 +20,6 @@ unit.py (`fsdp_units`) and never import this module; register_comm_hook
 checks the hook in comm_hook.py and rebuilds the C units with its reduce
 dtype.
 """
-import collections
 import contextlib
 import dataclasses
 
@@ -27,22 +27,19 @@ import torch
 import torch.nn as nn
 
 from .. import _C
-from ..errors import (ConfigAssertionError, ConfigError, ConfigTypeError, StateError, bad_type,
-                      bad_value, not_built)
+from ..errors import ConfigAssertionError, StateError, bad_type, bad_value, not_built
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency, eager
 from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
 from ..runtime.root import Root
 from ..runtime.trees import cast_floating
-from ..tensors import DTYPE_CODES, check_plain, dtype_code
-from . import clip, comm_hook, config, optim_state, summon
+from ..tensors import dtype_code
+from . import clip, comm_hook, config, optim_state, summon, unit_plan
 from . import state_dict as state_dicts
-from .flat_param import Alias, FlatGroup, flat_param_name, mark_flat_param
+from .flat_param import FlatGroup, flat_param_name, mark_flat_param
 from .groups import unit_comms
 from .unit import UnitRuntime
-
-from .wrap import targets
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 
@@ -59,22 +56,13 @@ def _cast_buffers(module, dtype):
                      if c is not None and not isinstance(c, FullyShardedDataParallel))
 
 
-class _WrapContext:
-    """What all units built by one constructor call share."""
-
-    def __init__(self, ignored_modules, ignored_params):
-        self.ignored_modules = ignored_modules
-        self.ignored_params = ignored_params
-        self.owner = {}  # id(param) -> (unit name, fqn) of the unit managing it
-
-
 class RootState(Root):
     """The root unit's runtime/root.Root: every unit of the model, the root
     module (`owner`), and what the end of backward does for them."""
 
     def __init__(self, owner, units):
         eager.install(RootState)
-        super().__init__(owner._unit.c.comm, self._final)
+        super().__init__(owner._unit.c.comm, self._finish_backward)
         self.owner = owner
         self.units = units
 
@@ -85,7 +73,7 @@ class RootState(Root):
     def begin_forward(self):
         if self.final_queued:  # the last backward never finished: clean up
             self.abandon_backward()
-            self._final()
+            self._finish_backward()
         self.order.begin()
 
     def unit_gather_ahead(self, unit, step):
@@ -97,265 +85,14 @@ class RootState(Root):
         return tuple(u.c for u in run) or None
 
     @eager.hook
-    def _final(self):
+    def _finish_backward(self):
+        """The end-of-backward callback (Root's `final`): the bucket flushed,
+        then every unit finalized."""
         self.final_queued = False
         self.bucket.flush()  # every gradient is in place when backward returns
         self.inflight.forget()  # each unit's finalize waits for its own
         for u in self.units:
             u.finalize()
-
-
-def _expand_ignored(module, ignored_modules, ignored_states):
-    if ignored_modules is not None and ignored_states is not None:
-        raise bad_value("ignored_states", ignored_states, "ignored_modules and ignored_states "
-                        "cannot both be given", "pass everything in ignored_states")
-    mods, params = set(), set()
-    items = ignored_modules if ignored_modules is not None else ignored_states
-    name = "ignored_modules" if ignored_modules is not None else "ignored_states"
-    if items is None:
-        return mods, params
-    allowed = "an iterable of nn.Module" + (" or nn.Parameter" if name == "ignored_states" else "")
-    if isinstance(items, (nn.Module, str)):  # a Sequential or a str would iterate silently
-        raise bad_type(name, items, allowed, "pass a list, e.g. [model.head]")
-    try:
-        items = list(items)
-    except TypeError:
-        raise bad_type(name, items, allowed) from None
-    inside_mods, inside_params = set(module.modules()), set(module.parameters())
-    for it in items:
-        if isinstance(it, FullyShardedDataParallel):
-            raise bad_value(name, it, "an FSDP-wrapped module cannot be ignored")
-        if it is module:
-            raise bad_value(name, type(it).__name__, "it is the module being wrapped, so nothing "
-                            "would be sharded", "to keep the whole model unsharded, do not wrap "
-                            "it with FSDP")
-        if isinstance(it, nn.Module):
-            if it not in inside_mods:
-                raise bad_value(name, it, "it is not a submodule of the module being wrapped",
-                                "list submodules of the wrapped model only")
-            mods.update(it.modules())
-        elif isinstance(it, nn.Parameter) and name == "ignored_states":
-            if it not in inside_params:
-                raise bad_value(name, f"<Parameter of shape {tuple(it.shape)}>", "it is not a "
-                                "parameter of the module being wrapped",
-                                "list the wrapped model's own parameters only")
-            params.add(it)
-        else:
-            raise bad_type(name, it, allowed)
-    for m in mods:
-        params.update(m.parameters(recurse=False))
-    return mods, params
-
-
-def _has_meta(m):
-    return any(t.is_meta for t in list(m.parameters(recurse=False)) +
-               list(m.buffers(recurse=False)))
-
-
-def _post_order(module, units):
-    """The units under `module`, children before parents and siblings in
-    registration order: the order torch's auto-wrap builds them in."""
-    out, seen = [], set()
-
-    def visit(m):
-        for child in m.children():
-            if id(child) not in seen:
-                seen.add(id(child))
-                visit(child)
-                if child in units:
-                    out.append(child)
-    visit(module)
-    return out
-
-
-def _own_modules(root, stop):
-    """`root` and the modules below it that belong to its unit, breadth-first,
-    not entering a module in `stop` (other units, ignored modules)."""
-    out, queue, seen = [], collections.deque([root]), {id(root)}
-    while queue:
-        m = queue.popleft()
-        out.append(m)
-        for child in m.children():
-            if id(child) not in seen and child not in stop:
-                seen.add(id(child))
-                queue.append(child)
-    return out
-
-
-def _reset_on(device, names):
-    """What materializes a module when param_init_fn is None, as torch's FSDP
-    does: its own tensors moved to empty storage on `device`, then its own
-    reset_parameters(). names: module -> its name, for the error."""
-    def reset(m):
-        if not (list(m.parameters(recurse=False)) or list(m.buffers(recurse=False))):
-            return
-        if not callable(getattr(m, "reset_parameters", None)):
-            raise bad_value("param_init_fn", None, f"module {names.get(m) or '<root>'} "
-                            f"({type(m).__name__}) is on the meta device and has no "
-                            "reset_parameters() to initialize it",
-                            "give it a reset_parameters() method, or pass param_init_fn="
-                            "lambda m: m.to_empty(device='cpu', recurse=False) followed by "
-                            "your initialization")
-        with torch.no_grad():
-            m.to_empty(device=device, recurse=False)
-            m.reset_parameters()
-    return reset
-
-
-def _materialize(module, param_init_fn, ignored_modules, ignored_params, units, device):
-    """Meta-device modules materialized unit by unit as torch's FSDP does,
-    so that the same seed gives the same weights: the units in the order
-    its auto-wrap builds them (children first, then the root), and in each
-    unit that has a parameter or buffer on the meta device every module of
-    the unit, breadth-first, handed to param_init_fn (all of them, as torch
-    does), or with param_init_fn None reset where it holds tensors of its
-    own (to_empty on the wrapper's device, then reset_parameters())."""
-    names = {m: n for n, m in module.named_modules()}
-    init = param_init_fn if param_init_fn is not None else _reset_on(device, names)
-    for root in _post_order(module, units) + [module]:
-        # torch's test: a parameter it manages, or any buffer not ignored, on meta
-        if any(p.is_meta for p in root.parameters() if p not in ignored_params) or \
-                any(b.is_meta for m in root.modules() if m not in ignored_modules
-                    for b in m.buffers(recurse=False)):
-            for m in _own_modules(root, (units - {root}) | ignored_modules):
-                init(m)
-    left = [n for n, m in module.named_modules() if m not in ignored_modules and _has_meta(m)]
-    if left:
-        raise bad_value("param_init_fn", param_init_fn, "it left parameters on the meta device "
-                        f"in {left[:3]}", "make it materialize every module it is given")
-
-
-class _UnitPlan:
-    """One unit to build: its module, options and parameters, grouped by
-    (dtype, requires_grad) as [(key, [(param, [Alias, ...]), ...]), ...]."""
-
-    def __init__(self, module, name, cfg, groups):
-        self.module, self.name, self.cfg, self.groups = module, name, cfg, groups
-        self.label = name or "<root>"
-
-    def describe(self):
-        """Lines every rank must agree on (runtime/consistency.py)."""
-        c = self.cfg
-        lines = [f"unit {self.label!r}: {c.strategy.name} use_orig_params={c.use_orig_params} "
-                 f"backward_prefetch={c.backward_prefetch and c.backward_prefetch.name} "
-                 f"forward_prefetch={c.forward_prefetch} "
-                 f"limit_all_gathers={c.limit_all_gathers} comm_backend={c.comm_backend} "
-                 f"mixed_precision={c.mixed_precision}" +
-                 (" offload_params=True" if c.offload_params else "")]
-        for (dtype, requires_grad), order in self.groups:
-            for p, aliases in order:
-                lines.append(f"  {'='.join(a.fqn for a in aliases)} {tuple(p.shape)} "
-                             f"{str(dtype).replace('torch.', '')} "
-                             f"{'trainable' if requires_grad else 'frozen'}")
-        return lines
-
-
-def _collect(module, name, ctx, units):
-    """The parameters a unit rooted at `module` manages: not in a module that
-    is (or will be) a unit of its own, not ignored. Errors name the parameter."""
-    label = name or "<root>"
-    keys, by_key = [], {}
-    stack = [(module, name)]
-    while stack:
-        mod, path = stack.pop(0)
-        for attr, p in mod._parameters.items():
-            if p is None or p in ctx.ignored_params:
-                continue
-            fqn = f"{path}.{attr}" if path else attr
-            prev = ctx.owner.get(id(p))
-            if prev is not None and prev[0] != label:
-                raise ConfigError(
-                    f"flatshard: parameter {fqn} is shared with {prev[1]}, which belongs to "
-                    f"unit {prev[0]!r}, but it is also used in unit {label!r}; a shared "
-                    "parameter must live in one unit: wrap a common parent of both modules "
-                    "instead (change auto_wrap_policy)")
-            if p.dtype not in DTYPE_CODES:
-                raise ConfigTypeError(
-                    f"flatshard: module has parameter {fqn} of dtype {p.dtype}, which cannot be "
-                    f"sharded; allowed: {', '.join(str(d) for d in DTYPE_CODES)}. Convert it, "
-                    "or list it in ignored_states to keep it whole on every rank")
-            ctx.owner[id(p)] = (label, fqn)
-            key = (p.dtype, p.requires_grad)
-            if key not in by_key:
-                by_key[key] = ({}, [])
-                keys.append(key)
-            seen, order = by_key[key]
-            if id(p) not in seen:
-                seen[id(p)] = len(order)
-                order.append((p, []))
-            order[seen[id(p)]][1].append(Alias(mod, attr, fqn))
-        for cname, child in mod._modules.items():
-            if child is None or child in ctx.ignored_modules or child in units or \
-                    isinstance(child, FullyShardedDataParallel):
-                continue
-            stack.append((child, f"{path}.{cname}" if path else cname))
-    return [(k, by_key[k][1]) for k in keys]
-
-
-def _policy_targets(policy, module, kw, ctx):
-    """auto_wrap_policy's targets -> {module: overrides}; the policy's own
-    errors are configuration errors that name it."""
-    try:
-        return targets(policy, module, ctx.ignored_modules, ctx.ignored_params, kw)
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"flatshard: auto_wrap_policy={policy!r} raised {type(e).__name__}: "
-                          f"{e}; fix the policy (it is called on every submodule)") from e
-
-
-def _checked_arguments(module, auto_wrap_policy, param_init_fn, sync_module_states,
-                       ignored_modules, ignored_states):
-    """The arguments resolve() does not check, checked on this rank alone
-    (their types, and the ignored modules against the module): a bad one is
-    refused at once, on every rank that passes it, before the ranks agree.
-    A rank that raises in the agreement waits for the others to hear it
-    (consistency._leave), and a rank-dependent code path may leave them
-    never calling. -> (the policy to run, _WrapContext)."""
-    if not isinstance(sync_module_states, bool):
-        raise bad_type("sync_module_states", sync_module_states, "True or False")
-    config.check_param_init_fn(param_init_fn)
-    policy = config.checked_policy(auto_wrap_policy)
-    ignored_mods, ignored_params = _expand_ignored(module, ignored_modules, ignored_states)
-    return policy, _WrapContext(ignored_mods, ignored_params)
-
-
-def _plan(module, cfg, kw, policy, param_init_fn, sync_module_states, ctx):
-    """Decide every unit from the checked arguments, with no collective: run
-    the policy and param_init_fn, check the parameters. -> ([_UnitPlan,
-    innermost first, the root last], _WrapContext) and the description the
-    ranks compare."""
-    ignored_mods, ignored_params = ctx.ignored_modules, ctx.ignored_params
-    # The policy sees the modules before they are materialized, as torch's does.
-    found = _policy_targets(policy, module, kw, ctx) if policy is not None else {}
-    wrapped = {m for m in module.modules() if isinstance(m, FullyShardedDataParallel)}
-    _materialize(module, param_init_fn, ignored_mods, ignored_params, set(found) | wrapped,
-                 cfg.device)
-    for n, p in module.named_parameters():
-        if p in ignored_params:
-            continue
-        check_plain(p, f"parameter {n}", "FullyShardedDataParallel")
-        if p.device != cfg.device:
-            raise bad_value("device_id", cfg.device, f"parameter {n} is on {p.device}",
-                            f"move the module to {cfg.device} before wrapping")
-    names = {m: n for n, m in module.named_modules()}
-    units = [m for m in found if not isinstance(m, FullyShardedDataParallel)]
-    unit_set, plan = set(units), []
-    # Innermost first: a parent's unit excludes the units below it. (A stable
-    # sort of the policy's order: the same on every rank.)
-    for m in sorted(units, key=lambda m: -names[m].count(".")):
-        cfg_m = config.resolve_override(names[m], kw, found[m])
-        plan.append(_UnitPlan(m, names[m], cfg_m, _collect(m, names[m], ctx, unit_set)))
-    plan.append(_UnitPlan(module, "", cfg, _collect(module, "", ctx, unit_set)))
-    lines = [f"options: sync_module_states={sync_module_states}"]
-    if sync_module_states:  # buffers are broadcast too
-        for n, b in module.named_buffers():
-            check_plain(b, f"buffer {n}", "FullyShardedDataParallel(sync_module_states=True)")
-        lines += [f"  buffer {n} {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
-                  for n, b in module.named_buffers()]
-    for up in plan:
-        lines += up.describe()
-    return (plan, ctx), lines
 
 
 def _sync_module_states(module, comm, ignored_params):
@@ -416,12 +153,13 @@ class FullyShardedDataParallel(nn.Module):
                   use_orig_params=use_orig_params, device_mesh=device_mesh,
                   comm_backend=comm_backend)
         cfg = config.resolve(kw)
-        policy, ctx = _checked_arguments(module, auto_wrap_policy, param_init_fn,
-                                         sync_module_states, ignored_modules, ignored_states)
+        policy, ctx = unit_plan.checked_arguments(module, auto_wrap_policy, param_init_fn,
+                                                  sync_module_states, ignored_modules,
+                                                  ignored_states)
         # The plan is local too (it runs the policy and param_init_fn on the
         # model, which may differ between ranks); the ranks then agree on
         # what they wrap before the first collective (runtime/consistency.py).
-        plan, ctx = consistency.agree(cfg.group, lambda: _plan(
+        plan, ctx = consistency.agree(cfg.group, lambda: unit_plan.plan_units(
             module, cfg, kw, policy, param_init_fn, sync_module_states, ctx))
         _, comm, replicate, _ = unit_comms(cfg)
         if sync_module_states:  # across replicas first, then from each shard group's first

@@ -1,17 +1,18 @@
-"""fully_shard (torch FSDP2's API) on flatshard's core: the public call and
-FSDPModule (api.py), one group's sharded parameters and collectives
-(param.py), the per-module hooks and state (state.py), and torch's
-all-gather extension protocol for tensor subclasses (extension.py),
-torch's private names for the state (torch_state.py),
+"""fully_shard (torch FSDP2's API) on flatshard's core: the public call
+(api.py), the FSDPModule class it mixes in (module.py), the mesh a group
+shards over and the Comms made from it (mesh.py), one group's sharded
+parameters and collectives (param.py), the per-module hooks and state
+(state.py), torch's all-gather extension protocol for tensor subclasses
+(extension.py), torch's private names for the state (torch_state.py),
 fully_shard's dp_mesh_dims (dp_mesh.py) and share_comm_ctx (comm_ctx.py).
 
 Imports: the leaves (errors, tensors) and runtime/; nothing of fsdp/,
 state/, plan/, optim/ or memory.py (the two wrappers share only runtime/).
 """
-from .api import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                  UnshardHandle, fully_shard, register_fsdp_forward_method)
+from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from .comm_ctx import share_comm_ctx
 from .dp_mesh import DataParallelMeshDims
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
            "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims",

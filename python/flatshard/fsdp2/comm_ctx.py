@@ -9,7 +9,7 @@ over the same group shares already, and on CPU there are no streams: the
 modules are checked and nothing else changes.
 """
 from ..errors import bad_type, bad_value
-from .api import FSDPModule
+from .module import FSDPModule
 
 
 def share_comm_ctx(modules):

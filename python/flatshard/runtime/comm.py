@@ -234,6 +234,13 @@ def _ok_everywhere(err, group):
     return ok.item() == 1
 
 
+def _segment_name():
+    """A new segment's name, chosen by the group's rank 0: its pid says
+    whose the segment is (tests/test_shm.py reads it), the random part keeps
+    the groups of one process apart."""
+    return f"/flatshard-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+
+
 def _make_shm(group, timeout_s):
     """[Note: shm set-up] Once every rank has mapped the segment its name
     is gone (csrc/backends/comm_shm.c: the last to map it removes it). Until then a
@@ -242,27 +249,42 @@ def _make_shm(group, timeout_s):
     *before* rank 0 creates it, and every rank removes it (a no-op where it
     is already gone) when it leaves the set-up, however it leaves: the ranks
     that survive a dead peer fail in a collective (gloo's connection reset,
-    or its timeout) and remove it then."""
+    or its timeout) and remove it then.
+
+    Only a name this group created is removed. Rank 0's create fails when
+    the name is taken (a segment another process made or planted), and that
+    segment is not the group's to delete. Rank 0 knows the outcome once its
+    create returns (a create that fails removes whatever it made itself,
+    comm_shm.c); the other ranks learn it from the first agreement. A rank
+    that leaves before it knows (interrupted inside the create, or a peer
+    lost before the agreement) still removes the name: rank 0 may have
+    created it and be unable to remove it, and the name is one the group has
+    just chosen."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     name_t = torch.zeros(64, dtype=torch.uint8)
     if rank == 0:
-        name = f"/flatshard-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        name = _segment_name()
         name_t[:len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
     dist.broadcast(name_t, src=dist.get_process_group_ranks(group)[0], group=group)
     name = bytes(name_t.tolist()).rstrip(b"\0").decode()
     comm, err = None, ""
+    created = None  # whether rank 0 created the segment; None: not known here
     try:
         if rank == 0:
             comm, err = _shm_comm(name, 0, world, timeout_s, create=True)
-        ok = _ok_everywhere(err, group)  # created: the others may attach
+            created = comm is not None
+        # Only rank 0 has acted yet: the agreement says whether it created.
+        created = ok = _ok_everywhere(err, group)  # created: the others may attach
         if ok and rank != 0:
             comm, err = _shm_comm(name, rank, world, timeout_s)
         ok = ok and _ok_everywhere(err, group)
     finally:
-        _C.shm_unlink(name)
+        if created is not False:
+            _C.shm_unlink(name)
     if not ok:
-        raise RuntimeError(f"flatshard: rank {rank} could not set up the shm backend"
-                           f"{': ' + err if err else ' (another rank failed)'}; "
+        why = (f": {err}" if err else " (another rank failed)" if created else
+               " (rank 0 could not create the segment)")
+        raise RuntimeError(f"flatshard: rank {rank} could not set up the shm backend{why}; "
                            f"set comm_backend='torch' to use the process group instead")
     return comm
 
