@@ -250,7 +250,8 @@ class FullyShardedDataParallel(nn.Module):
         break per unit, at the call of this forward."""
         args, kwargs = self._pre_forward(args, kwargs)
         try:
-            out = self._fsdp_wrapped_module(*args, **kwargs)
+            # (from _modules directly: the attribute goes through two __getattr__s)
+            out = self._modules[FSDP_WRAPPED_MODULE](*args, **kwargs)
         except BaseException:
             self._unit.abort_forward()
             raise
