@@ -35,7 +35,7 @@ from ..errors import ConfigAssertionError, bad_type, bad_value, not_built
 from ..runtime import cuda
 from ..runtime.comm import backend_for_device, comm_for, requested_backend, self_comm
 from ..tensors import check_plain
-from . import dp_mesh
+from . import dp_mesh, torch_class
 from .extension import gathers_itself
 from .param import ParamGroup
 from .state import STATE_ATTR, FSDPState, state_of
@@ -599,7 +599,8 @@ _CLASSES = {}
 def _fsdp_class(cls):
     new = _CLASSES.get(cls)
     if new is None:
-        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                                   torch_class.class_namespace(cls))
     return new
 
 
@@ -634,6 +635,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                            replicated on the dims named (at most one shard
                            dim and one replicate dim; replicate alone is DDP
                            over that dim, on CPU: fsdp2/dp_mesh.py)."""
+    torch_class.check_container(module)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise bad_value("module", module, "expected a module or a non-empty list of modules")
@@ -641,7 +643,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         if not isinstance(m, nn.Module):
             raise bad_type("module", m, "an nn.Module or a list of nn.Modules")
         if state_of(m) is not None:
-            raise bad_value("module", type(m).__name__, "fully_shard was already applied to it")
+            raise torch_class.applied_twice(m)
     if len({id(m) for m in modules}) != len(modules):
         raise bad_value("module", module, "the list names a module twice")
     _check_reshard(reshard_after_forward)
