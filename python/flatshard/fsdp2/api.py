@@ -521,6 +521,9 @@ def _check_mp(mp):
         if v is not None and v not in _DTYPES:
             raise bad_value(f"mp_policy.{name}", v, f"expected None or one of {_DTYPES}")
     _check_bool("mp_policy.cast_forward_inputs", mp.cast_forward_inputs)
+    if getattr(mp, "param_dtype_override_fn", None) is not None:  # torch 2.15's field
+        raise not_built("mp_policy.param_dtype_override_fn", mp.param_dtype_override_fn,
+                        "per-parameter compute dtypes are not built yet", "pass None")
 
 
 def _check_offload(policy):
