@@ -16,7 +16,8 @@ cached, since the torch of a process cannot change while it runs.
   pending()                 torch names flatshard does not provide yet
   flat_collectives()        torch.distributed's flat all-gather / reduce-scatter
   data_parallel_mesh_dims() torch's DataParallelMeshDims class, or None
-  report()                  all of it, one line each (the doctor prints it)
+  autograd_tls(), dispatch_stack()  torch._C's private helpers flatshard uses
+  report()                  the rule and names, one line each (the doctor's)
 
 Imports: torch only (a leaf, as errors.py is).
 """
