@@ -120,7 +120,8 @@ class StateDictConfig:
 
 @dataclass
 class FullStateDictConfig(StateDictConfig):
-    """rank0_only: only rank 0 gets the values; the others get {}."""
+    """offload_to_cpu as StateDictConfig's; rank0_only: only rank 0 gets the
+    values, the others get {}."""
     rank0_only: bool = False
 
 
@@ -131,8 +132,8 @@ class LocalStateDictConfig(StateDictConfig):
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """_use_dtensor: torch's private flag; flatshard's sharded values are
-    always DTensors."""
+    """offload_to_cpu as StateDictConfig's; _use_dtensor: torch's private
+    flag (flatshard's sharded values are always DTensors)."""
     _use_dtensor: bool = False
 
 

@@ -47,10 +47,10 @@ CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper
 
 @dataclass
 class StateDictSettings:
-    """torch's: what FSDP.get_state_dict_type returns (a new object each
-    time, holding the configs in force, which are the objects given to
-    set_state_dict_type: assigning to their fields changes the next state
-    dict, as with torch's)."""
+    """torch's: what FSDP.get_state_dict_type returns, a new object each
+    time: the state_dict_type in force, and the state_dict_config and
+    optim_state_dict_config objects given to set_state_dict_type (assigning
+    to their fields changes the next state dict, as with torch's)."""
     state_dict_type: StateDictType
     state_dict_config: Any
     optim_state_dict_config: Any
