@@ -50,6 +50,28 @@ class ALIAS:
         self.obj = obj
 
 
+def torch_own(obj):
+    """Whether obj is torch's own class, re-exported (the FSDP2 policies,
+    DataParallelMeshDims, FlatParameter): documented by the installed torch,
+    whose fields and text change with its version, so the reference names it
+    and does not copy it."""
+    return isinstance(obj, type) and (obj.__module__ or "").startswith("torch.")
+
+
+def _default_text(value):
+    """A default as the reference writes it: torch's own option objects built
+    with no arguments as `Name()` (their repr lists fields a torch version may
+    add), anything else as its repr."""
+    cls = type(value)
+    if torch_own(cls) and dataclasses.is_dataclass(cls):
+        try:
+            if value == cls():
+                return f"{cls.__name__}()"
+        except TypeError:
+            pass
+    return repr(value)
+
+
 def _ann(a):
     if a is inspect.Parameter.empty:
         return ""
@@ -67,6 +89,8 @@ def signature_lines(name, obj):
         if p.name == "self":
             continue
         text = str(p.replace(annotation=inspect.Parameter.empty))
+        if p.default is not p.empty:
+            text = text.partition("=")[0] + "=" + _default_text(p.default)
         ann = _ann(p.annotation)
         if ann:
             head, eq, rest = text.partition("=")
@@ -108,6 +132,13 @@ def section(qual, obj):
     lines = [f"### `{qual}`", ""]
     if isinstance(obj, ALIAS):
         return lines + [f"The same object as `flatshard.{obj.obj.__name__}`.", ""]
+    if torch_own(obj):
+        path = obj.__module__ if obj.__module__.startswith("torch.distributed.fsdp.") and \
+            not hasattr(__import__("torch.distributed.fsdp").distributed.fsdp, obj.__name__) \
+            else "torch.distributed.fsdp"
+        return lines + [f"torch's own `{path}.{obj.__name__}`, re-exported: its fields and "
+                        "documentation are the installed torch's "
+                        f"(`help({path}.{obj.__name__})`).", ""]
     if isinstance(obj, type) and issubclass(obj, BaseException):
         bases = ", ".join(b.__name__ for b in obj.__bases__)
         lines += ["```python", f"class {short}({bases})", "```", ""]
@@ -188,8 +219,8 @@ def undocumented_arguments():
     """'qualname: arg' for every argument no docstring mentions (by name)."""
     missing = []
     for qual, obj in public_objects():
-        if isinstance(obj, ALIAS) or (isinstance(obj, type)
-                                      and issubclass(obj, (BaseException, enum.Enum))):
+        if isinstance(obj, ALIAS) or torch_own(obj) or (
+                isinstance(obj, type) and issubclass(obj, (BaseException, enum.Enum))):
             continue
         if dataclasses.is_dataclass(obj):
             targets = [(qual, obj, [f.name for f in dataclasses.fields(obj)])]
@@ -213,6 +244,14 @@ def undocumented_arguments():
     return missing
 
 
+def comparable(text):
+    """The reference as the check compares it: exact, but for the spacing of
+    the command-line help, which argparse lays out differently from Python
+    3.13 on (the same words, columns and line breaks moved)."""
+    head, sep, cli = text.partition("\n## Command line\n")
+    return head + sep + re.sub(r"\s+", " ", cli)
+
+
 def main():
     ap = argparse.ArgumentParser(description="generate docs/reference.md")
     ap.add_argument("--check", action="store_true", help="exit 1 when the file is stale")
@@ -220,7 +259,7 @@ def main():
     text = render()
     if args.check:
         current = open(OUT).read() if os.path.exists(OUT) else ""
-        if current != text:
+        if comparable(current) != comparable(text):
             print("docs/reference.md is stale: run python docs/make_reference.py")
             return 1
         return 0

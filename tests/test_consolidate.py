@@ -278,3 +278,6 @@ def test_doctor_reports_the_build():
     from flatshard import _C
     assert f"CPU SIMD: optimizers {_C.simd_level()}, reductions " in out.stdout
     assert f"torch {torch.__version__}" in out.stdout and "shm (available" in out.stdout
+    from flatshard import torch_facts  # the torch rules and names in force
+    for line in torch_facts.report():
+        assert line in out.stdout

@@ -127,6 +127,14 @@ def test_bad_arguments_name_what_is_allowed():
     for args, text in cases:
         with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
             _C.grad_divide(*args)
+    # ... and what was given, the factor as Python writes a float (C's %g is
+    # not a conversion Python's error formatting has: 3.12 on refuses it)
+    for factor, text in ((-1.0, "factor=-1.0,"), (float("inf"), "factor=inf,"),
+                         (-2.5e-7, "factor=-2.5e-07,")):
+        with pytest.raises(ValueError) as e:
+            _C.grad_divide("fully_shard", f16, 2, 3, factor, True)
+        assert f"got code={f16}, shard_world=2, replicate_world=3, {text} force_sum=1" \
+            in str(e.value), str(e.value)
 
 
 # ---------------------------------------------------------------------------

@@ -37,12 +37,20 @@ static PyObject *py_grad_divide(PyObject *m, PyObject *args, PyObject *kw)
                             "'fully_shard', got '%s'", api);
     fs_divide d;
     if (fs_divide_rule(a, (fs_dtype)code, shard_world, replicate_world, factor, force_sum, &d) !=
-        FS_OK)
-        return PyErr_Format(PyExc_ValueError, "grad_divide: need a floating reduce dtype code, "
-                            "shard_world >= 1, replicate_world >= 1, factor >= 0 (finite), and "
-                            "no factor or force_sum for 'fsdp1'; got code=%d, shard_world=%d, "
-                            "replicate_world=%d, factor=%g, force_sum=%d", code, shard_world,
-                            replicate_world, factor, force_sum);
+        FS_OK) {
+        /* PyErr_Format has no float conversion (%g is refused from Python
+         * 3.12 on): the factor is formatted as Python's repr of it. */
+        char *factor_text = PyOS_double_to_string(factor, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+        if (factor_text == NULL)
+            return NULL;
+        PyErr_Format(PyExc_ValueError, "grad_divide: need a floating reduce dtype code, "
+                     "shard_world >= 1, replicate_world >= 1, factor >= 0 (finite), and "
+                     "no factor or force_sum for 'fsdp1'; got code=%d, shard_world=%d, "
+                     "replicate_world=%d, factor=%s, force_sum=%d", code, shard_world,
+                     replicate_world, factor_text, force_sum);
+        PyMem_Free(factor_text);
+        return NULL;
+    }
     return Py_BuildValue("{sdsdsdsd}", "pre", d.pre, "in_comm", d.in_comm, "post", d.post,
                          "hold", d.hold);
 }

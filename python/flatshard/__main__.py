@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from . import _C, __version__, optim
+from . import _C, __version__, optim, torch_facts
 from .errors import ConfigError
 from .plan.cli import add_parser as add_plan
 from .runtime import cuda
@@ -62,6 +62,7 @@ def doctor_report():
     return [
         f"flatshard {__version__}",
         f"python {platform.python_version()}, torch {torch.__version__}",
+    ] + torch_facts.report() + [
         f"CPU SIMD: optimizers {_C.simd_level()}, reductions "
         f"{'avx2' if _C.simd_level() == 'avx512' else _C.simd_level()}",
         f"collective backends: torch (any process group), "

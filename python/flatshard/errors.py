@@ -15,9 +15,10 @@ class ConfigTypeError(ConfigError, TypeError):
 
 
 class ConfigAssertionError(ConfigError, AssertionError):
-    """A ConfigError where torch raises AssertionError for the same input
-    (fully_shard's 2-D mesh without mesh_dim_names), so code written against
-    either keeps catching it."""
+    """A ConfigError where torch raises AssertionError for the same call
+    (fully_shard's 2-D mesh without mesh_dim_names, fully_shard applied to a
+    module twice, copy.deepcopy of a sharded module), so code written
+    against either keeps catching it."""
 
 
 class MetaDeviceError(ConfigError, RuntimeError):

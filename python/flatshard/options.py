@@ -5,10 +5,11 @@ either flatshard's or torch's objects (matched by member name / field), so an
 existing torch FSDP script keeps its option objects."""
 import enum
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, Sequence, Type
 
 import torch
 import torch.distributed.fsdp as tfsdp
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .errors import bad_type
 
@@ -69,22 +70,38 @@ class OptimStateKeyType(enum.Enum):
     PARAM_ID = enum.auto()
 
 
-@dataclass(frozen=True)
+# [Note: torch's option classes] The dataclasses below are torch FSDP1's, field
+# for field: the same names, order and defaults, mutable as torch's are
+# (frameworks assign to them: accelerate sets state_dict_config.offload_to_cpu
+# before each save), compared and printed as dataclasses compare and print,
+# so repr() reads as torch's. Being mutable, they are checked where they are
+# read, not when built: MixedPrecision and CPUOffload when FSDP(...) takes
+# them (fsdp/config.py; a copy is kept, as later assignments would not reach
+# modules already wrapped), the state-dict configs at each state dict call
+# (fsdp/state_dict.py), each error naming the field.
+
+
+@dataclass
 class MixedPrecision:
     """torch FSDP1's MixedPrecision fields: param_dtype (forward and backward
     compute), reduce_dtype (gradient reduction; default param_dtype),
     buffer_dtype (floating-point buffers), cast_forward_inputs (at every
     unit), cast_root_forward_inputs (at the root). keep_low_precision_grads
-    is not built (only False)."""
+    is not built (only False). _module_classes_to_ignore: torch's classes of
+    modules it wraps on their own and runs in full precision under an
+    auto_wrap_policy (default: batch norms); flatshard does not build that:
+    where a model wrapped with a policy holds one, FSDP raises NotBuiltError
+    (pass _module_classes_to_ignore=() to run them in param_dtype)."""
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     buffer_dtype: Optional[torch.dtype] = None
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[Type[torch.nn.Module]] = (_BatchNorm,)
 
 
-@dataclass(frozen=True)
+@dataclass
 class CPUOffload:
     """offload_params=True keeps the sharded parameters and their gradients
     in host memory and runs the optimizer step there (torch FSDP1's
@@ -94,42 +111,48 @@ class CPUOffload:
     offload_params: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class StateDictConfig:
+    """offload_to_cpu: torch's flag (whole values in host memory; on CPU
+    devices they are)."""
     offload_to_cpu: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class FullStateDictConfig(StateDictConfig):
+    """offload_to_cpu as StateDictConfig's; rank0_only: only rank 0 gets the
+    values, the others get {}."""
     rank0_only: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class LocalStateDictConfig(StateDictConfig):
     pass
 
 
-@dataclass(frozen=True)
+@dataclass
 class ShardedStateDictConfig(StateDictConfig):
+    """offload_to_cpu as StateDictConfig's; _use_dtensor: torch's private
+    flag (flatshard's sharded values are always DTensors)."""
     _use_dtensor: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class OptimStateDictConfig:
     offload_to_cpu: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass
 class FullOptimStateDictConfig(OptimStateDictConfig):
     rank0_only: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
     _use_dtensor: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class LocalOptimStateDictConfig(OptimStateDictConfig):
     offload_to_cpu: bool = False
 
@@ -158,12 +181,16 @@ def normalize_enum(arg, value, ours, torch_name, allow_none=False):
                    f"use flatshard.{ours.__name__} or torch.distributed.fsdp.{torch_name}")
 
 
-def normalize_dataclass(arg, value, ours, torch_name):
-    """flatshard's or torch's dataclass instance -> flatshard's (or None)."""
+def normalize_dataclass(arg, value, ours, torch_name, keep=False):
+    """flatshard's or torch's dataclass instance -> flatshard's (or None);
+    with `keep`, torch's instance itself (an object read where it is used,
+    shared with the caller as torch shares it)."""
     if value is None or isinstance(value, ours):
         return value
     theirs = _torch_enum(torch_name)
     if theirs is not None and isinstance(value, theirs):
+        if keep:
+            return value
         return ours(**{f.name: getattr(value, f.name) for f in fields(ours)
                        if hasattr(value, f.name)})
     raise bad_type(arg, value, f"flatshard.{ours.__name__}, torch's {torch_name}, or None")

@@ -5,6 +5,7 @@ one frozen `UnitConfig`; anything flatshard cannot honour raises a
 ConfigError (ValueError) or ConfigTypeError (TypeError) naming the argument.
 Options whose feature is not built yet raise NotBuiltError: never ignored.
 """
+import dataclasses
 import enum
 import inspect
 import os
@@ -185,8 +186,8 @@ def resolve(kw):
                              "MixedPrecision")
     mp = _mixed_precision(mp, strategy)
     offload = normalize_dataclass("cpu_offload", kw["cpu_offload"], CPUOffload, "CPUOffload")
-    if offload is not None and not isinstance(offload.offload_params, bool):
-        raise bad_type("cpu_offload.offload_params", offload.offload_params, "True or False")
+    if offload is not None:
+        offload = CPUOffload(_bool("cpu_offload.offload_params", offload.offload_params))
     use_orig = _bool("use_orig_params", kw["use_orig_params"])
     device = _device(kw["device_id"])
     backend = backend_for_device(requested_backend(kw.get("comm_backend")), device)
@@ -232,18 +233,29 @@ _LOW = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _mixed_precision(mp, strategy):
-    """Validated MixedPrecision, or None when it changes nothing."""
-    if mp is None or mp == MixedPrecision():
+    """Validated MixedPrecision, or None when it changes nothing. A copy:
+    the object is mutable, and what was checked is what the units keep
+    ([Note: torch's option classes] in options.py)."""
+    if mp is None:
         return None
     for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         v = getattr(mp, field)
         if v is not None and v not in _LOW:
             raise bad_value(f"mixed_precision.{field}", v, "expected None or one of "
                             "torch.float16, torch.bfloat16, torch.float32, torch.float64")
+    for field in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+        _bool(f"mixed_precision.{field}", getattr(mp, field))
+    classes = mp._module_classes_to_ignore
+    if not isinstance(classes, (tuple, list, set, frozenset)) or not all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise bad_type("mixed_precision._module_classes_to_ignore", classes,
+                       "a sequence of nn.Module classes")
     if mp.keep_low_precision_grads:
         raise not_built("mixed_precision.keep_low_precision_grads", True, "gradients are "
                         "always accumulated into the full-precision shard; pass False")
-    return mp
+    if mp == MixedPrecision():
+        return None
+    return dataclasses.replace(mp, _module_classes_to_ignore=tuple(classes))
 
 
 def check_overrides(module_name, overrides):

@@ -34,8 +34,8 @@ from .. import _C
 from ..errors import StateDictError, bad_type, bad_value, not_built
 from ..options import OptimStateKeyType, StateDictType, normalize_enum
 from ..tensors import dtype_code
-from .state_dict import (alias_keys, get_state_dict_type, mesh_of, plain_key, to_dtensor,
-                         units_with_paths, whole, units_of)
+from .state_dict import (alias_keys, checked_config, get_state_dict_type, mesh_of, plain_key,
+                         to_dtensor, units_with_paths, whole, units_of)
 from .summon import all_gather_shard
 from .unit import fsdp_units
 
@@ -101,6 +101,7 @@ def _held(model, optim, group):
     if not isinstance(optim, torch.optim.Optimizer):
         raise bad_type("optim", optim, "a torch.optim.Optimizer")
     settings = get_state_dict_type(model)
+    checked_config(settings, "optim_state_dict_config")
     units = fsdp_units(model)
     _check_process_group(units, group)
     return settings, units[0], _slots_of(model, _optim_params(optim), "optim",

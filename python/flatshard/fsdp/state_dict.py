@@ -22,6 +22,7 @@ values: every rank copies its pieces straight into its shards.
 """
 import contextlib
 import contextvars
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +45,12 @@ WRAPPED = "_fsdp_wrapped_module"
 CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper
 
 
-@dataclass(frozen=True)
+@dataclass
 class StateDictSettings:
+    """torch's: what FSDP.get_state_dict_type returns, a new object each
+    time: the state_dict_type in force, and the state_dict_config and
+    optim_state_dict_config objects given to set_state_dict_type (assigning
+    to their fields changes the next state dict, as with torch's)."""
     state_dict_type: StateDictType
     state_dict_config: Any
     optim_state_dict_config: Any
@@ -56,8 +61,6 @@ _CONFIGS = {  # type -> (model config class, optimizer config class)
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
-DEFAULT = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
-                            FullOptimStateDictConfig())
 _SETTINGS = "_flatshard_state_dict_settings"
 
 
@@ -76,17 +79,41 @@ def units_of(module):
 
 
 def settings_of(fs):
-    return fs.__dict__.get(_SETTINGS, DEFAULT)
+    """The unit's settings; until set_state_dict_type, its own defaults (its
+    own config objects, as each of torch's FSDP modules has)."""
+    settings = fs.__dict__.get(_SETTINGS)
+    if settings is None:
+        settings = fs.__dict__[_SETTINGS] = StateDictSettings(
+            StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+    return settings
 
 
 def get_state_dict_type(module):
-    """The StateDictSettings shared by every FSDP module under `module`."""
-    found = {settings_of(u) for u in units_of(module)}
-    if len(found) > 1:
+    """The StateDictSettings shared by every FSDP module under `module` (a
+    new object holding the first one's configs, as torch returns)."""
+    found = [settings_of(u) for u in units_of(module)]
+    if any(s != found[0] for s in found[1:]):
         raise bad_value("module", type(module).__name__, "its FSDP modules have different "
-                        f"state_dict types ({sorted(str(s) for s in found)})",
+                        f"state_dict types ({sorted({str(s) for s in found})})",
                         "set them together with FSDP.set_state_dict_type(model, ...)")
-    return found.pop()
+    first = found[0]
+    return StateDictSettings(first.state_dict_type, first.state_dict_config,
+                             first.optim_state_dict_config)
+
+
+def checked_config(settings, which):
+    """settings.<which> ("state_dict_config" or "optim_state_dict_config"),
+    its fields checked now, where they are read: the configs are mutable
+    (frameworks assign to them after set_state_dict_type), so a bad value
+    is refused here, naming the field. Every field of torch's configs is a
+    bool."""
+    cfg = getattr(settings, which)
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if not isinstance(v, bool):
+            raise bad_type(f"{which}.{f.name}", v, "True or False",
+                           f"set {type(cfg).__name__}.{f.name} to a bool")
+    return cfg
 
 
 def set_state_dict_type(module, state_dict_type, state_dict_config=None,
@@ -96,10 +123,11 @@ def set_state_dict_type(module, state_dict_type, state_dict_config=None,
     settings."""
     kind = normalize_enum("state_dict_type", state_dict_type, StateDictType, "StateDictType")
     model_cls, optim_cls = _CONFIGS[kind]
+    # kept as given, torch's objects too: the caller's later assignments count
     cfg = normalize_dataclass("state_dict_config", state_dict_config, model_cls,
-                              model_cls.__name__) or model_cls()
+                              model_cls.__name__, keep=True) or model_cls()
     ocfg = normalize_dataclass("optim_state_dict_config", optim_state_dict_config, optim_cls,
-                               optim_cls.__name__) or optim_cls()
+                               optim_cls.__name__, keep=True) or optim_cls()
     units = units_of(module)
     previous = get_state_dict_type(module)
     for u in units:
@@ -222,6 +250,7 @@ def state_dict(fs, destination=None, prefix="", keep_vars=False):
         _unit_entries(fs, walk, destination, prefix, keep_vars)
         return destination
     settings = settings_of(fs)
+    checked_config(settings, "state_dict_config")
     raw = OrderedDict()
     raw._metadata = OrderedDict()
     token = _WALK.set(settings)
@@ -354,7 +383,9 @@ def load_state_dict(fs, state_dict, strict=True, assign=False):
     if busy:
         raise StateError(f"flatshard: load_state_dict() needs every unit idle, but units "
                          f"{busy} are in forward/backward or summon_full_params")
-    local = settings_of(fs).state_dict_type is StateDictType.LOCAL_STATE_DICT
+    settings = settings_of(fs)
+    checked_config(settings, "state_dict_config")
+    local = settings.state_dict_type is StateDictType.LOCAL_STATE_DICT
     targets = _targets(fs, local)
     managed = _managed_ids(fs)
     others = OrderedDict((k, v) for k, v in raw_state_dict(fs).items()

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Set
 
 import torch.nn as nn
 
-from ..errors import bad_type
+from ..errors import bad_type, not_built
 
 
 class ModuleWrapPolicy:
@@ -131,4 +131,24 @@ def targets(policy, root: nn.Module, ignored_modules: Set[nn.Module], ignored_pa
                        "a policy object (ModuleWrapPolicy, CustomPolicy, torch's or flatshard's) "
                        "or a callable fn(module, recurse, nonwrapped_numel)")
     out.pop(root, None)
+    _check_full_precision_classes(root, ignored_modules, root_kwargs.get("mixed_precision"))
     return out
+
+
+def _check_full_precision_classes(root, ignored_modules, mp):
+    """torch, under an auto_wrap_policy with mixed precision, wraps the
+    modules of mp._module_classes_to_ignore (batch norms by default) on
+    their own and runs them in full precision; flatshard does not build
+    that, so a model holding one is refused rather than run otherwise."""
+    classes = tuple(getattr(mp, "_module_classes_to_ignore", None) or ())
+    if not classes or not all(isinstance(c, type) for c in classes):
+        return  # none, or a bad value: refused with the other mixed_precision checks
+    found = sorted({type(m).__name__ for m in root.modules()
+                    if m not in ignored_modules and isinstance(m, classes)})
+    if found:
+        raise not_built("mixed_precision._module_classes_to_ignore", classes,
+                        f"torch wraps the model's {', '.join(found)} modules on their own and "
+                        "runs them in full precision under an auto_wrap_policy, which "
+                        "flatshard does not build", "pass MixedPrecision(..., "
+                        "_module_classes_to_ignore=()) to run them in param_dtype with their "
+                        "unit")

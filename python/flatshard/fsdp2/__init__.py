@@ -4,6 +4,7 @@ shards over and the Comms made from it (mesh.py), one group's sharded
 parameters and collectives (param.py), the per-module hooks and state
 (state.py), torch's all-gather extension protocol for tensor subclasses
 (extension.py), torch's private names for the state (torch_state.py),
+torch's contract for the classes fully_shard makes (torch_class.py),
 fully_shard's dp_mesh_dims (dp_mesh.py) and share_comm_ctx (comm_ctx.py).
 
 Imports: the leaves (errors, tensors) and runtime/; nothing of fsdp/,

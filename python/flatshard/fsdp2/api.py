@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..errors import bad_type, bad_value, not_built
 from ..runtime.comm import self_comm
 from ..tensors import check_plain
-from . import dp_mesh
+from . import dp_mesh, torch_class
 from .extension import gathers_itself
 from .mesh import (check_mesh, check_reshard, check_reshard_divides, comm_over, mesh_device,
                    resolve_reshard)
@@ -76,6 +76,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                            replicated on the dims named (at most one shard
                            dim and one replicate dim; replicate alone is DDP
                            over that dim, on CPU: fsdp2/dp_mesh.py)."""
+    torch_class.check_container(module)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise bad_value("module", module, "expected a module or a non-empty list of modules")
@@ -83,7 +84,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         if not isinstance(m, nn.Module):
             raise bad_type("module", m, "an nn.Module or a list of nn.Modules")
         if state_of(m) is not None:
-            raise bad_value("module", type(m).__name__, "fully_shard was already applied to it")
+            raise torch_class.applied_twice(m)
     if len({id(m) for m in modules}) != len(modules):
         raise bad_value("module", module, "the list names a module twice")
     check_reshard(reshard_after_forward)
@@ -203,7 +204,8 @@ _CLASSES = {}
 def _fsdp_class(cls):
     new = _CLASSES.get(cls)
     if new is None:
-        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                                   torch_class.class_namespace(cls))
     return new
 
 
@@ -221,6 +223,9 @@ def _check_mp(mp):
         if v is not None and v not in _DTYPES:
             raise bad_value(f"mp_policy.{name}", v, f"expected None or one of {_DTYPES}")
     check_bool("mp_policy.cast_forward_inputs", mp.cast_forward_inputs)
+    if getattr(mp, "param_dtype_override_fn", None) is not None:  # torch 2.15's field
+        raise not_built("mp_policy.param_dtype_override_fn", mp.param_dtype_override_fn,
+                        "per-parameter compute dtypes are not built yet", "pass None")
 
 
 def _check_offload(policy):

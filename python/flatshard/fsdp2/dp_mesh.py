@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import torch_facts
 from ..errors import bad_type, bad_value, not_built
 
-try:
-    from torch.distributed.fsdp import DataParallelMeshDims
-except ImportError:  # torch before 2.13 has no dp_mesh_dims: the same dataclass
+DataParallelMeshDims = torch_facts.data_parallel_mesh_dims()
+if DataParallelMeshDims is None:  # torch before 2.13 has no dp_mesh_dims: the same dataclass
     @dataclass
     class DataParallelMeshDims:
         """torch 2.13's names of a full SPMD mesh's data-parallel dimensions."""

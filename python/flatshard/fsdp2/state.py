@@ -165,6 +165,8 @@ class FSDPState:
                                   [torch_state.param_group(self)])
     _is_root = property(lambda self: self.is_root)
     _state_ctx = property(torch_state.state_ctx)
+    _lazy_init = torch_state.lazy_init
+    _modules_to_run_forward = property(torch_state.modules_to_run_forward)
 
     def post_backward_now(self):
         """The group's post-backward outside autograd (torch's

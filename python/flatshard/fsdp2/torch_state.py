@@ -9,6 +9,13 @@ and torch's own tests reach for them, over flatshard's FSDPState.
   state._fsdp_param_groups         that group in a list (empty: none)
   state._is_root                   None before the first forward, then bool
   state._state_ctx.all_states      the root's tree of states, root first
+  state._lazy_init()               decide the root and its tree now, as the
+                                   first forward would (a no-op after it)
+  state._modules_to_run_forward    the state's modules whose forward must
+                                   still run before its group's post-forward:
+                                   always empty, since each module of a
+                                   fully_shard([a, b]) state runs its own
+                                   hooks (a set, so clear() works as on torch's)
 
   group.fsdp_params[i]             an FSDPParamView: sharded_param (the
                                    registered DTensor), unsharded_param (the
@@ -107,3 +114,11 @@ def param_group(state):
 
 def state_ctx(state):
     return _StateCtx(state.root or state)
+
+
+def lazy_init(state):
+    state.lazy_init()
+
+
+def modules_to_run_forward(state):
+    return set()

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.dlpack import from_dlpack
 
-from .. import _C, envvars
+from .. import _C, envvars, torch_facts
 from ..errors import bad_type, bad_value
 from ..tensors import check_plain, dtype_code
 from . import diagnostics
@@ -44,11 +44,6 @@ ENV_SLOT = "FLATSHARD_SHM_SLOT_BYTES"
 # Staging per rank in the shm segment: two halves, one chunk in flight each.
 DEFAULT_SLOT_BYTES = 8 << 20
 
-def _flat_all_gather():
-    # torch 2.13 renamed the flat collectives (*_single); 2.11 has the old names.
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class _NoStashedContext:
     """Issue a collective without the Python object torch's backward stashes
     in thread-local state (torch/autograd/graph.py, key "context").
@@ -59,21 +54,21 @@ class _NoStashedContext:
     interpreter, the worker cannot take the GIL and the process aborts
     ("terminate called without an active exception"). Collectives issued
     from backward hooks (every gradient reduce-scatter) would carry it."""
-    _has = getattr(torch._C, "_is_key_in_tls", None)
-    _get = getattr(torch._C, "_get_obj_in_tls", None)
-    _remove = getattr(torch._C, "_remove_obj_from_tls", None)
-    _stash = getattr(torch._C, "_stash_obj_in_tls", None)
     KEY = "context"
+
+    def __init__(self):
+        self.tls = torch_facts.autograd_tls()  # (has, get, remove, stash) or None
+        self.saved = None
 
     def __enter__(self):
         self.saved = None
-        if self._has and self._remove and self._has(self.KEY):
-            self.saved = self._get(self.KEY)
-            self._remove(self.KEY)
+        if self.tls is not None and self.tls[0](self.KEY):
+            self.saved = self.tls[1](self.KEY)
+            self.tls[2](self.KEY)
 
     def __exit__(self, *exc):
         if self.saved is not None:
-            self._stash(self.KEY, self.saved)
+            self.tls[3](self.KEY, self.saved)
             self.saved = None
 
 
@@ -82,8 +77,7 @@ def _torch_collective(group):
 
     Always asks for SUM: averaging is done in C because gloo's AVG sums."""
     group_ranks = dist.get_process_group_ranks(group)
-    all_gather = _flat_all_gather()
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather, reduce_scatter = torch_facts.flat_collectives()
 
     no_stash = _NoStashedContext()
 
@@ -214,7 +208,7 @@ def _all_gather_bytes(text, group, width=128):
     raw = text.encode()[:width].ljust(width, b"\0")
     mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     out = torch.empty(width * dist.get_world_size(group), dtype=torch.uint8)
-    _flat_all_gather()(out, mine, group=group)
+    torch_facts.flat_collectives()[0](out, mine, group=group)
     return [bytes(out[i * width:(i + 1) * width].tolist()).rstrip(b"\0").decode()
             for i in range(dist.get_world_size(group))]
 

@@ -34,6 +34,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import record_function
 
+from .. import torch_facts
+
 # The profiler's own cheap test (what record_function's callers check too).
 profiling = torch._C._autograd._profiler_enabled
 
@@ -80,8 +82,7 @@ def _comm_debug_mode_class():
     return CommDebugMode
 
 
-_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
-_stack_at = getattr(torch._C, "_get_dispatch_stack_at", None)
+_stack_len, _stack_at = torch_facts.dispatch_stack() or (None, None)
 _MODE_CLASS = []  # [CommDebugMode or None], found at the first use
 
 
