@@ -4,8 +4,9 @@
  * layouts (FSDP1's flat unit, fully_shard's shard group), as torch decides.
  *
  * Pure arithmetic on sizes and a dtype: no buffers, no Python, no device.
- * Both engines (engine/unit_reduce.c, engine/shard_group.c) and Python (through
- * _C.grad_divide) take their factors from here and from nowhere else.
+ * Both engines (engine/unit_reduce.c, engine/shard_group_reduce.c) and
+ * Python (through _C.grad_divide) take their factors from here and from
+ * nowhere else.
  *
  * [Note: divide rule] A gradient averaged over N ranks (the shard group's
  * size times the replicas' under HSDP) is divided by N, or by the factor a

@@ -1,6 +1,8 @@
 /* py_shard_group.c - flatshard._C.ShardGroup: the Python face of one fully_shard
  * group on the engine (engine/shard_group.h). Argument parsing and the Python
- * objects behind the handles; the engine does the work without the GIL. */
+ * objects behind the handles; the engine does the work. As for units
+ * (py_unit.c), engine calls are made with the GIL held and the engine hands
+ * it back around collectives and long host loops (the links' unlock). */
 #include "py_unit.h"
 
 #include <stdio.h>
@@ -27,9 +29,6 @@ static PyObject *done(ShardGroupObject *self, fs_status s)
         g->err_what ? g->err_what : "an operation", self->name, c->rank, c->world_size);
     return fs_glue_group_failed(FS_GROUP(self), s, g->err_collective, n);
 }
-
-/* The engine hands the GIL back itself where it blocks (links' unlock). */
-#define RUN(s, call) (s = (call))
 
 static int dtype_arg(PyObject *o, fs_dtype *t)
 {
@@ -233,9 +232,7 @@ static PyObject *ShardGroup_unshard(ShardGroupObject *self, PyObject *args, PyOb
                             "defer");
     if (along != Py_None)
         return unshard_along(self, along);
-    fs_status s;
-    RUN(s, fs_shard_unshard(&self->g, self->shard_t, defer));
-    return done(self, s);
+    return done(self, fs_shard_unshard(&self->g, self->shard_t, defer));
 }
 
 static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
@@ -256,9 +253,7 @@ static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
         return NULL;
     fs_link post = fs_glue_link(pc);
     post.stream = pc->stream;
-    fs_status s;
-    RUN(s, fs_shard_unshard_from(&self->g, &post, chunk));
-    return done(self, s);
+    return done(self, fs_shard_unshard_from(&self->g, &post, chunk));
 }
 
 static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -267,9 +262,7 @@ static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_wait(&self->g));
-    return done(self, s);
+    return done(self, fs_shard_wait(&self->g));
 }
 
 static PyObject *ShardGroup_reshard(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -278,9 +271,7 @@ static PyObject *ShardGroup_reshard(ShardGroupObject *self, PyObject *Py_UNUSED(
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_reshard(&self->g));
-    return done(self, s);
+    return done(self, fs_shard_reshard(&self->g));
 }
 
 PyDoc_STRVAR(reduce_doc,
@@ -429,9 +420,7 @@ static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_U
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_finish_reduce(&self->g));
-    return done(self, s);
+    return done(self, fs_shard_finish_reduce(&self->g));
 }
 
 static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -440,9 +429,7 @@ static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNU
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_wait_reduce(&self->g));
-    return done(self, s);
+    return done(self, fs_shard_wait_reduce(&self->g));
 }
 
 /* The reduce output of a reduction left to finish, once collected: a host
@@ -498,9 +485,7 @@ static PyObject *ShardGroup_accumulate(ShardGroupObject *self, PyObject *args)
         return PyErr_Format(PyExc_ValueError, "ShardGroup.accumulate: n must be >= 0");
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_accumulate(&self->g, src, st, dst, dt, (int64_t)n, add));
-    return done(self, s);
+    return done(self, fs_shard_accumulate(&self->g, src, st, dst, dt, (int64_t)n, add));
 }
 
 static PyObject *ShardGroup_drop_partial(ShardGroupObject *self, PyObject *Py_UNUSED(a))

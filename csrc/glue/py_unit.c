@@ -1,7 +1,9 @@
 /* py_unit.c - flatshard._C.Unit: the Python face of one engine unit
  * (engine/unit.h). Argument parsing, the Python objects the unit's handles
- * stand for, and errors turned into exceptions; the engine does the work,
- * without the GIL (py_env.c takes it where torch must be called).
+ * stand for, and errors turned into exceptions; the engine does the work.
+ * Engine calls are made with the GIL held: the engine hands it back itself
+ * around collectives and long host loops (the links' unlock, engine.h), and
+ * calls the host table (py_env.c) with it held.
  *
  * One call per hook event: event() steps the state machine and does what
  * it asks (gather, free, reduce) in the same call; the caller does only the
@@ -33,9 +35,6 @@ static PyObject *done(UnitObject *self, fs_status s)
     return fs_glue_group_failed(FS_GROUP(self), s, s != FS_ERR_BAD_STATE && c->err_collective,
                                 n);
 }
-
-/* The engine hands the GIL back itself where it blocks (links' unlock). */
-#define RUN(self, s, call) (s = (call))
 
 /* ---------------------------------------------------------------------------
  * life */
@@ -334,9 +333,7 @@ static PyObject *Unit_unshard(UnitObject *self, PyObject *args)
     int fp = 0, prefetch = 0;
     if (!PyArg_ParseTuple(args, "|pp", &fp, &prefetch) || fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_unshard(&self->u, fp, prefetch));
-    return done(self, s);
+    return done(self, fs_unit_unshard(&self->u, fp, prefetch));
 }
 
 PyDoc_STRVAR(regather_doc,
@@ -348,9 +345,7 @@ static PyObject *Unit_regather(UnitObject *self, PyObject *Py_UNUSED(a))
 {
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_regather(&self->u));
-    return done(self, s);
+    return done(self, fs_unit_regather(&self->u));
 }
 
 PyDoc_STRVAR(ready_doc, "ready(): the current stream waits for a prefetched all-gather\n"
@@ -361,9 +356,7 @@ static PyObject *Unit_ready(UnitObject *self, PyObject *Py_UNUSED(a))
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_ready(&self->u));
-    return done(self, s);
+    return done(self, fs_unit_ready(&self->u));
 }
 
 PyDoc_STRVAR(reshard_doc, "reshard(): free every unsharded buffer (no-op if sharded, NO_SHARD\n"
@@ -372,9 +365,7 @@ static PyObject *Unit_reshard(UnitObject *self, PyObject *Py_UNUSED(a))
 {
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_reshard(&self->u));
-    return done(self, s);
+    return done(self, fs_unit_reshard(&self->u));
 }
 
 PyDoc_STRVAR(reduce_grad_doc,
@@ -391,9 +382,7 @@ static PyObject *Unit_reduce_grad(UnitObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iOOp|p", &gi, &grad, &out, &accumulate, &defer) ||
         fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_reduce(&self->u, gi, grad, out, accumulate, defer));
-    return done(self, s);
+    return done(self, fs_unit_reduce(&self->u, gi, grad, out, accumulate, defer));
 }
 
 PyDoc_STRVAR(wait_reduced_doc,
@@ -405,9 +394,7 @@ static PyObject *Unit_wait_reduced(UnitObject *self, PyObject *Py_UNUSED(a))
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_wait_reduced(&self->u));
-    return done(self, s);
+    return done(self, fs_unit_wait_reduced(&self->u));
 }
 
 /* ---------------------------------------------------------------------------
