@@ -61,4 +61,11 @@ typedef struct {
 fs_status fs_divide_rule(fs_divide_api api, fs_dtype reduce, int shard_world,
                          int replicate_world, double factor, int force_sum, fs_divide *out);
 
+/* Whether the post divide can be fused into the cast of a reduce output
+ * (reduce dtype) into a gradient of dtype out (added to it when accumulate)
+ * with no bit changed: the same dtype, and an add that rounds the product as
+ * the reduce dtype does (float32, float64). Else the divide runs in place
+ * in the reduce dtype first, as torch's does. */
+int fs_divide_fuses(fs_dtype out, fs_dtype reduce, int accumulate);
+
 #endif

@@ -5,7 +5,6 @@
  * it back around collectives and long host loops (the links' unlock). */
 #include "py_unit.h"
 
-#include <stdio.h>
 #include <stdlib.h>
 
 #include "shard_group.h"
@@ -14,7 +13,6 @@ typedef struct {
     FS_GROUP_OBJECT_HEAD
     fs_shard_group g;
     PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
-    fs_dtype *shard_t;
     PyObject *full, *storage;
 } ShardGroupObject;
 
@@ -56,14 +54,8 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
                                      &rows, &gathered, &align, &cdt, &rdt, &empty, &replicate,
                                      &outers))
         return NULL;
-    fs_mod_state *st = fs_state_from_type(tp);
-    if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType) ||
-        (replicate != Py_None && !PyObject_TypeCheck(replicate, (PyTypeObject *)st->CommType)))
-        return PyErr_Format(PyExc_TypeError, "ShardGroup: comm and replicate must be "
-                            "flatshard._C.Comm");
-    if ((((CommObject *)comm)->dev != NULL) != (empty != Py_None))
-        return PyErr_Format(PyExc_TypeError, "ShardGroup: a Comm bound to a device needs "
-                            "empty=callable(numel, dtype_code) -> tensor, and only such a Comm");
+    if (fs_glue_group_check(tp, "ShardGroup", comm, replicate, empty) < 0)
+        return NULL;
     if (cdt < 0 || cdt >= FS_DTYPE_COUNT || rdt < 0 || rdt >= FS_DTYPE_COUNT || align < 1)
         return PyErr_Format(PyExc_ValueError, "ShardGroup: invalid dtype code or alignment");
     Py_ssize_t n = 0, n2 = 0, n3 = 0;
@@ -88,17 +80,12 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     if (!(self = (ShardGroupObject *)tp->tp_alloc(tp, 0)))
         goto out;
     fs_glue_group_init(FS_GROUP(self), &self->g.core, name, comm, replicate, empty);
-    if (!(self->shard_t = calloc(n ? (size_t)n : 1, sizeof *self->shard_t))) {
-        PyErr_NoMemory();
-        Py_CLEAR(self);
-        goto out;
-    }
     fs_status s = fs_shard_init(&self->g, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
                                fs_glue_link(self->comm), fs_glue_link(self->replicate), (int)n,
                                ou, d0, rn, gi, align, cdt, rdt);
     self->ready = 1;
     if (s != FS_OK) {
-        fs_raise(st, s, "ShardGroup %U: %s", name, self->g.core.err);
+        fs_raise(fs_state_from_type(tp), s, "ShardGroup %U: %s", name, self->g.core.err);
         Py_CLEAR(self);
     }
 out:
@@ -115,7 +102,6 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     PyTypeObject *tp = Py_TYPE(self);
     if (self->ready)
         fs_shard_destroy(&self->g);
-    free(self->shard_t);
     Py_XDECREF(self->shards);
     Py_XDECREF(self->full);
     Py_XDECREF(self->storage);
@@ -132,36 +118,37 @@ static PyObject *ShardGroup_set_shards(ShardGroupObject *self, PyObject *args)
     PyObject *ts, *codes;
     if (!PyArg_ParseTuple(args, "OO", &ts, &codes))
         return NULL;
-    PyObject *tup = PySequence_Tuple(ts), *ct = tup ? PySequence_Tuple(codes) : NULL;
-    if (!ct) {
-        Py_XDECREF(tup);
-        return NULL;
-    }
-    int n = self->g.nparams;
+    const int n = self->g.nparams;
+    PyObject *tup = PySequence_Tuple(ts), *ct = tup ? PySequence_Tuple(codes) : NULL, *r = NULL;
+    void **h = NULL;
+    fs_dtype *t = NULL;
+    if (!ct)
+        goto done;
     if (PyTuple_GET_SIZE(tup) != n || PyTuple_GET_SIZE(ct) != n) {
-        Py_DECREF(tup);
-        Py_DECREF(ct);
-        return PyErr_Format(PyExc_ValueError, "set_shards: %d tensors and codes expected", n);
+        PyErr_Format(PyExc_ValueError, "set_shards: %d tensors and codes expected", n);
+        goto done;
     }
-    void **h = calloc(n ? (size_t)n : 1, sizeof *h);
-    for (int i = 0; h && i < n; i++) {
+    h = calloc(n ? (size_t)n : 1, sizeof *h);
+    t = calloc(n ? (size_t)n : 1, sizeof *t);
+    if (!h || !t) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int i = 0; i < n; i++) {
         h[i] = PyTuple_GET_ITEM(tup, i);
-        if (dtype_arg(PyTuple_GET_ITEM(ct, i), &self->shard_t[i]) < 0) {
-            free(h);
-            Py_DECREF(tup);
-            Py_DECREF(ct);
-            return NULL;
-        }
+        if (dtype_arg(PyTuple_GET_ITEM(ct, i), &t[i]) < 0)
+            goto done;
     }
-    Py_DECREF(ct);
-    if (!h) {
-        Py_DECREF(tup);
-        return PyErr_NoMemory();
-    }
-    fs_shard_set_shards(&self->g, h, self->shard_t);
+    fs_shard_set_shards(&self->g, h, t);
+    Py_XSETREF(self->shards, tup); /* the handles point into it */
+    tup = NULL;
+    r = Py_NewRef(Py_None);
+done:
     free(h);
-    Py_XSETREF(self->shards, tup);
-    Py_RETURN_NONE;
+    free(t);
+    Py_XDECREF(tup);
+    Py_XDECREF(ct);
+    return r;
 }
 
 PyDoc_STRVAR(set_full_doc, "set_full(tensor): the unsharded buffer (full_alloc elements of the\n"
@@ -173,7 +160,6 @@ static PyObject *ShardGroup_set_full(ShardGroupObject *self, PyObject *full)
         return NULL;
     Py_XSETREF(self->full, Py_NewRef(full));
     Py_XSETREF(self->storage, st);
-    self->g.core.unsharded = 0;
     fs_shard_set_full(&self->g, self->full, self->storage);
     Py_RETURN_NONE;
 }
@@ -186,36 +172,25 @@ static int settled(ShardGroupObject *self)
     return -1;
 }
 
-/* unshard with along: this group (when not gathered) and the groups of
- * `along` gathered in one all-gather. */
+/* unshard with along: this group and the groups of `along` gathered in one
+ * all-gather (the engine picks which join). */
 static PyObject *unshard_along(ShardGroupObject *self, PyObject *along)
 {
-    if (!PyTuple_Check(along))
-        return PyErr_Format(PyExc_TypeError, "unshard: along must be a tuple of ShardGroups");
-    if (self->comm->dev)
-        return PyErr_Format(PyExc_ValueError, "unshard: along is for host Comms (a device's "
-                            "gathers are not coalesced)");
-    fs_shard_group *groups[FS_BATCH_MAX_PARTS];
-    const fs_dtype *types[FS_BATCH_MAX_PARTS];
-    ShardGroupObject *objs[FS_BATCH_MAX_PARTS];
-    int n = 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(along) && n < FS_BATCH_MAX_PARTS - 1; i++) {
-        PyObject *o = PyTuple_GET_ITEM(along, i);
-        if (Py_TYPE(o) != Py_TYPE(self) || ((ShardGroupObject *)o)->comm != self->comm)
-            return PyErr_Format(PyExc_TypeError, "unshard: along[%zd] is not a ShardGroup on "
-                                "this group's Comm", i);
-        ShardGroupObject *a = (ShardGroupObject *)o;
-        if (a == self || a->g.core.unsharded)
-            continue;
-        if (settled(a) < 0)
+    Py_ssize_t n = fs_glue_group_along(FS_GROUP(self), along, "unshard");
+    if (n < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (settled((ShardGroupObject *)PyTuple_GET_ITEM(along, i)) < 0)
             return NULL;
-        objs[n] = a;
-        groups[n] = &a->g;
-        types[n++] = a->shard_t;
-    }
-    int failed = -1;
-    fs_status s = fs_shard_unshard_along(&self->g, self->shard_t, 1, groups, types, n, &failed);
-    return done(failed < 0 ? self : objs[failed], s);
+    fs_shard_group **groups = n ? PyMem_New(fs_shard_group *, n) : NULL;
+    if (n && !groups)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++)
+        groups[i] = &((ShardGroupObject *)PyTuple_GET_ITEM(along, i))->g;
+    int failed;
+    fs_status s = fs_shard_unshard_along(&self->g, 1, groups, (int)n, &failed);
+    PyMem_Free(groups);
+    return done(failed < 0 ? self : (ShardGroupObject *)PyTuple_GET_ITEM(along, failed), s);
 }
 
 static PyObject *ShardGroup_unshard(ShardGroupObject *self, PyObject *args, PyObject *kw)
@@ -232,7 +207,7 @@ static PyObject *ShardGroup_unshard(ShardGroupObject *self, PyObject *args, PyOb
                             "defer");
     if (along != Py_None)
         return unshard_along(self, along);
-    return done(self, fs_shard_unshard(&self->g, self->shard_t, defer));
+    return done(self, fs_shard_unshard(&self->g, defer));
 }
 
 static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
@@ -343,15 +318,10 @@ static PyObject *ShardGroup_reduce(ShardGroupObject *self, PyObject *args, PyObj
     }
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         goto out;
-    fs_status s;
-    self->g.core.link.bucket = bucket;
-    s = fs_shard_reduce(&self->g, gh, gt, oh, ot, acc, factor,
-                       (defer ? FS_SHARD_DEFER : 0) | (all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
-                           (hold ? FS_SHARD_HOLD : 0) | (force_sum ? FS_SHARD_FORCE_SUM : 0));
-    self->g.core.link.bucket = NULL;
-    if (s == FS_OK && reshard)
-        s = fs_shard_reshard(&self->g);
-    r = done(self, s);
+    const unsigned fl = (defer ? FS_SHARD_DEFER : 0) | (all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
+                        (hold ? FS_SHARD_HOLD : 0) | (force_sum ? FS_SHARD_FORCE_SUM : 0) |
+                        (reshard ? FS_SHARD_RESHARD : 0);
+    r = done(self, fs_shard_reduce(&self->g, gh, gt, oh, ot, acc, factor, fl, bucket));
 out:
     for (int k = 0; k < 5; k++)
         Py_XDECREF(seq[k]);
@@ -361,43 +331,19 @@ out:
     return r;
 }
 
-/* The bucket of args (bucket, groups), with `groups` checked to be its
- * parts' owners in its order (their engine groups into owners); NULL with
- * an exception set. */
-static fs_reduce_bucket *bucket_owners(ShardGroupObject *self, PyObject *args, PyObject **groupsp,
-                                       fs_shard_group **owners)
-{
-    fs_reduce_bucket *b = fs_glue_bucket_args(Py_TYPE(self), args, groupsp);
-    if (!b)
-        return NULL;
-    PyObject *groups = *groupsp;
-    for (int i = 0; i < b->nparts; i++) {
-        PyObject *o = PyTuple_GET_ITEM(groups, i);
-        owners[i] = &((ShardGroupObject *)o)->g;
-        if (Py_TYPE(o) != Py_TYPE(self) || owners[i] != b->part[i].owner) {
-            PyErr_Format(PyExc_ValueError, "flush_bucket: groups[%d] is not the bucket's "
-                         "part %d", i, i);
-            return NULL;
-        }
-    }
-    return b;
-}
-
 PyDoc_STRVAR(flush_bucket_doc,
              "flush_bucket(bucket, groups): the reduce-scatters in the bucket as one, then\n"
              "each group's reduction finished (its sharded gradients written). groups: the\n"
              "bucket's groups, in the order their reduce(bucket=True) calls came. After a\n"
              "failure no group keeps a pending reduction.");
+static PyObject *done_owner(GroupObject *owner, fs_status s)
+{
+    return done((ShardGroupObject *)owner, s);
+}
+
 static PyObject *ShardGroup_flush_bucket(ShardGroupObject *self, PyObject *args)
 {
-    PyObject *groups;
-    fs_shard_group *owners[FS_BATCH_MAX_PARTS];
-    fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
-    if (!b || fs_glue_group_bind(FS_GROUP(self)) < 0)
-        return NULL;
-    int failed = -1;
-    fs_status s = fs_shard_flush_bucket(b, &self->g, owners, &failed);
-    return done(failed < 0 ? self : (ShardGroupObject *)PyTuple_GET_ITEM(groups, failed), s);
+    return fs_glue_group_flush_bucket(FS_GROUP(self), args, "groups", done_owner);
 }
 
 PyDoc_STRVAR(cancel_bucket_doc,
@@ -405,13 +351,7 @@ PyDoc_STRVAR(cancel_bucket_doc,
              "backward that did not finish): the groups' reductions are dropped.");
 static PyObject *ShardGroup_cancel_bucket(ShardGroupObject *self, PyObject *args)
 {
-    PyObject *groups;
-    fs_shard_group *owners[FS_BATCH_MAX_PARTS];
-    fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
-    if (!b)
-        return NULL;
-    fs_shard_cancel_bucket(b, owners);
-    Py_RETURN_NONE;
+    return fs_glue_group_cancel_bucket(FS_GROUP(self), args, "groups");
 }
 
 static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -528,13 +468,6 @@ static PyObject *ShardGroup_get_full_alloc(ShardGroupObject *self, void *c)
 {
     return PyLong_FromLongLong(self->g.full_alloc);
 }
-static PyObject *ShardGroup_get_counts(ShardGroupObject *self, void *c)
-{
-    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.core.n_all_gather,
-                         "reduce_scatter", self->g.core.n_reduce, "deferred_gather",
-                         self->g.n_deferred_gather, "deferred_reduce", self->g.n_deferred_reduce,
-                         "post_gather", self->g.n_post_gather);
-}
 
 static PyObject *ShardGroup_get_aliased(ShardGroupObject *self, void *c)
 {
@@ -555,7 +488,8 @@ static PyMethodDef ShardGroup_methods[] = {
     {"unshard", (PyCFunction)(void (*)(void))ShardGroup_unshard, METH_VARARGS | METH_KEYWORDS,
      "unshard(defer=False, along=None): gather into the unsharded buffer (defer: a device\n"
      "prefetch). along: a tuple of ShardGroups on this Comm (host) gathered now too, in the\n"
-     "same all-gather (those already gathered are skipped)."},
+     "same all-gather (the engine skips those already gathered, and stops where the batch\n"
+     "is full)."},
     {"unshard_from", (PyCFunction)ShardGroup_unshard_from, METH_VARARGS,
      "unshard_from(comm, chunk): gather the unsharded buffer over `comm` from the chunk\n"
      "this rank kept after forward (int reshard_after_forward)."},
@@ -590,7 +524,7 @@ static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *cl
     const char *utf8 = PyUnicode_AsUTF8(value);
     if (!utf8)
         return -1;
-    snprintf(self->g.core.name, sizeof self->g.core.name, "%s", utf8);
+    fs_group_rename(&self->g.core, utf8);
     Py_SETREF(self->name, Py_NewRef(value));
     return 0;
 }
@@ -609,7 +543,7 @@ static PyGetSetDef ShardGroup_getset[] = {
     {"reduce_output", (getter)ShardGroup_get_reduce_output, NULL,
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
      "memoryview (host) or a uint8 tensor (device); None when none is ready", NULL},
-    {"counts", (getter)ShardGroup_get_counts, NULL, "collectives issued", NULL},
+    {"counts", (getter)fs_glue_group_get_counts, NULL, "collectives issued", NULL},
     {"aliased", (getter)ShardGroup_get_aliased, NULL,
      "the unsharded parameters must be the shards themselves (one rank, the compute\n"
      "dtype: engine/shard_group.h, [Note: direct layout]); set with the shards", NULL},
