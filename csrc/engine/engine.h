@@ -128,7 +128,7 @@ typedef struct {
     const void *send;
     void *recv;
     int64_t size;         /* a batch's: per-rank bytes; a bucket's: recv elements */
-    void *owner;          /* a bucket's: the engine object that finishes it */
+    void *owner;          /* a bucket's: its fs_bucket_owner (group.h) */
 } fs_coalesced_part;
 
 struct fs_gather_batch {
@@ -150,14 +150,15 @@ fs_status fs_gather_batch_flush(fs_gather_batch *b, fs_link *l, const fs_env *en
 
 /* [Note: reduction buckets] The same for gradient reductions, across
  * engine calls: while a bucket is set on a host link, fs_link_reduce_scatter
- * records the call with its owner (the engine object that finishes it)
+ * records the call with its owner (group.h's fs_bucket_owner: how the engine
+ * object that made it finishes it)
  * instead of issuing it, and the caller holds its send and recv buffers
  * (as for a deferred reduction on a device) until the host flushes the
  * bucket: every part's rank-r block is copied into rank r's block of one
  * buffer, one reduce-scatter (a sum, so each element adds the same values in
  * the same order as alone: the bits do not change) lands this rank's block,
  * and each part's piece is copied to its recv. Then each owner finishes
- * (shard_group.h: fs_shard_finish_reduce). Parts share one dtype; the host decides
+ * (group.h: fs_group_flush_bucket). Parts share one dtype; the host decides
  * when to flush (a byte budget, the end of backward) from events every rank
  * sees in the same order. */
 struct fs_reduce_bucket {
