@@ -33,6 +33,12 @@ void fs_group_rename(fs_group_core *c, const char *name)
     snprintf(c->name, sizeof c->name, "%s", name);
 }
 
+void fs_group_set_streams(fs_group_core *c, void *stream, void *replicate_stream)
+{
+    c->link.stream = stream;
+    c->replicate.stream = replicate_stream;
+}
+
 fs_status fs_group_fail(fs_group_core *c, fs_status s, const char *what, int group,
                         const char *fmt, ...)
 {

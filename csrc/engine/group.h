@@ -66,6 +66,10 @@ void fs_group_core_init(fs_group_core *c, const char *name, fs_env env, fs_link 
 void fs_group_core_destroy(fs_group_core *c);
 /* The ledger's and the errors' name from now on (cut to fit). */
 void fs_group_rename(fs_group_core *c, const char *name);
+/* The caller's current streams (fs_device.h: set_caller_stream) that the
+ * engine calls to come enqueue on, the shard group's and the replicas'
+ * (NULL on the host), bound by the host before each call. */
+void fs_group_set_streams(fs_group_core *c, void *stream, void *replicate_stream);
 
 /* Record a failure (the words from fmt: none for NULL or FS_ERR_HOST, the
  * host reported it in its own way) and return s. */

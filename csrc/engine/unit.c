@@ -105,6 +105,11 @@ void fs_unit_destroy(fs_unit *u)
     fs_group_core_destroy(&u->core);
 }
 
+void fs_unit_set_root(fs_unit *u, int is_root)
+{
+    u->cfg.is_root = is_root != 0;
+}
+
 fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsigned *actions)
 {
     fs_unit_state before = u->fsm.state;

@@ -94,6 +94,10 @@ fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
                        const fs_unit_group *groups, int ngroups, int offload);
 void fs_unit_destroy(fs_unit *u);
 
+/* Whether u is the root unit, which is not resharded after forward
+ * (unit_fsm.h: the configuration's is_root). */
+void fs_unit_set_root(fs_unit *u, int is_root);
+
 /* The state machine (unit_fsm.h), on this unit's configuration. */
 fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsigned *actions);
 

@@ -73,11 +73,8 @@ int fs_comm_bind_stream(CommObject *self);
 fs_env fs_glue_env(PyObject **empty);
 /* The engine's view of a Comm (an empty link for NULL): its backend,
  * ledger and device table, the GIL handed back around collectives and
- * long loops. The stream is bound per call (fs_glue_bind). */
+ * long loops. The stream is bound per call (py_group.c: fs_glue_group_bind). */
 fs_link fs_glue_link(CommObject *comm);
-/* The streams of comm (and replicate, may be NULL) bound for one engine
- * call, into link (and rep). -1 with an exception set. */
-int fs_glue_bind(CommObject *comm, CommObject *replicate, fs_link *link, fs_link *rep);
 
 fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out);
 /* `ledger` (may be NULL): the shm backend publishes its newest entry to the

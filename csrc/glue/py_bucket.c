@@ -65,7 +65,7 @@ fs_reduce_bucket *fs_glue_bucket(PyTypeObject *any, PyObject *o)
 }
 
 fs_reduce_bucket *fs_glue_bucket_args(GroupObject *self, PyObject *args, const char *op,
-                                      const char *what, PyObject **owners)
+                                      PyObject **owners)
 {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject *bo;
@@ -80,12 +80,12 @@ fs_reduce_bucket *fs_glue_bucket_args(GroupObject *self, PyObject *args, const c
     for (int i = 0; i < b->nparts; i++) {
         PyObject *o = PyTuple_GET_ITEM(*owners, i);
         if (Py_TYPE(o) != tp) {
-            PyErr_Format(PyExc_TypeError, "%s: %s[%d] is not a %s", op, what, i, tp->tp_name);
+            PyErr_Format(PyExc_TypeError, "%s: owners[%d] is not a %s", op, i, tp->tp_name);
             return NULL;
         }
         if (!fs_group_owns_part(FS_GROUP(o)->core, b, i)) {
-            PyErr_Format(PyExc_ValueError, "%s: the bucket's part %d is not %s[%d]'s", op, i,
-                         what, i);
+            PyErr_Format(PyExc_ValueError, "%s: the bucket's part %d is not owners[%d]'s", op, i,
+                         i);
             return NULL;
         }
     }

@@ -38,10 +38,11 @@ int fs_glue_group_check(PyTypeObject *tp, const char *type, PyObject *comm, PyOb
     return 0;
 }
 
-void fs_glue_group_init(GroupObject *self, fs_group_core *core, PyObject *name,
-                        PyObject *comm, PyObject *replicate, PyObject *empty)
+void fs_glue_group_init(GroupObject *self, fs_group_core *core, fs_glue_done done,
+                        PyObject *name, PyObject *comm, PyObject *replicate, PyObject *empty)
 {
     self->core = core;
+    self->done = done;
     self->name = Py_NewRef(name);
     self->comm = (CommObject *)Py_NewRef(comm);
     self->replicate = replicate != Py_None ? (CommObject *)Py_NewRef(replicate) : NULL;
@@ -58,7 +59,11 @@ void fs_glue_group_clear(GroupObject *self)
 
 int fs_glue_group_bind(GroupObject *self)
 {
-    return fs_glue_bind(self->comm, self->replicate, &self->core->link, &self->core->replicate);
+    CommObject *r = self->replicate;
+    if (fs_comm_bind_stream(self->comm) < 0 || (r && fs_comm_bind_stream(r) < 0))
+        return -1;
+    fs_group_set_streams(self->core, self->comm->stream, r ? r->stream : NULL);
+    return 0;
 }
 
 PyObject *fs_glue_group_failed(GroupObject *self, fs_status s, int collective, PyObject *note)
@@ -91,22 +96,23 @@ Py_ssize_t fs_glue_group_along(GroupObject *self, PyObject *along, const char *o
     return PyTuple_GET_SIZE(along);
 }
 
-PyObject *fs_glue_group_flush_bucket(GroupObject *self, PyObject *args, const char *what,
-                                     fs_glue_done done)
+PyObject *fs_glue_group_flush_bucket(PyObject *self, PyObject *args)
 {
+    GroupObject *g = FS_GROUP(self);
     PyObject *owners;
-    fs_reduce_bucket *b = fs_glue_bucket_args(self, args, "flush_bucket", what, &owners);
-    if (!b || fs_glue_group_bind(self) < 0)
+    fs_reduce_bucket *b = fs_glue_bucket_args(g, args, "flush_bucket", &owners);
+    if (!b || fs_glue_group_bind(g) < 0)
         return NULL;
     int failed;
-    fs_status s = fs_group_flush_bucket(b, self->core, &failed);
-    return done(failed < 0 ? self : FS_GROUP(PyTuple_GET_ITEM(owners, failed)), s);
+    fs_status s = fs_group_flush_bucket(b, g->core, &failed);
+    GroupObject *by = failed < 0 ? g : FS_GROUP(PyTuple_GET_ITEM(owners, failed));
+    return by->done(by, s);
 }
 
-PyObject *fs_glue_group_cancel_bucket(GroupObject *self, PyObject *args, const char *what)
+PyObject *fs_glue_group_cancel_bucket(PyObject *self, PyObject *args)
 {
     PyObject *owners;
-    fs_reduce_bucket *b = fs_glue_bucket_args(self, args, "cancel_bucket", what, &owners);
+    fs_reduce_bucket *b = fs_glue_bucket_args(FS_GROUP(self), args, "cancel_bucket", &owners);
     if (!b)
         return NULL;
     fs_group_cancel_bucket(b);

@@ -28,6 +28,11 @@ static PyObject *done(ShardGroupObject *self, fs_status s)
     return fs_glue_group_failed(FS_GROUP(self), s, g->err_collective, n);
 }
 
+static PyObject *group_done(GroupObject *self, fs_status s)
+{
+    return done((ShardGroupObject *)self, s);
+}
+
 static int dtype_arg(PyObject *o, fs_dtype *t)
 {
     long v = PyLong_AsLong(o);
@@ -79,7 +84,8 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         gi[i] = ga[i] != 0;
     if (!(self = (ShardGroupObject *)tp->tp_alloc(tp, 0)))
         goto out;
-    fs_glue_group_init(FS_GROUP(self), &self->g.core, name, comm, replicate, empty);
+    fs_glue_group_init(FS_GROUP(self), &self->g.core, group_done, name, comm, replicate,
+                       empty);
     fs_status s = fs_shard_init(&self->g, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
                                fs_glue_link(self->comm), fs_glue_link(self->replicate), (int)n,
                                ou, d0, rn, gi, align, cdt, rdt);
@@ -332,27 +338,14 @@ out:
 }
 
 PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(bucket, groups): the reduce-scatters in the bucket as one, then\n"
-             "each group's reduction finished (its sharded gradients written). groups: the\n"
+             "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
+             "each group's reduction finished (its sharded gradients written). owners: the\n"
              "bucket's groups, in the order their reduce(bucket=True) calls came. After a\n"
              "failure no group keeps a pending reduction.");
-static PyObject *done_owner(GroupObject *owner, fs_status s)
-{
-    return done((ShardGroupObject *)owner, s);
-}
-
-static PyObject *ShardGroup_flush_bucket(ShardGroupObject *self, PyObject *args)
-{
-    return fs_glue_group_flush_bucket(FS_GROUP(self), args, "groups", done_owner);
-}
 
 PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(bucket, groups): give the bucket up without a collective (a\n"
+             "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
              "backward that did not finish): the groups' reductions are dropped.");
-static PyObject *ShardGroup_cancel_bucket(ShardGroupObject *self, PyObject *args)
-{
-    return fs_glue_group_cancel_bucket(FS_GROUP(self), args, "groups");
-}
 
 static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
@@ -496,8 +489,8 @@ static PyMethodDef ShardGroup_methods[] = {
     {"wait", (PyCFunction)ShardGroup_wait, METH_NOARGS,
      "wait(): a deferred gather: the stream waits, then the copy-out is enqueued."},
     {"reshard", (PyCFunction)ShardGroup_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},
-    {"flush_bucket", (PyCFunction)ShardGroup_flush_bucket, METH_VARARGS, flush_bucket_doc},
-    {"cancel_bucket", (PyCFunction)ShardGroup_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
+    {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
+    {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
     {"reduce", (PyCFunction)(void (*)(void))ShardGroup_reduce, METH_VARARGS | METH_KEYWORDS,
      reduce_doc},
     {"wait_reduce", (PyCFunction)ShardGroup_wait_reduce, METH_NOARGS,

@@ -36,6 +36,11 @@ static PyObject *done(UnitObject *self, fs_status s)
                                 n);
 }
 
+static PyObject *group_done(GroupObject *self, fs_status s)
+{
+    return done((UnitObject *)self, s);
+}
+
 /* ---------------------------------------------------------------------------
  * life */
 
@@ -95,7 +100,8 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         Py_XDECREF(self);
         return gs ? NULL : PyErr_NoMemory();
     }
-    fs_glue_group_init(FS_GROUP(self), &self->u.core, name, comm, replicate, empty);
+    fs_glue_group_init(FS_GROUP(self), &self->u.core, group_done, name, comm, replicate,
+                       empty);
     for (Py_ssize_t i = 0; i < n; i++) {
         fs_unit_group *g = &gs[i];
         PyObject *shard, *full, *lp = Py_None;
@@ -213,27 +219,14 @@ done:
 }
 
 PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(bucket, units): the reduce-scatters in the bucket as one, then\n"
-             "each reduction finished (its gradient written). units: the unit of each, in\n"
+             "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
+             "each reduction finished (its gradient written). owners: the unit of each, in\n"
              "the order their event(bucket=True) calls came. After a failure none is left\n"
              "waiting.");
-static PyObject *done_owner(GroupObject *owner, fs_status s)
-{
-    return done((UnitObject *)owner, s);
-}
-
-static PyObject *Unit_flush_bucket(UnitObject *self, PyObject *args)
-{
-    return fs_glue_group_flush_bucket(FS_GROUP(self), args, "units", done_owner);
-}
 
 PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(bucket, units): give the bucket up without a collective (a\n"
+             "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
              "backward that did not finish): nothing is written.");
-static PyObject *Unit_cancel_bucket(UnitObject *self, PyObject *args)
-{
-    return fs_glue_group_cancel_bucket(FS_GROUP(self), args, "units");
-}
 
 PyDoc_STRVAR(step_doc, "step(event, flags, group=-1) -> actions\n"
                        "Apply a state-machine event (EV_*) only; returns ACT_* bits.");
@@ -350,7 +343,7 @@ static int Unit_set_root(UnitObject *self, PyObject *v, void *c)
             PyErr_SetString(PyExc_AttributeError, "is_root cannot be deleted");
         return -1;
     }
-    self->u.cfg.is_root = b;
+    fs_unit_set_root(&self->u, b);
     return 0;
 }
 
@@ -358,8 +351,8 @@ static PyMethodDef Unit_methods[] = {
     {"event", (PyCFunction)(void (*)(void))Unit_event, METH_VARARGS | METH_KEYWORDS, event_doc},
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
-    {"flush_bucket", (PyCFunction)Unit_flush_bucket, METH_VARARGS, flush_bucket_doc},
-    {"cancel_bucket", (PyCFunction)Unit_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
+    {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
+    {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
     {"wait", (PyCFunction)Unit_wait, METH_NOARGS, wait_doc},
     {"finish_reduce", (PyCFunction)Unit_finish_reduce, METH_NOARGS, finish_reduce_doc},
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},

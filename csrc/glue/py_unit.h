@@ -11,6 +11,10 @@
 #include "group.h"
 #include "unit.h"
 
+typedef struct GroupObject GroupObject;
+/* An engine status as None, or the exception of its group (its own note). */
+typedef PyObject *(*fs_glue_done)(GroupObject *self, fs_status s);
+
 /* What a Unit and a ShardGroup share, first in both as PyObject_HEAD is
  * first in every object: the Python objects around the engine object, and
  * where its core (engine/group.h) is, which py_group.c reads. */
@@ -21,11 +25,12 @@
     CommObject *comm;                                                                  \
     CommObject *replicate; /* HSDP, HYBRID_SHARD: the Comm across replicas, or NULL */ \
     PyObject *empty;       /* device groups: empty(numel, dtype_code) -> tensor */     \
+    fs_glue_done done;     /* an engine status as None or this type's exception */     \
     int ready;             /* the engine object was made (dealloc destroys it) */
 
-typedef struct {
+struct GroupObject {
     FS_GROUP_OBJECT_HEAD
-} GroupObject;
+};
 
 #define FS_GROUP(o) ((GroupObject *)(o))
 
@@ -44,8 +49,8 @@ int fs_glue_group_check(PyTypeObject *tp, const char *type, PyObject *comm, PyOb
                         PyObject *empty);
 /* The head set (new references to name, comm and, when not None,
  * replicate and empty) around `core`, or cleared. */
-void fs_glue_group_init(GroupObject *self, fs_group_core *core, PyObject *name,
-                        PyObject *comm, PyObject *replicate, PyObject *empty);
+void fs_glue_group_init(GroupObject *self, fs_group_core *core, fs_glue_done done,
+                        PyObject *name, PyObject *comm, PyObject *replicate, PyObject *empty);
 void fs_glue_group_clear(GroupObject *self);
 /* The streams of the group's Comms bound for one engine call; -1 with an
  * exception set. */
@@ -57,15 +62,13 @@ PyObject *fs_glue_group_failed(GroupObject *self, fs_status s, int collective, P
 /* `along` (op's argument) checked: a tuple of groups of self's type on
  * self's host Comm. Its size, or -1 with an exception set. */
 Py_ssize_t fs_glue_group_along(GroupObject *self, PyObject *along, const char *op);
-/* An engine status as None or the exception of its group: `done(owner)`. */
-typedef PyObject *(*fs_glue_done)(GroupObject *owner, fs_status s);
-/* flush_bucket(bucket, owners) and cancel_bucket(bucket, owners) of both
- * types ([Note: reduction buckets] in engine/engine.h): owners, a tuple
- * of groups of self's type (`what` names it), the owner of each part in
- * order. A failed part is raised by its owner's `done`. */
-PyObject *fs_glue_group_flush_bucket(GroupObject *self, PyObject *args, const char *what,
-                                     fs_glue_done done);
-PyObject *fs_glue_group_cancel_bucket(GroupObject *self, PyObject *args, const char *what);
+/* The methods flush_bucket(bucket, owners) and cancel_bucket(bucket,
+ * owners) of both types ([Note: reduction buckets] in engine/engine.h):
+ * owners, a tuple of groups of self's type, the owner of each part in
+ * order (their own tables give the docs). A failed part is raised by its
+ * owner's done. */
+PyObject *fs_glue_group_flush_bucket(PyObject *self, PyObject *args);
+PyObject *fs_glue_group_cancel_bucket(PyObject *self, PyObject *args);
 /* Getters both types share (their own tables give the docs). */
 PyObject *fs_glue_group_get_name(GroupObject *self, void *closure);
 PyObject *fs_glue_group_get_comm(GroupObject *self, void *closure);
@@ -86,10 +89,10 @@ PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObj
  * a type of this module), or NULL with a TypeError set. */
 fs_reduce_bucket *fs_glue_bucket(PyTypeObject *any, PyObject *o);
 /* args (bucket, owners) of self's `op`: the bucket, with *owners a tuple
- * as long as it holds parts, each of self's type (`what` names them) and
- * the owner of its part; NULL with an exception set. */
+ * as long as it holds parts, each of self's type and the owner of its
+ * part; NULL with an exception set. */
 fs_reduce_bucket *fs_glue_bucket_args(GroupObject *self, PyObject *args, const char *op,
-                                      const char *what, PyObject **owners);
+                                      PyObject **owners);
 
 /* py_pool.c, [Note: pooled storage]: give a gathered buffer's storage
  * nbytes (from the host pool; a device's through resize_), or take them
