@@ -190,6 +190,10 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
 fs_status fs_shard_wait_reduce(fs_shard_group *g);
 /* What is left of a reduction: the wait, collect, write. */
 fs_status fs_shard_finish_reduce(fs_shard_group *g);
+/* A held reduction's reduce output once collected ([Note: reduce output]):
+ * its data (block_numel elements of the reduce dtype, *nbytes) and the
+ * handle that owns it (*owner, taken from the host); NULL when none is. */
+void *fs_shard_reduce_output(const fs_shard_group *g, int64_t *nbytes, void **owner);
 /* Forget the HSDP partial sum (an iteration given up: reset_iter_state). */
 void fs_shard_drop_partial(fs_shard_group *g);
 

@@ -382,6 +382,15 @@ fs_status fs_shard_finish_reduce(fs_shard_group *g)
     return s;
 }
 
+void *fs_shard_reduce_output(const fs_shard_group *g, int64_t *nbytes, void **owner)
+{
+    if (!g->core.reduce_pending || g->reduce_deferred || !g->rs_out_h)
+        return NULL;
+    *nbytes = g->block_numel * (int64_t)fs_dtype_size(g->reduce);
+    *owner = g->rs_out_h;
+    return g->rs_out;
+}
+
 /* The bucket part's owner (group.h): g's reduction finished after the flush,
  * or given up (its buffers back, nothing written). */
 static fs_status finish_part(fs_bucket_owner *o)

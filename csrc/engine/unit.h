@@ -138,6 +138,8 @@ fs_status fs_unit_reduce(fs_unit *u, int group, void *grad, void *out, int accum
  * them (and the host for an offload's copy to host memory), and their
  * buffers are given back. */
 fs_status fs_unit_finish_reduce(fs_unit *u);
+/* Whether fs_unit_finish_reduce has anything to do. */
+int fs_unit_reducing(const fs_unit *u);
 /* Whether u's reductions can wait in a bucket: a host link, reduce-scattered
  * (not NO_SHARD's or SHARD_OPTIM's all-reduce), no replicas, no offload;
  * the others reduce at once. */

@@ -14,9 +14,14 @@
 static fs_status finish_part(fs_bucket_owner *o);
 static void cancel_part(fs_bucket_owner *o);
 
+int fs_unit_reducing(const fs_unit *u)
+{
+    return u->core.reduce_pending || u->host_pending;
+}
+
 fs_status fs_unit_finish_reduce(fs_unit *u)
 {
-    if (!u->core.reduce_pending && !u->host_pending)
+    if (!fs_unit_reducing(u))
         return FS_OK;
     fs_comm *c = u->core.link.comm;
     fs_status s = FS_OK;

@@ -226,10 +226,7 @@ static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
         ((CommObject *)comm)->dev != self->comm->dev)
         return PyErr_Format(PyExc_TypeError, "unshard_from: comm must be a flatshard._C.Comm "
                             "on this group's device");
-    CommObject *pc = (CommObject *)comm;
-    if (self->g.full_alloc % pc->comm->world_size)
-        return PyErr_Format(PyExc_ValueError, "unshard_from: a group of %d does not divide "
-                            "the unsharded buffer", pc->comm->world_size);
+    CommObject *pc = (CommObject *)comm; /* the engine checks that its size divides ours */
     if (fs_glue_group_bind(FS_GROUP(self)) < 0 || fs_comm_bind_stream(pc) < 0)
         return NULL;
     fs_link post = fs_glue_link(pc);
@@ -368,22 +365,18 @@ static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNU
 /* The reduce output of a reduction left to finish, once collected: a host
  * group exports it through the buffer protocol, each export holding the
  * memory's handle, so that a tensor over it outlives finish_reduce(). */
-static int reduce_output_ready(ShardGroupObject *self)
-{
-    return self->g.core.reduce_pending && !self->g.reduce_deferred && self->g.rs_out_h;
-}
-
 static int ShardGroup_getbuffer(ShardGroupObject *self, Py_buffer *view, int flags)
 {
-    if (self->empty || !reduce_output_ready(self)) {
+    int64_t nbytes;
+    void *owner, *data = self->empty ? NULL : fs_shard_reduce_output(&self->g, &nbytes, &owner);
+    if (!data) {
         PyErr_Format(PyExc_BufferError, "ShardGroup %U: no reduce output is held (a host "
                      "group, between reduce(hold=True) and finish_reduce())", self->name);
         return -1;
     }
-    Py_ssize_t nbytes = (Py_ssize_t)(self->g.block_numel * (int64_t)fs_dtype_size(self->g.reduce));
-    if (PyBuffer_FillInfo(view, (PyObject *)self, self->g.rs_out, nbytes, 0, flags) < 0)
+    if (PyBuffer_FillInfo(view, (PyObject *)self, data, (Py_ssize_t)nbytes, 0, flags) < 0)
         return -1;
-    view->internal = Py_NewRef((PyObject *)self->g.rs_out_h);
+    view->internal = Py_NewRef((PyObject *)owner);
     return 0;
 }
 
@@ -394,10 +387,12 @@ static void ShardGroup_releasebuffer(ShardGroupObject *self, Py_buffer *view)
 
 static PyObject *ShardGroup_get_reduce_output(ShardGroupObject *self, void *c)
 {
-    if (!reduce_output_ready(self))
+    int64_t nbytes;
+    void *owner;
+    if (!fs_shard_reduce_output(&self->g, &nbytes, &owner))
         Py_RETURN_NONE;
     if (self->empty) /* a device group: the uint8 tensor `empty` made */
-        return Py_NewRef((PyObject *)self->g.rs_out_h);
+        return Py_NewRef((PyObject *)owner);
     return PyMemoryView_FromObject((PyObject *)self);
 }
 

@@ -312,7 +312,7 @@ PyDoc_STRVAR(finish_reduce_doc,
              "pending, and on the host).");
 static PyObject *Unit_finish_reduce(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->u.core.reduce_pending && !self->u.host_pending)
+    if (!fs_unit_reducing(&self->u)) /* nothing to bind the streams for */
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
