@@ -135,42 +135,46 @@ void fs_group_drop_gather(fs_group_core *c)
     fs_held_release(&c->gather_held, &c->env);
 }
 
-fs_status fs_group_unshard_along(fs_group_core *own_core, int own, const fs_gather_members *m,
-                                 int n, int *failed)
+fs_status fs_group_unshard_along(const fs_gather_kind *k, fs_group_core *own_core, int own,
+                                 const void *along, int n, int *failed)
 {
     /* [Note: coalesced gathers]: parts of n members recorded, flushed once */
     fs_gather_batch batch;
     batch.nparts = 0;
     batch.nbytes = 0;
-    const int host = !own_core->link.dev;
-    /* who joined, in order (-1: own): each member adds a part at least */
-    int joined[FS_BATCH_MAX_PARTS + 1], njoined = 0;
-    int parts = m->parts(m->ctx, -1);
+    /* who joined, in order (the caller's own first): each member adds a part
+     * at least */
+    fs_group_core *joined[FS_BATCH_MAX_PARTS + 1];
+    int index[FS_BATCH_MAX_PARTS + 1], njoined = 0;
+    int parts = k->parts(own_core);
     fs_status s = FS_OK;
     *failed = -1;
     if (own) {
-        if (!own_core->unsharded)
-            joined[njoined++] = -1;
+        if (!own_core->unsharded) {
+            joined[njoined] = own_core;
+            index[njoined++] = -1;
+        }
         own_core->link.batch = &batch;
-        s = m->unshard(m->ctx, -1);
+        s = k->unshard(own_core, 0);
         own_core->link.batch = NULL;
     }
     for (int i = 0; i < n && s == FS_OK; i++) {
-        fs_group_core *c = m->core(m->ctx, i);
-        const int p = m->parts(m->ctx, i);
+        fs_group_core *c = k->member(along, i);
+        const int p = k->parts(c);
         if (c == own_core || c->unsharded || !p)
             continue;
         if (parts + p > FS_BATCH_MAX_PARTS)
             break;
         parts += p;
-        joined[njoined++] = i;
+        joined[njoined] = c;
+        index[njoined++] = i;
         c->link.batch = &batch;
-        s = m->unshard(m->ctx, i);
+        s = k->unshard(c, 1);
         c->link.batch = NULL;
         if (s != FS_OK)
             *failed = i;
     }
-    if (!host)
+    if (own_core->link.dev)
         return s; /* nothing was batched: each gather was issued on its own */
     /* nothing issued before the flush: every rank fails the same way or times out */
     if (s == FS_OK && (s = fs_gather_batch_flush(&batch, &own_core->link, &own_core->env)) !=
@@ -178,11 +182,11 @@ fs_status fs_group_unshard_along(fs_group_core *own_core, int own, const fs_gath
         s = fs_group_fail_comm(own_core, s, "all-gather", 0, "coalesced all_gather: %s",
                                own_core->link.comm->last_error);
     /* what reads the gathered blocks, or after a failure the bytes back */
-    for (int k = 0; k < njoined; k++) {
+    for (int m = 0; m < njoined; m++) {
         if (s != FS_OK)
-            m->abandon(m->ctx, joined[k]);
-        else if ((s = m->wait(m->ctx, joined[k])) != FS_OK)
-            *failed = joined[k];
+            k->abandon(joined[m]);
+        else if ((s = k->wait(joined[m])) != FS_OK)
+            *failed = index[m];
     }
     return s;
 }

@@ -106,39 +106,39 @@ fs_status fs_group_wait_gather(fs_group_core *c, fs_status (*then)(void *ctx), v
 /* A pending gather given up: unmarked, what it held given back. */
 void fs_group_drop_gather(fs_group_core *c);
 
-/* One kind's side of a batch gather (fs_group_unshard_along), for member i
- * of the caller's along list, or its own group for i = -1. */
+/* One kind's side of a batch gather (fs_group_unshard_along); each entry
+ * gets a core of that kind (the kind's first member). */
 typedef struct {
-    fs_group_core *(*core)(void *ctx, int i);
+    /* member i of an along list (an array of the kind's objects) */
+    fs_group_core *(*member)(const void *along, int i);
     /* the all-gathers its gather adds to a batch, at most; 0 for a group
      * whose gather moves nothing over the link, which does not join */
-    int (*parts)(void *ctx, int i);
+    int (*parts)(const fs_group_core *c);
     /* its gather, with the batch on its link: the caller's own a plain
      * unshard (which waits for a prefetch of its own when live), a member's
      * a prefetch */
-    fs_status (*unshard)(void *ctx, int i);
-    /* after the flush, for a member whose gather waited in the batch: what
+    fs_status (*unshard)(fs_group_core *c, int prefetch);
+    /* after the flush, for a group whose gather waited in the batch: what
      * reads its output (fs_group_wait_gather) */
-    fs_status (*wait)(void *ctx, int i);
-    /* after a failure, for a member that joined: not gathered, the bytes its
+    fs_status (*wait)(fs_group_core *c);
+    /* after a failure, for a group that joined: not gathered, the bytes its
      * gather was given taken back */
-    void (*abandon)(void *ctx, int i);
-    void *ctx;
-} fs_gather_members;
+    void (*abandon)(fs_group_core *c);
+} fs_gather_kind;
 
-/* [Note: coalesced gathers]: the caller's own group (when own) and the
- * members of m in order (n of them, on the same comm) gathered in one
+/* [Note: coalesced gathers]: the caller's own group (when own) and the n
+ * groups of `along` in order (k's kind, on the same comm) gathered in one
  * all-gather on the host. A member joins unless it is the caller's own,
  * gathered already, or moves nothing; the batch holds FS_BATCH_MAX_PARTS
  * all-gathers, the caller's own reserved: the first member that does not
  * fit ends it (the rest gather at their own event). After the flush each
- * member that joined is waited for. On any failure every group that joined
+ * group that joined is waited for. On any failure every group that joined
  * is abandoned, none is left marked gathered, and *failed is the index of
  * the member whose record says why, or -1 for the caller's own. On a
  * device nothing is batched: the gathers are issued one by one, the
  * members' as prefetches. */
-fs_status fs_group_unshard_along(fs_group_core *own_core, int own, const fs_gather_members *m,
-                                 int n, int *failed);
+fs_status fs_group_unshard_along(const fs_gather_kind *k, fs_group_core *own_core, int own,
+                                 const void *along, int n, int *failed);
 
 /* ---------------------------------------------------------------------------
  * reductions */

@@ -313,42 +313,32 @@ fs_status fs_shard_unshard(fs_shard_group *g, int defer)
     return s;
 }
 
-/* fs_group_unshard_along's callbacks: along[i] (g for i = -1) */
-typedef struct {
-    fs_shard_group *g;
-    fs_shard_group *const *along;
-} along_groups;
-
-static fs_shard_group *member(void *ctx, int i)
+/* The shard group's side of fs_group_unshard_along (group.h); a group's core
+ * is its first member. */
+static fs_group_core *member(const void *along, int i)
 {
-    const along_groups *a = ctx;
-    return i < 0 ? a->g : a->along[i];
+    return &((fs_shard_group *const *)along)[i]->core;
 }
 
-static fs_group_core *member_core(void *ctx, int i)
-{
-    return &member(ctx, i)->core;
-}
-
-static int member_parts(void *ctx, int i)
+static int parts(const fs_group_core *c)
 {
     return 1; /* one all-gather, or none at one rank (which gathers all the same) */
 }
 
-static fs_status member_unshard(void *ctx, int i)
+static fs_status unshard(fs_group_core *c, int prefetch)
 {
-    return fs_shard_unshard(member(ctx, i), i >= 0);
+    return fs_shard_unshard((fs_shard_group *)c, prefetch);
 }
 
-static fs_status member_wait(void *ctx, int i)
+static fs_status wait_gather(fs_group_core *c)
 {
-    return fs_shard_wait(member(ctx, i));
+    return fs_shard_wait((fs_shard_group *)c);
 }
 
 /* A gather recorded in a batch that failed: nothing was gathered. */
-static void member_abandon(void *ctx, int i)
+static void abandon(fs_group_core *c)
 {
-    fs_shard_group *g = member(ctx, i);
+    fs_shard_group *g = (fs_shard_group *)c;
     void *none;
     fs_group_drop_gather(&g->core);
     fs_group_drop(&g->core, &g->gathered_h);
@@ -356,13 +346,12 @@ static void member_abandon(void *ctx, int i)
     g->core.unsharded = 0;
 }
 
+static const fs_gather_kind shard_kind = {member, parts, unshard, wait_gather, abandon};
+
 fs_status fs_shard_unshard_along(fs_shard_group *g, int own, fs_shard_group *const *along,
                                  int n, int *failed)
 {
-    along_groups a = {g, along};
-    const fs_gather_members m = {member_core, member_parts, member_unshard, member_wait,
-                                 member_abandon, &a};
-    return fs_group_unshard_along(&g->core, own, &m, n, failed);
+    return fs_group_unshard_along(&shard_kind, &g->core, own, along, n, failed);
 }
 
 fs_status fs_shard_unshard_from(fs_shard_group *g, fs_link *post, void *chunk)

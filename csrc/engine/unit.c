@@ -270,44 +270,34 @@ fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch)
     return FS_OK;
 }
 
-/* fs_group_unshard_along's callbacks: along[i] (u for i = -1) */
-typedef struct {
-    fs_unit *u;
-    fs_unit *const *along;
-} along_units;
-
-static fs_unit *member(void *ctx, int i)
+/* The unit's side of fs_group_unshard_along (group.h); a unit's core is
+ * its first member. */
+static fs_group_core *member(const void *along, int i)
 {
-    const along_units *a = ctx;
-    return i < 0 ? a->u : a->along[i];
+    return &((fs_unit *const *)along)[i]->core;
 }
 
-static fs_group_core *member_core(void *ctx, int i)
+static int parts(const fs_group_core *c)
 {
-    return &member(ctx, i)->core;
-}
-
-static int member_parts(void *ctx, int i)
-{
-    const fs_unit *u = member(ctx, i);
+    const fs_unit *u = (const fs_unit *)c;
     return u->replicated ? 0 : u->ngroups; /* NO_SHARD: a local cast at most */
 }
 
-static fs_status member_unshard(void *ctx, int i)
+static fs_status unshard_compute(fs_group_core *c, int prefetch)
 {
-    return fs_unit_unshard(member(ctx, i), 0, i >= 0);
+    return fs_unit_unshard((fs_unit *)c, 0, prefetch);
 }
 
-static fs_status member_wait(void *ctx, int i)
+static fs_status wait_gather(fs_group_core *c)
 {
-    return fs_unit_wait(member(ctx, i));
+    return fs_unit_wait((fs_unit *)c);
 }
 
 /* A gather recorded in a batch that failed: nothing was gathered, and the
  * compute buffers' storages give their bytes back. */
-static void member_abandon(void *ctx, int i)
+static void abandon(fs_group_core *c)
 {
-    fs_unit *u = member(ctx, i);
+    fs_unit *u = (fs_unit *)c;
     for (int k = 0; k < u->ngroups; k++) {
         const fs_unit_group *g = &u->groups[k];
         void *storage = g->lp ? g->lp_storage : u->replicated ? NULL : g->storage, *none;
@@ -320,13 +310,12 @@ static void member_abandon(void *ctx, int i)
         u->full_unsharded = u->replicated;
 }
 
+static const fs_gather_kind unit_kind = {member, parts, unshard_compute, wait_gather, abandon};
+
 fs_status fs_unit_unshard_along(fs_unit *u, int own, fs_unit *const *along, int n,
                                 int *failed)
 {
-    along_units a = {u, along};
-    const fs_gather_members m = {member_core, member_parts, member_unshard, member_wait,
-                                 member_abandon, &a};
-    return fs_group_unshard_along(&u->core, own, &m, n, failed);
+    return fs_group_unshard_along(&unit_kind, &u->core, own, along, n, failed);
 }
 
 fs_status fs_unit_regather(fs_unit *u)
