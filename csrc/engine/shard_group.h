@@ -8,8 +8,9 @@
  * every parameter whole, each starting at a multiple of the alignment.
  * Gather: each local shard is cast into this rank's block of the gathered
  * buffer (the compute dtype), the blocks are all-gathered in place, and
- * each rank's rows copied out into the unsharded buffer. Reduce: every rank's rows of each unsharded gradient are
- * cast into that rank's block of the reduce-scatter input (the reduce
+ * each rank's rows copied out into the unsharded buffer. Reduce: every
+ * rank's rows of each unsharded gradient are cast into that rank's block of
+ * the reduce-scatter input (the reduce
  * dtype), divided before, in and after the collective as torch's fully_shard
  * divides ([Note: divide rule] in reduce_rule.h: the mean, or the divide
  * factor the user set), reduce-scattered (summed), summed across replicas
