@@ -409,7 +409,7 @@ def test_engine_driver_matches_unit_and_float64(driver, dist_pool, tmp_path, con
         raw, summary = engine[r]
         py_raw, py_actions, py_counts = python[r]
         assert summary["actions"] == py_actions, f"rank {r}: the state machine's actions differ"
-        assert {k: summary[k] for k in ("all_gather", "reduce")} == py_counts, r
+        assert all(summary[k] == py_counts[k] for k in ("all_gather", "reduce")), r
         if raw != py_raw:
             d_sh, d_full = split_output(raw, cfg, world)
             p_sh, p_full = split_output(py_raw, cfg, world)

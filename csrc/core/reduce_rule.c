@@ -39,3 +39,8 @@ fs_status fs_divide_rule(fs_divide_api api, fs_dtype reduce, int shard_world,
     *out = d;
     return FS_OK;
 }
+
+int fs_divide_fuses(fs_dtype out, fs_dtype reduce, int accumulate)
+{
+    return out == reduce && (!accumulate || reduce == FS_F32 || reduce == FS_F64);
+}

@@ -4,8 +4,9 @@
  * layouts (FSDP1's flat unit, fully_shard's shard group), as torch decides.
  *
  * Pure arithmetic on sizes and a dtype: no buffers, no Python, no device.
- * Both engines (engine/unit_reduce.c, engine/shard_group.c) and Python (through
- * _C.grad_divide) take their factors from here and from nowhere else.
+ * Both engines (engine/unit_reduce.c, engine/shard_group_reduce.c) and
+ * Python (through _C.grad_divide) take their factors from here and from
+ * nowhere else.
  *
  * [Note: divide rule] A gradient averaged over N ranks (the shard group's
  * size times the replicas' under HSDP) is divided by N, or by the factor a
@@ -59,5 +60,12 @@ typedef struct {
  * In *out, 1 means "no divide". */
 fs_status fs_divide_rule(fs_divide_api api, fs_dtype reduce, int shard_world,
                          int replicate_world, double factor, int force_sum, fs_divide *out);
+
+/* Whether the post divide can be fused into the cast of a reduce output
+ * (reduce dtype) into a gradient of dtype out (added to it when accumulate)
+ * with no bit changed: the same dtype, and an add that rounds the product as
+ * the reduce dtype does (float32, float64). Else the divide runs in place
+ * in the reduce dtype first, as torch's does. */
+int fs_divide_fuses(fs_dtype out, fs_dtype reduce, int accumulate);
 
 #endif

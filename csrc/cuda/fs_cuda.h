@@ -152,11 +152,12 @@ fs_status fs_nccl_wait(struct fs_comm *c, double timeout_s);
 int fs_nccl_version(void);
 
 /* ---------------------------------------------------------------------------
- * For flatshard._C's units (fs_device.h): glue/cuda/py_cuda.c exports the
- * cast and accumulate kernels and the NCCL stream/workspace setters as an
- * fs_device_api capsule (flatshard._C_cuda.device_api), and
+ * For flatshard._C's engine (fs_device.h): the cast and accumulate kernels
+ * and the NCCL stream/workspace setters as a device table (device_cuda.c),
+ * which glue/cuda/py_cuda.c exports as a capsule (flatshard._C_cuda.device_api);
  * NcclComm.capsule() (glue/cuda/py_nccl.c) exports the communicator's
- * fs_comm*, which the core drives through comm.h like any backend. */
+ * fs_comm*, which the engine drives through comm.h like any backend. */
+extern const fs_device_api fs_cuda_device_api;
 
 #ifdef __cplusplus
 }

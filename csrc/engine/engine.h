@@ -84,17 +84,21 @@ typedef struct {
  * costs more than they take). */
 #define FS_UNLOCK_NUMEL (1 << 16)
 
-/* Run a collective on a link, recorded in its ledger under `what`. */
+/* Run a collective on a link, recorded in its ledger under `tag`: the
+ * only way a collective is issued, by the engine and by the glue's Comm
+ * alike. The lock is handed back around it, unless the backend calls into
+ * the host's interpreter itself (comm.h: needs_gil). */
 #define FS_LINK_RUN(link, s, op, tag, count, dtype, expr)                                   \
     do {                                                                                  \
         fs_link *fs_l_ = (link);                                                          \
+        const int fs_unl_ = fs_l_->unlock && !fs_l_->comm->ops->needs_gil;                \
         uint64_t fs_seq_ = fs_l_->ledger ? fs_ledger_issue(fs_l_->ledger, op, tag, count, \
                                                            dtype)                         \
                                          : 0;                                             \
         fs_l_->comm->what = (tag);                                                        \
-        void *fs_tok_ = fs_l_->unlock ? fs_l_->unlock() : NULL;                           \
+        void *fs_tok_ = fs_unl_ ? fs_l_->unlock() : NULL;                                 \
         s = (expr);                                                                       \
-        if (fs_l_->unlock)                                                                \
+        if (fs_unl_)                                                                      \
             fs_l_->lock(fs_tok_);                                                         \
         fs_l_->comm->what = NULL;                                                         \
         if (fs_l_->ledger)                                                                \
@@ -124,7 +128,7 @@ typedef struct {
     const void *send;
     void *recv;
     int64_t size;         /* a batch's: per-rank bytes; a bucket's: recv elements */
-    void *owner;          /* a bucket's: the engine object that finishes it */
+    void *owner;          /* a bucket's: its fs_bucket_owner (group.h) */
 } fs_coalesced_part;
 
 struct fs_gather_batch {
@@ -146,14 +150,15 @@ fs_status fs_gather_batch_flush(fs_gather_batch *b, fs_link *l, const fs_env *en
 
 /* [Note: reduction buckets] The same for gradient reductions, across
  * engine calls: while a bucket is set on a host link, fs_link_reduce_scatter
- * records the call with its owner (the engine object that finishes it)
+ * records the call with its owner (group.h's fs_bucket_owner: how the engine
+ * object that made it finishes it)
  * instead of issuing it, and the caller holds its send and recv buffers
  * (as for a deferred reduction on a device) until the host flushes the
  * bucket: every part's rank-r block is copied into rank r's block of one
  * buffer, one reduce-scatter (a sum, so each element adds the same values in
  * the same order as alone: the bits do not change) lands this rank's block,
  * and each part's piece is copied to its recv. Then each owner finishes
- * (shard_group.h: fs_shard_finish_reduce). Parts share one dtype; the host decides
+ * (group.h: fs_group_flush_bucket). Parts share one dtype; the host decides
  * when to flush (a byte budget, the end of backward) from events every rank
  * sees in the same order. */
 struct fs_reduce_bucket {
@@ -186,6 +191,16 @@ fs_status fs_link_cast2d(const fs_link *l, void *stream, void *dst, int64_t dst_
 fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs_dtype dt,
                                    const void *src, fs_dtype st, int64_t n, double scale,
                                    int accumulate);
+
+/* [Note: divide rule] in reduce_rule.h, after the collective: src (n of
+ * st, the reduce dtype) divided by what the rule left (`post`; 1: nothing)
+ * and scaled by `scale` (a divide the collective itself would make: fused,
+ * as the collective would round it), then cast into dst (dt), added to it
+ * when accumulating; src == dst: in place. The post divide runs in st
+ * before the cast, as torch's does, unless fs_divide_fuses says fusing it
+ * into the cast changes no bits. */
+fs_status fs_link_divide_out(const fs_link *l, void *stream, void *dst, fs_dtype dt, void *src,
+                             fs_dtype st, int64_t n, double scale, double post, int accumulate);
 
 /* bfloat16/float16 reductions on a device stage through float32 (comm.h):
  * lend the link's backend count floats for the next collective (*h owns

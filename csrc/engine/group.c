@@ -23,7 +23,20 @@ void fs_group_core_destroy(fs_group_core *c)
         d->event_free(c->gather_event);
     if (d && c->reduce_event)
         d->event_free(c->reduce_event);
-    c->gather_event = c->reduce_event = NULL;
+    if (d && c->scatter_event)
+        d->event_free(c->scatter_event);
+    c->gather_event = c->reduce_event = c->scatter_event = NULL;
+}
+
+void fs_group_rename(fs_group_core *c, const char *name)
+{
+    snprintf(c->name, sizeof c->name, "%s", name);
+}
+
+void fs_group_set_streams(fs_group_core *c, void *stream, void *replicate_stream)
+{
+    c->link.stream = stream;
+    c->replicate.stream = replicate_stream;
 }
 
 fs_status fs_group_fail(fs_group_core *c, fs_status s, const char *what, int group,
@@ -83,10 +96,145 @@ fs_status fs_group_wait_mark(fs_group_core *c, void *event, const char *what,
     return FS_OK;
 }
 
-fs_status fs_group_flush_bucket(fs_reduce_bucket *b, fs_group_core *c, int group,
-                                const fs_bucket_owners *o, int *failed)
+/* ---------------------------------------------------------------------------
+ * gathers ([Note: gather mark]) */
+
+fs_status fs_group_mark_gather(fs_group_core *c, int defer)
+{
+    if (defer) {
+        fs_comm *cm = c->link.comm;
+        fs_status s = c->link.dev->record(cm, &c->gather_event, cm->last_error,
+                                          sizeof cm->last_error);
+        if (s != FS_OK)
+            return fs_group_fail(c, s, "unshard", 0, "marking a prefetched all-gather: %s",
+                                 cm->last_error);
+        c->n_deferred_gather++;
+    }
+    c->gather_pending = 1;
+    return FS_OK;
+}
+
+fs_status fs_group_wait_gather(fs_group_core *c, fs_status (*then)(void *ctx), void *ctx)
+{
+    if (!c->gather_pending)
+        return FS_OK;
+    fs_status s = fs_group_wait_mark(c, c->gather_event, "unshard", "a prefetched all-gather");
+    if (s != FS_OK)
+        return s;
+    c->gather_pending = 0;
+    if (then)
+        s = then(ctx);
+    /* the caller's stream orders the reuse of what the gather held */
+    fs_held_release(&c->gather_held, &c->env);
+    return s;
+}
+
+void fs_group_drop_gather(fs_group_core *c)
+{
+    c->gather_pending = 0;
+    fs_held_release(&c->gather_held, &c->env);
+}
+
+fs_status fs_group_unshard_along(const fs_gather_kind *k, fs_group_core *own_core, int own,
+                                 const void *along, int n, int *failed)
+{
+    /* [Note: coalesced gathers]: parts of n members recorded, flushed once */
+    fs_gather_batch batch;
+    batch.nparts = 0;
+    batch.nbytes = 0;
+    /* who joined, in order (the caller's own first): each member adds a part
+     * at least */
+    fs_group_core *joined[FS_BATCH_MAX_PARTS + 1];
+    int index[FS_BATCH_MAX_PARTS + 1], njoined = 0;
+    int parts = k->parts(own_core);
+    fs_status s = FS_OK;
+    *failed = -1;
+    if (own) {
+        if (!own_core->unsharded) {
+            joined[njoined] = own_core;
+            index[njoined++] = -1;
+        }
+        own_core->link.batch = &batch;
+        s = k->unshard(own_core, 0);
+        own_core->link.batch = NULL;
+    }
+    for (int i = 0; i < n && s == FS_OK; i++) {
+        fs_group_core *c = k->member(along, i);
+        const int p = k->parts(c);
+        if (c == own_core || c->unsharded || !p)
+            continue;
+        if (parts + p > FS_BATCH_MAX_PARTS)
+            break;
+        parts += p;
+        joined[njoined] = c;
+        index[njoined++] = i;
+        c->link.batch = &batch;
+        s = k->unshard(c, 1);
+        c->link.batch = NULL;
+        if (s != FS_OK)
+            *failed = i;
+    }
+    if (own_core->link.dev)
+        return s; /* nothing was batched: each gather was issued on its own */
+    /* nothing issued before the flush: every rank fails the same way or times out */
+    if (s == FS_OK && (s = fs_gather_batch_flush(&batch, &own_core->link, &own_core->env)) !=
+                          FS_OK)
+        s = fs_group_fail_comm(own_core, s, "all-gather", 0, "coalesced all_gather: %s",
+                               own_core->link.comm->last_error);
+    /* what reads the gathered blocks, or after a failure the bytes back */
+    for (int m = 0; m < njoined; m++) {
+        if (s != FS_OK)
+            k->abandon(joined[m]);
+        else if ((s = k->wait(joined[m])) != FS_OK)
+            *failed = index[m];
+    }
+    return s;
+}
+
+/* ---------------------------------------------------------------------------
+ * reductions */
+
+fs_status fs_group_all_reduce_replicas(fs_group_core *c, int group, void *buf, int64_t count,
+                                       fs_dtype t, int defer, void **post)
+{
+    fs_link *r = &c->replicate;
+    if (!r->comm)
+        return FS_OK;
+    const fs_device_api *d = c->link.dev;
+    fs_comm *sc = c->link.comm, *rc = r->comm;
+    fs_status s = FS_OK;
+    void *ws;
+    defer = defer && d;
+    if (defer &&
+        ((s = d->record(sc, &c->scatter_event, sc->last_error, sizeof sc->last_error)) != FS_OK ||
+         (s = d->wait(c->scatter_event, d->comm_stream(rc), sc->last_error,
+                      sizeof sc->last_error)) != FS_OK))
+        return fs_group_fail(c, s, "all-reduce", group,
+                             "ordering the replicas' all_reduce after the reduce_scatter: %s",
+                             sc->last_error);
+    if ((s = fs_link_lend(&c->env, r, t, count, &ws)) != FS_OK)
+        return fs_group_fail(c, s, "all-reduce", group, "out of memory");
+    if (defer)
+        d->set_defer(rc, 1);
+    FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, c->name, count, t,
+                fs_comm_all_reduce(rc, buf, count, t, FS_RED_SUM));
+    if (defer) {
+        d->set_defer(rc, 0);
+        *post = d->comm_stream(rc); /* ws is read on the replicas' stream until waited for */
+    }
+    fs_status s2 = fs_group_unlend(c, r, &ws, defer);
+    if (s != FS_OK)
+        return fs_group_fail_comm(c, s, "all-reduce", group, "all_reduce across replicas: %s",
+                                  rc->last_error);
+    if (s2 != FS_OK)
+        return fs_group_fail(c, s2, "all-reduce", group, "out of host memory");
+    return FS_OK;
+}
+
+fs_status fs_group_flush_bucket(fs_reduce_bucket *b, fs_group_core *c, int *failed)
 {
     const int n = b->nparts;
+    const int group = n ? ((const fs_bucket_owner *)b->part[0].owner)->group : -1;
     fs_status s = fs_reduce_bucket_flush(b, &c->link, &c->env);
     b->nparts = 0;
     b->count = 0;
@@ -95,18 +243,26 @@ fs_status fs_group_flush_bucket(fs_reduce_bucket *b, fs_group_core *c, int group
         fs_group_fail_comm(c, s, "reduce-scatter", group, "bucketed reduce_scatter: %s",
                            c->link.comm->last_error);
     for (int i = 0; i < n; i++) {
+        fs_bucket_owner *o = b->part[i].owner;
         if (s != FS_OK)
-            o->cancel(o->ctx, i);
-        else if ((s = o->finish(o->ctx, i)) != FS_OK)
+            o->cancel(o);
+        else if ((s = o->finish(o)) != FS_OK)
             *failed = i;
     }
     return s;
 }
 
-void fs_group_cancel_bucket(fs_reduce_bucket *b, const fs_bucket_owners *o)
+void fs_group_cancel_bucket(fs_reduce_bucket *b)
 {
-    for (int i = 0; i < b->nparts; i++)
-        o->cancel(o->ctx, i);
+    for (int i = 0; i < b->nparts; i++) {
+        fs_bucket_owner *o = b->part[i].owner;
+        o->cancel(o);
+    }
     b->nparts = 0;
     b->count = 0;
+}
+
+int fs_group_owns_part(const fs_group_core *c, const fs_reduce_bucket *b, int i)
+{
+    return i >= 0 && i < b->nparts && ((const fs_bucket_owner *)b->part[i].owner)->core == c;
 }

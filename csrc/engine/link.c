@@ -1,7 +1,8 @@
 /* link.c - what every engine object does on a link (engine.h): casts and
- * accumulations on the host or the device, float32 workspace for
- * low-precision reductions on a device, the handles a deferred
- * collective holds, and coalesced host all-gathers. */
+ * accumulations on the host or the device, the divide after a reduction,
+ * float32 workspace for low-precision reductions on a device, the handles a
+ * deferred collective holds, coalesced host all-gathers and reduction
+ * buckets. */
 #include "engine.h"
 
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <string.h>
 
 #include "copy.h"
+#include "reduce_rule.h"
 
 /* ---------------------------------------------------------------------------
  * held handles */
@@ -97,6 +99,24 @@ fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs
     fs_status s = fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
     l->lock(tok);
     return s;
+}
+
+fs_status fs_link_divide_out(const fs_link *l, void *stream, void *dst, fs_dtype dt, void *src,
+                             fs_dtype st, int64_t n, double scale, double post, int accumulate)
+{
+    if (post != 1.0) {
+        if (fs_divide_fuses(dt, st, accumulate)) {
+            scale /= post;
+        } else {
+            fs_status s = fs_link_scale_accumulate(l, stream, src, st, src, st, n, 1.0 / post, 0);
+            if (s != FS_OK)
+                return s;
+        }
+    }
+    if (src == dst && scale == 1.0)
+        return FS_OK;
+    return fs_link_scale_accumulate(l, stream, dst, dt, src, st, n, scale,
+                                    src == dst ? 0 : accumulate);
 }
 
 fs_status fs_link_lend(const fs_env *env, const fs_link *l, fs_dtype t, int64_t count,

@@ -78,6 +78,20 @@ void fs_unmap(void *ptr, size_t mapped)
     munmap(ptr, mapped);
 }
 
+static fs_pool process_pool;
+static pthread_once_t process_once = PTHREAD_ONCE_INIT;
+
+static void process_init(void)
+{
+    fs_pool_init(&process_pool, FS_POOL_KEEP_BLOCKS);
+}
+
+fs_pool *fs_pool_process(void)
+{
+    pthread_once(&process_once, process_init);
+    return &process_pool;
+}
+
 void fs_pool_init(fs_pool *p, int keep_blocks)
 {
     memset(p, 0, sizeof *p);

@@ -64,6 +64,15 @@ typedef struct {
     fs_pool_stats stats;
 } fs_pool;
 
+/* [Note: pool cache]: the blocks a process pool keeps to begin with: the
+ * unit being used and one prefetched, the gathers in flight at once. */
+#define FS_POOL_KEEP_BLOCKS 2
+
+/* The process's pool: one per process, like the C library's heap it stands
+ * in for (a block may come back from any thread, after every engine object
+ * is gone); made at the first call, keeping FS_POOL_KEEP_BLOCKS. */
+fs_pool *fs_pool_process(void);
+
 void fs_pool_init(fs_pool *p, int keep_blocks);
 /* Unmaps every block, in use or not: only when nothing refers to them. */
 void fs_pool_destroy(fs_pool *p);

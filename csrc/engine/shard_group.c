@@ -118,6 +118,7 @@ void fs_shard_set_shards(fs_shard_group *g, void *const *shards, const fs_dtype 
     int same = 1;
     for (int i = 0; i < g->nparams; i++) {
         g->params[i].shard = shards[i];
+        g->params[i].shard_t = shard_t[i];
         same = same && (!g->params[i].gathered || shard_t[i] == g->compute);
     }
     g->aliased = g->core.link.comm->world_size == 1 && same;
@@ -127,6 +128,7 @@ void fs_shard_set_full(fs_shard_group *g, void *full, void *storage)
 {
     g->full = full;
     g->storage = storage;
+    g->core.unsharded = 0;
 }
 
 /* ---------------------------------------------------------------------------
@@ -174,7 +176,7 @@ static fs_status copy_out(fs_shard_group *g, void *stream)
 /* One rank [Note: direct layout]: nothing to gather; the host's unsharded
  * parameters are the shards (aliased), or each shard is cast into the
  * unsharded buffer. */
-static fs_status unshard_alone(fs_shard_group *g, const fs_dtype *shard_t)
+static fs_status unshard_alone(fs_shard_group *g)
 {
     const fs_env *e = &g->core.env;
     const size_t es = fs_dtype_size(g->compute);
@@ -193,10 +195,10 @@ static fs_status unshard_alone(fs_shard_group *g, const fs_dtype *shard_t)
             if ((s = e->data(e->ctx, p->shard, &src)) != FS_OK ||
                 (s = fs_link_cast(&g->core.link, g->core.link.stream,
                                   (char *)full + p->full_offset * es,
-                                  g->compute, src, shard_t[i], n)) != FS_OK)
+                                  g->compute, src, p->shard_t, n)) != FS_OK)
                 return fs_group_fail(&g->core, s, "unshard", 0, s == FS_OK ? NULL : "cast: %s",
                                      g->core.link.comm->last_error);
-            fs_shard_count_copy(g, FS_SHARD_COPY_OUT, g->compute, shard_t[i], n);
+            fs_shard_count_copy(g, FS_SHARD_COPY_OUT, g->compute, p->shard_t, n);
         }
     }
     g->core.n_all_gather++; /* the gather torch issues (and counts) at one rank too */
@@ -207,11 +209,11 @@ static fs_status unshard_alone(fs_shard_group *g, const fs_dtype *shard_t)
 /* [Note: direct layout]: the shard is the all-gather input (cast into this
  * rank's rows of the unsharded buffer first in another compute dtype), the
  * unsharded buffer its output. */
-static fs_status gather_input(fs_shard_group *g, const fs_dtype *shard_t, const void **send,
-                              void **recv)
+static fs_status gather_input(fs_shard_group *g, const void **send, void **recv)
 {
     const fs_env *e = &g->core.env;
     const size_t es = fs_dtype_size(g->compute);
+    const fs_dtype st = g->params[0].shard_t;
     void *full, *src;
     fs_status s;
     if ((s = e->data(e->ctx, g->params[0].shard, &src)) != FS_OK ||
@@ -219,13 +221,13 @@ static fs_status gather_input(fs_shard_group *g, const fs_dtype *shard_t, const 
         return fs_group_fail(&g->core, s, "unshard", 0, NULL);
     *send = src;
     *recv = full;
-    if (shard_t[0] == g->compute || !g->gather_block_numel)
+    if (st == g->compute || !g->gather_block_numel)
         return FS_OK;
     char *mine = (char *)full + (size_t)g->core.link.comm->rank * g->gather_block_numel * es;
-    if ((s = fs_link_cast(&g->core.link, g->core.link.stream, mine, g->compute, src, shard_t[0],
+    if ((s = fs_link_cast(&g->core.link, g->core.link.stream, mine, g->compute, src, st,
                           g->gather_block_numel)) != FS_OK)
         return fs_group_fail(&g->core, s, "unshard", 0, "cast: %s", g->core.link.comm->last_error);
-    fs_shard_count_copy(g, FS_SHARD_COPY_IN, g->compute, shard_t[0], g->gather_block_numel);
+    fs_shard_count_copy(g, FS_SHARD_COPY_IN, g->compute, st, g->gather_block_numel);
     *send = mine;
     return FS_OK;
 }
@@ -233,8 +235,8 @@ static fs_status gather_input(fs_shard_group *g, const fs_dtype *shard_t, const 
 /* In place: each rank's rows are cast straight into its own block of the
  * gathered buffer, which is the all-gather's input. The padding at a
  * block's end is never copied out, so it is left as it comes. */
-static fs_status stage_gather_input(fs_shard_group *g, const fs_dtype *shard_t, int defer,
-                                    const void **send, void **recv)
+static fs_status stage_gather_input(fs_shard_group *g, int defer, const void **send,
+                                    void **recv)
 {
     const fs_env *e = &g->core.env;
     fs_link *l = &g->core.link;
@@ -247,25 +249,26 @@ static fs_status stage_gather_input(fs_shard_group *g, const fs_dtype *shard_t, 
     char *mine = (char *)g->gathered + (size_t)c->rank * g->gather_block_numel * es;
     for (int i = 0; i < g->nparams; i++) {
         const fs_dim0_entry *en = &g->gentries[i];
+        const fs_shard_param *p = &g->params[i];
         void *src;
-        if (!g->params[i].gathered || !en->local_rows || !en->row_numel)
+        if (!p->gathered || !en->local_rows || !en->row_numel)
             continue;
-        if ((s = e->data(e->ctx, g->params[i].shard, &src)) != FS_OK ||
+        if ((s = e->data(e->ctx, p->shard, &src)) != FS_OK ||
             (s = fs_link_cast(l, l->stream, mine + en->block_offset * es, g->compute, src,
-                              shard_t[i], en->local_rows * en->row_numel)) != FS_OK) {
+                              p->shard_t, en->local_rows * en->row_numel)) != FS_OK) {
             fs_group_drop(&g->core, &g->gathered_h);
             return fs_group_fail(&g->core, s, "unshard", 0, s == FS_OK ? NULL : "copy-in: %s",
                                  c->last_error);
         }
-        fs_shard_count_copy(g, FS_SHARD_COPY_IN, g->compute, shard_t[i],
-                           en->local_rows * en->row_numel);
+        fs_shard_count_copy(g, FS_SHARD_COPY_IN, g->compute, p->shard_t,
+                            en->local_rows * en->row_numel);
     }
     *send = mine;
     *recv = g->gathered;
     return FS_OK;
 }
 
-fs_status fs_shard_unshard(fs_shard_group *g, const fs_dtype *shard_t, int defer)
+fs_status fs_shard_unshard(fs_shard_group *g, int defer)
 {
     const fs_env *e = &g->core.env;
     fs_link *l = &g->core.link;
@@ -279,86 +282,76 @@ fs_status fs_shard_unshard(fs_shard_group *g, const fs_dtype *shard_t, int defer
     if (g->core.unsharded) /* a pending gather is waited for, unless this is a prefetch too */
         return defer ? FS_OK : fs_shard_wait(g);
     if (world == 1)
-        return unshard_alone(g, shard_t);
+        return unshard_alone(g);
     void *none;
     if ((s = e->set_storage(e->ctx, g->storage, g->full_alloc * (int64_t)es, &none)) != FS_OK)
         return fs_group_fail(&g->core, s, "unshard", 0, NULL);
     const void *send = NULL;
     void *recv = NULL;
-    if ((s = fs_shard_direct_layout(g) ? gather_input(g, shard_t, &send, &recv)
-                              : stage_gather_input(g, shard_t, defer, &send, &recv)) != FS_OK)
+    if ((s = fs_shard_direct_layout(g) ? gather_input(g, &send, &recv)
+                                       : stage_gather_input(g, defer, &send, &recv)) != FS_OK)
         return s;
     if (defer)
         l->dev->set_defer(c, 1);
     s = fs_link_all_gather(l, g->core.name, send, recv, g->gather_block_numel, g->compute);
-    if (defer) {
+    if (defer)
         l->dev->set_defer(c, 0);
-        if (s == FS_OK)
-            s = l->dev->record(c, &g->core.gather_event, c->last_error, sizeof c->last_error);
-    }
     if (s != FS_OK) {
         fs_group_drop(&g->core, &g->gathered_h);
         return fs_group_fail_comm(&g->core, s, "all-gather", 0, "all_gather: %s", c->last_error);
     }
+    if ((defer || batched) && (s = fs_group_mark_gather(&g->core, defer)) != FS_OK) {
+        fs_group_drop(&g->core, &g->gathered_h);
+        return s;
+    }
     g->core.n_all_gather++;
     g->core.unsharded = 1;
-    if (defer || batched) {
-        g->core.gather_pending = 1;
-        g->n_deferred_gather += defer;
+    if (defer || batched)
         return FS_OK;
-    }
     s = copy_out(g, l->stream);
     fs_group_drop(&g->core, &g->gathered_h);
     return s;
 }
 
-/* A recorded gather whose batch failed: nothing was gathered. */
-static void abandon(fs_shard_group *g)
+/* The shard group's side of fs_group_unshard_along (group.h); a group's core
+ * is its first member. */
+static fs_group_core *member(const void *along, int i)
 {
-    if (!g->core.gather_pending || g->core.link.dev)
-        return;
+    return &((fs_shard_group *const *)along)[i]->core;
+}
+
+static int parts(const fs_group_core *c)
+{
+    return 1; /* one all-gather, or none at one rank (which gathers all the same) */
+}
+
+static fs_status unshard(fs_group_core *c, int prefetch)
+{
+    return fs_shard_unshard((fs_shard_group *)c, prefetch);
+}
+
+static fs_status wait_gather(fs_group_core *c)
+{
+    return fs_shard_wait((fs_shard_group *)c);
+}
+
+/* A gather recorded in a batch that failed: nothing was gathered. */
+static void abandon(fs_group_core *c)
+{
+    fs_shard_group *g = (fs_shard_group *)c;
     void *none;
-    g->core.gather_pending = 0;
+    fs_group_drop_gather(&g->core);
     fs_group_drop(&g->core, &g->gathered_h);
     g->core.env.set_storage(g->core.env.ctx, g->storage, 0, &none);
     g->core.unsharded = 0;
 }
 
-fs_status fs_shard_unshard_along(fs_shard_group *g, const fs_dtype *own_t, int own,
-                                fs_shard_group *const *along, const fs_dtype *const *shard_t,
-                                int n, int *failed)
+static const fs_gather_kind shard_kind = {member, parts, unshard, wait_gather, abandon};
+
+fs_status fs_shard_unshard_along(fs_shard_group *g, int own, fs_shard_group *const *along,
+                                 int n, int *failed)
 {
-    fs_gather_batch batch;
-    batch.nparts = 0;
-    batch.nbytes = 0;
-    fs_status s = FS_OK;
-    *failed = -1;
-    g->core.link.batch = &batch;
-    if (own && !g->core.unsharded)
-        s = fs_shard_unshard(g, own_t, 0);
-    g->core.link.batch = NULL;
-    for (int i = 0; i < n && s == FS_OK; i++) {
-        if (along[i]->core.unsharded)
-            continue;
-        along[i]->core.link.batch = &batch;
-        s = fs_shard_unshard(along[i], shard_t[i], 0);
-        along[i]->core.link.batch = NULL;
-        if (s != FS_OK)
-            *failed = i;
-    }
-    if (s == FS_OK && (s = fs_gather_batch_flush(&batch, &g->core.link, &g->core.env)) != FS_OK)
-        s = fs_group_fail_comm(&g->core, s, "all-gather", 0, "coalesced all_gather: %s",
-                               g->core.link.comm->last_error);
-    /* the copy-outs, or after a failure the buffers back */
-    for (int i = -1; i < n; i++) {
-        fs_shard_group *x = i < 0 ? g : along[i];
-        if (s != FS_OK) {
-            abandon(x);
-        } else if ((s = fs_shard_wait(x)) != FS_OK) {
-            *failed = i;
-        }
-    }
-    return s;
+    return fs_group_unshard_along(&shard_kind, &g->core, own, along, n, failed);
 }
 
 fs_status fs_shard_unshard_from(fs_shard_group *g, fs_link *post, void *chunk)
@@ -386,25 +379,24 @@ fs_status fs_shard_unshard_from(fs_shard_group *g, fs_link *post, void *chunk)
     if (s != FS_OK)
         return fs_group_fail_comm(&g->core, s, "all-gather", 0, "all_gather after forward: %s",
                                   post->comm->last_error);
-    g->n_post_gather++;
+    g->core.n_post_gather++;
     g->core.unsharded = 1;
     return FS_OK;
 }
 
+/* After a pending gather was waited for: the copy-out, then the gathered
+ * blocks given back (the caller's stream orders their reuse). */
+static fs_status copied_out(void *ctx)
+{
+    fs_shard_group *g = ctx;
+    fs_status s = copy_out(g, g->core.link.stream);
+    fs_group_drop(&g->core, &g->gathered_h);
+    return s;
+}
+
 fs_status fs_shard_wait(fs_shard_group *g)
 {
-    if (!g->core.gather_pending)
-        return FS_OK;
-    g->core.gather_pending = 0;
-    fs_status s = fs_group_wait_mark(&g->core, g->core.gather_event, "unshard",
-                                     "a prefetched all-gather");
-    if (s != FS_OK) {
-        fs_group_drop(&g->core, &g->gathered_h);
-        return s;
-    }
-    s = copy_out(g, g->core.link.stream);
-    fs_group_drop(&g->core, &g->gathered_h); /* the caller's stream orders its reuse */
-    return s;
+    return fs_group_wait_gather(&g->core, copied_out, g);
 }
 
 fs_status fs_shard_reshard(fs_shard_group *g)

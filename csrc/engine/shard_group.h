@@ -8,8 +8,9 @@
  * every parameter whole, each starting at a multiple of the alignment.
  * Gather: each local shard is cast into this rank's block of the gathered
  * buffer (the compute dtype), the blocks are all-gathered in place, and
- * each rank's rows copied out into the unsharded buffer. Reduce: every rank's rows of each unsharded gradient are
- * cast into that rank's block of the reduce-scatter input (the reduce
+ * each rank's rows copied out into the unsharded buffer. Reduce: every
+ * rank's rows of each unsharded gradient are cast into that rank's block of
+ * the reduce-scatter input (the reduce
  * dtype), divided before, in and after the collective as torch's fully_shard
  * divides ([Note: divide rule] in reduce_rule.h: the mean, or the divide
  * factor the user set), reduce-scattered (summed), summed across replicas
@@ -22,9 +23,10 @@
  *
  * The same code runs on the host and on a device (the link's table): every
  * copy is a cast of a contiguous range; a block's padding is never read
- * (the gathered buffer is not kept between gathers). On a device a gather can be deferred (a
- * prefetch: the copy-out waits for fs_shard_wait) and so can a reduction (the
- * steps after the collective wait for fs_shard_finish_reduce).
+ * (the gathered buffer is not kept between gathers). On a device a gather
+ * can be deferred (a prefetch: the copy-out waits for fs_shard_wait, [Note:
+ * gather mark] in group.h) and so can a reduction (the steps after the
+ * collective wait for fs_shard_finish_reduce).
  *
  * [Note: reduce output] A reduction is the reduce-scatter into this rank's
  * block (rs_out: block_numel elements of the reduce dtype, each parameter's
@@ -82,6 +84,7 @@ typedef struct {
     int gathered;         /* 0: its class gathers it (an extension) */
     int64_t full_offset;  /* its start in the unsharded buffer, elements */
     void *shard;          /* tensor handle: this rank's rows, contiguous */
+    fs_dtype shard_t;     /* its dtype */
 } fs_shard_param;
 
 enum {
@@ -107,13 +110,14 @@ typedef struct {
     /* [Note: direct layout]: one rank, every gathered shard in the compute
      * dtype (set with the shards): the unsharded parameters are the shards */
     int aliased;
-    /* a deferred gather (core.gather_pending): the copy-out waits for the mark */
+    /* a pending gather (core.gather_pending): the copy-out waits for the mark */
     void *gathered, *gathered_h;
     /* a reduction left to finish (core.reduce_pending) [Note: reduce output]:
      * deferred (what follows the reduce-scatter waits for core.reduce_event),
      * or held */
     int reduce_deferred;
     int in_bucket;           /* its reduce-scatter waits in a host bucket (not issued) */
+    fs_bucket_owner bucket_owner; /* the bucket part's owner then (group.h) */
     int all_reduce;          /* HSDP: this reduction all-reduces (0: into partial) */
     int held;                /* held after collect, rs_out divided by divide.hold */
     fs_divide divide;        /* this reduction's factors ([Note: divide rule]) */
@@ -122,8 +126,6 @@ typedef struct {
     void **outs;             /* nparams tensor handles (held) or NULL */
     fs_dtype *out_t;
     int *accumulate;
-    /* besides core.n_all_gather and core.n_reduce (its reduce-scatters) */
-    unsigned long long n_deferred_gather, n_deferred_reduce, n_post_gather;
     unsigned long long copied_bytes[FS_SHARD_NCOPY]; /* [Note: copy counts] */
 } fs_shard_group;
 
@@ -139,21 +141,24 @@ void fs_shard_destroy(fs_shard_group *g);
 /* The local shards (tensor handles and dtypes, nparams), and the unsharded
  * buffer (tensor and storage handles), set again after the host moved them.
  * After set_shards, `aliased` says whether the host's unsharded parameters
- * must be the shards themselves [Note: direct layout]. */
+ * must be the shards themselves [Note: direct layout]. A new unsharded
+ * buffer is not gathered. Both must be set before a gather. */
 void fs_shard_set_shards(fs_shard_group *g, void *const *shards, const fs_dtype *shard_t);
 void fs_shard_set_full(fs_shard_group *g, void *full, void *storage);
 
 /* One all-gather of every rank's block, then the copy-out into the
- * unsharded buffer (given its storage first). defer: a device prefetch. */
-fs_status fs_shard_unshard(fs_shard_group *g, const fs_dtype *shard_t, int defer);
-/* g (when own) and the groups in along (those not gathered; the same host
- * comm) gathered in one all-gather ([Note: coalesced gathers] in
- * engine.h), each copied out after it; shard_t[k]: along[k]'s shard dtypes.
- * On failure *failed is the index in along of the group whose err says
- * why, or -1 for g. */
-fs_status fs_shard_unshard_along(fs_shard_group *g, const fs_dtype *own_t, int own,
-                                fs_shard_group *const *along, const fs_dtype *const *shard_t,
-                                int n, int *failed);
+ * unsharded buffer (given its storage first). defer: a device prefetch. A
+ * no-op when gathered, but for waiting on a prefetch unless this is one too. */
+fs_status fs_shard_unshard(fs_shard_group *g, int defer);
+/* g (when own) and the groups in along (the same host comm) gathered in one
+ * all-gather (group.h: fs_group_unshard_along chooses which join: not
+ * gathered, within the batch's parts), each copied out after it. On
+ * failure none is left marked gathered and *failed is the index in along of
+ * the group whose err says why, or -1 for g. */
+fs_status fs_shard_unshard_along(fs_shard_group *g, int own, fs_shard_group *const *along,
+                                 int n, int *failed);
+/* The caller's stream waits for a pending gather, then its copy-out
+ * ([Note: gather mark]). */
 fs_status fs_shard_wait(fs_shard_group *g);
 /* int reshard_after_forward: the unsharded buffer gathered again over a
  * smaller group `post`, from the 1/post-size chunk this rank kept (tensor
@@ -166,6 +171,7 @@ enum {
     FS_SHARD_NO_ALL_REDUCE = 2, /* HSDP: into the partial sum, nothing written */
     FS_SHARD_HOLD = 4,          /* stop for a hook before the sharded gradients */
     FS_SHARD_FORCE_SUM = 8,     /* torch's set_force_sum_reduction_for_comms(True) */
+    FS_SHARD_RESHARD = 16,      /* then free the unsharded buffer (post-backward, whole) */
 };
 
 /* grads[i]: the unsharded gradient (tensor handle, dtype grad_t[i], the
@@ -173,27 +179,22 @@ enum {
  * (out_t[i], this rank's rows) or NULL; accumulate[i]: add to it. factor >
  * 0: divide the sum by it, else average. FS_SHARD_HOLD: stop before the
  * sharded gradients with rs_out divided by the rule's hold (reduce_pending;
- * ignored with FS_SHARD_NO_ALL_REDUCE, which writes nothing). flags: FS_SHARD_*. */
+ * ignored with FS_SHARD_NO_ALL_REDUCE, which writes nothing). flags:
+ * FS_SHARD_*. bucket (a host link; NULL: none): the reduce-scatter joins it
+ * with g->bucket_owner as its owner ([Note: reduction buckets] in engine.h),
+ * and the rest waits for its flush (group.h: fs_group_flush_bucket). */
 fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype *grad_t,
-                         void *const *outs, const fs_dtype *out_t, const int *accumulate,
-                         double factor, unsigned flags);
+                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
+                          double factor, unsigned flags, fs_reduce_bucket *bucket);
 /* A deferred reduction: the stream waits for its reduce-scatter, then
  * collect is enqueued; a held rs_out is then ready on the stream. */
 fs_status fs_shard_wait_reduce(fs_shard_group *g);
 /* What is left of a reduction: the wait, collect, write. */
 fs_status fs_shard_finish_reduce(fs_shard_group *g);
-/* A host reduction whose bucket is given up without a flush ([Note:
- * reduction buckets]): its buffers go back, nothing is written. */
-void fs_shard_cancel_reduce(fs_shard_group *g);
-/* The bucket given up without a collective: each owner's reduction
- * cancelled, the bucket emptied. */
-void fs_shard_cancel_bucket(fs_reduce_bucket *b, fs_shard_group *const *owners);
-/* The bucket flushed through g's link, then each owner's reduction
- * finished (all cancelled after a failed flush), and the bucket emptied.
- * On failure *failed is the index of the group whose err says why, or -1
- * for g. */
-fs_status fs_shard_flush_bucket(fs_reduce_bucket *b, fs_shard_group *g,
-                               fs_shard_group *const *owners, int *failed);
+/* A held reduction's reduce output once collected ([Note: reduce output]):
+ * its data (block_numel elements of the reduce dtype, *nbytes) and the
+ * handle that owns it (*owner, taken from the host); NULL when none is. */
+void *fs_shard_reduce_output(const fs_shard_group *g, int64_t *nbytes, void **owner);
 /* Forget the HSDP partial sum (an iteration given up: reset_iter_state). */
 void fs_shard_drop_partial(fs_shard_group *g);
 

@@ -8,6 +8,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* a bucket part's owner (group.h), below */
+static fs_status finish_part(fs_bucket_owner *o);
+static void cancel_part(fs_bucket_owner *o);
+
 /* ---------------------------------------------------------------------------
  * reduce */
 
@@ -37,28 +41,19 @@ static fs_status collect(fs_shard_group *g)
                                  l->comm->last_error);
         return FS_OK;
     }
-    if (g->core.replicate.comm) {
-        fs_link *r = &g->core.replicate;
-        void *ws;
-        if (g->partial_h) {
-            s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->partial,
-                                         g->reduce, g->block_numel, 1.0, 1);
-            fs_group_drop(&g->core, &g->partial_h); /* the stream orders its reuse */
-            if (s != FS_OK)
-                return fs_group_fail(&g->core, s, "all-reduce", 0, "partial sum: %s",
-                                     l->comm->last_error);
-        }
-        if ((s = fs_link_lend(&g->core.env, r, g->reduce, g->block_numel, &ws)) != FS_OK)
-            return fs_group_fail(&g->core, s, "all-reduce", 0, "out of memory");
-        FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->core.name, g->block_numel, g->reduce,
-                    fs_comm_all_reduce(r->comm, g->rs_out, g->block_numel, g->reduce,
-                                       FS_RED_SUM));
-        fs_group_unlend(&g->core, r, &ws, 0);
+    if (g->partial_h) {
+        s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->partial, g->reduce,
+                                     g->block_numel, 1.0, 1);
+        fs_group_drop(&g->core, &g->partial_h); /* the stream orders its reuse */
         if (s != FS_OK)
-            return fs_group_fail_comm(&g->core, s, "all-reduce", 0,
-                                      "all_reduce across replicas: %s",
-                                      r->comm->last_error);
+            return fs_group_fail(&g->core, s, "all-reduce", 0, "partial sum: %s",
+                                 l->comm->last_error);
     }
+    /* after the reduce-scatter on the caller's stream (a deferred one was
+     * waited for first) */
+    if ((s = fs_group_all_reduce_replicas(&g->core, 0, g->rs_out, g->block_numel, g->reduce, 0,
+                                          NULL)) != FS_OK)
+        return s;
     /* a hook reads what torch's reads: the collective's own divide done */
     if (g->held && g->divide.in_comm != 1.0 &&
         (s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out, g->reduce,
@@ -68,11 +63,10 @@ static fs_status collect(fs_shard_group *g)
 }
 
 /* What the reduce output was not divided by yet, then each sharded
- * gradient. The post divide runs in the reduce dtype before the cast and the
- * add, as torch's does; fused into them where that changes no bits: the same
- * dtype, and an add that rounds its product as the reduce dtype does (f32,
- * f64). The collective's own divide stays fused, as the collective would
- * round it. */
+ * gradient (fs_link_divide_out). The post divide is fused into the writes
+ * only where it can be for every one of them; else it runs once, in place,
+ * over the whole output. The collective's own divide stays fused, as the
+ * collective would round it. */
 static fs_status write_grads(fs_shard_group *g)
 {
     fs_link *l = &g->core.link;
@@ -82,20 +76,16 @@ static fs_status write_grads(fs_shard_group *g)
     const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1;
     if (!writes(g))
         return FS_OK;
-    double scale = g->held ? 1.0 : 1.0 / g->divide.in_comm;
-    if (g->divide.post != 1.0) {
-        int same = 1;
-        for (int i = 0; i < g->nparams; i++)
-            same &= !g->outs[i] ||
-                    (g->out_t[i] == g->reduce &&
-                     (!g->accumulate[i] || g->reduce == FS_F32 || g->reduce == FS_F64));
-        if (same) {
-            scale /= g->divide.post;
-        } else if ((s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out,
-                                                 g->reduce, g->block_numel,
-                                                 1.0 / g->divide.post, 0)) != FS_OK) {
+    const double scale = g->held ? 1.0 : 1.0 / g->divide.in_comm;
+    double post = g->divide.post;
+    int fuses = 1;
+    for (int i = 0; i < g->nparams; i++)
+        fuses &= !g->outs[i] || fs_divide_fuses(g->out_t[i], g->reduce, g->accumulate[i]);
+    if (post != 1.0 && !fuses) {
+        if ((s = fs_link_scale_accumulate(l, l->stream, g->rs_out, g->reduce, g->rs_out,
+                                          g->reduce, g->block_numel, 1.0 / post, 0)) != FS_OK)
             return fs_group_fail(&g->core, s, "reduce-scatter", 0, "divide: %s", c->last_error);
-        }
+        post = 1.0;
     }
     const size_t rs = fs_dtype_size(g->reduce);
     for (int i = 0; i < g->nparams && s == FS_OK; i++) {
@@ -105,16 +95,15 @@ static fs_status write_grads(fs_shard_group *g)
             continue;
         if ((s = g->core.env.data(g->core.env.ctx, g->outs[i], &dst)) != FS_OK)
             return fs_group_fail(&g->core, s, "reduce-scatter", 0, NULL);
-        const char *src = (const char *)g->rs_out + e->block_offset * rs;
-        if (dst == src && scale == 1.0) /* reduced in place [Note: direct layout] */
-            continue;
-        s = fs_link_scale_accumulate(l, l->stream, dst, g->out_t[i], src, g->reduce,
-                                     e->local_rows * e->row_numel, scale, g->accumulate[i]);
+        /* dst == src: reduced in place [Note: direct layout] */
+        char *src = (char *)g->rs_out + e->block_offset * rs;
+        s = fs_link_divide_out(l, l->stream, dst, g->out_t[i], src, g->reduce,
+                               e->local_rows * e->row_numel, scale, post, g->accumulate[i]);
         if (s != FS_OK)
             return fs_group_fail(&g->core, s, "reduce-scatter", 0, "gradient: %s", c->last_error);
         if (!g->accumulate[i] && dst != src)
             fs_shard_count_copy(g, FS_SHARD_REDUCE_OUT, g->out_t[i], g->reduce,
-                               e->local_rows * e->row_numel);
+                                e->local_rows * e->row_numel);
     }
     return s;
 }
@@ -140,15 +129,13 @@ static fs_status reduce_alone(fs_shard_group *g, void *const *grads, const fs_dt
 {
     const fs_env *e = &g->core.env;
     fs_link *l = &g->core.link;
-    fs_link *r = g->core.replicate.comm ? &g->core.replicate : NULL;
     const size_t rs = fs_dtype_size(g->reduce);
     const fs_divide *d = &g->divide; /* [Note: divide rule]: pre, then the sum, then the rest */
     fs_status s = FS_OK;
-    const char *what = "reduce-scatter", *why = NULL;
-    int collective = 0;
+    const char *why = NULL; /* the failed step's name, for the record */
     for (int i = 0; i < g->nparams && s == FS_OK; i++) {
         const int64_t numel = fs_shard_param_numel(&g->params[i]);
-        void *src = NULL, *dst = NULL, *buf, *tmp_h = NULL, *ws;
+        void *src = NULL, *dst = NULL, *buf, *tmp_h = NULL;
         if ((!grads[i] && !outs[i]) || !numel)
             continue;
         if ((grads[i] && (s = e->data(e->ctx, grads[i], &src)) != FS_OK) ||
@@ -171,66 +158,40 @@ static fs_status reduce_alone(fs_shard_group *g, void *const *grads, const fs_dt
                 break;
             }
             if (src && (s = fs_link_cast(l, l->stream, buf, g->reduce, src, grad_t[i],
-                                         numel)) != FS_OK) {
-                fs_group_drop(&g->core, &tmp_h);
+                                         numel)) != FS_OK)
                 why = "copy-in";
-                break;
-            }
-            if (src)
+            else if (src)
                 fs_shard_count_copy(g, FS_SHARD_REDUCE_IN, g->reduce, grad_t[i], numel);
         }
-        if (d->pre != 1.0 && (s = fs_link_scale_accumulate(l, l->stream, buf, g->reduce, buf,
-                                                           g->reduce, numel, 1.0 / d->pre, 0)) !=
-                                 FS_OK) {
-            fs_group_drop(&g->core, &tmp_h);
+        if (s == FS_OK && d->pre != 1.0 &&
+            (s = fs_link_scale_accumulate(l, l->stream, buf, g->reduce, buf, g->reduce, numel,
+                                          1.0 / d->pre, 0)) != FS_OK)
             why = "divide";
-            break;
+        if (s == FS_OK && (s = fs_group_all_reduce_replicas(&g->core, 0, buf, numel, g->reduce, 0,
+                                                            NULL)) != FS_OK) {
+            fs_group_drop(&g->core, &tmp_h);
+            return s; /* recorded */
         }
-        if (r && (s = fs_link_lend(e, r, g->reduce, numel, &ws)) == FS_OK) {
-            FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, g->core.name, numel, g->reduce,
-                        fs_comm_all_reduce(r->comm, buf, numel, g->reduce, FS_RED_SUM));
-            fs_group_unlend(&g->core, r, &ws, 0);
-            if (s != FS_OK) {
-                what = "all-reduce";
-                collective = 1;
-                why = "all_reduce across replicas";
-            }
-        } else if (r) {
-            why = "out of memory";
-        }
-        /* the post divide fused into the write where that changes no bits
-         * (write_grads' rule) */
-        double scale = 1.0 / d->in_comm;
-        if (s == FS_OK && d->post != 1.0) {
-            if (dst && out_t[i] == g->reduce &&
-                (!accumulate[i] || g->reduce == FS_F32 || g->reduce == FS_F64))
-                scale /= d->post;
-            else if ((s = fs_link_scale_accumulate(l, l->stream, buf, g->reduce, buf, g->reduce,
-                                                   numel, 1.0 / d->post, 0)) != FS_OK)
-                why = "divide";
-        }
-        if (s == FS_OK && dst && !(dst == buf && scale == 1.0)) {
-            s = fs_link_scale_accumulate(l, l->stream, dst, out_t[i], buf, g->reduce, numel,
-                                         scale, accumulate[i]);
-            if (s != FS_OK)
+        if (s == FS_OK && dst) {
+            if ((s = fs_link_divide_out(l, l->stream, dst, out_t[i], buf, g->reduce, numel,
+                                        1.0 / d->in_comm, d->post, accumulate[i])) != FS_OK)
                 why = "gradient";
             else if (!accumulate[i] && dst != buf)
                 fs_shard_count_copy(g, FS_SHARD_REDUCE_OUT, out_t[i], g->reduce, numel);
         }
         fs_group_drop(&g->core, &tmp_h);
     }
-    if (s != FS_OK) {
-        fs_group_fail(&g->core, s, what, 0, why ? "%s: %s" : NULL, why,
-                      (collective ? r : l)->comm->last_error);
-        return collective ? fs_group_collective(&g->core, s) : s;
-    }
+    if (s != FS_OK)
+        return fs_group_fail(&g->core, s, "reduce-scatter", 0, why ? "%s: %s" : NULL, why,
+                             l->comm->last_error);
     g->core.n_reduce++; /* the reduction torch issues (and counts) at one rank too */
     return FS_OK;
 }
 
-fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype *grad_t,
-                         void *const *outs, const fs_dtype *out_t, const int *accumulate,
-                         double factor, unsigned flags)
+/* fs_shard_reduce but for its FS_SHARD_RESHARD */
+static fs_status reduce(fs_shard_group *g, void *const *grads, const fs_dtype *grad_t,
+                        void *const *outs, const fs_dtype *out_t, const int *accumulate,
+                        double factor, unsigned flags, fs_reduce_bucket *bucket)
 {
     const fs_env *e = &g->core.env;
     fs_link *l = &g->core.link;
@@ -239,7 +200,7 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
     const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1, rs = fs_dtype_size(g->reduce);
     const int defer = (flags & FS_SHARD_DEFER) && l->dev;
     /* [Note: reduction buckets]: kept like a deferred one until the flush */
-    const int bucketed = l->bucket && !l->dev;
+    const int bucketed = bucket && !l->dev;
     fs_status s;
     if (g->core.reduce_pending && (s = fs_shard_finish_reduce(g)) != FS_OK)
         return s;
@@ -338,7 +299,11 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
     }
     if (defer)
         l->dev->set_defer(c, 1);
-    s = fs_link_reduce_scatter(l, g->core.name, rs_in, g->rs_out, g->block_numel, g->reduce, g);
+    g->bucket_owner = (fs_bucket_owner){&g->core, 0, finish_part, cancel_part};
+    l->bucket = bucketed ? bucket : NULL;
+    s = fs_link_reduce_scatter(l, g->core.name, rs_in, g->rs_out, g->block_numel, g->reduce,
+                               &g->bucket_owner);
+    l->bucket = NULL;
     if (defer) {
         l->dev->set_defer(c, 0);
         if (s == FS_OK)
@@ -361,7 +326,7 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
     if (defer) {
         g->ws_h = ws;
         g->reduce_deferred = 1;
-        g->n_deferred_reduce++;
+        g->core.n_deferred_reduce++;
         return FS_OK;
     }
     fs_group_drop(&g->core, &ws);
@@ -372,6 +337,16 @@ fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype 
     if (s == FS_OK)
         s = write_grads(g);
     release_reduction(g);
+    return s;
+}
+
+fs_status fs_shard_reduce(fs_shard_group *g, void *const *grads, const fs_dtype *grad_t,
+                          void *const *outs, const fs_dtype *out_t, const int *accumulate,
+                          double factor, unsigned flags, fs_reduce_bucket *bucket)
+{
+    fs_status s = reduce(g, grads, grad_t, outs, out_t, accumulate, factor, flags, bucket);
+    if (s == FS_OK && (flags & FS_SHARD_RESHARD))
+        s = fs_shard_reshard(g);
     return s;
 }
 
@@ -407,37 +382,30 @@ fs_status fs_shard_finish_reduce(fs_shard_group *g)
     return s;
 }
 
-void fs_shard_cancel_reduce(fs_shard_group *g)
+void *fs_shard_reduce_output(const fs_shard_group *g, int64_t *nbytes, void **owner)
 {
-    g->in_bucket = 0;
-    if (g->core.reduce_pending && !g->core.link.dev)
-        release_reduction(g);
+    if (!g->core.reduce_pending || g->reduce_deferred || !g->rs_out_h)
+        return NULL;
+    *nbytes = g->block_numel * (int64_t)fs_dtype_size(g->reduce);
+    *owner = g->rs_out_h;
+    return g->rs_out;
 }
 
-/* a bucket's parts: owners[i]'s reduction (group.h's callbacks) */
-static fs_status finish_part(void *owners, int i)
+/* The bucket part's owner (group.h): g's reduction finished after the flush,
+ * or given up (its buffers back, nothing written). */
+static fs_status finish_part(fs_bucket_owner *o)
 {
-    fs_shard_group *g = ((fs_shard_group *const *)owners)[i];
+    fs_shard_group *g = (fs_shard_group *)o->core; /* the core is the group's first member */
     g->in_bucket = 0;
     return fs_shard_finish_reduce(g);
 }
 
-static void cancel_part(void *owners, int i)
+static void cancel_part(fs_bucket_owner *o)
 {
-    fs_shard_cancel_reduce(((fs_shard_group *const *)owners)[i]);
-}
-
-void fs_shard_cancel_bucket(fs_reduce_bucket *b, fs_shard_group *const *owners)
-{
-    const fs_bucket_owners o = {finish_part, cancel_part, (void *)owners};
-    fs_group_cancel_bucket(b, &o);
-}
-
-fs_status fs_shard_flush_bucket(fs_reduce_bucket *b, fs_shard_group *g,
-                               fs_shard_group *const *owners, int *failed)
-{
-    const fs_bucket_owners o = {finish_part, cancel_part, (void *)owners};
-    return fs_group_flush_bucket(b, &g->core, 0, &o, failed);
+    fs_shard_group *g = (fs_shard_group *)o->core;
+    g->in_bucket = 0;
+    if (g->core.reduce_pending && !g->core.link.dev)
+        release_reduction(g);
 }
 
 void fs_shard_drop_partial(fs_shard_group *g)

@@ -11,20 +11,7 @@
 #include "unit_internal.h"
 
 /* ---------------------------------------------------------------------------
- * kernels and memory */
-
-fs_status fs_unit_cast(fs_unit *u, void *stream, void *dst, fs_dtype dt, const void *src,
-                       fs_dtype st, int64_t n)
-{
-    return fs_link_cast(&u->core.link, stream, dst, dt, src, st, n);
-}
-
-fs_status fs_unit_scale_accumulate(fs_unit *u, void *stream, void *dst, fs_dtype dt,
-                                   const void *src, fs_dtype st, int64_t n, double scale,
-                                   int accumulate)
-{
-    return fs_link_scale_accumulate(&u->core.link, stream, dst, dt, src, st, n, scale, accumulate);
-}
+ * memory */
 
 static fs_status take(fs_unit *u, int64_t numel, fs_dtype t, void **data, void **handle)
 {
@@ -106,8 +93,6 @@ void fs_unit_destroy(fs_unit *u)
     }
     if (u->core.env.release)
         fs_group_drop(&u->core, &u->scratch_h);
-    if (u->core.link.dev && u->scatter_event)
-        u->core.link.dev->event_free(u->scatter_event);
     if (u->bucketed) {
         for (int i = 0; i < u->ngroups; i++)
             fs_unit_cancel_bucketed(u, i);
@@ -118,6 +103,11 @@ void fs_unit_destroy(fs_unit *u)
     u->groups = NULL;
     u->ngroups = 0;
     fs_group_core_destroy(&u->core);
+}
+
+void fs_unit_set_root(fs_unit *u, int is_root)
+{
+    u->cfg.is_root = is_root != 0;
 }
 
 fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsigned *actions)
@@ -139,7 +129,7 @@ fs_status fs_unit_dispatch(fs_unit *u, fs_event ev, const fs_unit_event_work *w,
     *failed = -1;
     *actions = 0;
     if (ev == FS_EV_FINALIZE)
-        s = fs_unit_wait_reduced(u);
+        s = fs_unit_finish_reduce(u);
     if (s == FS_OK)
         s = fs_unit_event(u, ev, w->flags, w->group, &act);
     if (s == FS_OK && (w->nalong || (w->coalesce && (act & FS_ACT_UNSHARD))))
@@ -147,12 +137,9 @@ fs_status fs_unit_dispatch(fs_unit *u, fs_event ev, const fs_unit_event_work *w,
     else if (s == FS_OK && (act & FS_ACT_UNSHARD))
         s = fs_unit_unshard(u, 0, 0);
     if (s == FS_OK && (ev == FS_EV_PRE_FORWARD || ev == FS_EV_PRE_BACKWARD))
-        s = fs_unit_ready(u);
-    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && w->grad && w->out) {
-        u->core.link.bucket = w->bucket;
-        s = fs_unit_reduce(u, w->group, w->grad, w->out, w->accumulate, w->defer);
-        u->core.link.bucket = NULL;
-    }
+        s = fs_unit_wait(u);
+    if (s == FS_OK && (act & FS_ACT_REDUCE_GRAD) && w->grad && w->out)
+        s = fs_unit_reduce(u, w->group, w->grad, w->out, w->accumulate, w->defer, w->bucket);
     if (s == FS_OK && (act & FS_ACT_RESHARD))
         s = fs_unit_reshard(u);
     *actions = act;
@@ -162,23 +149,9 @@ fs_status fs_unit_dispatch(fs_unit *u, fs_event ev, const fs_unit_event_work *w,
 /* ---------------------------------------------------------------------------
  * gathers */
 
-/* The caller's stream waits for a deferred gather ([Note: deferred collectives]). */
-static fs_status wait_gathered(fs_unit *u)
+fs_status fs_unit_wait(fs_unit *u)
 {
-    if (!u->core.gather_pending)
-        return FS_OK;
-    fs_status s = fs_group_wait_mark(&u->core, u->core.gather_event, "unshard",
-                                     "a prefetched all-gather");
-    if (s != FS_OK)
-        return s;
-    u->core.gather_pending = 0;
-    fs_held_release(&u->core.gather_held, &u->core.env);
-    return FS_OK;
-}
-
-fs_status fs_unit_ready(fs_unit *u)
-{
-    return wait_gathered(u);
+    return fs_group_wait_gather(&u->core, NULL, NULL); /* the gathers landed in place */
 }
 
 /* Gather every group's shard into `full` (full_precision) or into its
@@ -204,8 +177,8 @@ static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int
                 (s = e->data(e->ctx, g->shard, &sp)) != FS_OK ||
                 (s = e->data(e->ctx, g->lp, &dp)) != FS_OK)
                 return fs_group_fail(&u->core, s, "unshard", i, NULL);
-            if ((s = fs_unit_cast(u, u->core.link.stream, dp, g->compute, sp, g->dtype,
-                                  g->padded_numel)) != FS_OK)
+            if ((s = fs_link_cast(&u->core.link, u->core.link.stream, dp, g->compute, sp,
+                                  g->dtype, g->padded_numel)) != FS_OK)
                 return fs_group_fail(&u->core, s, "unshard", i, "cast: %s", c->last_error);
             continue;
         }
@@ -239,7 +212,8 @@ static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int
             sp = stage;
         }
         if (s == FS_OK && use_lp) { /* one pass: the master shard, cast to the compute dtype */
-            s = fs_unit_cast(u, on, g->lp_shard, g->compute, sp, g->dtype, g->shard_numel);
+            s = fs_link_cast(&u->core.link, on, g->lp_shard, g->compute, sp, g->dtype,
+                             g->shard_numel);
             sp = g->lp_shard;
         }
         /* Not in place: the shard is its own buffer, so that resharding can
@@ -257,23 +231,21 @@ static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int
     return FS_OK;
 }
 
+/* gather_groups, deferred on a device (a prefetch) or recorded in a host
+ * batch: then marked ([Note: gather mark]). */
 static fs_status gather(fs_unit *u, int full_precision, int defer)
 {
     const fs_device_api *d = u->core.link.dev;
-    defer = defer && d;
-    if (!defer)
-        return gather_groups(u, full_precision, 1, 0);
     fs_comm *c = u->core.link.comm;
-    d->set_defer(c, 1);
-    fs_status s = gather_groups(u, full_precision, 1, 1);
-    d->set_defer(c, 0);
-    if (s != FS_OK)
-        return s;
-    if ((s = d->record(c, &u->core.gather_event, c->last_error, sizeof c->last_error)) != FS_OK)
-        return fs_group_fail(&u->core, s, "unshard", 0, "marking a prefetched all-gather: %s",
-                             c->last_error);
-    u->core.gather_pending = 1;
-    return FS_OK;
+    defer = defer && d;
+    if (defer)
+        d->set_defer(c, 1);
+    fs_status s = gather_groups(u, full_precision, 1, defer);
+    if (defer)
+        d->set_defer(c, 0);
+    if (s == FS_OK && (defer || (u->core.link.batch && !d)))
+        s = fs_group_mark_gather(&u->core, defer);
+    return s;
 }
 
 static int is_mixed(const fs_unit *u)
@@ -286,7 +258,7 @@ fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch)
     int mixed = is_mixed(u);
     int *live = full_precision && mixed ? &u->full_unsharded : &u->core.unsharded;
     fs_status s;
-    if (!prefetch && (s = wait_gathered(u)) != FS_OK)
+    if (!prefetch && (s = fs_unit_wait(u)) != FS_OK)
         return s;
     if (*live)
         return FS_OK;
@@ -298,31 +270,52 @@ fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch)
     return FS_OK;
 }
 
+/* The unit's side of fs_group_unshard_along (group.h); a unit's core is
+ * its first member. */
+static fs_group_core *member(const void *along, int i)
+{
+    return &((fs_unit *const *)along)[i]->core;
+}
+
+static int parts(const fs_group_core *c)
+{
+    const fs_unit *u = (const fs_unit *)c;
+    return u->replicated ? 0 : u->ngroups; /* NO_SHARD: a local cast at most */
+}
+
+static fs_status unshard_compute(fs_group_core *c, int prefetch)
+{
+    return fs_unit_unshard((fs_unit *)c, 0, prefetch);
+}
+
+static fs_status wait_gather(fs_group_core *c)
+{
+    return fs_unit_wait((fs_unit *)c);
+}
+
+/* A gather recorded in a batch that failed: nothing was gathered, and the
+ * compute buffers' storages give their bytes back. */
+static void abandon(fs_group_core *c)
+{
+    fs_unit *u = (fs_unit *)c;
+    for (int k = 0; k < u->ngroups; k++) {
+        const fs_unit_group *g = &u->groups[k];
+        void *storage = g->lp ? g->lp_storage : u->replicated ? NULL : g->storage, *none;
+        if (storage)
+            u->core.env.set_storage(u->core.env.ctx, storage, 0, &none);
+    }
+    fs_group_drop_gather(&u->core);
+    u->core.unsharded = 0;
+    if (!is_mixed(u))
+        u->full_unsharded = u->replicated;
+}
+
+static const fs_gather_kind unit_kind = {member, parts, unshard_compute, wait_gather, abandon};
+
 fs_status fs_unit_unshard_along(fs_unit *u, int own, fs_unit *const *along, int n,
                                 int *failed)
 {
-    fs_gather_batch batch;
-    batch.nparts = 0;
-    batch.nbytes = 0;
-    fs_status s = FS_OK;
-    *failed = -1;
-    u->core.link.batch = &batch;
-    if (own)
-        s = fs_unit_unshard(u, 0, 0);
-    for (int i = 0; i < n && s == FS_OK; i++) {
-        along[i]->core.link.batch = &batch;
-        s = fs_unit_unshard(along[i], 0, 1);
-        along[i]->core.link.batch = NULL;
-        if (s != FS_OK)
-            *failed = i;
-    }
-    u->core.link.batch = NULL;
-    if (s != FS_OK)
-        return s; /* nothing issued: every rank fails the same way or times out */
-    if ((s = fs_gather_batch_flush(&batch, &u->core.link, &u->core.env)) != FS_OK)
-        return fs_group_fail_comm(&u->core, s, "all-gather", 0, "coalesced all_gather: %s",
-                                  u->core.link.comm->last_error);
-    return FS_OK;
+    return fs_group_unshard_along(&unit_kind, &u->core, own, along, n, failed);
 }
 
 fs_status fs_unit_regather(fs_unit *u)
@@ -330,7 +323,7 @@ fs_status fs_unit_regather(fs_unit *u)
     if (u->cfg.strategy == FS_NO_SHARD) /* the full buffer is the shard itself */
         return FS_OK;
     fs_status s;
-    if ((s = wait_gathered(u)) != FS_OK)
+    if ((s = fs_unit_wait(u)) != FS_OK)
         return s;
     int mixed = is_mixed(u);
     if (mixed && u->full_unsharded && !u->replicated) {
@@ -356,7 +349,7 @@ fs_status fs_unit_reshard(fs_unit *u)
         u->cfg.strategy == FS_SHARD_OPTIM)
         return FS_OK;
     fs_status s;
-    if ((s = wait_gathered(u)) != FS_OK)
+    if ((s = fs_unit_wait(u)) != FS_OK)
         return s;
     for (int i = 0; i < u->ngroups; i++) {
         fs_unit_group *g = &u->groups[i];

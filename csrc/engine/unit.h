@@ -25,11 +25,12 @@
  * full-precision shard gradient.
  *
  * [Note: deferred collectives] On a device, a prefetch issues its gathers
- * without making the caller's stream wait, and marks them (gather_event);
- * the caller's stream waits for the mark where the buffers are next used
- * (ready, a plain unshard, reshard). A deferred reduction enqueues the work
- * after the collective (divide, cast, accumulate) on the backend's stream
- * and holds every buffer it touches until wait_reduced. */
+ * without making the caller's stream wait, and marks them ([Note: gather
+ * mark] in group.h); the caller's stream waits for the mark where the
+ * buffers are next used (fs_unit_wait, a plain unshard, reshard). A
+ * deferred reduction enqueues the work after the collective (divide, cast,
+ * accumulate) on the backend's stream and holds every buffer it touches
+ * until fs_unit_finish_reduce. */
 #ifndef FS_UNIT_H
 #define FS_UNIT_H
 
@@ -55,8 +56,9 @@ typedef struct {
 } fs_unit_group;
 
 /* A group's reduction waiting in a host bucket ([Note: reduction buckets]
- * in engine.h): the bucket's part owner, and what finishing it needs. */
+ * in engine.h): the bucket part's owner, and what finishing it needs. */
 typedef struct {
+    fs_bucket_owner owner; /* this unit's core and group (group.h) */
     int pending;
     void *out;            /* tensor handle (held): the gradient written at the finish */
     void *grad;           /* tensor handle (held): the reduce-scatter's input, or NULL */
@@ -64,7 +66,7 @@ typedef struct {
     void *land;           /* where the reduce-scatter lands (out's data, red_out, land_h) */
     void *land_h;         /* taken for it, or NULL */
     fs_dtype land_t;
-    double scale;
+    double post;          /* the divide the rule left for after the collective */
     int accumulate;
 } fs_unit_bucketed;
 
@@ -80,7 +82,6 @@ typedef struct {
     void *scratch;        /* reduce-scatter landing area when accumulating */
     void *scratch_h;
     int64_t scratch_bytes;
-    void *scatter_event;  /* HYBRID_SHARD: the reduce-scatter the replicas' all-reduce follows */
     int host_pending;     /* offload: a copy to host memory the host has not waited for */
     fs_unit_bucketed *bucketed; /* ngroups: reductions waiting in a host bucket */
 } fs_unit;
@@ -93,18 +94,23 @@ fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
                        const fs_unit_group *groups, int ngroups, int offload);
 void fs_unit_destroy(fs_unit *u);
 
+/* Whether u is the root unit, which is not resharded after forward
+ * (unit_fsm.h: the configuration's is_root). */
+void fs_unit_set_root(fs_unit *u, int is_root);
+
 /* The state machine (unit_fsm.h), on this unit's configuration. */
 fs_status fs_unit_event(fs_unit *u, fs_event ev, unsigned flags, int group, unsigned *actions);
 
 /* Gather every group: the compute buffers, or the full-precision ones
  * (full_precision: summon, state dicts). A no-op when live, but for waiting
  * on a prefetch. prefetch: on a device, do not make the caller's stream wait
- * until fs_unit_ready, a plain unshard or reshard. */
+ * until fs_unit_wait, a plain unshard or reshard. */
 fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch);
-/* The compute buffers of u (when own) and of the units in along (those not
- * live; the same host comm) gathered in one all-gather ([Note: coalesced
- * gathers] in engine.h): the along units as fs_unit_unshard's prefetch.
- * On failure *failed is the index in along of the unit whose err says
+/* The compute buffers of u (when own) and of the units in along (the same
+ * host comm) gathered in one all-gather (group.h: fs_group_unshard_along
+ * chooses which join: not live, not NO_SHARD, within the batch's parts),
+ * the along units as fs_unit_unshard's prefetch. On failure none is left
+ * marked live and *failed is the index in along of the unit whose err says
  * why, or -1 for u. */
 fs_status fs_unit_unshard_along(fs_unit *u, int own, fs_unit *const *along, int n,
                                 int *failed);
@@ -112,7 +118,8 @@ fs_status fs_unit_unshard_along(fs_unit *u, int own, fs_unit *const *along, int 
  * optimizer step, after a state dict load); a live full-precision gather
  * under mixed precision is stale then, and is freed. */
 fs_status fs_unit_regather(fs_unit *u);
-fs_status fs_unit_ready(fs_unit *u);
+/* The caller's stream waits for a prefetched gather ([Note: gather mark]). */
+fs_status fs_unit_wait(fs_unit *u);
 /* Free every unsharded buffer (no-op if sharded, NO_SHARD or ZERO1). */
 fs_status fs_unit_reshard(fs_unit *u);
 
@@ -120,31 +127,23 @@ fs_status fs_unit_reshard(fs_unit *u);
  * group into `out`: the shard gradient (shard_numel of dtype), or under
  * ZERO1 the whole gradient (padded_numel of dtype). out = (accumulate ? out :
  * 0) + mean. `grad` is scratch, left undefined. Both are tensor handles; a
- * deferred reduction (defer, on a device) holds them until wait_reduced. */
+ * deferred reduction (defer, on a device) holds them until
+ * fs_unit_finish_reduce. bucket (a host link; NULL: none): a bucketable
+ * unit's reduce-scatter joins it ([Note: reduction buckets] in engine.h)
+ * with &u->bucketed[group].owner as its owner, and `out` is written when
+ * the bucket is flushed (group.h: fs_group_flush_bucket). */
 fs_status fs_unit_reduce(fs_unit *u, int group, void *grad, void *out, int accumulate,
-                         int defer);
-fs_status fs_unit_wait_reduced(fs_unit *u);
+                         int defer, fs_reduce_bucket *bucket);
+/* What is left of the deferred reductions: the caller's stream waits for
+ * them (and the host for an offload's copy to host memory), and their
+ * buffers are given back. */
+fs_status fs_unit_finish_reduce(fs_unit *u);
+/* Whether fs_unit_finish_reduce has anything to do. */
+int fs_unit_reducing(const fs_unit *u);
 /* Whether u's reductions can wait in a bucket: a host link, reduce-scattered
  * (not NO_SHARD's or SHARD_OPTIM's all-reduce), no replicas, no offload;
  * the others reduce at once. */
 int fs_unit_bucketable(const fs_unit *u);
-/* fs_unit_reduce with a bucket on the link records the reduce-scatter with
- * &u->bucketed[group] as its owner. After the flush, finish writes `out`;
- * cancel (a bucket given up) writes nothing. Both let the handles go. */
-fs_status fs_unit_finish_bucketed(fs_unit *u, int group);
-void fs_unit_cancel_bucketed(fs_unit *u, int group);
-/* The group of u whose bucketed reduction a bucket part's owner is, or -1
- * when it is none of u's. */
-int fs_unit_bucket_group(const fs_unit *u, const void *owner);
-/* The bucket given up without a collective: part i (owners[i]'s group
- * groups[i]) cancelled, the bucket emptied. */
-void fs_unit_cancel_bucket(fs_reduce_bucket *b, fs_unit *const *owners, const int *groups);
-/* The bucket flushed through u's link, then part i finished as
- * owners[i]'s group groups[i] (all cancelled after a failed flush), and the
- * bucket emptied. On failure *failed is the index of the unit whose err
- * says why, or -1 for u. */
-fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *owners,
-                               const int *groups, int *failed);
 
 /* What one event asks of the engine besides the state machine's step. */
 typedef struct {
@@ -158,11 +157,12 @@ typedef struct {
     int coalesce;            /* gather through a batch even with no along units */
 } fs_unit_event_work;
 
-/* An event, whole: the end of backward first waits for deferred
+/* An event, whole: the end of backward first finishes deferred
  * reductions; then the state machine's step (fs_unit_event), and the work
  * its actions leave to the engine, in this order: the gather (with along's
- * [Note: coalesced gathers]), ready after a pre-forward or pre-backward, the
- * reduction (FS_ACT_REDUCE_GRAD, w->grad and w->out given), the reshard.
+ * [Note: coalesced gathers]), the wait for it after a pre-forward or
+ * pre-backward, the reduction (FS_ACT_REDUCE_GRAD, w->grad and w->out
+ * given), the reshard.
  * *actions: the FS_ACT_* bits, for the host's own work (views, hooks). On
  * failure *failed is the index in along of the unit whose err says why, or
  * -1 for u. */

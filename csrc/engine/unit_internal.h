@@ -5,12 +5,8 @@
 
 #include "unit.h"
 
-/* copy.h's cast / scale_accumulate: the host loops, or the device table's
- * kernels enqueued on `stream`. */
-fs_status fs_unit_cast(fs_unit *u, void *stream, void *dst, fs_dtype dt, const void *src,
-                       fs_dtype st, int64_t n);
-fs_status fs_unit_scale_accumulate(fs_unit *u, void *stream, void *dst, fs_dtype dt,
-                                   const void *src, fs_dtype st, int64_t n, double scale,
-                                   int accumulate);
+/* A reduction waiting in a bucket given up: its handles let go, nothing
+ * written (a no-op when none waits). */
+void fs_unit_cancel_bucketed(fs_unit *u, int group);
 
 #endif

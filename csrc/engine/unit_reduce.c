@@ -10,46 +10,18 @@
 #include "reduce_rule.h"
 #include "unit_internal.h"
 
-/* HYBRID_SHARD: sum a reduce-scattered shard gradient across the replicas
- * too (its sum over the shard group is in buf). Deferred, the replicas'
- * stream first waits for the reduce-scatter on the shard group's stream,
- * and what follows runs on the replicas' stream (*post). */
-static fs_status across_replicas(fs_unit *u, void *buf, int64_t count, fs_dtype t, int defer,
-                                 void **post)
+/* a bucket part's owner (group.h), below */
+static fs_status finish_part(fs_bucket_owner *o);
+static void cancel_part(fs_bucket_owner *o);
+
+int fs_unit_reducing(const fs_unit *u)
 {
-    fs_link *r = &u->core.replicate;
-    if (!r->comm)
-        return FS_OK;
-    const fs_device_api *d = u->core.link.dev;
-    fs_comm *c = u->core.link.comm, *rc = r->comm;
-    fs_status s = FS_OK;
-    if (defer &&
-        ((s = d->record(c, &u->scatter_event, c->last_error, sizeof c->last_error)) != FS_OK ||
-         (s = d->wait(u->scatter_event, d->comm_stream(rc), c->last_error,
-                      sizeof c->last_error)) != FS_OK))
-        return s;
-    void *ws;
-    if ((s = fs_link_lend(&u->core.env, r, t, count, &ws)) != FS_OK)
-        return s;
-    if (defer)
-        d->set_defer(rc, 1);
-    FS_LINK_RUN(r, s, FS_LOP_ALL_REDUCE, u->core.name, count, t,
-                fs_comm_all_reduce(rc, buf, count, t, FS_RED_SUM));
-    if (defer) {
-        d->set_defer(rc, 0);
-        *post = d->comm_stream(rc); /* ws is read on the replicas' stream until waited for */
-    }
-    fs_status s2 = fs_group_unlend(&u->core, r, &ws, defer);
-    if (s == FS_OK)
-        s = s2;
-    if (s == FS_ERR_BACKEND)
-        snprintf(c->last_error, sizeof c->last_error, "across replicas: %s", rc->last_error);
-    return s;
+    return u->core.reduce_pending || u->host_pending;
 }
 
-fs_status fs_unit_wait_reduced(fs_unit *u)
+fs_status fs_unit_finish_reduce(fs_unit *u)
 {
-    if (!u->core.reduce_pending && !u->host_pending)
+    if (!fs_unit_reducing(u))
         return FS_OK;
     fs_comm *c = u->core.link.comm;
     fs_status s = FS_OK;
@@ -66,24 +38,6 @@ fs_status fs_unit_wait_reduced(fs_unit *u)
     u->core.reduce_pending = u->host_pending = 0;
     fs_held_release(&u->core.held, &u->core.env);
     return FS_OK;
-}
-
-/* After the collective: the output (src, of dtype st) divided by what the
- * rule left (scale = 1 / post), then cast (and added) into dst. The divide
- * runs in the reduce dtype before the cast, as torch's does, unless fusing
- * the two changes no bits: the same dtype, and an add that rounds the product
- * as that dtype does (f32, f64) ([Note: divide rule] in reduce_rule.h). */
-static fs_status divide_out(fs_unit *u, void *stream, void *dst, fs_dtype dt, void *src,
-                            fs_dtype st, int64_t n, double scale, int accumulate)
-{
-    if (scale != 1.0 && !(st == dt && (!accumulate || dt == FS_F32 || dt == FS_F64))) {
-        FS_CHECK(fs_unit_scale_accumulate(u, stream, src, st, src, st, n, scale, 0));
-        scale = 1.0;
-    }
-    if (src == dst && scale == 1.0)
-        return FS_OK;
-    return fs_unit_scale_accumulate(u, stream, dst, dt, src, st, n, scale,
-                                    src == dst ? 0 : accumulate);
 }
 
 /* Where an accumulating reduce-scatter lands: u->scratch, grown to nbytes.
@@ -110,7 +64,8 @@ static fs_status scratch(fs_unit *u, int64_t nbytes, int defer)
     return s;
 }
 
-fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumulate, int defer)
+fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumulate, int defer,
+                         fs_reduce_bucket *bucket)
 {
     if (gi < 0 || gi >= u->ngroups)
         return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, "reduce-scatter", gi,
@@ -124,7 +79,7 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
     const char *what = whole ? "all-reduce" : "reduce-scatter";
     /* [Note: reduction buckets]: recorded; the steps after it wait for the
      * flush, so what they read is held until then (as on a device) */
-    fs_unit_bucketed *pend = u->core.link.bucket && fs_unit_bucketable(u) ? &u->bucketed[gi] : NULL;
+    fs_unit_bucketed *pend = bucket && fs_unit_bucketable(u) ? &u->bucketed[gi] : NULL;
     if (pend && pend->pending)
         return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, what, gi, "unit '%s': group %d's last "
                              "reduction still waits in a bucket: flush it first", u->core.name, gi);
@@ -157,12 +112,12 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
         return fs_group_fail(&u->core, s, what, gi, "unit '%s': no divide rule for reduce dtype %s",
                              u->core.name, fs_dtype_name(g->reduce));
     void *red_in_h = NULL, *ws_h = NULL; /* per-reduction buffers */
+    int recorded = 0; /* a failure the step that failed recorded itself */
     /* The gradient arrives in the compute dtype; the collective runs in the
      * reduce dtype: the cast, then the pre divide in the reduce dtype (one
      * pass where the cast is exact: the same dtype or a wider one)
      * ([Note: mixed precision]). */
     void *src = gp;
-    const double post_scale = 1.0 / dv.post;
     if (g->reduce != g->compute || dv.pre != 1.0) {
         void *dst = gp;
         const int exact = g->reduce == g->compute ||
@@ -171,10 +126,10 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
             s = e->take(e->ctx, g->padded_numel * (int64_t)fs_dtype_size(g->reduce),
                         pend ? FS_TAKE_STAGING : FS_TAKE_TRANSIENT, &dst, &red_in_h);
         if (s == FS_OK)
-            s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, gp, g->compute,
+            s = fs_link_scale_accumulate(&u->core.link, pre, dst, g->reduce, gp, g->compute,
                                          g->padded_numel, exact ? 1.0 / dv.pre : 1.0, 0);
         if (s == FS_OK && !exact && dv.pre != 1.0)
-            s = fs_unit_scale_accumulate(u, pre, dst, g->reduce, dst, g->reduce,
+            s = fs_link_scale_accumulate(&u->core.link, pre, dst, g->reduce, dst, g->reduce,
                                          g->padded_numel, 1.0 / dv.pre, 0);
         src = dst;
     }
@@ -189,8 +144,8 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
                         g->reduce,
                         fs_comm_all_reduce(c, src, g->padded_numel, g->reduce, FS_RED_SUM));
         if (s == FS_OK)
-            s = divide_out(u, post, op, g->dtype, src, g->reduce, out_numel, post_scale,
-                           accumulate);
+            s = fs_link_divide_out(&u->core.link, post, op, g->dtype, src, g->reduce, out_numel,
+                                   1.0, dv.post, accumulate);
     } else {
         /* Where the reduce-scatter lands: the shard gradient itself when it
          * starts empty and keeps the dtype; else a buffer added into it. */
@@ -208,12 +163,15 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
                 land = u->scratch;
         }
         if (s == FS_OK && pend) {
+            u->core.link.bucket = bucket;
             s = fs_link_reduce_scatter(&u->core.link, u->core.name, src, land, g->shard_numel, lt,
-                                       pend);
+                                       &pend->owner);
+            u->core.link.bucket = NULL;
             if (s == FS_OK) {
-                *pend = (fs_unit_bucketed){1, e->hold(e->ctx, out),
+                *pend = (fs_unit_bucketed){{&u->core, gi, finish_part, cancel_part}, 1,
+                                           e->hold(e->ctx, out),
                                            red_in_h ? NULL : e->hold(e->ctx, grad), red_in_h,
-                                           land, land_h, lt, post_scale, accumulate};
+                                           land, land_h, lt, dv.post, accumulate};
                 red_in_h = land_h = NULL;
             }
             if (land_h)
@@ -231,16 +189,17 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
         if (s == FS_OK)
             FS_LINK_RUN(&u->core.link, s, FS_LOP_REDUCE_SCATTER, u->core.name, g->shard_numel, lt,
                         fs_comm_reduce_scatter(c, src, land, g->shard_numel, lt, FS_RED_SUM));
+        if (s == FS_OK && (s = fs_group_all_reduce_replicas(&u->core, gi, land, g->shard_numel,
+                                                             lt, defer, &post)) != FS_OK)
+            recorded = 1;
         if (s == FS_OK)
-            s = across_replicas(u, land, g->shard_numel, lt, defer, &post);
-        if (s == FS_OK)
-            s = divide_out(u, post, op, g->dtype, land, lt, g->shard_numel, post_scale,
-                           accumulate);
+            s = fs_link_divide_out(&u->core.link, post, op, g->dtype, land, lt, g->shard_numel,
+                                   1.0, dv.post, accumulate);
     }
     if (s == FS_OK && host_op) {
         s = d->copy(host_op, op, (size_t)out_numel * fs_dtype_size(g->dtype), post,
                     c->last_error, sizeof c->last_error);
-        u->host_pending = 1; /* the host waits before reading it (wait_reduced) */
+        u->host_pending = 1; /* the host waits before reading it (fs_unit_finish_reduce) */
     }
     fs_status ws_s = fs_group_unlend(&u->core, &u->core.link, &ws_h, defer && s == FS_OK);
     if (s == FS_OK)
@@ -253,6 +212,7 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
             s = d->record(last, &u->core.reduce_event, c->last_error, sizeof c->last_error);
         if (s == FS_OK) { /* what the enqueued work reads and writes stays alive */
             u->core.reduce_pending = 1;
+            u->core.n_deferred_reduce++;
             void *hg = e->hold(e->ctx, grad), *ho = e->hold(e->ctx, out);
             if (fs_held_add(&u->core.held, hg) < 0 || fs_held_add(&u->core.held, ho) < 0 ||
                 fs_held_add(&u->core.held, red_in_h) < 0 || fs_held_add(&u->core.held,
@@ -266,7 +226,8 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
     if (dev_out_h)
         e->release(e->ctx, dev_out_h);
     if (s != FS_OK)
-        return fs_group_fail_comm(&u->core, s, what, gi, "gradient reduction: %s", c->last_error);
+        return recorded ? s : fs_group_fail_comm(&u->core, s, what, gi, "gradient reduction: %s",
+                                                 c->last_error);
     u->core.n_reduce++;
     return FS_OK;
 }
@@ -290,8 +251,12 @@ static void let_go(fs_unit *u, fs_unit_bucketed *p)
             e->release(e->ctx, hs[i]);
 }
 
-fs_status fs_unit_finish_bucketed(fs_unit *u, int gi)
+/* The bucket's part owner's finish (group.h): `out` written from where the
+ * flushed reduce-scatter landed, the handles let go. */
+static fs_status finish_part(fs_bucket_owner *o)
 {
+    fs_unit *u = (fs_unit *)o->core; /* the core is the unit's first member */
+    const int gi = o->group;
     fs_unit_bucketed *p = &u->bucketed[gi];
     if (!p->pending)
         return FS_OK;
@@ -299,8 +264,8 @@ fs_status fs_unit_finish_bucketed(fs_unit *u, int gi)
     void *op;
     fs_status s = u->core.env.data(u->core.env.ctx, p->out, &op);
     if (s == FS_OK)
-        s = divide_out(u, u->core.link.stream, op, g->dtype, p->land, p->land_t, g->shard_numel,
-                       p->scale, p->accumulate);
+        s = fs_link_divide_out(&u->core.link, u->core.link.stream, op, g->dtype, p->land,
+                               p->land_t, g->shard_numel, 1.0, p->post, p->accumulate);
     let_go(u, p);
     if (s != FS_OK)
         return fs_group_fail(&u->core, s, "reduce-scatter", gi,
@@ -309,50 +274,13 @@ fs_status fs_unit_finish_bucketed(fs_unit *u, int gi)
     return FS_OK;
 }
 
-int fs_unit_bucket_group(const fs_unit *u, const void *owner)
+static void cancel_part(fs_bucket_owner *o)
 {
-    for (int i = 0; i < u->ngroups; i++)
-        if (owner == &u->bucketed[i])
-            return i;
-    return -1;
+    fs_unit_cancel_bucketed((fs_unit *)o->core, o->group);
 }
 
 void fs_unit_cancel_bucketed(fs_unit *u, int gi)
 {
     if (u->bucketed[gi].pending)
         let_go(u, &u->bucketed[gi]);
-}
-
-/* a bucket's parts: owners[i]'s group groups[i] (group.h's callbacks) */
-typedef struct {
-    fs_unit *const *owners;
-    const int *groups;
-} bucket_parts;
-
-static fs_status finish_part(void *ctx, int i)
-{
-    const bucket_parts *p = ctx;
-    return fs_unit_finish_bucketed(p->owners[i], p->groups[i]);
-}
-
-static void cancel_part(void *ctx, int i)
-{
-    const bucket_parts *p = ctx;
-    fs_unit_cancel_bucketed(p->owners[i], p->groups[i]);
-}
-
-void fs_unit_cancel_bucket(fs_reduce_bucket *b, fs_unit *const *owners, const int *groups)
-{
-    bucket_parts p = {owners, groups};
-    const fs_bucket_owners o = {finish_part, cancel_part, &p};
-    fs_group_cancel_bucket(b, &o);
-}
-
-fs_status fs_unit_flush_bucket(fs_reduce_bucket *b, fs_unit *u, fs_unit *const *owners,
-                               const int *groups, int *failed)
-{
-    const int first = b->nparts ? groups[0] : -1;
-    bucket_parts p = {owners, groups};
-    const fs_bucket_owners o = {finish_part, cancel_part, &p};
-    return fs_group_flush_bucket(b, &u->core, first, &o, failed);
 }

@@ -9,6 +9,7 @@
 #include <Python.h>
 
 #include "comm.h"
+#include "engine.h"
 #include "fs_device.h"
 #include "fs_status.h"
 #include "layout.h"
@@ -67,14 +68,13 @@ typedef struct {
  * for host Comms. -1 with an exception set if stream_fn failed. */
 int fs_comm_bind_stream(CommObject *self);
 
-/* A bfloat16/float16 reduction on a device stages through float32 (comm.h):
- * lend the backend total_numel floats from self->empty for one call (*owner
- * keeps them; NULL and a no-op for other dtypes and host Comms). -1 with an
- * exception set on failure. After the call, give them back: the caller's
- * stream already waits for the collective, so the allocator reuses them in
- * that stream's order (a deferred collective keeps *owner alive instead). */
-int fs_comm_lend_workspace(CommObject *self, int t, long long total_numel, PyObject **owner);
-void fs_comm_return_workspace(CommObject *self, PyObject **owner);
+/* py_env.c: the engine's host table over torch. `empty`: the address
+ * of the owner's allocator callable (NULL there: host memory). */
+fs_env fs_glue_env(PyObject **empty);
+/* The engine's view of a Comm (an empty link for NULL): its backend,
+ * ledger and device table, the GIL handed back around collectives and
+ * long loops. The stream is bound per call (py_group.c: fs_glue_group_bind). */
+fs_link fs_glue_link(CommObject *comm);
 
 fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out);
 /* `ledger` (may be NULL): the shm backend publishes its newest entry to the
@@ -84,36 +84,11 @@ fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t 
                              fs_comm **out, char *err, size_t err_cap);
 fs_status fs_shm_unlink(const char *name);
 
-/* Run a collective: without the GIL unless the backend calls Python. */
-#define FS_COMM_CALL(self, s, expr)                                    \
-    do {                                                               \
-        if ((self)->comm->ops->needs_gil) {                            \
-            s = (expr);                                                \
-        } else {                                                       \
-            Py_BEGIN_ALLOW_THREADS s = (expr);                         \
-            Py_END_ALLOW_THREADS                                       \
-        }                                                              \
-    } while (0)
-
-/* FS_COMM_CALL, recorded in the Comm's ledger: `unit` names what the
- * collective is for, `count` and `dtype` are its arguments. */
-#define FS_COMM_RECORD(self, s, op, unit, count, dtype, expr)                        \
-    do {                                                                           \
-        uint64_t fs_seq_ = fs_ledger_issue(&(self)->ledger, op, unit, count, dtype); \
-        (self)->comm->what = (unit);                                               \
-        FS_COMM_CALL(self, s, expr);                                               \
-        (self)->comm->what = NULL;                                                 \
-        fs_ledger_finish(&(self)->ledger, fs_seq_, s, (self)->dev != NULL);        \
-    } while (0)
-
 /* A collective through `self` failed and its exception is set: add this
  * rank's last ledger entries as a note, and call self.on_failure(exc) (set
  * by flatshard/runtime/diagnostics.py: it compares ledgers across ranks). Returns
  * NULL, with the exception still set. */
 PyObject *fs_comm_failed(CommObject *self);
-
-/* The optional last argument of each collective: what it is for (ledger). */
-#define TAG_DOC "\n`tag` (optional) says what it is for, in the ledger and in errors."
 
 /* None after a successful collective; else raise naming op and tag, with
  * the ledger's note (fs_comm_failed), and NULL. */

@@ -64,16 +64,30 @@ fs_reduce_bucket *fs_glue_bucket(PyTypeObject *any, PyObject *o)
     return &((BucketObject *)o)->b;
 }
 
-fs_reduce_bucket *fs_glue_bucket_args(PyTypeObject *any, PyObject *args, PyObject **owners)
+fs_reduce_bucket *fs_glue_bucket_args(GroupObject *self, PyObject *args, const char *op,
+                                      PyObject **owners)
 {
+    PyTypeObject *tp = Py_TYPE(self);
     PyObject *bo;
     fs_reduce_bucket *b;
-    if (!PyArg_ParseTuple(args, "OO", &bo, owners) || !(b = fs_glue_bucket(any, bo)))
+    if (!PyArg_ParseTuple(args, "OO", &bo, owners) || !(b = fs_glue_bucket(tp, bo)))
         return NULL;
     if (!PyTuple_Check(*owners) || PyTuple_GET_SIZE(*owners) != b->nparts) {
         PyErr_Format(PyExc_ValueError, "expected (bucket, a tuple of the owner of each of its "
                      "%d reductions, in order)", b->nparts);
         return NULL;
+    }
+    for (int i = 0; i < b->nparts; i++) {
+        PyObject *o = PyTuple_GET_ITEM(*owners, i);
+        if (Py_TYPE(o) != tp) {
+            PyErr_Format(PyExc_TypeError, "%s: owners[%d] is not a %s", op, i, tp->tp_name);
+            return NULL;
+        }
+        if (!fs_group_owns_part(FS_GROUP(o)->core, b, i)) {
+            PyErr_Format(PyExc_ValueError, "%s: the bucket's part %d is not owners[%d]'s", op, i,
+                         i);
+            return NULL;
+        }
     }
     return b;
 }

@@ -6,10 +6,14 @@
  * wraps a backend exported by another object (NCCL's, from flatshard._C_cuda)
  * with that device's kernels (fs_device.h) and orders every collective
  * against the caller's current stream. The facade in flatshard/runtime/comm.py
- * checks tensors before calling. Every
- * collective is recorded in the Comm's ledger (ledger.h), here and in the
- * engine (FS_LINK_RUN); a failed one raises with the ledger's last entries. */
+ * checks tensors before calling. A collective called here runs as the
+ * engine's do, on the Comm's link (engine.h): recorded in its ledger
+ * (ledger.h) by FS_LINK_RUN, with float32 staging lent by fs_link_lend; a
+ * failed one raises with the ledger's last entries. */
 #include "fs_py.h"
+
+/* The optional last argument of each collective: what it is for (ledger). */
+#define TAG_DOC "\n`tag` (optional) says what it is for, in the ledger and in errors."
 
 /* kind='device': wrap the fs_comm* exported by `owner` (FS_COMM_CAPSULE),
  * which stays owned (and is destroyed) by it. */
@@ -44,28 +48,6 @@ static PyObject *device_comm(PyTypeObject *tp, int rank, int world, PyObject *ca
     self->stream_fn = Py_NewRef(stream_fn);
     self->empty = Py_NewRef(empty);
     return (PyObject *)self;
-}
-
-int fs_comm_lend_workspace(CommObject *self, int t, long long total_numel, PyObject **owner)
-{
-    *owner = NULL;
-    if (!self->dev || (t != FS_BF16 && t != FS_F16))
-        return 0;
-    void *p;
-    *owner = PyObject_CallFunction(self->empty, "Li", total_numel ? total_numel : 1, FS_F32);
-    if (!*owner || fs_tensor_ptr(*owner, &p) < 0) {
-        Py_CLEAR(*owner);
-        return -1;
-    }
-    self->dev->set_workspace(self->comm, p, (size_t)total_numel * 4);
-    return 0;
-}
-
-void fs_comm_return_workspace(CommObject *self, PyObject **owner)
-{
-    if (*owner)
-        self->dev->set_workspace(self->comm, NULL, 0);
-    Py_CLEAR(*owner);
 }
 
 int fs_comm_bind_stream(CommObject *self)
@@ -179,8 +161,9 @@ PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char
 
 /* ---------------------------------------------------------------------------
  * collectives: each method parses its arguments into one record, and
- * collective() runs it (the caller's stream bound, float32 staging lent to a
- * device reduction, recorded in the ledger, raised as fs_comm_done says). */
+ * collective() runs it on the Comm's link (the caller's stream bound,
+ * float32 staging lent to a device reduction, recorded in the ledger,
+ * raised as fs_comm_done says). */
 
 typedef struct {
     fs_ledger_op op;
@@ -190,38 +173,44 @@ typedef struct {
     int dtype, average, root;
 } coll_args;
 
-static fs_status coll_run(CommObject *self, const coll_args *a)
+static fs_status coll_run(fs_comm *c, const coll_args *a)
 {
     fs_redop red = a->average ? FS_RED_AVG : FS_RED_SUM;
     switch (a->op) {
     case FS_LOP_ALL_GATHER:
-        return fs_comm_all_gather(self->comm, (void *)a->send, (void *)a->recv, a->count,
-                                  a->dtype);
+        return fs_comm_all_gather(c, (void *)a->send, (void *)a->recv, a->count, a->dtype);
     case FS_LOP_REDUCE_SCATTER:
-        return fs_comm_reduce_scatter(self->comm, (void *)a->send, (void *)a->recv, a->count,
-                                      a->dtype, red);
+        return fs_comm_reduce_scatter(c, (void *)a->send, (void *)a->recv, a->count, a->dtype,
+                                      red);
     case FS_LOP_ALL_REDUCE:
-        return fs_comm_all_reduce(self->comm, (void *)a->send, a->count, a->dtype, red);
+        return fs_comm_all_reduce(c, (void *)a->send, a->count, a->dtype, red);
     case FS_LOP_BROADCAST:
-        return fs_comm_broadcast(self->comm, (void *)a->send, a->count, a->dtype, a->root);
+        return fs_comm_broadcast(c, (void *)a->send, a->count, a->dtype, a->root);
     default:
-        return fs_comm_barrier(self->comm);
+        return fs_comm_barrier(c);
     }
 }
 
 static PyObject *collective(CommObject *self, const coll_args *a)
 {
     /* what a bfloat16/float16 reduction stages through on a device */
-    long long staged = a->op == FS_LOP_REDUCE_SCATTER ? a->count * self->comm->world_size
-                                                      : a->count;
-    int reduces = a->op == FS_LOP_REDUCE_SCATTER || a->op == FS_LOP_ALL_REDUCE;
-    PyObject *ws = NULL;
+    const long long staged = a->op == FS_LOP_REDUCE_SCATTER ? a->count * self->comm->world_size
+                                                            : a->count;
+    const int reduces = a->op == FS_LOP_REDUCE_SCATTER || a->op == FS_LOP_ALL_REDUCE;
+    const fs_env env = fs_glue_env(&self->empty);
+    fs_link l = fs_glue_link(self);
+    void *ws = NULL;
     if (fs_comm_bind_stream(self) < 0 ||
-        (reduces && fs_comm_lend_workspace(self, a->dtype, staged, &ws) < 0))
+        (reduces && fs_link_lend(&env, &l, a->dtype, staged, &ws) != FS_OK))
         return NULL;
     fs_status s;
-    FS_COMM_RECORD(self, s, a->op, a->tag, a->count, a->dtype, coll_run(self, a));
-    fs_comm_return_workspace(self, &ws);
+    FS_LINK_RUN(&l, s, a->op, a->tag, a->count, a->dtype, coll_run(self->comm, a));
+    /* the caller's stream waits for the collective: the allocator reuses
+     * the staging in that stream's order */
+    if (ws) {
+        fs_link_unlend(&l);
+        env.release(env.ctx, ws);
+    }
     return fs_comm_done(self, s, fs_ledger_op_name(a->op), a->tag);
 }
 

@@ -1,11 +1,13 @@
 /* py_env.c - the engine's host table (engine.h) over torch: tensors'
  * data pointers, storages given and taken their bytes ([Note: pooled
  * storage] in py_pool.c), memory for one operation, references held
- * across a deferred collective. Engine calls run with the GIL held (the
- * engine hands it back around collectives and long loops: the links'
- * unlock/lock); so do these entries. Every handle the engine releases is a Python object: a
- * tensor, or a capsule over host memory. ctx is the address of the owner's
- * `empty` (device memory from it; NULL: host memory). */
+ * across a deferred collective; and the engine's view of a Comm (its link)
+ * and an engine failure as an exception. Engine calls run with the GIL held
+ * (the engine hands it back around collectives and long loops: the links'
+ * unlock/lock); so do these entries. Every handle the engine releases is a
+ * Python object: a tensor, or a capsule over host memory. ctx is the
+ * address of the owner's `empty` (device memory from it; NULL: host
+ * memory). */
 #include "py_unit.h"
 
 #include <stdlib.h>
@@ -87,17 +89,7 @@ fs_env fs_glue_env(PyObject **empty)
 }
 
 /* ---------------------------------------------------------------------------
- * what the engine objects' glue shares (py_unit.c, py_shard_group.c) */
-
-int fs_glue_bind(CommObject *comm, CommObject *replicate, fs_link *link, fs_link *rep)
-{
-    if (fs_comm_bind_stream(comm) < 0 || (replicate && fs_comm_bind_stream(replicate) < 0))
-        return -1;
-    link->stream = comm->stream;
-    if (replicate)
-        rep->stream = replicate->stream;
-    return 0;
-}
+ * what the engine's callers share (py_comm.c, py_unit.c, py_shard_group.c) */
 
 static void *glue_unlock(void) { return PyEval_SaveThread(); }
 static void glue_lock(void *saved) { PyEval_RestoreThread(saved); }

@@ -1,14 +1,48 @@
 /* py_group.c - what flatshard._C.Unit (py_unit.c) and flatshard._C.ShardGroup
- * (py_shard_group.c) share: the head of both objects (FS_GROUP_OBJECT_HEAD
- * in py_unit.h), binding their Comms' streams for an engine call, an engine
- * failure as an exception, and the getters over the engine's group core
+ * (py_shard_group.c) share: the constructor's checks and the head of both
+ * objects (FS_GROUP_OBJECT_HEAD in py_unit.h), binding their Comms' streams
+ * for an engine call, the along and bucket arguments, an engine failure as
+ * an exception, and the getters over the engine's group core
  * (engine/group.h). Not a type of its own. */
 #include "py_unit.h"
 
-void fs_glue_group_init(GroupObject *self, fs_group_core *core, PyObject *name,
-                        PyObject *comm, PyObject *replicate, PyObject *empty)
+#include <string.h>
+
+/* "Unit" for flatshard._C.Unit */
+static const char *short_name(PyTypeObject *tp)
+{
+    const char *dot = strrchr(tp->tp_name, '.');
+    return dot ? dot + 1 : tp->tp_name;
+}
+
+int fs_glue_group_check(PyTypeObject *tp, const char *type, PyObject *comm, PyObject *replicate,
+                        PyObject *empty)
+{
+    PyTypeObject *ct = (PyTypeObject *)fs_state_from_type(tp)->CommType;
+    if (!PyObject_TypeCheck(comm, ct)) {
+        PyErr_Format(PyExc_TypeError, "%s: comm must be a flatshard._C.Comm", type);
+        return -1;
+    }
+    const fs_device_api *dev = ((CommObject *)comm)->dev;
+    if (replicate != Py_None &&
+        (!PyObject_TypeCheck(replicate, ct) || ((CommObject *)replicate)->dev != dev)) {
+        PyErr_Format(PyExc_TypeError, "%s: replicate must be a flatshard._C.Comm on the same "
+                     "device as comm", type);
+        return -1;
+    }
+    if ((dev != NULL) != (empty != Py_None) || (empty != Py_None && !PyCallable_Check(empty))) {
+        PyErr_Format(PyExc_TypeError, "%s: a Comm bound to a device needs "
+                     "empty=callable(numel, dtype_code) -> tensor, and only such a Comm", type);
+        return -1;
+    }
+    return 0;
+}
+
+void fs_glue_group_init(GroupObject *self, fs_group_core *core, fs_glue_done done,
+                        PyObject *name, PyObject *comm, PyObject *replicate, PyObject *empty)
 {
     self->core = core;
+    self->done = done;
     self->name = Py_NewRef(name);
     self->comm = (CommObject *)Py_NewRef(comm);
     self->replicate = replicate != Py_None ? (CommObject *)Py_NewRef(replicate) : NULL;
@@ -25,7 +59,11 @@ void fs_glue_group_clear(GroupObject *self)
 
 int fs_glue_group_bind(GroupObject *self)
 {
-    return fs_glue_bind(self->comm, self->replicate, &self->core->link, &self->core->replicate);
+    CommObject *r = self->replicate;
+    if (fs_comm_bind_stream(self->comm) < 0 || (r && fs_comm_bind_stream(r) < 0))
+        return -1;
+    fs_group_set_streams(self->core, self->comm->stream, r ? r->stream : NULL);
+    return 0;
 }
 
 PyObject *fs_glue_group_failed(GroupObject *self, fs_status s, int collective, PyObject *note)
@@ -33,6 +71,52 @@ PyObject *fs_glue_group_failed(GroupObject *self, fs_status s, int collective, P
     PyObject *r = fs_glue_failed(Py_TYPE(self), s, self->core->err, self->comm, collective, note);
     Py_XDECREF(note);
     return r;
+}
+
+Py_ssize_t fs_glue_group_along(GroupObject *self, PyObject *along, const char *op)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    if (!PyTuple_Check(along)) {
+        PyErr_Format(PyExc_TypeError, "%s: along must be a tuple of %ss", op, short_name(tp));
+        return -1;
+    }
+    if (self->comm->dev) {
+        PyErr_Format(PyExc_ValueError, "%s: along is for host Comms (a device's gathers are "
+                     "not coalesced)", op);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(along); i++) {
+        PyObject *o = PyTuple_GET_ITEM(along, i);
+        if (Py_TYPE(o) != tp || FS_GROUP(o)->comm != self->comm) {
+            PyErr_Format(PyExc_TypeError, "%s: along[%zd] is not a %s on the same Comm", op, i,
+                         short_name(tp));
+            return -1;
+        }
+    }
+    return PyTuple_GET_SIZE(along);
+}
+
+PyObject *fs_glue_group_flush_bucket(PyObject *self, PyObject *args)
+{
+    GroupObject *g = FS_GROUP(self);
+    PyObject *owners;
+    fs_reduce_bucket *b = fs_glue_bucket_args(g, args, "flush_bucket", &owners);
+    if (!b || fs_glue_group_bind(g) < 0)
+        return NULL;
+    int failed;
+    fs_status s = fs_group_flush_bucket(b, g->core, &failed);
+    GroupObject *by = failed < 0 ? g : FS_GROUP(PyTuple_GET_ITEM(owners, failed));
+    return by->done(by, s);
+}
+
+PyObject *fs_glue_group_cancel_bucket(PyObject *self, PyObject *args)
+{
+    PyObject *owners;
+    fs_reduce_bucket *b = fs_glue_bucket_args(FS_GROUP(self), args, "cancel_bucket", &owners);
+    if (!b)
+        return NULL;
+    fs_group_cancel_bucket(b);
+    Py_RETURN_NONE;
 }
 
 PyObject *fs_glue_group_get_name(GroupObject *self, void *closure)
@@ -58,4 +142,12 @@ PyObject *fs_glue_group_get_gather_pending(GroupObject *self, void *closure)
 PyObject *fs_glue_group_get_reduce_pending(GroupObject *self, void *closure)
 {
     return PyBool_FromLong(self->core->reduce_pending);
+}
+
+PyObject *fs_glue_group_get_counts(GroupObject *self, void *closure)
+{
+    const fs_group_core *c = self->core;
+    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", c->n_all_gather, "reduce", c->n_reduce,
+                         "deferred_gather", c->n_deferred_gather, "deferred_reduce",
+                         c->n_deferred_reduce, "post_gather", c->n_post_gather);
 }

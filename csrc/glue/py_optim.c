@@ -1,7 +1,8 @@
 /* py_optim.c - flatshard._C entry points of the fused CPU optimizer steps
  * (optim_cpu.c, chosen per size class by optim_tune.c). Buffers cross as
- * data pointers of contiguous fp32 tensors; python/flatshard/optim.py checks
- * them. The GIL is released for the step. */
+ * data pointers of contiguous fp32 tensors, which
+ * python/flatshard/optim/checks.py checks. The GIL is released for the
+ * step. */
 #include "fs_py.h"
 
 #include "optim.h"

@@ -12,7 +12,8 @@
  * swaps in a fresh empty storage and drops it, which runs the deleter. So
  * a resharded buffer still has a zero-byte storage, which is what the rest
  * of flatshard reads as "resharded". Device units keep storage resize_
- * (torch's caching allocator already reuses device blocks). */
+ * (torch's caching allocator already reuses device blocks). Host blocks come
+ * from the process's pool (pool.h: fs_pool_process). */
 #include "py_unit.h"
 
 #include <stdlib.h>
@@ -23,17 +24,10 @@
 #include "dlpack.h"
 #include "pool.h"
 
-/* One pool per process, like the C library's heap it stands in for: the
- * deleter of a pooled tensor may run on any thread, after any Unit is gone. */
-static fs_pool pool;
-static int pool_ready;
 static PyObject *from_dlpack; /* torch._C._from_dlpack (a capsule in, no Python
                                * wrapper around it), else torch.utils.dlpack's */
 static int have_swap = -1;    /* torch's UntypedStorage has _swap_data_ptr_ (else resize_) */
 static PyObject *storage_type; /* torch.UntypedStorage */
-
-/* Gathers in flight at once: the unit being used and one prefetched. */
-#define FS_POOL_KEEP_BLOCKS 2
 
 typedef struct {
     DLManagedTensor managed;
@@ -48,7 +42,7 @@ static void pooled_dl_delete(DLManagedTensor *self)
     if (o->mapped)
         fs_unmap(o->block, o->mapped);
     else
-        fs_pool_give(&pool, o->block);
+        fs_pool_give(fs_pool_process(), o->block);
     free(o);
 }
 
@@ -135,10 +129,10 @@ static PyObject *pooled_storage(int64_t nbytes, int cacheable)
         return NULL;
     fs_status s;
     if ((size_t)nbytes <= FS_POOL_SMALL_BYTES) { /* a cached block, or a short mapping */
-        s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
+        s = fs_pool_take(fs_pool_process(), (size_t)nbytes, cacheable, &o->block);
     } else {
         Py_BEGIN_ALLOW_THREADS /* mapping and faulting in a unit's pages takes a while */
-        s = fs_pool_take(&pool, (size_t)nbytes, cacheable, &o->block);
+        s = fs_pool_take(fs_pool_process(), (size_t)nbytes, cacheable, &o->block);
         Py_END_ALLOW_THREADS
     }
     if (s != FS_OK) {
@@ -205,7 +199,7 @@ done:
 void *fs_glue_take_staging(int64_t nbytes)
 {
     void *p = NULL;
-    if (fs_pool_take(&pool, (size_t)nbytes, 1, &p) != FS_OK)
+    if (fs_pool_take(fs_pool_process(), (size_t)nbytes, 1, &p) != FS_OK)
         return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host "
                             "memory for a gradient reduction: not enough memory",
                             (long long)nbytes);
@@ -215,7 +209,7 @@ void *fs_glue_take_staging(int64_t nbytes)
 void fs_glue_give_staging(void *p)
 {
     if (p)
-        fs_pool_give(&pool, p);
+        fs_pool_give(fs_pool_process(), p);
 }
 
 /* ---------------------------------------------------------------------------
@@ -227,7 +221,7 @@ PyDoc_STRVAR(pool_stats_doc,
              "peak_live_bytes, and counts of maps, reuses and unmaps.");
 static PyObject *py_pool_stats(PyObject *m, PyObject *Py_UNUSED(a))
 {
-    fs_pool_stats s = fs_pool_get_stats(&pool);
+    fs_pool_stats s = fs_pool_get_stats(fs_pool_process());
     return Py_BuildValue("{sKsKsKsKsKsK}", "live_bytes", (unsigned long long)s.live_bytes,
                          "cached_bytes", (unsigned long long)s.cached_bytes, "peak_live_bytes",
                          (unsigned long long)s.peak_live_bytes, "maps",
@@ -242,14 +236,15 @@ static PyObject *py_pool_trim(PyObject *m, PyObject *args)
     int idle_only = 0;
     if (!PyArg_ParseTuple(args, "|p", &idle_only))
         return NULL;
-    size_t r = idle_only ? fs_pool_trim_idle(&pool) : fs_pool_trim(&pool);
+    fs_pool *pool = fs_pool_process();
+    size_t r = idle_only ? fs_pool_trim_idle(pool) : fs_pool_trim(pool);
     return PyLong_FromSize_t(r);
 }
 
 PyDoc_STRVAR(pool_reset_peak_doc, "pool_reset_peak(): peak_live_bytes restarts from now.");
 static PyObject *py_pool_reset_peak(PyObject *m, PyObject *Py_UNUSED(a))
 {
-    fs_pool_reset_peak(&pool);
+    fs_pool_reset_peak(fs_pool_process());
     Py_RETURN_NONE;
 }
 
@@ -263,7 +258,7 @@ static PyObject *py_pool_set_keep(PyObject *m, PyObject *args)
         return NULL;
     if (keep < 0)
         return PyErr_Format(PyExc_ValueError, "pool_set_keep: blocks must be >= 0, got %d", keep);
-    fs_pool_set_keep(&pool, keep);
+    fs_pool_set_keep(fs_pool_process(), keep);
     Py_RETURN_NONE;
 }
 
@@ -340,9 +335,5 @@ static PyMethodDef pool_methods[] = {
 
 int fs_glue_pool_add(PyObject *module)
 {
-    if (!pool_ready) {
-        fs_pool_init(&pool, FS_POOL_KEEP_BLOCKS);
-        pool_ready = 1;
-    }
     return PyModule_AddFunctions(module, pool_methods);
 }

@@ -1,9 +1,10 @@
 /* py_shard_group.c - flatshard._C.ShardGroup: the Python face of one fully_shard
  * group on the engine (engine/shard_group.h). Argument parsing and the Python
- * objects behind the handles; the engine does the work without the GIL. */
+ * objects behind the handles; the engine does the work. As for units
+ * (py_unit.c), engine calls are made with the GIL held and the engine hands
+ * it back around collectives and long host loops (the links' unlock). */
 #include "py_unit.h"
 
-#include <stdio.h>
 #include <stdlib.h>
 
 #include "shard_group.h"
@@ -12,7 +13,6 @@ typedef struct {
     FS_GROUP_OBJECT_HEAD
     fs_shard_group g;
     PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
-    fs_dtype *shard_t;
     PyObject *full, *storage;
 } ShardGroupObject;
 
@@ -28,8 +28,10 @@ static PyObject *done(ShardGroupObject *self, fs_status s)
     return fs_glue_group_failed(FS_GROUP(self), s, g->err_collective, n);
 }
 
-/* The engine hands the GIL back itself where it blocks (links' unlock). */
-#define RUN(s, call) (s = (call))
+static PyObject *group_done(GroupObject *self, fs_status s)
+{
+    return done((ShardGroupObject *)self, s);
+}
 
 static int dtype_arg(PyObject *o, fs_dtype *t)
 {
@@ -57,14 +59,8 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
                                      &rows, &gathered, &align, &cdt, &rdt, &empty, &replicate,
                                      &outers))
         return NULL;
-    fs_mod_state *st = fs_state_from_type(tp);
-    if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType) ||
-        (replicate != Py_None && !PyObject_TypeCheck(replicate, (PyTypeObject *)st->CommType)))
-        return PyErr_Format(PyExc_TypeError, "ShardGroup: comm and replicate must be "
-                            "flatshard._C.Comm");
-    if ((((CommObject *)comm)->dev != NULL) != (empty != Py_None))
-        return PyErr_Format(PyExc_TypeError, "ShardGroup: a Comm bound to a device needs "
-                            "empty=callable(numel, dtype_code) -> tensor, and only such a Comm");
+    if (fs_glue_group_check(tp, "ShardGroup", comm, replicate, empty) < 0)
+        return NULL;
     if (cdt < 0 || cdt >= FS_DTYPE_COUNT || rdt < 0 || rdt >= FS_DTYPE_COUNT || align < 1)
         return PyErr_Format(PyExc_ValueError, "ShardGroup: invalid dtype code or alignment");
     Py_ssize_t n = 0, n2 = 0, n3 = 0;
@@ -88,18 +84,14 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         gi[i] = ga[i] != 0;
     if (!(self = (ShardGroupObject *)tp->tp_alloc(tp, 0)))
         goto out;
-    fs_glue_group_init(FS_GROUP(self), &self->g.core, name, comm, replicate, empty);
-    if (!(self->shard_t = calloc(n ? (size_t)n : 1, sizeof *self->shard_t))) {
-        PyErr_NoMemory();
-        Py_CLEAR(self);
-        goto out;
-    }
+    fs_glue_group_init(FS_GROUP(self), &self->g.core, group_done, name, comm, replicate,
+                       empty);
     fs_status s = fs_shard_init(&self->g, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
                                fs_glue_link(self->comm), fs_glue_link(self->replicate), (int)n,
                                ou, d0, rn, gi, align, cdt, rdt);
     self->ready = 1;
     if (s != FS_OK) {
-        fs_raise(st, s, "ShardGroup %U: %s", name, self->g.core.err);
+        fs_raise(fs_state_from_type(tp), s, "ShardGroup %U: %s", name, self->g.core.err);
         Py_CLEAR(self);
     }
 out:
@@ -116,7 +108,6 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     PyTypeObject *tp = Py_TYPE(self);
     if (self->ready)
         fs_shard_destroy(&self->g);
-    free(self->shard_t);
     Py_XDECREF(self->shards);
     Py_XDECREF(self->full);
     Py_XDECREF(self->storage);
@@ -133,36 +124,37 @@ static PyObject *ShardGroup_set_shards(ShardGroupObject *self, PyObject *args)
     PyObject *ts, *codes;
     if (!PyArg_ParseTuple(args, "OO", &ts, &codes))
         return NULL;
-    PyObject *tup = PySequence_Tuple(ts), *ct = tup ? PySequence_Tuple(codes) : NULL;
-    if (!ct) {
-        Py_XDECREF(tup);
-        return NULL;
-    }
-    int n = self->g.nparams;
+    const int n = self->g.nparams;
+    PyObject *tup = PySequence_Tuple(ts), *ct = tup ? PySequence_Tuple(codes) : NULL, *r = NULL;
+    void **h = NULL;
+    fs_dtype *t = NULL;
+    if (!ct)
+        goto done;
     if (PyTuple_GET_SIZE(tup) != n || PyTuple_GET_SIZE(ct) != n) {
-        Py_DECREF(tup);
-        Py_DECREF(ct);
-        return PyErr_Format(PyExc_ValueError, "set_shards: %d tensors and codes expected", n);
+        PyErr_Format(PyExc_ValueError, "set_shards: %d tensors and codes expected", n);
+        goto done;
     }
-    void **h = calloc(n ? (size_t)n : 1, sizeof *h);
-    for (int i = 0; h && i < n; i++) {
+    h = calloc(n ? (size_t)n : 1, sizeof *h);
+    t = calloc(n ? (size_t)n : 1, sizeof *t);
+    if (!h || !t) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int i = 0; i < n; i++) {
         h[i] = PyTuple_GET_ITEM(tup, i);
-        if (dtype_arg(PyTuple_GET_ITEM(ct, i), &self->shard_t[i]) < 0) {
-            free(h);
-            Py_DECREF(tup);
-            Py_DECREF(ct);
-            return NULL;
-        }
+        if (dtype_arg(PyTuple_GET_ITEM(ct, i), &t[i]) < 0)
+            goto done;
     }
-    Py_DECREF(ct);
-    if (!h) {
-        Py_DECREF(tup);
-        return PyErr_NoMemory();
-    }
-    fs_shard_set_shards(&self->g, h, self->shard_t);
+    fs_shard_set_shards(&self->g, h, t);
+    Py_XSETREF(self->shards, tup); /* the handles point into it */
+    tup = NULL;
+    r = Py_NewRef(Py_None);
+done:
     free(h);
-    Py_XSETREF(self->shards, tup);
-    Py_RETURN_NONE;
+    free(t);
+    Py_XDECREF(tup);
+    Py_XDECREF(ct);
+    return r;
 }
 
 PyDoc_STRVAR(set_full_doc, "set_full(tensor): the unsharded buffer (full_alloc elements of the\n"
@@ -174,7 +166,6 @@ static PyObject *ShardGroup_set_full(ShardGroupObject *self, PyObject *full)
         return NULL;
     Py_XSETREF(self->full, Py_NewRef(full));
     Py_XSETREF(self->storage, st);
-    self->g.core.unsharded = 0;
     fs_shard_set_full(&self->g, self->full, self->storage);
     Py_RETURN_NONE;
 }
@@ -187,36 +178,25 @@ static int settled(ShardGroupObject *self)
     return -1;
 }
 
-/* unshard with along: this group (when not gathered) and the groups of
- * `along` gathered in one all-gather. */
+/* unshard with along: this group and the groups of `along` gathered in one
+ * all-gather (the engine picks which join). */
 static PyObject *unshard_along(ShardGroupObject *self, PyObject *along)
 {
-    if (!PyTuple_Check(along))
-        return PyErr_Format(PyExc_TypeError, "unshard: along must be a tuple of ShardGroups");
-    if (self->comm->dev)
-        return PyErr_Format(PyExc_ValueError, "unshard: along is for host Comms (a device's "
-                            "gathers are not coalesced)");
-    fs_shard_group *groups[FS_BATCH_MAX_PARTS];
-    const fs_dtype *types[FS_BATCH_MAX_PARTS];
-    ShardGroupObject *objs[FS_BATCH_MAX_PARTS];
-    int n = 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(along) && n < FS_BATCH_MAX_PARTS - 1; i++) {
-        PyObject *o = PyTuple_GET_ITEM(along, i);
-        if (Py_TYPE(o) != Py_TYPE(self) || ((ShardGroupObject *)o)->comm != self->comm)
-            return PyErr_Format(PyExc_TypeError, "unshard: along[%zd] is not a ShardGroup on "
-                                "this group's Comm", i);
-        ShardGroupObject *a = (ShardGroupObject *)o;
-        if (a == self || a->g.core.unsharded)
-            continue;
-        if (settled(a) < 0)
+    Py_ssize_t n = fs_glue_group_along(FS_GROUP(self), along, "unshard");
+    if (n < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (settled((ShardGroupObject *)PyTuple_GET_ITEM(along, i)) < 0)
             return NULL;
-        objs[n] = a;
-        groups[n] = &a->g;
-        types[n++] = a->shard_t;
-    }
-    int failed = -1;
-    fs_status s = fs_shard_unshard_along(&self->g, self->shard_t, 1, groups, types, n, &failed);
-    return done(failed < 0 ? self : objs[failed], s);
+    fs_shard_group **groups = n ? PyMem_New(fs_shard_group *, n) : NULL;
+    if (n && !groups)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++)
+        groups[i] = &((ShardGroupObject *)PyTuple_GET_ITEM(along, i))->g;
+    int failed;
+    fs_status s = fs_shard_unshard_along(&self->g, 1, groups, (int)n, &failed);
+    PyMem_Free(groups);
+    return done(failed < 0 ? self : (ShardGroupObject *)PyTuple_GET_ITEM(along, failed), s);
 }
 
 static PyObject *ShardGroup_unshard(ShardGroupObject *self, PyObject *args, PyObject *kw)
@@ -233,9 +213,7 @@ static PyObject *ShardGroup_unshard(ShardGroupObject *self, PyObject *args, PyOb
                             "defer");
     if (along != Py_None)
         return unshard_along(self, along);
-    fs_status s;
-    RUN(s, fs_shard_unshard(&self->g, self->shard_t, defer));
-    return done(self, s);
+    return done(self, fs_shard_unshard(&self->g, defer));
 }
 
 static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
@@ -248,17 +226,12 @@ static PyObject *ShardGroup_unshard_from(ShardGroupObject *self, PyObject *args)
         ((CommObject *)comm)->dev != self->comm->dev)
         return PyErr_Format(PyExc_TypeError, "unshard_from: comm must be a flatshard._C.Comm "
                             "on this group's device");
-    CommObject *pc = (CommObject *)comm;
-    if (self->g.full_alloc % pc->comm->world_size)
-        return PyErr_Format(PyExc_ValueError, "unshard_from: a group of %d does not divide "
-                            "the unsharded buffer", pc->comm->world_size);
+    CommObject *pc = (CommObject *)comm; /* the engine checks that its size divides ours */
     if (fs_glue_group_bind(FS_GROUP(self)) < 0 || fs_comm_bind_stream(pc) < 0)
         return NULL;
     fs_link post = fs_glue_link(pc);
     post.stream = pc->stream;
-    fs_status s;
-    RUN(s, fs_shard_unshard_from(&self->g, &post, chunk));
-    return done(self, s);
+    return done(self, fs_shard_unshard_from(&self->g, &post, chunk));
 }
 
 static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -267,9 +240,7 @@ static PyObject *ShardGroup_wait(ShardGroupObject *self, PyObject *Py_UNUSED(a))
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_wait(&self->g));
-    return done(self, s);
+    return done(self, fs_shard_wait(&self->g));
 }
 
 static PyObject *ShardGroup_reshard(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -278,9 +249,7 @@ static PyObject *ShardGroup_reshard(ShardGroupObject *self, PyObject *Py_UNUSED(
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_reshard(&self->g));
-    return done(self, s);
+    return done(self, fs_shard_reshard(&self->g));
 }
 
 PyDoc_STRVAR(reduce_doc,
@@ -352,15 +321,10 @@ static PyObject *ShardGroup_reduce(ShardGroupObject *self, PyObject *args, PyObj
     }
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         goto out;
-    fs_status s;
-    self->g.core.link.bucket = bucket;
-    s = fs_shard_reduce(&self->g, gh, gt, oh, ot, acc, factor,
-                       (defer ? FS_SHARD_DEFER : 0) | (all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
-                           (hold ? FS_SHARD_HOLD : 0) | (force_sum ? FS_SHARD_FORCE_SUM : 0));
-    self->g.core.link.bucket = NULL;
-    if (s == FS_OK && reshard)
-        s = fs_shard_reshard(&self->g);
-    r = done(self, s);
+    const unsigned fl = (defer ? FS_SHARD_DEFER : 0) | (all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
+                        (hold ? FS_SHARD_HOLD : 0) | (force_sum ? FS_SHARD_FORCE_SUM : 0) |
+                        (reshard ? FS_SHARD_RESHARD : 0);
+    r = done(self, fs_shard_reduce(&self->g, gh, gt, oh, ot, acc, factor, fl, bucket));
 out:
     for (int k = 0; k < 5; k++)
         Py_XDECREF(seq[k]);
@@ -370,58 +334,15 @@ out:
     return r;
 }
 
-/* The bucket of args (bucket, groups), with `groups` checked to be its
- * parts' owners in its order (their engine groups into owners); NULL with
- * an exception set. */
-static fs_reduce_bucket *bucket_owners(ShardGroupObject *self, PyObject *args, PyObject **groupsp,
-                                       fs_shard_group **owners)
-{
-    fs_reduce_bucket *b = fs_glue_bucket_args(Py_TYPE(self), args, groupsp);
-    if (!b)
-        return NULL;
-    PyObject *groups = *groupsp;
-    for (int i = 0; i < b->nparts; i++) {
-        PyObject *o = PyTuple_GET_ITEM(groups, i);
-        owners[i] = &((ShardGroupObject *)o)->g;
-        if (Py_TYPE(o) != Py_TYPE(self) || owners[i] != b->part[i].owner) {
-            PyErr_Format(PyExc_ValueError, "flush_bucket: groups[%d] is not the bucket's "
-                         "part %d", i, i);
-            return NULL;
-        }
-    }
-    return b;
-}
-
 PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(bucket, groups): the reduce-scatters in the bucket as one, then\n"
-             "each group's reduction finished (its sharded gradients written). groups: the\n"
+             "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
+             "each group's reduction finished (its sharded gradients written). owners: the\n"
              "bucket's groups, in the order their reduce(bucket=True) calls came. After a\n"
              "failure no group keeps a pending reduction.");
-static PyObject *ShardGroup_flush_bucket(ShardGroupObject *self, PyObject *args)
-{
-    PyObject *groups;
-    fs_shard_group *owners[FS_BATCH_MAX_PARTS];
-    fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
-    if (!b || fs_glue_group_bind(FS_GROUP(self)) < 0)
-        return NULL;
-    int failed = -1;
-    fs_status s = fs_shard_flush_bucket(b, &self->g, owners, &failed);
-    return done(failed < 0 ? self : (ShardGroupObject *)PyTuple_GET_ITEM(groups, failed), s);
-}
 
 PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(bucket, groups): give the bucket up without a collective (a\n"
+             "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
              "backward that did not finish): the groups' reductions are dropped.");
-static PyObject *ShardGroup_cancel_bucket(ShardGroupObject *self, PyObject *args)
-{
-    PyObject *groups;
-    fs_shard_group *owners[FS_BATCH_MAX_PARTS];
-    fs_reduce_bucket *b = bucket_owners(self, args, &groups, owners);
-    if (!b)
-        return NULL;
-    fs_shard_cancel_bucket(b, owners);
-    Py_RETURN_NONE;
-}
 
 static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
@@ -429,9 +350,7 @@ static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_U
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_finish_reduce(&self->g));
-    return done(self, s);
+    return done(self, fs_shard_finish_reduce(&self->g));
 }
 
 static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -440,30 +359,24 @@ static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNU
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_wait_reduce(&self->g));
-    return done(self, s);
+    return done(self, fs_shard_wait_reduce(&self->g));
 }
 
 /* The reduce output of a reduction left to finish, once collected: a host
  * group exports it through the buffer protocol, each export holding the
  * memory's handle, so that a tensor over it outlives finish_reduce(). */
-static int reduce_output_ready(ShardGroupObject *self)
-{
-    return self->g.core.reduce_pending && !self->g.reduce_deferred && self->g.rs_out_h;
-}
-
 static int ShardGroup_getbuffer(ShardGroupObject *self, Py_buffer *view, int flags)
 {
-    if (self->empty || !reduce_output_ready(self)) {
+    int64_t nbytes;
+    void *owner, *data = self->empty ? NULL : fs_shard_reduce_output(&self->g, &nbytes, &owner);
+    if (!data) {
         PyErr_Format(PyExc_BufferError, "ShardGroup %U: no reduce output is held (a host "
                      "group, between reduce(hold=True) and finish_reduce())", self->name);
         return -1;
     }
-    Py_ssize_t nbytes = (Py_ssize_t)(self->g.block_numel * (int64_t)fs_dtype_size(self->g.reduce));
-    if (PyBuffer_FillInfo(view, (PyObject *)self, self->g.rs_out, nbytes, 0, flags) < 0)
+    if (PyBuffer_FillInfo(view, (PyObject *)self, data, (Py_ssize_t)nbytes, 0, flags) < 0)
         return -1;
-    view->internal = Py_NewRef((PyObject *)self->g.rs_out_h);
+    view->internal = Py_NewRef((PyObject *)owner);
     return 0;
 }
 
@@ -474,10 +387,12 @@ static void ShardGroup_releasebuffer(ShardGroupObject *self, Py_buffer *view)
 
 static PyObject *ShardGroup_get_reduce_output(ShardGroupObject *self, void *c)
 {
-    if (!reduce_output_ready(self))
+    int64_t nbytes;
+    void *owner;
+    if (!fs_shard_reduce_output(&self->g, &nbytes, &owner))
         Py_RETURN_NONE;
     if (self->empty) /* a device group: the uint8 tensor `empty` made */
-        return Py_NewRef((PyObject *)self->g.rs_out_h);
+        return Py_NewRef((PyObject *)owner);
     return PyMemoryView_FromObject((PyObject *)self);
 }
 
@@ -498,9 +413,7 @@ static PyObject *ShardGroup_accumulate(ShardGroupObject *self, PyObject *args)
         return PyErr_Format(PyExc_ValueError, "ShardGroup.accumulate: n must be >= 0");
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(s, fs_shard_accumulate(&self->g, src, st, dst, dt, (int64_t)n, add));
-    return done(self, s);
+    return done(self, fs_shard_accumulate(&self->g, src, st, dst, dt, (int64_t)n, add));
 }
 
 static PyObject *ShardGroup_drop_partial(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -543,13 +456,6 @@ static PyObject *ShardGroup_get_full_alloc(ShardGroupObject *self, void *c)
 {
     return PyLong_FromLongLong(self->g.full_alloc);
 }
-static PyObject *ShardGroup_get_counts(ShardGroupObject *self, void *c)
-{
-    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", self->g.core.n_all_gather,
-                         "reduce_scatter", self->g.core.n_reduce, "deferred_gather",
-                         self->g.n_deferred_gather, "deferred_reduce", self->g.n_deferred_reduce,
-                         "post_gather", self->g.n_post_gather);
-}
 
 static PyObject *ShardGroup_get_aliased(ShardGroupObject *self, void *c)
 {
@@ -570,15 +476,16 @@ static PyMethodDef ShardGroup_methods[] = {
     {"unshard", (PyCFunction)(void (*)(void))ShardGroup_unshard, METH_VARARGS | METH_KEYWORDS,
      "unshard(defer=False, along=None): gather into the unsharded buffer (defer: a device\n"
      "prefetch). along: a tuple of ShardGroups on this Comm (host) gathered now too, in the\n"
-     "same all-gather (those already gathered are skipped)."},
+     "same all-gather (the engine skips those already gathered, and stops where the batch\n"
+     "is full)."},
     {"unshard_from", (PyCFunction)ShardGroup_unshard_from, METH_VARARGS,
      "unshard_from(comm, chunk): gather the unsharded buffer over `comm` from the chunk\n"
      "this rank kept after forward (int reshard_after_forward)."},
     {"wait", (PyCFunction)ShardGroup_wait, METH_NOARGS,
      "wait(): a deferred gather: the stream waits, then the copy-out is enqueued."},
     {"reshard", (PyCFunction)ShardGroup_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},
-    {"flush_bucket", (PyCFunction)ShardGroup_flush_bucket, METH_VARARGS, flush_bucket_doc},
-    {"cancel_bucket", (PyCFunction)ShardGroup_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
+    {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
+    {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
     {"reduce", (PyCFunction)(void (*)(void))ShardGroup_reduce, METH_VARARGS | METH_KEYWORDS,
      reduce_doc},
     {"wait_reduce", (PyCFunction)ShardGroup_wait_reduce, METH_NOARGS,
@@ -605,7 +512,7 @@ static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *cl
     const char *utf8 = PyUnicode_AsUTF8(value);
     if (!utf8)
         return -1;
-    snprintf(self->g.core.name, sizeof self->g.core.name, "%s", utf8);
+    fs_group_rename(&self->g.core, utf8);
     Py_SETREF(self->name, Py_NewRef(value));
     return 0;
 }
@@ -624,7 +531,7 @@ static PyGetSetDef ShardGroup_getset[] = {
     {"reduce_output", (getter)ShardGroup_get_reduce_output, NULL,
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
      "memoryview (host) or a uint8 tensor (device); None when none is ready", NULL},
-    {"counts", (getter)ShardGroup_get_counts, NULL, "collectives issued", NULL},
+    {"counts", (getter)fs_glue_group_get_counts, NULL, "collectives issued", NULL},
     {"aliased", (getter)ShardGroup_get_aliased, NULL,
      "the unsharded parameters must be the shards themselves (one rank, the compute\n"
      "dtype: engine/shard_group.h, [Note: direct layout]); set with the shards", NULL},

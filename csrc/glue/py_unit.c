@@ -1,7 +1,9 @@
 /* py_unit.c - flatshard._C.Unit: the Python face of one engine unit
  * (engine/unit.h). Argument parsing, the Python objects the unit's handles
- * stand for, and errors turned into exceptions; the engine does the work,
- * without the GIL (py_env.c takes it where torch must be called).
+ * stand for, and errors turned into exceptions; the engine does the work.
+ * Engine calls are made with the GIL held: the engine hands it back itself
+ * around collectives and long host loops (the links' unlock, engine.h), and
+ * calls the host table (py_env.c) with it held.
  *
  * One call per hook event: event() steps the state machine and does what
  * it asks (gather, free, reduce) in the same call; the caller does only the
@@ -34,8 +36,10 @@ static PyObject *done(UnitObject *self, fs_status s)
                                 n);
 }
 
-/* The engine hands the GIL back itself where it blocks (links' unlock). */
-#define RUN(self, s, call) (s = (call))
+static PyObject *group_done(GroupObject *self, fs_status s)
+{
+    return done((UnitObject *)self, s);
+}
 
 /* ---------------------------------------------------------------------------
  * life */
@@ -73,18 +77,8 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "UOiOK|$OpO", kwlist, &name, &comm, &strategy,
                                      &groups, &grad_mask, &empty, &offload, &replicate))
         return NULL;
-    fs_mod_state *st = fs_state_from_type(tp);
-    if (!PyObject_TypeCheck(comm, (PyTypeObject *)st->CommType))
-        return PyErr_Format(PyExc_TypeError, "Unit: comm must be a flatshard._C.Comm");
-    if (replicate != Py_None &&
-        (!PyObject_TypeCheck(replicate, (PyTypeObject *)st->CommType) ||
-         ((CommObject *)replicate)->dev != ((CommObject *)comm)->dev))
-        return PyErr_Format(PyExc_TypeError, "Unit: replicate must be a flatshard._C.Comm on "
-                            "the same device as comm");
-    if ((((CommObject *)comm)->dev != NULL) != (empty != Py_None) ||
-        (empty != Py_None && !PyCallable_Check(empty)))
-        return PyErr_Format(PyExc_TypeError, "Unit: a Comm bound to a device needs "
-                            "empty=callable(numel, dtype_code) -> tensor, and only such a Comm");
+    if (fs_glue_group_check(tp, "Unit", comm, replicate, empty) < 0)
+        return NULL;
     if (offload && (empty == Py_None || strategy == FS_NO_SHARD))
         return PyErr_Format(PyExc_ValueError, "Unit: offload=True (host shards) needs a Comm "
                             "bound to a device, and a sharding strategy");
@@ -106,7 +100,8 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         Py_XDECREF(self);
         return gs ? NULL : PyErr_NoMemory();
     }
-    fs_glue_group_init(FS_GROUP(self), &self->u.core, name, comm, replicate, empty);
+    fs_glue_group_init(FS_GROUP(self), &self->u.core, group_done, name, comm, replicate,
+                       empty);
     for (Py_ssize_t i = 0; i < n; i++) {
         fs_unit_group *g = &gs[i];
         PyObject *shard, *full, *lp = Py_None;
@@ -168,36 +163,6 @@ static void Unit_dealloc(UnitObject *self)
 /* ---------------------------------------------------------------------------
  * methods */
 
-/* The units of `along` (a tuple of Units on self's host Comm, or None)
- * whose gathers join self's ([Note: coalesced gathers]); -1 with an
- * exception set. The units of a batch together add at most
- * FS_BATCH_MAX_PARTS groups: the later ones are left out (gathered at their
- * own event instead). */
-static Py_ssize_t along_units(UnitObject *self, PyObject *along, UnitObject **out)
-{
-    if (along == Py_None)
-        return 0;
-    if (!PyTuple_Check(along))
-        return PyErr_Format(PyExc_TypeError, "event: along must be a tuple of Units"), -1;
-    PyTypeObject *tp = Py_TYPE(self);
-    Py_ssize_t n = 0;
-    int parts = self->u.ngroups;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(along) && n < FS_BATCH_MAX_PARTS; i++) {
-        PyObject *o = PyTuple_GET_ITEM(along, i);
-        if (Py_TYPE(o) != tp || ((UnitObject *)o)->comm != self->comm)
-            return PyErr_Format(PyExc_TypeError, "event: along[%zd] is not a Unit on this "
-                                "unit's Comm", i), -1;
-        UnitObject *a = (UnitObject *)o;
-        if (a == self || a->u.core.unsharded || a->u.replicated)
-            continue;
-        if (parts + a->u.ngroups > FS_BATCH_MAX_PARTS)
-            break;
-        parts += a->u.ngroups;
-        out[n++] = a;
-    }
-    return n;
-}
-
 PyDoc_STRVAR(event_doc,
              "event(event, flags=0, group=-1, grad=None, out=None, accumulate=False,\n"
              "      defer=False, along=None) -> actions\n"
@@ -206,7 +171,8 @@ PyDoc_STRVAR(event_doc,
              "RESHARD, and on REDUCE_GRAD reduce `grad` into `out` (reduce_grad's\n"
              "arguments) before freeing. FINALIZE first waits for deferred reductions.\n"
              "along: a tuple of Units on this Comm (host) gathered now too, in the same\n"
-             "all-gather as this unit's (those already gathered are skipped).\n"
+             "all-gather as this unit's (the engine skips those already gathered or with\n"
+             "nothing to gather, and stops where the batch is full).\n"
              "bucket (a ReduceBucket; a host Comm): the reduce-scatter joins it; `out` is\n"
              "written at flush_bucket() ([Note: reduction buckets] in engine/engine.h).\n"
              "Returns the ACT_* bits, for the torch-side work they leave (views, hooks).");
@@ -228,85 +194,39 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
             return PyErr_Format(PyExc_ValueError, "event: bucket is for host Comms, without "
                                 "defer");
     }
-    unsigned act = 0;
-    UnitObject *others[FS_BATCH_MAX_PARTS];
-    if (along != Py_None && self->comm->dev)
-        return PyErr_Format(PyExc_ValueError, "event: along is for host Comms (a device's "
-                            "gathers are not coalesced)");
-    Py_ssize_t nothers = along_units(self, along, others);
-    if (nothers < 0 || fs_glue_group_bind(FS_GROUP(self)) < 0)
+    Py_ssize_t n = along == Py_None ? 0 : fs_glue_group_along(FS_GROUP(self), along, "event");
+    if (n < 0)
         return NULL;
-    fs_unit *units[FS_BATCH_MAX_PARTS];
-    for (Py_ssize_t i = 0; i < nothers; i++)
-        units[i] = &others[i]->u;
+    fs_unit **units = n ? PyMem_New(fs_unit *, n) : NULL;
+    if (n && !units)
+        return PyErr_NoMemory();
+    PyObject *r = NULL;
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        units[i] = &((UnitObject *)PyTuple_GET_ITEM(along, i))->u;
     const fs_unit_event_work w = {flags, group, grad != Py_None ? grad : NULL,
                                   out != Py_None ? out : NULL, accumulate, defer, bucket,
-                                  units, (int)nothers, 0};
+                                  units, (int)n, 0};
+    unsigned act;
     int failed;
     fs_status s = fs_unit_dispatch(&self->u, ev, &w, &act, &failed);
-    if (s != FS_OK)
-        return done(failed < 0 ? self : others[failed], s);
-    return PyLong_FromUnsignedLong(act);
-}
-
-/* The bucket of args (bucket, units), and which group (groups) of which
- * unit (owners) each of its parts belongs to, checked; NULL with an
- * exception set. */
-static fs_reduce_bucket *bucket_parts(UnitObject *self, PyObject *args, PyObject **unitsp,
-                                      fs_unit **owners, int *groups)
-{
-    fs_reduce_bucket *b = fs_glue_bucket_args(Py_TYPE(self), args, unitsp);
-    if (!b)
-        return NULL;
-    PyObject *units = *unitsp;
-    for (int i = 0; i < b->nparts; i++) {
-        PyObject *o = PyTuple_GET_ITEM(units, i);
-        if (Py_TYPE(o) != Py_TYPE(self)) {
-            PyErr_Format(PyExc_TypeError, "flush_bucket: units[%d] is not a Unit", i);
-            return NULL;
-        }
-        owners[i] = &((UnitObject *)o)->u;
-        if ((groups[i] = fs_unit_bucket_group(owners[i], b->part[i].owner)) < 0) {
-            PyErr_Format(PyExc_ValueError, "flush_bucket: the bucket's part %d is not "
-                         "units[%d]'s", i, i);
-            return NULL;
-        }
-    }
-    return b;
+    r = s != FS_OK ? done(failed < 0 ? self : (UnitObject *)PyTuple_GET_ITEM(along, failed), s)
+                   : PyLong_FromUnsignedLong(act);
+done:
+    PyMem_Free(units);
+    return r;
 }
 
 PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(bucket, units): the reduce-scatters in the bucket as one, then\n"
-             "each reduction finished (its gradient written). units: the unit of each, in\n"
+             "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
+             "each reduction finished (its gradient written). owners: the unit of each, in\n"
              "the order their event(bucket=True) calls came. After a failure none is left\n"
              "waiting.");
-static PyObject *Unit_flush_bucket(UnitObject *self, PyObject *args)
-{
-    PyObject *units;
-    fs_unit *owners[FS_BATCH_MAX_PARTS];
-    int groups[FS_BATCH_MAX_PARTS];
-    fs_reduce_bucket *b = bucket_parts(self, args, &units, owners, groups);
-    if (!b || fs_glue_group_bind(FS_GROUP(self)) < 0)
-        return NULL;
-    int failed = -1;
-    fs_status s = fs_unit_flush_bucket(b, &self->u, owners, groups, &failed);
-    return done(failed < 0 ? self : (UnitObject *)PyTuple_GET_ITEM(units, failed), s);
-}
 
 PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(bucket, units): give the bucket up without a collective (a\n"
+             "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
              "backward that did not finish): nothing is written.");
-static PyObject *Unit_cancel_bucket(UnitObject *self, PyObject *args)
-{
-    PyObject *units;
-    fs_unit *owners[FS_BATCH_MAX_PARTS];
-    int groups[FS_BATCH_MAX_PARTS];
-    fs_reduce_bucket *b = bucket_parts(self, args, &units, owners, groups);
-    if (!b)
-        return NULL;
-    fs_unit_cancel_bucket(b, owners, groups);
-    Py_RETURN_NONE;
-}
 
 PyDoc_STRVAR(step_doc, "step(event, flags, group=-1) -> actions\n"
                        "Apply a state-machine event (EV_*) only; returns ACT_* bits.");
@@ -328,15 +248,13 @@ PyDoc_STRVAR(unshard_doc,
              "live, but for waiting on a prefetch). full_precision: gather the parameters'\n"
              "own dtype even under mixed precision (summon_full_params, state dicts).\n"
              "prefetch: on a device, do not make the current stream wait for the gather\n"
-             "until ready(), a plain unshard() or reshard().");
+             "until wait(), a plain unshard() or reshard().");
 static PyObject *Unit_unshard(UnitObject *self, PyObject *args)
 {
     int fp = 0, prefetch = 0;
     if (!PyArg_ParseTuple(args, "|pp", &fp, &prefetch) || fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_unshard(&self->u, fp, prefetch));
-    return done(self, s);
+    return done(self, fs_unit_unshard(&self->u, fp, prefetch));
 }
 
 PyDoc_STRVAR(regather_doc,
@@ -348,22 +266,18 @@ static PyObject *Unit_regather(UnitObject *self, PyObject *Py_UNUSED(a))
 {
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_regather(&self->u));
-    return done(self, s);
+    return done(self, fs_unit_regather(&self->u));
 }
 
-PyDoc_STRVAR(ready_doc, "ready(): the current stream waits for a prefetched all-gather\n"
-                        "(a no-op when none is pending, and on the host).");
-static PyObject *Unit_ready(UnitObject *self, PyObject *Py_UNUSED(a))
+PyDoc_STRVAR(wait_doc, "wait(): the current stream waits for a prefetched all-gather\n"
+                       "(a no-op when none is pending, and on the host).");
+static PyObject *Unit_wait(UnitObject *self, PyObject *Py_UNUSED(a))
 {
     if (!self->u.core.gather_pending)
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_ready(&self->u));
-    return done(self, s);
+    return done(self, fs_unit_wait(&self->u));
 }
 
 PyDoc_STRVAR(reshard_doc, "reshard(): free every unsharded buffer (no-op if sharded, NO_SHARD\n"
@@ -372,9 +286,7 @@ static PyObject *Unit_reshard(UnitObject *self, PyObject *Py_UNUSED(a))
 {
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_reshard(&self->u));
-    return done(self, s);
+    return done(self, fs_unit_reshard(&self->u));
 }
 
 PyDoc_STRVAR(reduce_grad_doc,
@@ -383,7 +295,7 @@ PyDoc_STRVAR(reduce_grad_doc,
              "`out`: the shard gradient (shard_numel), or under SHARD_OPTIM the whole\n"
              "gradient (padded_numel): out = (accumulate ? out : 0) + mean. `grad` is used\n"
              "as scratch and left undefined. defer (device units): the current stream does\n"
-             "not wait for it until wait_reduced() ([Note: deferred collectives]).");
+             "not wait for it until finish_reduce() ([Note: deferred collectives]).");
 static PyObject *Unit_reduce_grad(UnitObject *self, PyObject *args)
 {
     int gi, accumulate, defer = 0;
@@ -391,23 +303,20 @@ static PyObject *Unit_reduce_grad(UnitObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iOOp|p", &gi, &grad, &out, &accumulate, &defer) ||
         fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_reduce(&self->u, gi, grad, out, accumulate, defer));
-    return done(self, s);
+    return done(self, fs_unit_reduce(&self->u, gi, grad, out, accumulate, defer, NULL));
 }
 
-PyDoc_STRVAR(wait_reduced_doc,
-             "wait_reduced(): the current stream waits for deferred gradient reductions, and\n"
-             "their buffers are released (a no-op when none is pending, and on the host).");
-static PyObject *Unit_wait_reduced(UnitObject *self, PyObject *Py_UNUSED(a))
+PyDoc_STRVAR(finish_reduce_doc,
+             "finish_reduce(): what is left of the deferred gradient reductions: the current\n"
+             "stream waits for them, and their buffers are released (a no-op when none is\n"
+             "pending, and on the host).");
+static PyObject *Unit_finish_reduce(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    if (!self->u.core.reduce_pending && !self->u.host_pending)
+    if (!fs_unit_reducing(&self->u)) /* nothing to bind the streams for */
         Py_RETURN_NONE;
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
-    fs_status s;
-    RUN(self, s, fs_unit_wait_reduced(&self->u));
-    return done(self, s);
+    return done(self, fs_unit_finish_reduce(&self->u));
 }
 
 /* ---------------------------------------------------------------------------
@@ -434,23 +343,18 @@ static int Unit_set_root(UnitObject *self, PyObject *v, void *c)
             PyErr_SetString(PyExc_AttributeError, "is_root cannot be deleted");
         return -1;
     }
-    self->u.cfg.is_root = b;
+    fs_unit_set_root(&self->u, b);
     return 0;
-}
-static PyObject *Unit_get_counts(UnitObject *self, void *c)
-{
-    return Py_BuildValue("{sKsK}", "all_gather", self->u.core.n_all_gather, "reduce",
-                         self->u.core.n_reduce);
 }
 
 static PyMethodDef Unit_methods[] = {
     {"event", (PyCFunction)(void (*)(void))Unit_event, METH_VARARGS | METH_KEYWORDS, event_doc},
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
-    {"flush_bucket", (PyCFunction)Unit_flush_bucket, METH_VARARGS, flush_bucket_doc},
-    {"cancel_bucket", (PyCFunction)Unit_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
-    {"ready", (PyCFunction)Unit_ready, METH_NOARGS, ready_doc},
-    {"wait_reduced", (PyCFunction)Unit_wait_reduced, METH_NOARGS, wait_reduced_doc},
+    {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
+    {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
+    {"wait", (PyCFunction)Unit_wait, METH_NOARGS, wait_doc},
+    {"finish_reduce", (PyCFunction)Unit_finish_reduce, METH_NOARGS, finish_reduce_doc},
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS, reshard_doc},
     {"reduce_grad", (PyCFunction)Unit_reduce_grad, METH_VARARGS, reduce_grad_doc},
@@ -469,7 +373,7 @@ static PyGetSetDef Unit_getset[] = {
      "deferred gradient reductions the current stream has not waited for yet", NULL},
     {"name", (getter)fs_glue_group_get_name, NULL, "unit name (module path)", NULL},
     {"is_root", (getter)Unit_get_root, (setter)Unit_set_root, "root unit flag", NULL},
-    {"counts", (getter)Unit_get_counts, NULL, "collectives issued by this unit", NULL},
+    {"counts", (getter)fs_glue_group_get_counts, NULL, "collectives issued by this unit", NULL},
     {"comm", (getter)fs_glue_group_get_comm, NULL, "the Comm this unit's collectives go through",
      NULL},
     {NULL},

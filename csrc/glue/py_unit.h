@@ -11,6 +11,10 @@
 #include "group.h"
 #include "unit.h"
 
+typedef struct GroupObject GroupObject;
+/* An engine status as None, or the exception of its group (its own note). */
+typedef PyObject *(*fs_glue_done)(GroupObject *self, fs_status s);
+
 /* What a Unit and a ShardGroup share, first in both as PyObject_HEAD is
  * first in every object: the Python objects around the engine object, and
  * where its core (engine/group.h) is, which py_group.c reads. */
@@ -21,11 +25,12 @@
     CommObject *comm;                                                                  \
     CommObject *replicate; /* HSDP, HYBRID_SHARD: the Comm across replicas, or NULL */ \
     PyObject *empty;       /* device groups: empty(numel, dtype_code) -> tensor */     \
+    fs_glue_done done;     /* an engine status as None or this type's exception */     \
     int ready;             /* the engine object was made (dealloc destroys it) */
 
-typedef struct {
+struct GroupObject {
     FS_GROUP_OBJECT_HEAD
-} GroupObject;
+};
 
 #define FS_GROUP(o) ((GroupObject *)(o))
 
@@ -36,10 +41,16 @@ typedef struct {
     Py_ssize_t nrefs;
 } UnitObject;
 
-/* py_group.c: the head set (new references to name, comm and, when not
- * None, replicate and empty) around `core`, or cleared. */
-void fs_glue_group_init(GroupObject *self, fs_group_core *core, PyObject *name,
-                        PyObject *comm, PyObject *replicate, PyObject *empty);
+/* py_group.c: the constructor's checks both types make, each naming the
+ * argument and `type`: comm a flatshard._C.Comm, replicate None or a Comm
+ * on the same device, empty a callable given exactly when comm is bound to
+ * a device. -1 with TypeError set. */
+int fs_glue_group_check(PyTypeObject *tp, const char *type, PyObject *comm, PyObject *replicate,
+                        PyObject *empty);
+/* The head set (new references to name, comm and, when not None,
+ * replicate and empty) around `core`, or cleared. */
+void fs_glue_group_init(GroupObject *self, fs_group_core *core, fs_glue_done done,
+                        PyObject *name, PyObject *comm, PyObject *replicate, PyObject *empty);
 void fs_glue_group_clear(GroupObject *self);
 /* The streams of the group's Comms bound for one engine call; -1 with an
  * exception set. */
@@ -48,22 +59,26 @@ int fs_glue_group_bind(GroupObject *self);
  * (may be NULL; its reference is given up here); collective: the ledger's
  * account too. NULL. */
 PyObject *fs_glue_group_failed(GroupObject *self, fs_status s, int collective, PyObject *note);
+/* `along` (op's argument) checked: a tuple of groups of self's type on
+ * self's host Comm. Its size, or -1 with an exception set. */
+Py_ssize_t fs_glue_group_along(GroupObject *self, PyObject *along, const char *op);
+/* The methods flush_bucket(bucket, owners) and cancel_bucket(bucket,
+ * owners) of both types ([Note: reduction buckets] in engine/engine.h):
+ * owners, a tuple of groups of self's type, the owner of each part in
+ * order (their own tables give the docs). A failed part is raised by its
+ * owner's done. */
+PyObject *fs_glue_group_flush_bucket(PyObject *self, PyObject *args);
+PyObject *fs_glue_group_cancel_bucket(PyObject *self, PyObject *args);
 /* Getters both types share (their own tables give the docs). */
 PyObject *fs_glue_group_get_name(GroupObject *self, void *closure);
 PyObject *fs_glue_group_get_comm(GroupObject *self, void *closure);
 PyObject *fs_glue_group_get_unsharded(GroupObject *self, void *closure);
 PyObject *fs_glue_group_get_gather_pending(GroupObject *self, void *closure);
 PyObject *fs_glue_group_get_reduce_pending(GroupObject *self, void *closure);
+/* {all_gather, reduce, deferred_gather, deferred_reduce, post_gather}: the
+ * core's counts (engine/group.h). */
+PyObject *fs_glue_group_get_counts(GroupObject *self, void *closure);
 
-/* py_env.c: the engine's host table over torch. `empty`: the address
- * of the owner's allocator callable (NULL there: host memory). */
-fs_env fs_glue_env(PyObject **empty);
-
-/* The streams of comm (and replicate, may be NULL) bound for one engine
- * call, into link (and rep). -1 with an exception set. */
-int fs_glue_bind(CommObject *comm, CommObject *replicate, fs_link *link, fs_link *rep);
-/* The engine's view of a Comm (an empty link for NULL). */
-fs_link fs_glue_link(CommObject *comm);
 /* An engine failure as an exception: err's words (a host failure keeps its
  * own exception), `note` added to it (may be NULL; a reference is not
  * taken), and the ledger's account when it failed in a collective. NULL. */
@@ -73,9 +88,11 @@ PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObj
 /* py_bucket.c: the fs_reduce_bucket of a flatshard._C.ReduceBucket (any:
  * a type of this module), or NULL with a TypeError set. */
 fs_reduce_bucket *fs_glue_bucket(PyTypeObject *any, PyObject *o);
-/* args (bucket, owners): the bucket, with *owners a tuple as long as it
- * holds parts (whose owners the caller checks); NULL with an exception set. */
-fs_reduce_bucket *fs_glue_bucket_args(PyTypeObject *any, PyObject *args, PyObject **owners);
+/* args (bucket, owners) of self's `op`: the bucket, with *owners a tuple
+ * as long as it holds parts, each of self's type and the owner of its
+ * part; NULL with an exception set. */
+fs_reduce_bucket *fs_glue_bucket_args(GroupObject *self, PyObject *args, const char *op,
+                                      PyObject **owners);
 
 /* py_pool.c, [Note: pooled storage]: give a gathered buffer's storage
  * nbytes (from the host pool; a device's through resize_), or take them

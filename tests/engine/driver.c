@@ -475,13 +475,11 @@ static unsigned event(driver *d, fs_event ev, unsigned flags, int gi, hbuf *grad
     unsigned act = 0;
     fs_status s = FS_OK;
     if (ev == FS_EV_FINALIZE && d->bucket.nparts) { /* the root's flush (fsdp/api.py) */
-        fs_unit *owners[FS_BATCH_MAX_PARTS];
-        int groups[FS_BATCH_MAX_PARTS], failed;
-        for (int i = 0; i < d->bucket.nparts; i++) {
-            owners[i] = u;
-            groups[i] = fs_unit_bucket_group(u, d->bucket.part[i].owner);
-        }
-        s = fs_unit_flush_bucket(&d->bucket, u, owners, groups, &failed);
+        int failed;
+        for (int i = 0; i < d->bucket.nparts; i++)
+            if (!fs_group_owns_part(&u->core, &d->bucket, i))
+                die("the bucket's part %d is not the unit's", i);
+        s = fs_group_flush_bucket(&d->bucket, &u->core, &failed);
     }
     if (s == FS_OK) {
         const fs_unit_event_work w = {flags, gi, grad, out, accumulate, 0,

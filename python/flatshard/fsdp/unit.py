@@ -369,7 +369,7 @@ class UnitRuntime:
     def land_reduced(self):
         """The current stream waits for this unit's deferred reductions; the
         hooks of the parameters they wrote run."""
-        self.c.wait_reduced()
+        self.c.finish_reduce()
         self._run_landed_hooks()
 
     def _run_landed_hooks(self):

@@ -155,7 +155,7 @@ class ParamGroup:
     pending = property(lambda self: True if self.c.gather_pending else None)
     n_all_gathers = property(lambda self: self._count("all_gather"))
     n_post_gathers = property(lambda self: self._count("post_gather"))
-    n_reduce_scatters = property(lambda self: self._count("reduce_scatter"))
+    n_reduce_scatters = property(lambda self: self._count("reduce"))
     n_deferred = property(lambda self: self._count("deferred_gather"))
     n_deferred_reduces = property(lambda self: self._count("deferred_reduce"))
 
