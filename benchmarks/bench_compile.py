@@ -22,7 +22,6 @@ must agree between impls (same seed, same math).
 import argparse
 import datetime
 import os
-import queue
 import statistics
 import sys
 import time
@@ -31,11 +30,10 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by th
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import transformer_spec  # noqa: E402
-from harness import cpu_name, free_port  # noqa: E402
+from harness import cpu_name, impl_list, run_ranks  # noqa: E402
 
 WORLD = 2
 IMPLS = ("torch-eager", "fully_shard-eager", "torch-compiled", "fully_shard-compiled")
@@ -122,28 +120,10 @@ def main():
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every impl")
     p.add_argument("--impl", default=",".join(IMPLS))
     args = p.parse_args()
-    args.impl = [i for i in args.impl.split(",") if i]
-    bad = [i for i in args.impl if i not in IMPLS]
-    if bad:
-        p.error(f"--impl: unknown {bad}; choose from {', '.join(IMPLS)}")
+    args.impl = impl_list(p, args, IMPLS)
     if args.warmup < 1:
         p.error("--warmup: at least 1 (the first step compiles)")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(WORLD)]
-    for pr in procs:
-        pr.start()
-    res = None
-    while res is None:  # a rank that dies ends the run instead of hanging it
-        try:
-            res = out.get(timeout=5)
-        except queue.Empty:
-            failed = [pr.exitcode for pr in procs if pr.exitcode not in (None, 0)]
-            if failed:
-                sys.exit(f"a rank failed (exit codes {failed}); see its traceback above")
-    for pr in procs:
-        pr.join()
+    res = run_ranks(worker, WORLD, args)
     cpu = cpu_name()
     print(f"# {cpu}; torch {torch.__version__}; {WORLD} ranks, 1 thread each; load "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")

@@ -59,19 +59,16 @@ math).
 import argparse
 import datetime
 import os
-import queue
 import random
 import statistics
-import sys
 import time
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by the ranks
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
-from harness import cpu_name, free_port  # noqa: E402
+from harness import cpu_name, impl_list, run_ranks  # noqa: E402
 from flatshard.runtime.trees import hook_before_backward  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
@@ -451,29 +448,9 @@ def main():
     p.add_argument("--breakdown", action="store_true",
                    help="also time fully_shard's engine calls inside the steps and alone")
     args = p.parse_args()
-    args.impl = [i for i in args.impl.split(",") if i]
-    bad = [i for i in args.impl if i not in IMPLS]
-    if bad:
-        p.error(f"--impl: unknown {bad}; choose from {', '.join(IMPLS)}")
+    args.impl = impl_list(p, args, IMPLS)
     os.environ["FLATSHARD_COMM_BACKEND"] = args.backend  # inherited by the ranks
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(WORLD)]
-    for pr in procs:
-        pr.start()
-    res = None
-    while res is None:  # a rank that died ends the run instead of a wait for it
-        try:
-            res = out.get(timeout=5)
-        except queue.Empty:
-            dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
-            if dead:
-                for pr in procs:
-                    pr.kill()
-                sys.exit(f"rank(s) {dead} failed; their traceback is above")
-    for pr in procs:
-        pr.join()
+    res = run_ranks(worker, WORLD, args)
     cpu = cpu_name()
     print(f"# {cpu}; torch {torch.__version__}; {WORLD} ranks, 1 thread each; "
           f"flatshard on its {args.backend} backend; "

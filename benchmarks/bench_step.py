@@ -37,7 +37,6 @@ differs (each rank trains on its own batch only).
 import argparse
 import datetime
 import os
-import queue
 import random
 import statistics
 import sys
@@ -47,10 +46,9 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by th
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import cpu_name, free_port  # noqa: E402
+from harness import cpu_name, impl_list, run_ranks  # noqa: E402
 from models import MODELS  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
@@ -157,30 +155,10 @@ def main():
                    help="rounds, each with every impl built afresh")
     p.add_argument("--impl", default=",".join(IMPLS))
     args = p.parse_args()
-    args.impl = [i for i in args.impl.split(",") if i]
-    bad = [i for i in args.impl if i not in IMPLS]
-    if bad:
-        p.error(f"--impl: unknown {bad}; choose from {', '.join(IMPLS)}")
+    args.impl = impl_list(p, args, IMPLS)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--warmup, --steps and --rounds must be at least 1")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(WORLD)]
-    for pr in procs:
-        pr.start()
-    res = None
-    while res is None:  # a rank that died ends the run instead of a wait for it
-        try:
-            res = out.get(timeout=5)
-        except queue.Empty:
-            dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
-            if dead:
-                for pr in procs:
-                    pr.kill()
-                sys.exit(f"rank(s) {dead} failed; their traceback is above")
-    for pr in procs:
-        pr.join()
+    res = run_ranks(worker, WORLD, args)
     print(f"# {cpu_name()}; torch {torch.__version__}; {WORLD} ranks, 1 thread each; "
           "transformer (4 GPT blocks, d_model 256), batch 8 x 128, AdamW step")
     print(f"# {args.rounds} rounds x {args.steps} timed steps per impl after {args.warmup} "
