@@ -26,6 +26,18 @@ TIMEOUT = 240
 BOTH = (("torch", torch_fully_shard), ("ours", fully_shard))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_ranks_after(dist_pool):
+    """A backward under CommDebugMode leaves its sharded model alive in the
+    ranks, torch's fully_shard's as flatshard's (gc.collect does not free it;
+    a plain module's is freed), and a later test that counts live modules
+    would find them: tests/test_torch_switch.py, whose use_for_torch_fsdp()
+    refuses while a module torch sharded is alive. So the ranks this file
+    used are shut down after it, and the next test starts fresh ones."""
+    yield
+    dist_pool(2).shutdown()
+
+
 class Net(FlowsNet):
     """The flows' net with three blocks."""
 

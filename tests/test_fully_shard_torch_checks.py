@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from flatshard import ConfigError, MixedPrecisionPolicy, fully_shard
+from flatshard import ConfigError, MixedPrecisionPolicy, NotBuiltError, fully_shard
 
 TIMEOUT = 240
 
@@ -146,3 +146,28 @@ def test_non_contiguous_parameters_are_sharded_correctly(dist_pool):
     for refused, worst in dist_pool(2).run(_channels_last, timeout=TIMEOUT):
         assert refused is not None and "non-contiguous" in refused  # torch's behaviour
         assert worst < 1e-5, worst
+
+
+def _grad_dtype_set(when):
+    m = _mlp()
+    if when == "before":  # refused by fully_shard
+        m[0].weight.grad_dtype = torch.float64
+    try:
+        fully_shard(m)
+        if when == "after":  # on a shard, before the first forward (torch reads it there)
+            m[2].bias.grad_dtype = torch.float64
+        m(torch.randn(2, 16)).sum().backward()
+    except NotBuiltError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(not hasattr(nn.Parameter(torch.zeros(1)), "_has_grad_dtype_override"),
+                    reason="this torch's fully_shard does not read grad_dtype")
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_grad_dtype_set_by_hand_is_refused(dist_pool, when):
+    """torch 2.15's fully_shard reduces a parameter whose grad_dtype was set in
+    that dtype; flatshard does not build that and says so, naming it."""
+    name = "0.weight" if when == "before" else "2.bias"
+    for text in dist_pool(2).run(_grad_dtype_set, when, timeout=TIMEOUT):
+        assert text is not None and f"parameter {name} has grad_dtype=torch.float64" in text

@@ -202,3 +202,51 @@ def test_fully_shard_float16_reduce_divides_before_as_torch(dist_pool):
             _fp16_reduce, timeout=TIMEOUT):
         assert grads_equal and params_equal
         assert subnormal > 0 and orders_differ > 0  # the case where the order shows
+
+
+# ---------------------------------------------------------------------------
+# the reduce dtype ([Note: reduce dtype rule], through _C.reduce_dtype)
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _rule(rule, set_dtype, compute, accumulate=()):
+    from flatshard.tensors import reduce_dtype
+    return reduce_dtype(rule, set_dtype, compute, accumulate)
+
+
+def test_reduce_dtype_set_is_the_reduce_dtype_under_both_rules():
+    for rule in ("param_dtype", "grad_dtype"):
+        for set_dtype in FLOATS:
+            for compute in FLOATS:
+                assert _rule(rule, set_dtype, compute, [torch.float32]) is set_dtype
+
+
+def test_reduce_dtype_unset_param_dtype_rule_is_the_compute_dtype():
+    for compute in FLOATS:
+        for acc in FLOATS:
+            assert _rule("param_dtype", None, compute, [acc]) is compute
+        assert _rule("param_dtype", None, compute) is compute
+
+
+def test_reduce_dtype_unset_grad_dtype_rule_promotes_as_torch():
+    """The accumulation dtypes promoted as torch.promote_types (what torch
+    2.15's _get_reduce_dtype reduces over), on every pair and triple, and
+    never the compute dtype."""
+    import functools
+    import itertools
+    for n in (1, 2, 3):
+        for acc in itertools.product(FLOATS, repeat=n):
+            want = functools.reduce(torch.promote_types, acc)
+            for compute in FLOATS:
+                assert _rule("grad_dtype", None, compute, acc) is want, (acc, compute)
+
+
+def test_reduce_dtype_refusals_name_what_is_allowed():
+    f32, i32 = dtype_code(torch.float32), dtype_code(torch.int32)
+    with pytest.raises(ValueError, match="rule must be 'param_dtype' or 'grad_dtype'"):
+        _C.reduce_dtype("compute", None, f32, [f32])
+    for args in ((None, f32, []), (i32, f32, [f32]), (None, i32, [f32]), (None, f32, [i32]),
+                 (None, f32, [99])):
+        with pytest.raises(ValueError, match="need float dtype codes"):
+            _C.reduce_dtype("grad_dtype", *args)

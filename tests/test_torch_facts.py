@@ -7,6 +7,7 @@ The rule itself is held against torch's fully_shard by the bf16 parity tests
 (test_fully_shard_torch_checks.py and others), which fail under a torch whose
 rule flatshard does not follow."""
 import dataclasses
+import inspect
 
 import torch
 import torch.distributed.fsdp as tfsdp
@@ -32,6 +33,13 @@ def test_the_reduce_dtype_rule_follows_the_release():
     rule = torch_facts.reduce_dtype_rule()
     assert rule in torch_facts.REDUCE_DTYPE_RULES
     assert rule == ("grad_dtype" if release(torch.__version__) >= (2, 15) else "param_dtype")
+
+
+def test_the_accumulate_range_goes_with_torchs_accumulate_method():
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    opens = "FSDP::post_backward_accumulate" in inspect.getsource(_fsdp_param_group)
+    assert torch_facts.post_backward_accumulate_range() == opens == \
+        hasattr(_fsdp_param.FSDPParam, "accumulate_unsharded_grad_if_needed")
 
 
 def test_pending_lists_only_what_this_torch_has():

@@ -44,3 +44,41 @@ int fs_divide_fuses(fs_dtype out, fs_dtype reduce, int accumulate)
 {
     return out == reduce && (!accumulate || reduce == FS_F32 || reduce == FS_F64);
 }
+
+/* torch.promote_types on two floats: the wider one; float16 with bfloat16
+ * (same width, neither holds the other) gives float32. */
+static fs_dtype promote_float(fs_dtype a, fs_dtype b)
+{
+    if (a == b)
+        return a;
+    if (fs_dtype_size(a) != fs_dtype_size(b))
+        return fs_dtype_size(a) > fs_dtype_size(b) ? a : b;
+    return FS_F32;
+}
+
+fs_status fs_reduce_dtype(fs_reduce_dtype_rule rule, fs_dtype set, fs_dtype compute,
+                          const fs_dtype *accumulate, int n, fs_dtype *out)
+{
+    if ((rule != FS_REDUCE_IN_COMPUTE && rule != FS_REDUCE_IN_GRAD) || n < 0 ||
+        (n > 0 && accumulate == NULL) || !fs_dtype_is_float(compute) ||
+        (set != FS_DTYPE_COUNT && !fs_dtype_is_float(set)))
+        return FS_ERR_INVALID_ARG;
+    for (int i = 0; i < n; i++)
+        if (!fs_dtype_is_float(accumulate[i]))
+            return FS_ERR_INVALID_ARG;
+    if (set != FS_DTYPE_COUNT) {
+        *out = set;
+        return FS_OK;
+    }
+    if (rule == FS_REDUCE_IN_COMPUTE) {
+        *out = compute;
+        return FS_OK;
+    }
+    if (n == 0)
+        return FS_ERR_INVALID_ARG;
+    fs_dtype d = accumulate[0];
+    for (int i = 1; i < n; i++)
+        d = promote_float(d, accumulate[i]);
+    *out = d;
+    return FS_OK;
+}

@@ -1,12 +1,34 @@
-/* reduce_rule.h - the gradient divide rule: by what a gradient is divided
- * before its collective, by the collective itself and after it, and what a
- * held reduce output has been divided by when a hook reads it, for both
- * layouts (FSDP1's flat unit, fully_shard's shard group), as torch decides.
+/* reduce_rule.h - the gradient reduce rules, as torch decides them for both
+ * layouts (FSDP1's flat unit, fully_shard's shard group): in which dtype
+ * gradients are reduced ([Note: reduce dtype rule]), and by what a gradient
+ * is divided before its collective, by the collective itself and after it,
+ * and what a held reduce output has been divided by when a hook reads it
+ * ([Note: divide rule]).
  *
- * Pure arithmetic on sizes and a dtype: no buffers, no Python, no device.
- * Both engines (engine/unit_reduce.c, engine/shard_group_reduce.c) and
- * Python (through _C.grad_divide) take their factors from here and from
- * nowhere else.
+ * Pure arithmetic on sizes and dtypes: no buffers, no Python, no device.
+ * Both engines (engine/unit_reduce.c, engine/shard_group_reduce.c) and Python (through
+ * _C.grad_divide and _C.reduce_dtype) take their factors and reduce dtypes
+ * from here and from nowhere else.
+ *
+ * [Note: reduce dtype rule] A reduce dtype that is set (FSDP1's
+ * MixedPrecision.reduce_dtype, fully_shard's MixedPrecisionPolicy.reduce_dtype)
+ * is the reduce dtype. Unset, one of two rules decides:
+ *
+ *  FS_REDUCE_IN_COMPUTE ("param_dtype"): FSDP1 under every torch, and
+ *    fully_shard up to torch 2.14 (_fsdp_param.py, init_dtype_attrs): the
+ *    compute dtype (param_dtype when set, else the parameter's own), the
+ *    dtype the gradients arrive in.
+ *  FS_REDUCE_IN_GRAD ("grad_dtype"): fully_shard from torch 2.15
+ *    (_fsdp_param_group.py, _get_reduce_dtype): each parameter's
+ *    accumulation dtype (its grad_dtype; unset, its own dtype: float32 for a
+ *    float32 parameter under param_dtype=bfloat16), whatever the compute
+ *    dtype, promoted over the group as torch.promote_types promotes floats
+ *    (the wider one; float16 with bfloat16 gives float32).
+ *
+ * Which rule fully_shard follows is the installed torch's: Python reads it
+ * (flatshard/torch_facts.py, reduce_dtype_rule) and passes it in. The
+ * accumulation without sync ([Note: accumulation dtype] in fsdp2/param.py)
+ * sums in the reduce dtype the rule gives, under either rule.
  *
  * [Note: divide rule] A gradient averaged over N ranks (the shard group's
  * size times the replicas' under HSDP) is divided by N, or by the factor a
@@ -67,5 +89,17 @@ fs_status fs_divide_rule(fs_divide_api api, fs_dtype reduce, int shard_world,
  * the reduce dtype does (float32, float64). Else the divide runs in place
  * in the reduce dtype first, as torch's does. */
 int fs_divide_fuses(fs_dtype out, fs_dtype reduce, int accumulate);
+
+typedef enum {
+    FS_REDUCE_IN_COMPUTE = 0, /* "param_dtype": the compute dtype */
+    FS_REDUCE_IN_GRAD = 1,    /* "grad_dtype": the accumulation dtypes, promoted */
+} fs_reduce_dtype_rule;
+
+/* [Note: reduce dtype rule]. set: the reduce dtype given, or FS_DTYPE_COUNT
+ * for none. compute: the group's compute dtype. accumulate[0..n): each
+ * parameter's accumulation dtype (n >= 1 under FS_REDUCE_IN_GRAD). Every
+ * dtype given must be a float. */
+fs_status fs_reduce_dtype(fs_reduce_dtype_rule rule, fs_dtype set, fs_dtype compute,
+                          const fs_dtype *accumulate, int n, fs_dtype *out);
 
 #endif

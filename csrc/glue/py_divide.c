@@ -1,8 +1,10 @@
-/* py_divide.c - flatshard._C.grad_divide: core/reduce_rule.c's factors as a
- * dict, for Python and for the tests that hold them against torch's own.
- * The rule stays in reduce_rule.c; this file only converts. */
+/* py_divide.c - flatshard._C.grad_divide and _C.reduce_dtype: core/reduce_rule.c's
+ * factors as a dict and its reduce dtype as a code, for Python and for the
+ * tests that hold them against torch's own. The rules stay in reduce_rule.c;
+ * this file only converts. */
 #include "fs_py.h"
 
+#include <limits.h>
 #include <string.h>
 
 #include "reduce_rule.h"
@@ -55,9 +57,85 @@ static PyObject *py_grad_divide(PyObject *m, PyObject *args, PyObject *kw)
                          "hold", d.hold);
 }
 
+PyDoc_STRVAR(reduce_dtype_doc,
+             "reduce_dtype(rule, set_code, compute_code, accumulate_codes=()) -> code\n\n"
+             "The dtype code gradients are reduced in (reduce_rule.h, [Note: reduce dtype\n"
+             "rule]). rule: 'param_dtype' (FSDP1; fully_shard up to torch 2.14) or\n"
+             "'grad_dtype' (fully_shard from torch 2.15); set_code: the reduce_dtype given\n"
+             "(None: unset); compute_code: the compute dtype's; accumulate_codes: each\n"
+             "parameter's accumulation dtype (grad_dtype, or its own dtype), read by\n"
+             "'grad_dtype'.");
+static PyObject *py_reduce_dtype(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"rule", "set_code", "compute_code", "accumulate_codes", NULL};
+    const char *rule_name;
+    PyObject *set_obj, *codes = NULL;
+    int compute;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOi|O:reduce_dtype", kwlist, &rule_name,
+                                     &set_obj, &compute, &codes))
+        return NULL;
+    fs_reduce_dtype_rule rule;
+    if (strcmp(rule_name, "param_dtype") == 0)
+        rule = FS_REDUCE_IN_COMPUTE;
+    else if (strcmp(rule_name, "grad_dtype") == 0)
+        rule = FS_REDUCE_IN_GRAD;
+    else
+        return PyErr_Format(PyExc_ValueError, "reduce_dtype: rule must be 'param_dtype' or "
+                            "'grad_dtype', got '%s'", rule_name);
+    long set = FS_DTYPE_COUNT;
+    if (set_obj != Py_None) {
+        set = PyLong_AsLong(set_obj);
+        if (set == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    PyObject *result = NULL, *seq = NULL;
+    fs_dtype *accumulate = NULL;
+    Py_ssize_t n = 0;
+    if (codes != NULL) {
+        seq = PySequence_Fast(codes, "reduce_dtype: accumulate_codes must be a sequence of "
+                                     "dtype codes");
+        if (seq == NULL)
+            goto done;
+        n = PySequence_Fast_GET_SIZE(seq);
+        if (n > INT_MAX) {
+            PyErr_SetString(PyExc_ValueError, "reduce_dtype: too many accumulate_codes");
+            goto done;
+        }
+        accumulate = PyMem_New(fs_dtype, n ? n : 1);
+        if (accumulate == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long c = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+            if (c == -1 && PyErr_Occurred())
+                goto done;
+            /* out of range: not a float, which the rule refuses */
+            accumulate[i] = c >= 0 && c < FS_DTYPE_COUNT ? (fs_dtype)c : FS_U8;
+        }
+    }
+    fs_dtype out;
+    if (set < 0 || set > FS_DTYPE_COUNT || compute < 0 || compute >= FS_DTYPE_COUNT ||
+        fs_reduce_dtype(rule, (fs_dtype)set, (fs_dtype)compute, accumulate, (int)n, &out) !=
+            FS_OK) {
+        PyErr_Format(PyExc_ValueError, "reduce_dtype: need float dtype codes (set_code None "
+                     "or a float's) and, under 'grad_dtype', at least one accumulate code; "
+                     "got rule='%s', set_code=%R, compute_code=%d, %zd accumulate codes",
+                     rule_name, set_obj, compute, n);
+        goto done;
+    }
+    result = PyLong_FromLong((long)out);
+done:
+    PyMem_Free(accumulate);
+    Py_XDECREF(seq);
+    return result;
+}
+
 static PyMethodDef divide_methods[] = {
     {"grad_divide", (PyCFunction)(void (*)(void))py_grad_divide, METH_VARARGS | METH_KEYWORDS,
      grad_divide_doc},
+    {"reduce_dtype", (PyCFunction)(void (*)(void))py_reduce_dtype, METH_VARARGS | METH_KEYWORDS,
+     reduce_dtype_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -39,6 +39,21 @@ def dtype_code(dtype):
                         f"supported: {', '.join(str(d) for d in DTYPE_CODES)}") from None
 
 
+_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def reduce_dtype(rule, set_dtype, compute, accumulate=()):
+    """The dtype gradients are reduced in ([Note: reduce dtype rule] in
+    csrc/core/reduce_rule.h, the rule's one implementation): set_dtype (the
+    policy's reduce_dtype) when given; else by `rule`: "param_dtype" (FSDP1;
+    fully_shard up to torch 2.14) the compute dtype, "grad_dtype" (fully_shard
+    from torch 2.15, torch_facts.reduce_dtype_rule) the parameters'
+    accumulation dtypes `accumulate`, promoted."""
+    code = _C.reduce_dtype(rule, None if set_dtype is None else dtype_code(set_dtype),
+                           dtype_code(compute), [dtype_code(d) for d in accumulate])
+    return _CODE_DTYPES[code]
+
+
 def check_plain(t, what, api):
     """Raise NotBuiltError unless `t` is a plain strided tensor on the CPU, a
     CUDA device or the meta device (shapes only), and ConfigTypeError unless

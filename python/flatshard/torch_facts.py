@@ -13,10 +13,12 @@ cached, since the torch of a process cannot change while it runs.
   fsdp_module_methods()     public methods of torch's FSDPModule
   mp_policy_fields()        MixedPrecisionPolicy's fields
   reduce_dtype_rule()       fully_shard's reduce dtype with reduce_dtype=None
+  post_backward_accumulate_range()  whether torch opens that profiler range
   pending()                 torch names flatshard does not provide yet
   flat_collectives()        torch.distributed's flat all-gather / reduce-scatter
   data_parallel_mesh_dims() torch's DataParallelMeshDims class, or None
   autograd_tls(), dispatch_stack()  torch._C's private helpers flatshard uses
+  has_grad_dtype_override(p)        whether p.grad_dtype was set (torch 2.15)
   report()                  the rule and names, one line each (the doctor's)
 
 Imports: torch only (a leaf, as errors.py is).
@@ -64,6 +66,8 @@ def mp_policy_fields():
 # FSDP1's MixedPrecision is unchanged (reduce_dtype=None: param_dtype). The
 # change has no new name of its own (Tensor.grad_dtype predates it; the code
 # that follows it is private), so this one fact is read from the version.
+# The rule itself is csrc/core/reduce_rule.c's (its [Note: reduce dtype
+# rule]), which both APIs call through flatshard.tensors.reduce_dtype.
 REDUCE_DTYPE_RULES = ("param_dtype", "grad_dtype")
 
 
@@ -81,6 +85,16 @@ def reduce_dtype_rule():
     return "grad_dtype" if _release(torch.__version__) >= (2, 15) else "param_dtype"
 
 
+@functools.cache
+def post_backward_accumulate_range():
+    """Whether torch's fully_shard opens "FSDP::post_backward_accumulate" in
+    each post-backward: around FSDPParam.accumulate_unsharded_grad_if_needed
+    up to 2.14; from 2.15, where autograd accumulates the unsharded gradients
+    (in their grad_dtype), that method is gone and so is the range."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    return hasattr(FSDPParam, "accumulate_unsharded_grad_if_needed")
+
+
 # ----------------------------------------------------------------------
 # what flatshard does not provide yet
 
@@ -90,15 +104,15 @@ def reduce_dtype_rule():
 # flatshard lacks, and on a name listed here that flatshard has come to
 # provide (then drop it here). flatshard refuses what it cannot honour
 # (param_dtype_override_fn set: a NotBuiltError), never ignores it. "rule":
-# a torch rule flatshard does not follow yet (its fully_shard reduces with
-# reduce_dtype=None in param_dtype under every torch).
+# a torch rule flatshard does not follow yet, as ("rule",
+# "reduce_dtype_rule=<rule>"); none now: fully_shard follows
+# reduce_dtype_rule() under every torch ([Note: reduce dtype rule]).
 PENDING = (
     ("torch.distributed.fsdp", "GradientReductionHandle"),
     ("FSDPModule", "finalize_backward"),
     ("FSDPModule", "set_manual_backward_finalization"),
     ("FSDPModule", "set_keep_unsharded_storage"),
     ("MixedPrecisionPolicy", "param_dtype_override_fn"),
-    ("rule", "reduce_dtype_rule=grad_dtype"),
 )
 
 
@@ -159,6 +173,14 @@ def dispatch_stack():
     fns = (getattr(torch._C, "_len_torch_dispatch_stack", None),
            getattr(torch._C, "_get_dispatch_stack_at", None))
     return fns if all(fns) else None
+
+
+def has_grad_dtype_override(param):
+    """Whether param.grad_dtype was set by hand (torch 2.15's
+    Tensor._has_grad_dtype_override, which fully_shard's grad_dtype rule
+    reads); False where torch does not tell (2.13, whose fully_shard ignores
+    grad_dtype)."""
+    return bool(getattr(param, "_has_grad_dtype_override", False))
 
 
 # ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FlatParameter
 
 from .. import _C
-from ..tensors import dtype_code
+from ..tensors import dtype_code, reduce_dtype as rule_reduce_dtype
 
 FLAT_PARAM = "_flat_param"
 
@@ -101,7 +101,9 @@ class FlatGroup:
             del srcs
         floating = self.dtype.is_floating_point
         self.compute_dtype = param_dtype if floating and param_dtype else self.dtype
-        self.reduce_dtype = (reduce_dtype or self.compute_dtype) if floating else self.dtype
+        # FSDP1's rule under every torch ([Note: reduce dtype rule]): unset, the compute dtype
+        self.reduce_dtype = rule_reduce_dtype("param_dtype", reduce_dtype, self.compute_dtype) \
+            if floating else self.dtype
         mixed = self.compute_dtype != self.dtype
         if replicated:
             # A distinct leaf over the same storage, so that autograd

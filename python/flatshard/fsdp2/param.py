@@ -25,12 +25,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import _C
+from .. import _C, torch_facts
 from ..errors import ConfigError, NotBuiltError
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
 from ..runtime.grad_hooks import run_hooks
-from ..tensors import DTYPE_CODES, check_plain, dtype_code, is_plain, to_plain
+from ..tensors import (DTYPE_CODES, check_plain, dtype_code, is_plain, reduce_dtype,
+                       to_plain)
 from . import tp
 from .extension import Extension, gathers_itself, has_extension
 
@@ -79,6 +80,7 @@ class ParamGroup:
         self.gathered = [not gathers_itself(p) for p in params]
         self.c = None
         self.count_base = {}   # collectives (and copied bytes) of engine groups replaced
+        self.check_grad_dtypes(params)
         self._build_engine(params[0].dtype, params[0].device)
         self.ext = {i: Extension(p, self.names[i], aliases[i][0][0], mp_policy,
                                  self.entries[i].chunk_rows)
@@ -89,8 +91,11 @@ class ParamGroup:
         # fully_shard registers the shards)
         self.registered_unsharded = None
         # [Note: accumulation dtype] Without gradient sync, unreduced gradients
-        # are summed in the reduce dtype (float32 under bf16 param_dtype), as
-        # torch's FSDP2 does: bf16 sums would lose bits every microbatch.
+        # are summed in the reduce dtype, as torch's fully_shard does: with
+        # reduce_dtype=float32 under bf16 param_dtype in float32 (bf16 sums
+        # would lose bits every microbatch); with reduce_dtype=None the
+        # installed torch's rule decides (_build_engine): bf16 sums up to
+        # torch 2.14, the parameters' own dtype from 2.15.
         self.accumulated = [None] * len(params)
         # Each original parameter's id for life (torch marks it the same way),
         # so that one tied between two groups is found at lazy init.
@@ -126,7 +131,11 @@ class ParamGroup:
         or the shard group's Comm changed (force)."""
         floating = dtype.is_floating_point
         compute = (self.mp.param_dtype or dtype) if floating else dtype
-        reduce = (self.mp.reduce_dtype or compute) if floating else dtype
+        # [Note: reduce dtype rule] (csrc/core/reduce_rule.h): with
+        # reduce_dtype=None the installed torch's rule, over the parameters'
+        # accumulation dtypes (their own: one group holds one dtype)
+        reduce = reduce_dtype(torch_facts.reduce_dtype_rule(), self.mp.reduce_dtype, compute,
+                              [dtype] * len(self.shapes)) if floating else dtype
         self.dtype = dtype
         if self.c is not None and not force and \
                 (compute, reduce) == (self.compute_dtype, self.reduce_dtype):
@@ -149,6 +158,20 @@ class ParamGroup:
         self.full_alloc = self.c.full_alloc
         # what one reduction's input takes (a bucket's budget counts it)
         self.reduce_bytes = self.full_alloc * reduce.itemsize
+
+    def check_grad_dtypes(self, params=None):
+        """A grad_dtype set by hand on a parameter (or, before the first
+        forward, on its shard) is its accumulation and reduce dtype under
+        torch 2.15's rule ([Note: reduce dtype rule]); flatshard does not
+        build that yet, and refuses it rather than reduce in another dtype."""
+        for name, p in zip(self.names, params if params is not None else self.sharded):
+            if torch_facts.has_grad_dtype_override(p):
+                raise NotBuiltError(
+                    f"flatshard: fully_shard: parameter {name} has grad_dtype={p.grad_dtype} "
+                    "set, which torch's fully_shard takes as the dtype its gradients "
+                    "accumulate and reduce in; flatshard does not build a grad_dtype of a "
+                    "parameter's own yet. Leave grad_dtype unset and set "
+                    "MixedPrecisionPolicy(reduce_dtype=...) for the group instead")
 
     # the engine's counts
     is_unsharded = property(lambda self: self.c.is_unsharded)
@@ -395,6 +418,15 @@ class ParamGroup:
         device = self.local(0).device
         self.full = torch.empty(self.full_alloc, dtype=self.compute_dtype, device=device)
         aliased = self.c.aliased
+        # [Note: reduce dtype rule] torch 2.15's rule also gives each unsharded
+        # parameter grad_dtype = its reduce dtype; where the gradient may be
+        # summed outside the data-parallel dims first (tp.reduces_outside_dp)
+        # autograd's cast to it comes before that sum, which then runs in the
+        # reduce dtype (and so does an accumulation without sync, on the
+        # leaf). Elsewhere the engine's cast at the reduce-scatter does the same.
+        grad_dtype_leaves = {i for i, t in self.tp.items() if tp.reduces_outside_dp(t)} \
+            if torch_facts.reduce_dtype_rule() == "grad_dtype" and \
+            self.reduce_dtype != self.compute_dtype else ()
         self.unsharded = []
         for i, (off, shape, sp) in enumerate(zip(self.offsets, self.shapes, self.sharded)):
             if i in self.ext:  # made by its class at the first gather
@@ -405,7 +437,10 @@ class ParamGroup:
                 self.full.narrow(0, off, n).view(shape)
             if i in self.tp:  # the module computes on it as the DTensor it was
                 view = tp.unsharded(view, self.tp[i])
-            self.unsharded.append(nn.Parameter(view, requires_grad=sp.requires_grad))
+            up = nn.Parameter(view, requires_grad=sp.requires_grad)
+            if i in grad_dtype_leaves:
+                up.grad_dtype = self.reduce_dtype
+            self.unsharded.append(up)
         self.full.untyped_storage().resize_(0)
         self.c.set_full(self.full)
 

@@ -34,6 +34,7 @@ code calls them and compiles the modules' own forwards (runtime/eager.py).
 """
 import torch
 
+from .. import torch_facts
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
 from ..runtime.root import Root
@@ -200,6 +201,10 @@ class FSDPState:
     def lazy_init(self):
         if self.is_root is not None:
             return
+        for m in (m for top in self.modules for m in top.modules()):  # as torch, read here
+            st = state_of(m)
+            if st is not None and st.group is not None:
+                st.group.check_grad_dtypes()
         self.is_root, self.root, self.states = True, self, []
         for m in (m for top in self.modules for m in top.modules()):
             st = state_of(m)
@@ -632,8 +637,9 @@ class FSDPState:
         the deferred reduction of a device, no gradient sync, resharding
         held for a frozen parameter, or none after backward."""
         g = self.group
-        with self._span("FSDP::post_backward_accumulate"):
-            g.accumulate_unsharded_grads()
+        with (self._span("FSDP::post_backward_accumulate")
+              if torch_facts.post_backward_accumulate_range() else observe.NOTHING):
+            g.accumulate_unsharded_grads()  # (torch 2.15's autograd does it, in no range)
         if self.requires_gradient_sync:
             root = self.root or self
             # the previous group's, before this one is issued (torch labels

@@ -117,6 +117,15 @@ def unsharded(local, t):
     return DTensor(local, t.spec, requires_grad=False)
 
 
+def reduces_outside_dp(t):
+    """Whether the gradient may be summed over a mesh dim that is not
+    data-parallel before the reduce-scatter (grad_local: a Replicate
+    parameter's gradient can come Partial, as a SequenceParallel norm
+    weight's), as torch's FSDPParam.may_reduce_grad_outside_dp tells."""
+    return any(isinstance(p, Replicate) for i, p in enumerate(t.spec.placements)
+               if i not in t.dp_dims)
+
+
 def grad_local(grad, t):
     """The local tensor of an unsharded parameter's gradient, placed as the
     parameter (a Partial sum over its own mesh is completed first; on a full
