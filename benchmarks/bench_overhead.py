@@ -60,7 +60,6 @@ import argparse
 import datetime
 import os
 import random
-import statistics
 import time
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by the ranks
@@ -68,7 +67,7 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, inherited by th
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from harness import cpu_name, impl_list, run_ranks  # noqa: E402
+from harness import cpu_name, impl_list, print_table, run_ranks  # noqa: E402
 from flatshard.runtime.trees import hook_before_backward  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
@@ -457,20 +456,7 @@ def main():
           f"{args.units} units of Linear(32, 32), batch 8, forward + backward")
     print(f"# {args.rounds} rounds x {args.steps} timed steps per impl, the impls taking turns "
           "step by step")
-    base = statistics.median(res["unwrapped"]["times"]) if "times" in res.get("unwrapped", {}) \
-        else None
-    print("| impl | median ms | p10-p90 ms | x unwrapped | first loss |")
-    print("|---|---|---|---|---|")
-    for impl in args.impl:
-        r = res.get(impl, {})
-        if "error" in r and "times" not in r:
-            print(f"| {impl} | failed: {r['error'][:80]} | | | |")
-            continue
-        t = sorted(r["times"])
-        med = statistics.median(t)
-        lo, hi = t[len(t) // 10], t[(9 * len(t)) // 10]
-        ratio = f"{med / base:.2f}" if base else "-"
-        print(f"| {impl} | {med:.2f} | {lo:.2f}-{hi:.2f} | {ratio} | {r['first']:.6f} |")
+    print_table(res, args.impl)
     b = res.get("breakdown")
     if b:
         print("# fully_shard's engine calls, us per call (rank 0): "

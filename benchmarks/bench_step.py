@@ -38,7 +38,6 @@ import argparse
 import datetime
 import os
 import random
-import statistics
 import sys
 import time
 
@@ -48,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import cpu_name, impl_list, run_ranks  # noqa: E402
+from harness import cpu_name, impl_list, print_table, run_ranks  # noqa: E402
 from models import MODELS  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", "2"))
@@ -163,20 +162,7 @@ def main():
           "transformer (4 GPT blocks, d_model 256), batch 8 x 128, AdamW step")
     print(f"# {args.rounds} rounds x {args.steps} timed steps per impl after {args.warmup} "
           "warmup, the impls taking turns step by step")
-    un = res.get("unwrapped", {})
-    base = statistics.median(un["times"]) if "times" in un else None
-    print("| impl | median ms | p10-p90 ms | x unwrapped | first loss |")
-    print("|---|---|---|---|---|")
-    for impl in args.impl:
-        r = res.get(impl, {})
-        if "times" not in r:
-            print(f"| {impl} | failed: {r.get('error', '?')[:80]} | | | |")
-            continue
-        t = sorted(r["times"])
-        med = statistics.median(t)
-        lo, hi = t[len(t) // 10], t[(9 * len(t)) // 10]
-        ratio = f"{med / base:.2f}" if base else "-"
-        print(f"| {impl} | {med:.2f} | {lo:.2f}-{hi:.2f} | {ratio} | {r['first']:.6f} |")
+    print_table(res, args.impl)
     ref = res.get("ddp", {}).get("last")
     lasts = [(i, res[i]["last"]) for i in args.impl if "last" in res.get(i, {})]
     print(f"# loss after {args.warmup + args.steps} steps (round 1, rank 0): " + ", ".join(

@@ -5,6 +5,7 @@ scripts as `harness` (their folder is first on sys.path when run as
 `python3 benchmarks/<script>.py`)."""
 import queue
 import socket
+import statistics
 import sys
 
 
@@ -68,3 +69,23 @@ def run_ranks(worker, world, *args):
     for pr in procs:
         pr.join()
     return res
+
+
+def print_table(res, impls):
+    """The markdown table of step times: each impl's median, p10-p90 and
+    ratio to "unwrapped", and its first loss; res[impl] holds "times" and
+    "first", or "error" for an impl that failed."""
+    un = res.get("unwrapped", {})
+    base = statistics.median(un["times"]) if "times" in un else None
+    print("| impl | median ms | p10-p90 ms | x unwrapped | first loss |")
+    print("|---|---|---|---|---|")
+    for impl in impls:
+        r = res.get(impl, {})
+        if "times" not in r:
+            print(f"| {impl} | failed: {r.get('error', '?')[:80]} | | | |")
+            continue
+        t = sorted(r["times"])
+        med = statistics.median(t)
+        lo, hi = t[len(t) // 10], t[(9 * len(t)) // 10]
+        ratio = f"{med / base:.2f}" if base else "-"
+        print(f"| {impl} | {med:.2f} | {lo:.2f}-{hi:.2f} | {ratio} | {r['first']:.6f} |")
