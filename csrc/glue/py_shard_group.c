@@ -7,6 +7,7 @@
 
 #include <stdlib.h>
 
+#include "py_params.h"
 #include "shard_group.h"
 
 typedef struct {
@@ -14,6 +15,7 @@ typedef struct {
     fs_shard_group g;
     PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
     PyObject *full, *storage;
+    fs_params params;      /* the registration on the modules (py_params.h) */
 } ShardGroupObject;
 
 static PyObject *done(ShardGroupObject *self, fs_status s)
@@ -111,6 +113,7 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     Py_XDECREF(self->shards);
     Py_XDECREF(self->full);
     Py_XDECREF(self->storage);
+    fs_params_clear(&self->params);
     fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -470,7 +473,87 @@ static PyObject *ShardGroup_get_copied(ShardGroupObject *self, void *c)
                          b[FS_SHARD_REDUCE_OUT], "cast", b[FS_SHARD_CAST]);
 }
 
+// ----------------------------------------------------------------------
+// the registration on the modules ([Note: registration in C], py_params.h)
+
+PyDoc_STRVAR(set_params_doc,
+             "set_params(slots, sharded, locals, quick): what the registration reads: slots\n"
+             "(module _parameters dict, name, parameter index) for every alias, first alias\n"
+             "first; the sharded parameters and their local tensors as set_shards has them;\n"
+             "quick[i]: the identity tests decide whether parameter i was reassigned (a\n"
+             "plain local tensor, gathered by the group). The modules' registration is\n"
+             "then unknown: the next register_sharded() stores.");
+static PyObject *ShardGroup_set_params(ShardGroupObject *self, PyObject *args)
+{
+    PyObject *slots, *sharded, *locals, *quick;
+    if (!PyArg_ParseTuple(args, "OOOO", &slots, &sharded, &locals, &quick))
+        return NULL;
+    if (fs_params_set(&self->params, self->g.nparams, slots, sharded, locals, quick) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ShardGroup_set_unsharded(ShardGroupObject *self, PyObject *unsharded)
+{
+    if (fs_params_set_unsharded(&self->params, unsharded) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ShardGroup_register_sharded(ShardGroupObject *self, PyObject *Py_UNUSED(a))
+{
+    if (fs_params_register_sharded(&self->params) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ShardGroup_register_unsharded(ShardGroupObject *self, PyObject *Py_UNUSED(a))
+{
+    if (fs_params_register_unsharded(&self->params) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ShardGroup_registration_changed(ShardGroupObject *self, PyObject *Py_UNUSED(a))
+{
+    int r = fs_params_changed(&self->params);
+    return r < 0 ? NULL : PyBool_FromLong(r);
+}
+
+static PyObject *ShardGroup_take_unhooked(ShardGroupObject *self, PyObject *Py_UNUSED(a))
+{
+    fs_params *p = &self->params;
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out && i < p->n; i++) {
+        if (!p->train[i] || p->hooked[i])
+            continue;
+        PyObject *v = PyLong_FromLong(i);
+        if (!v || PyList_Append(out, v) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(v);
+        if (out)
+            p->hooked[i] = 1;
+    }
+    return out;
+}
+
 static PyMethodDef ShardGroup_methods[] = {
+    {"set_params", (PyCFunction)ShardGroup_set_params, METH_VARARGS, set_params_doc},
+    {"set_unsharded", (PyCFunction)ShardGroup_set_unsharded, METH_O,
+     "set_unsharded(params): the unsharded parameters (None where not made yet); one that\n"
+     "is a new object carries no gradient hook yet."},
+    {"register_sharded", (PyCFunction)ShardGroup_register_sharded, METH_NOARGS,
+     "register_sharded(): the modules hold the sharded parameters."},
+    {"register_unsharded", (PyCFunction)ShardGroup_register_unsharded, METH_NOARGS,
+     "register_unsharded(): each unsharded parameter's requires_grad set to its sharded\n"
+     "one's, `trainable` counted, and the modules hold the unsharded parameters."},
+    {"registration_changed", (PyCFunction)ShardGroup_registration_changed, METH_NOARGS,
+     "registration_changed(): False when the modules still hold the sharded parameters\n"
+     "set_params gave, over the same local tensors, none given attributes (or when they\n"
+     "hold the unsharded ones); True when the caller must look (sync_registered)."},
+    {"take_unhooked", (PyCFunction)ShardGroup_take_unhooked, METH_NOARGS,
+     "take_unhooked(): the indices of trainable unsharded parameters without the gradient\n"
+     "hook, marked as hooked now (the caller hooks them)."},
     {"set_shards", (PyCFunction)ShardGroup_set_shards, METH_VARARGS, set_shards_doc},
     {"set_full", (PyCFunction)ShardGroup_set_full, METH_O, set_full_doc},
     {"unshard", (PyCFunction)(void (*)(void))ShardGroup_unshard, METH_VARARGS | METH_KEYWORDS,
@@ -517,7 +600,32 @@ static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *cl
     return 0;
 }
 
+static PyObject *ShardGroup_get_registered(ShardGroupObject *self, void *c)
+{
+    (void)c;
+    return PyLong_FromLong(self->params.registered);
+}
+
+static PyObject *ShardGroup_get_trainable(ShardGroupObject *self, void *c)
+{
+    (void)c;
+    return PyLong_FromLong(self->params.trainable);
+}
+
+static PyObject *ShardGroup_get_needs_hooks(ShardGroupObject *self, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(fs_params_needs_hooks(&self->params));
+}
+
 static PyGetSetDef ShardGroup_getset[] = {
+    {"registered", (getter)ShardGroup_get_registered, NULL,
+     "which parameters the modules hold: 0 unknown (none stored since set_params),\n"
+     "1 the sharded, 2 the unsharded", NULL},
+    {"trainable", (getter)ShardGroup_get_trainable, NULL,
+     "parameters that require grad at the last register_unsharded()", NULL},
+    {"needs_hooks", (getter)ShardGroup_get_needs_hooks, NULL,
+     "a trainable unsharded parameter has no gradient hook yet (take_unhooked)", NULL},
     {"name", (getter)fs_glue_group_get_name, (setter)ShardGroup_set_name,
      "the group's name in the ledger and in errors", NULL},
     {"entries", (getter)ShardGroup_get_entries, NULL, "this rank's Dim0Entry per parameter", NULL},

@@ -352,7 +352,6 @@ class FSDPModule:
         g = self._fsdp_state().group
         if g is not None:
             g.refresh_sharded()
-            self._fsdp_state().hooked_full = None
         return ret
 
 

@@ -43,10 +43,11 @@ class ParamGroup:
     def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy, names=None,
                  shard_dims=None, spmd=None):
         self.mesh = mesh
-        self._slots = None  # _register's table, made at its first call
-        self._heads = None  # sync_registered's, likewise
-        self.trainable = 0  # trainable parameters at the last unshard (register_unsharded)
-        self.trainable_mask = 0  # ... which ones (bit i: parameter i)
+        # (each alias's module _parameters dict, name, parameter index), first
+        # aliases first: what the engine group's registration stores into
+        # ([Note: registration in C], csrc/glue/py_params.h)
+        self.slots = [(m._parameters, attr, i) for i, al in enumerate(aliases) for m, attr in al]
+        self._heads = [(al[0][0]._parameters, al[0][1]) for al in aliases]  # sync_registered's
         self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
         self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
         # each parameter's shard dim (Shard(d) from shard_placement_fn; 0 by default)
@@ -87,9 +88,6 @@ class ParamGroup:
                     for i, p in enumerate(params) if not self.gathered[i]}
         self.full = None       # flat unsharded buffer (compute dtype), made at first unshard
         self.unsharded = None  # its per-parameter leaf Parameters
-        # which of the two the modules hold (None: the originals, until
-        # fully_shard registers the shards)
-        self.registered_unsharded = None
         # [Note: accumulation dtype] Without gradient sync, unreduced gradients
         # are summed in the reduce dtype, as torch's fully_shard does: with
         # reduce_dtype=float32 under bf16 param_dtype in float32 (bf16 sums
@@ -173,6 +171,11 @@ class ParamGroup:
                     "parameter's own yet. Leave grad_dtype unset and set "
                     "MixedPrecisionPolicy(reduce_dtype=...) for the group instead")
 
+    # the registration (the engine group's: [Note: registration in C])
+    registered_unsharded = property(lambda self: self.c.registered == 2)
+    # trainable parameters at the last unshard: the gradient hooks that fire in this backward
+    trainable = property(lambda self: self.c.trainable)
+
     # the engine's counts
     is_unsharded = property(lambda self: self.c.is_unsharded)
     pending = property(lambda self: True if self.c.gather_pending else None)
@@ -228,6 +231,8 @@ class ParamGroup:
         self.c.set_shards(locals_, [dtype_code(t.dtype) for t in locals_])
         # what the engine reads, to see later whether the module swapped it
         self.engine_locals = [self.local(i) for i in range(len(self.sharded))]
+        self.c.set_params(self.slots, self.sharded, self.engine_locals,
+                          [g and is_plain(t) for g, t in zip(self.gathered, self.engine_locals)])
 
     def local(self, i):
         return self.sharded[i]._local_tensor
@@ -257,13 +262,11 @@ class ParamGroup:
         fully_shard does; and a local tensor given the all-gather extension
         since (or one that lost it) takes its path from now on, as torch reads
         the extension at every all-gather (extension.py). Returns whether
-        anything changed."""
-        if self.registered_unsharded:
+        anything changed. The engine group's identity tests decide the plain
+        case ([Note: registration in C]); what they leave open is decided here."""
+        if not self.c.registration_changed():
             return False
-        heads = self._heads
-        if heads is None:  # (parameter dict, name) of each parameter's first alias
-            heads = self._heads = [(al[0][0]._parameters, al[0][1]) for al in self.aliases]
-        for (d, attr), sp, local, gathered in zip(heads, self.sharded, self.engine_locals,
+        for (d, attr), sp, local, gathered in zip(self._heads, self.sharded, self.engine_locals,
                                                   self.gathered):
             # (a plain local tensor's __dict__ is empty unless it was given attributes)
             if d.get(attr) is not sp or sp._local_tensor is not local or \
@@ -296,7 +299,6 @@ class ParamGroup:
                 f"dtypes ({found}); one group needs one dtype (FSDP expects uniform original "
                 "parameter dtype). Cast the whole FSDP module (module.to(dtype)), not a part")
         self.sharded = new
-        self._register(self.sharded)
         device = next((p._local_tensor.device for p in new if not p._local_tensor.is_meta),
                       new[0]._local_tensor.device)
         old = self.reduce_dtype
@@ -325,6 +327,7 @@ class ParamGroup:
             self.accumulated = [a.to(self.reduce_dtype) if a is not None else None
                                 for a in self.accumulated]
         self._shards_to_engine()
+        self.c.register_sharded()  # every alias gets the one registered first
         self.full, self.unsharded = None, None
         for x in self.ext.values():
             x.reset()
@@ -365,47 +368,14 @@ class ParamGroup:
 
     def register_sharded(self):
         """The modules hold the sharded DTensor parameters (after reshard)."""
-        if self.registered_unsharded is not False:
-            if self._slots is None:
-                self._register(self.sharded)
-                return
-            sharded = self.sharded
-            for d, attr, i in self._slots:
-                d[attr] = sharded[i]
-            self.registered_unsharded = False
-
-    def _register(self, params):
-        slots = self._slots
-        if slots is None:  # (each module's parameter dict, name, parameter index)
-            slots = self._slots = [(m._parameters, attr, i)
-                                   for i, aliases in enumerate(self.aliases)
-                                   for m, attr in aliases]
-        for d, attr, i in slots:
-            d[attr] = params[i]
-        self.registered_unsharded = params is self.unsharded
+        self.c.register_sharded()
 
     def register_unsharded(self):
         """The modules hold the unsharded parameters, plain nn.Parameters (as
         torch's fully_shard registers them between unshard and reshard).
         requires_grad follows the sharded parameter's (the user may have
         changed it)."""
-        trainable, mask = 0, 0
-        unsharded = self.unsharded
-        for i, (up, sp) in enumerate(zip(unsharded, self.sharded)):
-            rg = sp.requires_grad
-            if up.requires_grad != rg:
-                up.requires_grad_(rg)
-            if rg:
-                trainable += 1
-                mask |= 1 << i
-        self.trainable = trainable  # the gradient hooks that fire in this backward
-        self.trainable_mask = mask
-        if self._slots is None:
-            self._register(unsharded)
-            return
-        for d, attr, i in self._slots:
-            d[attr] = unsharded[i]
-        self.registered_unsharded = True
+        self.c.register_unsharded()
 
     # ------------------------------------------------------------------
     # unshard / reshard
@@ -443,6 +413,7 @@ class ParamGroup:
             self.unsharded.append(up)
         self.full.untyped_storage().resize_(0)
         self.c.set_full(self.full)
+        self.c.set_unsharded(self.unsharded)
 
     def unshard(self, defer=False, along=()):
         """Gather the group (the engine's one all-gather with its copy-in and
@@ -484,6 +455,7 @@ class ParamGroup:
                 self.comm, self.local(i), self._shard_mesh(), self.shapes[i],
                 _contiguous_stride(self.shapes[i]), self.compute_dtype,
                 self.sharded[i].requires_grad)
+        self.c.set_unsharded(self.unsharded)
 
     def _shard_mesh(self):
         """The mesh of the shard dimension (torch passes it to the class)."""

@@ -140,8 +140,6 @@ class FSDPState:
         self.watching = None              # frozen parameters: this forward's _Forward
         self.reading = []                 # ... those this backward reached, not their inputs
         self.reshard_due = False          # ... a reshard waiting for them
-        self.hooked_full = None           # the unsharded buffer whose parameters carry hooks
-        self.hooked = 0                   # ... on these parameters (bit i: parameter i)
         self.lean = False                 # [Note: lean events], decided at lazy init
         self.handles = []
         self.pre_backward_hook = self._pre_backward
@@ -312,7 +310,7 @@ class FSDPState:
                 g.unshard(defer)
         else:
             g.unshard(defer)
-        if self.hooked_full is not g.full or g.trainable_mask & ~self.hooked:
+        if g.c.needs_hooks:
             self._hook_grads()
 
     def _before_gather(self):
@@ -349,15 +347,9 @@ class FSDPState:
     def _hook_grads(self):
         """Post-accumulate-grad hooks on trainable unsharded parameters that
         have none yet."""
-        g = self.group
-        if self.hooked_full is not g.full:  # new unsharded parameters (first unshard, _apply)
-            self.hooked_full, self.hooked = g.full, 0
-        todo = g.trainable_mask & ~self.hooked  # trainable ones; a frozen one may be unfrozen
-        if todo:
-            for i, p in enumerate(g.unsharded):
-                if todo >> i & 1:
-                    p.register_post_accumulate_grad_hook(self._arrival(i))
-            self.hooked |= todo
+        g = self.group  # (new unsharded parameters, or a frozen one unfrozen: the group says)
+        for i in g.c.take_unhooked():
+            g.unsharded[i].register_post_accumulate_grad_hook(self._arrival(i))
 
     def _arrival(self, i):
         """Parameter i's post-accumulate-grad hook: its gradient has
@@ -467,9 +459,11 @@ class FSDPState:
     # reshard_after_forward, gradient sync, async_op, a profiler) with a few
     # attribute reads, and a lean event goes straight to the implementation;
     # any other runs the *_full method around the same calls. The plain
-    # case's frozen or reassigned parameters are the implementation's own
-    # (sync_registered, register_unsharded): a changed parameter takes the
-    # same path there as in any event.
+    # case's frozen or reassigned parameters are the implementation's own:
+    # the engine group registers the parameters and checks them from the
+    # objects ParamGroup handed it ([Note: registration in C] in
+    # csrc/glue/py_params.h), and a changed one takes ParamGroup's
+    # sync_registered there as in any event.
 
     @eager.hook
     def _pre_forward_hook(self, module, args, kwargs):
