@@ -3,7 +3,7 @@ whose bandwidth `tc` limits, two ranks in each, torch's gloo process group
 across them; FULL_SHARD and HSDP side by side on a link-bound model.
 
     sudo python3 benchmarks/netbed.py [--rates 1gbit,10gbit] [--delay-ms 0]
-        [--configs FULL_SHARD,HSDP] [--quant off[,int8,int8+int4]]
+        [--configs FULL_SHARD,HSDP] [--backend auto[,torch]] [--quant off[,int8,int8+int4]]
         [--dim 512 --blocks 4 --batch 8 --steps 8] [--timeout 300]
 
 Needs root, `ip` and `tc` (Debian's iproute2). What it touches, and only
@@ -28,7 +28,8 @@ is a's address. Each rank runs in its own UTS namespace with its host's
 name, so flatshard's comm_backend="auto" sees two hosts: HSDP's shard group
 (the two ranks of a host) uses the shm backend, every group that spans the
 hosts (FULL_SHARD's, HSDP's replicate groups) the gloo process group, as
-on a real cluster. --backend torch runs every group through gloo instead.
+on a real cluster. --backend torch runs every group through gloo instead
+(--backend auto,torch: both, side by side).
 
 Printed per link rate and configuration: the median step time, the bytes
 that crossed the link per step (both directions, the kernel's counters of
@@ -49,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -131,8 +133,10 @@ class NetBed:
 
     # ---- make and remove
     def __enter__(self):
-        self._old = {s: signal.signal(s, self._on_signal)
-                     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():  # where Python allows it
+            self._old = {s: signal.signal(s, self._on_signal)
+                         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         atexit.register(self.close)
         try:
             self._make()
@@ -273,11 +277,49 @@ class NetBed:
                 pass
 
 
-def job_spec(configs, quants, dim, blocks, batch, steps, seed=0, lr=0.05, backend="auto"):
-    """What netbed_job.py trains: every (strategy, quant) pair, in turn."""
-    return dict(configs=[dict(strategy=s, quant=q) for s in configs for q in quants],
-                dim=dim, blocks=blocks, batch=batch, steps=steps, seed=seed, lr=lr, world=4,
-                comm_backend=backend)
+LINK_CHECK = """
+import os, socket, sys, time
+n, port = int(sys.argv[1]), int(sys.argv[2])
+if os.environ["RANK"] == "0":
+    srv = socket.create_server((os.environ["MASTER_ADDR"], port))
+    conn, _ = srv.accept()
+    got, start = 0, None
+    while got < n:
+        b = conn.recv(1 << 20)
+        if not b:
+            break
+        start = start or time.perf_counter()
+        got += len(b)
+    print(f"MBPS {got / (time.perf_counter() - start) / 1e6:.1f}")
+else:
+    for _ in range(100):
+        try:
+            s = socket.create_connection((os.environ["MASTER_ADDR"], port))
+            break
+        except OSError:
+            time.sleep(0.05)
+    buf = bytes(1 << 20)
+    for _ in range(n >> 20):
+        s.sendall(buf)
+    s.close()
+"""
+
+
+def link_check(bed, nbytes=48 << 20, timeout=60):
+    """MB/s one TCP stream gets from namespace b to a (what tc lets through)."""
+    outs = bed.run([sys.executable, "-c", LINK_CHECK, str(nbytes), str(PORT + 1)], world=2,
+                   timeout=timeout)
+    m = re.search(r"MBPS ([0-9.]+)", outs[0][1])
+    if any(rc != 0 for rc, _ in outs) or not m:
+        raise RuntimeError(f"netbed: the link check failed: {outs}")
+    return float(m.group(1))
+
+
+def job_spec(configs, quants, dim, blocks, batch, steps, seed=0, lr=0.05, backends=("auto",)):
+    """What netbed_job.py trains: every (strategy, backend, quant), in turn."""
+    return dict(configs=[dict(strategy=s, backend=b, quant=q) for s in configs
+                         for b in backends for q in quants],
+                dim=dim, blocks=blocks, batch=batch, steps=steps, seed=seed, lr=lr, world=4)
 
 
 def run_job(bed, spec, timeout):
@@ -314,7 +356,8 @@ def summarize(results, warmup=1):
         for r in results:
             for k, v in r["configs"][i]["engine_sent"].items():
                 engine[k] = engine.get(k, 0) + v
-        rows.append(dict(strategy=cfg["strategy"], quant=cfg["quant"], backends=cfg["backends"],
+        rows.append(dict(strategy=cfg["strategy"], quant=cfg["quant"], backend=cfg["backend"],
+                         backends=cfg["backends"],
                          step_s=statistics.median(times[warmup:] or times),
                          link_bytes=statistics.median(link[warmup:] or link),
                          engine=engine, losses=cfg["losses"]))
@@ -332,8 +375,9 @@ def main():
     ap.add_argument("--delay-ms", type=float, default=0.0)
     ap.add_argument("--configs", default=",".join(STRATEGIES))
     ap.add_argument("--quant", default="off")
-    ap.add_argument("--backend", default="auto", choices=["auto", "torch"],
-                    help="auto: shm inside a host, gloo across; torch: gloo everywhere")
+    ap.add_argument("--backend", default="auto",
+                    help="comma list; auto: shm inside a host, gloo across; torch: gloo "
+                    "everywhere")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
@@ -358,13 +402,16 @@ def main():
         if not hasattr(flatshard, "CommQuant"):
             ap.error("--quant int8 / int8+int4 need flatshard.CommQuant (quantized "
                      "collectives), which this flatshard does not have; use --quant off")
+    backends = [b for b in a.backend.split(",") if b]
+    if not backends or any(b not in ("auto", "torch") for b in backends):
+        ap.error("--backend: expected a comma list of auto, torch")
     sys.path.insert(0, HERE)
     from harness import cpu_name
-    spec = job_spec(configs, quants, a.dim, a.blocks, a.batch, a.steps, backend=a.backend)
+    spec = job_spec(configs, quants, a.dim, a.blocks, a.batch, a.steps, backends=backends)
     params = a.blocks * (8 * a.dim ** 2 + 5 * a.dim) + a.dim ** 2 + a.dim
     print("command: python3 " + " ".join(shlex.quote(x) for x in sys.argv))
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; 4 ranks on 2 hosts (network namespaces), "
-          f"gloo across; backend {a.backend}; model {params:,} fp32 parameters "
+          f"gloo across; model {params:,} fp32 parameters "
           f"({a.blocks} blocks of dim {a.dim}), batch {a.batch} per rank, SGD+momentum, "
           f"{a.steps} steps (first not counted)")
     with NetBed(rates[0], a.delay_ms) as bed:
@@ -372,16 +419,20 @@ def main():
               f"delay {a.delay_ms} ms each way")
         for rate in rates:
             bed.set_link(rate, a.delay_ms)
+            mbps = link_check(bed)
             load0 = _uptime()
             rows = summarize(run_job(bed, spec, a.timeout))
-            print(f"\n== link {rate} (load average {load0} before, {_uptime()} after) ==")
+            print(f"\n== link {rate}: one TCP stream measured {mbps:.0f} MB/s (limit "
+                  f"{rate_bytes(rate) / 1e6:.0f}); load average {load0} before, {_uptime()} "
+                  "after ==")
             base = rows[0]["step_s"]
-            print("| config | quant | backends (shard, replicate) | median step s | x first | "
-                  "link MB/step | engine sent MB/step | losses |")
-            print("|---|---|---|---|---|---|---|---|")
+            print("| config | comm_backend | quant | backends (shard, replicate) | median step s "
+                  "| x first | link MB/step | engine sent MB/step | losses |")
+            print("|---|---|---|---|---|---|---|---|---|")
             for r in rows:
                 eng = ", ".join(f"{k} {v / a.steps / 1e6:.2f}" for k, v in r["engine"].items())
-                print(f"| {r['strategy']} | {r['quant']} | {', '.join(map(str, r['backends']))} | "
+                print(f"| {r['strategy']} | {r['backend']} | {r['quant']} | "
+                      f"{', '.join(map(str, r['backends']))} | "
                       f"{r['step_s']:.3f} | "
                       f"{r['step_s'] / base:.2f} | {r['link_bytes'] / 1e6:.1f} | {eng or '-'} | "
                       + " ".join(f"{x:.6f}" for x in r["losses"]) + " |")

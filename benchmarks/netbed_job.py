@@ -5,8 +5,8 @@ spec side by side, a step of each in turn, and writes its figures.
     (started by netbed.py) python3 netbed_job.py SPEC.json OUT_DIR
 
 The spec (netbed.py job_spec) names the model (dim, blocks, batch), the
-steps, the seed and the configurations (strategy FULL_SHARD or HSDP, quant
-off / int8 / int8+int4). The environment names the rank as torchrun would
+steps, the seed and the configurations (strategy FULL_SHARD or HSDP,
+comm_backend auto or torch, quant off / int8 / int8+int4). The environment names the rank as torchrun would
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 the namespace's link (NETBED_IFNAME: gloo binds to it, and its kernel
 counters give the bytes that crossed the link) and the host's name
@@ -77,7 +77,7 @@ def wrap(spec, cfg):
     from flatshard import FSDP, ShardingStrategy
     strategy = {"FULL_SHARD": ShardingStrategy.FULL_SHARD,
                 "HSDP": ShardingStrategy.HYBRID_SHARD}[cfg["strategy"]]
-    model = FSDP(build(spec), sharding_strategy=strategy, comm_backend=spec["comm_backend"],
+    model = FSDP(build(spec), sharding_strategy=strategy, comm_backend=cfg["backend"],
                  auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
                  **comm_quant(cfg["quant"]))
     return model, torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)

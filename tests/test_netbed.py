@@ -47,7 +47,8 @@ def _namespaces():
 
 
 def test_full_shard_and_hsdp_train_as_one_process_and_leave_nothing():
-    spec = netbed.job_spec(["FULL_SHARD", "HSDP"], ["off"], dim=24, blocks=3, batch=3, steps=3)
+    spec = netbed.job_spec(["FULL_SHARD", "HSDP"], ["off"], dim=24, blocks=3, batch=3, steps=3,
+                           backends=("auto", "torch"))
     with netbed.NetBed("200mbit") as bed:
         routes = subprocess.run(["ip", "-n", bed.ns[0], "-4", "route", "show", "table", "all"],
                                 capture_output=True, text=True, check=True).stdout
@@ -62,13 +63,15 @@ def test_full_shard_and_hsdp_train_as_one_process_and_leave_nothing():
         assert net.subnet_of(bed.net) or net.subnet_of(LOOPBACK), routes
     want = _reference(spec)
     rows = netbed.summarize(results)
-    assert [r["strategy"] for r in rows] == ["FULL_SHARD", "HSDP"]
+    assert [(r["strategy"], r["backend"]) for r in rows] == [
+        ("FULL_SHARD", "auto"), ("FULL_SHARD", "torch"), ("HSDP", "auto"), ("HSDP", "torch")]
     for r in rows:
         torch.testing.assert_close(r["losses"], want, rtol=RTOL, atol=0)
         assert r["link_bytes"] > 0  # the collectives crossed the link
-    full, hsdp = rows
-    assert full["backends"] == ["torch", None]  # one group over both hosts
-    assert hsdp["backends"] == ["shm", "torch"]  # shard inside a host, replicate across
+    # "auto" sees two hosts: one group over both is gloo's; HSDP shards inside a
+    # host over shm and replicates across over gloo
+    assert [r["backends"] for r in rows] == [["torch", None], ["torch", None], ["shm", "torch"],
+                                             ["torch", "torch"]]
     assert {r["host"] for r in results[:2]} == {"neta"}
     assert {r["host"] for r in results[2:]} == {"netb"}
 
@@ -131,3 +134,14 @@ def test_bad_rate_is_refused_by_name():
         with pytest.raises(ValueError, match="rate '1 gigabit'"):
             bed.set_link("1 gigabit")
     assert bed.leftovers() == []
+
+
+def test_quant_needs_comm_quant_or_says_so():
+    import flatshard
+    if hasattr(flatshard, "CommQuant"):
+        pytest.skip("flatshard.CommQuant exists: --quant runs")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "netbed.py"), "--quant",
+                           "off,int8"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--quant int8 / int8+int4 need flatshard.CommQuant" in proc.stderr
+    assert f"{netbed.PREFIX}{proc.pid}" not in _namespaces()  # refused before any bed
