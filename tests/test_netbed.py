@@ -144,4 +144,4 @@ def test_quant_needs_comm_quant_or_says_so():
                            "off,int8"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--quant int8 / int8+int4 need flatshard.CommQuant" in proc.stderr
-    assert f"{netbed.PREFIX}{proc.pid}" not in _namespaces()  # refused before any bed
+    assert "bed:" not in proc.stdout  # refused before a bed was made
