@@ -31,10 +31,13 @@ hosts (FULL_SHARD's, HSDP's replicate groups) the gloo process group, as
 on a real cluster. --backend torch runs every group through gloo instead
 (--backend auto,torch: both, side by side).
 
-Printed per link rate and configuration: the median step time, the bytes
-that crossed the link per step (both directions, the kernel's counters of
-the veth ends: collectives and the step's two barriers), the engine's own
-count where flatshard reports one, and the loss of each step. --quant
+Printed per link rate and configuration: the median step time (the slowest
+rank's, from a barrier to a barrier), the bytes that crossed the link per
+step (both directions, the kernel's counters of the veth ends: collectives
+and the step's two barriers), the link's share of the step ("link s": the
+busier direction's bytes at the rate one TCP stream measured on the link
+just before; a step near it is link-bound), the engine's own count where
+flatshard reports one, and the loss of each step. --quant
 int8 / int8+int4 need flatshard.CommQuant (quantized collectives).
 """
 import argparse
@@ -352,6 +355,8 @@ def summarize(results, warmup=1):
                  for s in range(len(cfg["times"]))]
         link = [sum(r["configs"][i]["link_tx"][s] for r in results)
                 for s in range(len(cfg["times"]))]
+        busiest = [max(r["configs"][i]["link_tx"][s] for r in results)  # one direction
+                   for s in range(len(cfg["times"]))]
         engine = {}
         for r in results:
             for k, v in r["configs"][i]["engine_sent"].items():
@@ -360,6 +365,7 @@ def summarize(results, warmup=1):
                          backends=cfg["backends"],
                          step_s=statistics.median(times[warmup:] or times),
                          link_bytes=statistics.median(link[warmup:] or link),
+                         busiest_bytes=statistics.median(busiest[warmup:] or busiest),
                          engine=engine, losses=cfg["losses"]))
     return rows
 
@@ -427,14 +433,15 @@ def main():
                   "after ==")
             base = rows[0]["step_s"]
             print("| config | comm_backend | quant | backends (shard, replicate) | median step s "
-                  "| x first | link MB/step | engine sent MB/step | losses |")
-            print("|---|---|---|---|---|---|---|---|---|")
+                  "| x first | link MB/step | link s/step | engine sent MB/step | losses |")
+            print("|---|---|---|---|---|---|---|---|---|---|")
             for r in rows:
                 eng = ", ".join(f"{k} {v / a.steps / 1e6:.2f}" for k, v in r["engine"].items())
                 print(f"| {r['strategy']} | {r['backend']} | {r['quant']} | "
                       f"{', '.join(map(str, r['backends']))} | "
                       f"{r['step_s']:.3f} | "
-                      f"{r['step_s'] / base:.2f} | {r['link_bytes'] / 1e6:.1f} | {eng or '-'} | "
+                      f"{r['step_s'] / base:.2f} | {r['link_bytes'] / 1e6:.1f} | "
+                      f"{r['busiest_bytes'] / 1e6 / mbps:.3f} | {eng or '-'} | "
                       + " ".join(f"{x:.6f}" for x in r["losses"]) + " |")
     left = bed.leftovers()
     if left:
