@@ -154,7 +154,13 @@ class NetBed:
     def _on_signal(self, signum, frame):
         raise SystemExit(f"netbed: signal {signum}")  # unwinds through close()
 
+    _live = set()  # the pids whose bed is up: the names are per process
+
     def _make(self):
+        if self.pid in NetBed._live:  # its names are another live bed's: never delete them
+            raise RuntimeError("netbed: this process already has a bed up; one at a time")
+        NetBed._live.add(self.pid)
+        self._owner = True
         remove_stale()
         net = free_subnet(self.pid)
         self.net = net
@@ -208,6 +214,9 @@ class NetBed:
             for ns in self.ns:
                 _ip("netns", "del", ns, check=False)
             self._made = False
+        if getattr(self, "_owner", False):
+            NetBed._live.discard(self.pid)
+            self._owner = False
         for s, h in getattr(self, "_old", {}).items():
             signal.signal(s, h)
         self._old = {}

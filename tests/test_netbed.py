@@ -7,6 +7,7 @@ inside it no route leads anywhere but the other namespace. Needs root and
 iproute2; skipped otherwise."""
 import ipaddress
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,7 +127,16 @@ def test_sigterm_removes_the_bed():
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert mine not in _namespaces()
+    assert not re.search(rf"^{mine}[ab]\b", _namespaces(), re.M)
+
+
+def test_one_bed_per_process_and_the_first_survives():
+    with netbed.NetBed("100mbit") as bed:
+        with pytest.raises(RuntimeError, match="already has a bed up"):
+            with netbed.NetBed("100mbit"):
+                pass
+        assert bed.ns[0] in _namespaces()  # the refused one deleted nothing of it
+    assert bed.leftovers() == []
 
 
 def test_bad_rate_is_refused_by_name():
