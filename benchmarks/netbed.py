@@ -429,6 +429,19 @@ def main():
           f"gloo across; model {params:,} fp32 parameters "
           f"({a.blocks} blocks of dim {a.dim}), batch {a.batch} per rank, SGD+momentum, "
           f"{a.steps} steps (first not counted)")
+    try:
+        bed = measure(a, rates, spec)
+    except RuntimeError as e:  # the bed is removed by then; its reason is the message
+        sys.exit(str(e))
+    left = bed.leftovers()
+    if left:
+        sys.exit(f"netbed: not removed: {left}")
+    print("\nbed removed: no namespace or link of it remains")
+
+
+def measure(a, rates, spec):
+    """Every rate in turn on one bed: the link check, then the job; prints
+    the tables. -> the (closed) bed."""
     with NetBed(rates[0], a.delay_ms) as bed:
         print(f"bed: {bed.ns[0]} {bed.addr[0]} <-> {bed.ns[1]} {bed.addr[1]}, "
               f"delay {a.delay_ms} ms each way")
@@ -452,10 +465,7 @@ def main():
                       f"{r['step_s'] / base:.2f} | {r['link_bytes'] / 1e6:.1f} | "
                       f"{r['busiest_bytes'] / 1e6 / mbps:.3f} | {eng or '-'} | "
                       + " ".join(f"{x:.6f}" for x in r["losses"]) + " |")
-    left = bed.leftovers()
-    if left:
-        sys.exit(f"netbed: not removed: {left}")
-    print("\nbed removed: no namespace or link of it remains")
+    return bed
 
 
 if __name__ == "__main__":
