@@ -94,3 +94,44 @@ def test_runs_as_a_module():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "ZeRO-3" in proc.stdout and "total device" in proc.stdout
+
+
+def test_bare_count_assumes_layers_and_says_so(capsys):
+    # 7e9 parameters on 64 ranks: planned as one unit, ZeRO-3 would gather the
+    # whole model and save nothing over ZeRO-2; split as Llama 7B (32 layers).
+    out = _out(capsys, ["plan", "--params", "7e9", "--world", "64"])
+    note = [ln for ln in out.splitlines() if ln.startswith("note: ")]
+    assert note == ["note: assumed 32 equal units, one per layer of a transformer of about "
+                    "this size (Llama 7B); give layers= (--layers) or units= for your model"]
+    kw = dict(params=7e9, world_size=64, comm_backend="nccl")
+    z3, z2 = plan(strategy="FULL_SHARD", **kw), plan(strategy="SHARD_GRAD_OP", **kw)
+    assert z3.config["units"] == 32 and z3.notes == [note[0][len("note: "):]]
+    # equal to the same count given as 32 units, and far below ZeRO-2
+    given = plan(strategy="FULL_SHARD", units=32, **kw)
+    assert given.notes == [] and given["params_gathered"] == z3["params_gathered"]
+    gathered = out.split("gathered units")[1].split()[:4]
+    assert gathered[3] == f"{z3['params_gathered'] / GIB:,.2f}"
+    assert z3.total("device") < z2.total("device") / 4
+    # the two largest units (current and prefetched) of 7e9/32 fp32 parameters, empty
+    # root; each unit padded by less than 16 bytes per rank to split evenly over 64
+    assert 0 <= z3["params_gathered"] - 2 * 7e9 / 32 * 4 < 2 * 64 * 16
+
+
+def test_layers_or_units_given_assume_nothing(capsys):
+    out = _out(capsys, ARGS)
+    assert "note:" not in out
+    assert plan(strategy="FULL_SHARD", **KW).config["units"] == 32
+    one = plan(params=7e9, world_size=64, units=1)
+    assert one.notes == [] and one.config["units"] == 1
+
+
+@pytest.mark.parametrize("params,layers,name", [
+    (1.5e8, 12, "GPT-3 Small"), (1e9, 24, "GPT-3 XL"), (7e9, 32, "Llama 7B"),
+    (13e9, 40, "Llama 13B"), (65e9, 80, "Llama 2 70B"), (1e12, 126, "Llama 3.1 405B"),
+    (7, 7, "GPT-3 Small")])
+def test_typical_layers_nearest_on_a_log_scale(params, layers, name):
+    from flatshard.plan.units import TYPICAL_LAYERS, typical_layers
+    assert typical_layers(params) == (layers, name)
+    # independent check: the table's entry with the smallest size ratio
+    best = min(TYPICAL_LAYERS, key=lambda t: max(params / t[0], t[0] / params))
+    assert best[2] == name and min(best[1], int(params)) == layers

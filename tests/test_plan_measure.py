@@ -54,7 +54,8 @@ def _measure(strategy, case, optimizer, param_dtype, reduce_dtype=None, hybrid_g
                           "gathered": predicted["params_gathered"]},
             "measured": {"params": mem["params"], "grads": mem["grads"], "optim": mem["optim"],
                          "gathered": w.gathered_peak},
-            "watch_report": w.report(opt)}
+            "watch_report": w.report(opt),
+            "predict_notes": flatshard.plan.predict(model, opt).notes}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -72,6 +73,8 @@ def test_model_states_predicted_equal_measured(dist_pool, world, strategy):
             else:  # an upper bound over the two largest units
                 assert meas["gathered"] <= pred["gathered"]
             assert "MISMATCH" not in r["watch_report"], r["watch_report"]
+            # the wrapped model's units are known: nothing assumed about them
+            assert not any("assumed" in n for n in r["predict_notes"]), r["predict_notes"]
 
 
 @pytest.mark.parametrize("world,strategy,reduce_dtype", [

@@ -35,7 +35,7 @@ from ..errors import bad_value
 from ..runtime.ahead import DEFAULT_BYTES as DEFAULT_AHEAD
 from ..runtime.comm import DEFAULT_SLOT_BYTES
 from .report import plan_table
-from .units import flat_layout, units_from_count, units_from_model
+from .units import flat_layout, typical_layers, units_from_count, units_from_model
 
 STRATEGIES = ("NO_SHARD", "SHARD_OPTIM", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 ZERO_NAMES = {"NO_SHARD": "DDP", "SHARD_OPTIM": "ZeRO-1", "SHARD_GRAD_OP": "ZeRO-2",
@@ -232,7 +232,9 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
 
     model or params: an nn.Module (meta device fine; wrapped by
     auto_wrap_policy as flatshard would) or a parameter count (in `units`
-    equal wrapped units, default `layers` or 1). strategy: a
+    equal wrapped units; default `layers`, else the layer count of the
+    published transformer nearest in size, which the plan's notes name:
+    [Note: assumed units]). strategy: a
     ShardingStrategy (torch's or flatshard's) or its name, SHARD_OPTIM
     included; HYBRID_SHARD shards within groups of `hybrid_group` ranks.
     mixed_precision: MixedPrecision, a dtype or "bf16"/"fp16" (param_dtype).
@@ -260,6 +262,14 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
 
 def _name(value):
     return getattr(value, "name", value)
+
+
+# [Note: assumed units] A bare parameter count says nothing of how the model
+# is wrapped, and ZeRO-3's gathered peak is the largest units' size: planned
+# as one unit, 7e9 parameters would gather all of them at once, and ZeRO-3
+# would show no saving over ZeRO-2. A transformer is wrapped one unit per
+# layer, so without layers= or units= the count is split as the published
+# model nearest in size is (units.py TYPICAL_LAYERS), and a note says so.
 
 
 def _resolve(kw):
@@ -316,6 +326,12 @@ def _resolve(kw):
         raise bad_value("gather_ahead_bytes", b, "expected a whole number of bytes >= 0 or "
                         "None (the backend's default)")
     c["gather_ahead_bytes"] = b
+    c["units_assumed"] = None
+    if c["params"] is not None and c["units"] is None and c["layers"] is None:
+        c["units"], ref = typical_layers(c["params"])  # [Note: assumed units]
+        c["units_assumed"] = (f"assumed {c['units']} equal units, one per layer of a "
+                              f"transformer of about this size ({ref}); give layers= "
+                              "(--layers) or units= for your model")
     c["units"] = c["units"] or c["layers"] or 1
     c["slot_bytes"] = c["slot_bytes"] or DEFAULT_SLOT_BYTES
     c["hybrid_group"] = c["hybrid_group"] if st == "HYBRID_SHARD" else None
@@ -326,7 +342,7 @@ def _plan(units, c):
     w, st, zero = c["world_size"], c["strategy"], c["layout"] == "zero"
     n = c["hybrid_group"] or w          # ranks one copy is sharded over
     mp = c["param_bytes"]
-    notes = []
+    notes = [c["units_assumed"]] if c.get("units_assumed") else []
     # One rank has nothing to shard: flatshard runs it as NO_SHARD (no gather)
     # unless mixed precision needs the cast copy all the same.
     if n == 1 and st != "NO_SHARD" and not (mp and not zero):
@@ -472,6 +488,7 @@ def _plan(units, c):
                                 "offload_params", "offload_optimizer", "activation_checkpointing",
                                 "batch_size", "seq_len", "comm_backend")}
     config.update(strategy=c["strategy"], effective_strategy=st, params=psi,
+                  units=sum(1 for u in units if u.numel),  # the units that hold parameters
                   param_bytes=mp, reduce_bytes=c["reduce_bytes"],
                   k_bytes=(4 if zero and mp and mp < 4 else 0) + 4 * moments)
     return Plan(config, lines, comm, cf, int(transfer), notes)

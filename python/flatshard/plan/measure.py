@@ -106,7 +106,8 @@ def predict(model, optimizer, **kw):
     mp = cfg.mixed_precision
     # plan()'s defaults, with what the wrapped model says in place of them.
     args = {k: v.default for k, v in inspect.signature(plan).parameters.items()}
-    args.update(params=sum(u.numel for u in units) or 1, world_size=comm.world_size,
+    args.update(params=sum(u.numel for u in units) or 1, units=len(units),  # known: none assumed
+                world_size=comm.world_size,
                 strategy=cfg.strategy, mixed_precision=mp.param_dtype if mp else None,
                 reduce_dtype=mp.reduce_dtype if mp else None,
                 optimizer=optimizer_kind(optimizer),

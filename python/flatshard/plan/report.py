@@ -53,6 +53,11 @@ def compare_table(plans):
                       ("comm per step", lambda p: p.comm_bytes)):
         rows.append(f"{title:<32}" + "".join(f"{_gib(fn(p)):>{w}}" for p in plans))
     rows.append("(* held on host or disk, not on the device)")
+    notes = list(dict.fromkeys(n for p in plans for n in p.notes))
+    for n in notes:
+        which = [p.name for p in plans if n in p.notes]
+        rows.append(f"note: {n}" + ("" if len(which) == len(plans) else
+                                    f" ({', '.join(which)})"))
     return "\n".join(rows)
 
 

@@ -2,6 +2,7 @@
 together) and their flat buffers, read from shapes and dtypes only, so a
 model on the meta device costs nothing. Sizes of the flat buffers come from
 the C layout code that lays out the real ones."""
+import math
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -71,6 +72,23 @@ def units_from_model(model, auto_wrap_policy=None):
             stack += [c for c in mod._modules.values() if c is not None and c not in skip]
         units.append(Unit(names[root] or "<root>", [Group(by_key[k], *k) for k in keys]))
     return units
+
+
+# Layer counts of published decoder-only transformers, by parameter count:
+# GPT-3's family (Brown et al. 2020, Table 2.1) and Llama's (Touvron et al.
+# 2023; Llama 3.1). A count given without its layers is planned as the
+# nearest of these (on a log scale) would be wrapped: one unit per layer.
+TYPICAL_LAYERS = ((125e6, 12, "GPT-3 Small"), (350e6, 24, "GPT-3 Medium"),
+                  (1.3e9, 24, "GPT-3 XL"), (2.7e9, 32, "GPT-3 2.7B"), (6.7e9, 32, "Llama 7B"),
+                  (13e9, 40, "Llama 13B"), (32.5e9, 60, "Llama 33B"), (70e9, 80, "Llama 2 70B"),
+                  (175e9, 96, "GPT-3 175B"), (405e9, 126, "Llama 3.1 405B"))
+
+
+def typical_layers(params):
+    """(layers, model name) of the published transformer nearest in size to
+    `params` parameters (TYPICAL_LAYERS), at most one layer per parameter."""
+    _, layers, name = min(TYPICAL_LAYERS, key=lambda t: abs(math.log(params / t[0])))
+    return min(layers, int(params)), name
 
 
 def units_from_count(params, units=1, elem_bytes=4):
