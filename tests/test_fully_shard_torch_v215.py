@@ -245,6 +245,51 @@ def test_no_op_cases_and_refusals_match_torch(dist_pool):
         assert _same(o["grads"], t["grads"])
 
 
+def _hsdp_manual(which):
+    """HSDP (replicas x shard) under manual finalization: two backwards
+    without sync, one finalization; then a backward without the replicas'
+    all-reduce (a partial reduction), which finalization refuses, and
+    reset_iter_state, after which an asynchronous finalization's handle is
+    invalidated (torch's RuntimeErrors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 5))
+    shard = _shard_fn(which)
+    shard(m[0], mesh=mesh)
+    shard(m, mesh=mesh)
+    m.set_manual_backward_finalization(True)
+    data = _batches(4)
+    m.set_requires_gradient_sync(False)
+    for x, y in data[:2]:
+        _loss(m, x, y).backward()
+    m.set_requires_gradient_sync(True)
+    m.finalize_backward()
+    grads = _grads(m)
+    m.zero_grad()
+    m.set_requires_all_reduce(False)
+    _loss(m, *data[2]).backward()
+    partial = _errors([lambda: m.finalize_backward()])
+    m.reset_iter_state()
+    m.set_requires_all_reduce(True)
+    _loss(m, *data[3]).backward()
+    h = m.finalize_backward(async_op=True)
+    m.reset_iter_state()
+    stale = _errors([h.wait])
+    return grads, [e and e[0] for e in partial], [e and e[0] for e in stale]
+
+
+@needs["finalize_backward"]
+def test_hsdp_manual_finalization_matches_torch(dist_pool):
+    pool = dist_pool(2)
+    theirs = pool.run(_hsdp_manual, "torch", timeout=TIMEOUT)
+    ours = pool.run(_hsdp_manual, "flatshard", timeout=TIMEOUT)
+    for t, o in zip(theirs, ours):
+        assert _same(o[0], t[0])
+        assert o[1] == t[1] == ["RuntimeError"]
+        assert o[2] == t[2] == ["RuntimeError"]
+
+
 # ---------------------------------------------------------------------------
 # kept unsharded storage
 

@@ -30,7 +30,7 @@ manual_finalization, manual_active, reduction and each state's
 post_backward_pending); this file is their only writer besides
 reset_iter_state.
 
-Imports: torch and flatshard's leaves; the states it is given are
+Imports: torch, errors and runtime/observe; the states it is given are
 fsdp2/state.py's (not imported here: state.py imports this file).
 """
 import torch
