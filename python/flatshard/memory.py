@@ -56,11 +56,11 @@ def memory_stats(model, optimizer=None):
     for m in fsdp_units(model):
         fulls += gathered_buffers(m._unit.groups)
         pending += [g.compute.grad for g in m._unit.groups]
-    fulls += _fully_shard_buffers(model)
+    fs_fulls = _fully_shard_buffers(model)
     params = list(model.parameters())
-    out = {  # (parameters registered unsharded are the unsharded buffers' bytes)
-        "params": storage_bytes(params + fulls) - storage_bytes(fulls),
-        "unsharded": storage_bytes(fulls),
+    out = {  # (fully_shard's parameters registered unsharded: the unsharded buffers' bytes)
+        "params": storage_bytes(params + fs_fulls) - storage_bytes(fs_fulls),
+        "unsharded": storage_bytes(fulls + fs_fulls),
         "grads": storage_bytes([p.grad for p in params] + pending),
         "optim": 0,
     }
