@@ -29,6 +29,8 @@ def public_objects():
     # An alias (FSDP) is documented once, under the object's own name.
     for n in sorted(flatshard.__all__, key=lambda n: getattr(getattr(flatshard, n), "__name__",
                                                                  n) != n):
+        if n in versioned("torch.distributed.fsdp"):
+            continue
         o = getattr(flatshard, n)
         out.append((f"flatshard.{n}", ALIAS(o) if id(o) in seen else o))
         seen.add(id(o))
@@ -102,14 +104,33 @@ def signature_lines(name, obj):
     return [f"{name}("] + [f"    {p}," for p in params] + [")"]
 
 
+def versioned(where):
+    """Names flatshard has only where the installed torch has them
+    (torch_facts.VERSIONED): left out of the generated text, which would
+    otherwise change with torch; VERSIONED_NOTE names them."""
+    from flatshard import torch_facts
+    return {n for w, n in torch_facts.VERSIONED if w == where}
+
+
+def versioned_note():
+    from flatshard import torch_facts
+    names = ", ".join(f"`{n}`" if w == "torch.distributed.fsdp" else f"`{w}.{n}`"
+                      for w, n in torch_facts.VERSIONED)
+    return ("torch 2.15's FSDP2 names, present in flatshard exactly where the installed "
+            f"torch has them (`flatshard.torch_facts.VERSIONED`): {names}. They are described "
+            "in fsdp2.md (torch 2.15's additions) and their docstrings, and left out below, "
+            "whose text does not change with the installed torch.")
+
+
 def own_methods(cls):
     """Public methods defined by flatshard classes (not inherited from torch)."""
     out = []
+    skip = versioned("FSDPModule")
     for klass in cls.__mro__:
         if not klass.__module__.startswith("flatshard"):
             continue
         for n, v in vars(klass).items():
-            if n.startswith("_") or n in {m for m, _ in out}:
+            if n.startswith("_") or n in {m for m, _ in out} or n in skip:
                 continue
             f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
             f = inspect.unwrap(f) if callable(f) else f  # torch wraps Optimizer.step
@@ -203,7 +224,7 @@ def render():
              "Generated from the code by `python docs/make_reference.py`; "
              "tests/test_reference.py fails when this file and the code differ. "
              "For how the pieces fit, see design.md; for how to use them, guide.md.", "",
-             "## Python API", ""]
+             "## Python API", "", versioned_note(), ""]
     for qual, obj in public_objects():
         lines += section(qual, obj)
     lines += ["## Environment variables", "",

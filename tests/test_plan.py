@@ -168,3 +168,20 @@ def test_units_gathered_ahead_raise_the_gathered_peak():
     # a budget smaller than a unit gathers none ahead
     assert plan(comm_backend="torch", gather_ahead_bytes=unit - 1,
                 **kw)["params_gathered"] == off
+
+
+def test_kept_unsharded_storage_holds_every_unit_gathered():
+    """set_keep_unsharded_storage(True) (torch 2.15's fully_shard): every
+    unit's unsharded buffer stays allocated, so the gathered line is their
+    sum, not the root and the two largest."""
+    with torch.device("meta"):
+        m = nn.Sequential(*[nn.Linear(64, 48) for _ in range(5)])
+    kw = dict(world_size=4, strategy="FULL_SHARD", mixed_precision=torch.bfloat16,
+              auto_wrap_policy=flatshard.ModuleWrapPolicy({nn.Linear}))
+    _, padded = flat_layout([64 * 48, 48], 4, 4)
+    kept = plan(m, keep_unsharded_storage=True, **kw)
+    assert kept["params_gathered"] == 5 * padded * 2  # five bf16 units; empty root
+    assert plan(m, **kw)["params_gathered"] == 2 * padded * 2
+    assert "kept across reshard" in kept.table(explain=True)
+    with pytest.raises(flatshard.ConfigError, match="keep_unsharded_storage"):
+        plan(m, keep_unsharded_storage=1, **kw)

@@ -61,3 +61,25 @@ def test_report_says_the_rule_and_what_is_pending():
     assert f"(rule {torch_facts.reduce_dtype_rule()!r})" in lines[0]
     names = [n for w, n in torch_facts.pending() if w != "rule"]
     assert all(n in lines[2] for n in names) and (names or lines[2].endswith(": none"))
+
+
+def test_versioned_names_follow_torch_and_nothing_is_pending():
+    """torch 2.15's FSDP2 names are flatshard's exactly where this torch has
+    them; nothing torch has is pending any more (2.13 to 2.15)."""
+    import flatshard
+    assert torch_facts.pending() == []
+    have = torch_facts.provided()
+    assert have == [(w, n) for w, n in torch_facts.VERSIONED if torch_facts.torch_has(w, n)]
+    for where, name in torch_facts.VERSIONED:
+        theirs = {"torch.distributed.fsdp": tfsdp, "FSDPModule": tfsdp.FSDPModule}.get(where)
+        if theirs is None:
+            assert (name in torch_facts.mp_policy_fields()) == ((where, name) in have)
+            continue
+        assert hasattr(theirs, name) == ((where, name) in have)
+        ours = flatshard if where == "torch.distributed.fsdp" else flatshard.FSDPModule
+        assert hasattr(ours, name) == ((where, name) in have), name
+    line = torch_facts.report()[3]
+    for where, name in torch_facts.VERSIONED:
+        shown = name if where == "torch.distributed.fsdp" else f"{where}.{name}"
+        state = "present" if (where, name) in have else "absent"
+        assert f"{shown} ({state})" in line

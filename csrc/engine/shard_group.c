@@ -342,7 +342,8 @@ static void abandon(fs_group_core *c)
     void *none;
     fs_group_drop_gather(&g->core);
     fs_group_drop(&g->core, &g->gathered_h);
-    g->core.env.set_storage(g->core.env.ctx, g->storage, 0, &none);
+    if (!g->keep_storage)
+        g->core.env.set_storage(g->core.env.ctx, g->storage, 0, &none);
     g->core.unsharded = 0;
 }
 
@@ -405,8 +406,21 @@ fs_status fs_shard_reshard(fs_shard_group *g)
     if (s != FS_OK || !g->core.unsharded)
         return s;
     void *none;
-    if ((s = g->core.env.set_storage(g->core.env.ctx, g->storage, 0, &none)) != FS_OK)
+    if (!g->keep_storage && /* [Note: kept storage] */
+        (s = g->core.env.set_storage(g->core.env.ctx, g->storage, 0, &none)) != FS_OK)
         return fs_group_fail(&g->core, s, "reshard", 0, NULL);
     g->core.unsharded = 0;
+    return FS_OK;
+}
+
+fs_status fs_shard_set_keep_storage(fs_shard_group *g, int keep)
+{
+    void *none;
+    fs_status s;
+    g->keep_storage = keep != 0;
+    if (keep || g->core.unsharded || g->core.gather_pending || !g->storage)
+        return FS_OK;
+    if ((s = g->core.env.set_storage(g->core.env.ctx, g->storage, 0, &none)) != FS_OK)
+        return fs_group_fail(&g->core, s, "reshard", 0, NULL);
     return FS_OK;
 }

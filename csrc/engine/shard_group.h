@@ -110,6 +110,12 @@ typedef struct {
     /* [Note: direct layout]: one rank, every gathered shard in the compute
      * dtype (set with the shards): the unsharded parameters are the shards */
     int aliased;
+    /* [Note: kept storage] torch 2.15's set_keep_unsharded_storage: a reshard
+     * leaves the unsharded buffer's storage allocated, so its data pointer
+     * (and every unsharded parameter's) is the same at the next gather, which
+     * refills it in place (for CUDA graph capture); memory_stats counts it
+     * as unsharded bytes while it is kept */
+    int keep_storage;
     /* a pending gather (core.gather_pending): the copy-out waits for the mark */
     void *gathered, *gathered_h;
     /* a reduction left to finish (core.reduce_pending) [Note: reduce output]:
@@ -165,6 +171,9 @@ fs_status fs_shard_wait(fs_shard_group *g);
  * handle, full_alloc / post world elements of compute). */
 fs_status fs_shard_unshard_from(fs_shard_group *g, fs_link *post, void *chunk);
 fs_status fs_shard_reshard(fs_shard_group *g);
+/* [Note: kept storage]: keep (1) or free (0) the unsharded storage at each
+ * reshard from now on; 0 on a resharded group frees what was kept. */
+fs_status fs_shard_set_keep_storage(fs_shard_group *g, int keep);
 
 enum {
     FS_SHARD_DEFER = 1,         /* a device: what follows the collective waits for finish */
@@ -197,6 +206,9 @@ fs_status fs_shard_finish_reduce(fs_shard_group *g);
 void *fs_shard_reduce_output(const fs_shard_group *g, int64_t *nbytes, void **owner);
 /* Forget the HSDP partial sum (an iteration given up: reset_iter_state). */
 void fs_shard_drop_partial(fs_shard_group *g);
+/* Whether an HSDP partial sum is kept (reductions without the all-reduce
+ * since the last one with it). */
+int fs_shard_has_partial(const fs_shard_group *g);
 
 /* Without gradient sync, an unsharded gradient kept as a reduce-dtype sum
  * across backwards: dst (tensor handle, dst_t) = (add ? dst : 0) + src

@@ -408,6 +408,11 @@ static void cancel_part(fs_bucket_owner *o)
         release_reduction(g);
 }
 
+int fs_shard_has_partial(const fs_shard_group *g)
+{
+    return g->partial_h != NULL;
+}
+
 void fs_shard_drop_partial(fs_shard_group *g)
 {
     fs_group_drop(&g->core, &g->partial_h);

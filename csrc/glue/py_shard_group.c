@@ -255,6 +255,16 @@ static PyObject *ShardGroup_reshard(ShardGroupObject *self, PyObject *Py_UNUSED(
     return done(self, fs_shard_reshard(&self->g));
 }
 
+static PyObject *ShardGroup_set_keep_storage(ShardGroupObject *self, PyObject *arg)
+{
+    int keep = PyObject_IsTrue(arg);
+    if (keep < 0)
+        return NULL;
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
+        return NULL;
+    return done(self, fs_shard_set_keep_storage(&self->g, keep));
+}
+
 PyDoc_STRVAR(reduce_doc,
              "reduce(grads, grad_codes, outs, out_codes, accumulate, factor=0.0, defer=False,\n"
              "       reshard=False, *, all_reduce=True, hold=False, force_sum=False)\n"
@@ -465,6 +475,11 @@ static PyObject *ShardGroup_get_aliased(ShardGroupObject *self, void *c)
     return PyBool_FromLong(self->g.aliased);
 }
 
+static PyObject *ShardGroup_get_has_partial(ShardGroupObject *self, void *c)
+{
+    return PyBool_FromLong(fs_shard_has_partial(&self->g));
+}
+
 static PyObject *ShardGroup_get_copied(ShardGroupObject *self, void *c)
 {
     const unsigned long long *b = self->g.copied_bytes;
@@ -567,6 +582,10 @@ static PyMethodDef ShardGroup_methods[] = {
     {"wait", (PyCFunction)ShardGroup_wait, METH_NOARGS,
      "wait(): a deferred gather: the stream waits, then the copy-out is enqueued."},
     {"reshard", (PyCFunction)ShardGroup_reshard, METH_NOARGS, "reshard(): free the unsharded buffer."},
+    {"set_keep_storage", (PyCFunction)ShardGroup_set_keep_storage, METH_O,
+     "set_keep_storage(keep): reshards keep the unsharded storage, its data pointer the\n"
+     "same at the next gather (False: free it, also now when resharded)\n"
+     "(engine/shard_group.h, [Note: kept storage])."},
     {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
     {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
     {"reduce", (PyCFunction)(void (*)(void))ShardGroup_reduce, METH_VARARGS | METH_KEYWORDS,
@@ -643,6 +662,8 @@ static PyGetSetDef ShardGroup_getset[] = {
     {"aliased", (getter)ShardGroup_get_aliased, NULL,
      "the unsharded parameters must be the shards themselves (one rank, the compute\n"
      "dtype: engine/shard_group.h, [Note: direct layout]); set with the shards", NULL},
+    {"has_partial", (getter)ShardGroup_get_has_partial, NULL,
+     "an HSDP partial sum is kept (reductions without the all-reduce)", NULL},
     {"copied", (getter)ShardGroup_get_copied, NULL,
      "bytes written by copies so far, by kind (engine/shard_group.h, [Note: copy counts])", NULL},
     {NULL},

@@ -64,6 +64,11 @@ from .fsdp2 import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule,  # noqa:
 __all__ += ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
             "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims",
             "share_comm_ctx"]
+from . import fsdp2 as _fsdp2  # noqa: E402
+
+if hasattr(_fsdp2, "GradientReductionHandle"):  # where torch has it (torch_facts.VERSIONED)
+    GradientReductionHandle = _fsdp2.GradientReductionHandle
+    __all__ += ["GradientReductionHandle"]
 
 # The rest of torch.distributed.fsdp's names: the optimizer state key type of
 # FSDP.rekey_optim_state_dict, and torch's FlatParameter class, which

@@ -36,7 +36,10 @@ def memory_stats(model, optimizer=None):
     state tensors are counted when given), by role:
 
     params         storages of the parameters the optimizer sees (the shards)
-    unsharded      full (gathered) buffers live right now: 0 after reshard
+    unsharded      full (gathered) buffers live right now: 0 after reshard,
+                   but for fully_shard groups whose storage is kept
+                   (set_keep_unsharded_storage: csrc/engine/shard_group.h,
+                   [Note: kept storage])
     grads          gradient storages, including unreduced full gradients
     optim          optimizer state tensors
     pool_cached    free gather buffers flatshard keeps resident for the next
@@ -53,10 +56,11 @@ def memory_stats(model, optimizer=None):
     for m in fsdp_units(model):
         fulls += gathered_buffers(m._unit.groups)
         pending += [g.compute.grad for g in m._unit.groups]
+    fs_fulls = _fully_shard_buffers(model)
     params = list(model.parameters())
-    out = {
-        "params": storage_bytes(params),
-        "unsharded": storage_bytes(fulls),
+    out = {  # (fully_shard's parameters registered unsharded: the unsharded buffers' bytes)
+        "params": storage_bytes(params + fs_fulls) - storage_bytes(fs_fulls),
+        "unsharded": storage_bytes(fulls + fs_fulls),
         "grads": storage_bytes([p.grad for p in params] + pending),
         "optim": 0,
     }
@@ -66,6 +70,19 @@ def memory_stats(model, optimizer=None):
     out["pool_cached"] = _C.pool_stats()["cached_bytes"]
     out["resident"], out["peak_resident"] = resident_bytes()
     out["copied"] = sum(copy_stats(model).values())
+    return out
+
+
+def _fully_shard_buffers(model):
+    """Each fully_shard group's unsharded buffer under `model` (an empty
+    storage while resharded, unless it is kept)."""
+    out, seen = [], set()
+    for m in model.modules():
+        st = state_of(m)
+        if st is not None and st.group is not None and id(st) not in seen:
+            seen.add(id(st))
+            if st.group.full is not None:
+                out.append(st.group.full)
     return out
 
 

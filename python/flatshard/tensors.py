@@ -42,6 +42,17 @@ def dtype_code(dtype):
 _CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
+def compute_dtype(param_dtype, dtype, override=None):
+    """The dtype a parameter of `dtype` is gathered and computed in: the
+    policy's param_dtype (None: its own dtype) for a floating parameter, its
+    own for any other. override: torch 2.15's param_dtype_override_fn's
+    answer for it (None, param_dtype, or its own dtype to keep it), which
+    replaces param_dtype when given."""
+    if not dtype.is_floating_point:
+        return dtype
+    return (override if override is not None else param_dtype) or dtype
+
+
 def reduce_dtype(rule, set_dtype, compute, accumulate=()):
     """The dtype gradients are reduced in ([Note: reduce dtype rule] in
     csrc/core/reduce_rule.h, the rule's one implementation): set_dtype (the

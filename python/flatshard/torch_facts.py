@@ -14,6 +14,8 @@ cached, since the torch of a process cannot change while it runs.
   mp_policy_fields()        MixedPrecisionPolicy's fields
   reduce_dtype_rule()       fully_shard's reduce dtype with reduce_dtype=None
   post_backward_accumulate_range()  whether torch opens that profiler range
+  torch_has(where, name)    whether the installed torch has a name
+  provided()                torch 2.15's names flatshard has with this torch
   pending()                 torch names flatshard does not provide yet
   flat_collectives()        torch.distributed's flat all-gather / reduce-scatter
   data_parallel_mesh_dims() torch's DataParallelMeshDims class, or None
@@ -96,18 +98,15 @@ def post_backward_accumulate_range():
 
 
 # ----------------------------------------------------------------------
-# what flatshard does not provide yet
+# names flatshard provides only where the installed torch has them
 
-# What torch has and flatshard lacks, for now: (where, name). Each is
-# reported by pending() where the installed torch has it, and by
-# tests/test_public_names.py, which fails on any other name torch has and
-# flatshard lacks, and on a name listed here that flatshard has come to
-# provide (then drop it here). flatshard refuses what it cannot honour
-# (param_dtype_override_fn set: a NotBuiltError), never ignores it. "rule":
-# a torch rule flatshard does not follow yet, as ("rule",
-# "reduce_dtype_rule=<rule>"); none now: fully_shard follows
-# reduce_dtype_rule() under every torch ([Note: reduce dtype rule]).
-PENDING = (
+# torch 2.15's FSDP2 additions, (where, name): flatshard has each exactly
+# where the installed torch does (fsdp2/module.py, fsdp2/finalize.py and
+# the exports read torch_has), so a script sees the surface of the torch it
+# runs with; under torch 2.13 and 2.14 each is absent, as in torch (an
+# AttributeError; MixedPrecisionPolicy is torch's own class, so its field
+# comes and goes with torch).
+VERSIONED = (
     ("torch.distributed.fsdp", "GradientReductionHandle"),
     ("FSDPModule", "finalize_backward"),
     ("FSDPModule", "set_manual_backward_finalization"),
@@ -116,7 +115,10 @@ PENDING = (
 )
 
 
-def _torch_has(where, name):
+def torch_has(where, name):
+    """Whether the installed torch has `name` at `where`
+    ("torch.distributed.fsdp", "FSDPModule", "MixedPrecisionPolicy", or
+    "rule" with "reduce_dtype_rule=<rule>")."""
     if where == "torch.distributed.fsdp":
         return name in fsdp_names()
     if where == "FSDPModule":
@@ -128,10 +130,30 @@ def _torch_has(where, name):
     raise ValueError(f"unknown place {where!r}")
 
 
+def provided():
+    """VERSIONED's names that flatshard provides with the installed torch."""
+    return [(where, name) for where, name in VERSIONED if torch_has(where, name)]
+
+
+# ----------------------------------------------------------------------
+# what flatshard does not provide yet
+
+# What torch has and flatshard lacks, for now: (where, name). Each is
+# reported by pending() where the installed torch has it, and by
+# tests/test_public_names.py, which fails on any other name torch has and
+# flatshard lacks, and on a name listed here that flatshard has come to
+# provide (then drop it here). flatshard refuses what it cannot honour,
+# never ignores it. "rule": a torch rule flatshard does not follow yet, as
+# ("rule", "reduce_dtype_rule=<rule>"). None now, under torch 2.13 to 2.15:
+# fully_shard follows reduce_dtype_rule() ([Note: reduce dtype rule]) and
+# has torch 2.15's names (VERSIONED).
+PENDING = ()
+
+
 def pending():
     """PENDING's names that the installed torch has: what a script written
     for this torch may reach for and flatshard does not offer yet."""
-    return [(where, name) for where, name in PENDING if _torch_has(where, name)]
+    return [(where, name) for where, name in PENDING if torch_has(where, name)]
 
 
 # ----------------------------------------------------------------------
@@ -192,6 +214,7 @@ def report():
     why = {"param_dtype": "param_dtype when set", "grad_dtype": "the parameter's grad_dtype: "
            "fp32 for fp32 parameters under param_dtype=bf16"}
     missing = pending()
+    have = provided()
     ours = "param_dtype" if ("rule", f"reduce_dtype_rule={rule}") in missing else rule
     names = [n if w == "torch.distributed.fsdp" else f"{w}.{n}" for w, n in missing
              if w != "rule"]
@@ -203,4 +226,7 @@ def report():
         f"torch's FSDP2: MixedPrecisionPolicy fields {', '.join(mp_policy_fields())}; "
         f"FSDPModule methods: {len(fsdp_module_methods())}",
         "torch names flatshard does not provide yet: " + (", ".join(names) or "none"),
+        "torch 2.15's FSDP2 names, present as in this torch: " + ", ".join(
+            (n if w == "torch.distributed.fsdp" else f"{w}.{n}") +
+            (" (present)" if (w, n) in have else " (absent)") for w, n in VERSIONED),
     ]

@@ -9,3 +9,9 @@ from ..fsdp2 import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPr
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "fully_shard",
            "MixedPrecisionPolicy", "OffloadPolicy", "register_fsdp_forward_method",
            "UnshardHandle", "share_comm_ctx"]
+
+from .. import fsdp2 as _fsdp2  # noqa: E402
+
+if hasattr(_fsdp2, "GradientReductionHandle"):  # where torch has it (torch_facts.VERSIONED)
+    GradientReductionHandle = _fsdp2.GradientReductionHandle
+    __all__ += ["GradientReductionHandle"]

@@ -10,3 +10,9 @@ from ..fsdp2 import (DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy,  # 
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
            "share_comm_ctx"]
+
+from .. import fsdp2 as _fsdp2  # noqa: E402
+
+if hasattr(_fsdp2, "GradientReductionHandle"):  # where torch has it (torch_facts.VERSIONED)
+    GradientReductionHandle = _fsdp2.GradientReductionHandle
+    __all__ += ["GradientReductionHandle"]

@@ -67,7 +67,13 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                            each parameter is sharded on (torch.chunk's split,
                            uneven splits of any dim included).
     mp_policy              torch's MixedPrecisionPolicy (param_dtype,
-                           reduce_dtype, output_dtype, cast_forward_inputs).
+                           reduce_dtype, output_dtype, cast_forward_inputs;
+                           torch 2.15's param_dtype_override_fn, called
+                           once per parameter here: None or param_dtype
+                           casts it, its own dtype keeps it; one group
+                           computes in one dtype, so a group whose
+                           parameters the override splits is refused with
+                           a NotBuiltError naming them).
     offload_policy         OffloadPolicy() (none) or CPUOffloadPolicy().
     ignored_params         parameters left out of the group (neither sharded
                            nor reduced).
@@ -101,6 +107,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             raise not_built("reshard_after_forward", reshard_after_forward, "an int is not "
                             "supported with dp_mesh_dims (nor by torch)", "use True or False")
     params, aliases, names = _collect(modules, ignored)
+    overrides = _param_dtype_overrides(mp_policy, params, names)
     label = ", ".join(type(m).__name__ for m in modules)
     dims = []  # each parameter's shard dim
     for p, name in zip(params, names):
@@ -156,7 +163,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         else:
             shard, replicate = comm_over(mesh.get_group(0), mesh), None
         group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy, names, dims,
-                           spmd)
+                           spmd, overrides)
         group.post_comm = post_comm
         group.register_sharded()
     state = FSDPState(modules, group, raf, mp_policy)
@@ -223,9 +230,33 @@ def _check_mp(mp):
         if v is not None and v not in _DTYPES:
             raise bad_value(f"mp_policy.{name}", v, f"expected None or one of {_DTYPES}")
     check_bool("mp_policy.cast_forward_inputs", mp.cast_forward_inputs)
-    if getattr(mp, "param_dtype_override_fn", None) is not None:  # torch 2.15's field
-        raise not_built("mp_policy.param_dtype_override_fn", mp.param_dtype_override_fn,
-                        "per-parameter compute dtypes are not built yet", "pass None")
+    fn = getattr(mp, "param_dtype_override_fn", None)  # torch 2.15's field
+    if fn is not None and not callable(fn):
+        raise bad_type("mp_policy.param_dtype_override_fn", fn,
+                       "a callable fn(param) -> torch.dtype or None, or None")
+
+
+def _param_dtype_overrides(mp, params, names):
+    """torch 2.15's param_dtype_override_fn(param) for each parameter, once,
+    when fully_shard is applied (as torch calls it), checked as torch checks
+    it: None, param_dtype, or the parameter's own dtype. None: no override."""
+    fn = getattr(mp, "param_dtype_override_fn", None)
+    if fn is None:
+        return None
+    out = []
+    for p, name in zip(params, names):
+        d = fn(p)
+        if d is not None and not isinstance(d, torch.dtype):
+            raise bad_value("mp_policy.param_dtype_override_fn", d, "param_dtype_override_fn "
+                            f"must return a torch.dtype or None but got {type(d)} for "
+                            f"parameter {name}")
+        if d is not None and d not in (mp.param_dtype, p.dtype):
+            raise bad_value("mp_policy.param_dtype_override_fn", d, "param_dtype_override_fn "
+                            "must return None, param_dtype, or the parameter's original dtype "
+                            f"but got {d} for a parameter with dtype {p.dtype} and param_dtype "
+                            f"{mp.param_dtype} (parameter {name})")
+        out.append(d)
+    return out
 
 
 def _check_offload(policy):

@@ -7,13 +7,18 @@ Each method checks its arguments before it changes anything; most then set
 the module's state (FSDPState) or group (ParamGroup), `recurse` reaching the
 FSDP modules inside this one. A few of torch's methods only tune CUDA memory
 or overlap, which flatshard's engine decides itself: those check their
-arguments and change nothing (their docstrings say so).
+arguments and change nothing (their docstrings say so). torch 2.15's
+set_manual_backward_finalization, finalize_backward (finalize.py) and
+set_keep_unsharded_storage are defined only where the installed torch has
+them (torch_facts.VERSIONED): a script sees the surface of its torch.
 """
 import warnings
 
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
+from .. import torch_facts
 from ..errors import bad_type, bad_value, not_built
+from . import finalize
 from .mesh import check_reshard, resolve_reshard
 from .state import STATE_ATTR, state_of
 
@@ -173,6 +178,7 @@ class FSDPModule:
             st.tree.abandon_backward()  # its reduce-scatter never ran: nothing to wait for
             st.finish_reducing()
             st.prefetched = []
+            finalize.reset(st)  # torch 2.15's manual finalization: its handle invalidated
         for s in st.states or [st]:
             s.ready.clear()
             s.forget_held_reshard()  # frozen parameters: forwards the failed backward reached
@@ -344,6 +350,27 @@ class FSDPModule:
         to do on CPU)."""
         if backend != "NCCL":
             raise bad_value("backend", backend, 'only "NCCL" is a symmetric memory backend')
+
+    # torch 2.15 ([Note: manual finalization] in finalize.py)
+    if torch_facts.torch_has("FSDPModule", "set_manual_backward_finalization"):
+        set_manual_backward_finalization = finalize.set_manual_backward_finalization
+    if torch_facts.torch_has("FSDPModule", "finalize_backward"):
+        finalize_backward = finalize.finalize_backward
+
+    if torch_facts.torch_has("FSDPModule", "set_keep_unsharded_storage"):
+        def set_keep_unsharded_storage(self, keep, *, recurse=True):
+            """torch 2.15: `keep=True` keeps each group's unsharded storage
+            across reshard, so the unsharded parameters' data pointers are
+            the same at every unshard (for CUDA graph capture), at the cost
+            of the unsharded bytes staying allocated (memory_stats counts
+            them as "unsharded"; the planner's keep_unsharded_storage).
+            False frees them at the next reshard, and now where resharded.
+            `recurse`: also the FSDP modules inside this one.
+            (csrc/engine/shard_group.h, [Note: kept storage])"""
+            check_bool("keep", keep)
+            check_bool("recurse", recurse)
+            for g in self._groups(recurse):
+                g.set_keep_storage(keep)
 
     def _apply(self, *args, **kwargs):
         # to_empty(), to(), float()...: the sharded parameters may be new objects.

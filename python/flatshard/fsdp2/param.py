@@ -30,8 +30,8 @@ from ..errors import ConfigError, NotBuiltError
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
 from ..runtime.grad_hooks import run_hooks
-from ..tensors import (DTYPE_CODES, check_plain, dtype_code, is_plain, reduce_dtype,
-                       to_plain)
+from ..tensors import (DTYPE_CODES, check_plain, compute_dtype, dtype_code, is_plain,
+                       reduce_dtype, to_plain)
 from . import tp
 from .extension import Extension, gathers_itself, has_extension
 
@@ -41,13 +41,15 @@ class ParamGroup:
     aliases[i]: every (module, attr) where params[i] is registered."""
 
     def __init__(self, params, aliases, mesh, comm, replicate_comm, mp_policy, names=None,
-                 shard_dims=None, spmd=None):
+                 shard_dims=None, spmd=None, overrides=None):
         self.mesh = mesh
         # (each alias's module _parameters dict, name, parameter index), first
         # aliases first: what the engine group's registration stores into
         # ([Note: registration in C], csrc/glue/py_params.h)
         self.slots = [(m._parameters, attr, i) for i, al in enumerate(aliases) for m, attr in al]
         self._heads = [(al[0][0]._parameters, al[0][1]) for al in aliases]  # sync_registered's
+        # each parameter's param_dtype_override_fn answer (torch 2.15), or None
+        self.overrides = list(overrides) if overrides is not None else [None] * len(params)
         self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
         self.replicate_comm = replicate_comm  # HSDP: Comm of the replicate dim, else None
         # each parameter's shard dim (Shard(d) from shard_placement_fn; 0 by default)
@@ -81,6 +83,7 @@ class ParamGroup:
         self.gathered = [not gathers_itself(p) for p in params]
         self.c = None
         self.count_base = {}   # collectives (and copied bytes) of engine groups replaced
+        self.keep_storage = False  # set_keep_unsharded_storage ([Note: kept storage])
         self.check_grad_dtypes(params)
         self._build_engine(params[0].dtype, params[0].device)
         self.ext = {i: Extension(p, self.names[i], aliases[i][0][0], mp_policy,
@@ -128,7 +131,7 @@ class ParamGroup:
         when a cast changed them (model.to(torch.float64) after fully_shard)
         or the shard group's Comm changed (force)."""
         floating = dtype.is_floating_point
-        compute = (self.mp.param_dtype or dtype) if floating else dtype
+        compute = self._compute_dtype(dtype)
         # [Note: reduce dtype rule] (csrc/core/reduce_rule.h): with
         # reduce_dtype=None the installed torch's rule, over the parameters'
         # accumulation dtypes (their own: one group holds one dtype)
@@ -151,11 +154,32 @@ class ParamGroup:
             align, dtype_code(compute), dtype_code(reduce),
             empty=empty_fn(device) if self.comm.device is not None else None,
             replicate=self.replicate_comm, outer=[v[0] for v in views])
+        if self.keep_storage:
+            self.c.set_keep_storage(True)
         self.entries = self.c.entries     # this rank's rows of each parameter (layout.c)
         self.offsets = self.c.offsets     # each parameter's start in the unsharded buffer
         self.full_alloc = self.c.full_alloc
         # what one reduction's input takes (a bucket's budget counts it)
         self.reduce_bytes = self.full_alloc * reduce.itemsize
+
+    def _compute_dtype(self, dtype):
+        """The group's one compute dtype for parameters of `dtype`
+        (tensors.compute_dtype, each parameter's param_dtype_override_fn
+        answer included). The engine's group gathers into one buffer of one
+        dtype: parameters that the override keeps in their own dtype beside
+        others cast to param_dtype are refused, naming them."""
+        mine = [compute_dtype(self.mp.param_dtype, dtype, o) for o in self.overrides]
+        if len(set(mine)) > 1:
+            kept = [n for n, c in zip(self.names, mine) if c != self.mp.param_dtype]
+            cast = [n for n, c in zip(self.names, mine) if c == self.mp.param_dtype]
+            raise NotBuiltError(
+                f"flatshard: fully_shard: mp_policy.param_dtype_override_fn keeps "
+                f"{', '.join(kept)} in {dtype} and leaves {', '.join(cast)} in param_dtype "
+                f"{self.mp.param_dtype}; one fully_shard group gathers in one dtype, so a group "
+                "of both is not built. Apply fully_shard to the modules holding the kept "
+                "parameters first (each its own group, e.g. fully_shard(block.norm, "
+                "mp_policy=...)), then to the module around them")
+        return mine[0] if mine else compute_dtype(self.mp.param_dtype, dtype)
 
     def check_grad_dtypes(self, params=None):
         """A grad_dtype set by hand on a parameter (or, before the first
@@ -470,6 +494,12 @@ class ParamGroup:
 
     def n_trainable(self):
         return sum(p.requires_grad for p in self.sharded)
+
+    def set_keep_storage(self, keep):
+        """Reshards keep (True) or free the unsharded storage from now on
+        (csrc/engine/shard_group.h, [Note: kept storage])."""
+        self.keep_storage = keep
+        self.c.set_keep_storage(keep)
 
     def reshard(self):
         self.register_sharded()

@@ -39,7 +39,7 @@ from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
 from ..runtime.root import Root
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
-from . import torch_state
+from . import finalize, torch_state
 
 STATE_ATTR = "_flatshard_fsdp2_state"
 _profiling, _depth = observe.profiling, observe.dispatch_depth  # observe.watching, frameless
@@ -141,6 +141,13 @@ class FSDPState:
         self.reading = []                 # ... those this backward reached, not their inputs
         self.reshard_due = False          # ... a reshard waiting for them
         self.lean = False                 # [Note: lean events], decided at lazy init
+        # [Note: manual finalization] (finalize.py): the root's mode, the mode
+        # of the backward under way until finalized, an asynchronous
+        # finalization not waited for; each state's post-backward left pending
+        self.manual_finalization = False
+        self.manual_active = None
+        self.reduction = None
+        self.post_backward_pending = False
         self.handles = []
         self.pre_backward_hook = self._pre_backward
         pre, post = self._pre_forward_hook, self._post_forward_hook
@@ -203,6 +210,8 @@ class FSDPState:
             st = state_of(m)
             if st is not None and st.group is not None:
                 st.group.check_grad_dtypes()
+            if st is not None and st is not self and st.manual_finalization:
+                raise finalize.not_on_root("set_manual_backward_finalization")
         self.is_root, self.root, self.states = True, self, []
         for m in (m for top in self.modules for m in top.modules()):
             st = state_of(m)
@@ -490,6 +499,7 @@ class FSDPState:
         self.lazy_init()
         root = self.root or self
         if self.is_root:
+            finalize.check_forward(self)
             with observe.span("FSDP::root_pre_forward"):
                 ev, self.post_optim_event = self.post_optim_event, None
                 if ev is not None:
@@ -666,6 +676,9 @@ class FSDPState:
         """Root only, once the autograd engine is done with this backward."""
         with observe.span("FSDP::root_post_backward_callback"):
             self.tree.final_queued = False
+            if self.manual_finalization:  # finalize_backward lands it
+                finalize.end_of_backward(self)
+                return
             for st in self.states or [self]:
                 st._end_backward()
             self.tree.bucket.flush()

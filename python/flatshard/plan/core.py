@@ -227,7 +227,7 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
          layers=None, heads=None, vocab=None, flash_attention=False, backward_prefetch=True,
          forward_prefetch=False, comm_backend="shm", slot_bytes=None, disk_chunks=4,
          disk_chunk_bytes=64 << 20, runtime_bytes=None, activation_bytes=None,
-         gather_ahead_bytes=None):
+         gather_ahead_bytes=None, keep_unsharded_storage=False):
     """Per-rank memory of one configuration -> Plan (bytes, with formulas).
 
     model or params: an nn.Module (meta device fine; wrapped by
@@ -250,7 +250,10 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
     autograd saves in one forward, measured (SavedActivations), in place of
     the transformer estimate. gather_ahead_bytes: bytes of units gathered
     ahead with a unit's all-gather (FLATSHARD_GATHER_AHEAD_BYTES); None: the
-    backend's default (1 MiB on torch, 0 on shm).
+    backend's default (1 MiB on torch, 0 on shm). keep_unsharded_storage:
+    fully_shard's set_keep_unsharded_storage(True) (torch 2.15): every
+    unit's unsharded buffer stays allocated across reshard, so the gathered
+    line is all of them at once.
     """
     c = _resolve(locals())
     if model is not None:
@@ -332,6 +335,9 @@ def _resolve(kw):
         c["units_assumed"] = (f"assumed {c['units']} equal units, one per layer of a "
                               f"transformer of about this size ({ref}); give layers= "
                               "(--layers) or units= for your model")
+    if not isinstance(c["keep_unsharded_storage"], bool):
+        raise bad_value("keep_unsharded_storage", c["keep_unsharded_storage"],
+                        "expected True or False")
     c["units"] = c["units"] or c["layers"] or 1
     c["slot_bytes"] = c["slot_bytes"] or DEFAULT_SLOT_BYTES
     c["hybrid_group"] = c["hybrid_group"] if st == "HYBRID_SHARD" else None
@@ -414,6 +420,10 @@ def _plan(units, c):
         gb, _ = _gathered_units(units, lambda g: lp(g) or g.elem_bytes, st, n, 0)
         gf = ("every unit's whole buffer, padded_numel*dtype bytes, gathered for good"
               + (" (in param_dtype: the shard is the fp32 master)" if mp else ""))
+    elif shard_p > 1 and c["keep_unsharded_storage"]:
+        gb, _ = _gathered_units(units, lambda g: elem(g, True), "SHARD_GRAD_OP", shard_p, 0)
+        gf = ("every unit's unsharded buffer, padded, kept across reshard "
+              "(set_keep_unsharded_storage)")
     elif shard_p > 1:
         gb, gf = _gathered_units(units, lambda g: elem(g, True), st, shard_p, prefetch,
                                  c["gather_ahead_bytes"] if c["comm_backend"] != "nccl" else 0)
