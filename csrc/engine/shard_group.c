@@ -293,7 +293,11 @@ fs_status fs_shard_unshard(fs_shard_group *g, int defer)
         return s;
     if (defer)
         l->dev->set_defer(c, 1);
-    s = fs_link_all_gather(l, g->core.name, send, recv, g->gather_block_numel, g->compute);
+    if (l->quant.weight_bits) /* [Note: quantized collectives]: lands now */
+        s = fs_link_all_gather_quant(l, e, g->core.name, send, recv, g->gather_block_numel,
+                                     g->compute);
+    else
+        s = fs_link_all_gather(l, g->core.name, send, recv, g->gather_block_numel, g->compute);
     if (defer)
         l->dev->set_defer(c, 0);
     if (s != FS_OK) {
