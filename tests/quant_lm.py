@@ -65,7 +65,8 @@ def wrap(api, quant, backend=None, hybrid=False):
     mesh = None
     if hybrid:
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2))
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                                mesh_dim_names=("replicate", "shard"))
     if api == "fsdp1":
         kw = dict(device_mesh=mesh, sharding_strategy=flatshard.ShardingStrategy.HYBRID_SHARD) \
             if hybrid else {}

@@ -149,6 +149,11 @@ def test_zero_and_nonfinite_blocks():
             assert torch.equal(v[:block], torch.zeros(block))
             assert torch.isnan(v[block:3 * block]).all()  # the overflow stays visible
             assert v[3 * block + 2] == 1.5 and v[3 * block:].count_nonzero() == 1
+            p = quantize(x, bits, block, simd)
+            nb = -(-x.numel() // block)
+            codes = p[4 * nb:4 * nb + (x.numel() if bits == 8 else (x.numel() + 1) // 2)]
+            per = block if bits == 8 else block // 2
+            assert not codes[per:3 * per].any()  # a non-finite block's codes are zeros
 
 
 def test_error_bound():

@@ -240,6 +240,10 @@ fs_status fs_quantize(void *payload, const void *src, fs_dtype t, int64_t n, int
         float inv;
         scales[k] = block_scale(m, bad, qmax, &inv);
         uint8_t *c = codes + (bits == 8 ? off : off / 2);
+        if (bad) { /* zero codes: x * 0 would be NaN for the infinities */
+            memset(c, 0, (size_t)code_bytes(len, bits));
+            continue;
+        }
         done = 0;
 #ifdef FS_X86
         if (avx2)
