@@ -571,3 +571,29 @@ def test_module_pack_unpack_split_long_tables(emu):
     outs = [torch.zeros_like(t) for t in ts]
     mod.unpack(flat.data_ptr(), BF16, [(o.data_ptr(),) + s[1:] for o, s in zip(outs, segs)], 0)
     assert all(torch.equal(o, t.to(torch.bfloat16).float()) for o, t in zip(outs, ts))
+
+
+def _quant_on_a_device():
+    comm = _device_comm(dist.group.WORLD, None)
+    g = _C.ShardGroup("g", comm, [8], [4], [True], _C.align_numel(4), 0, 0,
+                      empty=empty_fn(torch.device("cpu")))
+    out = []
+    send, recv = torch.zeros(8), torch.zeros(8)  # "device" memory is host memory here
+    for call in (lambda: g.set_comm_quant(8, 0, 256),
+                 lambda: comm.all_to_all(send.data_ptr(), recv.data_ptr(), 4, 0, "a2a")):
+        try:
+            call()
+            out.append(None)
+        except _C.CoreError as e:
+            out.append(str(e))
+    g.set_comm_quant(0, 0, 256)  # off is fine anywhere
+    return out
+
+
+def test_quantized_collectives_are_refused_on_a_device(dist_pool):
+    """The engine's quantized collectives run on host links: a device group
+    refuses the setting, naming it; NCCL's all-to-all needs ncclSend/ncclRecv,
+    which the emulated library lacks, and says so."""
+    for refused, a2a in dist_pool(2).run(_quant_on_a_device):
+        assert "host links" in refused and "device" in refused
+        assert "ncclSend/ncclRecv" in a2a

@@ -71,7 +71,9 @@ def lib():
             "fs_cuda_scale_accumulate": [p, i, p, i, i64, d, i, p],
             "fs_cuda_pack": [p, i, p, i, p], "fs_cuda_unpack": [p, i, p, i, p],
             "fs_cuda_adam_step": [p, p], "fs_cuda_sgd_step": [p, p],
-            "fs_cuda_norm_partial": [p, i, i64, i, p, p]}
+            "fs_cuda_norm_partial": [p, i, i64, i, p, p],
+            "fs_cuda_quantize": [p, p, i, i64, i, i64, p],
+            "fs_cuda_dequantize": [p, i, p, i64, i, i64, i, p]}
     for name, argtypes in sigs.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -448,3 +450,50 @@ def test_norm_partial_propagates_nan_and_inf(lib, inf):
         assert kernel_norm(lib, x, inf) != kernel_norm(lib, x, inf)  # NaN
         x[where] = float("-inf")
         assert kernel_norm(lib, x, inf) == float("inf")
+
+
+# ---------------------------------------------------------------------------
+# quantization (quant.cu) against the CPU kernels, themselves held against a
+# float64 model in tests/test_quant_kernels.py
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [32, 256])
+@pytest.mark.parametrize("src_t", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_matches_the_cpu_kernels(lib, bits, block, src_t):
+    g = torch.Generator().manual_seed(bits + block)
+    for n in (0, 1, block - 1, block, block + 1, 3 * block + 7, 1031, 4099):
+        x = (torch.randn(n, generator=g) * 4).to(src_t)
+        if n > 40:
+            x[block // 2] = float("inf")  # a non-finite block: NaN scale, zero codes
+        nbytes = max(_C.quant_payload_bytes(n, bits, block), 8)
+        want = torch.zeros(nbytes, dtype=torch.uint8)
+        _C.quantize(want.data_ptr(), x.data_ptr(), CODES[src_t], n, bits, block)
+        got = torch.zeros(nbytes + 2 * GUARD, dtype=torch.uint8)
+        assert lib.fs_cuda_quantize(got[GUARD:].data_ptr(), x.data_ptr(), CODES[src_t], n, bits,
+                                    block, None) == 0
+        assert torch.equal(got[GUARD:GUARD + nbytes], want), n
+        assert not got[:GUARD].any() and not got[GUARD + nbytes:].any()
+        for dst_t in (torch.float32, torch.bfloat16):
+            ref = torch.zeros(n, dtype=dst_t)
+            _C.dequantize(ref.data_ptr(), CODES[dst_t], want.data_ptr(), n, bits, block, False)
+            out = torch.full((n + 2 * GUARD,), 7.0, dtype=dst_t)
+            assert lib.fs_cuda_dequantize(out[GUARD:].data_ptr(), CODES[dst_t], want.data_ptr(),
+                                          n, bits, block, 0, None) == 0
+            torch.testing.assert_close(out[GUARD:GUARD + n], ref, rtol=0, atol=0, equal_nan=True)
+            assert (out[:GUARD] == 7).all() and (out[GUARD + n:] == 7).all()
+        acc0 = torch.randn(n, generator=g)
+        ref, acc = acc0.clone(), acc0.clone()
+        _C.dequantize(ref.data_ptr(), 0, want.data_ptr(), n, bits, block, True)
+        assert lib.fs_cuda_dequantize(acc.data_ptr(), 0, want.data_ptr(), n, bits, block, 1,
+                                      None) == 0
+        torch.testing.assert_close(acc, ref, rtol=0, atol=0, equal_nan=True)
+
+
+def test_quantize_refuses_bad_arguments(lib):
+    x = torch.zeros(64)
+    p = torch.zeros(512, dtype=torch.uint8)
+    assert lib.fs_cuda_quantize(p.data_ptr(), x.data_ptr(), 0, 64, 8, 48, None) == INVALID
+    assert lib.fs_cuda_quantize(p.data_ptr(), x.data_ptr(), 0, 64, 2, 64, None) == INVALID
+    assert lib.fs_cuda_dequantize(x.data_ptr(), 2, p.data_ptr(), 64, 8, 64, 1, None) == INVALID
+    assert lib.fs_cuda_quantize(None, None, 0, 0, 8, 64, None) == 0

@@ -35,7 +35,7 @@ CSRC = os.path.join(ROOT, "csrc")
 DRIVER_SOURCE = os.path.join(TESTS, "engine", "driver.c")
 ENGINE_SOURCES = [os.path.join(CSRC, p) for p in (
     "engine/unit.c", "engine/unit_reduce.c", "engine/unit_fsm.c", "engine/link.c",
-    "engine/group.c",
+    "engine/group.c", "engine/link_quant.c", "core/quant.c",
     "core/copy.c", "core/layout.c", "core/reduce.c", "core/reduce_rule.c", "core/status.c",
     "backends/comm.c", "backends/comm_shm.c", "backends/ledger.c")]
 INCLUDES = [f"-I{os.path.join(CSRC, d)}" for d in ("core", "engine", "backends")]

@@ -63,6 +63,27 @@ fs_status fs_comm_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, in
 
 fs_status fs_comm_barrier(fs_comm *c) { return c->ops->barrier(c); }
 
+fs_status fs_comm_all_to_all(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t)
+{
+    if (count < 0 || fs_dtype_size(t) == 0)
+        return bad(c, "all_to_all: negative count or invalid dtype");
+    if (count > 0 && (!send || !recv))
+        return bad(c, "all_to_all: null buffer");
+    const size_t nb = (size_t)count * fs_dtype_size(t) * (size_t)c->world_size;
+    if (count > 0 && (const char *)send < (const char *)recv + nb &&
+        (const char *)recv < (const char *)send + nb)
+        return bad(c, "all_to_all: send and recv overlap");
+    if (!c->ops->all_to_all) {
+        snprintf(c->last_error, sizeof c->last_error, "all_to_all: the %s backend has none",
+                 c->ops->name);
+        c->last_fail = FS_FAIL_OTHER;
+        return FS_ERR_UNSUPPORTED;
+    }
+    if (count == 0)
+        return FS_OK;
+    return c->ops->all_to_all(c, send, recv, count, t);
+}
+
 void fs_comm_destroy(fs_comm *c)
 {
     if (c)

@@ -1,6 +1,6 @@
 /* comm.h - the collective backend interface of the C core.
  *
- * Sharding needs five collectives over one group of ranks. A backend fills
+ * Sharding needs five collectives (and quantized reductions a sixth, all_to_all) over one group of ranks. A backend fills
  * an fs_comm_ops table; the core calls through fs_comm_* (which check
  * arguments once, so backends need not). Backends, one file each:
  *   comm_shm.c       shared memory between the ranks of one host (the default
@@ -15,6 +15,9 @@
  *                   recv + r * count. In place when send == recv + rank * count.
  *   reduce_scatter: send holds world_size * recv_count; rank r receives the
  *                   reduction of every rank's send[r * recv_count ...].
+ *   all_to_all:     send and recv hold world_size * count; send[r * count ...]
+ *                   goes to rank r, which receives it at recv[rank * count ...].
+ *                   Never in place (send and recv do not overlap).
  * Reductions of f16/bf16 accumulate in at least f32 where the backend
  * allows; FS_RED_AVG divides by world_size after the sum (never trusted to
  * the underlying library: gloo's AVG sums).
@@ -52,6 +55,9 @@ typedef struct {
     /* Tell the other ranks this one stopped (e.g. out of memory), so their
      * waits fail with `why` instead of timing out; NULL if the backend cannot. */
     void (*abort)(fs_comm *c, const char *why);
+    /* The block exchange that quantized reductions ride on (engine/link_quant.c):
+     * bytes in, bytes out, no arithmetic; NULL if the backend lacks it. */
+    fs_status (*all_to_all)(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t);
 } fs_comm_ops;
 
 struct fs_comm {
@@ -73,6 +79,7 @@ fs_status fs_comm_reduce_scatter(fs_comm *c, const void *send, void *recv, int64
 fs_status fs_comm_all_reduce(fs_comm *c, void *buf, int64_t count, fs_dtype t, fs_redop op);
 fs_status fs_comm_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, int root);
 fs_status fs_comm_barrier(fs_comm *c);
+fs_status fs_comm_all_to_all(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t);
 void fs_comm_destroy(fs_comm *c);
 
 #endif

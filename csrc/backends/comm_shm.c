@@ -65,9 +65,10 @@
 #define SPIN_NS (200 * 1000)
 #define SLICE_NS (20 * 1000 * 1000) /* futex slice: how often liveness is checked */
 
-enum { OP_NONE, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_REDUCE, OP_BROADCAST, OP_BARRIER };
+enum { OP_NONE, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_REDUCE, OP_BROADCAST, OP_BARRIER,
+       OP_ALL_TO_ALL };
 static const char *op_names[] = {"none", "all_gather", "reduce_scatter", "all_reduce",
-                                 "broadcast", "barrier"};
+                                 "broadcast", "barrier", "all_to_all"};
 
 typedef struct {
     _Atomic uint64_t magic; /* written last by the creator */
@@ -218,7 +219,7 @@ static void describe(shm_impl *s, int r, char *buf, size_t cap)
     if (d.entry.seq)
         fs_ledger_format(&d.entry, 0, buf, cap);
     else
-        snprintf(buf, cap, "%s #%llu", op_names[d.op <= OP_BARRIER ? d.op : OP_NONE],
+        snprintf(buf, cap, "%s #%llu", op_names[d.op <= OP_ALL_TO_ALL ? d.op : OP_NONE],
                  (unsigned long long)d.seq);
 }
 
@@ -490,6 +491,33 @@ static fs_status s_barrier(fs_comm *c)
     return leave(c, barrier(c));
 }
 
+/* Each chunk stages, for every other rank r, the next piece of the block
+ * for r (as a reduce-scatter stages, without the sum). */
+static fs_status s_all_to_all(fs_comm *c, const void *send, void *recv, int64_t count,
+                              fs_dtype t)
+{
+    shm_impl *s = c->impl;
+    const size_t bytes = (size_t)count * fs_dtype_size(t);
+    const int w = c->world_size, me = c->rank;
+    const size_t chunk = s->half_bytes / (size_t)w;
+    fs_status st = FS_OK;
+    enter(c, OP_ALL_TO_ALL);
+    memcpy((char *)recv + me * bytes, (const char *)send + me * bytes, bytes);
+    for (size_t off = 0; off < bytes && st == FS_OK; off += chunk) {
+        size_t n = bytes - off < chunk ? bytes - off : chunk;
+        char *mine = half(s, me);
+        for (int r = 0; r < w; r++)
+            if (r != me)
+                memcpy(mine + r * chunk, (const char *)send + r * bytes + off, n);
+        st = barrier(c);
+        for (int r = 0; r < w && st == FS_OK; r++)
+            if (r != me)
+                memcpy((char *)recv + r * bytes + off, half(s, r) + me * chunk, n);
+        s->chunk_counter++;
+    }
+    return leave(c, st);
+}
+
 static void s_destroy(fs_comm *c)
 {
     shm_impl *s = c->impl;
@@ -506,7 +534,7 @@ static void s_abort(fs_comm *c, const char *why) { shm_abort(c, FS_FAIL_OTHER, w
 
 static const fs_comm_ops shm_ops = {
     "shm",     0,         s_all_gather, s_reduce_scatter, s_all_reduce,
-    s_broadcast, s_barrier, s_destroy,  s_abort,
+    s_broadcast, s_barrier, s_destroy,  s_abort, s_all_to_all,
 };
 
 /* ---------------------------------------------------------------------------

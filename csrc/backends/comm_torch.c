@@ -136,6 +136,13 @@ static fs_status t_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, i
     return call(c, "broadcast", buf, count, NULL, 0, t, root);
 }
 
+static fs_status t_all_to_all(fs_comm *c, const void *send, void *recv, int64_t count,
+                              fs_dtype t)
+{
+    return call(c, "all_to_all", (void *)send, count * c->world_size, recv,
+                count * c->world_size, t, 0);
+}
+
 static fs_status t_barrier(fs_comm *c) { return call(c, "barrier", NULL, 0, NULL, 0, FS_U8, 0); }
 
 static void t_destroy(fs_comm *c)
@@ -148,6 +155,7 @@ static void t_destroy(fs_comm *c)
 
 static const fs_comm_ops torch_ops = {
     "torch", 1, t_all_gather, t_reduce_scatter, t_all_reduce, t_broadcast, t_barrier, t_destroy, NULL,
+    t_all_to_all,
 };
 
 fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out)

@@ -55,7 +55,7 @@ const fs_ledger_entry *fs_ledger_get(const fs_ledger *l, uint64_t seq)
 const char *fs_ledger_op_name(fs_ledger_op op)
 {
     static const char *names[] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
-                                  "barrier"};
+                                  "barrier", "all_to_all"};
     return (unsigned)op < sizeof names / sizeof *names ? names[op] : "unknown";
 }
 

@@ -30,6 +30,7 @@ typedef enum {
     FS_LOP_ALL_REDUCE,
     FS_LOP_BROADCAST,
     FS_LOP_BARRIER,
+    FS_LOP_ALL_TO_ALL,
 } fs_ledger_op;
 
 /* ENQUEUED: a device backend accepted it onto its stream; it finishes

@@ -342,6 +342,42 @@ fs_status fs_nccl_wait(fs_comm *c, double timeout_s)
     }
 }
 
+/* All-to-all as NCCL builds it: one send and one receive per peer in one
+ * NCCL group (inside an open flatshard group, part of that one). Bytes
+ * only: quantized payloads (engine/link_quant.c). */
+static fs_status n_all_to_all(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t)
+{
+    nccl_impl *m = c->impl;
+    if (!fs_nccl.Send || !fs_nccl.Recv) {
+        snprintf(c->last_error, sizeof c->last_error, "all_to_all: this NCCL library has no "
+                 "ncclSend/ncclRecv (NCCL 2.7 or later needed)");
+        return FS_ERR_UNSUPPORTED;
+    }
+    const size_t bytes = (size_t)count * fs_dtype_size(t);
+    FS_CHECK(enter(c, "all_to_all"));
+    if (!m->in_group)
+        NCCL_TRY(c, "ncclGroupStart", fs_nccl.GroupStart());
+    ncclResult_t first = ncclSuccess;
+    pthread_mutex_lock(&m->mu);
+    const int gone = atomic_load(&m->aborted);
+    for (int r = 0; r < c->world_size && !gone && first == ncclSuccess; r++) {
+        ncclResult_t a = fs_nccl.Send((const char *)send + r * bytes, bytes, ncclUint8, r,
+                                      m->comm, m->stream);
+        ncclResult_t b = a == ncclSuccess ? fs_nccl.Recv((char *)recv + r * bytes, bytes,
+                                                         ncclUint8, r, m->comm, m->stream)
+                                          : a;
+        first = b;
+    }
+    pthread_mutex_unlock(&m->mu);
+    if (!m->in_group)
+        NCCL_TRY(c, "ncclGroupEnd", fs_nccl.GroupEnd());
+    if (gone)
+        return refused(c, "all_to_all");
+    if (first != ncclSuccess)
+        return nccl_fail(c, "ncclSend/ncclRecv", first);
+    return leave(c, "all_to_all");
+}
+
 /* NCCL has no barrier: an all-reduce of one float, then a bounded wait. */
 static fs_status n_barrier(fs_comm *c)
 {
@@ -387,7 +423,7 @@ static void n_destroy(fs_comm *c)
 
 static const fs_comm_ops nccl_ops = {
     "nccl", 0, n_all_gather, n_reduce_scatter, n_all_reduce, n_broadcast, n_barrier, n_destroy,
-    n_abort,
+    n_abort, n_all_to_all,
 };
 
 fs_status fs_comm_nccl_create(const unsigned char id[128], int rank, int world_size, int device,

@@ -34,6 +34,13 @@ cudaError_t fs_cuda_cast2d(void *dst, int64_t dst_pitch, fs_dtype dst_t, const v
                            int64_t src_pitch, fs_dtype src_t, int64_t width, int64_t height,
                            cudaStream_t stream);
 
+/* csrc/core/quant.h's fs_quantize / fs_dequantize on the device (quant.cu):
+ * the same payload, the same bits. */
+cudaError_t fs_cuda_quantize(void *payload, const void *src, fs_dtype t, int64_t n, int bits,
+                             int64_t block, cudaStream_t stream);
+cudaError_t fs_cuda_dequantize(void *dst, fs_dtype dst_t, const void *payload, int64_t n,
+                               int bits, int64_t block, int accumulate, cudaStream_t stream);
+
 /* dst[i] = (accumulate ? dst[i] : 0) + scale * src[i], in f32 (f64 for f64). */
 cudaError_t fs_cuda_scale_accumulate(void *dst, fs_dtype dst_t, const void *src, fs_dtype src_t,
                                      int64_t n, double scale, int accumulate, cudaStream_t stream);

@@ -62,11 +62,16 @@ typedef ncclResult_t (*fs_ncclAllReduce_t)(const void *send, void *recv, size_t 
 typedef ncclResult_t (*fs_ncclBroadcast_t)(const void *send, void *recv, size_t count,
                                            ncclDataType_t t, int root, ncclComm_t comm,
                                            cudaStream_t s);
+typedef ncclResult_t (*fs_ncclSend_t)(const void *send, size_t count, ncclDataType_t t, int peer,
+                                      ncclComm_t comm, cudaStream_t s);
+typedef ncclResult_t (*fs_ncclRecv_t)(void *recv, size_t count, ncclDataType_t t, int peer,
+                                      ncclComm_t comm, cudaStream_t s);
 typedef ncclResult_t (*fs_ncclGroupStart_t)(void);
 typedef ncclResult_t (*fs_ncclGroupEnd_t)(void);
 
 /* The loaded library (nccl_load.c): every entry is set once lib != NULL,
- * except GetLastError (NCCL >= 2.13), which may stay NULL. */
+ * except GetLastError (NCCL >= 2.13), which may stay NULL, and Send/Recv
+ * (NCCL >= 2.7, and not in every stand-in library), NULL without them. */
 typedef struct {
     void *lib;
     int version;
@@ -84,6 +89,8 @@ typedef struct {
     fs_ncclBroadcast_t Broadcast;
     fs_ncclGroupStart_t GroupStart;
     fs_ncclGroupEnd_t GroupEnd;
+    fs_ncclSend_t Send; /* may be NULL */
+    fs_ncclRecv_t Recv; /* may be NULL */
 } fs_nccl_lib;
 extern fs_nccl_lib fs_nccl;
 

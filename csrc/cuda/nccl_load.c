@@ -49,6 +49,8 @@ fs_status fs_nccl_load(const char *path, int *version, char *err, size_t cap)
     SYM(Broadcast, "ncclBroadcast", 1);
     SYM(GroupStart, "ncclGroupStart", 1);
     SYM(GroupEnd, "ncclGroupEnd", 1);
+    SYM(Send, "ncclSend", 0);
+    SYM(Recv, "ncclRecv", 0);
 #undef SYM
     int v = 0;
     if (fs_nccl.GetVersion(&v) != ncclSuccess || v < 21000) { /* ncclBfloat16 needs 2.10 */

@@ -62,6 +62,33 @@ enum {
                               flush (host: from the pool, not the heap) */
 };
 
+/* [Note: quantized collectives] A group's gathers and reductions can move
+ * block-quantized payloads instead of the compute and reduce dtypes
+ * (quant.h): the setting is handed to the engine once per group
+ * (fs_group_set_quant) and every gather and reduction of that group on
+ * its shard link reads it; nothing above the engine chooses per call.
+ *   gathers (weight_bits 8): each rank quantizes the all-gather input (its
+ *     shard in the compute dtype), one all-gather moves the payloads, and
+ *     each rank dequantizes every rank's payload, its own too, into the
+ *     output: all ranks compute with the same values. The master shard is
+ *     never touched; gathers for a full-precision copy (summon, state
+ *     dicts) stay exact.
+ *   reductions (grad_bits 8 or 4): each rank quantizes the block it sends to
+ *     each rank, one all-to-all moves them, and each rank sums the blocks
+ *     it received in float32, in rank order, into the reduce-scatter's
+ *     output (qgZ's order: every value is quantized once, never again per
+ *     hop). The divides around the collective ([Note: divide rule]) are
+ *     the same; only the sum changes.
+ * Host links only: a device link's groups refuse the setting. A quantized
+ * collective is issued at once, never coalesced into a host batch or
+ * bucket (its payload is packed by the engine already). HSDP's all-reduce
+ * across replicas is not quantized. */
+typedef struct {
+    int weight_bits;  /* 0: gathers move the compute dtype; 8 */
+    int grad_bits;    /* 0: reductions move the reduce dtype; 8 or 4 */
+    int64_t block;    /* values per float32 scale (quant.h's rules) */
+} fs_comm_quant;
+
 typedef struct fs_gather_batch fs_gather_batch;   /* below */
 typedef struct fs_reduce_bucket fs_reduce_bucket;
 
@@ -78,7 +105,26 @@ typedef struct {
     void (*lock)(void *saved);
     fs_gather_batch *batch;    /* host: all-gathers join it ([Note: coalesced gathers]) */
     fs_reduce_bucket *bucket;  /* host: reduce-scatters join it ([Note: reduction buckets]) */
+    fs_comm_quant quant;       /* [Note: quantized collectives]; zeros: none */
+    /* [Note: bytes sent] what this rank put into the collectives issued on
+     * this link that succeeded: an all-gather's count, a reduce-scatter's or
+     * an all-to-all's whole input (world_size blocks), an all-reduce's
+     * buffer, in bytes; gathers and reductions (reduce-scatter, all-reduce,
+     * all-to-all) apart. The payloads, not the dtype they stand for. */
+    unsigned long long sent_gather_bytes, sent_reduce_bytes;
 } fs_link;
+
+/* [Note: bytes sent]: a collective of op that succeeded on l, counted. */
+static inline void fs_link_count_sent(fs_link *l, fs_ledger_op op, int64_t count, fs_dtype t)
+{
+    const unsigned long long b = (unsigned long long)count * fs_dtype_size(t);
+    if (op == FS_LOP_ALL_GATHER)
+        l->sent_gather_bytes += b;
+    else if (op == FS_LOP_REDUCE_SCATTER || op == FS_LOP_ALL_TO_ALL)
+        l->sent_reduce_bytes += b * (unsigned long long)l->comm->world_size;
+    else if (op == FS_LOP_ALL_REDUCE)
+        l->sent_reduce_bytes += b;
+}
 
 /* Host loops shorter than this many elements keep the lock (releasing it
  * costs more than they take). */
@@ -100,6 +146,8 @@ typedef struct {
         s = (expr);                                                                       \
         if (fs_unl_)                                                                      \
             fs_l_->lock(fs_tok_);                                                         \
+        if (s == FS_OK)                                                                   \
+            fs_link_count_sent(fs_l_, op, count, dtype);                                  \
         fs_l_->comm->what = NULL;                                                         \
         if (fs_l_->ledger)                                                                \
             fs_ledger_finish(fs_l_->ledger, fs_seq_, s, fs_l_->dev != NULL);              \
@@ -179,6 +227,20 @@ fs_status fs_link_reduce_scatter(fs_link *l, const char *what, const void *send,
  * env->take); the owners are left for the caller to finish, the bucket for
  * it to empty. A failure's words are in l->comm->last_error. */
 fs_status fs_reduce_bucket_flush(fs_reduce_bucket *b, fs_link *l, const fs_env *env);
+
+/* [Note: quantized collectives]: an all-gather (comm.h's rule, never in
+ * place in the payload's sense: send may lie inside recv) whose payloads
+ * are l->quant.weight_bits codes, and a summing reduce-scatter whose blocks
+ * travel as l->quant.grad_bits codes through an all-to-all; staging from
+ * env->take, issued at once under `what` in the ledger. Host links. */
+fs_status fs_link_all_gather_quant(fs_link *l, const fs_env *env, const char *what,
+                                   const void *send, void *recv, int64_t count, fs_dtype t);
+fs_status fs_link_reduce_scatter_quant(fs_link *l, const fs_env *env, const char *what,
+                                       const void *send, void *recv, int64_t recv_count,
+                                       fs_dtype t);
+/* Whether q is a setting the engine takes (quant.h's bits and block); on
+ * failure its words in err. */
+int fs_comm_quant_check(const fs_comm_quant *q, char *err, size_t cap);
 
 /* copy.h's fs_cast / fs_scale_accumulate: the host loops, or the link's
  * device kernels enqueued on `stream` (a failure's words in comm->last_error). */

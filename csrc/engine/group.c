@@ -33,6 +33,31 @@ void fs_group_rename(fs_group_core *c, const char *name)
     snprintf(c->name, sizeof c->name, "%s", name);
 }
 
+fs_status fs_group_set_quant(fs_group_core *c, fs_comm_quant q)
+{
+    char err[200];
+    if (!fs_comm_quant_check(&q, err, sizeof err))
+        return fs_group_fail(c, FS_ERR_INVALID_ARG, "comm_quant", -1, "'%s': %s", c->name, err);
+    if ((q.weight_bits || q.grad_bits) && c->link.dev)
+        return fs_group_fail(c, FS_ERR_UNSUPPORTED, "comm_quant", -1,
+                             "'%s': quantized collectives run on host links (shm, a torch "
+                             "process group over CPU tensors); this group's link is on a "
+                             "device (%s)", c->name, c->link.dev->name);
+    if (q.grad_bits && !c->link.comm->ops->all_to_all)
+        return fs_group_fail(c, FS_ERR_UNSUPPORTED, "comm_quant", -1,
+                             "'%s': quantized gradients need an all-to-all, which the %s "
+                             "backend lacks", c->name, c->link.comm->ops->name);
+    c->link.quant = q;
+    return FS_OK;
+}
+
+void fs_group_sent_bytes(const fs_group_core *c, unsigned long long *gather,
+                         unsigned long long *reduce)
+{
+    *gather = c->link.sent_gather_bytes + c->replicate.sent_gather_bytes;
+    *reduce = c->link.sent_reduce_bytes + c->replicate.sent_reduce_bytes;
+}
+
 void fs_group_set_streams(fs_group_core *c, void *stream, void *replicate_stream)
 {
     c->link.stream = stream;

@@ -64,6 +64,13 @@ void fs_group_core_init(fs_group_core *c, const char *name, fs_env env, fs_link 
                         fs_link replicate);
 /* The held lists given back and freed, the marks freed. */
 void fs_group_core_destroy(fs_group_core *c);
+/* [Note: quantized collectives] in engine.h: the group's setting from now
+ * on, checked (fs_comm_quant_check; a host link; a backend with an
+ * all-to-all for gradients); on failure the record says why. */
+fs_status fs_group_set_quant(fs_group_core *c, fs_comm_quant q);
+/* [Note: bytes sent] over both links: gathers (*gather) and reductions. */
+void fs_group_sent_bytes(const fs_group_core *c, unsigned long long *gather,
+                         unsigned long long *reduce);
 /* The ledger's and the errors' name from now on (cut to fit). */
 void fs_group_rename(fs_group_core *c, const char *name);
 /* The caller's current streams (fs_device.h: set_caller_stream) that the

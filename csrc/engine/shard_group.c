@@ -293,7 +293,11 @@ fs_status fs_shard_unshard(fs_shard_group *g, int defer)
         return s;
     if (defer)
         l->dev->set_defer(c, 1);
-    s = fs_link_all_gather(l, g->core.name, send, recv, g->gather_block_numel, g->compute);
+    if (l->quant.weight_bits) /* [Note: quantized collectives]: lands now */
+        s = fs_link_all_gather_quant(l, e, g->core.name, send, recv, g->gather_block_numel,
+                                     g->compute);
+    else
+        s = fs_link_all_gather(l, g->core.name, send, recv, g->gather_block_numel, g->compute);
     if (defer)
         l->dev->set_defer(c, 0);
     if (s != FS_OK) {
@@ -377,6 +381,8 @@ fs_status fs_shard_unshard_from(fs_shard_group *g, fs_link *post, void *chunk)
         return fs_group_fail(&g->core, s, "unshard", 0, NULL);
     FS_LINK_RUN(post, s, FS_LOP_ALL_GATHER, g->core.name, count, g->compute,
                 fs_comm_all_gather(post->comm, src, dst, count, g->compute));
+    if (s == FS_OK) /* [Note: bytes sent]: the group's, though over the host's smaller link */
+        fs_link_count_sent(&g->core.link, FS_LOP_ALL_GATHER, count, g->compute);
     if (s != FS_OK)
         return fs_group_fail_comm(&g->core, s, "all-gather", 0, "all_gather after forward: %s",
                                   post->comm->last_error);

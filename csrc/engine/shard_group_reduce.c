@@ -199,8 +199,9 @@ static fs_status reduce(fs_shard_group *g, void *const *grads, const fs_dtype *g
     const int world = c->world_size;
     const size_t n = g->nparams > 0 ? (size_t)g->nparams : 1, rs = fs_dtype_size(g->reduce);
     const int defer = (flags & FS_SHARD_DEFER) && l->dev;
-    /* [Note: reduction buckets]: kept like a deferred one until the flush */
-    const int bucketed = bucket && !l->dev;
+    /* [Note: reduction buckets]: kept like a deferred one until the flush;
+     * a quantized reduction ([Note: quantized collectives]) is issued now */
+    const int bucketed = bucket && !l->dev && !l->quant.grad_bits;
     fs_status s;
     if (g->core.reduce_pending && (s = fs_shard_finish_reduce(g)) != FS_OK)
         return s;
@@ -301,8 +302,12 @@ static fs_status reduce(fs_shard_group *g, void *const *grads, const fs_dtype *g
         l->dev->set_defer(c, 1);
     g->bucket_owner = (fs_bucket_owner){&g->core, 0, finish_part, cancel_part};
     l->bucket = bucketed ? bucket : NULL;
-    s = fs_link_reduce_scatter(l, g->core.name, rs_in, g->rs_out, g->block_numel, g->reduce,
-                               &g->bucket_owner);
+    if (l->quant.grad_bits)
+        s = fs_link_reduce_scatter_quant(l, e, g->core.name, rs_in, g->rs_out, g->block_numel,
+                                         g->reduce);
+    else
+        s = fs_link_reduce_scatter(l, g->core.name, rs_in, g->rs_out, g->block_numel, g->reduce,
+                                   &g->bucket_owner);
     l->bucket = NULL;
     if (defer) {
         l->dev->set_defer(c, 0);

@@ -105,6 +105,16 @@ void fs_unit_destroy(fs_unit *u)
     fs_group_core_destroy(&u->core);
 }
 
+fs_status fs_unit_set_quant(fs_unit *u, fs_comm_quant q)
+{
+    if (q.grad_bits && (u->replicated || u->cfg.strategy == FS_SHARD_OPTIM))
+        return fs_group_fail(&u->core, FS_ERR_INVALID_ARG, "comm_quant", -1,
+                             "unit '%s': quantized gradient reduction needs a reduce-scatter; "
+                             "NO_SHARD and SHARD_OPTIM all-reduce whole gradients (set "
+                             "grads=None for them)", u->core.name);
+    return fs_group_set_quant(&u->core, q);
+}
+
 void fs_unit_set_root(fs_unit *u, int is_root)
 {
     u->cfg.is_root = is_root != 0;
@@ -152,6 +162,15 @@ fs_status fs_unit_dispatch(fs_unit *u, fs_event ev, const fs_unit_event_work *w,
 fs_status fs_unit_wait(fs_unit *u)
 {
     return fs_group_wait_gather(&u->core, NULL, NULL); /* the gathers landed in place */
+}
+
+/* [Note: quantized collectives]: whether a gather moves quantized payloads:
+ * compute copies of a sharded unit, when the unit's setting asks for it.
+ * Without mixed precision the compute copy is then no full-precision copy
+ * (full_unsharded stays 0 after it), though both live in `full`. */
+static int quantized(const fs_unit *u, int full_precision)
+{
+    return !full_precision && !u->replicated && u->core.link.quant.weight_bits;
 }
 
 /* Gather every group's shard into `full` (full_precision) or into its
@@ -217,8 +236,13 @@ static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int
             sp = g->lp_shard;
         }
         /* Not in place: the shard is its own buffer, so that resharding can
-         * drop the whole unsharded storage. */
-        if (s == FS_OK) /* with a batch on the link, it lands at the flush */
+         * drop the whole unsharded storage. With a batch on the link, it
+         * lands at the flush; a quantized one lands now ([Note: quantized
+         * collectives]: compute copies only). */
+        if (s == FS_OK && quantized(u, full_precision))
+            s = fs_link_all_gather_quant(&u->core.link, e, u->core.name, sp, dp, g->shard_numel,
+                                         t);
+        else if (s == FS_OK)
             s = fs_link_all_gather(&u->core.link, u->core.name, sp, dp, g->shard_numel, t);
         /* Not held: the caller's stream waits for the gather, and the
          * allocator reuses the block in that stream's order. */
@@ -256,16 +280,24 @@ static int is_mixed(const fs_unit *u)
 fs_status fs_unit_unshard(fs_unit *u, int full_precision, int prefetch)
 {
     int mixed = is_mixed(u);
-    int *live = full_precision && mixed ? &u->full_unsharded : &u->core.unsharded;
+    const int lossy = quantized(u, 0); /* compute copies are not full precision */
+    int *live = full_precision && (mixed || lossy) ? &u->full_unsharded : &u->core.unsharded;
     fs_status s;
     if (!prefetch && (s = fs_unit_wait(u)) != FS_OK)
         return s;
     if (*live)
         return FS_OK;
+    if (!mixed && lossy && full_precision) {
+        /* one buffer holds both: gathered exactly, it serves compute too */
+        if ((s = u->core.unsharded ? gather_groups(u, 1, 0, 0) : gather(u, 1, 0)) != FS_OK)
+            return s;
+        u->core.unsharded = u->full_unsharded = 1;
+        return FS_OK;
+    }
     if ((s = gather(u, full_precision, prefetch && !full_precision)) != FS_OK)
         return s;
     *live = 1;
-    if (!mixed)
+    if (!mixed && !lossy)
         u->full_unsharded = 1;
     return FS_OK;
 }
@@ -339,7 +371,7 @@ fs_status fs_unit_regather(fs_unit *u)
         return s;
     u->core.unsharded = 1;
     if (!mixed)
-        u->full_unsharded = 1;
+        u->full_unsharded = !quantized(u, 0);
     return FS_OK;
 }
 

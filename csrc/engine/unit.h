@@ -94,6 +94,11 @@ fs_status fs_unit_init(fs_unit *u, const char *name, fs_env env, fs_link link,
                        const fs_unit_group *groups, int ngroups, int offload);
 void fs_unit_destroy(fs_unit *u);
 
+/* [Note: quantized collectives] in engine.h: u's gathers and reductions
+ * from now on (group.h: fs_group_set_quant's checks, and a reduction that
+ * is a reduce-scatter: not NO_SHARD's nor SHARD_OPTIM's). */
+fs_status fs_unit_set_quant(fs_unit *u, fs_comm_quant q);
+
 /* Whether u is the root unit, which is not resharded after forward
  * (unit_fsm.h: the configuration's is_root). */
 void fs_unit_set_root(fs_unit *u, int is_root);
@@ -141,8 +146,8 @@ fs_status fs_unit_finish_reduce(fs_unit *u);
 /* Whether fs_unit_finish_reduce has anything to do. */
 int fs_unit_reducing(const fs_unit *u);
 /* Whether u's reductions can wait in a bucket: a host link, reduce-scattered
- * (not NO_SHARD's or SHARD_OPTIM's all-reduce), no replicas, no offload;
- * the others reduce at once. */
+ * (not NO_SHARD's or SHARD_OPTIM's all-reduce), no replicas, no offload, not
+ * quantized (engine.h); the others reduce at once. */
 int fs_unit_bucketable(const fs_unit *u);
 
 /* What one event asks of the engine besides the state machine's step. */

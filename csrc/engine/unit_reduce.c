@@ -186,7 +186,10 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
             u->core.n_reduce++;
             return FS_OK;
         }
-        if (s == FS_OK)
+        if (s == FS_OK && u->core.link.quant.grad_bits) /* [Note: quantized collectives] */
+            s = fs_link_reduce_scatter_quant(&u->core.link, e, u->core.name, src, land,
+                                             g->shard_numel, lt);
+        else if (s == FS_OK)
             FS_LINK_RUN(&u->core.link, s, FS_LOP_REDUCE_SCATTER, u->core.name, g->shard_numel, lt,
                         fs_comm_reduce_scatter(c, src, land, g->shard_numel, lt, FS_RED_SUM));
         if (s == FS_OK && (s = fs_group_all_reduce_replicas(&u->core, gi, land, g->shard_numel,
@@ -238,7 +241,7 @@ fs_status fs_unit_reduce(fs_unit *u, int gi, void *grad, void *out, int accumula
 int fs_unit_bucketable(const fs_unit *u)
 {
     return !u->core.link.dev && !u->replicated && u->cfg.strategy != FS_SHARD_OPTIM &&
-           !u->core.replicate.comm && !u->offload;
+           !u->core.replicate.comm && !u->offload && !u->core.link.quant.grad_bits;
 }
 
 static void let_go(fs_unit *u, fs_unit_bucketed *p)

@@ -186,6 +186,8 @@ static fs_status coll_run(fs_comm *c, const coll_args *a)
         return fs_comm_all_reduce(c, (void *)a->send, a->count, a->dtype, red);
     case FS_LOP_BROADCAST:
         return fs_comm_broadcast(c, (void *)a->send, a->count, a->dtype, a->root);
+    case FS_LOP_ALL_TO_ALL:
+        return fs_comm_all_to_all(c, (void *)a->send, (void *)a->recv, a->count, a->dtype);
     default:
         return fs_comm_barrier(c);
     }
@@ -262,6 +264,50 @@ static PyObject *Comm_barrier(CommObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "|s", &a.tag))
         return NULL;
     return collective(self, &a);
+}
+
+PyDoc_STRVAR(all_to_all_doc, "all_to_all(send_ptr, recv_ptr, count, dtype, tag='')\n"
+                             "send and recv hold world_size*count; send[r*count...] goes to rank\n"
+                             "r, landing at its recv[rank*count...]." TAG_DOC);
+static PyObject *Comm_all_to_all(CommObject *self, PyObject *args)
+{
+    coll_args a = {FS_LOP_ALL_TO_ALL, ""};
+    if (!PyArg_ParseTuple(args, "KKLi|s", &a.send, &a.recv, &a.count, &a.dtype, &a.tag))
+        return NULL;
+    return collective(self, &a);
+}
+
+/* The engine's quantized collectives ([Note: quantized collectives] in
+ * engine/engine.h) on this Comm's link, the ones groups issue. */
+PyDoc_STRVAR(quantized_doc,
+             "quantized(op, send_ptr, recv_ptr, count, dtype, bits, block, tag='')\n"
+             "op 'all_gather' (bits 8; count per rank) or 'reduce_scatter' (a sum; bits 8 or\n"
+             "4; count received): the engine's quantized collective on this Comm (host).");
+static PyObject *Comm_quantized(CommObject *self, PyObject *args)
+{
+    const char *op, *tag = "";
+    unsigned long long sp, rp;
+    long long count, block;
+    int dtype, bits;
+    if (!PyArg_ParseTuple(args, "sKKLiiL|s", &op, &sp, &rp, &count, &dtype, &bits, &block, &tag))
+        return NULL;
+    const int gather = strcmp(op, "all_gather") == 0;
+    if (!gather && strcmp(op, "reduce_scatter") != 0)
+        return PyErr_Format(PyExc_ValueError, "quantized: op must be 'all_gather' or "
+                            "'reduce_scatter', got '%s'", op);
+    fs_link l = fs_glue_link(self);
+    l.quant = (fs_comm_quant){gather ? bits : 0, gather ? 0 : bits, block};
+    if (!fs_comm_quant_check(&l.quant, self->comm->last_error, sizeof self->comm->last_error) ||
+        !fs_dtype_is_float(dtype) || count < 0)
+        return fs_comm_done(self, FS_ERR_INVALID_ARG, op, tag);
+    if (self->dev)
+        return PyErr_Format(PyExc_ValueError, "quantized: host Comms only");
+    const fs_env env = fs_glue_env(&self->empty);
+    fs_status s = gather ? fs_link_all_gather_quant(&l, &env, tag, (void *)sp, (void *)rp, count,
+                                                    dtype)
+                         : fs_link_reduce_scatter_quant(&l, &env, tag, (void *)sp, (void *)rp,
+                                                        count, dtype);
+    return fs_comm_done(self, s, op, tag);
 }
 
 PyDoc_STRVAR(ledger_doc,
@@ -359,6 +405,8 @@ static PyMethodDef Comm_methods[] = {
     {"all_reduce", (PyCFunction)Comm_all_reduce, METH_VARARGS, all_reduce_doc},
     {"broadcast", (PyCFunction)Comm_broadcast, METH_VARARGS, broadcast_doc},
     {"barrier", (PyCFunction)Comm_barrier, METH_VARARGS, barrier_doc},
+    {"all_to_all", (PyCFunction)Comm_all_to_all, METH_VARARGS, all_to_all_doc},
+    {"quantized", (PyCFunction)Comm_quantized, METH_VARARGS, quantized_doc},
     {"ledger", (PyCFunction)Comm_ledger, METH_NOARGS, ledger_doc},
     {NULL},
 };

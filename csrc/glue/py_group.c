@@ -119,6 +119,16 @@ PyObject *fs_glue_group_cancel_bucket(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+int fs_glue_parse_quant(PyObject *args, fs_comm_quant *q)
+{
+    int wb, gb;
+    long long block;
+    if (!PyArg_ParseTuple(args, "iiL", &wb, &gb, &block))
+        return -1;
+    *q = (fs_comm_quant){wb, gb, block};
+    return 0;
+}
+
 PyObject *fs_glue_group_get_name(GroupObject *self, void *closure)
 {
     return Py_NewRef(self->name);
@@ -147,7 +157,10 @@ PyObject *fs_glue_group_get_reduce_pending(GroupObject *self, void *closure)
 PyObject *fs_glue_group_get_counts(GroupObject *self, void *closure)
 {
     const fs_group_core *c = self->core;
-    return Py_BuildValue("{sKsKsKsKsK}", "all_gather", c->n_all_gather, "reduce", c->n_reduce,
+    unsigned long long sg, sr;
+    fs_group_sent_bytes(c, &sg, &sr); /* [Note: bytes sent] in engine.h */
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "all_gather", c->n_all_gather, "reduce", c->n_reduce,
                          "deferred_gather", c->n_deferred_gather, "deferred_reduce",
-                         c->n_deferred_reduce, "post_gather", c->n_post_gather);
+                         c->n_deferred_reduce, "post_gather", c->n_post_gather,
+                         "sent_gather_bytes", sg, "sent_reduce_bytes", sr);
 }

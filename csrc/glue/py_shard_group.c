@@ -552,7 +552,17 @@ static PyObject *ShardGroup_take_unhooked(ShardGroupObject *self, PyObject *Py_U
     return out;
 }
 
+static PyObject *ShardGroup_set_comm_quant(ShardGroupObject *self, PyObject *args)
+{
+    fs_comm_quant q;
+    if (fs_glue_parse_quant(args, &q) < 0)
+        return NULL;
+    return group_done(FS_GROUP(self), fs_group_set_quant(&self->g.core, q));
+}
+
 static PyMethodDef ShardGroup_methods[] = {
+    {"set_comm_quant", (PyCFunction)ShardGroup_set_comm_quant, METH_VARARGS,
+     FS_SET_COMM_QUANT_DOC},
     {"set_params", (PyCFunction)ShardGroup_set_params, METH_VARARGS, set_params_doc},
     {"set_unsharded", (PyCFunction)ShardGroup_set_unsharded, METH_O,
      "set_unsharded(params): the unsharded parameters (None where not made yet); one that\n"

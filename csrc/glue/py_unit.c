@@ -347,7 +347,16 @@ static int Unit_set_root(UnitObject *self, PyObject *v, void *c)
     return 0;
 }
 
+static PyObject *Unit_set_comm_quant(UnitObject *self, PyObject *args)
+{
+    fs_comm_quant q;
+    if (fs_glue_parse_quant(args, &q) < 0)
+        return NULL;
+    return done(self, fs_unit_set_quant(&self->u, q));
+}
+
 static PyMethodDef Unit_methods[] = {
+    {"set_comm_quant", (PyCFunction)Unit_set_comm_quant, METH_VARARGS, FS_SET_COMM_QUANT_DOC},
     {"event", (PyCFunction)(void (*)(void))Unit_event, METH_VARARGS | METH_KEYWORDS, event_doc},
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},

@@ -70,6 +70,12 @@ Py_ssize_t fs_glue_group_along(GroupObject *self, PyObject *along, const char *o
 PyObject *fs_glue_group_flush_bucket(PyObject *self, PyObject *args);
 PyObject *fs_glue_group_cancel_bucket(PyObject *self, PyObject *args);
 /* Getters both types share (their own tables give the docs). */
+/* set_comm_quant's arguments (weight_bits, grad_bits, block) into q. */
+int fs_glue_parse_quant(PyObject *args, fs_comm_quant *q);
+#define FS_SET_COMM_QUANT_DOC                                                               \
+    "set_comm_quant(weight_bits, grad_bits, block): quantized gathers (0 or 8 bits) and\n"  \
+    "reductions (0, 8 or 4 bits) with one float32 scale per block values, from now on\n"    \
+    "([Note: quantized collectives] in engine/engine.h)."
 PyObject *fs_glue_group_get_name(GroupObject *self, void *closure);
 PyObject *fs_glue_group_get_comm(GroupObject *self, void *closure);
 PyObject *fs_glue_group_get_unsharded(GroupObject *self, void *closure);

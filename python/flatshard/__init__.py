@@ -24,9 +24,9 @@ from .fsdp import FSDP, FullyShardedDataParallel
 from .fsdp.wrap import (CustomPolicy, ModuleWrapPolicy, lambda_auto_wrap_policy,
                         size_based_auto_wrap_policy, transformer_auto_wrap_policy)
 from .memory import copy_stats, memory_stats
-from .options import (BackwardPrefetch, CPUOffload, FullStateDictConfig, LocalStateDictConfig,
-                      MixedPrecision, ShardedStateDictConfig, ShardingStrategy, StateDictConfig,
-                      StateDictType)
+from .options import (BackwardPrefetch, CommQuant, CPUOffload, FullStateDictConfig,
+                      LocalStateDictConfig, MixedPrecision, ShardedStateDictConfig,
+                      ShardingStrategy, StateDictConfig, StateDictType)
 
 __version__ = "0.1.0"
 
@@ -36,7 +36,7 @@ __all__ = [
     "LocalStateDictConfig", "ShardedStateDictConfig", "ModuleWrapPolicy", "CustomPolicy",
     "transformer_auto_wrap_policy", "size_based_auto_wrap_policy", "lambda_auto_wrap_policy",
     "ConfigError", "ConfigTypeError", "NotBuiltError", "OutOfMemoryError", "CoreError",
-    "StateError", "memory_stats", "copy_stats",
+    "StateError", "memory_stats", "copy_stats", "CommQuant",
 ]
 
 # State dicts and checkpoints (fsdp/state_dict.py, fsdp/checkpoint.py).

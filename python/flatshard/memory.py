@@ -51,6 +51,12 @@ def memory_stats(model, optimizer=None):
     copied         bytes fully_shard's gathers and reductions have copied so
                    far (a running total: a step's is the difference across
                    it), copy_stats' sum
+    sent_gather    bytes this rank has put into all-gathers so far, both APIs
+    sent_reduce    ... and into gradient reductions (reduce-scatters,
+                   all-reduces, quantized reductions' all-to-alls), counted
+                   by the engine as they succeed: the payloads, quantized
+                   or not (running totals, as copied; csrc/engine/engine.h,
+                   [Note: bytes sent])
     """
     fulls, pending = [], []
     for m in fsdp_units(model):
@@ -70,6 +76,7 @@ def memory_stats(model, optimizer=None):
     out["pool_cached"] = _C.pool_stats()["cached_bytes"]
     out["resident"], out["peak_resident"] = resident_bytes()
     out["copied"] = sum(copy_stats(model).values())
+    out["sent_gather"], out["sent_reduce"] = sent_bytes(model)
     return out
 
 
@@ -92,7 +99,8 @@ def copy_stats(model):
     all-gather output into the unsharded parameters), reduce_in (gradients
     into the reduce-scatter input), reduce_out (the reduce output into new
     sharded gradients), cast (a copy that changes the dtype: mixed
-    precision). See csrc/engine/shard_group.h, [Note: copy counts]."""
+    precision). See csrc/engine/shard_group.h, [Note: copy counts]. The
+    bytes the collectives send are memory_stats' sent_gather / sent_reduce."""
     out = {"copy_in": 0, "copy_out": 0, "reduce_in": 0, "reduce_out": 0, "cast": 0}
     for m in model.modules():
         st = state_of(m)
@@ -100,6 +108,23 @@ def copy_stats(model):
             for k, v in st.group.copied_bytes().items():
                 out[k] += v
     return out
+
+
+def sent_bytes(model):
+    """(gather, reduce): bytes this rank has put into `model`'s all-gathers
+    and gradient reductions so far, over both APIs' units and groups, as the
+    engine counted them (memory_stats' sent_gather / sent_reduce)."""
+    gather = reduce = 0
+    for m in model.modules():
+        st = state_of(m)
+        if st is not None and st.group is not None:
+            gather += st.group.sent_bytes("gather")
+            reduce += st.group.sent_bytes("reduce")
+    for m in fsdp_units(model):
+        counts = m._unit.c.counts
+        gather += counts["sent_gather_bytes"]
+        reduce += counts["sent_reduce_bytes"]
+    return gather, reduce
 
 
 def format_stats(stats):

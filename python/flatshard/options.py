@@ -11,7 +11,7 @@ import torch
 import torch.distributed.fsdp as tfsdp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .errors import bad_type
+from .errors import bad_type, bad_value
 
 
 class ShardingStrategy(enum.Enum):
@@ -155,6 +155,69 @@ class ShardedOptimStateDictConfig(OptimStateDictConfig):
 @dataclass
 class LocalOptimStateDictConfig(OptimStateDictConfig):
     offload_to_cpu: bool = False
+
+
+# Quantized collectives: flatshard's own option (torch has none), frozen.
+_QUANT_WEIGHTS = (None, "int8")
+_QUANT_GRADS = (None, "int8", "int4")
+_QUANT_BITS = {None: 0, "int8": 8, "int4": 4}
+QUANT_BLOCK_MULTIPLE, QUANT_BLOCK_MAX = 32, 4096  # csrc/core/quant.h
+
+
+@dataclass(frozen=True)
+class CommQuant:
+    """Quantized collectives (docs/comm_quant.md): what the engine's gathers
+    and gradient reductions move, for links where bandwidth bounds the step
+    (several hosts). Off unless asked for, field by field.
+
+    weights     None (gathers move param_dtype) or "int8": each rank quantizes
+                its shard of the gathered copy block-wise, the all-gather moves
+                int8 codes and one float32 scale per block, and every rank
+                dequantizes into the unsharded parameters (param_dtype). The
+                master shard, the optimizer and state dicts stay exact.
+    grads       None, "int8" or "int4": each rank quantizes the gradient
+                block it sends to each rank once; an all-to-all moves them and
+                the owning rank sums them in float32 (qgZ), then the usual
+                divides apply. Needs a reduce-scatter (not NO_SHARD/ZERO1).
+    block_size  values per float32 scale: a positive multiple of 32 up to
+                4096 (the kernels' SIMD step; int4 blocks start on a byte).
+                256 by default (benchmarks/RESULTS.md: bytes and error).
+
+    Host memory only (shm, or a torch process group over CPU tensors); a
+    CUDA device is refused."""
+    weights: Optional[str] = None
+    grads: Optional[str] = None
+    block_size: int = 256
+
+    def __post_init__(self):
+        if self.weights not in _QUANT_WEIGHTS:
+            raise bad_value("CommQuant.weights", self.weights, "expected None or 'int8'")
+        if self.grads not in _QUANT_GRADS:
+            raise bad_value("CommQuant.grads", self.grads, "expected None, 'int8' or 'int4'")
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise bad_type("CommQuant.block_size", b, "an int")
+        if b <= 0 or b % QUANT_BLOCK_MULTIPLE or b > QUANT_BLOCK_MAX:
+            raise bad_value("CommQuant.block_size", b,
+                            f"expected a positive multiple of {QUANT_BLOCK_MULTIPLE} up to "
+                            f"{QUANT_BLOCK_MAX}")
+
+    @property
+    def engine_args(self):
+        """(weight_bits, grad_bits, block) as the engine's set_comm_quant takes them."""
+        return _QUANT_BITS[self.weights], _QUANT_BITS[self.grads], self.block_size
+
+
+def normalize_comm_quant(arg, value):
+    """comm_quant= of either API: a CommQuant or None."""
+    if value is None or isinstance(value, CommQuant):
+        return value
+    raise bad_type(arg, value, "flatshard.CommQuant or None")
+
+
+def quant_engine_args(value):
+    """(weight_bits, grad_bits, block) for the engine; zeros for None."""
+    return (0, 0, 256) if value is None else value.engine_args
 
 
 # torch's own classes of torch.distributed.fsdp's names, taken when flatshard

@@ -74,7 +74,7 @@ def _build(out):
           "-Wl,-soname,libfs_cudart_emu.so", str(HERE / "emu.cc"), str(HERE / "emu_rt.cc"),
           "-o", "libfs_cudart_emu.so"], out)
     # the kernels alone, called through their C entry points
-    kernels = [str(CUDA / "copy.cu"), str(CUDA / "optim.cu")]
+    kernels = [str(CUDA / "copy.cu"), str(CUDA / "optim.cu"), str(CUDA / "quant.cu")]
     objs = []
     for src in kernels:
         obj = Path(src).stem + "_cu.o"

@@ -572,7 +572,7 @@ int main(int argc, char **argv)
 
     fs_env env = {&d->h, env_data, env_set_storage, env_take, env_release, env_hold};
     /* no lock to hand back around collectives: a program without an interpreter */
-    fs_link link = {comm, &ledger, NULL, NULL, NULL, NULL, NULL, NULL}, none = {0};
+    fs_link link = {.comm = comm, .ledger = &ledger}, none = {0};
     uint64_t mask = cfg.ngroups >= 64 ? ~0ull : (1ull << cfg.ngroups) - 1;
     fs_status s = fs_unit_init(&d->u, "driver.unit", env, link, none,
                                (fs_strategy)cfg.strategy, mask, ug, cfg.ngroups, 0);

@@ -126,10 +126,13 @@ class FullyShardedDataParallel(nn.Module):
     torchrun (each host's LOCAL_WORLD_SIZE ranks shard); sharded state
     dicts hold DTensors on the 2-D (replicate, shard) mesh.
 
-    flatshard's own keyword: comm_backend "auto" (default; on CPU shared
+    flatshard's own keywords: comm_backend "auto" (default; on CPU shared
     memory when all ranks are on one host, else the process group; on a
     CUDA device flatshard's NCCL communicator), "shm", "torch" or "nccl";
-    FLATSHARD_COMM_BACKEND sets it when not given.
+    FLATSHARD_COMM_BACKEND sets it when not given. comm_quant: a
+    flatshard.CommQuant (quantized gathers and gradient reductions, for
+    bandwidth-bound links: docs/comm_quant.md) or None (default: off); a
+    wrap policy may override it per unit.
     """
 
     def __init__(self, module, process_group=None, sharding_strategy=None, cpu_offload=None,
@@ -137,7 +140,7 @@ class FullyShardedDataParallel(nn.Module):
                  mixed_precision=None, ignored_modules=None, param_init_fn=None, device_id=None,
                  sync_module_states=False, forward_prefetch=False, limit_all_gathers=True,
                  use_orig_params=False, ignored_states=None, device_mesh=None, *,
-                 comm_backend=None):
+                 comm_backend=None, comm_quant=None):
         super().__init__()
         if isinstance(module, type) and issubclass(module, nn.Module):
             raise bad_type("module", module, "an nn.Module instance",
@@ -151,7 +154,7 @@ class FullyShardedDataParallel(nn.Module):
                   mixed_precision=mixed_precision, device_id=device_id,
                   forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
                   use_orig_params=use_orig_params, device_mesh=device_mesh,
-                  comm_backend=comm_backend)
+                  comm_backend=comm_backend, comm_quant=comm_quant)
         cfg = config.resolve(kw)
         policy, ctx = unit_plan.checked_arguments(module, auto_wrap_policy, param_init_fn,
                                                   sync_module_states, ignored_modules,
@@ -213,12 +216,15 @@ class FullyShardedDataParallel(nn.Module):
         shard_optim = strategy is ShardingStrategy.SHARD_OPTIM  # the engine's own strategy
 
         def new_cunit():  # again after register_comm_hook changes the reduce dtype
-            return _C.Unit(up.label, comm, strategy.value,
-                           [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel,
-                             g.padded_numel, g.lp, dtype_code(g.compute_dtype),
-                             dtype_code(g.reduce_dtype)) for g in groups], grad_mask,
-                           empty=empty_fn(cfg.device) if comm.device else None,
-                           offload=host_shards, replicate=None if no_shard else replicate)
+            c = _C.Unit(up.label, comm, strategy.value,
+                        [(g.shard, g.full, dtype_code(g.dtype), g.shard_numel,
+                          g.padded_numel, g.lp, dtype_code(g.compute_dtype),
+                          dtype_code(g.reduce_dtype)) for g in groups], grad_mask,
+                        empty=empty_fn(cfg.device) if comm.device else None,
+                        offload=host_shards, replicate=None if no_shard else replicate)
+            if cfg.comm_quant is not None and not no_shard:  # no_shard: nothing moves but sums
+                c.set_comm_quant(*cfg.comm_quant.engine_args)
+            return c
         self._new_cunit = new_cunit
         self._unit = UnitRuntime(up.label, new_cunit(), groups, cfg.use_orig_params, no_shard,
                                  cfg.backward_prefetch, cfg.forward_prefetch,

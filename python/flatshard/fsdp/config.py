@@ -19,14 +19,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import ConfigError, bad_type, bad_value, not_built
 from ..options import (BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy,
-                       normalize_dataclass, normalize_enum)
+                       normalize_comm_quant, normalize_dataclass, normalize_enum)
 from ..runtime import cuda
 from ..runtime.comm import backend_for_device, requested_backend, shm_slot_bytes
 from ..runtime.timeout import comm_timeout_s
 
 # Options a wrap policy (CustomPolicy) may override per unit.
 PER_UNIT_KEYS = frozenset({"sharding_strategy", "backward_prefetch", "forward_prefetch",
-                           "limit_all_gathers", "mixed_precision", "cpu_offload"})
+                           "limit_all_gathers", "mixed_precision", "cpu_offload",
+                           "comm_quant"})
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class UnitConfig:
     # or the ranks per host (LOCAL_WORLD_SIZE) when the groups are made at
     # wrap time (groups.py).
     hybrid: object = None
+    comm_quant: object = None  # a CommQuant (options.py) or None
 
 
 # torch's hybrid strategies: how each shards inside its shard group.
@@ -206,6 +208,7 @@ def resolve(kw):
     # value must fail here, on every rank alike, not halfway through it.
     comm_timeout_s()
     shm_slot_bytes()
+    quant = _comm_quant(kw.get("comm_quant"), strategy, device)
     return UnitConfig(
         strategy=strategy,
         backward_prefetch=prefetch,
@@ -218,7 +221,26 @@ def resolve(kw):
         mixed_precision=mp,
         offload_params=bool(offload is not None and offload.offload_params),
         hybrid=hybrid,
+        comm_quant=quant,
     )
+
+
+def _comm_quant(value, strategy, device):
+    """comm_quant, checked against what the engine builds
+    (docs/comm_quant.md); None when it asks for nothing."""
+    q = normalize_comm_quant("comm_quant", value)
+    if q is None or (q.weights is None and q.grads is None):
+        return None
+    if device.type == "cuda":
+        raise not_built("comm_quant", q, "quantized collectives run on host memory (shm, "
+                        "a torch process group over CPU tensors), not yet on CUDA devices",
+                        "pass comm_quant=None on a CUDA device")
+    if q.grads is not None and strategy in (ShardingStrategy.NO_SHARD,
+                                            ShardingStrategy.SHARD_OPTIM):
+        raise bad_value("comm_quant.grads", q.grads, f"{strategy.name} all-reduces whole "
+                        "gradients; quantized reductions need a reduce-scatter (FULL_SHARD, "
+                        "SHARD_GRAD_OP or a hybrid strategy)", "pass grads=None")
+    return q
 
 
 def _cuda_limits(strategy, offload):

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from .. import torch_facts
 from ..errors import bad_type, bad_value, not_built
 from . import finalize
+from ..options import normalize_comm_quant
 from .mesh import check_reshard, resolve_reshard
 from .state import STATE_ATTR, state_of
 
@@ -207,6 +208,24 @@ class FSDPModule:
         check_bool("recurse", recurse)
         for g in self._groups(recurse):
             g.all_reduce = requires_all_reduce
+
+    def set_comm_quant(self, quant, *, recurse=True):
+        """flatshard's own (torch has none): quantized collectives for this
+        module's group and, with `recurse`, the FSDP modules inside it, from
+        the next gather and reduction on. `quant`: a flatshard.CommQuant
+        (int8 gathers, int8/int4 gradient reductions: docs/comm_quant.md) or
+        None (off, the default). On a CPU mesh (shm or a torch process
+        group); on a CUDA mesh a NotBuiltError. HSDP: the shard group's
+        collectives are quantized, the all-reduce across replicas is not."""
+        quant = normalize_comm_quant("quant", quant)
+        check_bool("recurse", recurse)
+        groups = self._groups(recurse)
+        for g in groups:
+            if g.comm.device is not None and quant is not None:
+                raise not_built("quant", quant, "quantized collectives on a CUDA mesh: the "
+                                "engine runs them on host memory only", "pass None there")
+        for g in groups:
+            g.set_comm_quant(quant)
 
     def set_custom_all_gather(self, comm):
         """torch's hook to replace the all-gather: this module's group's

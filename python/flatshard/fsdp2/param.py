@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C, torch_facts
 from ..errors import ConfigError, NotBuiltError
+from ..options import quant_engine_args
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
 from ..runtime.grad_hooks import run_hooks
@@ -84,6 +85,7 @@ class ParamGroup:
         self.c = None
         self.count_base = {}   # collectives (and copied bytes) of engine groups replaced
         self.keep_storage = False  # set_keep_unsharded_storage ([Note: kept storage])
+        self.comm_quant = None  # FSDPModule.set_comm_quant: a CommQuant, or None
         self.check_grad_dtypes(params)
         self._build_engine(params[0].dtype, params[0].device)
         self.ext = {i: Extension(p, self.names[i], aliases[i][0][0], mp_policy,
@@ -156,6 +158,8 @@ class ParamGroup:
             replicate=self.replicate_comm, outer=[v[0] for v in views])
         if self.keep_storage:
             self.c.set_keep_storage(True)
+        if self.comm_quant is not None:  # a new engine group takes the setting again
+            self.c.set_comm_quant(*self.comm_quant.engine_args)
         self.entries = self.c.entries     # this rank's rows of each parameter (layout.c)
         self.offsets = self.c.offsets     # each parameter's start in the unsharded buffer
         self.full_alloc = self.c.full_alloc
@@ -218,6 +222,11 @@ class ParamGroup:
     def _count(self, kind):
         return self.c.counts[kind] + self.count_base.get(kind, 0)
 
+    def sent_bytes(self, kind):
+        """Bytes this group's collectives sent so far: "gather" or "reduce"
+        (csrc/engine/engine.h, [Note: bytes sent])."""
+        return self._count(f"sent_{kind}_bytes")
+
     def copied_bytes(self):
         """Bytes the engine's copies wrote for this group so far, by kind
         (copy_in, copy_out, reduce_in, reduce_out, cast: csrc/engine/shard_group.h,
@@ -260,6 +269,12 @@ class ParamGroup:
 
     def local(self, i):
         return self.sharded[i]._local_tensor
+
+    def set_comm_quant(self, quant):
+        """The engine group's gathers and reductions quantized as `quant`
+        (a CommQuant, or None: off) says, from the next one on."""
+        self.c.set_comm_quant(*quant_engine_args(quant))
+        self.comm_quant = quant
 
     def set_custom(self, kind, obj):
         """The shard group's all-gathers ("all_gather") or reduce-scatters

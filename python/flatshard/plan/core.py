@@ -189,27 +189,53 @@ def _activations(c):
     return int(total), f + f"; L={L} s={s} b={b} h={h}"
 
 
+def _quant_elem_bytes(bits, block):
+    """Bytes per value a quantized payload moves: the codes and one float32
+    scale per block (csrc/core/quant.h; its 8-byte padding left out)."""
+    return bits / 8 + 4 / block
+
+
 def _comm(units, c, n, world, cb, rb):
     """Bytes each rank sends per step (ring algorithms: all-gather and
-    reduce-scatter move (n-1)/n of the buffer, all-reduce twice that)."""
+    reduce-scatter move (n-1)/n of the buffer, all-reduce twice that; a
+    quantized reduce-scatter's all-to-all moves the same share of its
+    payloads). comm_quant replaces the gathers' and reduce-scatters' bytes
+    per value by the payloads'; whole-gradient all-reduces and HSDP's
+    all-reduce across groups keep reduce_bytes."""
     psi = sum(u.numel for u in units)
     st, r = c["strategy"], (n - 1) / n
     if world == 1:
         return 0, "one rank: no communication"
+    q = c["comm_quant"]
+    if q is not None and q.weights and st != "NO_SHARD":
+        cb = _quant_elem_bytes(8, q.block_size)
+    if q is not None and q.grads and st not in ("NO_SHARD", "SHARD_OPTIM"):
+        rb_rs = _quant_elem_bytes(q.engine_args[1], q.block_size)
+    else:
+        rb_rs = rb
+    f_q = "" if q is None else (f"; comm_quant: param_bytes {cb:g} (int8 + scales)"
+                                if q.weights else "") + \
+        (f"; reduce_bytes {rb_rs:g} in the reduce-scatter ({q.grads} + scales)"
+         if q.grads and rb_rs != rb else "")
+    v, f = _comm_bytes(units, c, n, world, cb, rb, rb_rs, psi, st, r)
+    return v, f + f_q
+
+
+def _comm_bytes(units, c, n, world, cb, rb, rb_rs, psi, st, r):
     if st == "NO_SHARD":
         return int(2 * r * psi * rb), "all-reduce gradients: 2*(N-1)/N*psi*reduce_bytes"
     if st == "SHARD_OPTIM" and c["layout"] == "zero":
-        return int(r * psi * (rb + cb)), ("reduce-scatter gradients + all-gather updated "
-                                          "parameters: (N-1)/N*psi*(reduce_bytes+param_bytes)")
+        return int(r * psi * (rb_rs + cb)), ("reduce-scatter gradients + all-gather updated "
+                                             "parameters: (N-1)/N*psi*(reduce_bytes+param_bytes)")
     if st == "SHARD_OPTIM":  # fsdp/zero1.py keeps whole gradients: an all-reduce
         return int(r * psi * (2 * rb + cb)), ("all-reduce gradients + all-gather updated "
                                               "parameters: (N-1)/N*psi*(2*reduce_bytes"
                                               "+param_bytes)")
     if st == "SHARD_GRAD_OP":
-        return int(r * psi * (rb + cb)), ("all-gather once (forward) + reduce-scatter: "
-                                          "(N-1)/N*psi*(param_bytes+reduce_bytes)")
+        return int(r * psi * (rb_rs + cb)), ("all-gather once (forward) + reduce-scatter: "
+                                             "(N-1)/N*psi*(param_bytes+reduce_bytes)")
     root = units[-1].numel
-    v = r * ((2 * (psi - root) + root) * cb + psi * rb)
+    v = r * ((2 * (psi - root) + root) * cb + psi * rb_rs)
     f = ("all-gather twice (forward, backward; the root once) + reduce-scatter: "
          "(N-1)/N*((2*psi-root)*param_bytes + psi*reduce_bytes)")
     if st == "HYBRID_SHARD":
@@ -220,6 +246,22 @@ def _comm(units, c, n, world, cb, rb):
     return int(v), f
 
 
+def _quant_staging(units, q, world, st, reduce_bytes):
+    """The bytes link_quant.c takes for the largest unit's quantized gather
+    or reduction (both transient, never at once)."""
+    wbits, gbits, block = q.engine_args
+    best = 0
+    for u in units:
+        for g in u.groups:
+            shard, padded = flat_layout(g.numels, g.elem_bytes, world)
+            if wbits:
+                best = max(best, padded * _quant_elem_bytes(8, block))
+            if gbits and g.trainable and st not in ("NO_SHARD", "SHARD_OPTIM"):
+                best = max(best, 2 * padded * _quant_elem_bytes(gbits, block) +
+                           (0 if reduce_bytes == 4 else 4 * shard))
+    return int(best)
+
+
 def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid_group=None,
          mixed_precision=None, reduce_dtype=None, dtype=None, optimizer="adamw",
          layout="flatshard", offload_params=False, offload_optimizer=None, auto_wrap_policy=None,
@@ -227,7 +269,8 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
          layers=None, heads=None, vocab=None, flash_attention=False, backward_prefetch=True,
          forward_prefetch=False, comm_backend="shm", slot_bytes=None, disk_chunks=4,
          disk_chunk_bytes=64 << 20, runtime_bytes=None, activation_bytes=None,
-         gather_ahead_bytes=None, keep_unsharded_storage=False):
+         gather_ahead_bytes=None, keep_unsharded_storage=False,
+         comm_quant=None):
     """Per-rank memory of one configuration -> Plan (bytes, with formulas).
 
     model or params: an nn.Module (meta device fine; wrapped by
@@ -254,6 +297,9 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
     fully_shard's set_keep_unsharded_storage(True) (torch 2.15): every
     unit's unsharded buffer stays allocated across reshard, so the gathered
     line is all of them at once.
+    comm_quant: a
+    flatshard.CommQuant: the communication per step with its payloads, and
+    the staging its collectives take (docs/comm_quant.md).
     """
     c = _resolve(locals())
     if model is not None:
@@ -338,6 +384,9 @@ def _resolve(kw):
     if not isinstance(c["keep_unsharded_storage"], bool):
         raise bad_value("keep_unsharded_storage", c["keep_unsharded_storage"],
                         "expected True or False")
+    from ..options import normalize_comm_quant
+    q = normalize_comm_quant("comm_quant", c["comm_quant"])
+    c["comm_quant"] = q if q is not None and (q.weights or q.grads) else None
     c["units"] = c["units"] or c["layers"] or 1
     c["slot_bytes"] = c["slot_bytes"] or DEFAULT_SLOT_BYTES
     c["hybrid_group"] = c["hybrid_group"] if st == "HYBRID_SHARD" else None
@@ -452,9 +501,15 @@ def _plan(units, c):
                                 if in_flight else "largest unit's")
             + " full gradient in param_dtype"
             + (" + its reduce_dtype copy" if c["reduce_bytes"] else "") + " before reduction")
-    if c["comm_backend"] == "shm" and w > 1:
-        add("comm_buffers", "shm staging slot", c["slot_bytes"], "host",
-            "FLATSHARD_SHM_SLOT_BYTES per rank in the host's shared segment (two halves)")
+    q = c["comm_quant"]
+    if q is not None and shard_p > 1 and not zero:
+        add("comm_quant", "quantized comm staging (peak)",
+            _quant_staging(units, q, shard_p, st, c["reduce_bytes"] or mp or c["dtype_bytes"]),
+            "device", "transient, one collective at a time: a gather's world payloads of "
+            "int8 + 4/block scale bytes per value over the unit's padded buffer, or a "
+            "reduction's sent and received payloads (2 x padded x (bits/8 + 4/block)) and its "
+            "float32 sum of the shard (4 x shard, unless it reduces in float32): the "
+            "largest unit's larger one")
     else:
         add("comm_buffers", "communication buffers", 0, "device",
             f"not counted: the {c['comm_backend']} backend's own buffers")
@@ -499,6 +554,7 @@ def _plan(units, c):
                                 "batch_size", "seq_len", "comm_backend")}
     config.update(strategy=c["strategy"], effective_strategy=st, params=psi,
                   units=sum(1 for u in units if u.numel),  # the units that hold parameters
+                  comm_quant=c["comm_quant"],
                   param_bytes=mp, reduce_bytes=c["reduce_bytes"],
                   k_bytes=(4 if zero and mp and mp < 4 else 0) + 4 * moments)
     return Plan(config, lines, comm, cf, int(transfer), notes)

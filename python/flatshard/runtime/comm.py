@@ -96,6 +96,8 @@ def _torch_collective(group):
             dist.broadcast(from_dlpack(a), src=group_ranks[arg], group=group)
         elif op == "barrier":
             dist.barrier(group=group)
+        elif op == "all_to_all":  # quantized reductions' block exchange (bytes)
+            dist.all_to_all_single(from_dlpack(b), from_dlpack(a), group=group)
         else:
             raise ValueError(f"flatshard: unknown collective {op!r}")
 
@@ -143,7 +145,7 @@ def self_comm():
     comm = _SELF.get(rank)
     if comm is None:
         def run(op, a, b, arg):
-            if op in ("all_gather", "reduce_scatter"):
+            if op in ("all_gather", "reduce_scatter", "all_to_all"):
                 from_dlpack(b).copy_(from_dlpack(a))
         comm = _SELF[rank] = _C.Comm("torch", 0, 1, fn=run)
     return comm
