@@ -77,6 +77,14 @@
  * busy uses it (measuring then would be no better). A choice measured on a
  * quiet machine is used whatever the load.
  *
+ * [Note: hard stop]
+ * One round per stage is a floor only while the whole measurement stays
+ * within TUNE_HARD_FACTOR times its budget: on a machine so loaded that
+ * every run waits for a core (measured on 2 vCPUs at load 23: 6.8 s for one
+ * round of each stage at 2^24, the budget 80 ms), the candidates not yet run
+ * are skipped and so are the stages after, which keep their incumbents. The
+ * choice is then mostly the default, marked busy ([Note: busy machine]).
+ *
  * [Note: incumbents]
  * Every stage starts from the class's default loop (class_default): the
  * widest SIMD unrolled 4 times, no prefetch, streaming copy stores, all
@@ -108,6 +116,7 @@
 #define TUNE_BUDGET_NS_PER_ELEM 0.5 /* ~2% of 60 steps at ~0.4 ns per element */
 #define TUNE_BUDGET_MIN_S 2e-3
 #define TUNE_BUDGET_MAX_S 0.08
+#define TUNE_HARD_FACTOR 3.0 /* [Note: hard stop] */
 #define TUNE_CLASSES 128
 #define TUNE_CHUNK_LARGE (1 << 16)
 #define TUNE_CHUNK_SMALL 2048
@@ -380,6 +389,8 @@ static fs_status measure(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
         if (nc == 0)
             continue;
         const double deadline = t_start + budget * (stage + 1) / 4.0;
+        if (now_s() > t_start + TUNE_HARD_FACTOR * budget)
+            break; /* [Note: hard stop] */
         double t[FS_TUNE_MAX_CANDIDATES][TUNE_ROUNDS_MAX], score[FS_TUNE_MAX_CANDIDATES];
         int rounds = 0, win = 0, same = 0;
         /* One round at least; then within the budget until stable. */
@@ -388,6 +399,11 @@ static fs_status measure(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
                                 (rounds < TUNE_ROUNDS_MIN || same < TUNE_STABLE)))) {
             for (int o = 0; o < nc && st == FS_OK; o++) {
                 const int c = (o + rounds) % nc;
+                if (rounds == 0 && o > 0 && now_s() > t_start + TUNE_HARD_FACTOR * budget) {
+                    for (int u = o; u < nc; u++) /* [Note: hard stop]: not run, never chosen */
+                        t[u][0] = 1e30;
+                    break;
+                }
                 if (pos + unit > n)
                     pos = 0;
                 double sum = 0.0;
