@@ -250,7 +250,8 @@ def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, cache_fil
         assert r["chosen"] in names and all(c["ns_per_elem"] > 0 for c in r["candidates"])
         assert all(c["rounds"] >= 1 for c in r["candidates"])
         stages = {c["stage"] for c in r["candidates"]}
-        assert "threads" in stages
+        # on a busy machine the split is not measured ([Note: busy machine])
+        assert ("threads" in stages) != r["busy"]
         if r["copy"] != "none" and _C.simd_level() != "scalar":
             assert {"simd/unroll", "prefetch", "copy stores"} <= stages
         # AVX-512 candidates round a bf16 copy with the instruction where the
@@ -270,7 +271,7 @@ def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, cache_fil
         assert _winner(by_stage[-1]) == r["chosen"]
         # stage 3's incumbent is the default split: all threads, contiguous
         # slices, on the OpenMP team where the process has one
-        split = by_stage[-1][0]["variant"].split(".")
+        split = (by_stage[-1][0]["variant"] if not r["busy"] else r["chosen"]).split(".")
         assert split[-2] in ("omp2", "t2") and split[-1] == "c0"
 
 
@@ -283,6 +284,9 @@ def test_whole_step_split_ladder_stays_within_the_candidate_table(cache_file):
     _same_bits(_adam(n, None, 0, torch.bfloat16, True, False, False, threads=96), want)
     rec = [r for r in _records("adam", n) if r["threads_max"] == 96]
     assert len(rec) == 1
+    if rec[0]["busy"]:
+        assert rec[0]["chosen"].split(".")[-2] in ("omp96", "t96")  # the default split
+        pytest.skip("the machine is busy: thread splits are not measured now")
     trials = [c["variant"] for c in rec[0]["candidates"] if c["stage"] == "threads"]
     assert len(rec[0]["candidates"]) <= 32 and len(trials) > 1
     simd = _C.simd_level()

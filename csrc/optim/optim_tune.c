@@ -71,7 +71,10 @@
  * (the 1-minute load average above the online CPU count) may say more about
  * the other work than about the loop (measured on 2 vCPUs at load 11: the
  * OpenMP team waited 16 ms for a core per call, and one thread won at 2^24),
- * and a stored choice outlives the load. So it is stored marked busy, and is
+ * and a stored choice outlives the load. So on a busy machine the thread
+ * split is not measured at all (stage 3 keeps its incumbent, the default
+ * split: a split measured then would say which threads the other work left
+ * running), and the choice is stored marked busy, and is
  * provisional: a process that finds it while the machine is not busy
  * measures again and replaces it; one that finds it while the machine is
  * busy uses it (measuring then would be no better). A choice measured on a
@@ -359,6 +362,14 @@ static void record_stage(fs_tune_record *r, int stage, const fs_optim_variant *c
     }
 }
 
+/* More runnable work than cores: [Note: busy machine]. */
+static int machine_busy(void)
+{
+    double load[1] = {0.0};
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    return getloadavg(load, 1) == 1 && load[0] > (double)(cpus > 0 ? cpus : 1);
+}
+
 /* How long a class of n elements may spend being measured. */
 static double tune_budget_s(int64_t n)
 {
@@ -391,6 +402,8 @@ static fs_status measure(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
         const double deadline = t_start + budget * (stage + 1) / 4.0;
         if (now_s() > t_start + TUNE_HARD_FACTOR * budget)
             break; /* [Note: hard stop] */
+        if (stage == 3 && machine_busy())
+            break; /* [Note: busy machine]: the split stays the default */
         double t[FS_TUNE_MAX_CANDIDATES][TUNE_ROUNDS_MAX], score[FS_TUNE_MAX_CANDIDATES];
         int rounds = 0, win = 0, same = 0;
         /* One round at least; then within the budget until stable. */
@@ -455,14 +468,6 @@ static void class_key(const fs_tune_record *r, char *out, size_t cap)
              fs_simd_name(r->simd_max), fs_optim_have_bf16_insn() ? "+bf16" : "",
              fs_optim_have_omp(), r->kind == FS_OPTIM_ADAM ? "adam" : "sgd", r->size_log2, copy,
              r->amsgrad, r->threads_max);
-}
-
-/* More runnable work than cores: [Note: busy machine]. */
-static int machine_busy(void)
-{
-    double load[1] = {0.0};
-    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    return getloadavg(load, 1) == 1 && load[0] > (double)(cpus > 0 ? cpus : 1);
 }
 
 /* A variant from the cache is used only if this class could have chosen it. */
