@@ -8,7 +8,7 @@
  * where, only how to measure. What the measurement chose, and the timings
  * it chose from, are kept for diagnostics (`python -m flatshard doctor`).
  */
-#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, madvise */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, getloadavg */
 #include "optim.h"
 
 #include <pthread.h>
@@ -274,10 +274,11 @@ typedef struct {
 } scratch;
 
 /* `j` on zero-filled scratch buffers of n elements (same kind, flags and
- * copy dtype), or FS_ERR_NO_MEMORY. One mapping, in huge pages where the
- * kernel gives them (as the optimizers' own large state: [Note: state in huge
- * pages] in python/flatshard/optim), written once so that every page is
- * real memory, not the shared zero page. */
+ * copy dtype), or FS_ERR_NO_MEMORY. One mapping of plain pages, written once
+ * so that every page is real memory, not the shared zero page. Not huge
+ * pages: with the kernel's THP defrag "madvise" a huge-page fault may compact
+ * memory synchronously, which took 1.4 s for 64 MiB on a loaded machine
+ * (benchmarks/RESULTS.md), more than the whole measurement's budget. */
 static fs_status scratch_job(const fs_optim_job *j, int64_t n, scratch *s, fs_optim_job *out)
 {
     *out = *j;
@@ -291,9 +292,6 @@ static fs_status scratch_job(const fs_optim_job *j, int64_t n, scratch *s, fs_op
         s->mem = NULL;
         return FS_ERR_NO_MEMORY;
     }
-#ifdef MADV_HUGEPAGE
-    madvise(s->mem, s->bytes, MADV_HUGEPAGE);
-#endif
     memset(s->mem, 0, s->bytes);
     char *p = s->mem;
     float *f[5] = {NULL, NULL, NULL, NULL, NULL};
