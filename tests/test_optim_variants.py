@@ -250,9 +250,13 @@ def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, cache_fil
         assert r["chosen"] in names and all(c["ns_per_elem"] > 0 for c in r["candidates"])
         assert all(c["rounds"] >= 1 for c in r["candidates"])
         stages = {c["stage"] for c in r["candidates"]}
-        # on a busy machine the split is not measured ([Note: busy machine])
-        assert ("threads" in stages) != r["busy"]
-        if r["copy"] != "none" and _C.simd_level() != "scalar":
+        # on a busy machine the split is not measured ([Note: busy machine]);
+        # a measurement cut short at its hard stop leaves stages out
+        if r["busy"]:
+            assert "threads" not in stages
+        elif not r["cut_short"]:
+            assert "threads" in stages
+        if r["copy"] != "none" and _C.simd_level() != "scalar" and not r["cut_short"]:
             assert {"simd/unroll", "prefetch", "copy stores"} <= stages
         # AVX-512 candidates round a bf16 copy with the instruction where the
         # CPU has it, and only a bf16 copy
@@ -284,7 +288,7 @@ def test_whole_step_split_ladder_stays_within_the_candidate_table(cache_file):
     _same_bits(_adam(n, None, 0, torch.bfloat16, True, False, False, threads=96), want)
     rec = [r for r in _records("adam", n) if r["threads_max"] == 96]
     assert len(rec) == 1
-    if rec[0]["busy"]:
+    if rec[0]["busy"] or rec[0]["cut_short"]:
         assert rec[0]["chosen"].split(".")[-2] in ("omp96", "t96")  # the default split
         pytest.skip("the machine is busy: thread splits are not measured now")
     trials = [c["variant"] for c in rec[0]["candidates"] if c["stage"] == "threads"]

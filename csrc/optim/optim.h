@@ -155,6 +155,8 @@ typedef struct {
     int stored;            /* measured and written to the disk cache */
     int busy;              /* measured (or, from the cache, stored) while the machine was
                             * busy ([Note: busy machine] in optim_tune.c) */
+    int cut_short;         /* the measurement hit its hard stop ([Note: hard stop] in
+                            * optim_tune.c): candidates or stages left out */
     double tune_s;         /* seconds spent choosing (measuring, or reading the cache) */
     fs_optim_variant chosen;
     int ncandidates;

@@ -33,8 +33,10 @@
  *    elements (zero-filled: the loop's speed does not depend on the
  *    values; larger than the last-level cache of the CPUs measured, so the
  *    runs stream from memory as real steps do), within a time budget
- *    (tune_budget_s: about 2% of 60 steps of the class at memory speed,
- *    capped at TUNE_BUDGET_MAX_S), and the result stored on disk.
+ *    (tune_budget_s: about 4% of 60 steps of the class at memory speed, 17 ms
+ *    at 2^24, capped at TUNE_BUDGET_MAX_S; the scratch buffers' first touch
+ *    comes on top, about 7 ms for 64 MiB on an idle machine), and the result
+ *    stored on disk.
  *
  * The candidates are searched in stages, each keeping the winners so far:
  *   0  vector width x unrolling
@@ -116,7 +118,7 @@
 #define TUNE_ROUNDS_MAX 24
 #define TUNE_STABLE 3
 #define TUNE_MARGIN 0.05
-#define TUNE_BUDGET_NS_PER_ELEM 0.5 /* ~2% of 60 steps at ~0.4 ns per element */
+#define TUNE_BUDGET_NS_PER_ELEM 1.0 /* ~4% of 60 steps at ~0.4 ns per element */
 #define TUNE_BUDGET_MIN_S 2e-3
 #define TUNE_BUDGET_MAX_S 0.08
 #define TUNE_HARD_FACTOR 3.0 /* [Note: hard stop] */
@@ -394,12 +396,14 @@ static fs_status measure(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
         /* stage 3 times whole runs: its fixed costs per call are what it measures */
         const int64_t reps = stage == 3 || unit >= TUNE_SAMPLE ? 1 : TUNE_SAMPLE / (unit > 0 ? unit : 1);
         fs_optim_variant cand[FS_TUNE_MAX_CANDIDATES];
-        const int nc = stage_candidates(stage, r, &best, unit, cand, FS_TUNE_MAX_CANDIDATES);
+        int nc = stage_candidates(stage, r, &best, unit, cand, FS_TUNE_MAX_CANDIDATES);
         if (nc == 0)
             continue;
         const double deadline = t_start + budget * (stage + 1) / 4.0;
-        if (now_s() > t_start + TUNE_HARD_FACTOR * budget)
-            break; /* [Note: hard stop] */
+        if (now_s() > t_start + TUNE_HARD_FACTOR * budget) {
+            r->cut_short = 1; /* [Note: hard stop] */
+            break;
+        }
         if (stage == 3 && machine_busy())
             break; /* [Note: busy machine]: the split stays the default */
         double t[FS_TUNE_MAX_CANDIDATES][TUNE_ROUNDS_MAX], score[FS_TUNE_MAX_CANDIDATES];
@@ -411,8 +415,8 @@ static fs_status measure(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
             for (int o = 0; o < nc && st == FS_OK; o++) {
                 const int c = (o + rounds) % nc;
                 if (rounds == 0 && o > 0 && now_s() > t_start + TUNE_HARD_FACTOR * budget) {
-                    for (int u = o; u < nc; u++) /* [Note: hard stop]: not run, never chosen */
-                        t[u][0] = 1e30;
+                    nc = o; /* [Note: hard stop]: the rest are not run, nor recorded */
+                    r->cut_short = 1;
                     break;
                 }
                 if (pos + unit > n)

@@ -67,7 +67,8 @@ def describe_tuning(records=None):
             ("" if r["copy"] == "none" else f" + {r['copy']} copy")
         how = ("read from the cache file" if r["source"] == "cache" else
                f"measured in {r['tune_s'] * 1e3:.1f} ms on scratch buffers" +
-               (", stored" if r["stored"] else "") + (" (busy machine)" if r["busy"] else ""))
+               (", stored" if r["stored"] else "") + (" (busy machine)" if r["busy"] else "") +
+               (", cut short" if r.get("cut_short") else ""))
         lines.append(f"{what}, 2^{r['size_log2']} elements (first step {r['tuned_numel']:,}), "
                      f"up to {r['threads_max']} threads, {r['simd_max']}: chosen {r['chosen']}, "
                      + (how if r["tuned"] else "the default (no memory to measure on)"))
