@@ -4,7 +4,18 @@ installed, DeepSpeedCPUAdam (adamw_mode=True), against a measured
 memory-copy ceiling.
 
     python3 benchmarks/bench_optim.py [--log2 20 24 26] [--threads 2] [--reps 5]
-        [--no-model]
+        [--no-model] [--isa native|avx2] [--first-steps 60]
+
+--isa avx2 caps every contender at AVX2: torch by ATEN_CPU_CAPABILITY=avx2
+(set before torch is imported), flatshard by simd="avx2"; DeepSpeedCPUAdam
+is built for the CPU's own instruction set by its op builder, so its column
+is left out under the cap unless its op was built for AVX2 (said so).
+--first-steps N: instead of the tables, a fresh flatshard AdamW and a fresh
+torch fused AdamW (each its own parameter and state) take turns step by step
+for their first N steps at 2^log2 (the first --log2), in two processes one
+after the other sharing one new cache file: the first measures flatshard's
+loop before its first step, the second finds the choice in the file. Printed
+per process: the N steps' total of each and the ratio.
 
 Hyperparameters as in LLM pre-training: lr 1e-3, betas (0.9, 0.95), eps
 1e-8, weight decay 0.1. A pure fp32 AdamW step reads param, grad, exp_avg,
@@ -20,12 +31,12 @@ that also writes a bf16 copy of the updated parameters
 (the offload / mixed-precision case; 30 bytes per parameter): flatshard in
 one pass vs torch's fused step followed by a separate `copy_`.
 
-flatshard chooses its loop variant by timing candidates on the first step of
-each size class and, for large classes, its thread split on the next few
-whole steps (all warm-up here, reported apart); the choices and their timings
-are printed after the tables (the loop's candidates in CPU time per element
-of their busiest thread, the thread splits in wall-clock time of whole
-steps). On a shared machine the medians move with the load: the ratios are
+flatshard chooses its loop variant per size class on scratch buffers before
+the class's first step (or reads an earlier process's choice from its cache
+file: here a new file per run, so every class is measured); the choices and
+their timings are printed after the tables (the loop's candidates in CPU
+time per element of their busiest thread, the thread splits in wall-clock
+time). The load average is printed beside each table. On a shared machine the medians move with the load: the ratios are
 printed for the medians and, in brackets, for each contender's fastest
 round. DeepSpeed is optional and never required: its CPU
 Adam op is built on first use (DS_ACCELERATOR=cpu, a C++ compiler).
@@ -35,13 +46,17 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
-import torch
+if "--isa" in sys.argv and sys.argv[sys.argv.index("--isa") + 1:][:1] == ["avx2"]:
+    os.environ["ATEN_CPU_CAPABILITY"] = "avx2"  # before torch is imported
+import torch  # noqa: E402
 
-import flatshard.optim as fo
-from flatshard.optim.checks import _zeros_like
+import flatshard.optim as fo  # noqa: E402
+from flatshard.optim.checks import _zeros_like  # noqa: E402
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -87,13 +102,21 @@ def cpu_model():
             f"{fields.get('model', '?')}, {isa}, {os.cpu_count()} logical CPUs)")
 
 
-def deepspeed_adam():
+def load():
+    return "load average %.2f %.2f %.2f" % os.getloadavg()
+
+
+def deepspeed_adam(isa):
     """DeepSpeedCPUAdam, or None with the reason when it cannot be used here."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
     except Exception as e:  # not installed, or its op does not build here
         return None, f"{type(e).__name__}: {e}".splitlines()[0]
+    width = CPUAdamBuilder().simd_width()
+    if isa == "avx2" and "AVX512" in width:
+        return None, f"its op is built for {width.strip()}, above the AVX2 cap"
     return DeepSpeedCPUAdam, None
 
 
@@ -119,7 +142,7 @@ def bench_size(log2, args, ds_adam):
         p = torch.randn(n)
         p.grad = grad
         if name == "flatshard":
-            opt = fo.AdamW([p], **HP, threads=args.threads)
+            opt = flatshard_adamw(p, args)
         elif name == "DeepSpeedCPUAdam":
             opt = ds_adam([p], **HP, adamw_mode=True)
         else:
@@ -138,25 +161,13 @@ def bench_size(log2, args, ds_adam):
     def fused_with_copy():
         st["step"] += 1
         fo.adamw_step_(p, grad, st["exp_avg"], st["exp_avg_sq"], st["step"], **HP,
-                       out_copy=low, threads=args.threads)
+                       out_copy=low, threads=args.threads, simd=args.simd)
     steps["flatshard + bf16 copy"] = fused_with_copy
     times = {name: [] for name in steps}
-    for fn in steps.values():
-        fn()  # warm-up: first touch of the state; flatshard's calibration step
-    # flatshard tries its thread splits on the next whole steps of a large
-    # class (csrc/optim/optim_tune.c, [Note: tuning]): warm-up too, in the same
-    # interleaved order as the timed rounds, so that the trials meet what
-    # the timed steps meet (e.g. torch's OpenMP threads still spinning).
-    def tuned(copy):
-        return any(r["kind"] == "adam" and r["copy"] == copy and r["size_log2"] == log2
-                   for r in fo.tune_report())
-    rounds = 1
-    while rounds < 80 and not (tuned("none") and tuned("bfloat16")):
+    for _ in range(3):  # warm-up: first touch of the state; flatshard's choice of loop
         for fn in steps.values():
             fn()
-        rounds += 1
-    print(f"warm-up: {rounds} interleaved rounds (flatshard's calibrating step, then its "
-          f"thread-split trials)")
+    print(load())
     time_rounds(steps, times, args.reps)
     rows = {name: statistics.median(ts) for name, ts in times.items()}
     fastest = {name: min(ts) for name, ts in times.items()}
@@ -210,9 +221,10 @@ def bench_model(args, ds_adam):
             steps[name] = ds_adam(ps, **HP, adamw_mode=True).step
         else:
             steps[name] = torch.optim.AdamW(ps, **HP, fused=True).step
-    for _ in range(40):  # flatshard's calibration and thread-split trials per size class
+    for _ in range(3):  # warm-up: first touch of the state; flatshard's choice of loop
         for fn in steps.values():
             fn()
+    print(load())
     times = {name: [] for name in steps}
     time_rounds(steps, times, args.reps)
     med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -224,6 +236,52 @@ def bench_model(args, ds_adam):
              if ds_adam else ""))
 
 
+class _Capped:
+    """flatshard's step under an instruction-set cap (simd= of the functional
+    form; the optimizer classes run at the CPU's best), its state placed as
+    AdamW places its own."""
+    def __init__(self, p, args):
+        self.p, self.args, self.st = p, args, None
+
+    def step(self):
+        if self.st is None:  # at the first step, as AdamW makes its state
+            self.st = {"exp_avg": _zeros_like(self.p), "exp_avg_sq": _zeros_like(self.p), "step": 0}
+        self.st["step"] += 1
+        fo.adamw_step_(self.p, self.p.grad, self.st["exp_avg"], self.st["exp_avg_sq"],
+                       self.st["step"], **HP, threads=self.args.threads, simd=self.args.simd)
+
+
+def flatshard_adamw(p, args):
+    return fo.AdamW([p], **HP, threads=args.threads) if args.simd == "auto" else _Capped(p, args)
+
+
+def first_steps(args):
+    """One process's part of --first-steps: fresh optimizers, taking turns."""
+    n, count = 1 << args.log2[0], args.first_steps
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(n, generator=g)
+    pf, pt = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    pf.grad, pt.grad = grad, grad
+    ours = flatshard_adamw(pf, args)
+    theirs = torch.optim.AdamW([pt], **HP, fused=True)
+    t_ours, t_theirs = [], []
+    before = load()
+    for k in range(count):
+        order = [(ours, t_ours), (theirs, t_theirs)]
+        for opt, ts in order if k % 2 == 0 else order[::-1]:
+            t = time.perf_counter()
+            opt.step()
+            ts.append(time.perf_counter() - t)
+    r = [r for r in fo.tune_report() if r["kind"] == "adam" and r["size_log2"] == args.log2[0]]
+    how = (f"{r[0]['source']} in {r[0]['tune_s'] * 1e3:.1f} ms"
+           + (", busy machine" if r[0]["busy"] else "") + f": {r[0]['chosen']}") if r else "?"
+    print(f"  first {count} steps at 2^{args.log2[0]}: flatshard {sum(t_ours) * 1e3:.0f} ms "
+          f"(first step {t_ours[0] * 1e3:.1f} ms, loop {how}), torch fused "
+          f"{sum(t_theirs) * 1e3:.0f} ms (first step {t_theirs[0] * 1e3:.1f} ms): flatshard at "
+          f"{sum(t_theirs) / sum(t_ours):.2f}x torch fused's speed; {before}, after: "
+          f"{load()[13:]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--log2", type=int, nargs="+", default=[20, 24, 26])
@@ -231,19 +289,39 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-model", action="store_true",
                     help="skip the step over GPT-2 small's 148 parameter tensors")
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native")
+    ap.add_argument("--first-steps", type=int, default=0)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.simd = "avx2" if args.isa == "avx2" else "auto"
     torch.set_num_threads(args.threads)
+    if args.child:
+        first_steps(args)
+        return
     print("command: python3 " + " ".join(shlex.quote(a) for a in sys.argv))
     print(f"CPU: {cpu_model()}")
-    ds_adam, why = deepspeed_adam()
-    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.reps} "
-          f"interleaved rounds; DeepSpeedCPUAdam: "
+    print(f"torch {torch.__version__} (capability {torch.backends.cpu.get_cpu_capability()}), "
+          f"flatshard simd={args.simd}, {args.threads} threads")
+    if args.first_steps:
+        cache = os.path.join(tempfile.mkdtemp(prefix="bench-optim-"), "optim_tune.txt")
+        env = dict(os.environ, FLATSHARD_OPTIM_TUNE_CACHE=cache,
+                   OMP_NUM_THREADS=str(args.threads))
+        for who in ("a fresh process, empty cache file", "a second process, same file"):
+            print(who + ":", flush=True)
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--child"] +
+                           sys.argv[1:], env=env, check=True)
+        return
+    # a new cache file: every class measured in this run
+    os.environ["FLATSHARD_OPTIM_TUNE_CACHE"] = os.path.join(
+        tempfile.mkdtemp(prefix="bench-optim-"), "optim_tune.txt")
+    ds_adam, why = deepspeed_adam(args.isa)
+    print(f"median of {args.reps} interleaved rounds; DeepSpeedCPUAdam: "
           + ("timed" if ds_adam else f"not timed ({why})"))
     for log2 in args.log2:
         bench_size(log2, args, ds_adam)
     if not args.no_model:
         bench_model(args, ds_adam)
-    print("\nflatshard's loop variants, as measured on each class's first step:")
+    print("\nflatshard's loop variants, as measured before each class's first step:")
     print("\n".join(fo.describe_tuning()))
 
 

@@ -7,9 +7,11 @@ taking turns step by step in one process.
 avx2: flatshard's `simd="avx2"` and torch's ATEN_CPU_CAPABILITY=avx2 (set
 before torch is imported), what a CPU without AVX-512 runs (a Zen 1, Zen 2
 or Zen 3 EPYC, many Xeons); default: each at the best this CPU has. Printed:
-the median of steps 51-75 of each (flatshard's tuning, its calibration
-and thread-split trials, takes the first 45 or so) and torch's time over flatshard's (above
-1: flatshard is faster).
+the median of steps 11-75 of each (flatshard chooses its loop on scratch
+buffers before its first step, or reads the choice from its cache file;
+the first steps also fault in the state) and torch's time over flatshard's
+(above 1: flatshard is faster), with the load average. bench_optim.py --isa
+avx2 times the same cap against every contender, and the first steps.
 """
 import os
 import statistics
@@ -35,9 +37,10 @@ p = torch.nn.Parameter(b[0]); p.grad = b[1]
 opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
 simd = "avx2" if cap == "avx2" else "auto"
 tf, tt = [], []
-for step in range(1, 76):  # the tuner's thread-split trials take the first ~45 steps
+for step in range(1, 76):
     t = time.perf_counter(); adamw_step_(a[0], a[1], a[2], a[3], step, lr=1e-3, threads=2, simd=simd); tf.append(time.perf_counter() - t)
     t = time.perf_counter(); opt.step(); tt.append(time.perf_counter() - t)
-mf, mt = statistics.median(tf[50:]) * 1e3, statistics.median(tt[50:]) * 1e3
+mf, mt = statistics.median(tf[10:]) * 1e3, statistics.median(tt[10:]) * 1e3
 print(f"{cpu_name()}; {cap}: torch's capability {torch.backends.cpu.get_cpu_capability()}; "
-      f"flatshard {mf:.2f} ms, torch fused {mt:.2f} ms: flatshard at {mt / mf:.2f}x torch's speed")
+      f"flatshard {mf:.2f} ms, torch fused {mt:.2f} ms: flatshard at {mt / mf:.2f}x torch's speed; "
+      "load average %.2f %.2f %.2f" % os.getloadavg())

@@ -6,6 +6,11 @@ import sys
 # the caller's environment. Before torch is imported, so that OpenMP reads it;
 # the pool's ranks are spawned with this environment.
 os.environ["OMP_NUM_THREADS"] = "1"
+# The CPU optimizers' loop choices go to a file of this session's (the pool's
+# ranks too), never to the user's cache; tests that check the file set their own.
+import tempfile  # noqa: E402
+os.environ["FLATSHARD_OPTIM_TUNE_CACHE"] = os.path.join(
+    tempfile.mkdtemp(prefix="flatshard-tune-"), "optim_tune.txt")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -20,7 +20,9 @@ fs_simd fs_simd_best(void)
     if (level < 0) {
         __builtin_cpu_init();
         level = FS_SIMD_SCALAR;
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+        /* the optimizer's AVX2 loops use FMA (every AVX2 CPU has it) */
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+            __builtin_cpu_supports("fma")) {
             level = FS_SIMD_AVX2;
             if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
                 level = FS_SIMD_AVX512;

@@ -32,7 +32,8 @@ __host__ __device__ inline adam_consts adam_derive(float lr, float beta1, float 
     return k;
 }
 
-/* One element of optim_cpu.c's adam_scalar, same operations and order. */
+/* One element of optim_cpu.c's adam_scalar, same operations and order, the
+ * same fused multiply-adds ([Note: one formula] there). */
 __device__ __forceinline__ float adam_elem(const fs_cuda_adam_args &a, const adam_consts &k,
                                            float p, float g, float &m, float &v, float *mx,
                                            float inv_scale, bool scaled)
@@ -44,16 +45,16 @@ __device__ __forceinline__ float adam_elem(const fs_cuda_adam_args &a, const ada
     if (a.decoupled)
         p *= k.decay;
     else if (a.weight_decay != 0.0f)
-        g += a.weight_decay * p;
-    m = m + (1.0f - a.beta1) * (g - m);
-    v = a.beta2 * v + (1.0f - a.beta2) * g * g;
+        g = fmaf(a.weight_decay, p, g);
+    m = fmaf(1.0f - a.beta1, g - m, m);
+    v = fmaf(a.beta2, v, (1.0f - a.beta2) * g * g);
     float vv = v;
     if (mx) {
         vv = fmaxf(*mx, v);
         *mx = vv;
     }
-    float denom = sqrtf(vv) * k.inv_bc2_sqrt + a.eps;
-    return p - k.step_size * (m / denom);
+    float denom = fmaf(sqrtf(vv), k.inv_bc2_sqrt, a.eps);
+    return fmaf(-k.step_size, m / denom, p);
 }
 
 __global__ void adam_kernel(const fs_cuda_adam_args a, adam_consts k, int vec)
@@ -125,13 +126,13 @@ __global__ void sgd_kernel(const fs_cuda_sgd_args a)
             g = -g;
         float p = a.param[i];
         if (a.weight_decay != 0.0f)
-            g += a.weight_decay * p;
+            g = fmaf(a.weight_decay, p, g);
         if (a.momentum_buf) {
-            float buf = a.first_step ? g : a.momentum * a.momentum_buf[i] + damp * g;
+            float buf = a.first_step ? g : fmaf(a.momentum, a.momentum_buf[i], damp * g);
             a.momentum_buf[i] = buf;
-            g = a.nesterov ? g + a.momentum * buf : buf;
+            g = a.nesterov ? fmaf(a.momentum, buf, g) : buf;
         }
-        p = p - a.lr * g;
+        p = fmaf(-a.lr, g, p);
         a.param[i] = p;
         if (a.copy)
             store_copy(a.copy, a.copy_dtype, i, p);

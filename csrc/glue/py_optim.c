@@ -54,11 +54,12 @@ PyDoc_STRVAR(adam_step_doc,
              "          threads=1, simd='auto', variant=None)\n"
              "One fused Adam (decoupled=False) or AdamW (decoupled=True) step; pointers are\n"
              "ints (0 for max_exp_avg_sq without amsgrad, and for no low-precision copy).\n"
-             "The loop variant is the one timed fastest for this size class in this process\n"
-             "(the first step of a class calibrates it); simd caps its instruction set\n"
+             "The loop variant is the one timed fastest for this size class (on scratch\n"
+             "buffers before the class's first step, or read from the cache file:\n"
+             "optim_tune_cache); simd caps its instruction set\n"
              "('auto': the best this CPU has, 'avx512', 'avx2', or 'scalar': the reference)\n"
              "and threads its thread count. variant: a name (optim_tune_records) that forces\n"
-             "one variant instead. Every variant gives the same bits.");
+             "one variant instead. Every variant computes one formula, with FMA.");
 static PyObject *py_adam_step(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "copy",
@@ -269,9 +270,10 @@ static PyObject *record_dict(const fs_tune_record *r)
     PyObject *cands = PyList_New(0);
     for (int k = 0; cands && k < r->ncandidates; k++) {
         PyObject *name = variant_str(&r->candidates[k].variant);
-        PyObject *c = name ? Py_BuildValue("{s:s,s:O,s:d}", "stage",
+        PyObject *c = name ? Py_BuildValue("{s:s,s:O,s:d,s:i}", "stage",
                                            stages[r->candidates[k].stage], "variant", name,
-                                           "ns_per_elem", r->candidates[k].ns_per_elem)
+                                           "ns_per_elem", r->candidates[k].ns_per_elem,
+                                           "rounds", r->candidates[k].rounds)
                            : NULL;
         Py_XDECREF(name);
         if (!c || PyList_Append(cands, c) < 0)
@@ -280,22 +282,30 @@ static PyObject *record_dict(const fs_tune_record *r)
     }
     PyObject *chosen = cands ? variant_str(&r->chosen) : NULL;
     PyObject *d = chosen ? Py_BuildValue(
-        "{s:s,s:i,s:s,s:O,s:i,s:s,s:L,s:s,s:O,s:O,s:O}", "kind",
+        "{s:s,s:i,s:s,s:O,s:i,s:s,s:L,s:s,s:O,s:O,s:O,s:O,s:d,s:O,s:O}", "kind",
         r->kind == FS_OPTIM_ADAM ? "adam" : "sgd", "size_log2", r->size_log2, "copy",
         r->copy_dtype < 0 ? "none" : r->copy_dtype == FS_BF16 ? "bfloat16" : "float16",
         "amsgrad", r->amsgrad ? Py_True : Py_False, "threads_max", r->threads_max, "simd_max",
-        fs_simd_name(r->simd_max), "tuned_numel", (long long)r->tuned_numel, "timed_on",
-        r->in_place ? "the step's own buffers" : "a scratch copy of the step",
-        "tuned", r->tuned ? Py_True : Py_False, "chosen", chosen, "candidates", cands) : NULL;
+        fs_simd_name(r->simd_max), "tuned_numel", (long long)r->tuned_numel, "source",
+        r->source == FS_TUNE_FROM_CACHE ? "cache" : "measured", "tuned",
+        r->tuned ? Py_True : Py_False, "stored", r->stored ? Py_True : Py_False, "busy",
+        r->busy ? Py_True : Py_False, "cut_short", r->cut_short ? Py_True : Py_False, "tune_s",
+        r->tune_s, "chosen", chosen, "candidates", cands) : NULL;
     Py_XDECREF(chosen);
     Py_XDECREF(cands);
     return d;
 }
 
 PyDoc_STRVAR(optim_tune_records_doc,
-             "optim_tune_records() -> [dict]: per size class tuned in this process, the\n"
-             "class (kind, size_log2, copy, amsgrad, threads_max, simd_max), how it was\n"
-             "timed, the chosen variant, and every candidate's best time (ns per element).");
+             "optim_tune_records() -> [dict]: per size class chosen in this process, the\n"
+             "class (kind, size_log2, copy, amsgrad, threads_max, simd_max), its first\n"
+             "step's tuned_numel, source ('measured' on scratch buffers, or 'cache': read\n"
+             "from the cache file), tuned (False: no memory to measure, the default runs),\n"
+             "stored (written to the cache file), busy (measured, or stored, while the load\n"
+             "average exceeded the CPU count: provisional), cut_short (the measurement hit\n"
+             "its hard stop: candidates or stages left out), tune_s (seconds spent choosing), the\n"
+             "chosen variant, and every measured candidate's score (ns per element) and\n"
+             "rounds.");
 static PyObject *py_optim_tune_records(PyObject *m, PyObject *Py_UNUSED(a))
 {
     fs_tune_record *recs = NULL;
@@ -324,6 +334,29 @@ static PyObject *py_optim_tune_reset(PyObject *m, PyObject *Py_UNUSED(a))
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(optim_tune_cache_doc,
+             "optim_tune_cache(path, version): the file where chosen loop variants are kept\n"
+             "and looked up (None or '': none), keyed by version (flatshard's) among others.\n"
+             "optim_tune_cache() -> the path set, or None.");
+static PyObject *py_optim_tune_cache(PyObject *m, PyObject *args)
+{
+    const char *path = NULL, *version = NULL;
+    if (PyTuple_GET_SIZE(args) == 0) {
+        char buf[4096];
+        if (!fs_tune_cache_path(buf, sizeof buf))
+            Py_RETURN_NONE;
+        return PyUnicode_DecodeFSDefault(buf);
+    }
+    if (!PyArg_ParseTuple(args, "zs:optim_tune_cache", &path, &version))
+        return NULL;
+    if (path && strlen(path) >= 4000) {
+        PyErr_Format(PyExc_ValueError, "optim_tune_cache: path of %zu bytes; at most 3999",
+                     strlen(path));
+        return NULL;
+    }
+    return fs_result(m, fs_tune_cache_set(path, version), "optim_tune_cache: out of memory");
+}
+
 static PyMethodDef optim_methods[] = {
     {"adam_step", (PyCFunction)(void (*)(void))py_adam_step, METH_VARARGS | METH_KEYWORDS,
      adam_step_doc},
@@ -335,7 +368,9 @@ static PyMethodDef optim_methods[] = {
      sgd_steps_doc},
     {"optim_tune_records", py_optim_tune_records, METH_NOARGS, optim_tune_records_doc},
     {"optim_tune_reset", py_optim_tune_reset, METH_NOARGS,
-     "optim_tune_reset(): forget every size class's variant (the next step calibrates again)"},
+     "optim_tune_reset(): forget every size class's variant in memory (the next step of\n"
+     "each chooses again: from the cache file where it has the class)"},
+    {"optim_tune_cache", py_optim_tune_cache, METH_VARARGS, optim_tune_cache_doc},
     {NULL},
 };
 

@@ -12,10 +12,12 @@
  * (non-temporal) stores of the copy, the number of threads and how they
  * split the buffers each win on one CPU and lose on another. Each of those
  * is a field of fs_optim_variant; optim_cpu.c runs any variant and
- * optim_tune.c picks one per process and size class by timing the
- * candidates on the first step of that class ([Note: tuning] there).
- * Every variant gives the scalar reference's bits: same operations in the
- * same order, no FMA, and each element is updated by exactly one of them.
+ * optim_tune.c picks one per size class by timing the candidates on
+ * scratch buffers before the class's first step, or reads the choice an
+ * earlier process stored (optim_cache.c; [Note: tuning] in optim_tune.c).
+ * Every variant computes one formula, with fused multiply-adds ([Note: one
+ * formula] in optim_cpu.c), held to a float64 evaluation within
+ * FS_OPTIM_ULP ulps; each element is updated by exactly one thread.
  *
  * Indices are 64-bit. The caller releases the GIL.
  */
@@ -93,6 +95,16 @@ typedef struct {
 
 #define FS_OPTIM_VARIANT_NAME_MAX 64
 
+/* How far any variant's result may be from the update evaluated in float64
+ * from the same f32 inputs, in ulps of the largest term of the operation that
+ * makes each value (so that cancellation does not count against a correctly
+ * rounded path): tests/test_optim_ulp.py holds every path to it. The
+ * parameter's value passes through about seven roundings (the f32 step size
+ * and bias correction, the decay, sqrt, the fused multiply-adds of the
+ * moment and the denominator, the divide, the last fused multiply-add);
+ * measured at most 3.9 ulps on the test's inputs. */
+#define FS_OPTIM_ULP 6
+
 /* ---------------------------------------------------------------------------
  * optim_cpu.c: run a given variant */
 
@@ -119,16 +131,17 @@ void fs_optim_variant_name(const fs_optim_variant *v, char out[FS_OPTIM_VARIANT_
 /* ---------------------------------------------------------------------------
  * optim_tune.c: the tuned steps (what the optimizers call) and their record */
 
-/* One step with the variant chosen for this size class, calibrating it on
- * this step if the class is new. simd caps the instruction set (fs_simd_best()
+/* One step with the variant chosen for this size class, choosing it first
+ * if the class is new in this process. simd caps the instruction set (fs_simd_best()
  * for no cap); threads caps the thread count. */
 fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads);
 fs_status fs_adam_step(const fs_adam_buffers *b, const fs_adam_hparams *h, fs_simd simd,
                        int threads);
 fs_status fs_sgd_step(const fs_sgd_buffers *b, const fs_sgd_hparams *h, fs_simd simd, int threads);
 
-/* What calibration decided, for diagnostics: one record per size class. */
+/* What the tuning decided, for diagnostics: one record per size class. */
 #define FS_TUNE_MAX_CANDIDATES 32
+typedef enum { FS_TUNE_MEASURED = 0, FS_TUNE_FROM_CACHE = 1 } fs_tune_source;
 typedef struct {
     fs_optim_kind kind;
     int size_log2;     /* the class: steps of 2^size_log2 .. 2^(size_log2+1)-1 elements */
@@ -136,21 +149,47 @@ typedef struct {
     int amsgrad;
     int threads_max;
     fs_simd simd_max;
-    int64_t tuned_numel; /* n of the step that calibrated the class */
-    int in_place;        /* 1: timed on slices of that step; 0: on scratch copies of it */
-    int tuned;           /* 0: calibration could not run (no memory); the default is used */
+    int64_t tuned_numel;   /* n of the class's first step */
+    fs_tune_source source; /* measured in this process, or read from the disk cache */
+    int tuned;             /* 0: no scratch memory to measure on; the default is used */
+    int stored;            /* measured and written to the disk cache */
+    int busy;              /* measured (or, from the cache, stored) while the machine was
+                            * busy ([Note: busy machine] in optim_tune.c) */
+    int cut_short;         /* the measurement hit its hard stop ([Note: hard stop] in
+                            * optim_tune.c): candidates or stages left out */
+    double tune_s;         /* seconds spent choosing (measuring, or reading the cache) */
     fs_optim_variant chosen;
     int ncandidates;
     struct {
         int stage;                /* 0 simd/unroll, 1 prefetch, 2 copy stores, 3 threads */
         fs_optim_variant variant;
-        double ns_per_elem;       /* best of the rounds */
+        double ns_per_elem;       /* stages 0-2: best CPU time of the rounds; 3: median
+                                   * wall-clock time */
+        int rounds;               /* rounds the stage ran until its winner was stable */
     } candidates[FS_TUNE_MAX_CANDIDATES];
 } fs_tune_record;
 
 /* Copies up to `cap` records into out; returns how many classes are tuned. */
 int fs_tune_records(fs_tune_record *out, int cap);
-/* Forgets every choice: the next step of each class calibrates again. */
+/* Forgets every choice in memory: the next step of each class chooses again
+ * (from the disk cache where it has the class). */
 void fs_tune_reset(void);
+
+/* ---------------------------------------------------------------------------
+ * optim_cache.c: the choices on disk */
+
+/* Where the cache file is (NULL or "": none) and flatshard's version, the
+ * first field of every key. */
+fs_status fs_tune_cache_set(const char *path, const char *version);
+/* 1 and the path into out when a cache file is set, else 0. */
+int fs_tune_cache_path(char *out, size_t cap);
+/* The full key of class fields `cls` (version, CPU, then cls) into out; 0
+ * when no cache is set. */
+int fs_tune_cache_key(const char *cls, char *out, size_t cap);
+/* 1, the stored variant for `key` and whether it was measured on a busy
+ * machine, or 0 (no file, no valid line). */
+int fs_tune_cache_load(const char *key, fs_optim_variant *out, int *busy);
+/* Stores key -> v, busy (replacing key's line), atomically; 1 when written. */
+int fs_tune_cache_store(const char *key, const fs_optim_variant *v, int busy);
 
 #endif

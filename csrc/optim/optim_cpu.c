@@ -18,14 +18,22 @@
 #define FS_X86 1
 #endif
 
-/* [Note: same bits]
- * Every path computes each element with the same f32 operations in the
- * same order as the scalar loop: the vector loops use separate mul and add
- * intrinsics (the build is ISO C, so the compiler does not contract them
- * into FMA), bf16 rounding on integers as fs_f32_to_bf16, and the scalar
- * loop finishes whatever a vector loop leaves (tails, alignment peels).
- * Variants only change which instructions move the bytes and which thread
- * updates which element, so they all give the scalar path's bits. */
+/* [Note: one formula]
+ * Every path computes each element with one formula, written out in
+ * adam_scalar and sgd_scalar: the same f32 operations in the same order,
+ * each multiply-add a fused one (fmaf in the scalar loop, vfmadd in the
+ * vector loops: one rounding instead of two, and one instruction). sqrt and
+ * divide are correctly rounded on every path, and so is an FMA, so the
+ * vector loops give the scalar loop's bits; the build is ISO C, so the
+ * compiler adds no contraction of its own. bf16 rounding is on integers as
+ * fs_f32_to_bf16, and the scalar loop finishes whatever a vector loop leaves
+ * (tails, alignment peels). Variants only change which instructions move the
+ * bytes and which thread updates which element. The tests hold every path to
+ * a float64 evaluation of the update within a stated bound (FS_OPTIM_ULP
+ * below), and to the scalar loop's bits; nothing else relies on the bits. A
+ * faster path that rounds differently (an approximate reciprocal, say) would
+ * only have to meet the first. The CUDA kernel (csrc/cuda/optim.cu) writes
+ * the same formula. */
 
 /* [Note: local copies]
  * Each vector kernel copies the job's buffer pointers and hyperparameters
@@ -78,18 +86,18 @@ static void adam_scalar(const fs_adam_buffers *b, const fs_adam_hparams *h, cons
         if (h->decoupled)
             p *= k->decay;
         else if (h->weight_decay != 0.0f)
-            g += h->weight_decay * p;
+            g = fmaf(h->weight_decay, p, g);
         float m = b->exp_avg[i];
-        m = m + b1c * (g - m); /* torch's lerp */
-        float v = b2 * b->exp_avg_sq[i] + b2c * g * g;
+        m = fmaf(b1c, g - m, m); /* torch's lerp: m + b1c * (g - m) */
+        float v = fmaf(b2, b->exp_avg_sq[i], b2c * g * g);
         b->exp_avg[i] = m;
         b->exp_avg_sq[i] = v;
         if (b->max_exp_avg_sq) {
             v = fmaxf(b->max_exp_avg_sq[i], v);
             b->max_exp_avg_sq[i] = v;
         }
-        float denom = sqrtf(v) * k->inv_bc2_sqrt + h->eps;
-        p = p - k->step_size * (m / denom);
+        float denom = fmaf(sqrtf(v), k->inv_bc2_sqrt, h->eps);
+        p = fmaf(-k->step_size, m / denom, p);
         b->param[i] = p;
         if (b->copy)
             store_copy(b->copy, b->copy_dtype, i, p);
@@ -106,13 +114,13 @@ static void sgd_scalar(const fs_sgd_buffers *b, const fs_sgd_hparams *h, int64_t
         float g = h->maximize ? -b->grad[i] : b->grad[i];
         float p = b->param[i];
         if (h->weight_decay != 0.0f)
-            g += h->weight_decay * p;
+            g = fmaf(h->weight_decay, p, g);
         if (b->momentum_buf) {
-            float buf = h->first_step ? g : h->momentum * b->momentum_buf[i] + damp * g;
+            float buf = h->first_step ? g : fmaf(h->momentum, b->momentum_buf[i], damp * g);
             b->momentum_buf[i] = buf;
-            g = h->nesterov ? g + h->momentum * buf : buf;
+            g = h->nesterov ? fmaf(h->momentum, buf, g) : buf;
         }
-        p = p - h->lr * g;
+        p = fmaf(-h->lr, g, p);
         b->param[i] = p;
         if (b->copy)
             store_copy(b->copy, b->copy_dtype, i, p);
@@ -130,8 +138,8 @@ typedef struct {
 } range_ctx;
 
 #ifdef FS_X86
-#define FS_AVX2 __attribute__((target("avx2,f16c")))
-#define FS_AVX512 __attribute__((target("avx512f,avx512bw")))
+#define FS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define FS_AVX512 __attribute__((target("avx512f,avx512bw,fma")))
 #define FS_INLINE static inline __attribute__((always_inline))
 #define FS_PF(ptr, i) _mm_prefetch((const char *)((ptr) + (i)), _MM_HINT_T0)
 
@@ -241,19 +249,19 @@ FS_AVX2 FS_INLINE __m256 adam8(const fs_adam_buffers *b, const fs_adam_hparams *
     if (h->decoupled)
         p = _mm256_mul_ps(p, c->decay);
     else if (l2)
-        g = _mm256_add_ps(g, _mm256_mul_ps(c->wd, p));
+        g = _mm256_fmadd_ps(c->wd, p, g);
     __m256 m = _mm256_loadu_ps(b->exp_avg + i);
-    m = _mm256_add_ps(m, _mm256_mul_ps(c->b1c, _mm256_sub_ps(g, m)));
-    __m256 v = _mm256_add_ps(_mm256_mul_ps(c->b2, _mm256_loadu_ps(b->exp_avg_sq + i)),
-                             _mm256_mul_ps(_mm256_mul_ps(c->b2c, g), g));
+    m = _mm256_fmadd_ps(c->b1c, _mm256_sub_ps(g, m), m);
+    __m256 v = _mm256_fmadd_ps(c->b2, _mm256_loadu_ps(b->exp_avg_sq + i),
+                              _mm256_mul_ps(_mm256_mul_ps(c->b2c, g), g));
     _mm256_storeu_ps(b->exp_avg + i, m);
     _mm256_storeu_ps(b->exp_avg_sq + i, v);
     if (b->max_exp_avg_sq) {
         v = _mm256_max_ps(_mm256_loadu_ps(b->max_exp_avg_sq + i), v);
         _mm256_storeu_ps(b->max_exp_avg_sq + i, v);
     }
-    __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), c->bc2), c->eps);
-    p = _mm256_sub_ps(p, _mm256_mul_ps(c->ss, _mm256_div_ps(m, denom)));
+    __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), c->bc2, c->eps);
+    p = _mm256_fnmadd_ps(c->ss, _mm256_div_ps(m, denom), p); /* p - ss * (m / denom), one rounding */
     _mm256_storeu_ps(b->param + i, p);
     return p;
 }
@@ -281,14 +289,14 @@ FS_AVX2 FS_INLINE __m256 sgd8(const fs_sgd_buffers *b, const fs_sgd_hparams *h, 
         g = _mm256_xor_ps(g, c->sign);
     __m256 p = _mm256_loadu_ps(b->param + i);
     if (h->weight_decay != 0.0f)
-        g = _mm256_add_ps(g, _mm256_mul_ps(c->wd, p));
+        g = _mm256_fmadd_ps(c->wd, p, g);
     if (b->momentum_buf) {
-        __m256 buf = h->first_step ? g : _mm256_add_ps(
-            _mm256_mul_ps(c->mom, _mm256_loadu_ps(b->momentum_buf + i)), _mm256_mul_ps(c->damp, g));
+        __m256 buf = h->first_step ? g : _mm256_fmadd_ps(
+            c->mom, _mm256_loadu_ps(b->momentum_buf + i), _mm256_mul_ps(c->damp, g));
         _mm256_storeu_ps(b->momentum_buf + i, buf);
-        g = h->nesterov ? _mm256_add_ps(g, _mm256_mul_ps(c->mom, buf)) : buf;
+        g = h->nesterov ? _mm256_fmadd_ps(c->mom, buf, g) : buf;
     }
-    p = _mm256_sub_ps(p, _mm256_mul_ps(c->lr, g));
+    p = _mm256_fnmadd_ps(c->lr, g, p);
     _mm256_storeu_ps(b->param + i, p);
     return p;
 }
@@ -418,7 +426,7 @@ FS_AVX512 FS_INLINE void copy32(void *copy, fs_dtype t, int64_t i, __m512 p0, __
  * that real parameters never take, and the same bits either way. Used only
  * where the CPU reports AVX512_BF16 (and AVX512DQ for vfpclassps):
  * fs_optim_have_bf16_insn(); variants name it as simd "avx512bf16". */
-#define FS_AVX512BF __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+#define FS_AVX512BF __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16,fma")))
 #define FS_BF16_SPECIAL 0xA1 /* vfpclassps categories: QNaN | denormal | SNaN */
 
 FS_AVX512BF FS_INLINE void copy16_bf(void *copy, fs_dtype t, int64_t i, __m512 p, int stream)
@@ -464,19 +472,19 @@ FS_AVX512 FS_INLINE __m512 adam16(const fs_adam_buffers *b, const fs_adam_hparam
     if (h->decoupled)
         p = _mm512_mul_ps(p, c->decay);
     else if (l2)
-        g = _mm512_add_ps(g, _mm512_mul_ps(c->wd, p));
+        g = _mm512_fmadd_ps(c->wd, p, g);
     __m512 m = _mm512_loadu_ps(b->exp_avg + i);
-    m = _mm512_add_ps(m, _mm512_mul_ps(c->b1c, _mm512_sub_ps(g, m)));
-    __m512 v = _mm512_add_ps(_mm512_mul_ps(c->b2, _mm512_loadu_ps(b->exp_avg_sq + i)),
-                             _mm512_mul_ps(_mm512_mul_ps(c->b2c, g), g));
+    m = _mm512_fmadd_ps(c->b1c, _mm512_sub_ps(g, m), m);
+    __m512 v = _mm512_fmadd_ps(c->b2, _mm512_loadu_ps(b->exp_avg_sq + i),
+                              _mm512_mul_ps(_mm512_mul_ps(c->b2c, g), g));
     _mm512_storeu_ps(b->exp_avg + i, m);
     _mm512_storeu_ps(b->exp_avg_sq + i, v);
     if (b->max_exp_avg_sq) {
         v = _mm512_max_ps(_mm512_loadu_ps(b->max_exp_avg_sq + i), v);
         _mm512_storeu_ps(b->max_exp_avg_sq + i, v);
     }
-    __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), c->bc2), c->eps);
-    p = _mm512_sub_ps(p, _mm512_mul_ps(c->ss, _mm512_div_ps(m, denom)));
+    __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), c->bc2, c->eps);
+    p = _mm512_fnmadd_ps(c->ss, _mm512_div_ps(m, denom), p); /* p - ss * (m / denom), one rounding */
     _mm512_storeu_ps(b->param + i, p);
     return p;
 }
@@ -494,14 +502,14 @@ FS_AVX512 FS_INLINE __m512 sgd16(const fs_sgd_buffers *b, const fs_sgd_hparams *
         g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), c->sign));
     __m512 p = _mm512_loadu_ps(b->param + i);
     if (h->weight_decay != 0.0f)
-        g = _mm512_add_ps(g, _mm512_mul_ps(c->wd, p));
+        g = _mm512_fmadd_ps(c->wd, p, g);
     if (b->momentum_buf) {
-        __m512 buf = h->first_step ? g : _mm512_add_ps(
-            _mm512_mul_ps(c->mom, _mm512_loadu_ps(b->momentum_buf + i)), _mm512_mul_ps(c->damp, g));
+        __m512 buf = h->first_step ? g : _mm512_fmadd_ps(
+            c->mom, _mm512_loadu_ps(b->momentum_buf + i), _mm512_mul_ps(c->damp, g));
         _mm512_storeu_ps(b->momentum_buf + i, buf);
-        g = h->nesterov ? _mm512_add_ps(g, _mm512_mul_ps(c->mom, buf)) : buf;
+        g = h->nesterov ? _mm512_fmadd_ps(c->mom, buf, g) : buf;
     }
-    p = _mm512_sub_ps(p, _mm512_mul_ps(c->lr, g));
+    p = _mm512_fnmadd_ps(c->lr, g, p);
     _mm512_storeu_ps(b->param + i, p);
     return p;
 }

@@ -1,123 +1,137 @@
 /* optim_tune.c - which variant of the fused optimizer loop (optim_cpu.c)
- * runs: chosen by timing the candidates on this machine, once per process
- * and size class, and the tuned entry points the optimizers call.
+ * runs: chosen by timing the candidates on this machine, once per size
+ * class, on scratch buffers before the class's first step, and remembered
+ * in memory and on disk (optim_cache.c); and the tuned entry points the
+ * optimizers call.
  *
  * Deliberately not a model of any CPU: nothing here says which variant wins
  * where, only how to measure. What the measurement chose, and the timings
  * it chose from, are kept for diagnostics (`python -m flatshard doctor`).
  */
-#define _POSIX_C_SOURCE 200112L /* clock_gettime */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, getloadavg */
 #include "optim.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 /* [Note: tuning]
  * A size class is (kind, floor(log2 n), copy dtype, amsgrad, thread and SIMD
- * caps). Its first step is its calibration: the step's elements are cut into
- * equal slices and each candidate variant updates some of them, timed.
- * Every variant gives the same bits ([Note: same bits] in optim_cpu.c) and
- * each element is updated exactly once, so the calibrating step's result is
- * the untuned one: tuning costs no extra pass over memory, and candidates
- * are timed on the real buffers, cold from the backward pass as in every
- * later step.
+ * caps). Its variant is decided before its first step runs, and that step
+ * and every later one run it: no live step is ever a trial.
  *
- * Candidates are searched in stages, each keeping the winners so far:
- *   0  vector width x unrolling           (threads at the cap, no prefetch)
+ * 1. In memory: a class chosen earlier in this process.
+ * 2. On disk (optim_cache.c): a choice made by an earlier process with the
+ *    same flatshard version, CPU (vendor, family, model, stepping, brand),
+ *    instruction set cap, OpenMP runtime or none, and class. It costs one
+ *    small file read per class and process.
+ * 3. Else it is measured, here, on scratch buffers of min(n, TUNE_SCRATCH)
+ *    elements (zero-filled: the loop's speed does not depend on the
+ *    values; larger than the last-level cache of the CPUs measured, so the
+ *    runs stream from memory as real steps do), within a time budget
+ *    (tune_budget_s: about 4% of 60 steps of the class at memory speed, 17 ms
+ *    at 2^24, capped at TUNE_BUDGET_MAX_S; the scratch buffers' first touch
+ *    comes on top, about 7 ms for 64 MiB on an idle machine), and the result
+ *    stored on disk.
+ *
+ * The candidates are searched in stages, each keeping the winners so far:
+ *   0  vector width x unrolling
  *   1  software prefetch distance (0: leave it to the hardware prefetchers)
  *   2  copy stores: non-temporal or regular (only with a low-precision copy)
- *   3  thread count x split (contiguous slices, or chunks claimed in turn) x
+ *   3  thread count x split (contiguous slices or chunks claimed in turn) x
  *      threads started for the step or the process's OpenMP team
- * Each candidate runs TUNE_ROUNDS times or more (as many as slices of
- * TUNE_SLICE_TARGET elements allow, up to TUNE_ROUNDS_MAX), interleaved with
- * its rivals in an order that turns by one each round (stage 3's trials
- * too); its score is its fastest round per element, so a round slowed
- * by another process on the machine does not decide. A round's time is CPU
- * time, not wall-clock: the most that any of its threads spent on its slice
- * (fs_optim_run_busy). Stages 0-2 choose how a thread runs the loop, and on
- * a machine with more runnable threads than cores the wall-clock time of a
- * slice is mostly how long its threads waited for a core (measured: on 2
- * busy vCPUs, slices of the same candidate varied 10x in wall-clock time
- * and 10% in CPU time). CPU time has a bias of its own, which every
- * candidate meets alike: a thread running while its partner waits for a
- * core has the memory to itself, and goes faster. A stage's first
- * candidate is the incumbent, the earlier stages' choice, and keeps its
- * rounds from those stages; it stays unless another is faster by
- * TUNE_MARGIN: a difference within the noise is no reason to change.
+ * A stage's candidates run in rounds, each round every candidate once, in an
+ * order that turns by one each round (no candidate always runs right after a
+ * given rival, whose stores may still be draining or whose OpenMP threads may
+ * still be spinning), each run on the next slice of the scratch buffers (so
+ * it starts cold, as a step after the backward pass does). Rounds repeat
+ * until the stage's winner has stayed the same for TUNE_STABLE rounds (at
+ * least TUNE_ROUNDS_MIN, at most TUNE_ROUNDS_MAX, or until the stage's share
+ * of the budget is spent, but never fewer than one round): a round
+ * that another process on the machine slowed decides nothing by itself.
+ * The winner is the fastest, unless it beats the stage's first candidate,
+ * the incumbent (the earlier stages' choice), by less than TUNE_MARGIN: a
+ * difference within the noise is no reason to change.
  *
- * [Note: unroll]
- * Stage 0's incumbent is the widest SIMD unrolled 4 times (as DeepSpeed's
- * loop, 8 times), not once: more independent vectors in flight per thread.
- * Measured on a 2-vCPU EPYC Zen 4, 2^24 elements, 2 threads on the OpenMP
- * team: unrolled 4 times, 2-10% faster than once in wall-clock time, and
- * never slower, from run to run; in the calibration's CPU times the
- * difference was within the margin, so a once-unrolled incumbent stayed.
+ * Stages 0-2 choose how a thread runs the loop and are timed in CPU time
+ * (the busiest thread's: fs_optim_run_busy), best of the rounds: on a machine
+ * with more runnable threads than cores the wall-clock time of a slice is
+ * mostly how long its threads waited for a core (measured: on 2 busy vCPUs,
+ * slices of one candidate varied 10x in wall-clock time and 10% in CPU
+ * time). Stage 3 chooses how the threads are started and split, whose cost
+ * is waiting (for a core, for a spinning OpenMP thread, for the slowest
+ * slice), so it is timed in wall-clock time on runs of TUNE_SPLIT_UNIT
+ * elements, median of the rounds: a split that is fast only in the moments
+ * when nothing else runs should not win.
+ *
+ * [Note: busy machine]
+ * A choice measured while the machine had more runnable work than cores
+ * (the 1-minute load average above the online CPU count) may say more about
+ * the other work than about the loop (measured on 2 vCPUs at load 11: the
+ * OpenMP team waited 16 ms for a core per call, and one thread won at 2^24),
+ * and a stored choice outlives the load. So on a busy machine the thread
+ * split is not measured at all (stage 3 keeps its incumbent, the default
+ * split: a split measured then would say which threads the other work left
+ * running), and the choice is stored marked busy, and is
+ * provisional: a process that finds it while the machine is not busy
+ * measures again and replaces it; one that finds it while the machine is
+ * busy uses it (measuring then would be no better). A choice measured on a
+ * quiet machine is used whatever the load.
+ *
+ * [Note: hard stop]
+ * One round per stage is a floor only while the whole measurement stays
+ * within TUNE_HARD_FACTOR times its budget: on a machine so loaded that
+ * every run waits for a core (measured on 2 vCPUs at load 23: 6.8 s for one
+ * round of each stage at 2^24, the budget 80 ms), the candidates not yet run
+ * are skipped and so are the stages after, which keep their incumbents. The
+ * choice is then mostly the default, marked busy ([Note: busy machine]).
+ *
+ * [Note: incumbents]
+ * Every stage starts from the class's default loop (class_default): the
+ * widest SIMD unrolled 4 times, no prefetch, streaming copy stores, all
+ * threads in contiguous slices on the OpenMP team where the process has
+ * one (as torch runs its own parallel work). Measured on a 2-vCPU EPYC
+ * Zen 4 and Zen 5 at 2^24 with torch's steps in between: unrolled 4 times was
+ * never slower than once; streaming stores of a write-only copy cost no more
+ * than no copy, regular ones 8% ([Note: copy stores]); threads started for the
+ * step beside torch's still-spinning OpenMP threads ran 15-34% slower than
+ * the team. So the default is what a slower, noisier measurement has to beat
+ * by the margin.
  *
  * [Note: copy stores]
- * Stage 2's incumbent is the non-temporal store, not the regular one: the
- * step writes the copy and never reads it, and a regular store first reads
- * each line of the copy into the cache (2 more bytes per element on 28 or
- * 30), which streaming stores skip. Regular stores stay where they measure
+ * The step writes the copy and never reads it, and a regular store first
+ * reads each line of the copy into the cache (2 more bytes per element on 28
+ * or 30), which streaming stores skip. Regular stores stay where they measure
  * faster by the margin (a copy small enough to stay in cache for its reader,
- * a CPU whose streaming stores are slow). Measured on a 2-vCPU EPYC Zen 4,
- * 2^24 elements: a bf16 copy cost 8% more CPU time per element with regular
- * stores than without a copy, and none with streaming ones; a 5% margin
- * against the regular stores as incumbent kept them in 5 calibrations of 6.
- *
- * A step too small to cut into slices of TUNE_SLICE_MIN elements is timed
- * on a scratch copy of its buffers instead, each candidate updating the
- * whole copy (repeated up to TUNE_SAMPLE elements or TUNE_SAMPLE_S seconds),
- * then the step runs with the winner.
- *
- * Stage 3 is timed on neither: each thread-split candidate pays a fixed
- * cost per call (starting its threads, or waking an OpenMP team, and on a
- * busy machine waiting for a core), which a slice would weigh many times
- * more than a whole step does, and whether torch's OpenMP threads are still
- * spinning from the work before shows only in real steps. So the class's
- * next steps each run whole with one stage-3 candidate in turn,
- * TUNE_STEP_ROUNDS rounds, and the winner is kept from then on; until then
- * those steps are the trials. A trial's score is its median round, not its
- * fastest, and wall-clock, not CPU time: a whole step is the real cost,
- * waiting for cores included, and a split that is fast only in the moments
- * when nothing else runs should not win. The incumbent there is all threads in
- * contiguous slices on the OpenMP team, as torch runs its own parallel
- * work (started threads where the process has no OpenMP runtime).
- *
- * [Note: whole-step incumbent]
- * Stage 3's first candidate is not the calibration's choice but the class's
- * default loop (widest SIMD unrolled 4 times, no prefetch, streaming copy
- * stores) with that incumbent split; the calibration's choice is one of the
- * rivals, with each split. So a loop chosen on CPU-time slices replaces the
- * default only when whole steps, waiting included, say it is faster by the
- * margin. Measured on a 2-vCPU EPYC Zen 4, 2^26 elements, interleaved with
- * torch's and DeepSpeed's steps: slices chose a 1 KiB prefetch (0.37 against
- * 0.46 ns/element), which ran whole steps 9% slower than the default, and the
- * bf16-copy class chose started threads after 5 rounds, 34% slower than the
- * OpenMP team in the median of 25 steps at 2^24 (its fastest steps equal).
- * Hence also TUNE_STEP_ROUNDS 7, not 5. */
+ * a CPU whose streaming stores are slow). */
 
-#define TUNE_ROUNDS 3
-#define TUNE_ROUNDS_MAX 8
-#define TUNE_SLICE_TARGET (1 << 18)
+#define TUNE_SCRATCH (1 << 22)    /* elements of the scratch buffers, at most */
+#define TUNE_SLICE (1 << 18)      /* elements per timed run in stages 0-2, at most */
+#define TUNE_SPLIT_UNIT (1 << 20) /* elements per timed run in stage 3, at most */
+#define TUNE_SAMPLE (1 << 16)     /* a smaller run is repeated up to this many elements */
+#define TUNE_SAMPLE_S 2e-4        /* or for this long */
+#define TUNE_ROUNDS_MIN 3
+#define TUNE_ROUNDS_MAX 24
+#define TUNE_STABLE 3
 #define TUNE_MARGIN 0.05
-#define TUNE_STEP_ROUNDS 7
-#define TUNE_SLICE_MIN (1 << 16)
-#define TUNE_SAMPLE (1 << 18)
-#define TUNE_SAMPLE_S 2e-4
+#define TUNE_BUDGET_NS_PER_ELEM 1.0 /* ~4% of 60 steps at ~0.4 ns per element */
+#define TUNE_BUDGET_MIN_S 2e-3
+#define TUNE_BUDGET_MAX_S 0.08
+#define TUNE_HARD_FACTOR 3.0 /* [Note: hard stop] */
 #define TUNE_CLASSES 128
 #define TUNE_CHUNK_LARGE (1 << 16)
 #define TUNE_CHUNK_SMALL 2048
+#define TUNE_KEY_MAX 400
 
 static const int prefetch_candidates[] = {0, 1024, 4096, 16384};
 
 typedef struct {
-    int state; /* 0 unused, 1 being calibrated, 2 chosen, 3 whole-step trials of stage 3 */
+    int state; /* 0 unused, 1 being chosen, 2 chosen */
     fs_tune_record rec;
-    int trial_first, trial_count; /* rec.candidates[trial_first ..] are stage 3's */
-    int trials_started, trials_done;
-    double trial_ns[FS_TUNE_MAX_CANDIDATES][TUNE_STEP_ROUNDS]; /* per element, per round */
 } tune_entry;
 
 static pthread_mutex_t tune_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -163,6 +177,21 @@ static int same_class(const fs_tune_record *a, const fs_tune_record *b)
     return a->kind == b->kind && a->size_log2 == b->size_log2 && a->copy_dtype == b->copy_dtype &&
            a->amsgrad == b->amsgrad && a->threads_max == b->threads_max &&
            a->simd_max == b->simd_max;
+}
+
+
+/* The variant a class starts from ([Note: incumbents]), with the bf16
+ * instruction for a bf16 copy where the CPU has it ([Note: bf16 instruction]
+ * in optim_cpu.c: the same bits with fewer instructions, so not a candidate
+ * to time against the integer rounding). */
+static fs_optim_variant class_default(const fs_tune_record *r)
+{
+    fs_optim_variant v = fs_optim_default_variant(r->simd_max, r->threads_max);
+    v.bf16_insn = r->copy_dtype == (int)FS_BF16 && v.simd >= FS_SIMD_AVX512 &&
+                  fs_optim_have_bf16_insn();
+    v.stream_copy = r->copy_dtype >= 0 && v.simd >= FS_SIMD_AVX2;
+    v.omp = r->threads_max > 1 && fs_optim_have_omp();
+    return v;
 }
 
 /* The candidates of `stage`, each `best` with that stage's fields changed,
@@ -223,8 +252,7 @@ static int stage_candidates(int stage, const fs_tune_record *r, const fs_optim_v
                     v.chunk_numel = chunk, out[n++] = v;
             }
         }
-        /* First the incumbent: all threads in contiguous slices, as torch
-         * runs its own parallel work (on its OpenMP team where there is one). */
+        /* First the incumbent ([Note: incumbents]). */
         for (int c = 1; c < n; c++) {
             if (out[c].threads == r->threads_max && !out[c].chunk_numel &&
                 out[c].omp == (r->threads_max > 1 && fs_optim_have_omp())) {
@@ -238,99 +266,64 @@ static int stage_candidates(int stage, const fs_tune_record *r, const fs_optim_v
     return n;
 }
 
-static int count_candidates(const fs_tune_record *r, int64_t unit, int stages)
-{
-    fs_optim_variant tmp[FS_TUNE_MAX_CANDIDATES], v = fs_optim_default_variant(r->simd_max, 1);
-    int total = 0;
-    for (int stage = 0; stage < stages; stage++)
-        total += stage_candidates(stage, r, &v, unit, tmp, FS_TUNE_MAX_CANDIDATES);
-    return total;
-}
 
 /* ---------------------------------------------------------------------------
- * scratch copies of a step's buffers */
+ * scratch buffers */
 
 typedef struct {
-    void *mem[6];
-    int count;
+    void *mem;
+    size_t bytes;
 } scratch;
 
-static void *scratch_dup(scratch *s, const void *src, int64_t bytes)
-{
-    /* 64-byte aligned like torch's allocations, so alignment is as in the step. */
-    size_t size = ((size_t)bytes + 63) / 64 * 64;
-    void *p = aligned_alloc(64, size ? size : 64);
-    if (!p)
-        return NULL;
-    s->mem[s->count++] = p;
-    if (src)
-        memcpy(p, src, (size_t)bytes);
-    else
-        memset(p, 0, size ? size : 64);
-    return p;
-}
-
-static void scratch_free(scratch *s)
-{
-    while (s->count > 0)
-        free(s->mem[--s->count]);
-}
-
-/* A copy of `j` on scratch buffers (same values, same n), or FS_ERR_NO_MEMORY. */
-static fs_status scratch_job(const fs_optim_job *j, scratch *s, fs_optim_job *out)
+/* `j` on zero-filled scratch buffers of n elements (same kind, flags and
+ * copy dtype), or FS_ERR_NO_MEMORY. One mapping of plain pages, written once
+ * so that every page is real memory, not the shared zero page. Not huge
+ * pages: with the kernel's THP defrag "madvise" a huge-page fault may compact
+ * memory synchronously, which took 1.4 s for 64 MiB on a loaded machine
+ * (benchmarks/RESULTS.md), more than the whole measurement's budget. */
+static fs_status scratch_job(const fs_optim_job *j, int64_t n, scratch *s, fs_optim_job *out)
 {
     *out = *j;
-    const int64_t n = job_numel(j), fb = 4 * n, hb = 2 * n;
-    int ok = 1;
-    if (j->kind == FS_OPTIM_ADAM) {
-        fs_adam_buffers *b = &out->adam;
-        ok = (b->param = scratch_dup(s, j->adam.param, fb)) &&
-             (b->grad = scratch_dup(s, j->adam.grad, fb)) &&
-             (b->exp_avg = scratch_dup(s, j->adam.exp_avg, fb)) &&
-             (b->exp_avg_sq = scratch_dup(s, j->adam.exp_avg_sq, fb)) &&
-             (!j->adam.max_exp_avg_sq ||
-              (b->max_exp_avg_sq = scratch_dup(s, j->adam.max_exp_avg_sq, fb))) &&
-             (!j->adam.copy || (b->copy = scratch_dup(s, NULL, hb)));
-    } else {
-        fs_sgd_buffers *b = &out->sgd;
-        ok = (b->param = scratch_dup(s, j->sgd.param, fb)) &&
-             (b->grad = scratch_dup(s, j->sgd.grad, fb)) &&
-             (!j->sgd.momentum_buf ||
-              (b->momentum_buf = scratch_dup(s, j->sgd.momentum_buf, fb))) &&
-             (!j->sgd.copy || (b->copy = scratch_dup(s, NULL, hb)));
-    }
-    if (!ok) {
-        scratch_free(s);
+    const size_t fb = ((size_t)n * 4 + 4095) / 4096 * 4096, hb = ((size_t)n * 2 + 4095) / 4096 * 4096;
+    const int adam = j->kind == FS_OPTIM_ADAM;
+    const int nf = adam ? 4 + (j->adam.max_exp_avg_sq != NULL) : 2 + (j->sgd.momentum_buf != NULL);
+    const int copy = adam ? j->adam.copy != NULL : j->sgd.copy != NULL;
+    s->bytes = nf * fb + (copy ? hb : 0);
+    s->mem = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (s->mem == MAP_FAILED) {
+        s->mem = NULL;
         return FS_ERR_NO_MEMORY;
+    }
+    memset(s->mem, 0, s->bytes);
+    char *p = s->mem;
+    float *f[5] = {NULL, NULL, NULL, NULL, NULL};
+    for (int k = 0; k < nf; k++)
+        f[k] = (float *)(p + k * fb);
+    void *half = copy ? p + nf * fb : NULL;
+    if (adam) {
+        out->adam.param = f[0], out->adam.grad = f[1], out->adam.exp_avg = f[2];
+        out->adam.exp_avg_sq = f[3];
+        out->adam.max_exp_avg_sq = nf == 5 ? f[4] : NULL;
+        out->adam.copy = half, out->adam.n = n;
+    } else {
+        out->sgd.param = f[0], out->sgd.grad = f[1];
+        out->sgd.momentum_buf = nf == 3 ? f[2] : NULL;
+        out->sgd.copy = half, out->sgd.n = n;
     }
     return FS_OK;
 }
 
+static void scratch_free(scratch *s)
+{
+    if (s->mem)
+        munmap(s->mem, s->bytes);
+    s->mem = NULL;
+}
+
 /* ---------------------------------------------------------------------------
- * calibration */
+ * measuring */
 
-static int same_variant(const fs_optim_variant *a, const fs_optim_variant *b)
-{
-    return a->simd == b->simd && a->unroll == b->unroll &&
-           a->prefetch_bytes == b->prefetch_bytes && a->stream_copy == b->stream_copy &&
-           a->threads == b->threads && a->omp == b->omp && a->chunk_numel == b->chunk_numel &&
-           a->bf16_insn == b->bf16_insn;
-}
-
-/* The variant a class starts from: the widest SIMD the caps allow,
- * unrolled 4 times (with the bf16 instruction for a bf16 copy where the CPU
- * has it: [Note: bf16 instruction] in optim_cpu.c; the same bits with fewer
- * instructions, so it is not a candidate to time against the integer
- * rounding), no prefetch, regular stores, all threads in contiguous slices. */
-static fs_optim_variant class_default(const fs_tune_record *r)
-{
-    fs_optim_variant v = fs_optim_default_variant(r->simd_max, r->threads_max);
-    v.bf16_insn = r->copy_dtype == (int)FS_BF16 && v.simd >= FS_SIMD_AVX512 &&
-                  fs_optim_have_bf16_insn();
-    return v;
-}
-
-/* The fastest of `nc` times, but the first unless beaten by TUNE_MARGIN. */
+/* The fastest of `nc` scores, but the first unless beaten by TUNE_MARGIN. */
 static int pick(const double *t, int nc)
 {
     if (nc < 2)
@@ -342,187 +335,185 @@ static int pick(const double *t, int nc)
     return t[win] < t[0] * (1.0 - TUNE_MARGIN) ? win : 0;
 }
 
-/* The median of `n` times (sorts them). */
-static double median(double *t, int n)
+/* The median of `n` times (sorts a copy). */
+static double median(const double *t, int n)
 {
+    double s[TUNE_ROUNDS_MAX];
+    memcpy(s, t, (size_t)n * sizeof *s);
     for (int i = 1; i < n; i++)
-        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
-            double x = t[j];
-            t[j] = t[j - 1];
-            t[j - 1] = x;
+        for (int j = i; j > 0 && s[j] < s[j - 1]; j--) {
+            double x = s[j];
+            s[j] = s[j - 1];
+            s[j - 1] = x;
         }
-    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
 }
 
-/* Adds `c`'s candidates of one stage with their best times to `r`'s record. */
+/* Adds one stage's candidates with their scores to `r`'s record. */
 static void record_stage(fs_tune_record *r, int stage, const fs_optim_variant *cand, int nc,
-                         const double *ns_per_elem)
+                         const double *ns_per_elem, int rounds)
 {
     for (int c = 0; c < nc && r->ncandidates < FS_TUNE_MAX_CANDIDATES; c++) {
         int k = r->ncandidates++;
         r->candidates[k].stage = stage;
         r->candidates[k].variant = cand[c];
         r->candidates[k].ns_per_elem = ns_per_elem[c];
+        r->candidates[k].rounds = rounds;
     }
 }
 
-/* Runs the step `j` while choosing stages 0-2 of its class's variant into
- * `r`, on slices of the step (r->in_place) or on scratch; stage 3 is left to
- * the class's next whole steps. */
-static fs_status calibrate(const fs_optim_job *j, fs_tune_record *r)
+/* More runnable work than cores: [Note: busy machine]. */
+static int machine_busy(void)
 {
-    const int64_t n = job_numel(j);
+    double load[1] = {0.0};
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    return getloadavg(load, 1) == 1 && load[0] > (double)(cpus > 0 ? cpus : 1);
+}
+
+/* How long a class of n elements may spend being measured. */
+static double tune_budget_s(int64_t n)
+{
+    double b = TUNE_BUDGET_NS_PER_ELEM * 1e-9 * (double)n;
+    return b < TUNE_BUDGET_MIN_S ? TUNE_BUDGET_MIN_S : b > TUNE_BUDGET_MAX_S ? TUNE_BUDGET_MAX_S : b;
+}
+
+/* Chooses r's variant on the scratch job `sj` (n elements; the class's own
+ * step has r->tuned_numel), stage by stage ([Note: tuning]). */
+static fs_status measure(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
+{
+    const double t_start = now_s(), budget = tune_budget_s(r->tuned_numel);
     fs_optim_variant best = class_default(r);
-    r->tuned_numel = n;
-    r->chosen = best;
-    const int64_t ncand = count_candidates(r, n, 3);
-    int64_t rounds = n / (ncand * TUNE_SLICE_TARGET);
-    rounds = rounds < TUNE_ROUNDS ? TUNE_ROUNDS
-             : rounds > TUNE_ROUNDS_MAX ? TUNE_ROUNDS_MAX : rounds;
-    const int64_t slice = n / (ncand * rounds) / 64 * 64;
-    r->in_place = slice >= TUNE_SLICE_MIN;
-    if (!r->in_place)
-        rounds = TUNE_ROUNDS;
-
-    scratch s = {{0}, 0};
-    fs_optim_job sj;
-    const fs_optim_job *timed = j;
-    int64_t unit = slice, reps = 1;
-    if (!r->in_place) {
-        if (scratch_job(j, &s, &sj) != FS_OK)
-            return fs_optim_run(j, 0, n, &best); /* r->tuned stays 0: the default runs */
-        timed = &sj;
-        unit = n;
-        reps = n >= TUNE_SAMPLE ? 1 : TUNE_SAMPLE / (n > 0 ? n : 1);
-    }
-
+    /* Stages 0-2 time the loop in CPU time: on threads started for the run,
+     * which cost no waiting for an OpenMP team that may be asleep or
+     * descheduled; stage 3 puts the split back (its incumbent is the
+     * default's). */
+    best.omp = 0;
     fs_status st = FS_OK;
-    double best_t = 1e30; /* seconds per timed run of `best` */
-    int64_t pos = 0;      /* in place: the elements below pos are updated */
-    for (int stage = 0; stage < 3 && st == FS_OK; stage++) {
+    int64_t pos = 0; /* the next slice of the scratch buffers */
+    for (int stage = 0; stage < 4 && st == FS_OK; stage++) {
+        const int64_t cap = stage == 3 ? TUNE_SPLIT_UNIT : TUNE_SLICE;
+        const int64_t unit = n < cap ? n : cap;
+        /* stage 3 times whole runs: its fixed costs per call are what it measures */
+        const int64_t reps = stage == 3 || unit >= TUNE_SAMPLE ? 1 : TUNE_SAMPLE / (unit > 0 ? unit : 1);
         fs_optim_variant cand[FS_TUNE_MAX_CANDIDATES];
-        const int nc = stage_candidates(stage, r, &best, unit, cand, FS_TUNE_MAX_CANDIDATES);
+        int nc = stage_candidates(stage, r, &best, unit, cand, FS_TUNE_MAX_CANDIDATES);
         if (nc == 0)
             continue;
-        double t_best[FS_TUNE_MAX_CANDIDATES];
-        for (int c = 0; c < nc; c++)
-            t_best[c] = 1e30;
-        for (int round = 0; round < rounds && st == FS_OK; round++) {
-            /* Each round in another order: no candidate is always the one
-             * right after the step began, or after a given rival. */
-            for (int o = 0; o < nc && st == FS_OK; o++) {
-                const int c = (o + round) % nc;
-                double busy = 0.0, dt = 0.0; /* CPU seconds, as fs_optim_run_busy's */
-                int64_t k = 0;
-                if (r->in_place) {
-                    st = fs_optim_run_busy(timed, pos, pos + unit, &cand[c], &busy);
-                    pos += unit;
-                    k = 1;
-                    dt = busy;
-                } else {
-                    /* Repeat a small step to a measurable time, but bounded:
-                     * thread start-up can make each repetition slow. */
-                    const double t0 = now_s();
-                    while (k < reps && st == FS_OK && now_s() - t0 < TUNE_SAMPLE_S) {
-                        st = fs_optim_run_busy(timed, 0, n, &cand[c], &busy);
-                        k++;
-                        dt += busy;
-                    }
-                }
-                if (dt / (double)k < t_best[c])
-                    t_best[c] = dt / (double)k;
-            }
+        const double deadline = t_start + budget * (stage + 1) / 4.0;
+        if (now_s() > t_start + TUNE_HARD_FACTOR * budget) {
+            r->cut_short = 1; /* [Note: hard stop] */
+            break;
         }
-        /* The incumbent (the first candidate, the earlier stages' choice)
-         * keeps its rounds from those stages too: its score is its fastest. */
-        if (same_variant(&cand[0], &best) && best_t < t_best[0])
-            t_best[0] = best_t;
-        const int win = pick(t_best, nc);
-        best_t = t_best[win];
-        for (int c = 0; c < nc; c++)
-            t_best[c] *= 1e9 / (double)unit;
-        record_stage(r, stage, cand, nc, t_best);
+        if (stage == 3 && machine_busy())
+            break; /* [Note: busy machine]: the split stays the default */
+        double t[FS_TUNE_MAX_CANDIDATES][TUNE_ROUNDS_MAX], score[FS_TUNE_MAX_CANDIDATES];
+        int rounds = 0, win = 0, same = 0;
+        /* One round at least; then within the budget until stable. */
+        while (st == FS_OK && rounds < TUNE_ROUNDS_MAX &&
+               (rounds == 0 || (now_s() < deadline &&
+                                (rounds < TUNE_ROUNDS_MIN || same < TUNE_STABLE)))) {
+            for (int o = 0; o < nc && st == FS_OK; o++) {
+                const int c = (o + rounds) % nc;
+                if (rounds == 0 && o > 0 && now_s() > t_start + TUNE_HARD_FACTOR * budget) {
+                    nc = o; /* [Note: hard stop]: the rest are not run, nor recorded */
+                    r->cut_short = 1;
+                    break;
+                }
+                if (pos + unit > n)
+                    pos = 0;
+                double sum = 0.0;
+                int64_t k = 0;
+                const double t_run = now_s();
+                /* a small run repeated to a measurable time, but bounded */
+                while (k < reps && st == FS_OK && (k == 0 || now_s() - t_run < TUNE_SAMPLE_S)) {
+                    double busy = 0.0;
+                    const double t0 = now_s();
+                    st = fs_optim_run_busy(sj, pos, pos + unit, &cand[c], &busy);
+                    sum += stage == 3 ? now_s() - t0 : busy;
+                    k++;
+                }
+                pos += unit;
+                t[c][rounds] = sum / (double)(k * unit) * 1e9;
+            }
+            rounds++;
+            for (int c = 0; c < nc; c++) {
+                if (stage == 3) {
+                    score[c] = median(t[c], rounds);
+                } else {
+                    score[c] = t[c][0];
+                    for (int k = 1; k < rounds; k++)
+                        score[c] = t[c][k] < score[c] ? t[c][k] : score[c];
+                }
+            }
+            const int w = pick(score, nc);
+            same = rounds > 1 && w == win ? same + 1 : 1;
+            win = w;
+        }
+        if (st != FS_OK)
+            break;
+        record_stage(r, stage, cand, nc, score, rounds);
         best = cand[win];
     }
-    scratch_free(&s);
-    if (st != FS_OK)
-        return st;
-    r->chosen = best;
-    r->tuned = 1;
-    /* In place: the rest of the step; on scratch: all of it. */
-    return fs_optim_run(j, r->in_place ? pos : 0, n, &best);
-}
-
-/* After calibration: stage 3's candidates, timed on whole steps. */
-static void start_trials(tune_entry *e)
-{
-    fs_tune_record *r = &e->rec;
-    fs_optim_variant cand[FS_TUNE_MAX_CANDIDATES + 1];
-    double untimed[FS_TUNE_MAX_CANDIDATES + 1];
-    int nc = stage_candidates(3, r, &r->chosen, r->tuned_numel, cand + 1,
-                              FS_TUNE_MAX_CANDIDATES);
-    /* The incumbent, first: the class's default with stage 3's own incumbent
-     * split ([Note: whole-step incumbent]), unless that is a candidate already. */
-    fs_optim_variant def = class_default(r);
-    def.stream_copy = r->copy_dtype >= 0 && r->simd_max >= FS_SIMD_AVX2;
-    if (nc > 0)
-        def.threads = cand[1].threads, def.omp = cand[1].omp, def.chunk_numel = cand[1].chunk_numel;
-    int have = 0;
-    for (int c = 1; c <= nc; c++)
-        have |= same_variant(&cand[c], &def);
-    if (nc > 0 && !have) {
-        cand[0] = def;
-        nc++;
-    } else {
-        memmove(cand, cand + 1, (size_t)nc * sizeof *cand);
+    r->tune_s = now_s() - t_start;
+    if (st == FS_OK) {
+        r->chosen = best;
+        r->tuned = 1;
     }
-    if (nc > FS_TUNE_MAX_CANDIDATES - r->ncandidates)
-        nc = FS_TUNE_MAX_CANDIDATES - r->ncandidates;
-    for (int c = 0; c < nc; c++)
-        untimed[c] = 1e30;
-    e->trial_first = r->ncandidates;
-    e->trial_count = nc;
-    e->trials_started = e->trials_done = 0;
-    record_stage(r, 3, cand, nc, untimed);
-    e->state = nc > 0 ? 3 : 2;
-}
-
-/* One whole step of stage 3's trials in class `e`, or of its choice so far
- * when every trial has been handed out (to concurrent steps). */
-static fs_status trial_step(const fs_optim_job *job, tune_entry *e)
-{
-    int k = -1, round = 0;
-    fs_optim_variant v;
-    pthread_mutex_lock(&tune_lock);
-    if (e->trials_started < e->trial_count * TUNE_STEP_ROUNDS) {
-        round = e->trials_started / e->trial_count;
-        /* each round in another order, as calibrate's */
-        k = e->trial_first + (e->trials_started++ + round) % e->trial_count;
-        v = e->rec.candidates[k].variant;
-    } else {
-        v = e->rec.chosen;
-    }
-    pthread_mutex_unlock(&tune_lock);
-    const int64_t n = job_numel(job);
-    double t0 = now_s();
-    fs_status st = fs_optim_run(job, 0, n, &v);
-    double ns = 1e9 * (now_s() - t0) / (double)n;
-    if (k < 0 || st != FS_OK)
-        return st;
-    pthread_mutex_lock(&tune_lock);
-    fs_tune_record *r = &e->rec;
-    e->trial_ns[k - e->trial_first][round] = ns;
-    if (++e->trials_done == e->trial_count * TUNE_STEP_ROUNDS) {
-        double t[FS_TUNE_MAX_CANDIDATES];
-        for (int c = 0; c < e->trial_count; c++) {
-            t[c] = median(e->trial_ns[c], TUNE_STEP_ROUNDS);
-            r->candidates[e->trial_first + c].ns_per_elem = t[c];
-        }
-        r->chosen = r->candidates[e->trial_first + pick(t, e->trial_count)].variant;
-        e->state = 2;
-    }
-    pthread_mutex_unlock(&tune_lock);
     return st;
+}
+
+/* The class as a cache key's last fields. */
+static void class_key(const fs_tune_record *r, char *out, size_t cap)
+{
+    const char *copy = r->copy_dtype < 0 ? "none" : r->copy_dtype == (int)FS_BF16 ? "bf16" : "f16";
+    snprintf(out, cap, "simd=%s%s omp=%d %s 2^%d copy=%s amsgrad=%d threads=%d",
+             fs_simd_name(r->simd_max), fs_optim_have_bf16_insn() ? "+bf16" : "",
+             fs_optim_have_omp(), r->kind == FS_OPTIM_ADAM ? "adam" : "sgd", r->size_log2, copy,
+             r->amsgrad, r->threads_max);
+}
+
+/* A variant from the cache is used only if this class could have chosen it. */
+static int fits_class(const fs_optim_variant *v, const fs_tune_record *r)
+{
+    return v->simd <= r->simd_max && v->threads >= 1 && v->threads <= r->threads_max &&
+           (!v->omp || fs_optim_have_omp()) && (!v->bf16_insn || r->copy_dtype == (int)FS_BF16);
+}
+
+/* Decides class `key`'s variant into *rec: from the disk cache, else
+ * measured (on scratch like `job`) and stored there. */
+static void choose(const fs_optim_job *job, const fs_tune_record *key, fs_tune_record *rec)
+{
+    *rec = *key;
+    rec->chosen = class_default(key);
+    rec->tuned_numel = job_numel(job);
+    char cls[160], ck[TUNE_KEY_MAX];
+    class_key(key, cls, sizeof cls);
+    const int cached = fs_tune_cache_key(cls, ck, sizeof ck);
+    fs_optim_variant v;
+    const double t0 = now_s();
+    int stored_busy = 0;
+    const int busy = machine_busy();
+    if (cached && fs_tune_cache_load(ck, &v, &stored_busy) && fits_class(&v, key) &&
+        (!stored_busy || busy)) { /* [Note: busy machine] */
+        rec->chosen = v;
+        rec->tuned = 1;
+        rec->busy = stored_busy;
+        rec->source = FS_TUNE_FROM_CACHE;
+        rec->tune_s = now_s() - t0;
+        return;
+    }
+    const int64_t n = rec->tuned_numel < TUNE_SCRATCH ? rec->tuned_numel : TUNE_SCRATCH;
+    scratch s = {NULL, 0};
+    fs_optim_job sj;
+    rec->source = FS_TUNE_MEASURED;
+    if (scratch_job(job, n, &s, &sj) != FS_OK)
+        return; /* rec->tuned stays 0: the default runs */
+    const fs_status st = measure(&sj, n, rec);
+    scratch_free(&s);
+    rec->tune_s = now_s() - t0; /* the scratch buffers' pages included */
+    rec->busy = busy || machine_busy();
+    if (st == FS_OK && cached)
+        rec->stored = fs_tune_cache_store(ck, &rec->chosen, rec->busy);
 }
 
 fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads)
@@ -537,7 +528,7 @@ fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads)
         simd = fs_simd_best();
     fs_tune_record key = class_of(job, simd, threads);
 
-    tune_entry *mine = NULL, *trials = NULL;
+    tune_entry *mine = NULL;
     fs_optim_variant v = class_default(&key);
     pthread_mutex_lock(&tune_lock);
     int k = 0;
@@ -547,35 +538,24 @@ fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads)
     if (k < TUNE_CLASSES) {
         if (tune_table[k].state == 2) {
             v = tune_table[k].rec.chosen;
-        } else if (tune_table[k].state == 3) {
-            trials = &tune_table[k];
         } else if (tune_table[k].state == 0) {
             mine = &tune_table[k];
             mine->state = 1;
             mine->rec = key;
         }
-        /* state 1: another thread is calibrating this class; the default runs here. */
+        /* state 1: another thread is choosing this class; the default runs here. */
     }
     pthread_mutex_unlock(&tune_lock);
-    if (trials)
-        return trial_step(job, trials);
-    if (!mine)
-        return fs_optim_run(job, 0, n, &v); /* chosen, being chosen, or the table is full */
-
-    fs_tune_record rec = key;
-    fs_status st = calibrate(job, &rec);
-    pthread_mutex_lock(&tune_lock);
-    if (st == FS_OK) {
+    if (mine) {
+        fs_tune_record rec;
+        choose(job, &key, &rec);
+        pthread_mutex_lock(&tune_lock);
         mine->rec = rec;
-        if (rec.tuned)
-            start_trials(mine);
-        else
-            mine->state = 2;
-    } else {
-        mine->state = 0; /* try again next step */
+        mine->state = 2;
+        pthread_mutex_unlock(&tune_lock);
+        v = rec.chosen;
     }
-    pthread_mutex_unlock(&tune_lock);
-    return st;
+    return fs_optim_run(job, 0, n, &v);
 }
 
 fs_status fs_adam_step(const fs_adam_buffers *b, const fs_adam_hparams *h, fs_simd simd,

@@ -26,28 +26,30 @@ def _consolidate(args):
 
 def optimizer_tuning_lines(log2=23):
     """Time the CPU optimizer loop's variants here, as the first step of a
-    2^log2-element class does in training, and say what won and by how much."""
+    2^log2-element class does (on scratch buffers, before the step), and say
+    what won and by how much. The choices in memory are forgotten first and
+    the cache file is not read or written: this measures now."""
     n = 1 << log2
     threads = torch.get_num_threads()
     p, g, m, v = (torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n))
     low = torch.zeros(n, dtype=torch.bfloat16)
-
-    def tuned(kind, copy):
-        return any(r["kind"] == kind and r["copy"] == copy and r["tuned_numel"] == n
-                   for r in optim.tune_report())
-    # Classes choose their thread split over their next whole steps, up to
-    # 7 per candidate ([Note: whole-step incumbent] in csrc/optim/optim_tune.c).
-    for step in range(1, 161):
-        if tuned("adam", "none") and tuned("adam", "bfloat16") and tuned("sgd", "none"):
-            break
+    saved = _C.optim_tune_cache()
+    _C.optim_tune_reset()
+    _C.optim_tune_cache(None, __version__)
+    try:
         for copy in (None, low):
-            optim.adamw_step_(p, g, m, v, step, lr=1e-3, out_copy=copy, threads=threads)
+            _C.adam_step(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0,
+                         copy.data_ptr() if copy is not None else 0, _C.BF16, n, lr=1e-3,
+                         step=1, threads=threads)
         _C.sgd_step(p.data_ptr(), g.data_ptr(), m.data_ptr(), 0, _C.BF16, n, lr=1e-3,
                     momentum=0.9, threads=threads)
-    mine = [r for r in optim.tune_report() if r["size_log2"] == log2 and r["tuned_numel"] == n]
-    return [f"CPU optimizer loop, measured now ({threads} threads; each process measures "
-            f"each size class at its first steps; ns/element: the fastest round, the median "
-            f"round for thread splits, timed on whole steps):"] + \
+        mine = [r for r in optim.tune_report() if r["size_log2"] == log2 and
+                r["tuned_numel"] == n]
+    finally:
+        _C.optim_tune_reset()
+        _C.optim_tune_cache(saved, __version__)
+    return [f"CPU optimizer loop, measured now ({threads} threads; ns/element: the fastest "
+            f"round in CPU time, the median round in wall-clock time for thread splits):"] + \
         ["  " + line.replace("AdamW/Adam", "AdamW").replace("bfloat16 copy", "bf16 copy")
          for line in optim.describe_tuning(mine)]
 

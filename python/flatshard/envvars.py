@@ -51,6 +51,14 @@ ENV = {
         "0",
         "1: `flatshard.plan.watch_from_env(model)` returns a watch, and the examples print "
         "each rank's predicted against measured memory after the first step."),
+    "FLATSHARD_OPTIM_TUNE_CACHE": (
+        "(user cache)",
+        "File where the CPU optimizers (AdamW, Adam, SGD, adamw_step_) keep the loop variant "
+        "they measured fastest per size class, CPU, instruction set, thread count and "
+        "flatshard version, so that later processes reuse it instead of measuring; empty: "
+        "no file (each process measures). Default: flatshard/optim_tune.txt under "
+        "$XDG_CACHE_HOME or ~/.cache. Plain text; an unreadable or malformed file is "
+        "ignored and rewritten."),
     # Read by setup.py when building:
     "FLATSHARD_NO_CUDA": (
         "0",

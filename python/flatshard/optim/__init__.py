@@ -8,8 +8,9 @@ shard. Adam, AdamW and SGD hand a param group's host parameters to C in one
 call (_C.adam_steps, which also counts their steps; _C.sgd_steps), so a model
 of many small tensors pays a tuple of pointers per parameter, not a Python
 call into C each. How the loop runs (SIMD width, unrolling, prefetch, copy
-stores, thread split) is measured per size class in each process
-(csrc/optim/optim_tune.c, tune_report()).
+stores, thread split) is measured per size class on scratch buffers before
+the class's first step and kept in a cache file for later processes
+(csrc/optim/optim_tune.c, tune_cache.py, tune_report()).
 Parameters and gradients must be contiguous fp32 tensors, on the CPU or on a
 CUDA device, where each step is one fused kernel per parameter
 (csrc/cuda/optim.cu, through runtime/cuda.py) enqueued on the current stream;
@@ -22,8 +23,8 @@ AdamW/Adam(offload=DiskOffload(path)) keep their moments on a local disk and
 stream them through the update in chunks (disk_offload.py).
 
 The package: adam.py (Adam, AdamW), sgd.py (SGD), functional.py (adamw_step_
-and the tuning report), checks.py (what every step takes and checks) and
-disk_offload.py; this file only hands their names on.
+and the tuning report), checks.py (what every step takes and checks),
+tune_cache.py (where the chosen loops are kept) and disk_offload.py; this file only hands their names on.
 Imports: the leaves, runtime/cuda.py and state/safe_load.py (the check of
 state file names); nothing of fsdp/, fsdp2/, plan/ or memory.py: an
 optimizer works on any parameters, sharded or not.

@@ -6,7 +6,7 @@ import torch
 from .. import _C
 from ..errors import bad_type, bad_value
 from ..runtime import cuda
-from . import disk_offload
+from . import disk_offload, tune_cache
 from .checks import (DTensor, _call_closure, _check_pair, _check_range, _check_tensor,
                      _host_f32, _locals, _state_local, _threads, _zeros_state)
 from .functional import adamw_step_
@@ -123,6 +123,7 @@ class _Adam(torch.optim.Optimizer):
             self._disk_step()
             return loss
         name = type(self).__name__
+        tune_cache.use()
         for gi, group in enumerate(self.param_groups):
             amsgrad = group["amsgrad"]
             jobs = []  # the group's host parameters, stepped in one engine call

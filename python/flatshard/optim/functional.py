@@ -5,6 +5,7 @@ import torch
 from .. import _C
 from ..errors import bad_type, bad_value
 from ..tensors import dtype_code
+from . import tune_cache
 from .checks import _check_tensor, _threads
 
 
@@ -18,8 +19,10 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999
     count). simd: the widest instruction set it may use: 'auto' (the best this
     CPU has), 'avx512', 'avx2' or 'scalar' (the reference loop). Within those
     caps the loop variant is the one measured fastest for this size class in
-    this process (tune_report()). variant: a variant name that forces one
-    instead (for tests and measurements); every variant gives the same bits."""
+    this machine (measured before the class's first step, or read from the
+    cache file: tune_cache.py; tune_report()). variant: a variant name that
+    forces one instead (for tests and measurements); every variant computes
+    one formula with fused multiply-adds and gives the same bits."""
     n = param.numel()
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg),
                     ("exp_avg_sq", exp_avg_sq)) + ((("max_exp_avg_sq", max_exp_avg_sq),)
@@ -34,6 +37,7 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999
             raise bad_type("adamw_step_: out_copy", f"{out_copy.dtype} {tuple(out_copy.shape)}",
                            f"a contiguous bfloat16/float16 CPU tensor of {n} elements")
         copy_ptr, copy_code = out_copy.data_ptr(), dtype_code(out_copy.dtype)
+    tune_cache.use()
     _C.adam_step(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                  max_exp_avg_sq.data_ptr() if max_exp_avg_sq is not None else 0, copy_ptr,
                  copy_code, n, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
@@ -42,12 +46,14 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.999
 
 
 def tune_report():
-    """What this process measured to choose its loop variants: one dict per
-    size class (kind, size_log2, copy, amsgrad, threads_max, simd_max), with
-    the variant chosen, how it was timed, and every candidate's best time in
-    ns per element. The first step of each class calibrates it, its next
-    steps race its thread splits and the default loop, and it is listed once
-    those are done."""
+    """The loop variants this process uses: one dict per size class (kind,
+    size_log2, copy, amsgrad, threads_max, simd_max), with the variant
+    chosen, its source ("measured" on scratch buffers before the class's
+    first step, or "cache": read from the cache file), tune_s (seconds
+    spent choosing), stored (written to the cache file), busy (measured or
+    stored while the machine was busy: provisional, measured again when it
+    is not), and every measured candidate's score in
+    ns per element with the rounds its stage ran."""
     return _C.optim_tune_records()
 
 
@@ -59,13 +65,16 @@ def describe_tuning(records=None):
         what = ("AdamW/Adam" if r["kind"] == "adam" else "SGD") + \
             (" + amsgrad" if r["amsgrad"] else "") + \
             ("" if r["copy"] == "none" else f" + {r['copy']} copy")
-        lines.append(f"{what}, 2^{r['size_log2']} elements ({r['tuned_numel']:,} timed on "
-                     f"{r['timed_on']}), up to {r['threads_max']} threads, {r['simd_max']}: "
-                     f"chosen {r['chosen']}" + ("" if r["tuned"] else " (default: no memory "
-                                                 "to time the candidates)"))
+        how = ("read from the cache file" if r["source"] == "cache" else
+               f"measured in {r['tune_s'] * 1e3:.1f} ms on scratch buffers" +
+               (", stored" if r["stored"] else "") + (" (busy machine)" if r["busy"] else "") +
+               (", cut short" if r.get("cut_short") else ""))
+        lines.append(f"{what}, 2^{r['size_log2']} elements (first step {r['tuned_numel']:,}), "
+                     f"up to {r['threads_max']} threads, {r['simd_max']}: chosen {r['chosen']}, "
+                     + (how if r["tuned"] else "the default (no memory to measure on)"))
         for stage in dict.fromkeys(c["stage"] for c in r["candidates"]):
             cands = sorted((c for c in r["candidates"] if c["stage"] == stage),
                            key=lambda c: c["ns_per_elem"])
-            lines.append(f"  {stage:>11}: " + ", ".join(
+            lines.append(f"  {stage:>11} ({cands[0]['rounds']} rounds): " + ", ".join(
                 f"{c['variant']} {c['ns_per_elem']:.3f}" for c in cands) + " ns/element")
     return lines

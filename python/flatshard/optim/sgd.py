@@ -5,6 +5,7 @@ import torch
 from .. import _C
 from ..errors import bad_type, bad_value
 from ..runtime import cuda
+from . import tune_cache
 from .checks import (_call_closure, _check_pair, _check_range, _describe, _host_f32, _locals,
                      _state_local, _threads, _zeros_state)
 
@@ -37,6 +38,7 @@ class SGD(torch.optim.Optimizer):
         """One fused update of every parameter with a gradient; `closure`
         (optional) re-evaluates the model and returns the loss, as in torch."""
         loss = _call_closure(closure)
+        tune_cache.use()
         for gi, group in enumerate(self.param_groups):
             jobs = []  # the group's host parameters, stepped in one engine call
             for i, p in enumerate(group["params"]):
