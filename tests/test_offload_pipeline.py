@@ -194,3 +194,149 @@ def test_wrapper_variants(dist_pool):
                                                                           max_norm=0.05)):
         for same, *_ in dist_pool(2).run(_both, "fsdp", True, **kw):
             assert same, kw
+
+
+# ---------------------------------------------------------------------------
+# the engine's pipe on its own: the scalar reference is _C.adam_steps
+
+def _adam_buffers(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g), torch.randn(n, generator=g),
+            torch.zeros(n), torch.zeros(n), torch.tensor(0.0)]
+
+
+def _job(b):
+    return (b[0].data_ptr(), b[1].data_ptr(), b[2].data_ptr(), b[3].data_ptr(), 0,
+            b[4].data_ptr(), b[0].numel())
+
+
+@pytest.mark.parametrize("max_units", [1, 2, 5])
+def test_the_pipe_gives_adam_steps_bits_and_keeps_its_bound(max_units):
+    from flatshard import _C
+    sizes = [0, 1, 7, 15, 17, 1031, 4099]  # awkward sizes, SIMD width +- 1
+    hp = dict(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True,
+              maximize=False)
+    ref = [_adam_buffers(n, i) for i, n in enumerate(sizes)]
+    got = [[t.clone() for t in b] for b in ref]
+    pipe = _C.OffloadPipe(max_units, len(sizes))
+    for step in range(3):
+        for i, b in enumerate(ref):
+            _C.adam_steps([_job(b)], **hp)
+        for i, b in enumerate(got):  # slot i: the step counts move at submit
+            pipe.submit(i, [_job(b)], **hp)
+            assert float(b[4]) == step + 1
+            assert pipe.stats()["units_in_flight"] <= max_units
+        pipe.wait(-1)
+    st = pipe.stats()
+    assert st["steps_run"] == 3 * len(sizes) and st["units_in_flight"] == 0
+    assert st["peak_units_in_flight"] <= max_units and st["grad_bytes_in_flight"] == 0
+    assert st["peak_grad_bytes_in_flight"] <= 4 * sum(sorted(sizes)[-max_units:])
+    for a, b in zip(ref, got):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    pipe.close()
+    with pytest.raises(ValueError, match="closed"):
+        pipe.wait()
+
+
+def test_the_pipe_refuses_bad_arguments_by_name():
+    from flatshard import _C
+    with pytest.raises(ValueError, match="max_units"):
+        _C.OffloadPipe(0, 3)
+    pipe = _C.OffloadPipe(1, 2)
+    b = _adam_buffers(8, 0)
+    with pytest.raises(ValueError, match="slot=2"):
+        pipe.submit(2, [_job(b)])
+    with pytest.raises(ValueError, match="job 0"):
+        pipe.submit(0, [(*_job(b)[:5], 0, 8)])  # no step count
+    with pytest.raises(TypeError, match="Unit or ShardGroup"):
+        pipe.attach(0, object())
+    pipe.close()
+
+
+# ---------------------------------------------------------------------------
+# what is refused, and the accounting
+
+def _refusals(api):
+    out = []
+
+    def expect(fn, *words):
+        try:
+            fn()
+        except (flatshard.ConfigError, flatshard.ConfigTypeError, flatshard.NotBuiltError) as e:
+            out.append(all(w in str(e) for w in words) or str(e))
+            return
+        out.append(f"nothing raised for {words}")
+
+    model = _build(api, True)
+    expect(lambda: flatshard.overlap_offload(model, torch.optim.AdamW(model.parameters())),
+           "optimizer", "flatshard.optim.AdamW")
+    expect(lambda: flatshard.overlap_offload(model, AdamW(list(model.parameters())[:2])),
+           "optimizer", "exactly")
+    expect(lambda: flatshard.OverlapOffload(max_units_in_flight=0), "max_units_in_flight")
+    expect(lambda: flatshard.OverlapOffload(max_norm=-1.0), "max_norm")
+    opt = AdamW(model.parameters(), lr=0.02)
+    pipe = flatshard.overlap_offload(model, opt)
+    expect(lambda: flatshard.overlap_offload(model, AdamW(model.parameters())), "already")
+    x = torch.randn(4, 5)
+    model(x).sum().backward()
+    if api == "fsdp":
+        expect(lambda: model.clip_grad_norm_(1.0), "clip_grad_norm_", "max_norm")
+    # a second synced backward before the step would step twice
+    expect(lambda: model(x).sum().backward(), "no_sync", "accumulated")
+    pipe.close()
+    if api == "fsdp":
+        torch.manual_seed(0)
+        with _Patched(fgroups, True):
+            plain = FSDP(build(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
+                         device_id=torch.device("cpu"))
+        expect(lambda: flatshard.overlap_offload(plain, AdamW(plain.parameters())),
+               "CPUOffload(offload_params=True)")
+        ns = _build(api, False, strategy="NO_SHARD")
+        expect(lambda: flatshard.overlap_offload(ns, AdamW(ns.parameters())), "NO_SHARD",
+               "FULL_SHARD")
+    return out
+
+
+@pytest.mark.parametrize("api", ["fsdp", "fully_shard"])
+def test_refusals_name_the_option(dist_pool, api):
+    for out in dist_pool(2).run(_refusals, api):
+        assert out and all(o is True for o in out), out
+
+
+def _accounting(api):
+    model = _build(api, True)
+    opt = AdamW(model.parameters(), lr=0.02, threads=1)
+    pipe = flatshard.overlap_offload(model, opt, flatshard.OverlapOffload(max_units_in_flight=2))
+    x = torch.randn(4, 5)
+    before = flatshard.memory_stats(model, opt)["offload_in_flight"]
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()  # the queued steps keep what they read
+    held = sum(t.untyped_storage().nbytes() for t in pipe.held_grads())
+    during = flatshard.memory_stats(model, opt)["offload_in_flight"]
+    pipe.wait()
+    after = flatshard.memory_stats(model, opt)["offload_in_flight"]
+    return before, during, held, after, pipe.stats()
+
+
+@pytest.mark.parametrize("api", ["fsdp", "fully_shard"])
+def test_memory_stats_count_the_gradients_of_queued_steps(dist_pool, api):
+    for before, during, held, after, stats in dist_pool(2).run(_accounting, api):
+        assert before == 0 and after == 0
+        assert during == held  # whatever the worker had not reached yet, exactly
+        assert stats["peak_grad_bytes_in_flight"] > 0
+
+
+def test_the_planner_adds_the_units_in_flight():
+    from flatshard.plan import plan
+    base = plan(params=10_000_000, units=5, world_size=4, offload_params=True)
+    for k in (1, 2, 5):
+        p = plan(params=10_000_000, units=5, world_size=4, offload_params=True,
+                 offload_pipeline=k)
+        line = next(ln for ln in p.lines if ln.key == "offload_in_flight")
+        grads = next(ln for ln in base.lines if ln.key == "grads").bytes
+        assert line.where == "host" and line.bytes * 5 == grads * k  # 5 equal units
+        assert p.total("device") == base.total("device")  # nothing more on the device
+        assert p.total("host") == base.total("host") + line.bytes
+    with pytest.raises(flatshard.ConfigError, match="offload_pipeline"):
+        plan(params=1e6, offload_pipeline=2)  # needs offload_params=True

@@ -190,9 +190,11 @@ def _slots(model):
 
 
 class OffloadPipeline:
-    """The overlapped offload step of one model and its optimizer
-    (overlap_offload makes it). last_norm: the total norm of the last
-    clipped step (max_norm set), else None."""
+    """The overlapped offload step of one model and its optimizer;
+    overlap_offload makes it, from the checked model, optimizer and options
+    (OverlapOffload), the model's kind ("FSDP" or "fully_shard") and its
+    slots (one per unit or group, in forward order). last_norm: the total
+    norm of the last clipped step (max_norm set), else None."""
 
     def __init__(self, model, optimizer, options, kind, slots):
         self.model, self.optimizer, self.options, self.kind = model, optimizer, options, kind
@@ -265,6 +267,8 @@ class OffloadPipeline:
         return loss
 
     def before_zero_grad(self, set_to_none):
+        """optimizer.zero_grad(set_to_none): zeroing in place (False) writes
+        the gradients queued steps read, so it waits for them first."""
         if not set_to_none:
             self.wait()
 
@@ -348,9 +352,8 @@ class OffloadPipeline:
             s.held = []
 
     def held_grads(self):
-        """The gradient tensors that queued steps still read (the slots whose
-        steps have run let theirs go first)."""
-        self._release_done()
+        """The gradient tensors the pipeline holds for queued steps (those of
+        steps that have run are let go at the next queue or wait)."""
         return [h[1] for s in self.slots for h in s.held]
 
     def stats(self):

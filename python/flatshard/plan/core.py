@@ -486,7 +486,7 @@ def _plan(units, c):
             ln.label += f" [{ln.where}]"
     if c["offload_pipeline"]:
         k = c["offload_pipeline"]
-        unit_grads = sorted(sum(flat_layout(g.numels, g.elem_bytes, shard_g)[1] * g.elem_bytes
+        unit_grads = sorted(sum(flat_layout(g.numels, g.elem_bytes, shard_g)[0] * g.elem_bytes
                                 for g in u.groups if g.trainable) for u in units)
         add("offload_in_flight", "gradients of queued steps [host]", sum(unit_grads[-k:]),
             "host", f"the {k} largest units' gradient shards (shard_numel(N={shard_g})*dtype "
