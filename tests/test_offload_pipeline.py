@@ -28,9 +28,19 @@ from toy_models import Block, build
 STEPS = 4
 
 
+def _maker(on):
+    """What makes a device Comm over a host one: the host table's (True), or
+    _C_cuda's CUDA table built for the host with its lazy streams and the
+    NCCL backend over shared memory ("cuda_emu", test_cuda_emulated_path.py)."""
+    if on == "cuda_emu":
+        import test_cuda_emulated_path as emu
+        return emu._device_comm
+    return lambda group, host: host_device_comm(host)
+
+
 class _Patched:
-    """fsdp/groups.py's or fsdp2/mesh.py's comm_for made to hand out the
-    host table's device Comms (one per host Comm)."""
+    """fsdp/groups.py's or fsdp2/mesh.py's comm_for made to hand out device
+    Comms (one per host Comm; _maker(on)), or left alone (on False)."""
 
     def __init__(self, module, on):
         self.module, self.on = module, on
@@ -38,12 +48,12 @@ class _Patched:
     def __enter__(self):
         self.saved = self.module.comm_for
         if self.on:
-            made, saved = {}, self.saved
+            made, saved, make = {}, self.saved, _maker(self.on)
 
             def comm_for(group, backend, device=None):
                 host = saved(group, backend, device)
                 if id(host) not in made:
-                    made[id(host)] = (host, host_device_comm(host))
+                    made[id(host)] = (host, make(group, host))
                 return made[id(host)][1]
             self.module.comm_for = comm_for
         return self
@@ -187,6 +197,26 @@ def test_other_world_sizes_and_the_host_path(dist_pool, world, api):
     if world == 3:
         for same, *_ in dist_pool(world).run(_both, api, False):
             assert same
+
+
+@pytest.mark.parametrize("api", ["fsdp", "fully_shard"])
+def test_through_the_cuda_table_with_lazy_streams(dist_pool, api):
+    """The CUDA table built for the host (tests/cuda_emu): its streams run
+    their work only when waited for, so a step that read a gradient before
+    its copy to host memory landed would read stale bytes and the bits would
+    differ from the sequential step's."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
+    import emu_build
+    if not emu_build.available():
+        pytest.skip("needs gcc/g++ and the csrc/ sources")
+    emu_build.load()  # built once, here, before the ranks load it
+    for same, *_ in dist_pool(2).run(_both, api, "cuda_emu", micro=2, max_norm=0.05,
+                                     checkpoint=True):
+        assert same
+    for same, *_ in dist_pool(2).run(_both, api, "cuda_emu"):
+        assert same
 
 
 def test_wrapper_variants(dist_pool):
