@@ -370,3 +370,19 @@ def test_the_planner_adds_the_units_in_flight():
         assert p.total("host") == base.total("host") + line.bytes
     with pytest.raises(flatshard.ConfigError, match="offload_pipeline"):
         plan(params=1e6, offload_pipeline=2)  # needs offload_params=True
+
+
+def _predicted(k):
+    from flatshard.plan import predict
+    model = _build("fsdp", True)
+    opt = AdamW(model.parameters(), lr=0.02)
+    flatshard.overlap_offload(model, opt, flatshard.OverlapOffload(max_units_in_flight=k))
+    p = predict(model, opt)
+    units = [sum(g.shard.numel() * 4 for g in m._unit.groups)
+             for m in model.modules() if isinstance(m, FSDP)]
+    return p["offload_in_flight"], sum(sorted(units)[-k:])
+
+
+def test_the_planner_reads_the_units_in_flight_from_a_wrapped_model(dist_pool):
+    for line, want in dist_pool(2).run(_predicted, 2):
+        assert line == want > 0
