@@ -62,19 +62,25 @@ class _Patched:
         self.module.comm_for = self.saved
 
 
-def _build(api, device, strategy="FULL_SHARD", use_orig=False):
+def _build(api, device, strategy="FULL_SHARD", use_orig=False, raf=True, prefetch=False):
     torch.manual_seed(0)
     model = build()
     if api == "fsdp":
         with _Patched(fgroups, device):
             return FSDP(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
-                        device_id=torch.device("cpu"),
+                        device_id=torch.device("cpu"), forward_prefetch=prefetch,
                         sharding_strategy=ShardingStrategy[strategy],
                         cpu_offload=CPUOffload(offload_params=True), use_orig_params=use_orig)
     with _Patched(fmesh, device):
-        for b in list(model.blocks) + [model.head]:
-            flatshard.fully_shard(b, offload_policy=CPUOffloadPolicy())
-        flatshard.fully_shard(model, offload_policy=CPUOffloadPolicy())
+        mods = list(model.blocks) + [model.head]
+        for b in mods:
+            flatshard.fully_shard(b, offload_policy=CPUOffloadPolicy(),
+                                  reshard_after_forward=raf)
+        flatshard.fully_shard(model, offload_policy=CPUOffloadPolicy(), reshard_after_forward=raf)
+    if prefetch:  # a prefetched gather waits for its unit's step too
+        for a, b in zip(mods, mods[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
     return model
 
 
@@ -101,8 +107,8 @@ def _clip(model, api, max_norm):
 
 
 def _train(api, device, pipelined, *, micro=1, max_norm=None, checkpoint=False, units=2,
-           strategy="FULL_SHARD", use_orig=False):
-    model = _build(api, device, strategy, use_orig)
+           strategy="FULL_SHARD", use_orig=False, raf=True, prefetch=False):
+    model = _build(api, device, strategy, use_orig, raf, prefetch)
     opt = AdamW(model.parameters(), lr=0.02, weight_decay=0.05, threads=1)
     pipe = flatshard.overlap_offload(model, opt, flatshard.OverlapOffload(
         max_units_in_flight=units, max_norm=max_norm)) if pipelined else None
@@ -219,9 +225,16 @@ def test_through_the_cuda_table_with_lazy_streams(dist_pool, api):
         assert same
 
 
+def test_fully_shard_variants(dist_pool):
+    for kw in (dict(raf=False), dict(raf=2), dict(prefetch=True, max_norm=0.05),
+               dict(prefetch=True)):
+        for same, *_ in dist_pool(2).run(_both, "fully_shard", True, **kw):
+            assert same, kw
+
+
 def test_wrapper_variants(dist_pool):
-    for kw in (dict(strategy="SHARD_GRAD_OP"), dict(use_orig=True), dict(use_orig=True,
-                                                                          max_norm=0.05)):
+    for kw in (dict(strategy="SHARD_GRAD_OP"), dict(use_orig=True),
+               dict(use_orig=True, max_norm=0.05), dict(prefetch=True)):
         for same, *_ in dist_pool(2).run(_both, "fsdp", True, **kw):
             assert same, kw
 
