@@ -201,6 +201,8 @@ class OffloadPipeline:
         self.slots = slots
         self.last_norm = None
         self._slot_of = {id(p): s for s in slots for p in s.params}
+        self._group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups)
+                          for p in g["params"]}
         self._landed = {}      # id(param) -> param: landed, step not queued (this step)
         self._queued = set()   # id(param): stepped (queued) in this step
         self._clipping = False
@@ -296,13 +298,13 @@ class OffloadPipeline:
     def _queue(self, slot, params):
         self._release_done()
         opt = self.optimizer
-        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-        by_group = {}
+        by_group = {}  # the optimizer's groups, in order: one engine call each
         for p in params:
-            by_group.setdefault(id(group_of[id(p)]), (group_of[id(p)], []))[1].append(p)
+            gi = self._group_of[id(p)]
+            by_group.setdefault(gi, []).append(p)
         self._attach(slot)
-        for group, ps in by_group.values():
-            gi = opt.param_groups.index(group)
+        for gi, ps in by_group.items():
+            group = opt.param_groups[gi]
             jobs = []
             for i, p in enumerate(ps):
                 x, g = _locals(type(opt).__name__, gi, i, p, p.grad)
