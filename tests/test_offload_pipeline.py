@@ -281,6 +281,27 @@ def test_the_pipe_gives_adam_steps_bits_and_keeps_its_bound(max_units):
         pipe.wait()
 
 
+def _stress(rounds):
+    """Many tiny steps through a bound of one unit, each submit and wait
+    racing the worker's finish (a missed wake-up hangs here)."""
+    from flatshard import _C
+    bufs = [_adam_buffers(n, n) for n in (1, 3, 5)]
+    pipe = _C.OffloadPipe(1, 3)
+    for r in range(rounds):
+        for i, b in enumerate(bufs):
+            pipe.submit(i, [_job(b)], lr=0.01)
+        pipe.wait(r % 3) if r % 2 else pipe.wait()
+    pipe.wait()
+    st = pipe.stats()
+    pipe.close()
+    return st["steps_run"], [float(b[4]) for b in bufs]
+
+
+def test_the_pipe_never_misses_a_finish(dist_pool):
+    for steps_run, counts in dist_pool(1).run(_stress, 3000, timeout=60):
+        assert steps_run == 9000 and counts == [3000.0] * 3
+
+
 def test_the_pipe_refuses_bad_arguments_by_name():
     from flatshard import _C
     with pytest.raises(ValueError, match="max_units"):

@@ -133,21 +133,40 @@ void fs_offload_pipe_free(fs_offload_pipe *p)
     free(p);
 }
 
-/* pthread_cond_wait on p->done with the caller's lock handed back; the
- * mutex is let go first, so the host lock is never awaited under it. */
-static void wait_done(fs_offload_pipe *p, void *(*unlock)(void), void (*lock)(void *))
+/* Called with p->mu held: until blocked(p, arg) is false, waiting on
+ * p->done with the caller's lock handed back. The predicate is checked
+ * under the mutex before every wait, so no finish is missed; the mutex is
+ * let go around handing the caller's lock back and taking it again, so that
+ * lock is never awaited under it. Returns with p->mu held. */
+static void block_while(fs_offload_pipe *p, int (*blocked)(const fs_offload_pipe *, int), int arg,
+                        void *(*unlock)(void), void (*lock)(void *))
 {
-    if (!unlock) {
-        pthread_cond_wait(&p->done, &p->mu);
+    if (!blocked(p, arg))
         return;
+    void *tok = NULL;
+    if (unlock) {
+        pthread_mutex_unlock(&p->mu);
+        tok = unlock();
+        pthread_mutex_lock(&p->mu);
     }
-    pthread_mutex_unlock(&p->mu);
-    void *tok = unlock();
-    pthread_mutex_lock(&p->mu);
-    pthread_cond_wait(&p->done, &p->mu);
-    pthread_mutex_unlock(&p->mu);
-    lock(tok);
-    pthread_mutex_lock(&p->mu);
+    while (blocked(p, arg))
+        pthread_cond_wait(&p->done, &p->mu);
+    if (unlock) { /* only the worker runs meanwhile, and it only lowers the counts */
+        pthread_mutex_unlock(&p->mu);
+        lock(tok);
+        pthread_mutex_lock(&p->mu);
+    }
+}
+
+static int bound_reached(const fs_offload_pipe *p, int slot)
+{
+    (void)slot;
+    return p->failed == FS_OK && p->st.units_in_flight >= p->max_units;
+}
+
+static int busy_locked(const fs_offload_pipe *p, int slot)
+{
+    return slot < 0 ? p->st.units_in_flight > 0 : p->pending[slot] > 0;
 }
 
 fs_status fs_offload_pipe_submit(fs_offload_pipe *p, int slot, const fs_optim_job *jobs,
@@ -180,8 +199,7 @@ fs_status fs_offload_pipe_submit(fs_offload_pipe *p, int slot, const fs_optim_jo
     if (s == FS_OK && p->pending[slot] == 0 && p->st.units_in_flight >= p->max_units) {
         const double t0 = now_s();
         p->st.submits_blocked++;
-        while (p->failed == FS_OK && p->st.units_in_flight >= p->max_units)
-            wait_done(p, unlock, lock);
+        block_while(p, bound_reached, slot, unlock, lock);
         p->st.wait_s += now_s() - t0;
         s = p->failed;
     }
@@ -214,11 +232,6 @@ fs_status fs_offload_pipe_submit(fs_offload_pipe *p, int slot, const fs_optim_jo
     return FS_OK;
 }
 
-static int busy_locked(const fs_offload_pipe *p, int slot)
-{
-    return slot < 0 ? p->st.units_in_flight > 0 : p->pending[slot] > 0;
-}
-
 fs_status fs_offload_pipe_wait(fs_offload_pipe *p, int slot, void *(*unlock)(void),
                                void (*lock)(void *))
 {
@@ -228,8 +241,7 @@ fs_status fs_offload_pipe_wait(fs_offload_pipe *p, int slot, void *(*unlock)(voi
     if (busy_locked(p, slot)) {
         const double t0 = now_s();
         p->st.gathers_waited++;
-        while (busy_locked(p, slot))
-            wait_done(p, unlock, lock);
+        block_while(p, busy_locked, slot, unlock, lock);
         p->st.wait_s += now_s() - t0;
     }
     fs_status s = p->failed;
