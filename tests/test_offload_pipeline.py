@@ -420,3 +420,17 @@ def _predicted(k):
 def test_the_planner_reads_the_units_in_flight_from_a_wrapped_model(dist_pool):
     for line, want in dist_pool(2).run(_predicted, 2):
         assert line == want > 0
+
+
+def test_the_plan_command_takes_the_units_in_flight(capsys):
+    from flatshard.__main__ import main
+    from flatshard.plan import plan
+    main(["plan", "--params", "7e9", "--world", "8", "--offload", "params",
+          "--offload-pipeline", "2", "--strategy", "FULL_SHARD"])
+    out = capsys.readouterr().out
+    want = plan(params=7e9, world_size=8, offload_params=True, offload_pipeline=2,
+                strategy="FULL_SHARD", comm_backend="nccl")["offload_in_flight"]
+    row = next(ln for ln in out.splitlines() if ln.startswith("gradients of queued steps"))
+    assert want > 0 and f"{want / 2**30:.2f}" in row
+    with pytest.raises(SystemExit, match="--offload params"):
+        main(["plan", "--params", "7e9", "--offload-pipeline", "2"])

@@ -29,8 +29,14 @@ torch.nn.utils.clip_grad_norm_ over fully_shard's parameters, the very call
 a sequential loop makes, so the bits are the same), and queues every unit's
 step in forward order. The steps then overlap the next forward instead of
 the backward: unit k's gather waits for unit k's step only. The total norm
-is `pipeline.last_norm`. Calling the clip yourself while the pipeline is on
-is refused (it would clip after the steps, or twice).
+is `pipeline.last_norm`. Calling the wrapper's clip yourself while the
+pipeline is on is refused (it would clip after the steps, or twice).
+
+Not detected, so not to be combined: anything else that changes the
+gradients between backward and optimizer.step() (torch.nn.utils.clip_grad_norm_
+called by hand on fully_shard's parameters, a GradScaler's unscale_): without
+max_norm the steps have read the gradients by then. A loss scale belongs in
+the loss (or the learning rate) with the pipeline on.
 
 What stays the user's: optimizer.step() and zero_grad() in the loop as
 before (step() returns once the steps are queued; zero_grad(set_to_none=
@@ -280,7 +286,8 @@ class OffloadPipeline:
         try:
             if self.kind == "FSDP":
                 return self.model.clip_grad_norm_(o.max_norm, o.norm_type)
-            params = [p for s in self.slots for p in s.params if p.grad is not None]
+            # the list (and its order) a sequential loop hands torch's clip
+            params = [p for p in self.model.parameters() if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, o.max_norm, o.norm_type)
         finally:
             self._clipping = False
