@@ -13,8 +13,8 @@
  *
  * What it is not: a scheduler of collectives (the worker touches host
  * memory only, never a Comm or a device), nor an owner of the buffers (the
- * host keeps every buffer of a submitted step alive until the slot is
- * waited for). The step counts (torch's float32 state['step']) are
+ * host keeps every buffer of a submitted step alive until the slot's
+ * steps have run: fs_offload_pipe_busy, fs_offload_pipe_wait). The step counts (torch's float32 state['step']) are
  * incremented by the submitting thread, so the host reads them at once.
  *
  * Threads: submit and wait are called by one host thread (the one that owns
