@@ -62,21 +62,28 @@ class _Patched:
         self.module.comm_for = self.saved
 
 
-def _build(api, device, strategy="FULL_SHARD", use_orig=False, raf=True, prefetch=False):
+def _build(api, device, strategy="FULL_SHARD", use_orig=False, raf=True, prefetch=False,
+           bf16=False):
     torch.manual_seed(0)
     model = build()
     if api == "fsdp":
+        mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16,
+                                      buffer_dtype=torch.bfloat16) if bf16 else None
         with _Patched(fgroups, device):
             return FSDP(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}),
                         device_id=torch.device("cpu"), forward_prefetch=prefetch,
+                        mixed_precision=mp,
                         sharding_strategy=ShardingStrategy[strategy],
                         cpu_offload=CPUOffload(offload_params=True), use_orig_params=use_orig)
     with _Patched(fmesh, device):
         mods = list(model.blocks) + [model.head]
+        kw = dict(offload_policy=CPUOffloadPolicy(), reshard_after_forward=raf)
+        if bf16:
+            kw["mp_policy"] = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                             reduce_dtype=torch.float32)
         for b in mods:
-            flatshard.fully_shard(b, offload_policy=CPUOffloadPolicy(),
-                                  reshard_after_forward=raf)
-        flatshard.fully_shard(model, offload_policy=CPUOffloadPolicy(), reshard_after_forward=raf)
+            flatshard.fully_shard(b, **kw)
+        flatshard.fully_shard(model, **kw)
     if prefetch:  # a prefetched gather waits for its unit's step too
         for a, b in zip(mods, mods[1:]):
             a.set_modules_to_forward_prefetch([b])
@@ -107,8 +114,8 @@ def _clip(model, api, max_norm):
 
 
 def _train(api, device, pipelined, *, micro=1, max_norm=None, checkpoint=False, units=2,
-           strategy="FULL_SHARD", use_orig=False, raf=True, prefetch=False):
-    model = _build(api, device, strategy, use_orig, raf, prefetch)
+           strategy="FULL_SHARD", use_orig=False, raf=True, prefetch=False, bf16=False):
+    model = _build(api, device, strategy, use_orig, raf, prefetch, bf16)
     opt = AdamW(model.parameters(), lr=0.02, weight_decay=0.05, threads=1)
     pipe = flatshard.overlap_offload(model, opt, flatshard.OverlapOffload(
         max_units_in_flight=units, max_norm=max_norm)) if pipelined else None
@@ -118,7 +125,7 @@ def _train(api, device, pipelined, *, micro=1, max_norm=None, checkpoint=False, 
         for i in range(micro):
             x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
             with _no_sync(model, api, i < micro - 1):
-                loss = ((model(x) - y) ** 2).mean()
+                loss = ((model(x).float() - y) ** 2).mean()
                 loss.backward()
             losses.append(loss.item())
         if api != "fsdp":
@@ -227,14 +234,15 @@ def test_through_the_cuda_table_with_lazy_streams(dist_pool, api):
 
 def test_fully_shard_variants(dist_pool):
     for kw in (dict(raf=False), dict(raf=2), dict(prefetch=True, max_norm=0.05),
-               dict(prefetch=True)):
+               dict(prefetch=True), dict(bf16=True, micro=2, max_norm=0.05)):
         for same, *_ in dist_pool(2).run(_both, "fully_shard", True, **kw):
             assert same, kw
 
 
 def test_wrapper_variants(dist_pool):
     for kw in (dict(strategy="SHARD_GRAD_OP"), dict(use_orig=True),
-               dict(use_orig=True, max_norm=0.05), dict(prefetch=True)):
+               dict(use_orig=True, max_norm=0.05), dict(prefetch=True),
+               dict(bf16=True, micro=2, max_norm=0.05)):
         for same, *_ in dist_pool(2).run(_both, "fsdp", True, **kw):
             assert same, kw
 
