@@ -196,7 +196,9 @@ def test_pipelined_step_matches_the_sequential_one_to_the_bit(dist_pool, api, ca
         assert nstate > 0
         assert stats["steps_run"] == stats["queued_at_landing"] + stats["queued_at_step"] > 0
         assert stats["units_in_flight"] == 0
-        assert 1 <= stats["peak_units_in_flight"] <= stats["max_units"]
+        # the bound holds while backward runs; the norm pass queues every unit
+        assert 1 <= stats["peak_units_in_flight"]
+        assert clipped or stats["peak_units_in_flight"] <= stats["max_units"]
         # without clipping every step starts at its gradient's landing, in
         # backward; with it, none starts before the norm pass
         assert stats["queued_at_landing" if clipped else "queued_at_step"] == 0

@@ -171,7 +171,7 @@ static int busy_locked(const fs_offload_pipe *p, int slot)
 
 fs_status fs_offload_pipe_submit(fs_offload_pipe *p, int slot, const fs_optim_job *jobs,
                                  float *const *steps, int n, fs_simd simd, int threads,
-                                 void *(*unlock)(void), void (*lock)(void *))
+                                 int bounded, void *(*unlock)(void), void (*lock)(void *))
 {
     if (slot < 0 || slot >= p->nslots || n < 0 || threads < 1)
         return FS_ERR_INVALID_ARG;
@@ -196,7 +196,7 @@ fs_status fs_offload_pipe_submit(fs_offload_pipe *p, int slot, const fs_optim_jo
     }
     pthread_mutex_lock(&p->mu);
     fs_status s = p->failed;
-    if (s == FS_OK && p->pending[slot] == 0 && p->st.units_in_flight >= p->max_units) {
+    if (s == FS_OK && bounded && p->pending[slot] == 0 && p->st.units_in_flight >= p->max_units) {
         const double t0 = now_s();
         p->st.submits_blocked++;
         block_while(p, bound_reached, slot, unlock, lock);

@@ -64,13 +64,16 @@ void fs_offload_pipe_free(fs_offload_pipe *p);
 /* Slot `slot`'s steps: the n jobs (copied; their buffers stay the
  * caller's) run in order after every step submitted before. steps[i]
  * (Adam's float32 count, or NULL) is incremented here, now, and job i runs
- * with the new count (torch's order). When slot has nothing in flight and
- * max_units other slots do, this waits until one finishes. Once a step
+ * with the new count (torch's order). When bounded, slot has nothing in
+ * flight and max_units other slots do, this waits until one finishes (the
+ * bound keeps the gradients of queued steps few while backward makes the
+ * next ones; unbounded: every gradient of the step exists already, e.g.
+ * after a norm pass, and each unit's next gather waits for its own). Once a step
  * failed, every later submit and wait returns its status (last_error).
  * unlock/lock: NULL, or what to hand back around a wait. */
 fs_status fs_offload_pipe_submit(fs_offload_pipe *p, int slot, const fs_optim_job *jobs,
                                  float *const *steps, int n, fs_simd simd, int threads,
-                                 void *(*unlock)(void), void (*lock)(void *));
+                                 int bounded, void *(*unlock)(void), void (*lock)(void *));
 /* Until every step of `slot` (-1: of every slot) has run; a failed step's
  * status. */
 fs_status fs_offload_pipe_wait(fs_offload_pipe *p, int slot, void *(*unlock)(void),

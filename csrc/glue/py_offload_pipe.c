@@ -132,22 +132,23 @@ static PyObject *Pipe_attach(PipeObject *self, PyObject *args)
 
 PyDoc_STRVAR(submit_doc,
              "submit(slot, jobs, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,\n"
-             "       threads=1, simd='auto')\n"
+             "       threads=1, simd='auto', bounded=True)\n"
              "Queue slot's Adam/AdamW steps: jobs as adam_steps takes them, (param, grad,\n"
              "exp_avg, exp_avg_sq, max_exp_avg_sq, step, n); the step counts are incremented\n"
-             "now, the updates run on the pipe's thread. Blocks (without the GIL) while\n"
-             "max_units other slots are in flight. Every buffer must stay alive until the\n"
-             "slot is waited for.");
+             "now, the updates run on the pipe's thread. bounded: block (without the GIL)\n"
+             "while max_units other slots are in flight. Every buffer must stay alive until\n"
+             "the slot's steps have run.");
 static PyObject *Pipe_submit(PipeObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"slot", "jobs", "lr", "beta1", "beta2", "eps", "weight_decay",
-                             "decoupled", "maximize", "threads", "simd", NULL};
-    int slot, decoupled = 1, maximize = 0, threads = 1;
+                             "decoupled", "maximize", "threads", "simd", "bounded", NULL};
+    int slot, decoupled = 1, maximize = 0, threads = 1, bounded = 1;
     float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.0f;
     const char *simd = "auto";
     PyObject *jobs;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|$fffffppis:submit", kwlist, &slot, &jobs, &lr,
-                                     &b1, &b2, &eps, &wd, &decoupled, &maximize, &threads, &simd)
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|$fffffppisp:submit", kwlist, &slot, &jobs, &lr,
+                                     &b1, &b2, &eps, &wd, &decoupled, &maximize, &threads, &simd,
+                                     &bounded)
         || check_open(self, "submit") < 0 || check_slot(self, slot, 0, "submit") < 0)
         return NULL;
     int level = fs_simd_parse(simd);
@@ -188,7 +189,7 @@ static PyObject *Pipe_submit(PipeObject *self, PyObject *args, PyObject *kw)
         }
     }
     fs_status s = fs_offload_pipe_submit(self->p, slot, js, steps, (int)k, (fs_simd)level,
-                                         threads, pipe_unlock, pipe_lock);
+                                         threads, bounded, pipe_unlock, pipe_lock);
     ret = s == FS_OK ? Py_NewRef(Py_None) : failed(self, s, "submit");
 done:
     PyMem_Free(js);

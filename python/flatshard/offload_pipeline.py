@@ -11,9 +11,10 @@ post-accumulate-grad hooks run, runtime/grad_hooks.py) and runs on the C
 engine's host thread (csrc/engine/offload_pipe.c, the kernels of
 csrc/optim/) while backward goes on; the unit's next gather waits in C for
 that unit's step alone ([Note: step before gather] in offload_pipe.h), so
-the next forward overlaps the steps of the units it reaches later. At most
-max_units_in_flight units have steps queued or running: a unit's hook waits
-for one to finish beyond that.
+the next forward overlaps the steps of the units it reaches later. While
+backward runs, at most max_units_in_flight units have steps queued or
+running (each holds its gradients while backward makes the next ones): a
+unit's hook waits for one to finish beyond that.
 
 This module only hands the engine what it needs: the slots (one per FSDP1
 unit or fully_shard group, in forward order), the engine groups to attach,
@@ -27,7 +28,9 @@ max_norm set, the hooks only note what landed; optimizer.step() then makes
 the norm pass (the API's own clip: the wrapper's clip_grad_norm_, or
 torch.nn.utils.clip_grad_norm_ over fully_shard's parameters, the very call
 a sequential loop makes, so the bits are the same), and queues every unit's
-step in forward order. The steps then overlap the next forward instead of
+step in forward order, all at once (every gradient of the step exists by
+then: a bound would save nothing and only make step() wait). The steps then
+overlap the next forward instead of
 the backward: unit k's gather waits for unit k's step only. The total norm
 is `pipeline.last_norm`. Calling the wrapper's clip yourself while the
 pipeline is on is refused (it would clip after the steps, or twice).
@@ -237,7 +240,7 @@ class OffloadPipeline:
         if self.options.max_norm is not None:
             self._landed[id(p)] = p
             return
-        self._queue(self._slot_of[id(p)], [p])
+        self._queue(self._slot_of[id(p)], [p], bounded=True)
         self._counts["queued_at_landing"] += 1
 
     def _before_forward(self, module, args):
@@ -267,8 +270,8 @@ class OffloadPipeline:
             self.last_norm = self._clip()
         for s in self.slots:
             due = [p for p in s.params if id(p) not in self._queued and p.grad is not None]
-            if due:
-                self._queue(s, due)
+            if due:  # every gradient of the step exists: no bound to keep
+                self._queue(s, due, bounded=False)
                 self._counts["queued_at_step"] += len(due)
         self._landed.clear()
         self._queued.clear()
@@ -302,7 +305,7 @@ class OffloadPipeline:
 
     # -- the engine's side ------------------------------------------------------
 
-    def _queue(self, slot, params):
+    def _queue(self, slot, params, bounded):
         self._release_done()
         opt = self.optimizer
         by_group = {}  # the optimizer's groups, in order: one engine call each
@@ -338,7 +341,7 @@ class OffloadPipeline:
             self.pipe.submit(slot.index, jobs, lr=group["lr"], beta1=b1, beta2=b2,
                              eps=group["eps"], weight_decay=group["weight_decay"],
                              decoupled=opt._decoupled, maximize=group["maximize"],
-                             threads=opt.threads)
+                             threads=opt.threads, bounded=bounded)
 
     def _attach(self, slot):
         c = slot.engine()
