@@ -14,6 +14,17 @@ void fs_group_core_init(fs_group_core *c, const char *name, fs_env env, fs_link 
     c->replicate = replicate;
 }
 
+fs_status fs_group_wait_steps(fs_group_core *c)
+{
+    if (!c->gate)
+        return FS_OK;
+    fs_status s = c->gate->wait(c->gate->ctx, c->gate_slot, c->link.unlock, c->link.lock);
+    if (s != FS_OK)
+        return fs_group_fail(c, s, "unshard", 0, "waiting for the offloaded optimizer step: %s",
+                             c->gate->error(c->gate->ctx));
+    return FS_OK;
+}
+
 void fs_group_core_destroy(fs_group_core *c)
 {
     fs_held_free(&c->held, &c->env);

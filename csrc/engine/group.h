@@ -57,7 +57,20 @@ typedef struct {
     const char *err_what; /* which operation failed ("all-gather", ...) */
     int err_group;        /* a unit's group, or 0 */
     int err_collective;   /* it failed in or around a collective (the ledger has it) */
+    /* parameter offload, pipelined: what a gather waits for first, and for
+     * which slot ([Note: step before gather] in offload_pipe.h); NULL: none */
+    const struct fs_step_gate *gate;
+    int gate_slot;
 } fs_group_core;
+
+/* [Note: step before gather]: a wait the host's pipelined optimizer
+ * (offload_pipe.h) gives the groups; the engine calls nothing else of it. */
+typedef struct fs_step_gate {
+    void *ctx;
+    /* until slot's steps have run, the caller's lock handed back around the wait */
+    fs_status (*wait)(void *ctx, int slot, void *(*unlock)(void), void (*lock)(void *));
+    const char *(*error)(void *ctx); /* the words of a failed step */
+} fs_step_gate;
 
 /* A core zeroed, then named and given its table and links. */
 void fs_group_core_init(fs_group_core *c, const char *name, fs_env env, fs_link link,
@@ -102,6 +115,11 @@ fs_status fs_group_wait_mark(fs_group_core *c, void *event, const char *what,
 
 /* ---------------------------------------------------------------------------
  * gathers */
+
+/* [Note: step before gather] in offload_pipe.h: the steps of the group's
+ * slot have run (the caller's lock handed back while waiting); nothing
+ * without a gate. A failed step is recorded as the unshard's failure. */
+fs_status fs_group_wait_steps(fs_group_core *c);
 
 /* [Note: gather mark]: a gather just issued deferred (defer, a device: its
  * mark recorded) or recorded in a host batch (0), now pending. */

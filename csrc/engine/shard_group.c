@@ -281,6 +281,8 @@ fs_status fs_shard_unshard(fs_shard_group *g, int defer)
     fs_status s;
     if (g->core.unsharded) /* a pending gather is waited for, unless this is a prefetch too */
         return defer ? FS_OK : fs_shard_wait(g);
+    if ((s = fs_group_wait_steps(&g->core)) != FS_OK) /* [Note: step before gather] */
+        return s;
     if (world == 1)
         return unshard_alone(g);
     void *none;

@@ -181,6 +181,9 @@ static fs_status gather_groups(fs_unit *u, int full_precision, int allocate, int
 {
     const fs_env *e = &u->core.env;
     fs_comm *c = u->core.link.comm;
+    fs_status ws = fs_group_wait_steps(&u->core); /* [Note: step before gather] */
+    if (ws != FS_OK)
+        return ws;
     for (int i = 0; i < u->ngroups; i++) {
         fs_unit_group *g = &u->groups[i];
         int use_lp = g->lp && !full_precision;

@@ -37,6 +37,7 @@ int fs_disk_add(PyObject *module);    /* py_disk.c */
 int fs_glue_pool_add(PyObject *module); /* py_pool.c */
 int fs_kernels_add(PyObject *module);  /* py_kernels.c */
 int fs_quant_add(PyObject *module);    /* py_quant.c */
+int fs_offload_pipe_type_add(PyObject *module); /* py_offload_pipe.c */
 
 static int module_exec(PyObject *m)
 {
@@ -53,7 +54,8 @@ static int module_exec(PyObject *m)
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
         fs_layout_add(m, st) < 0 || fs_divide_add(m) < 0 || fs_shard_group_type_add(m, st) < 0 ||
         fs_bucket_type_add(m, st) < 0 || fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
-        fs_kernels_add(m) < 0 || fs_quant_add(m) < 0 || add_constants(m) < 0)
+        fs_kernels_add(m) < 0 || fs_quant_add(m) < 0 ||
+        fs_offload_pipe_type_add(m) < 0 || add_constants(m) < 0)
         return -1;
     PyObject *api = PyCapsule_New((void *)&fs_host_device_api, FS_DEVICE_API_CAPSULE, NULL);
     int rc = api ? PyModule_AddObjectRef(m, "host_device_api", api) : -1;

@@ -84,3 +84,8 @@ from .torch_switch import (TorchFSDPSwitch, restore_torch_fsdp, torch_fsdp_switc
                            use_for_torch_fsdp)
 
 __all__ += ["use_for_torch_fsdp", "restore_torch_fsdp", "torch_fsdp_switch", "TorchFSDPSwitch"]
+
+# Parameter offload whose optimizer step overlaps backward and the next forward.
+from .offload_pipeline import OffloadPipeline, OverlapOffload, overlap_offload  # noqa: E402
+
+__all__ += ["overlap_offload", "OverlapOffload", "OffloadPipeline"]

@@ -16,6 +16,7 @@ from . import _C
 from .fsdp.flat_param import gathered_buffers
 from .fsdp.unit import fsdp_units
 from .fsdp2.state import state_of
+from .offload_pipeline import pipeline_of
 from .tensors import storage_bytes
 
 
@@ -48,6 +49,9 @@ def memory_stats(model, optimizer=None):
                    activations, the runtime (Python, torch, libraries) and
                    whatever the C library's heap has not returned
     peak_resident  the process's peak resident memory so far
+    offload_in_flight  gradient storages that steps queued by overlap_offload
+                   still read and the parameters no longer hold (after
+                   zero_grad); 0 without it (offload_pipeline.py)
     copied         bytes fully_shard's gathers and reductions have copied so
                    far (a running total: a step's is the difference across
                    it), copy_stats' sum
@@ -73,6 +77,11 @@ def memory_stats(model, optimizer=None):
     if optimizer is not None:
         out["optim"] = storage_bytes(v for st in optimizer.state.values()
                                      for v in st.values() if torch.is_tensor(v))
+    pipe = pipeline_of(model)
+    now = {getattr(p.grad, "_local_tensor", p.grad).untyped_storage().data_ptr()
+           for p in params if p.grad is not None}
+    out["offload_in_flight"] = 0 if pipe is None else storage_bytes(
+        t for t in pipe.held_grads() if t.untyped_storage().data_ptr() not in now)
     out["pool_cached"] = _C.pool_stats()["cached_bytes"]
     out["resident"], out["peak_resident"] = resident_bytes()
     out["copied"] = sum(copy_stats(model).values())

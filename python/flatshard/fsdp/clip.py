@@ -66,6 +66,9 @@ def _clip_device(comm, sharded, whole, max_norm, norm_type, inf, device):
 
 def clip_grad_norm_(root, max_norm, norm_type=2.0):
     """FSDP.clip_grad_norm_ on the root unit `root`: see the module docstring."""
+    overlap = root.__dict__.get("_offload_overlap")  # offload_pipeline.py
+    if overlap is not None:
+        overlap.check_clip()
     if root._root_state is not None and root._root_state.owner is not root:
         raise bad_value("clip_grad_norm_()", type(root).__name__, "it must be called on the "
                         "root FSDP module", "call it on the outermost wrapper")

@@ -256,11 +256,13 @@ class UnitRuntime:
         if defer:
             self.root.reduce_issued(self)
         part = self._bucket_part(gi, out, keep)
-        # use_orig_params: the parameters whose gradients this reduction
-        # writes get their post-accumulate-grad hooks run once the values are
-        # there (runtime/grad_hooks.py): now, at the bucket's flush, or when
-        # a deferred reduction is landed.
-        written = g.params if out is not None and self.use_orig_params else ()
+        # The parameters whose gradients this reduction writes (the original
+        # ones with use_orig_params, else the flat shard) get their
+        # post-accumulate-grad hooks run once the values are there
+        # (runtime/grad_hooks.py): now, at the bucket's flush, or when a
+        # deferred reduction is landed.
+        written = () if out is None else g.params if self.use_orig_params else \
+            () if g.shard is g.compute else (g.shard,)  # autograd runs the shard's own
         act = self._event(_C.EV_POST_BACKWARD, 0 if self.sync_grads else _C.FLAG_NO_SYNC, gi,
                           grad if out is not None else None, out, accumulate, defer,
                           self.root.bucket.c if part is not None else None)

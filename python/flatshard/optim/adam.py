@@ -34,6 +34,7 @@ class _Adam(torch.optim.Optimizer):
         self.threads = _threads(threads)
         self.offload = disk_offload.check(name, offload, amsgrad)
         self._disk = None  # DiskState, made at the first use (the groups are final then)
+        self._overlap = None  # the OffloadPipeline that steps it (offload_pipeline.py)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=None, capturable=False,
                         differentiable=False, fused=None)
@@ -101,12 +102,16 @@ class _Adam(torch.optim.Optimizer):
         return {"exp_avg": m.view_as(param), "exp_avg_sq": v.view_as(param)}
 
     def state_dict(self):
+        if self._overlap is not None:  # the pipelined steps write the state
+            self._overlap.wait()
         sd = super().state_dict()
         if self.offload is not None:
             sd["disk_offload"] = self._disk_state().pin()
         return sd
 
     def load_state_dict(self, state_dict):
+        if self._overlap is not None:
+            self._overlap.wait()
         if self.offload is None:
             return super().load_state_dict(state_dict)
         rest = {k: v for k, v in state_dict.items() if k != "disk_offload"}
@@ -118,6 +123,8 @@ class _Adam(torch.optim.Optimizer):
     def step(self, closure=None):
         """One fused update of every parameter with a gradient; `closure`
         (optional) re-evaluates the model and returns the loss, as in torch."""
+        if self._overlap is not None:  # overlapped with backward (offload_pipeline.py)
+            return self._overlap.step(closure)
         loss = _call_closure(closure)
         if self.offload is not None:
             self._disk_step()
@@ -156,6 +163,11 @@ class _Adam(torch.optim.Optimizer):
                               weight_decay=group["weight_decay"], decoupled=self._decoupled,
                               maximize=group["maximize"], threads=self.threads)
         return loss
+
+    def zero_grad(self, set_to_none=True):
+        if self._overlap is not None:  # in place: the pipelined steps still read them
+            self._overlap.before_zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
 
     def _step_one(self, x, g, m, v, mx, state, group):
         """One parameter on its own (x, g, m, v, mx: the tensors the kernel

@@ -59,6 +59,8 @@ def add_parser(commands):
                                                             "sgd"])
     p.add_argument("--layout", default="flatshard", choices=["flatshard", "zero"])
     p.add_argument("--offload", default="none", choices=["none", "optimizer", "params", "disk"])
+    p.add_argument("--offload-pipeline", type=int, metavar="UNITS",
+                   help="with --offload params: overlap_offload's max_units_in_flight")
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     for k in ("layers", "hidden", "heads", "seq", "batch", "vocab"):
         p.add_argument(f"--{k}", type=int)
@@ -91,6 +93,11 @@ def run(a):
     model, kw = _kwargs(a)
     off = {"none": {}, "optimizer": dict(offload_optimizer="cpu"),
            "params": dict(offload_params=True), "disk": dict(offload_optimizer="disk")}
+    if a.offload_pipeline is not None:
+        if a.offload != "params":
+            raise SystemExit("--offload-pipeline: needs --offload params (the overlapped "
+                             "step is parameter offload's)")
+        off["params"]["offload_pipeline"] = a.offload_pipeline
     strategies = a.strategy or list(STRATS) + (["HYBRID_SHARD"] if a.hybrid_group else [])
     plans = [plan(model, strategy=s, activation_checkpointing=a.ac, **off[a.offload], **kw)
              for s in strategies]

@@ -270,7 +270,7 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
          forward_prefetch=False, comm_backend="shm", slot_bytes=None, disk_chunks=4,
          disk_chunk_bytes=64 << 20, runtime_bytes=None, activation_bytes=None,
          gather_ahead_bytes=None, keep_unsharded_storage=False,
-         comm_quant=None):
+         comm_quant=None, offload_pipeline=None):
     """Per-rank memory of one configuration -> Plan (bytes, with formulas).
 
     model or params: an nn.Module (meta device fine; wrapped by
@@ -300,6 +300,10 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
     comm_quant: a
     flatshard.CommQuant: the communication per step with its payloads, and
     the staging its collectives take (docs/comm_quant.md).
+    offload_pipeline: None,
+    or the max_units_in_flight of flatshard.overlap_offload (with
+    offload_params=True): the units whose steps are queued hold their
+    gradient shards beside the next backward's.
     """
     c = _resolve(locals())
     if model is not None:
@@ -359,6 +363,11 @@ def _resolve(kw):
                         "or 'disk'")
     if c["comm_backend"] not in BACKENDS:
         raise bad_value("comm_backend", c["comm_backend"], "expected " + ", ".join(BACKENDS))
+    op = c["offload_pipeline"]
+    if op is not None and (isinstance(op, bool) or not isinstance(op, int) or op < 1 or
+                           not c["offload_params"]):
+        raise bad_value("offload_pipeline", op, "expected None, or the units in flight (an "
+                        "int >= 1) of overlap_offload, with offload_params=True")
     if c["offload_params"] and c["offload_optimizer"]:
         raise bad_value("offload_optimizer", c["offload_optimizer"], "offload_params=True "
                         "already puts the optimizer state on the host", "give one of them")
@@ -541,6 +550,14 @@ def _plan(units, c):
             disk = c["offload_optimizer"] == "disk" and ln.key != "optim_steps"
             ln.where = "disk" if disk else "host"
             ln.label += f" [{ln.where}]"
+    if c["offload_pipeline"]:
+        k = c["offload_pipeline"]
+        unit_grads = sorted(sum(flat_layout(g.numels, g.elem_bytes, shard_g)[0] * g.elem_bytes
+                                for g in u.groups if g.trainable) for u in units)
+        add("offload_in_flight", "gradients of queued steps [host]", sum(unit_grads[-k:]),
+            "host", f"the {k} largest units' gradient shards (shard_numel(N={shard_g})*dtype "
+            "bytes): a unit's queued step reads its gradient until it has run, beside the "
+            "next backward's (overlap_offload; nothing more on the device)")
     if c["offload_optimizer"] == "disk":
         add("disk_staging", "disk staging chunks", c["disk_chunks"] * c["disk_chunk_bytes"],
             "host", "disk_chunks*disk_chunk_bytes: the host stages optimizer state in chunks")
@@ -550,7 +567,8 @@ def _plan(units, c):
     # updated parameters, optimizer offload) and each gradient shard goes out.
     transfer = sum(ln.bytes for ln in lines if ln.key in ("params", "grads")) if moved else 0
     config = {k: c[k] for k in ("world_size", "hybrid_group", "optimizer", "layout",
-                                "offload_params", "offload_optimizer", "activation_checkpointing",
+                                "offload_params", "offload_optimizer", "offload_pipeline",
+                                "activation_checkpointing",
                                 "batch_size", "seq_len", "comm_backend")}
     config.update(strategy=c["strategy"], effective_strategy=st, params=psi,
                   units=sum(1 for u in units if u.numel),  # the units that hold parameters

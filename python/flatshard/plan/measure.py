@@ -27,6 +27,7 @@ from ..errors import bad_type, not_built
 from ..fsdp.flat_param import gathered_buffers
 from ..fsdp.unit import fsdp_units, unit_of
 from ..memory import memory_stats, resident_bytes
+from ..offload_pipeline import pipeline_of
 from ..runtime.ahead import ahead_bytes
 from .core import _plan, _resolve, plan
 from .units import Group, Unit
@@ -115,6 +116,10 @@ def predict(model, optimizer, **kw):
                 forward_prefetch=cfg.forward_prefetch,
                 comm_backend=comm.backend if comm.backend in ("shm", "torch") else "torch",
                 gather_ahead_bytes=ahead_bytes(comm))
+    overlap = pipeline_of(model)  # overlap_offload's units in flight
+    if overlap is not None:
+        args.update(offload_params=True,
+                    offload_pipeline=overlap.options.max_units_in_flight)
     disk = getattr(optimizer, "offload", None)  # flatshard.optim's DiskOffload
     if disk is not None:
         args.update(offload_optimizer="disk", disk_chunks=disk.buffers,
