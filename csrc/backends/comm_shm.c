@@ -7,6 +7,15 @@
  * successive chunks *across* collectives, so that one barrier per chunk is
  * enough: before a rank writes half h again, every rank has passed the
  * barrier of the chunk in between, which it enters only after reading h.
+ * So a collective of one chunk is one hand-off between the ranks, the
+ * least a collective can cost; larger ones go in chunks sized from the
+ * caches ([Note: chunk size]).
+ *
+ * Speed: every rank copies at once (into its slot, then out of its peers'
+ * slots), each staged byte is read back from the cache, and outputs larger
+ * than the cache are written with streaming stores ([Note: streaming
+ * stores]), so that a large collective runs at the memory's speed
+ * (benchmarks/bench_comm.py measures it against memcpy in the same run).
  *
  * Lifetime: rank 0 creates the segment under a unique name that the Python
  * layer passes to the others through the process group; the last rank to map
