@@ -149,15 +149,12 @@ static int cpus_allowed(void)
     return n > 0 ? (int)n : 1;
 }
 
-/* Bytes of the data cache at `level` (2, 3) of CPU 0, from the C library
- * or sysfs; 0 when neither says. */
+/* Bytes of the data cache at `level` (2, 3) of CPU 0: sysfs first (what the
+ * kernel was told, right in a virtual machine, where the C library's CPUID
+ * figure can be the whole host's: 384 MiB of L3 for a guest whose CPUs share
+ * 32 MiB), the C library's otherwise; 0 when neither says. */
 static size_t cache_bytes(int level)
 {
-#ifdef _SC_LEVEL2_CACHE_SIZE
-    long v = sysconf(level == 2 ? _SC_LEVEL2_CACHE_SIZE : _SC_LEVEL3_CACHE_SIZE);
-    if (v > 0)
-        return (size_t)v;
-#endif
     for (int i = 0; i < 8; i++) {
         char path[96], buf[32];
         int lvl = 0;
@@ -178,8 +175,14 @@ static size_t cache_bytes(int level)
         if (fgets(buf, sizeof buf, f))
             kib = (size_t)strtoul(buf, NULL, 10); /* "1024K" */
         fclose(f);
-        return kib << 10;
+        if (kib)
+            return kib << 10;
     }
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    long v = sysconf(level == 2 ? _SC_LEVEL2_CACHE_SIZE : _SC_LEVEL3_CACHE_SIZE);
+    if (v > 0)
+        return (size_t)v;
+#endif
     return 0;
 }
 
