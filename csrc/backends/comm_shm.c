@@ -71,7 +71,12 @@
  * microseconds (more under a hypervisor), which for small units is more
  * than the unit's compute, and ranks usually arrive within microseconds
  * of each other. With more ranks than CPUs a spinning rank would take the
- * CPU the late one needs: then only SPIN_ITERS pauses. */
+ * CPU the late one needs: then only SPIN_ITERS pauses. The spin yields
+ * between its checks, for the same reason when the CPUs are busy with other
+ * work: a late peer waiting for this CPU gets it at once (measured on a
+ * 2-CPU host at load 11-13: the median 1 MiB all-gather of 2 ranks went
+ * from 2.7-3.1 to 8.8-29.6 GB/s), and on an idle host the yield returns
+ * at once. */
 #define SPIN_NS (200 * 1000)
 #define SLICE_NS (20 * 1000 * 1000) /* futex slice: how often liveness is checked */
 
@@ -374,6 +379,7 @@ static fs_status rendezvous(fs_comm *c)
                     return FS_OK;
                 cpu_relax();
             }
+            sched_yield(); /* [Note: spin before sleeping]: a peer waiting for this CPU */
         } while (now_s() < until);
     }
     double deadline = now_s() + s->timeout_s;
