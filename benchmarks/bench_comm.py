@@ -96,7 +96,6 @@ def worker(rank, port, world, sizes, rounds, backends, out):
                            reps, sync)
                 res.setdefault((size, "ag", backend), []).append(ag)
                 res.setdefault((size, "rs", backend), []).append(rs)
-            del shard, full
             if rank == 0:
                 for name, t in ceiling(size, reps, (torch.ones(size // 4),
                                                     torch.empty(size // 4))).items():
