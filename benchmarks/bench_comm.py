@@ -1,73 +1,121 @@
-"""Collective bandwidth: flatshard's shm backend vs gloo, with memcpy as the ceiling.
+"""Collective bandwidth: flatshard's shm backend vs gloo, against memcpy measured in the same run.
 
     python3 benchmarks/bench_comm.py [--worlds 2,4] [--min-mib 1] [--max-mib 256]
+                                     [--rounds 5] [--backends shm,torch]
 
 For each world size this spawns that many ranks (one thread each) and times
 all-gather and reduce-scatter of float32 at sizes from --min-mib to
---max-mib (doubling), through flatshard's Comm on both backends: "shm"
+--max-mib (doubling), through flatshard's Comm on each backend: "shm"
 (csrc/backends/comm_shm.c) and "torch" (the gloo process group). Size is the full
 buffer, as nccl-tests counts it: the all-gather output, the reduce-scatter
-input. Reported: algorithm bandwidth = size / time (GB/s, 1e9), the time
-being rank 0's mean over the repetitions between two barriers. The ceiling is
-one process' memcpy bandwidth on a buffer of the same size.
+input. Algorithm bandwidth = size / time (GB/s, 1e9), the time being rank
+0's mean over the repetitions between two barriers.
+
+The ceiling is measured, not assumed: in every round, after each size's
+collectives, rank 0 alone (the others wait in a barrier) times libc's
+memcpy on a buffer of that size, a read-only pass (memchr for a byte that
+is not there) and a write-only pass (memset). --rounds rounds interleave
+them with the collectives, so load that comes and goes reaches both; each
+figure is printed as median [min-max] over the rounds, and "/memcpy" is
+the collective's median over memcpy's median. The load average is printed
+before and after each world size.
 """
 import argparse
+import ctypes
 import os
 import shlex
+import statistics
 import sys
 import time
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from harness import cpu_name, run_ranks  # noqa: E402
+
+_libc = ctypes.CDLL(None)
+_libc.memchr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+_libc.memchr.restype = ctypes.c_void_p
+PASSES = ("memcpy", "read", "write")
+
 
 def reps_for(size):
     """Repetitions per point: fixed by size, so every rank runs the same count."""
     return max(3, min(30, (256 << 20) // size))
 
 
-def timed(fn, comm, reps):
+def timed(fn, reps, sync):
     fn()  # warm-up: first touch of the buffers
-    comm.barrier()
+    sync()
     start = time.perf_counter()
     for _ in range(reps):
         fn()
-    comm.barrier()
+    sync()
     return (time.perf_counter() - start) / reps
 
 
-def worker(rank, world, port, sizes, queue):
+def ceiling(size, reps, bufs):
+    """Seconds per pass of memcpy, read and write on `size` bytes (libc's own
+    routines, one thread): the median of `reps` timings each."""
+    a, b = bufs
+    pa, pb = a.data_ptr(), b.data_ptr()
+    calls = {"memcpy": lambda: ctypes.memmove(pb, pa, size),
+             "read": lambda: _libc.memchr(pa, 1, size),  # a is 1.0f: no byte 0x01
+             "write": lambda: ctypes.memset(pb, 0, size)}
+    out = {}
+    for name, fn in calls.items():
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        out[name] = statistics.median(ts)
+    return out
+
+
+def worker(rank, port, world, sizes, rounds, backends, out):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from flatshard.runtime import comm as fcomm
-    rows = []
-    comms = {b: fcomm.comm_for(dist.group.WORLD, b) for b in ("shm", "torch")}
-    for size in sizes:
-        n = size // 4 // world  # elements per rank
-        shard = torch.ones(n)
-        full = torch.ones(n * world)
-        reps = reps_for(size)
-        for backend, c in comms.items():
-            ag = timed(lambda: fcomm.all_gather_into(c, full, shard), c, reps)
-            rs = timed(lambda: fcomm.reduce_scatter_into(c, shard, full, average=False), c, reps)
-            rows.append((size, backend, ag, rs))
+    comms = {b: fcomm.comm_for(dist.group.WORLD, b) for b in backends}
+    sync = comms[backends[0]].barrier
+    res = {}  # (size, what) -> [seconds per round]
+    for _ in range(rounds):
+        for size in sizes:
+            n = size // 4 // world  # elements per rank
+            shard, full = torch.ones(n), torch.ones(n * world)
+            reps = reps_for(size)
+            for backend, c in comms.items():
+                ag = timed(lambda: fcomm.all_gather_into(c, full, shard), reps, sync)
+                rs = timed(lambda: fcomm.reduce_scatter_into(c, shard, full, average=False),
+                           reps, sync)
+                res.setdefault((size, "ag", backend), []).append(ag)
+                res.setdefault((size, "rs", backend), []).append(rs)
+            if rank == 0:
+                for name, t in ceiling(size, reps, (torch.ones(size // 4),
+                                                    torch.empty(size // 4))).items():
+                    res.setdefault((size, name, ""), []).append(t)
+            sync()
     if rank == 0:
-        queue.put(rows)
-    dist.barrier()
+        out.put(res)
+    sync()
     dist.destroy_process_group()
 
 
-def memcpy_bw(size):
-    a, b = torch.ones(size // 4), torch.empty(size // 4)
-    b.copy_(a)
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.3 or reps < 3:
-        b.copy_(a)
-        reps += 1
-    return size * reps / (time.perf_counter() - start) / 1e9
+def spread(size, times):
+    """'median [min-max]' of the bandwidths, and the median."""
+    bw = sorted(size / t / 1e9 for t in times)
+    med = statistics.median(bw)
+    return f"{med:.2f} [{bw[0]:.2f}-{bw[-1]:.2f}]", med
+
+
+def load():
+    return "load average %.2f %.2f %.2f" % os.getloadavg()
 
 
 def main():
@@ -75,30 +123,43 @@ def main():
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--min-mib", type=int, default=1)
     ap.add_argument("--max-mib", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--backends", default="shm,torch")
     args = ap.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
+    if not backends or any(b not in ("shm", "torch") for b in backends):
+        ap.error("--backends: a comma list of 'shm' and 'torch'")
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     sizes, s = [], args.min_mib
     while s <= args.max_mib:
         sizes.append(s << 20)
         s *= 2
     print("command: python3 " + " ".join(shlex.quote(a) for a in sys.argv))
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, float32, GB/s = 1e9 bytes/s")
-    ceiling = {size: memcpy_bw(size) for size in sizes}
-    ctx = mp.get_context("spawn")
-    for i, world in enumerate(int(w) for w in args.worlds.split(",")):
-        queue = ctx.SimpleQueue()
-        mp.start_processes(worker, args=(world, 29600 + 7 * i + os.getpid() % 100, sizes, queue),
-                           nprocs=world, start_method="spawn", join=True)
-        rows = queue.get()
-        print(f"\n== {world} ranks ==")
-        print(f"{'size':>9} {'memcpy':>7} | {'all-gather shm':>14} {'gloo':>6} {'x':>5} "
-              f"{'/memcpy':>7} | {'reduce-scatter shm':>18} {'gloo':>6} {'x':>5} {'/memcpy':>7}")
-        by = {(r[0], r[1]): r for r in rows}
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, float32, "
+          f"GB/s = 1e9 bytes/s, median [min-max] over {args.rounds} rounds")
+    for world in (int(w) for w in args.worlds.split(",")):
+        print(f"\n== {world} ranks == {load()}")
+        res = run_ranks(worker, world, world, sizes, args.rounds, backends)
+        head = f"{'size':>7} | " + " | ".join(f"{p:>19}" for p in PASSES)
+        for b in backends:
+            name = "shm" if b == "shm" else "gloo"
+            head += f" | {'all-gather ' + name:>19} {'/memcpy':>7} | " \
+                    f"{'reduce-scatter ' + name:>22} {'/memcpy':>7}"
+        print(head)
         for size in sizes:
-            shm, gloo = by[(size, "shm")], by[(size, "torch")]
-            bw = [size / t / 1e9 for t in (shm[2], gloo[2], shm[3], gloo[3])]
-            print(f"{size >> 20:>6}MiB {ceiling[size]:>7.2f} | {bw[0]:>14.2f} {bw[1]:>6.2f} "
-                  f"{bw[0] / bw[1]:>5.1f} {bw[0] / ceiling[size]:>7.2f} | {bw[2]:>18.2f} "
-                  f"{bw[3]:>6.2f} {bw[2] / bw[3]:>5.1f} {bw[2] / ceiling[size]:>7.2f}")
+            cells, ceil = [], None
+            for p in PASSES:
+                text, med = spread(size, res[(size, p, "")])
+                ceil = med if p == "memcpy" else ceil
+                cells.append(f"{text:>19}")
+            row = f"{size >> 20:>4}MiB | " + " | ".join(cells)
+            for b in backends:
+                ag, ag_med = spread(size, res[(size, "ag", b)])
+                rs, rs_med = spread(size, res[(size, "rs", b)])
+                row += f" | {ag:>19} {ag_med / ceil:>7.2f} | {rs:>22} {rs_med / ceil:>7.2f}"
+            print(row)
+        print(f"   after: {load()}")
 
 
 if __name__ == "__main__":

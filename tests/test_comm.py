@@ -83,6 +83,30 @@ def test_shm_default_slots_larger_than_a_half(dist_pool, world):
     assert dist_pool(world).run(_collectives, 1_500_007, torch.float32, "shm") == [True] * world
 
 
+# Chunks of the small slot: 32 KiB halves. Per all-gather rank and per
+# reduce-scatter output, sizes one unit around one and three chunks.
+_HALF = SMALL_SLOT // 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shm_sizes_around_chunk_boundaries(dist_pool, world, dtype):
+    es = torch.empty(0, dtype=dtype).element_size()
+    ag = [_HALF // es + d for d in (-1, 0, 1)] + [3 * _HALF // es + 1]
+    rs = [_HALF // (world * es) + d for d in (-1, 0, 1)] + [3 * _HALF // (world * es) + 1]
+    for n in ag + rs:
+        assert dist_pool(world).run(_collectives, n, dtype, "shm_small") == [True] * world
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shm_outputs_larger_than_the_cache_streamed(dist_pool, dtype):
+    # 2 ranks of 17 MiB + 13 elements: outputs past the last-level cache's
+    # share of a rank where that is up to 32 MiB (streamed: comm_shm.c
+    # [Note: streaming stores]), in default chunks that do not end on a line.
+    n = (17 << 20) // torch.empty(0, dtype=dtype).element_size() + 13
+    assert dist_pool(2).run(_collectives, n, dtype, "shm") == [True, True]
+
+
 def _bad_sizes(backend):
     c = comm(backend)
     errors = []

@@ -78,6 +78,46 @@ def test_reduce_sum_matches_float32_reference(dtype, n, nsrc):
         assert torch.equal(outs["scalar"].view(-1), outs[level].view(-1))
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 17, 63, 1031])
+@pytest.mark.parametrize("shift", [0, 1, 3, 16, 31])  # elements off a 32-byte boundary
+def test_reduce_sum_streamed_gives_the_plain_bits(dtype, n, shift):
+    # The streamed store path aligns dst in scalar first: every head length.
+    g = torch.Generator().manual_seed(n * 7 + shift)
+    srcs = [torch.randn(n, generator=g).to(dtype) for _ in range(3)]
+    base = torch.zeros(n + shift + 64, dtype=dtype)
+    want = torch.empty(n, dtype=dtype)
+    _C.reduce_sum(want.data_ptr(), dtype_code(dtype), [s.data_ptr() for s in srcs], n, 0.5,
+                  "scalar")
+    for level in ("auto", "scalar"):
+        base.fill_(7)
+        out = base[shift:shift + n]
+        _C.reduce_sum(out.data_ptr(), dtype_code(dtype), [s.data_ptr() for s in srcs], n, 0.5,
+                      level, True)
+        assert torch.equal(out.view(-1), want.view(-1)), level
+        assert (base[:shift] == 7).all() and (base[shift + n:] == 7).all()  # nothing else
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 63, 64, 65, 127, 128, 129, 191, 4097, (1 << 20) + 3])
+@pytest.mark.parametrize("dst_off", [0, 1, 32, 63])
+@pytest.mark.parametrize("src_off", [0, 5])
+def test_copy_stream_matches_memcpy(nbytes, dst_off, src_off):
+    g = torch.Generator().manual_seed(nbytes + dst_off * 3 + src_off)
+    src = torch.randint(0, 256, (nbytes + src_off,), dtype=torch.uint8, generator=g)
+    for level in ("scalar", "auto"):  # scalar is memcpy, the reference
+        dst = torch.full((nbytes + dst_off + 64,), 0xAB, dtype=torch.uint8)
+        _C.copy_stream(dst.data_ptr() + dst_off, src.data_ptr() + src_off, nbytes, level)
+        assert torch.equal(dst[dst_off:dst_off + nbytes], src[src_off:]), level
+        assert (dst[:dst_off] == 0xAB).all() and (dst[dst_off + nbytes:] == 0xAB).all()
+
+
+def test_copy_stream_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="nbytes"):
+        _C.copy_stream(0, 0, -1)
+    with pytest.raises(ValueError, match="simd"):
+        _C.copy_stream(0, 0, 0, "sse9")
+
+
 def test_reduce_sum_in_place_and_nan():
     a = torch.tensor([1.0, float("nan"), 3.0] * 5, dtype=torch.bfloat16)
     b = torch.ones(15, dtype=torch.bfloat16)

@@ -7,6 +7,15 @@
  * successive chunks *across* collectives, so that one barrier per chunk is
  * enough: before a rank writes half h again, every rank has passed the
  * barrier of the chunk in between, which it enters only after reading h.
+ * So a collective of one chunk is one hand-off between the ranks, the
+ * least a collective can cost; larger ones go in chunks sized from the
+ * caches ([Note: chunk size]).
+ *
+ * Speed: every rank copies at once (into its slot, then out of its peers'
+ * slots), each staged byte is read back from the cache, and outputs larger
+ * than the cache are written with streaming stores ([Note: streaming
+ * stores]), so that a large collective runs at the memory's speed
+ * (benchmarks/bench_comm.py measures it against memcpy in the same run).
  *
  * Lifetime: rank 0 creates the segment under a unique name that the Python
  * layer passes to the others through the process group; the last rank to map
@@ -52,6 +61,7 @@
 
 #include "ledger.h"
 #include "reduce.h"
+#include "stream_copy.h"
 
 #define SHM_MAGIC 0x33304D4853534655ULL /* "UFSSHM03" */
 #define SPIN_ITERS 256
@@ -61,7 +71,12 @@
  * microseconds (more under a hypervisor), which for small units is more
  * than the unit's compute, and ranks usually arrive within microseconds
  * of each other. With more ranks than CPUs a spinning rank would take the
- * CPU the late one needs: then only SPIN_ITERS pauses. */
+ * CPU the late one needs: then only SPIN_ITERS pauses. The spin yields
+ * between its checks, for the same reason when the CPUs are busy with other
+ * work: a late peer waiting for this CPU gets it at once (measured on a
+ * 2-CPU host at load 11-13: the median 1 MiB all-gather of 2 ranks went
+ * from 2.7-3.1 to 8.8-29.6 GB/s), and on an idle host the yield returns
+ * at once. */
 #define SPIN_NS (200 * 1000)
 #define SLICE_NS (20 * 1000 * 1000) /* futex slice: how often liveness is checked */
 
@@ -108,6 +123,8 @@ typedef struct {
     char *slots; /* world_size * slot_bytes */
     size_t map_bytes;
     uint64_t half_bytes;
+    size_t chunk_cap;    /* at most half_bytes: [Note: chunk size] */
+    size_t stream_above; /* outputs larger are streamed: [Note: streaming stores] */
     uint64_t chunk_counter; /* chunks done, across collectives: picks the half */
     uint64_t seq;
     double timeout_s;
@@ -136,6 +153,43 @@ static int cpus_allowed(void)
 #endif
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
+}
+
+/* Bytes of the data cache at `level` (2, 3) of CPU 0: sysfs first (what the
+ * kernel was told, right in a virtual machine, where the C library's CPUID
+ * figure can be the whole host's: 384 MiB of L3 for a guest whose CPUs share
+ * 32 MiB), the C library's otherwise; 0 when neither says. */
+static size_t cache_bytes(int level)
+{
+    for (int i = 0; i < 8; i++) {
+        char path[96], buf[32];
+        int lvl = 0;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            break;
+        if (fscanf(f, "%d", &lvl) != 1)
+            lvl = 0;
+        fclose(f);
+        if (lvl != level)
+            continue;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        f = fopen(path, "r");
+        if (!f)
+            break;
+        size_t kib = 0;
+        if (fgets(buf, sizeof buf, f))
+            kib = (size_t)strtoul(buf, NULL, 10); /* "1024K" */
+        fclose(f);
+        if (kib)
+            return kib << 10;
+    }
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    long v = sysconf(level == 2 ? _SC_LEVEL2_CACHE_SIZE : _SC_LEVEL3_CACHE_SIZE);
+    if (v > 0)
+        return (size_t)v;
+#endif
+    return 0;
 }
 
 static double now_s(void)
@@ -326,6 +380,7 @@ static fs_status rendezvous(fs_comm *c)
                     return FS_OK;
                 cpu_relax();
             }
+            sched_yield(); /* [Note: spin before sleeping]: a peer waiting for this CPU */
         } while (now_s() < until);
     }
     double deadline = now_s() + s->timeout_s;
@@ -390,25 +445,57 @@ static char *half(shm_impl *s, int rank)
     return s->slots + (size_t)rank * 2 * s->half_bytes + (s->chunk_counter & 1) * s->half_bytes;
 }
 
+/* Units per chunk for `total` units of `unit_bytes`: the fewest chunks of at
+ * most chunk_cap bytes, split evenly (no short last chunk); at least one
+ * unit. */
+static size_t chunk_units(const shm_impl *s, size_t total, size_t unit_bytes)
+{
+    size_t cap = s->chunk_cap / unit_bytes;
+    cap = cap ? cap : 1;
+    size_t chunks = (total + cap - 1) / cap;
+    return (total + chunks - 1) / chunks;
+}
+
+/* Write part of a collective's output, which the caller reads later. */
+static void put(shm_impl *s, void *dst, const void *src, size_t n, int stream)
+{
+    if (stream)
+        fs_copy_stream(dst, src, n, s->simd);
+    else
+        memcpy(dst, src, n);
+}
+
 /* ---------------------------------------------------------------------------
  * collectives */
 
+/* [Note: shm all-gather] Per chunk, each rank copies its piece into its
+ * slot with plain stores (read next, from the cache), then from there to its
+ * own place in recv (in place: nothing), passes the chunk's barrier, and
+ * copies every peer's slot into recv, starting with the next rank so that
+ * the ranks do not all read one slot at once. Per rank and byte of send:
+ * one read of send, world writes of recv, world - 1 reads of the peers'
+ * slots and one of its own (cached). */
 static fs_status s_all_gather(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t)
 {
     shm_impl *s = c->impl;
     const size_t bytes = (size_t)count * fs_dtype_size(t);
-    const int me = c->rank;
+    const int me = c->rank, w = c->world_size;
+    const int stream = bytes * (size_t)w > s->stream_above;
+    const int in_place = (const char *)recv + me * bytes == (const char *)send;
+    const size_t step = chunk_units(s, bytes, 1);
     fs_status st = FS_OK;
     enter(c, OP_ALL_GATHER);
-    for (size_t off = 0; off < bytes && st == FS_OK; off += s->half_bytes) {
-        size_t n = bytes - off < s->half_bytes ? bytes - off : s->half_bytes;
-        memcpy(half(s, me), (const char *)send + off, n);
-        if ((const char *)recv + me * bytes != (const char *)send) /* else in place */
-            memcpy((char *)recv + me * bytes + off, (const char *)send + off, n);
+    for (size_t off = 0; off < bytes && st == FS_OK; off += step) {
+        size_t n = bytes - off < step ? bytes - off : step;
+        char *mine = half(s, me);
+        memcpy(mine, (const char *)send + off, n);
+        if (!in_place)
+            put(s, (char *)recv + me * bytes + off, mine, n, stream);
         st = barrier(c);
-        for (int r = 0; r < c->world_size && st == FS_OK; r++)
-            if (r != me)
-                memcpy((char *)recv + r * bytes + off, half(s, r), n);
+        for (int k = 1; k < w && st == FS_OK; k++) {
+            int r = (me + k) % w;
+            put(s, (char *)recv + r * bytes + off, half(s, r), n, stream);
+        }
         s->chunk_counter++;
     }
     return leave(c, st);
@@ -421,7 +508,8 @@ static fs_status s_reduce_scatter(fs_comm *c, const void *send, void *recv, int6
     const size_t es = fs_dtype_size(t);
     const int w = c->world_size, me = c->rank;
     /* Each chunk stages, for every other rank r, the piece of r's segment. */
-    const int64_t chunk = (int64_t)(s->half_bytes / ((size_t)w * es));
+    const int64_t chunk = (int64_t)chunk_units(s, (size_t)recv_count, (size_t)w * es);
+    const int stream = (size_t)recv_count * es > s->stream_above;
     const double scale = op == FS_RED_AVG ? 1.0 / w : 1.0;
     fs_status st = FS_OK;
     enter(c, OP_REDUCE_SCATTER);
@@ -438,7 +526,7 @@ static fs_status s_reduce_scatter(fs_comm *c, const void *send, void *recv, int6
         for (int r = 0; r < w; r++)
             s->srcs[r] = r == me ? (const char *)send + ((size_t)me * recv_count + off) * es
                                  : half(s, r) + (size_t)me * chunk * es;
-        st = fs_reduce_sum((char *)recv + off * es, s->srcs, w, n, t, scale, s->simd);
+        st = fs_reduce_sum((char *)recv + off * es, s->srcs, w, n, t, scale, s->simd, stream);
         s->chunk_counter++;
     }
     return leave(c, st);
@@ -448,7 +536,8 @@ static fs_status s_all_reduce(fs_comm *c, void *buf, int64_t count, fs_dtype t, 
 {
     shm_impl *s = c->impl;
     const size_t es = fs_dtype_size(t);
-    const int64_t chunk = (int64_t)(s->half_bytes / es);
+    const int64_t chunk = (int64_t)chunk_units(s, (size_t)count, es);
+    const int stream = (size_t)count * es > s->stream_above;
     const double scale = op == FS_RED_AVG ? 1.0 / c->world_size : 1.0;
     fs_status st = FS_OK;
     enter(c, OP_ALL_REDUCE);
@@ -461,7 +550,8 @@ static fs_status s_all_reduce(fs_comm *c, void *buf, int64_t count, fs_dtype t, 
         /* Every rank sums the same slots in rank order: identical bits. */
         for (int r = 0; r < c->world_size; r++)
             s->srcs[r] = half(s, r);
-        st = fs_reduce_sum((char *)buf + off * es, s->srcs, c->world_size, n, t, scale, s->simd);
+        st = fs_reduce_sum((char *)buf + off * es, s->srcs, c->world_size, n, t, scale, s->simd,
+                           stream);
         s->chunk_counter++;
     }
     return leave(c, st);
@@ -471,15 +561,17 @@ static fs_status s_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, i
 {
     shm_impl *s = c->impl;
     const size_t bytes = (size_t)count * fs_dtype_size(t);
+    const int stream = bytes > s->stream_above;
+    const size_t step = chunk_units(s, bytes, 1);
     fs_status st = FS_OK;
     enter(c, OP_BROADCAST);
-    for (size_t off = 0; off < bytes && st == FS_OK; off += s->half_bytes) {
-        size_t n = bytes - off < s->half_bytes ? bytes - off : s->half_bytes;
+    for (size_t off = 0; off < bytes && st == FS_OK; off += step) {
+        size_t n = bytes - off < step ? bytes - off : step;
         if (c->rank == root)
             memcpy(half(s, root), (char *)buf + off, n);
         st = barrier(c);
         if (st == FS_OK && c->rank != root)
-            memcpy((char *)buf + off, half(s, root), n);
+            put(s, (char *)buf + off, half(s, root), n, stream);
         s->chunk_counter++;
     }
     return leave(c, st);
@@ -546,6 +638,33 @@ static fs_status fail_errno(char *err, size_t cap, const char *what, const char 
     return FS_ERR_BACKEND;
 }
 
+/* [Note: chunk size] A chunk is copied into the slot, then read by the
+ * peers (and by its own rank, for its place in recv) right after the
+ * barrier. Every rank's two halves together fit in the last-level cache
+ * when a chunk is at most LLC / (2 * world): the slots' traffic then stays
+ * in the cache and never reaches memory. Smaller chunks (sized for L2)
+ * were measured slower: each chunk costs a barrier, and a barrier costs a
+ * sleep and a wake-up whenever a peer is not running at that moment (more
+ * ranks than CPUs, or other work on the host), which is far more than the
+ * L2 saves (benchmarks/RESULTS.md, "shm backend at the memory's speed").
+ * A smaller FLATSHARD_SHM_SLOT_BYTES caps it (half a slot).
+ *
+ * [Note: streaming stores] A collective's output larger than this rank's
+ * share of the last-level cache would not stay cached for its reader
+ * anyway: it is written with non-temporal stores (stream_copy.h), which
+ * skip the read for ownership of every destination line. Smaller outputs
+ * use plain stores and stay cached for the caller. */
+static void tune(shm_impl *s, int world, int cpus)
+{
+    const size_t l2 = cache_bytes(2), l3 = cache_bytes(3);
+    const size_t llc = l3 ? l3 : l2 ? l2 : (size_t)8 << 20;
+    size_t cap = llc / (2 * (size_t)world);
+    cap = (cap < 64 << 10 ? 64 << 10 : cap) / 64 * 64;
+    s->chunk_cap = cap < s->half_bytes ? cap : s->half_bytes;
+    const int sharers = world < cpus ? world : cpus;
+    s->stream_above = llc / (size_t)(sharers > 0 ? sharers : 1);
+}
+
 fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t slot_bytes,
                              double timeout_s, int create, const fs_ledger *ledger,
                              fs_comm **out, char *err, size_t err_cap)
@@ -600,7 +719,9 @@ fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t 
     s->slots = (char *)base + hdr;
     s->half_bytes = slot_bytes / 2;
     s->timeout_s = timeout_s;
-    s->spin_ns = world_size <= cpus_allowed() ? SPIN_NS : 0;
+    const int cpus = cpus_allowed();
+    s->spin_ns = world_size <= cpus ? SPIN_NS : 0;
+    tune(s, world_size, cpus);
     s->simd = fs_simd_best();
     s->ledger = ledger;
     s->srcs = srcs;

@@ -103,10 +103,13 @@ __attribute__((target("avx2,f16c"))) static inline __m256 ld8(const void *p, fs_
 }
 
 __attribute__((target("avx2,f16c"))) static inline void st8(void *p, fs_dtype t, int64_t i,
-                                                             __m256 v)
+                                                             __m256 v, int stream)
 {
     if (t == FS_F32) {
-        _mm256_storeu_ps((float *)p + i, v);
+        if (stream)
+            _mm256_stream_ps((float *)p + i, v);
+        else
+            _mm256_storeu_ps((float *)p + i, v);
         return;
     }
     __m128i out;
@@ -125,28 +128,36 @@ __attribute__((target("avx2,f16c"))) static inline void st8(void *p, fs_dtype t,
         __m256i p16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
         out = _mm256_castsi256_si128(p16);
     }
-    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), out);
+    if (stream)
+        _mm_stream_si128((__m128i *)((uint16_t *)p + i), out);
+    else
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), out);
 }
 
+/* Elements [lo, returned) done; with `stream`, dst + lo must be 32-byte
+ * aligned (the caller does the head in scalar: same bits). */
 __attribute__((target("avx2,f16c"))) static int64_t reduce_avx2(void *dst,
                                                                  const void *const *srcs,
-                                                                 int nsrc, int64_t n,
-                                                                 fs_dtype t, float scale)
+                                                                 int nsrc, int64_t lo, int64_t n,
+                                                                 fs_dtype t, float scale,
+                                                                 int stream)
 {
     const __m256 k = _mm256_set1_ps(scale);
-    int64_t i = 0;
+    int64_t i = lo;
     for (; i + 8 <= n; i += 8) {
         __m256 acc = ld8(srcs[0], t, i);
         for (int s = 1; s < nsrc; s++)
             acc = _mm256_add_ps(acc, ld8(srcs[s], t, i));
-        st8(dst, t, i, _mm256_mul_ps(acc, k));
+        st8(dst, t, i, _mm256_mul_ps(acc, k), stream);
     }
+    if (stream)
+        _mm_sfence();
     return i;
 }
 #endif
 
 fs_status fs_reduce_sum(void *dst, const void *const *srcs, int nsrc, int64_t n, fs_dtype t,
-                        double scale, fs_simd simd)
+                        double scale, fs_simd simd, int stream)
 {
     if (nsrc < 1 || n < 0 || !fs_dtype_is_float(t))
         return FS_ERR_INVALID_ARG;
@@ -161,13 +172,22 @@ fs_status fs_reduce_sum(void *dst, const void *const *srcs, int nsrc, int64_t n,
         reduce_f64(dst, srcs, nsrc, n, scale);
         return FS_OK;
     }
-    int64_t done = 0;
+    int64_t head = 0, done = 0;
 #ifdef FS_X86
-    if (simd >= FS_SIMD_AVX2 && fs_simd_best() >= FS_SIMD_AVX2)
-        done = reduce_avx2(dst, srcs, nsrc, n, t, (float)scale);
+    if (simd >= FS_SIMD_AVX2 && fs_simd_best() >= FS_SIMD_AVX2) {
+        const size_t es = fs_dtype_size(t);
+        stream = stream && ((uintptr_t)dst % es) == 0;
+        if (stream) { /* scalar up to the first 32-byte boundary */
+            head = (int64_t)(((32 - ((uintptr_t)dst & 31)) & 31) / es);
+            head = head < n ? head : n;
+            reduce_scalar(dst, srcs, nsrc, 0, head, t, (float)scale);
+        }
+        done = reduce_avx2(dst, srcs, nsrc, head, n, t, (float)scale, stream);
+    }
 #else
     (void)simd;
+    (void)stream;
 #endif
-    reduce_scalar(dst, srcs, nsrc, done, n, t, (float)scale);
+    reduce_scalar(dst, srcs, nsrc, done > head ? done : head, n, t, (float)scale);
     return FS_OK;
 }

@@ -30,8 +30,10 @@ const char *fs_simd_name(fs_simd s);
  * lacks. */
 int fs_simd_parse(const char *name);
 
-/* nsrc >= 1; dst may be one of the sources. Float dtypes only. */
+/* nsrc >= 1; dst may be one of the sources. Float dtypes only. With
+ * `stream`, the SIMD path writes dst with non-temporal stores (for an output
+ * nobody reads soon: stream_copy.h); the bits are the same either way. */
 fs_status fs_reduce_sum(void *dst, const void *const *srcs, int nsrc, int64_t n, fs_dtype t,
-                        double scale, fs_simd simd);
+                        double scale, fs_simd simd, int stream);
 
 #endif

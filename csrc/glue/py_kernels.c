@@ -12,6 +12,7 @@
 #include "layout.h"
 #include "norm.h"
 #include "reduce.h"
+#include "stream_copy.h"
 #include "unit_fsm.h"
 
 /* Below this many bytes a copy is cheaper than releasing the GIL. */
@@ -141,10 +142,11 @@ static PyObject *py_dim0_copy_in(PyObject *m, PyObject *args)
 }
 
 PyDoc_STRVAR(reduce_sum_doc,
-             "reduce_sum(dst_ptr, dtype, src_ptrs, numel, scale, simd='auto')\n"
+             "reduce_sum(dst_ptr, dtype, src_ptrs, numel, scale, simd='auto', stream=False)\n"
              "dst = scale * (src0 + src1 + ...), summed in order in f32 (f64 for f64).\n"
              "simd: 'auto' (best for this CPU), 'avx2' or 'scalar' (the reference); 'avx512'\n"
-             "runs the AVX2 loop (a memory-bound sum gains nothing wider).");
+             "runs the AVX2 loop (a memory-bound sum gains nothing wider). stream: write dst\n"
+             "with non-temporal stores (same bits).");
 static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
 {
     unsigned long long dp;
@@ -153,7 +155,8 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
     long long n;
     double scale;
     const char *simd_name = "auto";
-    if (!PyArg_ParseTuple(args, "KiOLd|s", &dp, &t, &srcs_obj, &n, &scale, &simd_name))
+    int stream = 0;
+    if (!PyArg_ParseTuple(args, "KiOLd|sp", &dp, &t, &srcs_obj, &n, &scale, &simd_name, &stream))
         return NULL;
     int level = fs_simd_parse(simd_name);
     if (level < 0)
@@ -175,7 +178,7 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
         srcs[i] = (const void *)(intptr_t)ptrs[i];
     fs_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = fs_reduce_sum((void *)dp, srcs, (int)k, n, t, scale, simd);
+    s = fs_reduce_sum((void *)dp, srcs, (int)k, n, t, scale, simd, stream);
     Py_END_ALLOW_THREADS
     res = fs_result(m, s, "reduce_sum: need >= 1 source and a float dtype");
 done:
@@ -220,6 +223,31 @@ static PyObject *py_norm_partial(PyObject *m, PyObject *args)
 done:
     Py_DECREF(seq);
     return res;
+}
+
+PyDoc_STRVAR(copy_stream_doc,
+             "copy_stream(dst_ptr, src_ptr, nbytes, simd='auto')\n"
+             "Copy nbytes with non-temporal stores (csrc/core/stream_copy.h); simd='scalar'\n"
+             "is memcpy, the reference. The buffers must not overlap.");
+static PyObject *py_copy_stream(PyObject *m, PyObject *args)
+{
+    unsigned long long dp, sp;
+    long long n;
+    const char *simd_name = "auto";
+    if (!PyArg_ParseTuple(args, "KKL|s", &dp, &sp, &n, &simd_name))
+        return NULL;
+    int level = fs_simd_parse(simd_name);
+    if (level < 0)
+        return PyErr_Format(PyExc_ValueError, "copy_stream: simd='%s': %s", simd_name,
+                            level == -1 ? "expected 'auto', 'scalar', 'avx2' or 'avx512'"
+                                        : "this CPU lacks it");
+    if (n < 0 || (n > 0 && (!dp || !sp)))
+        return PyErr_Format(PyExc_ValueError, "copy_stream: nbytes must be >= 0 and the "
+                            "pointers non-null");
+    Py_BEGIN_ALLOW_THREADS
+    fs_copy_stream((void *)(uintptr_t)dp, (const void *)(uintptr_t)sp, (size_t)n, (fs_simd)level);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_simd_level(PyObject *m, PyObject *Py_UNUSED(a))
@@ -271,6 +299,7 @@ static PyMethodDef kernel_methods[] = {
     {"dim0_copy_in", py_dim0_copy_in, METH_VARARGS, dim0_copy_in_doc},
     {"fsm_step", py_fsm_step, METH_VARARGS, fsm_step_doc},
     {"reduce_sum", py_reduce_sum, METH_VARARGS, reduce_sum_doc},
+    {"copy_stream", py_copy_stream, METH_VARARGS, copy_stream_doc},
     {"norm_partial", py_norm_partial, METH_VARARGS, norm_partial_doc},
     {"simd_level", py_simd_level, METH_NOARGS, "simd_level() -> the SIMD level reductions use"},
     {"shm_unlink", py_shm_unlink, METH_VARARGS,

@@ -18,7 +18,8 @@ error naming the rank that did not arrive and where it is. Every collective
 is recorded in the Comm's ledger (Comm.ledger()); a failed one reports where
 each rank was (diagnostics.py).
 FLATSHARD_SHM_SLOT_BYTES sets each rank's staging slot in the segment
-(default 8 MiB; transfers larger than half of it go in chunks).
+(default 8 MiB; transfers go in chunks of at most half of it, fewer where the
+CPU's last-level cache is small: comm_shm.c, [Note: chunk size]).
 """
 import atexit
 import os
