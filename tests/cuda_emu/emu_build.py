@@ -83,6 +83,7 @@ def _build(out):
     _run([cxx, "-shared", *objs, *rpath, "-o", "libfs_cuda_kernels.so"], out)
     # a libnccl over the shared-memory backend
     core = ["backends/comm_shm.c", "backends/comm.c", "backends/ledger.c", "core/reduce.c",
+            "core/stream_copy.c",
             "core/status.c", "core/copy.c", "core/layout.c"]
     core_objs = []
     for name in core:
