@@ -37,6 +37,7 @@ ENGINE_SOURCES = [os.path.join(CSRC, p) for p in (
     "engine/unit.c", "engine/unit_reduce.c", "engine/unit_fsm.c", "engine/link.c",
     "engine/group.c", "engine/link_quant.c", "core/quant.c",
     "core/copy.c", "core/layout.c", "core/reduce.c", "core/reduce_rule.c", "core/status.c",
+    "core/stream_copy.c",
     "backends/comm.c", "backends/comm_shm.c", "backends/ledger.c")]
 INCLUDES = [f"-I{os.path.join(CSRC, d)}" for d in ("core", "engine", "backends")]
 BUILD_TIMEOUT = 120
