@@ -432,6 +432,21 @@ METHOD_CASES = {
     "forward_method": (V, "register_fsdp_forward_method", "method_name", "'nope'",
                        lambda m: register_fsdp_forward_method(m, "nope")),
 }
+# torch 2.15's methods, where the installed torch (and so flatshard) has them
+if hasattr(FSDPModule, "finalize_backward"):
+    METHOD_CASES.update({
+        "manual_finalization": (T, "set_manual_backward_finalization", "enabled", "'yes'",
+                                lambda m: m.set_manual_backward_finalization("yes")),
+        "finalize_async": (T, "finalize_backward", "async_op", "int 1",
+                           lambda m: m.finalize_backward(async_op=1)),
+    })
+if hasattr(FSDPModule, "set_keep_unsharded_storage"):
+    METHOD_CASES.update({
+        "keep_storage": (T, "set_keep_unsharded_storage", "keep", "None",
+                         lambda m: m.set_keep_unsharded_storage(None)),
+        "keep_storage_recurse": (T, "set_keep_unsharded_storage", "recurse", "'yes'",
+                                 lambda m: m.set_keep_unsharded_storage(True, recurse="yes")),
+    })
 
 
 def _arguments(fn):
