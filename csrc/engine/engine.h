@@ -242,6 +242,11 @@ fs_status fs_link_reduce_scatter_quant(fs_link *l, const fs_env *env, const char
  * failure its words in err. */
 int fs_comm_quant_check(const fs_comm_quant *q, char *err, size_t cap);
 
+/* Host loops over n values: the lock handed back around them when they are
+ * long (n >= FS_UNLOCK_NUMEL); fs_link_relock takes it again with the same n. */
+void *fs_link_unlock_for(const fs_link *l, int64_t n);
+void fs_link_relock(const fs_link *l, int64_t n, void *tok);
+
 /* copy.h's fs_cast / fs_scale_accumulate: the host loops, or the link's
  * device kernels enqueued on `stream` (a failure's words in comm->last_error). */
 fs_status fs_link_cast(const fs_link *l, void *stream, void *dst, fs_dtype dt, const void *src,

@@ -52,17 +52,26 @@ void fs_held_free(fs_held *l, const fs_env *env)
 /* ---------------------------------------------------------------------------
  * kernels and workspace */
 
+void *fs_link_unlock_for(const fs_link *l, int64_t n)
+{
+    return l->unlock && n >= FS_UNLOCK_NUMEL ? l->unlock() : NULL;
+}
+
+void fs_link_relock(const fs_link *l, int64_t n, void *tok)
+{
+    if (l->unlock && n >= FS_UNLOCK_NUMEL)
+        l->lock(tok);
+}
+
 fs_status fs_link_cast(const fs_link *l, void *stream, void *dst, fs_dtype dt, const void *src,
                        fs_dtype st, int64_t n)
 {
     if (l->dev)
         return l->dev->cast(dst, dt, src, st, n, stream, l->comm->last_error,
                             sizeof l->comm->last_error);
-    if (!l->unlock || n < FS_UNLOCK_NUMEL)
-        return fs_cast(dst, dt, src, st, n);
-    void *tok = l->unlock();
+    void *tok = fs_link_unlock_for(l, n);
     fs_status s = fs_cast(dst, dt, src, st, n);
-    l->lock(tok);
+    fs_link_relock(l, n, tok);
     return s;
 }
 
@@ -76,13 +85,12 @@ fs_status fs_link_cast2d(const fs_link *l, void *stream, void *dst, int64_t dst_
         return l->dev->cast2d(dst, dst_pitch, dt, src, src_pitch, st, width, height, stream,
                               l->comm->last_error, sizeof l->comm->last_error);
     const size_t ds = fs_dtype_size(dt), ss = fs_dtype_size(st);
-    void *tok = l->unlock && width * height >= FS_UNLOCK_NUMEL ? l->unlock() : NULL;
+    void *tok = fs_link_unlock_for(l, width * height);
     fs_status s = FS_OK;
     for (int64_t j = 0; j < height && s == FS_OK; j++)
         s = fs_cast((char *)dst + (size_t)(j * dst_pitch) * ds, dt,
                     (const char *)src + (size_t)(j * src_pitch) * ss, st, width);
-    if (l->unlock && width * height >= FS_UNLOCK_NUMEL)
-        l->lock(tok);
+    fs_link_relock(l, width * height, tok);
     return s;
 }
 
@@ -93,11 +101,9 @@ fs_status fs_link_scale_accumulate(const fs_link *l, void *stream, void *dst, fs
     if (l->dev)
         return l->dev->scale_accumulate(dst, dt, src, st, n, scale, accumulate, stream,
                                         l->comm->last_error, sizeof l->comm->last_error);
-    if (!l->unlock || n < FS_UNLOCK_NUMEL)
-        return fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
-    void *tok = l->unlock();
+    void *tok = fs_link_unlock_for(l, n);
     fs_status s = fs_scale_accumulate(dst, dt, src, st, n, scale, accumulate);
-    l->lock(tok);
+    fs_link_relock(l, n, tok);
     return s;
 }
 

@@ -30,18 +30,6 @@ int fs_comm_quant_check(const fs_comm_quant *q, char *err, size_t cap)
     return 1;
 }
 
-/* Kernel loops over n values, the lock handed back when they are long. */
-static void *unlock_for(const fs_link *l, int64_t n)
-{
-    return l->unlock && n >= FS_UNLOCK_NUMEL ? l->unlock() : NULL;
-}
-
-static void relock(const fs_link *l, int64_t n, void *tok)
-{
-    if (l->unlock && n >= FS_UNLOCK_NUMEL)
-        l->lock(tok);
-}
-
 static fs_status take_payloads(const fs_env *env, fs_comm *c, int64_t nbytes, const char *kind,
                                void **buf, void **h)
 {
@@ -77,20 +65,20 @@ fs_status fs_link_all_gather_quant(fs_link *l, const fs_env *env, const char *wh
     if (s != FS_OK)
         return s;
     char *mine = (char *)buf + (size_t)(c->rank * pb);
-    void *tok = unlock_for(l, count);
+    void *tok = fs_link_unlock_for(l, count);
     s = fs_quantize(mine, send, t, count, bits, block, simd);
-    relock(l, count, tok);
+    fs_link_relock(l, count, tok);
     if (s != FS_OK)
         snprintf(c->last_error, sizeof c->last_error, "quantize: bad arguments");
     else
         FS_LINK_RUN(l, s, FS_LOP_ALL_GATHER, what, pb, FS_U8,
                     fs_comm_all_gather(c, mine, buf, pb, FS_U8));
     if (s == FS_OK) {
-        tok = unlock_for(l, count * world);
+        tok = fs_link_unlock_for(l, count * world);
         for (int r = 0; r < world && s == FS_OK; r++)
             s = fs_dequantize((char *)recv + (size_t)(r * count) * es, t,
                               (const char *)buf + (size_t)(r * pb), count, bits, block, 0, simd);
-        relock(l, count * world, tok);
+        fs_link_relock(l, count * world, tok);
     }
     env->release(env->ctx, h);
     return s;
@@ -120,23 +108,23 @@ fs_status fs_link_reduce_scatter_quant(fs_link *l, const fs_env *env, const char
         return s;
     char *out = buf, *in = (char *)buf + (size_t)(pb * world);
     float *acc = t == FS_F32 ? recv : (float *)(in + (size_t)(pb * world));
-    void *tok = unlock_for(l, n * world);
+    void *tok = fs_link_unlock_for(l, n * world);
     for (int r = 0; r < world && s == FS_OK; r++)
         s = fs_quantize(out + (size_t)(r * pb), (const char *)send + (size_t)(r * n) * es, t, n,
                         bits, block, simd);
-    relock(l, n * world, tok);
+    fs_link_relock(l, n * world, tok);
     if (s != FS_OK)
         snprintf(c->last_error, sizeof c->last_error, "quantize: bad arguments");
     else
         FS_LINK_RUN(l, s, FS_LOP_ALL_TO_ALL, what, pb, FS_U8,
                     fs_comm_all_to_all(c, out, in, pb, FS_U8));
     if (s == FS_OK) { /* every rank's block for this one, summed in rank order */
-        tok = unlock_for(l, n * world);
+        tok = fs_link_unlock_for(l, n * world);
         for (int r = 0; r < world && s == FS_OK; r++)
             s = fs_dequantize(acc, FS_F32, in + (size_t)(r * pb), n, bits, block, r > 0, simd);
         if (s == FS_OK && t != FS_F32)
             s = fs_cast(recv, t, acc, FS_F32, n);
-        relock(l, n * world, tok);
+        fs_link_relock(l, n * world, tok);
     }
     env->release(env->ctx, h);
     return s;
