@@ -149,13 +149,13 @@ def test_fully_shard_engine_calls_per_hook_event(dist_pool):
             # pre_forward: unshard; post_forward: reshard; pre_backward:
             # unshard (or a prefetch by the module after it); post_backward:
             # reduce, resharding in the same call
-            assert _engine(calls) == ["unshard", "reshard", "unshard", "reduce"], calls
+            assert _engine(calls) == ["unshard", "reshard", "unshard", "reduce_grads"], calls
             # each gather checked for reassigned parameters first, the
             # unsharded ones registered after it, the sharded ones at each free
             assert calls == ["registration_changed", "unshard", "register_unsharded",
                              "register_sharded", "reshard",
                              "registration_changed", "unshard", "register_unsharded",
-                             "reduce", "register_sharded"], calls
+                             "reduce_grads", "register_sharded"], calls
 
 
 def test_fully_shard_engine_calls_with_a_reduction_bucket(dist_pool):
@@ -167,5 +167,7 @@ def test_fully_shard_engine_calls_with_a_reduction_bucket(dist_pool):
         assert len(flushes) == 1, logs
         for calls in logs:
             rest = [c for c in _engine(calls) if c != "flush_bucket"]
-            assert rest == ["unshard", "reshard", "unshard", "reduce"], calls
-        assert flushes[0][-1] == "flush_bucket" and flushes[0] is logs[-1], logs
+            # after the flush, each group's new gradients set (finish_reduce)
+            assert rest == ["unshard", "reshard", "unshard", "reduce_grads", "finish_reduce"], \
+                calls
+        assert flushes[0][-2:] == ["flush_bucket", "finish_reduce"] and flushes[0] is logs[-1], logs

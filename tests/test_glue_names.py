@@ -26,6 +26,14 @@ ALLOWED = {
     "UntypedStorage": "torch.UntypedStorage",
     "requires_grad": "torch.Tensor.requires_grad",
     "_local_tensor": "torch DTensor's local tensor (torch's fully_shard reads it so too)",
+    "grad": "torch.Tensor.grad",
+    "dtype": "torch.Tensor.dtype",
+    "shape": "torch.Tensor.shape",
+    "is_contiguous": "torch.Tensor.is_contiguous",
+    "contiguous": "torch.Tensor.contiguous",
+    "new_empty": "torch.Tensor.new_empty",
+    "_post_accumulate_grad_hooks": "torch.Tensor's post-accumulate-grad hooks (torch's "
+                                   "fully_shard runs them on the sharded parameters)",
 }
 
 # Keys that are values Python handed the C object, not names C chose: the
@@ -33,6 +41,7 @@ ALLOWED = {
 # csrc/glue/py_params.h), looked up in those modules' own _parameters dicts.
 HANDED = {
     "p->keys[s]": "a registered parameter's name in its module (ShardGroup.set_params)",
+    "dt": "a tensor's torch.dtype in the dtype-code table Python handed (ShardGroup.set_grads)",
 }
 
 # The calls that name an attribute, a method or a dict key; group 1 is what

@@ -7,6 +7,7 @@
 
 #include <stdlib.h>
 
+#include "py_grads.h"
 #include "py_params.h"
 #include "shard_group.h"
 
@@ -16,6 +17,7 @@ typedef struct {
     PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
     PyObject *full, *storage;
     fs_params params;      /* the registration on the modules (py_params.h) */
+    fs_grads grads;        /* the reduction's tensors (py_grads.h) */
 } ShardGroupObject;
 
 static PyObject *done(ShardGroupObject *self, fs_status s)
@@ -92,6 +94,7 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
                                fs_glue_link(self->comm), fs_glue_link(self->replicate), (int)n,
                                ou, d0, rn, gi, align, cdt, rdt);
     self->ready = 1;
+    self->grads.all_reduce = 1;
     if (s != FS_OK) {
         fs_raise(fs_state_from_type(tp), s, "ShardGroup %U: %s", name, self->g.core.err);
         Py_CLEAR(self);
@@ -114,6 +117,7 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     Py_XDECREF(self->full);
     Py_XDECREF(self->storage);
     fs_params_clear(&self->params);
+    fs_grads_clear(&self->grads);
     fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -357,13 +361,132 @@ PyDoc_STRVAR(cancel_bucket_doc,
              "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
              "backward that did not finish): the groups' reductions are dropped.");
 
-static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
+PyDoc_STRVAR(finish_reduce_doc,
+             "finish_reduce(write=True): what is left of a reduction (the wait, collect and\n"
+             "write of a deferred or held one); then, for reduce_grads', the new sharded\n"
+             "gradients set on their parameters and the parameters' post-accumulate-grad\n"
+             "hooks run ([Note: post-backward in C]). write=False: none set (a hook on the\n"
+             "reduce output failed, or a bucket was given up).");
+static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *args)
 {
-    if (!self->g.core.reduce_pending)
-        Py_RETURN_NONE;
-    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
+    int write = 1;
+    if (!PyArg_ParseTuple(args, "|p", &write))
         return NULL;
-    return done(self, fs_shard_finish_reduce(&self->g));
+    if (self->g.core.reduce_pending) {
+        PyObject *r = fs_glue_group_bind(FS_GROUP(self)) < 0
+            ? NULL : done(self, fs_shard_finish_reduce(&self->g));
+        if (!r) {
+            fs_grads_drop(&self->grads);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    if (!write) {
+        fs_grads_drop(&self->grads);
+        Py_RETURN_NONE;
+    }
+    if (fs_grads_finish(&self->grads, &self->params) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_grads_doc,
+             "set_grads(codes, tensor, specs, make, cls, like, empty, run_hooks): what\n"
+             "reduce_grads reads (py_grads.h): the dtype-code table, torch.Tensor, each sharded\n"
+             "parameter's DTensor spec (None: like(local, param) builds its gradient),\n"
+             "DTensor.__new__ and DTensor, empty(local) for a shard of a local that is not\n"
+             "plain, run_hooks(params).");
+static PyObject *ShardGroup_set_grads(ShardGroupObject *self, PyObject *args)
+{
+    PyObject *codes, *tensor, *specs, *make, *cls, *like, *empty, *hooks;
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &codes, &tensor, &specs, &make, &cls, &like, &empty,
+                          &hooks))
+        return NULL;
+    if (fs_grads_set(&self->grads, self->g.nparams, codes, tensor, specs, make, cls, like, empty,
+                     hooks) < 0)
+        return NULL;
+    self->grads.alone = self->comm->comm->world_size == 1;
+    self->grads.rcode = self->g.reduce;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_reduce_options_doc,
+             "set_reduce_options(factor, force_sum, all_reduce, hold, unused): the settings\n"
+             "of reduce_grads from now on: the divide factor (0: the engine's rule),\n"
+             "force_sum, HSDP's all-reduce (False: into the partial sum, no gradient\n"
+             "written), hold (a hook runs on the reduce output before the write), unused\n"
+             "(trainable parameters without a gradient take zeros).");
+static PyObject *ShardGroup_set_reduce_options(ShardGroupObject *self, PyObject *args)
+{
+    fs_grads *q = &self->grads;
+    double factor;
+    int force_sum, all_reduce, hold, unused;
+    if (!PyArg_ParseTuple(args, "dpppp", &factor, &force_sum, &all_reduce, &hold, &unused))
+        return NULL;
+    q->factor = factor;
+    q->force_sum = force_sum;
+    q->all_reduce = all_reduce;
+    q->hold = hold;
+    q->unused = unused;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(reduce_grads_doc,
+             "reduce_grads(grads, defer, reshard, bucket) -> 0, 1, 2 or None: the group's\n"
+             "reduction of its unsharded parameters' gradients into the sharded parameters'\n"
+             ".grad ([Note: post-backward in C], py_grads.h). grads: None, or one gradient\n"
+             "per parameter in place of its .grad (None entries: the .grad). defer, reshard,\n"
+             "bucket: as reduce(). 0: no gradient, nothing done; 1: done, gradients set and\n"
+             "hooks run; 2: left to finish (deferred, held or in the bucket:\n"
+             "finish_reduce()); None: a gradient is not a plain tensor, nothing done (hand\n"
+             "its values in grads).");
+static PyObject *ShardGroup_reduce_grads(ShardGroupObject *self, PyObject *const *args,
+                                         Py_ssize_t nargs)
+{
+    if (nargs != 4)
+        return PyErr_Format(PyExc_TypeError, "reduce_grads takes 4 arguments (%zd given)", nargs);
+    fs_grads *q = &self->grads;
+    const int defer = PyObject_IsTrue(args[1]), reshard = PyObject_IsTrue(args[2]);
+    if (defer < 0 || reshard < 0)
+        return NULL;
+    fs_reduce_bucket *bucket = NULL;
+    if (args[3] != Py_None) {
+        if (!(bucket = fs_glue_bucket(Py_TYPE(self), args[3])))
+            return NULL;
+        if (self->comm->dev || defer)
+            return PyErr_Format(PyExc_ValueError, "reduce_grads: bucket is for host Comms, "
+                                "without defer");
+    }
+    PyObject *keep = NULL;
+    int c = fs_grads_collect(q, &self->params, args[0], &keep);
+    if (c < 0)
+        return NULL;
+    if (c == FS_GRADS_ASK)
+        Py_RETURN_NONE;
+    if (c == FS_GRADS_NONE)
+        return PyLong_FromLong(0);
+    PyObject *r = NULL;
+    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
+        goto out;
+    const unsigned fl = (defer ? FS_SHARD_DEFER : 0) | (q->all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
+                        (q->hold && q->all_reduce ? FS_SHARD_HOLD : 0) |
+                        (q->force_sum ? FS_SHARD_FORCE_SUM : 0) |
+                        (reshard ? FS_SHARD_RESHARD : 0);
+    r = done(self, fs_shard_reduce(&self->g, q->gh, q->gt, q->oh, q->ot, q->acc, q->factor, fl,
+                                   bucket));
+    if (!r) {
+        fs_grads_drop(q);
+        goto out;
+    }
+    Py_DECREF(r);
+    if (bucket || self->g.core.reduce_pending) {
+        r = PyLong_FromLong(2);
+        goto out;
+    }
+    r = fs_grads_finish(q, &self->params) < 0 ? NULL : PyLong_FromLong(1);
+out:
+    Py_DECREF(keep);
+    return r;
 }
 
 static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -603,9 +726,12 @@ static PyMethodDef ShardGroup_methods[] = {
     {"wait_reduce", (PyCFunction)ShardGroup_wait_reduce, METH_NOARGS,
      "wait_reduce(): a deferred reduction: the stream waits for its reduce-scatter, then\n"
      "the replicas' all-reduce and a held output's divide are enqueued."},
-    {"finish_reduce", (PyCFunction)ShardGroup_finish_reduce, METH_NOARGS,
-     "finish_reduce(): what is left of a reduction (the wait, the all-reduce, the scale)\n"
-     "and the sharded gradients written."},
+    {"set_grads", (PyCFunction)ShardGroup_set_grads, METH_VARARGS, set_grads_doc},
+    {"set_reduce_options", (PyCFunction)ShardGroup_set_reduce_options, METH_VARARGS,
+     set_reduce_options_doc},
+    {"reduce_grads", (PyCFunction)(void (*)(void))ShardGroup_reduce_grads, METH_FASTCALL,
+     reduce_grads_doc},
+    {"finish_reduce", (PyCFunction)ShardGroup_finish_reduce, METH_VARARGS, finish_reduce_doc},
     {"accumulate", (PyCFunction)ShardGroup_accumulate, METH_VARARGS, accumulate_doc},
     {"drop_partial", (PyCFunction)ShardGroup_drop_partial, METH_NOARGS,
      "drop_partial(): forget the HSDP partial sum (reset_iter_state)."},

@@ -83,6 +83,18 @@ class ParamGroup:
         # gradients take the reduce-scatter with the rest.
         self.gathered = [not gathers_itself(p) for p in params]
         self.c = None
+        # The reduction's settings, handed to the engine group when they
+        # change (_reduce_options, [Note: post-backward in C]): the divide
+        # factor (set_gradient_divide_factor: None, the engine's rule),
+        # force_sum (set_force_sum_reduction_for_comms), reduce_unused
+        # (set_reduce_scatter_unused_params: trainable parameters without a
+        # gradient take zeros in the reduce-scatter and get its result),
+        # all_reduce (set_requires_all_reduce(False) on HSDP: reduce-scatter
+        # only, into the engine's partial sum, until a backward that
+        # all-reduces) and all_reduce_hook (set_all_reduce_hook: (hook,
+        # stream) run on the reduce output).
+        self._options = {"divide_factor": None, "force_sum": False, "reduce_unused": False,
+                         "all_reduce": True, "all_reduce_hook": None}
         self.count_base = {}   # collectives (and copied bytes) of engine groups replaced
         self.keep_storage = False  # set_keep_unsharded_storage ([Note: kept storage])
         self.comm_quant = None  # FSDPModule.set_comm_quant: a CommQuant, or None
@@ -108,23 +120,11 @@ class ParamGroup:
             if is_plain(self.local(i)) and not has_extension(self.local(i)):
                 check_plain(params[i], f"parameter {self.names[i]}", "fully_shard")
         self._shards_to_engine()
-        self.divide_factor = None
-        self.force_sum = False  # set_force_sum_reduction_for_comms
         # int reshard_after_forward: after forward keep 1/k of the unsharded buffer,
         # gathered back in backward over a group of k ranks (post_comm).
         self.post_comm = None
         self.post_chunk = None
-        self.reducing = None   # a deferred reduction to finish: which grads it writes
-        # set_reduce_scatter_unused_params: trainable parameters without a
-        # gradient take zeros in the reduce-scatter (and get its result)
-        self.reduce_unused = False
-        # set_requires_all_reduce(False) on HSDP: reduce-scatter only, into the
-        # engine's partial sum, until a backward that all-reduces
-        self.all_reduce = True
-        # set_all_reduce_hook: (hook, stream) run on the reduce output, and
-        # the one the reduction left to finish runs
-        self.all_reduce_hook = None
-        self.reducing_hook = None
+        self.reducing_hook = None  # the all-reduce hook the reduction left to finish runs
         self.custom = {}       # set_custom_all_gather / _reduce_scatter: kind -> object
 
     def _build_engine(self, dtype, device, force=False):
@@ -266,6 +266,33 @@ class ParamGroup:
         self.engine_locals = [self.local(i) for i in range(len(self.sharded))]
         self.c.set_params(self.slots, self.sharded, self.engine_locals,
                           [g and is_plain(t) for g, t in zip(self.gathered, self.engine_locals)])
+        # what reduce_grads reads ([Note: post-backward in C], csrc/glue/py_grads.h)
+        specs = [sp._spec if sp._local_tensor.dtype == sp._spec.tensor_meta.dtype else None
+                 for sp in self.sharded]
+        self.c.set_grads(DTYPE_CODES, torch.Tensor, specs, _new_dtensor, DTensor, _like,
+                         _empty_shard, run_hooks)
+        self._reduce_options()
+
+    def _reduce_options(self):
+        o = self._options
+        partial = self.replicate_comm is not None and not o["all_reduce"]
+        factor = o["divide_factor"]
+        self.c.set_reduce_options(float(factor) if factor is not None else 0.0, o["force_sum"],
+                                  not partial, o["all_reduce_hook"] is not None,
+                                  o["reduce_unused"])
+
+    def _option(name):
+        def set_(self, value):
+            self._options[name] = value
+            self._reduce_options()
+        return property(lambda self: self._options[name], set_)
+
+    divide_factor = _option("divide_factor")
+    force_sum = _option("force_sum")
+    reduce_unused = _option("reduce_unused")
+    all_reduce = _option("all_reduce")
+    all_reduce_hook = _option("all_reduce_hook")
+    del _option
 
     def local(self, i):
         return self.sharded[i]._local_tensor
@@ -579,6 +606,8 @@ class ParamGroup:
     def accumulate_unsharded_grads(self):
         """Add this backward's gradients onto the reduce-dtype sums kept from
         earlier backwards without sync [Note: accumulation dtype]."""
+        if not self._has_sums():
+            return
         for i, p in enumerate(self.unsharded or ()):
             if self.accumulated[i] is not None and p.grad is not None:
                 self._accumulate(i, True)
@@ -596,7 +625,9 @@ class ParamGroup:
     def reduce_grads(self, defer=False, reshard=False, bucket=None):
         """One engine call: the unsharded gradients reduce-scattered (averaged
         over the data-parallel ranks, or divided by the set factor) into the
-        sharded parameters' .grad (DTensors), added to what is there. defer:
+        sharded parameters' .grad (DTensors), added to what is there
+        ([Note: post-backward in C], csrc/glue/py_grads.h: the engine group
+        finds the tensors; what is here are the special cases). defer:
         on a device Comm the caller's stream does not wait for the
         reduce-scatter; finish_reduce() (the root calls it before the next
         group's reduction and at the end of backward) waits and writes the
@@ -615,76 +646,29 @@ class ParamGroup:
         plain reduction joins it and runs when it is flushed (then False is
         returned: the bucket finishes it); one that cannot join goes after
         what the bucket holds."""
-        sharded, accumulated, unsharded = self.sharded, self.accumulated, self.unsharded
-        partial = self.replicate_comm is not None and not self.all_reduce
         joins = False
-        alone = self.world == 1  # nothing to scatter: the gradients reduced in place
+        partial = self.replicate_comm is not None and not self.all_reduce
         if bucket is not None:  # before reading .grad: a pending reduction of ours lands first
             if self.comm.device is None and self.replicate_comm is None and \
-                    self.all_reduce_hook is None and not alone:
+                    self.all_reduce_hook is None and self.world > 1:
                 joins = bucket.admits(self, self.reduce_dtype)
             else:
                 bucket.flush()
-        # Runs once per group per backward, in one pass: each parameter's
-        # gradient (with reduce_unused, every trainable parameter takes part:
-        # the engine reduces zero rows for one without) and where its
-        # reduction lands. With no gradient at all nothing is touched.
-        unused = self.reduce_unused
-        grads, grad_codes, outs, out_codes, accumulate, fresh = [], [], [], [], [], []
-        written = []  # the sharded parameters whose .grad this reduction writes
-        use_any = False
-        tps, codes = self.tp, DTYPE_CODES
-        for i, sp in enumerate(sharded):
-            g = accumulated[i]
-            if g is None:
-                g = unsharded[i].grad
-                if g is not None and (tps or type(g) is not torch.Tensor):
-                    g = self._grad(i)
-            if g is not None:
-                if not g.is_contiguous():
-                    g = g.contiguous()
-                grad_codes.append(codes[g.dtype] if g.dtype in codes else dtype_code(g.dtype))
-                unsharded[i].grad = None  # handed to the engine: not needed any more
-            else:
-                grad_codes.append(0)
-            grads.append(g)
-            takes_part = g is not None or (unused and sp.requires_grad)
-            use_any = use_any or takes_part
-            out, add = None, False
-            if takes_part and not partial:
-                cur = sp.grad
-                if cur is not None:
-                    out, add = cur._local_tensor, True
-                elif alone and g is not None and g.dtype == self.reduce_dtype and \
-                        type(g) is torch.Tensor and g.dtype == sp._local_tensor.dtype and \
-                        g.shape == sp._local_tensor.shape:
-                    out = g  # the new sharded gradient is the gradient itself
-                    fresh.append((i, out))
-                else:
-                    local = sp._local_tensor  # a plain tensor for a subclass's shard too
-                    out = torch.empty_like(local, memory_format=torch.contiguous_format) \
-                        if type(local) is torch.Tensor else \
-                        torch.empty(local.shape, dtype=local.dtype, device=local.device)
-                    fresh.append((i, out))
-                out_codes.append(codes[out.dtype] if out.dtype in codes else
-                                 dtype_code(out.dtype))
-                written.append(sp)
-            else:
-                out_codes.append(0)
-            outs.append(out)
-            accumulate.append(add)
-        if not use_any:
-            return False
-        self.accumulated = [None] * len(grads)
-        factor = self.divide_factor
         deferred = defer and self.comm.device is not None
+        free = reshard and not self.ext
+        b = bucket.c if joins else None
+        sums = self._has_sums()
+        grads = self._grad_sources() if sums or self.tp else None
+        done = self.c.reduce_grads(grads, deferred, free, b)
+        if done is None:  # a gradient of a subclass: its values
+            done = self.c.reduce_grads(self._grad_sources(), deferred, free, b)
+        if not done:  # no gradient at all: nothing touched
+            return False
+        if sums:
+            self.accumulated = [None] * len(self.accumulated)
+        if done == 1:
+            return False
         self.reducing_hook = None if partial else self.all_reduce_hook
-        self.c.reduce(grads, grad_codes, outs, out_codes, accumulate,
-                      float(factor) if factor is not None else 0.0,
-                      deferred, reshard and not self.ext, all_reduce=not partial,
-                      hold=self.reducing_hook is not None, force_sum=self.force_sum,
-                      bucket=bucket.c if joins else None)
-        self.reducing = (fresh, written)
         if joins:
             bucket.joined(self, self.reduce_dtype)
             return False
@@ -692,6 +676,24 @@ class ParamGroup:
             return True
         self.finish_reduce()
         return False
+
+    def _has_sums(self):
+        for a in self.accumulated:
+            if a is not None:
+                return True
+        return False
+
+    def _grad_sources(self):
+        """Each parameter's gradient where the engine group cannot read it
+        from the unsharded parameter's .grad: the reduce-dtype sum kept
+        without sync, a DTensor's local tensor, a subclass's values (None:
+        no gradient)."""
+        out = []
+        for i, a in enumerate(self.accumulated):
+            if a is None and self.unsharded is not None and self.unsharded[i] is not None:
+                a = self._grad(i)
+            out.append(a)
+        return out
 
     def _reduce_output(self):
         """The held reduce output as a flat tensor of the reduce dtype over
@@ -709,26 +711,22 @@ class ParamGroup:
         engine writes the sharded gradients; the ones made new become the
         parameters' DTensor gradients, and then each written parameter's
         post-accumulate-grad hooks run, as torch's fully_shard runs them
-        (runtime/grad_hooks.py)."""
-        if self.reducing is None:
-            return
-        (fresh, written), self.reducing = self.reducing, None
+        (the engine group: [Note: post-backward in C])."""
         hook, self.reducing_hook = self.reducing_hook, None
-        if self.c.reduce_pending:
+        if hook is not None and self.c.reduce_pending:
             try:
-                if hook is not None:
-                    self.c.wait_reduce()
-                    _run_hook(*hook, self._reduce_output())
-            finally:
-                self.c.finish_reduce()
-        for i, out in fresh:
-            self.sharded[i].grad = _like(out, self.sharded[i])
-        run_hooks(written)
+                self.c.wait_reduce()
+                _run_hook(*hook, self._reduce_output())
+            except BaseException:
+                self.c.finish_reduce(False)
+                raise
+        self.c.finish_reduce()
 
     def drop_reduce(self):
         """A reduction given up before it ran (a bucket cancelled): nothing
         is set."""
-        self.reducing = self.reducing_hook = None
+        self.reducing_hook = None
+        self.c.finish_reduce(False)
 
 
 def _run_hook(hook, stream, reduce_output):
@@ -755,6 +753,11 @@ def _uid(p):
     if uid is None:
         uid = p._flatshard_fsdp2_uid = next(_UIDS)
     return uid
+
+
+def _empty_shard(local):
+    """A new gradient shard for a local tensor of a subclass: a plain tensor."""
+    return torch.empty(local.shape, dtype=local.dtype, device=local.device)
 
 
 def _like(local, param):
