@@ -183,10 +183,8 @@ def _fully_shard_floor(model):
     """fully_shard-floor: flatshard.fully_shard's hooks on every block
     replaced (removed from the modules, new ones registered) by the least
     they must do (see the module's doc)."""
-    from flatshard.fsdp2.param import _like
     from flatshard.fsdp2.state import state_of
     from flatshard.runtime import eager
-    from flatshard.tensors import dtype_code
 
     for m in [model, *model.blocks]:
         for h in state_of(m).handles:
@@ -197,7 +195,6 @@ def _fully_shard_floor(model):
         g.reshard()
         c, unsharded, sharded = g.c, g.unsharded, g.sharded
         slots = [(m._parameters, attr, i) for i, al in enumerate(g.aliases) for m, attr in al]
-        codes = [dtype_code(p.dtype) for p in unsharded]
         n, arrived = len(unsharded), [0]
 
         def pre_backward(grad, c=c):
@@ -215,21 +212,12 @@ def _fully_shard_floor(model):
             c.reshard()
             hook_before_backward(out, pre_backward)
 
-        def post_backward(param, c=c, unsharded=unsharded, sharded=sharded, codes=codes, n=n,
-                          arrived=arrived):
+        def post_backward(param, c=c, n=n, arrived=arrived):
             arrived[0] += 1
             if arrived[0] < n:
                 return
             arrived[0] = 0
-            grads = []
-            for p in unsharded:
-                grads.append(p.grad)
-                p.grad = None
-            outs = [torch.empty_like(p._local_tensor) for p in sharded]
-            c.reduce(grads, codes, outs, codes, [False] * n, 0.0, False, True,
-                     all_reduce=True, hold=0.0, bucket=None)  # and reshard
-            for p, out in zip(sharded, outs):
-                p.grad = _like(out, p)
+            c.reduce_grads(None, False, True, None)  # reduce and reshard, gradients set
         post_backward = eager.wrap(post_backward)
         for p in unsharded:
             p.register_post_accumulate_grad_hook(post_backward)
@@ -359,8 +347,8 @@ class _Timed:
     def unshard(self, *args, **kwargs):
         return self._timed("unshard", self._c.unshard, *args, **kwargs)
 
-    def reduce(self, *args, **kwargs):
-        return self._timed("reduce", self._c.reduce, *args, **kwargs)
+    def reduce_grads(self, *args, **kwargs):
+        return self._timed("reduce", self._c.reduce_grads, *args, **kwargs)
 
 
 def breakdown(rank, args):
@@ -370,7 +358,6 @@ def breakdown(rank, args):
     step. Inside the steps a call runs cold, between torch's work, and
     waits at the barrier for the later rank. Returns us per call."""
     from flatshard.fsdp2.state import state_of
-    from flatshard.tensors import dtype_code
     # each group's reduction on its own: a bucketed one has no collective of
     # its own to time (and the bucket's flush takes the engine objects)
     os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = "0"
@@ -395,10 +382,7 @@ def breakdown(rank, args):
         step()
     got = {f"{k} in the step": v[0] / v[1] * 1e6 for k, v in timers.items()}
     c = groups[0].c._c
-    local = [sp._local_tensor for sp in groups[0].sharded]
     grads = [torch.randn(up.shape) for up in groups[0].unsharded]
-    outs = [torch.empty_like(t) for t in local]
-    codes = [dtype_code(t.dtype) for t in grads]
     n = 50 * args.steps
     alone = {"unshard": 0.0, "reduce": 0.0}
     dist.barrier()
@@ -410,8 +394,7 @@ def breakdown(rank, args):
     dist.barrier()
     t = time.perf_counter()
     for _ in range(n):
-        c.reduce(grads, codes, outs, codes, [False] * len(grads), 0.0, False, False,
-                 all_reduce=True, hold=0.0)
+        c.reduce_grads(grads, False, False, None)
     alone["reduce"] = time.perf_counter() - t
     got.update({f"{k} alone": v / n * 1e6 for k, v in alone.items()})
     del model

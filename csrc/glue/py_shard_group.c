@@ -269,87 +269,6 @@ static PyObject *ShardGroup_set_keep_storage(ShardGroupObject *self, PyObject *a
     return done(self, fs_shard_set_keep_storage(&self->g, keep));
 }
 
-PyDoc_STRVAR(reduce_doc,
-             "reduce(grads, grad_codes, outs, out_codes, accumulate, factor=0.0, defer=False,\n"
-             "       reshard=False, *, all_reduce=True, hold=False, force_sum=False)\n"
-             "One reduce-scatter of every parameter's unsharded gradient (None: none) into\n"
-             "the sharded gradients `outs` (None: not written), added to them where\n"
-             "accumulate[i]; the mean over the ranks (and replicas), or the sum divided by\n"
-             "factor when factor > 0, divided before and after the collective as torch's\n"
-             "fully_shard divides (force_sum: as under its set_force_sum_reduction_for_comms;\n"
-             "core/reduce_rule.h). defer (a device): the steps after the collective\n"
-             "wait for finish_reduce(). reshard: then free the unsharded buffer (the\n"
-             "post-backward event in one call). all_reduce=False (HSDP): add the\n"
-             "reduce-scatter output into the group's partial sum instead, write nothing.\n"
-             "hold: stop before the sharded gradients with the reduce output divided by\n"
-             "grad_divide()'s hold (reduce_output, after wait_reduce() when deferred);\n"
-             "finish_reduce() divides by the rest and writes (engine/shard_group.h, [Note:\n"
-             "reduce output]).\n"
-             "bucket (a ReduceBucket; a host Comm): the reduce-scatter joins it; it runs\n"
-             "at flush_bucket() ([Note: reduction buckets] in engine/engine.h).");
-static PyObject *ShardGroup_reduce(ShardGroupObject *self, PyObject *args, PyObject *kw)
-{
-    static char *kwlist[] = {"grads", "grad_codes", "outs", "out_codes", "accumulate", "factor",
-                             "defer", "reshard", "all_reduce", "hold", "force_sum", "bucket",
-                             NULL};
-    PyObject *grads, *gcodes, *outs, *ocodes, *accs, *bucket_o = Py_None;
-    double factor = 0.0;
-    int defer = 0, reshard = 0, all_reduce = 1, hold = 0, force_sum = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|dpp$pppO", kwlist, &grads, &gcodes, &outs,
-                                     &ocodes, &accs, &factor, &defer, &reshard, &all_reduce,
-                                     &hold, &force_sum, &bucket_o))
-        return NULL;
-    fs_reduce_bucket *bucket = NULL;
-    if (bucket_o != Py_None) {
-        if (!(bucket = fs_glue_bucket(Py_TYPE(self), bucket_o)))
-            return NULL;
-        if (self->comm->dev || defer)
-            return PyErr_Format(PyExc_ValueError, "reduce: bucket is for host Comms, without "
-                                "defer");
-    }
-    int n = self->g.nparams;
-    PyObject *seq[5] = {PySequence_Fast(grads, "reduce: grads must be a sequence"), NULL, NULL,
-                        NULL, NULL};
-    PyObject *src[5] = {grads, gcodes, outs, ocodes, accs};
-    void **gh = calloc(2 * (size_t)(n ? n : 1), sizeof *gh), **oh = gh ? gh + (n ? n : 1) : NULL;
-    fs_dtype *gt = calloc(2 * (size_t)(n ? n : 1), sizeof *gt), *ot = gt ? gt + (n ? n : 1) : NULL;
-    int *acc = calloc((size_t)(n ? n : 1), sizeof *acc);
-    PyObject *r = NULL;
-    for (int k = 1; k < 5 && seq[k - 1]; k++)
-        seq[k] = PySequence_Fast(src[k], "reduce: arguments must be sequences");
-    if (!seq[4] || !gh || !gt || !acc) {
-        if (!PyErr_Occurred())
-            PyErr_NoMemory();
-        goto out;
-    }
-    for (int k = 0; k < 5; k++)
-        if (PySequence_Fast_GET_SIZE(seq[k]) != n) {
-            PyErr_Format(PyExc_ValueError, "reduce: every argument has %d items", n);
-            goto out;
-        }
-    for (int i = 0; i < n; i++) {
-        PyObject *g = PySequence_Fast_GET_ITEM(seq[0], i), *o = PySequence_Fast_GET_ITEM(seq[2], i);
-        gh[i] = g == Py_None ? NULL : g;
-        oh[i] = o == Py_None ? NULL : o;
-        if ((gh[i] && dtype_arg(PySequence_Fast_GET_ITEM(seq[1], i), &gt[i]) < 0) ||
-            (oh[i] && dtype_arg(PySequence_Fast_GET_ITEM(seq[3], i), &ot[i]) < 0) ||
-            (acc[i] = PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq[4], i))) < 0)
-            goto out;
-    }
-    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
-        goto out;
-    const unsigned fl = (defer ? FS_SHARD_DEFER : 0) | (all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
-                        (hold ? FS_SHARD_HOLD : 0) | (force_sum ? FS_SHARD_FORCE_SUM : 0) |
-                        (reshard ? FS_SHARD_RESHARD : 0);
-    r = done(self, fs_shard_reduce(&self->g, gh, gt, oh, ot, acc, factor, fl, bucket));
-out:
-    for (int k = 0; k < 5; k++)
-        Py_XDECREF(seq[k]);
-    free(gh);
-    free(gt);
-    free(acc);
-    return r;
-}
 
 PyDoc_STRVAR(flush_bucket_doc,
              "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
@@ -432,14 +351,25 @@ static PyObject *ShardGroup_set_reduce_options(ShardGroupObject *self, PyObject 
 }
 
 PyDoc_STRVAR(reduce_grads_doc,
-             "reduce_grads(grads, defer, reshard, bucket) -> 0, 1, 2 or None: the group's\n"
-             "reduction of its unsharded parameters' gradients into the sharded parameters'\n"
-             ".grad ([Note: post-backward in C], py_grads.h). grads: None, or one gradient\n"
-             "per parameter in place of its .grad (None entries: the .grad). defer, reshard,\n"
-             "bucket: as reduce(). 0: no gradient, nothing done; 1: done, gradients set and\n"
-             "hooks run; 2: left to finish (deferred, held or in the bucket:\n"
-             "finish_reduce()); None: a gradient is not a plain tensor, nothing done (hand\n"
-             "its values in grads).");
+             "reduce_grads(grads, defer, reshard, bucket) -> 0, 1, 2 or None\n"
+             "One reduce-scatter of the unsharded parameters' gradients into the sharded\n"
+             "parameters' .grad, added where one is there ([Note: post-backward in C],\n"
+             "py_grads.h): the mean over the ranks (and replicas), or the sum divided by\n"
+             "set_reduce_options' factor, divided before and after the collective as torch's\n"
+             "fully_shard divides (force_sum: as under its set_force_sum_reduction_for_comms;\n"
+             "core/reduce_rule.h). grads: None, or one gradient per parameter in place of\n"
+             "its .grad (None entries: the .grad). defer (a device): the steps after the\n"
+             "collective wait for finish_reduce(). reshard: then free the unsharded buffer\n"
+             "(the post-backward event in one call). With all_reduce off (HSDP) the\n"
+             "reduce-scatter output goes into the group's partial sum and nothing is\n"
+             "written; with hold the engine stops before the write, the reduce output\n"
+             "divided by grad_divide()'s hold (reduce_output, after wait_reduce() when\n"
+             "deferred; [Note: reduce output] in engine/shard_group.h). bucket (a\n"
+             "ReduceBucket; a host Comm): the reduce-scatter joins it and runs at\n"
+             "flush_bucket() ([Note: reduction buckets] in engine/engine.h).\n"
+             "Returns 0: no gradient, nothing done; 1: done, gradients set and hooks run;\n"
+             "2: left to finish (deferred, held or in the bucket: finish_reduce()); None: a\n"
+             "gradient is not a plain tensor, nothing done (hand its values in grads).");
 static PyObject *ShardGroup_reduce_grads(ShardGroupObject *self, PyObject *const *args,
                                          Py_ssize_t nargs)
 {
@@ -721,8 +651,6 @@ static PyMethodDef ShardGroup_methods[] = {
      "(engine/shard_group.h, [Note: kept storage])."},
     {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
     {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
-    {"reduce", (PyCFunction)(void (*)(void))ShardGroup_reduce, METH_VARARGS | METH_KEYWORDS,
-     reduce_doc},
     {"wait_reduce", (PyCFunction)ShardGroup_wait_reduce, METH_NOARGS,
      "wait_reduce(): a deferred reduction: the stream waits for its reduce-scatter, then\n"
      "the replicas' all-reduce and a held output's divide are enqueued."},
