@@ -195,27 +195,29 @@ int fs_params_changed(fs_params *p)
 {
     static PyObject *local_name;
     if (p->registered == FS_REG_UNSHARDED)
-        return 0;
+        return FS_PARAMS_SAME;
     if (!p->sharded)
-        return 1;
+        return FS_PARAMS_ASSIGNED;
+    int open = 0;
     for (int i = 0; i < p->n; i++) {
-        if (!p->quick[i])
-            return 1;
         const Py_ssize_t s = p->head[i];
         PyObject *sp = PyTuple_GET_ITEM(p->sharded, i);
         PyObject *now = PyDict_GetItemWithError(p->dicts[s], p->keys[s]);
         if (now != sp)
-            return PyErr_Occurred() ? -1 : 1;
+            return PyErr_Occurred() ? -1 : FS_PARAMS_ASSIGNED;
         PyObject *local = FS_NAME(local_name, "_local_tensor")
             ? PyObject_GetAttr(sp, local_name) : NULL;
         if (!local)
             return -1;
-        int changed = local != PyTuple_GET_ITEM(p->locals, i) ? 1 : has_attributes(local);
+        int attrs = local != PyTuple_GET_ITEM(p->locals, i) ? -2 : has_attributes(local);
         Py_DECREF(local);
-        if (changed)
-            return changed;
+        if (attrs == -2)
+            return FS_PARAMS_ASSIGNED;
+        if (attrs < 0)
+            return -1;
+        open |= attrs || !p->quick[i];
     }
-    return 0;
+    return open ? FS_PARAMS_OPEN : FS_PARAMS_SAME;
 }
 
 int fs_params_needs_hooks(const fs_params *p)

@@ -54,9 +54,12 @@ int fs_params_register_sharded(fs_params *p);
 /* requires_grad of each unsharded parameter follows its sharded one's (the
  * user may have flipped it), `trainable` counted, then the stores. */
 int fs_params_register_unsharded(fs_params *p);
-/* 1 when the registration may have changed since the shards were handed
- * (Python decides: sync_registered), 0 when the identity tests say it did not,
- * -1 with an exception. */
+/* Since the shards were handed: FS_PARAMS_ASSIGNED when a module holds
+ * another parameter or a sharded parameter another local tensor (the
+ * identity tests), FS_PARAMS_OPEN when those hold but a local tensor has
+ * attributes or does not gather here (Python decides whether its path
+ * changed: sync_registered), FS_PARAMS_SAME otherwise; -1 with an exception. */
+enum { FS_PARAMS_SAME = 0, FS_PARAMS_ASSIGNED = 1, FS_PARAMS_OPEN = 2 };
 int fs_params_changed(fs_params *p);
 /* Whether a trainable unsharded parameter has no gradient hook yet. */
 int fs_params_needs_hooks(const fs_params *p);

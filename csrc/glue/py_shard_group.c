@@ -585,7 +585,7 @@ static PyObject *ShardGroup_register_unsharded(ShardGroupObject *self, PyObject 
 static PyObject *ShardGroup_registration_changed(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
     int r = fs_params_changed(&self->params);
-    return r < 0 ? NULL : PyBool_FromLong(r);
+    return r < 0 ? NULL : PyLong_FromLong(r);
 }
 
 static PyObject *ShardGroup_take_unhooked(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -626,9 +626,12 @@ static PyMethodDef ShardGroup_methods[] = {
      "register_unsharded(): each unsharded parameter's requires_grad set to its sharded\n"
      "one's, `trainable` counted, and the modules hold the unsharded parameters."},
     {"registration_changed", (PyCFunction)ShardGroup_registration_changed, METH_NOARGS,
-     "registration_changed(): False when the modules still hold the sharded parameters\n"
-     "set_params gave, over the same local tensors, none given attributes (or when they\n"
-     "hold the unsharded ones); True when the caller must look (sync_registered)."},
+     "registration_changed() -> 0, 1 or 2: 0 when the modules still hold the sharded\n"
+     "parameters set_params gave, over the same local tensors, none given attributes\n"
+     "(or when they hold the unsharded ones); 1 when one was assigned (a module holds\n"
+     "another parameter, or a parameter another local tensor); 2 when those hold but a\n"
+     "local tensor has attributes or does not gather here: the caller decides whether\n"
+     "its path changed (sync_registered)."},
     {"take_unhooked", (PyCFunction)ShardGroup_take_unhooked, METH_NOARGS,
      "take_unhooked(): the indices of trainable unsharded parameters without the gradient\n"
      "hook, marked as hooked now (the caller hooks them)."},

@@ -48,7 +48,6 @@ class ParamGroup:
         # aliases first: what the engine group's registration stores into
         # ([Note: registration in C], csrc/glue/py_params.h)
         self.slots = [(m._parameters, attr, i) for i, al in enumerate(aliases) for m, attr in al]
-        self._heads = [(al[0][0]._parameters, al[0][1]) for al in aliases]  # sync_registered's
         # each parameter's param_dtype_override_fn answer (torch 2.15), or None
         self.overrides = list(overrides) if overrides is not None else [None] * len(params)
         self.comm = comm                 # flatshard Comm of the shard dim (the mesh's last)
@@ -330,16 +329,18 @@ class ParamGroup:
         the extension at every all-gather (extension.py). Returns whether
         anything changed. The engine group's identity tests decide the plain
         case ([Note: registration in C]); what they leave open is decided here."""
-        if not self.c.registration_changed():
+        changed = self.c.registration_changed()
+        if not changed:
             return False
-        for (d, attr), sp, local, gathered in zip(self._heads, self.sharded, self.engine_locals,
-                                                  self.gathered):
-            # (a plain local tensor's __dict__ is empty unless it was given attributes)
-            if d.get(attr) is not sp or sp._local_tensor is not local or \
-                    ((local.__dict__ or not gathered) and self._own_path(local) == gathered):
-                self.refresh_sharded()
-                return True
-        return False
+        if changed == 2:  # the same objects: has a local tensor's path changed?
+            for local, gathered in zip(self.engine_locals, self.gathered):
+                # (a plain local tensor's __dict__ is empty unless it was given attributes)
+                if (local.__dict__ or not gathered) and self._own_path(local) == gathered:
+                    break
+            else:
+                return False
+        self.refresh_sharded()
+        return True
 
     @staticmethod
     def _own_path(local):
