@@ -26,6 +26,21 @@ void fs_grads_clear(fs_grads *q)
     memset(q, 0, sizeof *q);
 }
 
+int fs_grads_traverse(const fs_grads *q, visitproc visit, void *arg)
+{
+    Py_VISIT(q->codes);
+    Py_VISIT(q->tensor);
+    Py_VISIT(q->specs);
+    Py_VISIT(q->make);
+    Py_VISIT(q->cls);
+    Py_VISIT(q->like);
+    Py_VISIT(q->empty);
+    Py_VISIT(q->run_hooks);
+    Py_VISIT(q->fresh);
+    Py_VISIT(q->written);
+    return 0;
+}
+
 int fs_grads_set(fs_grads *q, int n, PyObject *codes, PyObject *tensor, PyObject *specs,
                  PyObject *make, PyObject *cls, PyObject *like, PyObject *empty,
                  PyObject *run_hooks)

@@ -52,6 +52,7 @@ typedef struct {
 } fs_grads;
 
 void fs_grads_clear(fs_grads *q);
+int fs_grads_traverse(const fs_grads *q, visitproc visit, void *arg);
 int fs_grads_set(fs_grads *q, int n, PyObject *codes, PyObject *tensor, PyObject *specs,
                  PyObject *make, PyObject *cls, PyObject *like, PyObject *empty,
                  PyObject *run_hooks);

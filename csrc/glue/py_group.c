@@ -57,8 +57,22 @@ void fs_glue_group_clear(GroupObject *self)
     Py_CLEAR(self->replicate);
 }
 
+int fs_glue_group_traverse(GroupObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->name);
+    Py_VISIT(self->comm);
+    Py_VISIT(self->replicate);
+    Py_VISIT(self->empty);
+    return 0;
+}
+
 int fs_glue_group_bind(GroupObject *self)
 {
+    if (!self->ready) { /* cleared by the collector: its engine object is gone */
+        PyErr_SetString(PyExc_RuntimeError, "flatshard: this engine group was freed");
+        return -1;
+    }
     CommObject *r = self->replicate;
     if (fs_comm_bind_stream(self->comm) < 0 || (r && fs_comm_bind_stream(r) < 0))
         return -1;

@@ -27,6 +27,18 @@ void fs_params_clear(fs_params *p)
     memset(p, 0, sizeof *p);
 }
 
+int fs_params_traverse(const fs_params *p, visitproc visit, void *arg)
+{
+    for (Py_ssize_t s = 0; s < p->nslots; s++) {
+        Py_VISIT(p->dicts[s]);
+        Py_VISIT(p->keys[s]);
+    }
+    Py_VISIT(p->sharded);
+    Py_VISIT(p->locals);
+    Py_VISIT(p->unsharded);
+    return 0;
+}
+
 static PyObject *tuple_of(PyObject *seq, int n, const char *what)
 {
     PyObject *t = PySequence_Tuple(seq);

@@ -43,6 +43,7 @@ typedef struct {
 } fs_params;
 
 void fs_params_clear(fs_params *p);
+int fs_params_traverse(const fs_params *p, visitproc visit, void *arg);
 /* slots: (dict, key, index) triples; sharded, locals, quick: n each. The
  * registration becomes FS_REG_NONE (the next register_sharded stores). */
 int fs_params_set(fs_params *p, int n, PyObject *slots, PyObject *sharded, PyObject *locals,

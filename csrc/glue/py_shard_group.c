@@ -108,9 +108,30 @@ out:
     return (PyObject *)self;
 }
 
+static int ShardGroup_traverse(ShardGroupObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->shards);
+    Py_VISIT(self->full);
+    Py_VISIT(self->storage);
+    int r = fs_params_traverse(&self->params, visit, arg);
+    if (!r)
+        r = fs_grads_traverse(&self->grads, visit, arg);
+    return r ? r : fs_glue_group_traverse(FS_GROUP(self), visit, arg);
+}
+
+/* What can lead back to the group: the parameters and the callables of the
+ * reduction (the engine's handles point into shards and full, kept). */
+static int ShardGroup_clear(ShardGroupObject *self)
+{
+    fs_params_clear(&self->params);
+    fs_grads_clear(&self->grads);
+    return 0;
+}
+
 static void ShardGroup_dealloc(ShardGroupObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     if (self->ready)
         fs_shard_destroy(&self->g);
     Py_XDECREF(self->shards);
@@ -739,6 +760,8 @@ static PyGetSetDef ShardGroup_getset[] = {
 static PyType_Slot ShardGroup_slots[] = {
     {Py_tp_new, ShardGroup_new},
     {Py_tp_dealloc, ShardGroup_dealloc},
+    {Py_tp_traverse, ShardGroup_traverse},
+    {Py_tp_clear, ShardGroup_clear},
     {Py_tp_methods, ShardGroup_methods},
     {Py_tp_getset, ShardGroup_getset},
     {Py_bf_getbuffer, ShardGroup_getbuffer},
@@ -752,7 +775,7 @@ static PyType_Slot ShardGroup_slots[] = {
 
 static PyType_Spec ShardGroup_spec = {
     "flatshard._C.ShardGroup", sizeof(ShardGroupObject), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, ShardGroup_slots,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC, ShardGroup_slots,
 };
 
 int fs_shard_group_type_add(PyObject *module, fs_mod_state *st)

@@ -147,9 +147,31 @@ fail:
     return NULL;
 }
 
+static int Unit_traverse(UnitObject *self, visitproc visit, void *arg)
+{
+    for (Py_ssize_t i = 0; i < self->nrefs; i++)
+        Py_VISIT(self->refs[i]);
+    return fs_glue_group_traverse(FS_GROUP(self), visit, arg);
+}
+
+/* The buffers lead back to the unit (a flat parameter's gradient hook holds
+ * the Python state that holds it), and the engine's handles point at them:
+ * the engine object goes first (then every call refuses: py_group.c). */
+static int Unit_clear(UnitObject *self)
+{
+    if (self->ready)
+        fs_unit_destroy(&self->u);
+    self->ready = 0;
+    for (Py_ssize_t i = 0; i < self->nrefs; i++)
+        Py_CLEAR(self->refs[i]);
+    self->nrefs = 0;
+    return 0;
+}
+
 static void Unit_dealloc(UnitObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     if (self->ready)
         fs_unit_destroy(&self->u);
     for (Py_ssize_t i = 0; i < self->nrefs; i++)
@@ -391,6 +413,8 @@ static PyGetSetDef Unit_getset[] = {
 static PyType_Slot Unit_slots[] = {
     {Py_tp_new, Unit_new},
     {Py_tp_dealloc, Unit_dealloc},
+    {Py_tp_traverse, Unit_traverse},
+    {Py_tp_clear, Unit_clear},
     {Py_tp_methods, Unit_methods},
     {Py_tp_getset, Unit_getset},
     {Py_tp_doc, "Unit(name, comm, strategy, groups, grad_mask): one wrapped module's state,\n"
@@ -399,7 +423,8 @@ static PyType_Slot Unit_slots[] = {
 };
 
 static PyType_Spec Unit_spec = {
-    "flatshard._C.Unit", sizeof(UnitObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    "flatshard._C.Unit", sizeof(UnitObject), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
     Unit_slots,
 };
 

@@ -52,6 +52,10 @@ int fs_glue_group_check(PyTypeObject *tp, const char *type, PyObject *comm, PyOb
 void fs_glue_group_init(GroupObject *self, fs_group_core *core, fs_glue_done done,
                         PyObject *name, PyObject *comm, PyObject *replicate, PyObject *empty);
 void fs_glue_group_clear(GroupObject *self);
+/* tp_traverse of the head (the type, name, Comms, empty): both types are in
+ * the collector, for what they hold may lead back to them (a parameter's
+ * gradient hook holds the Python state that holds the group). */
+int fs_glue_group_traverse(GroupObject *self, visitproc visit, void *arg);
 /* The streams of the group's Comms bound for one engine call; -1 with an
  * exception set. */
 int fs_glue_group_bind(GroupObject *self);

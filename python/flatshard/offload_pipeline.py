@@ -52,6 +52,7 @@ restores the sequential step.
 Imports fsdp/, fsdp2/ and optim/: it sits above them, as memory.py does.
 """
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -217,7 +218,8 @@ class OffloadPipeline:
         self._clipping = False
         self._counts = {"queued_at_landing": 0, "queued_at_step": 0}
         self.pipe = _C.OffloadPipe(options.max_units_in_flight, len(slots))
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_landed)
+        landed = _weak_hook(self, "_on_landed")  # [Note: hooks hold their state weakly]
+        self._handles = [p.register_post_accumulate_grad_hook(landed)
                          for s in slots for p in s.params]
         self._handles += [model.register_forward_pre_hook(self._before_forward, prepend=True),
                           model.register_state_dict_pre_hook(self._before_read),
@@ -393,3 +395,15 @@ class OffloadPipeline:
 def pipeline_of(model):
     """The OffloadPipeline running for `model`, or None."""
     return model.__dict__.get("_offload_overlap")
+
+
+def _weak_hook(obj, method):
+    """A parameter hook calling obj.<method>(param) while obj lives
+    ([Note: hooks hold their state weakly] in runtime/grad_hooks.py)."""
+    ref = weakref.ref(obj)
+
+    def hook(param):
+        o = ref()
+        if o is not None:
+            getattr(o, method)(param)
+    return hook

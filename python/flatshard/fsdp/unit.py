@@ -21,6 +21,8 @@ attribute; `unit_of` / `fsdp_units` find units by it, so the modules that
 work on a wrapped model (summon, clip, state dicts, memory_stats) need not
 import the wrapper class.
 """
+import weakref
+
 import torch
 
 from .. import _C
@@ -243,8 +245,14 @@ class UnitRuntime:
             prev.unshard(prefetch=True)
 
     def _make_post_backward(self, gi):
+        """The flat buffer's post-accumulate-grad hook, which holds this unit
+        weakly ([Note: hooks hold their state weakly] in runtime/grad_hooks.py)."""
+        unit = weakref.ref(self)
+
         def hook(full):
-            self._post_backward(gi, full)
+            u = unit()
+            if u is not None:
+                u._post_backward(gi, full)
         return eager.wrap(hook)
 
     def _post_backward(self, gi, full):

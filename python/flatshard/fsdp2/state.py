@@ -32,6 +32,8 @@ Under torch.compile the hook entry points (marked @eager.hook) run eagerly,
 as torch's fully_shard's do: Dynamo breaks the graph where torch's nn.Module
 code calls them and compiles the modules' own forwards (runtime/eager.py).
 """
+import weakref
+
 import torch
 
 from .. import torch_facts
@@ -362,13 +364,16 @@ class FSDPState:
 
     def _arrival(self, i):
         """Parameter i's post-accumulate-grad hook: its gradient has
-        arrived; once every trainable parameter's has, the post-backward."""
-        ready = self.ready
+        arrived; once every trainable parameter's has, the post-backward.
+        It holds the state weakly ([Note: hooks hold their state weakly] in
+        runtime/grad_hooks.py)."""
+        ready, state = self.ready, weakref.ref(self)
 
         def arrive(param):
             ready.add(i)
-            if len(ready) == self.group.trainable:
-                self._post_backward()
+            st = state()
+            if st is not None and len(ready) == st.group.trainable:
+                st._post_backward()
         return eager.wrap(arrive)
 
     @eager.hook

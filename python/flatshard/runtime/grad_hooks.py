@@ -16,6 +16,17 @@ runs no hook, as in torch; the sync backward after it runs each hook once.
 
 Hooks run with autograd off, as torch's reduction does.
 
+[Note: hooks hold their state weakly] A tensor's post-accumulate-grad hooks
+are held by the tensor's C++ side as well as by its Python dict, so the
+collector cannot see them: a hook that holds, even indirectly, the object
+that holds the tensor (a fully_shard state holds its group, which holds the
+unsharded parameters; an FSDP1 unit holds its flat buffer; overlap_offload's
+pipeline holds the model) keeps the whole model alive after the user drops
+it. Every hook flatshard registers on a parameter therefore holds its state
+through a weak reference (fsdp2/state.py's arrival, fsdp/unit.py's
+post-backward, offload_pipeline.py's landing); tests/test_lifetime.py frees
+wrapped models as torch's are freed.
+
 Imports: torch only.
 """
 import torch
