@@ -165,7 +165,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         group = ParamGroup(params, aliases, mesh, shard, replicate, mp_policy, names, dims,
                            spmd, overrides)
         group.post_comm = post_comm
-        group.register_sharded()
+        group.c.register_sharded()
     state = FSDPState(modules, group, raf, mp_policy)
     for m in modules:
         m.__dict__[STATE_ATTR] = state

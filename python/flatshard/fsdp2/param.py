@@ -319,7 +319,7 @@ class ParamGroup:
         for x in self.ext.values():
             x.reset()
 
-    def sync_registered(self):
+    def sync_registered(self, changed=None):
         """Before a gather: adopt what was assigned to the modules since the
         shards were registered (load_state_dict(assign=True),
         set_model_state_dict on a meta model, module.to_empty(), a cast of a
@@ -328,8 +328,11 @@ class ParamGroup:
         since (or one that lost it) takes its path from now on, as torch reads
         the extension at every all-gather (extension.py). Returns whether
         anything changed. The engine group's identity tests decide the plain
-        case ([Note: registration in C]); what they leave open is decided here."""
-        changed = self.c.registration_changed()
+        case ([Note: registration in C]); what they leave open is decided here.
+        changed: the engine group's answer, where the caller asked it already
+        (the gather asks it first, without a Python frame when it is 0)."""
+        if changed is None:
+            changed = self.c.registration_changed()
         if not changed:
             return False
         if changed == 2:  # the same objects: has a local tensor's path changed?
@@ -433,16 +436,13 @@ class ParamGroup:
                 "from_local of those")
         return p
 
-    def register_sharded(self):
-        """The modules hold the sharded DTensor parameters (after reshard)."""
-        self.c.register_sharded()
-
-    def register_unsharded(self):
-        """The modules hold the unsharded parameters, plain nn.Parameters (as
-        torch's fully_shard registers them between unshard and reshard).
-        requires_grad follows the sharded parameter's (the user may have
-        changed it)."""
-        self.c.register_unsharded()
+    # The registration itself is the engine group's ([Note: registration in
+    # C]): c.register_sharded() puts the sharded DTensor parameters in the
+    # modules (after reshard), c.register_unsharded() the unsharded plain
+    # nn.Parameters (between unshard and reshard, as torch's fully_shard
+    # registers them), their requires_grad following the sharded parameter's
+    # (the user may have changed it). Called directly, without a method here:
+    # each is on every gather's and reshard's path.
 
     # ------------------------------------------------------------------
     # unshard / reshard
@@ -499,7 +499,7 @@ class ParamGroup:
         if self.post_chunk is not None:  # the smaller group holds it all: gather from there
             self.c.unshard_from(self.post_comm, self.post_chunk)
             self.post_chunk = None
-            self.register_unsharded()
+            self.c.register_unsharded()
             return
         if self.ext:
             self._unshard_extensions()
@@ -509,10 +509,10 @@ class ParamGroup:
                     a._make_full()
             self.c.unshard(along=tuple(a.c for a in along))
             for a in along:
-                a.register_unsharded()
+                a.c.register_unsharded()
         else:
             self.c.unshard(defer)
-        self.register_unsharded()
+        self.c.register_unsharded()
 
     def _unshard_extensions(self):
         """Each extension parameter's own all-gather and rebuild (done at
@@ -545,7 +545,7 @@ class ParamGroup:
         self.c.set_keep_storage(keep)
 
     def reshard(self):
-        self.register_sharded()
+        self.c.register_sharded()
         self.post_chunk = None
         if self.c.is_unsharded:
             self.c.reshard()  # a pending gather is waited for first
@@ -607,7 +607,7 @@ class ParamGroup:
     def accumulate_unsharded_grads(self):
         """Add this backward's gradients onto the reduce-dtype sums kept from
         earlier backwards without sync [Note: accumulation dtype]."""
-        if not self._has_sums():
+        if self.accumulated.count(None) == len(self.accumulated):  # no sum kept
             return
         for i, p in enumerate(self.unsharded or ()):
             if self.accumulated[i] is not None and p.grad is not None:
@@ -658,7 +658,7 @@ class ParamGroup:
         deferred = defer and self.comm.device is not None
         free = reshard and not self.ext
         b = bucket.c if joins else None
-        sums = self._has_sums()
+        sums = self.accumulated.count(None) != len(self.accumulated)  # a sum kept
         grads = self._grad_sources() if sums or self.tp else None
         done = self.c.reduce_grads(grads, deferred, free, b)
         if done is None:  # a gradient of a subclass: its values
@@ -676,12 +676,6 @@ class ParamGroup:
         if deferred and self.c.reduce_pending:
             return True
         self.finish_reduce()
-        return False
-
-    def _has_sums(self):
-        for a in self.accumulated:
-            if a is not None:
-                return True
         return False
 
     def _grad_sources(self):

@@ -304,8 +304,10 @@ class FSDPState:
                   if not defer and g.pending else observe.NOTHING):
                 g.unshard(defer)
             return
-        if g.post_chunk is None:
-            g.sync_registered()  # parameters assigned since: the new shards
+        if g.post_chunk is None:  # parameters assigned since: the new shards
+            changed = g.c.registration_changed()
+            if changed:
+                g.sync_registered(changed)
         if g.full is None:
             self._check_materialized()
         joined = [st for st in along if st._joins(g)] if along and not defer else None
@@ -326,8 +328,10 @@ class FSDPState:
 
     def _before_gather(self):
         g = self.group
-        if g.post_chunk is None:
-            g.sync_registered()  # parameters assigned since: the new shards
+        if g.post_chunk is None:  # parameters assigned since: the new shards
+            changed = g.c.registration_changed()
+            if changed:
+                g.sync_registered(changed)
         if g.full is None:
             self._check_materialized()
 
@@ -372,7 +376,7 @@ class FSDPState:
         def arrive(param):
             ready.add(i)
             st = state()
-            if st is not None and len(ready) == st.group.trainable:
+            if st is not None and len(ready) == st.group.c.trainable:
                 st._post_backward()
         return eager.wrap(arrive)
 
@@ -490,7 +494,7 @@ class FSDPState:
             args, kwargs, nxt = self._pre_forward_full(args, kwargs)
         g = self.group
         self.watching = None
-        if g is not None and g.trainable < len(g.sharded) and torch.is_grad_enabled():
+        if g is not None and g.c.trainable < len(g.sharded) and torch.is_grad_enabled():
             args, kwargs = self._watch_inputs(args, kwargs)
         if not lean:
             self._prefetch_forward(nxt)
@@ -572,14 +576,15 @@ class FSDPState:
 
     @eager.hook
     def _pre_backward(self, grad):
-        root = self.root or self
-        root.tree.queue_final()
+        tree = (self.root or self).tree
+        if not tree.final_queued:  # (once per backward: no call after the first)
+            tree.queue_final()
         if self.lean and self.backward_prefetch is None and not self.unshard_async_op and \
                 not (_profiling() or _depth()):
             if self.unshard_in_backward:  # [Note: lean events]
                 self.unshard(watched=False)
             return None
-        self._pre_backward_full(root)
+        self._pre_backward_full(self.root or self)
         return None
 
     def _pre_backward_full(self, root):

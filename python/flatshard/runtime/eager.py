@@ -26,27 +26,29 @@ wrap() builds each disabled function once; torch's fully_shard builds one at
 every call of a hook instead. torch's disabled function switches the frame
 evaluation off and on around every call, a microsecond or more in eager mode,
 where there is nothing to switch: a fully_shard unit runs five hooks a step.
-So wrap() returns a function (made in eager_call.py, a file on Dynamo's skip
-list as torch's own wrapper's is) that carries the same marks for Dynamo (it
-graph-breaks on it alike) and asks the frame evaluation once: where none is
-set (plain eager code) it calls the hook directly; inside a compiled region
-it goes through torch's disabled function.
+So wrap() returns a flatshard._C.EagerCall (csrc/glue/py_eager.c) that carries
+the same marks for Dynamo (it graph-breaks on it alike) and asks the frame
+evaluation once: where none is set (plain eager code) it calls the hook
+directly; inside a compiled region it goes through torch's disabled function.
+It is C, so the check adds no Python frame to the hook's call (a Python
+closure doing the same added one to every hook event: measured in
+benchmarks/RESULTS.md, "One Python frame less per hook event"); it binds as a
+method, as a function does.
 
 The reason given to Dynamo is shown in its graph-break log; like torch's, it
 names the hooks, not the library. Where torch has no Dynamo (an import
 failure), nothing is replaced.
 
-Imports: torch only (torch._dynamo lazily, torch 2.11 to 2.13) and eager_call;
+Imports: torch only (torch._dynamo lazily, torch 2.11 to 2.13) and _C;
 nothing of fsdp/ or fsdp2/.
 """
 import functools
 
-from . import eager_call
+from .. import _C
 
 REASON = "FSDP hooks run eagerly: they unshard, reshard and reduce parameters"
 _MARK = "_flatshard_eager_recursive"  # on a marked method: its `recursive`
 _installed = set()                   # classes whose marked methods are replaced
-_skipping = False                    # eager_call.py is on Dynamo's skip list
 
 
 def hook(fn=None, *, recursive=True):
@@ -77,20 +79,15 @@ _MARKS = ("_torchdynamo_disable", "_torchdynamo_disable_msg",
 
 
 def _eager_first(fn, disabled):
-    """disabled, with plain eager calls made directly (eager_call.py); torch's
+    """disabled, with plain eager calls made directly (_C.EagerCall); torch's
     own where this torch lacks what that needs."""
-    global _skipping
     try:
         from torch._C._dynamo.eval_frame import set_eval_frame
-        from torch._dynamo import trace_rules
     except ImportError:
         return disabled
-    if not all(hasattr(disabled, m) for m in _MARKS) or not hasattr(trace_rules, "add"):
-        return disabled  # a torch that marks or skips otherwise
-    if not _skipping:
-        trace_rules.add(eager_call.__name__)
-        _skipping = True
-    call = eager_call.make(fn, disabled, set_eval_frame)
+    if not all(hasattr(disabled, m) for m in _MARKS):
+        return disabled  # a torch that marks otherwise
+    call = _C.EagerCall(fn, disabled, set_eval_frame)
     functools.update_wrapper(call, fn)
     for m in _MARKS:
         setattr(call, m, getattr(disabled, m))
