@@ -34,6 +34,9 @@ ALLOWED = {
     "new_empty": "torch.Tensor.new_empty",
     "_post_accumulate_grad_hooks": "torch.Tensor's post-accumulate-grad hooks (torch's "
                                    "fully_shard runs them on the sharded parameters)",
+    "grad_fn": "torch.Tensor.grad_fn (a module output's node, for the pre-backward hook)",
+    "register_prehook": "torch.autograd.graph.Node.register_prehook",
+    "register_hook": "torch.Tensor.register_hook",
 }
 
 # Keys that are values Python handed the C object, not names C chose: the

@@ -25,6 +25,9 @@ typedef struct {
     PyObject *Dim0EntryType;
     PyObject *Dim0LayoutType;
     PyObject *ShardGroupType;  /* py_shard_group.c */
+    PyObject *ArrivalType;     /* py_shard_events.c */
+    PyObject *EventType;       /* py_shard_events.c */
+    PyObject *LatchType;       /* py_shard_events.c */
     PyObject *BucketType;     /* py_bucket.c */
 } fs_mod_state;
 
@@ -100,9 +103,14 @@ int fs_optim_add(PyObject *module); /* py_optim.c */
 int fs_layout_add(PyObject *module, fs_mod_state *st); /* py_layout.c */
 int fs_divide_add(PyObject *module); /* py_divide.c */
 int fs_shard_group_type_add(PyObject *module, fs_mod_state *st); /* py_shard_group.c */
+int fs_shard_events_add(PyObject *module, fs_mod_state *st); /* py_shard_events.c */
 int fs_bucket_type_add(PyObject *module, fs_mod_state *st); /* py_bucket.c */
 /* py_layout.c: a Dim0Entry record; NULL with an exception set. */
 PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e);
+
+/* The object a weak reference points at, as a new reference; NULL when it is
+ * gone (no exception) or on failure (an exception set). */
+PyObject *fs_weak_get(PyObject *ref);
 
 /* A sequence of ints as a malloc'd int64 array (*n elements); NULL with an
  * exception set (`what` is the TypeError's text). */

@@ -82,3 +82,16 @@ done:
     Py_DECREF(seq);
     return res;
 }
+
+PyObject *fs_weak_get(PyObject *ref)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *o = NULL;
+    return PyWeakref_GetRef(ref, &o) < 0 ? NULL : o;
+#else
+    PyObject *o = PyWeakref_GetObject(ref); /* borrowed */
+    if (!o || o == Py_None)
+        return NULL;
+    return Py_NewRef(o);
+#endif
+}

@@ -3,24 +3,15 @@
  * objects behind the handles; the engine does the work. As for units
  * (py_unit.c), engine calls are made with the GIL held and the engine hands
  * it back around collectives and long host loops (the links' unlock). */
-#include "py_unit.h"
+#include "py_shard_group.h"
 
+#include <limits.h>
+#include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
+#include <structmember.h>
 
-#include "py_grads.h"
-#include "py_params.h"
-#include "shard_group.h"
-
-typedef struct {
-    FS_GROUP_OBJECT_HEAD
-    fs_shard_group g;
-    PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
-    PyObject *full, *storage;
-    fs_params params;      /* the registration on the modules (py_params.h) */
-    fs_grads grads;        /* the reduction's tensors (py_grads.h) */
-} ShardGroupObject;
-
-static PyObject *done(ShardGroupObject *self, fs_status s)
+PyObject *fs_glue_shard_done(ShardGroupObject *self, fs_status s)
 {
     if (s == FS_OK)
         Py_RETURN_NONE;
@@ -30,6 +21,11 @@ static PyObject *done(ShardGroupObject *self, fs_status s)
         "flatshard: during %s of fully_shard group '%U' (rank %d of %d)",
         g->err_what ? g->err_what : "an operation", self->name, c->rank, c->world_size);
     return fs_glue_group_failed(FS_GROUP(self), s, g->err_collective, n);
+}
+
+static PyObject *done(ShardGroupObject *self, fs_status s)
+{
+    return fs_glue_shard_done(self, s);
 }
 
 static PyObject *group_done(GroupObject *self, fs_status s)
@@ -113,6 +109,9 @@ static int ShardGroup_traverse(ShardGroupObject *self, visitproc visit, void *ar
     Py_VISIT(self->shards);
     Py_VISIT(self->full);
     Py_VISIT(self->storage);
+    Py_VISIT(self->owner);
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->watch);
     int r = fs_params_traverse(&self->params, visit, arg);
     if (!r)
         r = fs_grads_traverse(&self->grads, visit, arg);
@@ -125,6 +124,9 @@ static int ShardGroup_clear(ShardGroupObject *self)
 {
     fs_params_clear(&self->params);
     fs_grads_clear(&self->grads);
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->watch);
     return 0;
 }
 
@@ -132,6 +134,8 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
+    if (self->weakrefs)
+        PyObject_ClearWeakRefs((PyObject *)self);
     if (self->ready)
         fs_shard_destroy(&self->g);
     Py_XDECREF(self->shards);
@@ -139,6 +143,10 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     Py_XDECREF(self->storage);
     fs_params_clear(&self->params);
     fs_grads_clear(&self->grads);
+    PyMem_Free(self->arrived);
+    Py_XDECREF(self->owner);
+    Py_XDECREF(self->fallback);
+    Py_XDECREF(self->watch);
     fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -391,25 +399,12 @@ PyDoc_STRVAR(reduce_grads_doc,
              "Returns 0: no gradient, nothing done; 1: done, gradients set and hooks run;\n"
              "2: left to finish (deferred, held or in the bucket: finish_reduce()); None: a\n"
              "gradient is not a plain tensor, nothing done (hand its values in grads).");
-static PyObject *ShardGroup_reduce_grads(ShardGroupObject *self, PyObject *const *args,
-                                         Py_ssize_t nargs)
+PyObject *fs_glue_shard_reduce(ShardGroupObject *self, PyObject *over, int defer, int reshard,
+                                fs_reduce_bucket *bucket)
 {
-    if (nargs != 4)
-        return PyErr_Format(PyExc_TypeError, "reduce_grads takes 4 arguments (%zd given)", nargs);
     fs_grads *q = &self->grads;
-    const int defer = PyObject_IsTrue(args[1]), reshard = PyObject_IsTrue(args[2]);
-    if (defer < 0 || reshard < 0)
-        return NULL;
-    fs_reduce_bucket *bucket = NULL;
-    if (args[3] != Py_None) {
-        if (!(bucket = fs_glue_bucket(Py_TYPE(self), args[3])))
-            return NULL;
-        if (self->comm->dev || defer)
-            return PyErr_Format(PyExc_ValueError, "reduce_grads: bucket is for host Comms, "
-                                "without defer");
-    }
     PyObject *keep = NULL;
-    int c = fs_grads_collect(q, &self->params, args[0], &keep);
+    int c = fs_grads_collect(q, &self->params, over, &keep);
     if (c < 0)
         return NULL;
     if (c == FS_GRADS_ASK)
@@ -436,8 +431,27 @@ static PyObject *ShardGroup_reduce_grads(ShardGroupObject *self, PyObject *const
     }
     r = fs_grads_finish(q, &self->params) < 0 ? NULL : PyLong_FromLong(1);
 out:
-    Py_DECREF(keep);
+    Py_XDECREF(keep);
     return r;
+}
+
+static PyObject *ShardGroup_reduce_grads(ShardGroupObject *self, PyObject *const *args,
+                                         Py_ssize_t nargs)
+{
+    if (nargs != 4)
+        return PyErr_Format(PyExc_TypeError, "reduce_grads takes 4 arguments (%zd given)", nargs);
+    const int defer = PyObject_IsTrue(args[1]), reshard = PyObject_IsTrue(args[2]);
+    if (defer < 0 || reshard < 0)
+        return NULL;
+    fs_reduce_bucket *bucket = NULL;
+    if (args[3] != Py_None) {
+        if (!(bucket = fs_glue_bucket(Py_TYPE(self), args[3])))
+            return NULL;
+        if (self->comm->dev || defer)
+            return PyErr_Format(PyExc_ValueError, "reduce_grads: bucket is for host Comms, "
+                                "without defer");
+    }
+    return fs_glue_shard_reduce(self, args[0], defer, reshard, bucket);
 }
 
 static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -626,6 +640,40 @@ static PyObject *ShardGroup_take_unhooked(ShardGroupObject *self, PyObject *Py_U
     return out;
 }
 
+PyDoc_STRVAR(set_post_backward_doc,
+             "set_post_backward(owner, fallback, watch): owner, a weak reference to the\n"
+             "state whose post-backward fallback(owner) runs where the plain one cannot;\n"
+             "watch, a tuple of callables, any of them true while a profiler or a\n"
+             "dispatch mode watches ([Note: plain events] in py_shard_events.c).");
+
+static PyObject *ShardGroup_set_post_backward(ShardGroupObject *self, PyObject *args)
+{
+    PyObject *owner, *fallback, *watch;
+    if (!PyArg_ParseTuple(args, "OOO!:set_post_backward", &owner, &fallback, &PyTuple_Type,
+                          &watch))
+        return NULL;
+    if (!PyWeakref_CheckRef(owner) || !PyCallable_Check(fallback))
+        return PyErr_Format(PyExc_TypeError, "set_post_backward: owner must be a weak "
+                            "reference and fallback callable");
+    Py_XSETREF(self->owner, Py_NewRef(owner));
+    Py_XSETREF(self->fallback, Py_NewRef(fallback));
+    Py_XSETREF(self->watch, Py_NewRef(watch));
+    Py_RETURN_NONE;
+}
+
+static PyObject *ShardGroup_post_backward(ShardGroupObject *self, PyObject *Py_UNUSED(a))
+{
+    fs_glue_shard_clear_arrived(self);
+    int r = fs_glue_shard_post_backward(self);
+    return r < 0 ? NULL : PyBool_FromLong(r);
+}
+
+static PyObject *ShardGroup_clear_arrived(ShardGroupObject *self, PyObject *Py_UNUSED(a))
+{
+    fs_glue_shard_clear_arrived(self);
+    Py_RETURN_NONE;
+}
+
 static PyObject *ShardGroup_set_comm_quant(ShardGroupObject *self, PyObject *args)
 {
     fs_comm_quant q;
@@ -635,6 +683,15 @@ static PyObject *ShardGroup_set_comm_quant(ShardGroupObject *self, PyObject *arg
 }
 
 static PyMethodDef ShardGroup_methods[] = {
+    {"set_post_backward", (PyCFunction)ShardGroup_set_post_backward, METH_VARARGS,
+     set_post_backward_doc},
+    {"post_backward", (PyCFunction)ShardGroup_post_backward, METH_NOARGS,
+     "post_backward() -> bool: this backward's arrivals forgotten, then the plain\n"
+     "post-backward (the reduction, the unsharded buffer freed, the sharded parameters\n"
+     "registered) where it applies now: True; False where the caller's path must run\n"
+     "([Note: plain events] in py_shard_events.c)."},
+    {"clear_arrived", (PyCFunction)ShardGroup_clear_arrived, METH_NOARGS,
+     "clear_arrived(): no gradient of this backward counted as arrived."},
     {"set_comm_quant", (PyCFunction)ShardGroup_set_comm_quant, METH_VARARGS,
      FS_SET_COMM_QUANT_DOC},
     {"set_params", (PyCFunction)ShardGroup_set_params, METH_VARARGS, set_params_doc},
@@ -725,7 +782,72 @@ static PyObject *ShardGroup_get_needs_hooks(ShardGroupObject *self, void *c)
     return PyBool_FromLong(fs_params_needs_hooks(&self->params));
 }
 
+static PyObject *ShardGroup_get_arrived(ShardGroupObject *self, void *c)
+{
+    (void)c;
+    return PyLong_FromLong(self->narrived);
+}
+
+/* What Python hands ([Note: plain events] in py_shard_events.c): c the
+ * int field. */
+static PyObject *ShardGroup_get_int(ShardGroupObject *self, void *c)
+{
+    return PyLong_FromLong(*(int *)((char *)self + (size_t)c));
+}
+
+static int ShardGroup_set_int(ShardGroupObject *self, PyObject *value, void *c)
+{
+    long v = value ? PyLong_AsLong(value) : -1;
+    if (v == -1 && (!value || PyErr_Occurred())) {
+        if (!value)
+            PyErr_SetString(PyExc_TypeError, "ShardGroup: the field cannot be deleted");
+        return -1;
+    }
+    if (v < 0 || v > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "ShardGroup: %ld is out of range", v);
+        return -1;
+    }
+    *(int *)((char *)self + (size_t)c) = (int)v;
+    return 0;
+}
+
+/* Nothing of a backward is left for the end of backward to do ([Note: plain
+ * events] in py_shard_events.c): no arrival counted, no sums kept, the
+ * buffer free and the sharded parameters registered, no gradient on an
+ * unsharded parameter. */
+static PyObject *ShardGroup_get_idle(ShardGroupObject *self, void *c)
+{
+    (void)c;
+    const fs_params *p = &self->params;
+    if (self->narrived || self->sums || self->g.core.unsharded || self->g.core.gather_pending ||
+        p->registered == FS_REG_UNSHARDED)
+        Py_RETURN_FALSE;
+    for (int i = 0; p->unsharded && i < p->n; i++) {
+        PyObject *u = PyTuple_GET_ITEM(p->unsharded, i);
+        if (u == Py_None)
+            continue;
+        PyObject *g = PyObject_GetAttrString(u, "grad");
+        if (!g)
+            return NULL;
+        Py_DECREF(g);
+        if (g != Py_None)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyGetSetDef ShardGroup_getset[] = {
+    {"idle", (getter)ShardGroup_get_idle, NULL,
+     "nothing of a backward is left for its end: no arrival, no sums, the buffer free,\n"
+     "the sharded parameters registered, no unsharded gradient", NULL},
+    {"arrived", (getter)ShardGroup_get_arrived, NULL,
+     "trainable parameters whose gradient arrived in this backward", NULL},
+    {"plain", (getter)ShardGroup_get_int, (setter)ShardGroup_set_int,
+     "PLAIN_* flags: which events of the state may take the plain path ([Note: plain\n"
+     "events] in py_shard_events.c)", (void *)offsetof(ShardGroupObject, plain)},
+    {"sums", (getter)ShardGroup_get_int, (setter)ShardGroup_set_int,
+     "1 where reduce-dtype sums of backwards without sync are kept (Python's)",
+     (void *)offsetof(ShardGroupObject, sums)},
     {"registered", (getter)ShardGroup_get_registered, NULL,
      "which parameters the modules hold: 0 unknown (none stored since set_params),\n"
      "1 the sharded, 2 the unsharded", NULL},
@@ -757,8 +879,14 @@ static PyGetSetDef ShardGroup_getset[] = {
     {NULL},
 };
 
+static PyMemberDef ShardGroup_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(ShardGroupObject, weakrefs), READONLY},
+    {NULL},
+};
+
 static PyType_Slot ShardGroup_slots[] = {
     {Py_tp_new, ShardGroup_new},
+    {Py_tp_members, ShardGroup_members},
     {Py_tp_dealloc, ShardGroup_dealloc},
     {Py_tp_traverse, ShardGroup_traverse},
     {Py_tp_clear, ShardGroup_clear},

@@ -129,7 +129,7 @@ def end_of_backward(root):
     root.manual_active = True
     for st in root.states or [root]:
         g = st.group
-        if g is not None and st.requires_gradient_sync and (st.ready or g.has_unsharded_grads()):
+        if g is not None and st.requires_gradient_sync and (g.c.arrived or g.has_unsharded_grads()):
             st.forget_held_reshard()
             st.post_backward_pending = True
         else:

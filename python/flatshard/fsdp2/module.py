@@ -88,7 +88,9 @@ class FSDPModule:
         modules inside it are issued with async_op and waited for at once."""
         check_bool("async_op", async_op)
         for m in self._fsdp_modules(True):
-            m._fsdp_state().unshard_async_op = async_op
+            st = m._fsdp_state()
+            st.unshard_async_op = async_op
+            st.hand_plain()
 
     def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
         """`requires_gradient_sync=False`: backward accumulates unreduced
@@ -98,7 +100,9 @@ class FSDPModule:
         check_bool("requires_gradient_sync", requires_gradient_sync)
         check_bool("recurse", recurse)
         for m in self._fsdp_modules(recurse):
-            m._fsdp_state().requires_gradient_sync = requires_gradient_sync
+            st = m._fsdp_state()
+            st.requires_gradient_sync = requires_gradient_sync
+            st.hand_plain()
 
     def set_is_last_backward(self, is_last_backward):
         """Accepted for torch's API (`is_last_backward`: a bool). flatshard's
@@ -119,6 +123,7 @@ class FSDPModule:
             else:
                 raf, st.group.post_comm = resolve_reshard(reshard_after_forward, st.group.mesh)
             st.reshard_after_forward = st.reshard_after_forward_arg = raf
+            st.hand_plain()
 
     def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
         """`reshard_after_backward=False` keeps the parameters gathered after
@@ -126,15 +131,21 @@ class FSDPModule:
         check_bool("reshard_after_backward", reshard_after_backward)
         check_bool("recurse", recurse)
         for m in self._fsdp_modules(recurse):
-            m._fsdp_state().reshard_after_backward = reshard_after_backward
+            st = m._fsdp_state()
+            st.reshard_after_backward = reshard_after_backward
+            st.hand_plain()
 
     def set_modules_to_forward_prefetch(self, modules):
         """Gather these FSDP `modules` right after this one's forward gather."""
-        self._fsdp_state().forward_prefetch = _check_modules("modules", modules)
+        st = self._fsdp_state()
+        st.forward_prefetch = _check_modules("modules", modules)
+        st.hand_plain()
 
     def set_modules_to_backward_prefetch(self, modules):
         """Gather these FSDP `modules` right after this one's backward gather."""
-        self._fsdp_state().backward_prefetch = _check_modules("modules", modules)
+        st = self._fsdp_state()
+        st.backward_prefetch = _check_modules("modules", modules)
+        st.hand_plain()
 
     def set_post_optim_event(self, event):
         """The root's next forward first waits for `event` (synchronize())."""
@@ -158,7 +169,9 @@ class FSDPModule:
         """`unshard_in_backward=False`: never gather this module in backward
         (for modules whose parameters backward does not use)."""
         check_bool("unshard_in_backward", unshard_in_backward)
-        self._fsdp_state().unshard_in_backward = unshard_in_backward
+        st = self._fsdp_state()
+        st.unshard_in_backward = unshard_in_backward
+        st.hand_plain()
 
     def reset_iter_state(self):
         """After an exception aborted a forward or backward: call it on the
@@ -181,11 +194,11 @@ class FSDPModule:
             st.prefetched = []
             finalize.reset(st)  # torch 2.15's manual finalization: its handle invalidated
         for s in st.states or [st]:
-            s.ready.clear()
             s.forget_held_reshard()  # frozen parameters: forwards the failed backward reached
             g = s.group
             if g is None:
                 continue
+            g.c.clear_arrived()
             g.reshard()
             g.c.drop_partial()  # an HSDP partial sum without its all-reduce, as torch
             g.accumulated = [None] * len(g.accumulated)

@@ -97,6 +97,15 @@ class ParamGroup:
         self.count_base = {}   # collectives (and copied bytes) of engine groups replaced
         self.keep_storage = False  # set_keep_unsharded_storage ([Note: kept storage])
         self.comm_quant = None  # FSDPModule.set_comm_quant: a CommQuant, or None
+        # The state's plain events ([Note: plain events] in
+        # csrc/glue/py_shard_events.c): its _C.Event hooks, the post-backward
+        # the engine group's arrivals fall back on (the state, weakly; its
+        # post-backward; what watches), and which events may be plain
+        # (FSDPState.hand_plain): handed to every engine group made.
+        self.events = ()
+        self.post_backward = None
+        self._plain = 0
+        self._accumulated = ()
         self.check_grad_dtypes(params)
         self._build_engine(params[0].dtype, params[0].device)
         self.ext = {i: Extension(p, self.names[i], aliases[i][0][0], mp_policy,
@@ -159,6 +168,12 @@ class ParamGroup:
             self.c.set_keep_storage(True)
         if self.comm_quant is not None:  # a new engine group takes the setting again
             self.c.set_comm_quant(*self.comm_quant.engine_args)
+        if self.post_backward is not None:
+            self.c.set_post_backward(*self.post_backward)
+        for e in self.events:
+            e.group = self.c
+        self.c.plain = self._plain
+        self.c.sums = any(a is not None for a in self._accumulated)
         self.entries = self.c.entries     # this rank's rows of each parameter (layout.c)
         self.offsets = self.c.offsets     # each parameter's start in the unsharded buffer
         self.full_alloc = self.c.full_alloc
@@ -295,6 +310,36 @@ class ParamGroup:
 
     def local(self, i):
         return self.sharded[i]._local_tensor
+
+    def attach(self, owner, post_backward, watch):
+        """The state (a weak reference) whose post_backward(state) the
+        engine group's arrivals run where the plain one does not apply, and
+        the callables that say a profiler or mode watches ([Note: plain
+        events] in csrc/glue/py_shard_events.c)."""
+        self.post_backward = (owner, post_backward, watch)
+        self.c.set_post_backward(*self.post_backward)
+
+    @property
+    def plain(self):
+        """Which of the state's events may take the plain path: _C.PLAIN_*
+        flags (its FSDPState.hand_plain decides)."""
+        return self._plain
+
+    @plain.setter
+    def plain(self, value):
+        self._plain = self.c.plain = value
+
+    @property
+    def accumulated(self):
+        """Each parameter's reduce-dtype sum of backwards without sync, or
+        None ([Note: accumulation dtype]); a new list is assigned whenever
+        one changes, so that the engine group knows whether any is kept."""
+        return self._accumulated
+
+    @accumulated.setter
+    def accumulated(self, sums):
+        self._accumulated = sums
+        self.c.sums = any(a is not None for a in sums)
 
     def set_comm_quant(self, quant):
         """The engine group's gathers and reductions quantized as `quant`
@@ -616,11 +661,12 @@ class ParamGroup:
     def to_accumulated_grads(self):
         """No sync this time: keep gradients of another dtype than the
         reduce dtype as reduce-dtype sums [Note: accumulation dtype]."""
+        sums = list(self.accumulated)
         for i, p in enumerate(self.unsharded or ()):
             if p.grad is not None and p.grad.dtype != self.reduce_dtype:
                 g = self._grad(i)
-                self.accumulated[i] = torch.empty(g.shape, dtype=self.reduce_dtype,
-                                                  device=g.device)
+                sums[i] = torch.empty(g.shape, dtype=self.reduce_dtype, device=g.device)
+                self.accumulated = sums
                 self._accumulate(i, False)
 
     def reduce_grads(self, defer=False, reshard=False, bucket=None):

@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from .. import torch_facts
+from .. import _C, torch_facts
 from ..errors import ConfigError, MetaDeviceError
 from ..runtime import eager, observe
 from ..runtime.root import Root
@@ -138,7 +138,6 @@ class FSDPState:
         self.fqn = ""                     # the modules' names in the root's tree (profiler)
         self.label = ""                   # " (fqn)": the suffix of this state's ranges
         self.prefetched = []              # the root's: implicitly prefetched this forward
-        self.ready = set()                # trainable parameters whose gradient arrived
         self.watching = None              # frozen parameters: this forward's _Forward
         self.reading = []                 # ... those this backward reached, not their inputs
         self.reshard_due = False          # ... a reshard waiting for them
@@ -153,6 +152,8 @@ class FSDPState:
         self.handles = []
         self.pre_backward_hook = self._pre_backward
         pre, post = self._pre_forward_hook, self._post_forward_hook
+        if group is not None:  # [Note: plain events] in csrc/glue/py_shard_events.c
+            pre, post = self._plain_events(group, pre, post)
         for module in modules:
             self.handles += [
                 module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
@@ -196,7 +197,7 @@ class FSDPState:
         g = self.group
         if g is None:
             return
-        if self.ready or (self.requires_gradient_sync and g.has_unsharded_grads()):
+        if g.c.arrived or (self.requires_gradient_sync and g.has_unsharded_grads()):
             self._post_backward()
         elif self.reshard_after_backward and (g.registered_unsharded or g.c.is_unsharded or
                                               g.post_chunk is not None):
@@ -240,6 +241,7 @@ class FSDPState:
             st.lean = tree_ok and st is not self and st.group is not None and \
                 mp.output_dtype is None and not (mp.cast_forward_inputs and
                                                  mp.param_dtype is not None)
+            st.hand_plain()
 
     def _init_fqns(self):
         """Each state's module names in the root's tree, joined as torch's
@@ -368,17 +370,64 @@ class FSDPState:
 
     def _arrival(self, i):
         """Parameter i's post-accumulate-grad hook: its gradient has
-        arrived; once every trainable parameter's has, the post-backward.
-        It holds the state weakly ([Note: hooks hold their state weakly] in
+        arrived; once every trainable parameter's has, the post-backward
+        (flatshard._C.Arrival: counted by the engine group, whose plain
+        post-backward runs there, else this state's _post_backward; [Note:
+        plain events] in csrc/glue/py_shard_events.c). It holds the
+        group weakly ([Note: hooks hold their state weakly] in
         runtime/grad_hooks.py)."""
-        ready, state = self.ready, weakref.ref(self)
+        return eager.wrap(_C.Arrival(self.group.c, i))
 
-        def arrive(param):
-            ready.add(i)
-            st = state()
-            if st is not None and len(ready) == st.group.c.trainable:
-                st._post_backward()
-        return eager.wrap(arrive)
+    def _plain_events(self, group, pre, post):
+        """The hooks torch calls for this state's events: flatshard._C.Event
+        objects that take the plain path in C where it applies and call the
+        Python hooks (pre, post, _pre_backward) otherwise, and the engine
+        group's arrivals' fallback ([Note: plain events] in
+        csrc/glue/py_shard_events.c). Returns the forward pre-hook and hook."""
+        group.attach(weakref.ref(self), FSDPState._post_backward, (_profiling, _depth))
+        c = group.c
+        pb = _C.Event(_C.EVENT_PRE_BACKWARD, c, self._pre_backward, self._hook_grads)
+        self.pre_backward_hook = eager.wrap(pb)
+        pf = _C.Event(_C.EVENT_PRE_FORWARD, c, pre, self._hook_grads)
+        po = _C.Event(_C.EVENT_POST_FORWARD, c, post, self._hook_grads,
+                      pre_backward=self.pre_backward_hook, hook_outputs=hook_before_backward,
+                      grad_enabled=torch.is_grad_enabled, tensor=torch.Tensor)
+        group.events = (pf, po, pb)  # given the engine group anew when it is made again
+        return eager.wrap(pf), eager.wrap(po)
+
+    def hand_plain(self):
+        """Which of this state's events may take the plain path, handed to
+        the engine group where what that depends on changes: lazy init and
+        the FSDPModule setters ([Note: plain events] in
+        csrc/glue/py_shard_events.c). Each needs a lean state (not the root,
+        host Comms, no gather-ahead, no cast: _decide_lean) without a
+        parameter that gathers itself or is tensor-parallel; the gathers
+        also a bool reshard_after_forward (no post-forward chunk) and no
+        prefetch list or async_op for their pass; the post-forward's free
+        reshard_after_forward True; the post-backward gradient sync, reshard
+        after backward and no reduction bucket. What can change within a
+        step the engine group checks at each call."""
+        g = self.group
+        if g is None:
+            return
+        root, mask = self.root, 0
+        if self.lean and not g.ext and not g.tp:
+            raf = self.reshard_after_forward
+            whole = isinstance(raf, bool)
+            if whole and not self.unshard_async_op and self.forward_prefetch is None:
+                mask |= _C.PLAIN_PRE_FORWARD
+            if raf is True:
+                mask |= _C.PLAIN_POST_FORWARD
+            if whole and not self.unshard_async_op and self.backward_prefetch is None:
+                mask |= _C.PLAIN_PRE_BACKWARD
+            if self.unshard_in_backward:
+                mask |= _C.PLAIN_GATHER_BACKWARD
+            if whole and self.requires_gradient_sync and self.reshard_after_backward and \
+                    not root.tree.bucket.budget:
+                mask |= _C.PLAIN_POST_BACKWARD
+        if root is not None and root.tree is not None:
+            g.events[2].latch = root.tree.latch
+        g.plain = mask
 
     @eager.hook
     def _to_sharded_hook(self, *args, **kwargs):
@@ -461,27 +510,26 @@ class FSDPState:
     # ------------------------------------------------------------------
     # forward
 
-    # [Note: lean events] Each event has one implementation: the engine
-    # group's call (ParamGroup.unshard, reshard, reduce_grads, which call
-    # flatshard._C.ShardGroup) and the registration around it, reached from
-    # here by every path. What else an event does is needed only in some
-    # trees: lazy init and the root's start and end of forward (the root),
-    # the forward order's record (read by gather-ahead and a device's
-    # implicit prefetch only), torch's profiler ranges and CommDebugMode's
-    # counts (while one watches), the casts of mixed precision, the prefetch
-    # lists, async_op, a device's deferred reduction, the frozen-parameter
-    # reshard held back, no gradient sync. `lean` is decided once, at the
-    # root's lazy init (_decide_lean): a state that is not the root, in a
-    # tree of host Comms without gather-ahead, with no cast. Each event then
-    # checks what a user may change between steps (a prefetch list,
-    # reshard_after_forward, gradient sync, async_op, a profiler) with a few
-    # attribute reads, and a lean event goes straight to the implementation;
-    # any other runs the *_full method around the same calls. The plain
-    # case's frozen or reassigned parameters are the implementation's own:
-    # the engine group registers the parameters and checks them from the
-    # objects ParamGroup handed it ([Note: registration in C] in
-    # csrc/glue/py_params.h), and a changed one takes ParamGroup's
-    # sync_registered there as in any event.
+    # [Note: lean events] The plain path of each event is C's ([Note: plain
+    # events] in csrc/glue/py_shard_events.c): torch calls the state's
+    # _C.Event and _C.Arrival hooks, which take it where it applies and call
+    # the methods below otherwise. These handle every case through the same
+    # engine group (ParamGroup.unshard, reshard, reduce_grads, which call
+    # flatshard._C.ShardGroup). What an event does besides the plain path is
+    # needed only in some trees: lazy init and the root's start and end of
+    # forward (the root), the forward order's record (read by gather-ahead
+    # and a device's implicit prefetch only), torch's profiler ranges and
+    # CommDebugMode's counts (while one watches), the casts of mixed
+    # precision, the prefetch lists, async_op, a device's deferred
+    # reduction, the frozen-parameter reshard held back, no gradient sync.
+    # `lean` is decided once, at the root's lazy init (_decide_lean): a state
+    # that is not the root, in a tree of host Comms without gather-ahead,
+    # with no cast; with what a user may change between steps (a prefetch
+    # list, reshard_after_forward, gradient sync, async_op) it gives the
+    # engine group its PLAIN_* flags (hand_plain). A lean event that reaches
+    # Python (a parameter reassigned or made a subclass, frozen parameters,
+    # the first gather, a profiler) goes straight to the general calls; any
+    # other runs the *_full method around the same calls.
 
     @eager.hook
     def _pre_forward_hook(self, module, args, kwargs):
@@ -632,17 +680,14 @@ class FSDPState:
 
     def _post_backward(self):
         """Reduce (on a device: deferred, one reduction in flight, so it runs
-        beside the backward of the modules before this one) and reshard."""
-        self.ready.clear()
-        reading = bool(self.reading)
-        g = self.group
-        if self.lean and not reading and self.requires_gradient_sync and \
-                self.reshard_after_backward and not (_profiling() or _depth()):
-            tree = self.root.tree  # [Note: lean events]
-            g.accumulate_unsharded_grads()
-            g.reduce_grads(bucket=tree.bucket if tree.bucket.budget else None, reshard=True)
-            tree.reduced = True
-            g.reshard()
+        beside the backward of the modules before this one) and reshard:
+        the engine group's plain post-backward where it applies ([Note:
+        plain events] in csrc/glue/py_shard_events.c), else
+        _post_backward_full."""
+        g, reading = self.group, bool(self.reading)
+        if reading:  # a frozen parameter may still be read: not the plain case
+            g.c.clear_arrived()
+        elif g.c.post_backward():  # [Note: lean events]
             return
         self._post_backward_full(reading)
 
@@ -690,7 +735,10 @@ class FSDPState:
                 finalize.end_of_backward(self)
                 return
             for st in self.states or [self]:
-                st._end_backward()
+                g = st.group  # (one whose plain events left nothing: passed over)
+                if g is None or not g.c.idle or st.reading or st.reshard_due or \
+                        g.post_chunk is not None:
+                    st._end_backward()
             self.tree.bucket.flush()
             self.finish_reducing()  # every sharded gradient is in place when backward returns
             self.tree.reduced = False

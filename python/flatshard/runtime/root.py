@@ -8,17 +8,21 @@ keeps for every member under it (an FSDP1 unit, or a fully_shard state).
   inflight    the one deferred device reduction in flight (runtime/inflight.py)
   reduced     whether a member was reduced in this backward
   final       the end-of-backward callback, queued once per backward on the
-              autograd engine
+              autograd engine; whether it is (final_queued) is a flatshard._C.Latch
+              (`latch`) that fully_shard's plain pre-backward reads in C
+              ([Note: plain events] in csrc/glue/py_shard_events.c)
 
 What the end of backward then does (which members finalize, in what order,
 whether the reduction in flight is landed or each member waits for its own)
 is the wrapper's: fsdp/api.py's RootState and fsdp2/state.py's FSDPState
 pass it in as `final`.
 
-Imports: runtime's ahead, bucket, inflight and order; nothing of fsdp/ or
-fsdp2/.
+Imports: _C and runtime's ahead, bucket, inflight and order; nothing of
+fsdp/ or fsdp2/.
 """
 from torch.autograd import Variable
+
+from .. import _C
 
 from .ahead import ahead_bytes, gather_ahead
 from .bucket import ReduceBucket, bucket_bytes
@@ -33,8 +37,16 @@ class Root:
         self.bucket = ReduceBucket(bucket_bytes(comm))
         self.inflight = InFlight()
         self.reduced = False
-        self.final_queued = False
-        self._final = final
+        # set once the end-of-backward callback is queued in this backward
+        self.latch = _C.Latch(Variable._execution_engine.queue_callback, final)
+
+    @property
+    def final_queued(self):
+        return self.latch.set
+
+    @final_queued.setter
+    def final_queued(self, value):
+        self.latch.set = value
 
     def gather_ahead(self, member, step, cost):
         """The members gathered in `member`'s all-gather: those that ran after
@@ -53,9 +65,7 @@ class Root:
 
     def queue_final(self):
         """The end-of-backward callback, queued once per backward."""
-        if not self.final_queued:
-            self.final_queued = True
-            Variable._execution_engine.queue_callback(self._final)
+        self.latch.fire()
 
     def abandon_backward(self):
         """A backward that never reached its end (an exception, a dropped

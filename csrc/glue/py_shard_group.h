@@ -1,0 +1,59 @@
+/* py_shard_group.h - flatshard._C.ShardGroup's object, shared by its type
+ * (py_shard_group.c: argument parsing, the engine calls one by one) and its
+ * plain events (py_shard_events.c: the hook objects torch calls, and the one
+ * implementation of each event's plain path). */
+#ifndef FS_PY_SHARD_GROUP_H
+#define FS_PY_SHARD_GROUP_H
+
+#include "py_grads.h"
+#include "py_params.h"
+#include "py_unit.h"
+#include "shard_group.h"
+
+/* [Note: plain events] (py_shard_events.c): which of a state's events may
+ * take the plain path, as Python decides them where what they depend on
+ * changes (fsdp2/state.py FSDPState.hand_plain). Every one also means: the
+ * state's lean events (not the root, host Comms, no gather-ahead, no cast),
+ * no parameter that gathers itself or is tensor-parallel. */
+enum {
+    FS_PLAIN_PRE_FORWARD = 1,     /* no forward prefetch list, async_op off, bool r.a.f. */
+    FS_PLAIN_POST_FORWARD = 2,    /* reshard_after_forward True */
+    FS_PLAIN_PRE_BACKWARD = 4,    /* no backward prefetch list, async_op off, bool r.a.f. */
+    FS_PLAIN_GATHER_BACKWARD = 8, /* unshard_in_backward */
+    FS_PLAIN_POST_BACKWARD = 16,  /* gradient sync, reshard after backward, bool r.a.f., no
+                                   * reduction bucket */
+};
+
+typedef struct {
+    FS_GROUP_OBJECT_HEAD
+    fs_shard_group g;
+    PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
+    PyObject *full, *storage;
+    fs_params params;      /* the registration on the modules (py_params.h) */
+    fs_grads grads;        /* the reduction's tensors (py_grads.h) */
+    /* [Note: plain events]: what Python handed, and this backward's arrivals */
+    int plain;             /* FS_PLAIN_* */
+    int sums;              /* Python keeps reduce-dtype sums of backwards without sync */
+    unsigned char *arrived; /* (arrived_cap) parameter i's gradient arrived */
+    int arrived_cap, narrived;
+    PyObject *owner;       /* a weak reference to the Python state, or NULL */
+    PyObject *fallback;    /* fallback(owner): the state's post-backward in Python */
+    PyObject *watch;       /* tuple of callables: any true, and a profiler or mode watches */
+    PyObject *weakrefs;
+} ShardGroupObject;
+
+/* py_shard_group.c */
+/* None for FS_OK, else the group's exception (its note names the group). */
+PyObject *fs_glue_shard_done(ShardGroupObject *self, fs_status s);
+/* reduce_grads' reduction (its doc): None (Python must hand the gradients),
+ * 0, 1 or 2; NULL with an exception set. */
+PyObject *fs_glue_shard_reduce(ShardGroupObject *self, PyObject *over, int defer, int reshard,
+                               fs_reduce_bucket *bucket);
+
+/* py_shard_events.c */
+void fs_glue_shard_clear_arrived(ShardGroupObject *self);
+/* The plain post-backward: 1 done, 0 not plain now (nothing done), -1 with
+ * an exception set. */
+int fs_glue_shard_post_backward(ShardGroupObject *self);
+
+#endif
