@@ -180,3 +180,49 @@ def test_fully_shard_engine_calls_with_a_reduction_bucket(dist_pool):
                 (calls, step)
         assert flushes[0][-2:] == ["flush_bucket", "finish_reduce"] and \
             flushes[0] is logs[-1][0], logs
+
+
+def _python_frames_of_blocks():
+    """Python frames of flatshard's own code during step 1 whose `self` is
+    a block's FSDPState or its ParamGroup (the root's run in Python)."""
+    import sys
+    from torch.distributed.device_mesh import init_device_mesh
+    from flatshard.fsdp2.param import ParamGroup
+    from flatshard.fsdp2.state import FSDPState
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    blocks = {id(b._fsdp_state()) for b in model.blocks}
+    blocks |= {id(b._fsdp_state().group) for b in model.blocks}
+    seen, root_calls = [], []
+
+    def profile(frame, event, arg):
+        if event != "call" or "flatshard" not in frame.f_code.co_filename:
+            return
+        me = frame.f_locals.get("self")
+        if isinstance(me, (FSDPState, ParamGroup)):
+            (seen if id(me) in blocks else root_calls).append(frame.f_code.co_name)
+    sys.setprofile(profile)
+    try:
+        model(x).sum().backward()
+    finally:
+        sys.setprofile(None)
+    return seen, root_calls
+
+
+def test_fully_shard_plain_events_run_no_python_frame(dist_pool):
+    """After step 0 every event of the blocks (pre-forward, post-forward,
+    pre-backward, each gradient's arrival and the post-backward, the end of
+    backward) runs without a Python frame of their states or groups: the
+    one implementation of each plain event is C ([Note: plain events] in
+    csrc/glue/py_shard_events.c). The root's own events run in Python (its
+    lazy init, the forward's start and end, the end of backward), which the
+    probe sees, so it is not blind."""
+    for seen, root_calls in dist_pool(2).run(_python_frames_of_blocks):
+        assert seen == [], seen
+        assert "_pre_forward_hook" in root_calls and "_finalize" in root_calls, root_calls
