@@ -110,6 +110,25 @@ def test_large_host_state_lives_in_its_own_mapping(ours, theirs, kw, names, tmp_
         assert torch.equal(loaded["state"][0][name], oa.state[a[0]][name])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 64, 65])
+def test_mapped_state_is_zero_and_whole_on_any_thread_count(threads):
+    """[Note: state populated in parallel]: each thread populates its slice
+    (huge pages, or plain ones after a stall); whatever the split (threads
+    beyond the count of 2 MiB chunks, beyond the cap), every byte is there
+    and zero, and writable."""
+    mib = 1 << 20
+    for n in [2 * mib - 1, 2 * mib, 2 * mib + 1, 7 * mib + 4093, 33 * mib]:
+        s = _C.mapped_storage(n, threads=threads)
+        t = torch.empty(0, dtype=torch.uint8).set_(s)
+        assert s.nbytes() == n and t.data_ptr() % (2 * mib) == 0
+        assert t.count_nonzero().item() == 0
+        t[::4093] = 7
+        assert t.sum().item() == 7 * len(range(0, n, 4093))
+        del t, s
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        _C.mapped_storage(4 * mib, threads=0)
+
+
 @pytest.mark.parametrize("ours,theirs,kw", [CASES[0], CASES[6]])
 def test_state_dict_moves_between_torch_and_flatshard(ours, theirs, kw):
     torch.manual_seed(0)

@@ -95,11 +95,14 @@ size_t fs_pool_trim(fs_pool *p);
 /* A resident, zero-filled mapping of at least nbytes outside any pool, for
  * buffers that live as long as training does and are streamed through
  * whole every step (optimizer state): from FS_POOL_HUGE_BYTES on it is
- * whole, aligned huge pages (where transparent huge pages are enabled), so
- * that a streaming loop crosses a 2 MiB page boundary where it crossed 512
- * small ones, each of which stops the hardware prefetcher. *mapped: the
- * length to hand to fs_unmap. FS_ERR_NO_MEMORY when it cannot be mapped. */
-fs_status fs_map_resident(size_t nbytes, void **out, size_t *mapped);
+ * whole, aligned huge pages where they come without a stall (transparent
+ * huge pages enabled, memory free in 2 MiB blocks), so that a streaming loop
+ * crosses a 2 MiB page boundary where it crossed 512 small ones, each of
+ * which stops the hardware prefetcher; populated by up to `threads` threads
+ * ([Note: state populated in parallel] in pool.c). *mapped: the length to
+ * hand to fs_unmap. FS_ERR_NO_MEMORY when it cannot be mapped. */
+#define FS_STATE_MAX_THREADS 64
+fs_status fs_map_resident(size_t nbytes, int threads, void **out, size_t *mapped);
 void fs_unmap(void *ptr, size_t mapped);
 
 fs_pool_stats fs_pool_get_stats(fs_pool *p);

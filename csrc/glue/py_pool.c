@@ -279,14 +279,20 @@ static PyObject *py_pool_storage(PyObject *m, PyObject *args, PyObject *kw)
 }
 
 PyDoc_STRVAR(mapped_storage_doc,
-             "mapped_storage(nbytes) -> UntypedStorage, zero-filled, over a mapping of its\n"
-             "own (huge pages from 2 MiB, where the system has them), unmapped when the\n"
-             "storage's memory is dropped: for optimizer state, streamed whole every step.");
-static PyObject *py_mapped_storage(PyObject *m, PyObject *args)
+             "mapped_storage(nbytes, threads=1) -> UntypedStorage, zero-filled, over a\n"
+             "mapping of its own (huge pages from 2 MiB, where the system gives them without\n"
+             "a stall), populated by up to `threads` threads, unmapped when the storage's\n"
+             "memory is dropped: for optimizer state, streamed whole every step.");
+static PyObject *py_mapped_storage(PyObject *m, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {"nbytes", "threads", NULL};
     long long n;
-    if (!PyArg_ParseTuple(args, "L", &n))
+    int threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "L|i", kwlist, &n, &threads))
         return NULL;
+    if (threads < 1)
+        return PyErr_Format(PyExc_ValueError, "mapped_storage: threads must be >= 1, got %d",
+                            threads);
     if (n <= 0)
         return PyErr_Format(PyExc_ValueError, "mapped_storage: nbytes must be > 0, got %lld", n);
     pooled_dl *o = new_record();
@@ -294,7 +300,7 @@ static PyObject *py_mapped_storage(PyObject *m, PyObject *args)
         return NULL;
     fs_status s;
     Py_BEGIN_ALLOW_THREADS /* faulting in the pages takes a while */
-    s = fs_map_resident((size_t)n, &o->block, &o->mapped);
+    s = fs_map_resident((size_t)n, threads, &o->block, &o->mapped);
     Py_END_ALLOW_THREADS
     if (s != FS_OK) {
         free(o);
@@ -323,7 +329,8 @@ static PyObject *py_heap_trim(PyObject *m, PyObject *Py_UNUSED(a))
 
 static PyMethodDef pool_methods[] = {
     {"heap_trim", py_heap_trim, METH_NOARGS, heap_trim_doc},
-    {"mapped_storage", py_mapped_storage, METH_VARARGS, mapped_storage_doc},
+    {"mapped_storage", (PyCFunction)(void (*)(void))py_mapped_storage, METH_VARARGS | METH_KEYWORDS,
+     mapped_storage_doc},
     {"pool_stats", py_pool_stats, METH_NOARGS, pool_stats_doc},
     {"pool_trim", py_pool_trim, METH_VARARGS, pool_trim_doc},
     {"pool_reset_peak", py_pool_reset_peak, METH_NOARGS, pool_reset_peak_doc},

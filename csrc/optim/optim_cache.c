@@ -34,7 +34,9 @@
 #include <cpuid.h>
 #endif
 
-#define CACHE_HEADER "flatshard optim tune cache 1"
+/* 2: a busy machine's choice keeps the default split (the OpenMP team);
+ * files of 1 may hold busy choices on started threads, which lost to it. */
+#define CACHE_HEADER "flatshard optim tune cache 2"
 #define CACHE_LINE_MAX 512
 #define CACHE_LINES_MAX 1024
 

@@ -8,14 +8,14 @@
  * where, only how to measure. What the measurement chose, and the timings
  * it chose from, are kept for diagnostics (`python -m flatshard doctor`).
  */
-#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, getloadavg */
+#define _DEFAULT_SOURCE /* getloadavg */
 #include "optim.h"
+#include "pool.h" /* fs_map_resident */
 
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -35,7 +35,8 @@
  *    runs stream from memory as real steps do), within a time budget
  *    (tune_budget_s: about 4% of 60 steps of the class at memory speed, 17 ms
  *    at 2^24, capped at TUNE_BUDGET_MAX_S; the scratch buffers' first touch
- *    comes on top, about 7 ms for 64 MiB on an idle machine), and the result
+ *    comes on top, 8-57 ms for 64 MiB on 2 threads: huge pages where they
+ *    come at once, else plain ones), and the result
  *    stored on disk.
  *
  * The candidates are searched in stages, each keeping the winners so far:
@@ -276,25 +277,26 @@ typedef struct {
 } scratch;
 
 /* `j` on zero-filled scratch buffers of n elements (same kind, flags and
- * copy dtype), or FS_ERR_NO_MEMORY. One mapping of plain pages, written once
- * so that every page is real memory, not the shared zero page. Not huge
- * pages: with the kernel's THP defrag "madvise" a huge-page fault may compact
- * memory synchronously, which took 1.4 s for 64 MiB on a loaded machine
- * (benchmarks/RESULTS.md), more than the whole measurement's budget. */
-static fs_status scratch_job(const fs_optim_job *j, int64_t n, scratch *s, fs_optim_job *out)
+ * copy dtype), or FS_ERR_NO_MEMORY. One resident mapping made as the state
+ * is (fs_map_resident: populated by `threads` threads, huge pages only where
+ * they come without a stall, [Note: state populated in parallel] in
+ * csrc/engine/pool.c): the measurement runs on pages like the steps', and
+ * its first touch, 64 MiB at 2^24, is split as theirs is. A huge-page fault
+ * that compacts memory synchronously once took 1.4 s for 64 MiB on a loaded
+ * machine (benchmarks/RESULTS.md), more than the whole measurement's budget;
+ * the populate gives up huge pages at the first slow one. */
+static fs_status scratch_job(const fs_optim_job *j, int64_t n, int threads, scratch *s,
+                             fs_optim_job *out)
 {
     *out = *j;
     const size_t fb = ((size_t)n * 4 + 4095) / 4096 * 4096, hb = ((size_t)n * 2 + 4095) / 4096 * 4096;
     const int adam = j->kind == FS_OPTIM_ADAM;
     const int nf = adam ? 4 + (j->adam.max_exp_avg_sq != NULL) : 2 + (j->sgd.momentum_buf != NULL);
     const int copy = adam ? j->adam.copy != NULL : j->sgd.copy != NULL;
-    s->bytes = nf * fb + (copy ? hb : 0);
-    s->mem = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (s->mem == MAP_FAILED) {
+    if (fs_map_resident(nf * fb + (copy ? hb : 0), threads, &s->mem, &s->bytes) != FS_OK) {
         s->mem = NULL;
         return FS_ERR_NO_MEMORY;
     }
-    memset(s->mem, 0, s->bytes);
     char *p = s->mem;
     float *f[5] = {NULL, NULL, NULL, NULL, NULL};
     for (int k = 0; k < nf; k++)
@@ -316,7 +318,7 @@ static fs_status scratch_job(const fs_optim_job *j, int64_t n, scratch *s, fs_op
 static void scratch_free(scratch *s)
 {
     if (s->mem)
-        munmap(s->mem, s->bytes);
+        fs_unmap(s->mem, s->bytes);
     s->mem = NULL;
 }
 
@@ -390,6 +392,7 @@ static fs_status measure(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
     best.omp = 0;
     fs_status st = FS_OK;
     int64_t pos = 0; /* the next slice of the scratch buffers */
+    int split_measured = 0;
     for (int stage = 0; stage < 4 && st == FS_OK; stage++) {
         const int64_t cap = stage == 3 ? TUNE_SPLIT_UNIT : TUNE_SLICE;
         const int64_t unit = n < cap ? n : cap;
@@ -453,9 +456,17 @@ static fs_status measure(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
             break;
         record_stage(r, stage, cand, nc, score, rounds);
         best = cand[win];
+        split_measured |= stage == 3;
     }
     r->tune_s = now_s() - t_start;
     if (st == FS_OK) {
+        /* A split not measured (busy machine, hard stop) is the default's:
+         * stages 0-2 ran on started threads only to time the loop. Measured
+         * on EPYC Zen 3 at 2^24, 2 threads, load 2: started threads beside
+         * torch's spinning team ran 0.74-0.85x torch fused, the team 0.96-1.08x
+         * ([Note: incumbents]). */
+        if (!split_measured)
+            best.omp = class_default(r).omp;
         r->chosen = best;
         r->tuned = 1;
     }
@@ -506,7 +517,7 @@ static void choose(const fs_optim_job *job, const fs_tune_record *key, fs_tune_r
     scratch s = {NULL, 0};
     fs_optim_job sj;
     rec->source = FS_TUNE_MEASURED;
-    if (scratch_job(job, n, &s, &sj) != FS_OK)
+    if (scratch_job(job, n, key->threads_max, &s, &sj) != FS_OK)
         return; /* rec->tuned stays 0: the default runs */
     const fs_status st = measure(&sj, n, rec);
     scratch_free(&s);

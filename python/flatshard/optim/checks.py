@@ -25,7 +25,11 @@ except ImportError:  # a build of torch without distributed
 # 2^24 and 2^26 fp32 parameters, the two placements interleaved in one
 # process: 2-3% faster a step on average, within the noise of any one run
 # (benchmarks/RESULTS.md). Smaller state, and state on a device, comes from
-# torch as before.
+# torch as before. The mapping is populated on torch's thread count, and a
+# huge page that stalls (compaction, memory the hypervisor has not backed)
+# turns the rest of that thread's slice to plain pages: the state is made at
+# the first step, which must not wait on it ([Note: state populated in
+# parallel] in csrc/engine/pool.c).
 _MAPPED_MIN_BYTES = 2 << 20
 
 
@@ -34,7 +38,7 @@ def _zeros_like(p):
     nbytes = p.numel() * p.element_size()
     if p.device.type != "cpu" or nbytes < _MAPPED_MIN_BYTES or not p.is_contiguous():
         return torch.zeros_like(p, memory_format=torch.preserve_format)
-    storage = _C.mapped_storage(nbytes)
+    storage = _C.mapped_storage(nbytes, threads=torch.get_num_threads())
     return torch.empty(0, dtype=p.dtype).set_(storage, 0, p.shape, p.stride())
 
 
