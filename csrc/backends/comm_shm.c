@@ -69,7 +69,7 @@
 #define SPIN_ITERS 256
 /* Sections per slot: how far (NSECT - 1 chunks) a rank may run ahead of the
  * slowest reader of its slot ([Note: chunk pipeline]). */
-#define NSECT 4
+#define NSECT FS_SHM_SECTIONS
 /* [Note: spin before sleeping] A rank that reaches a barrier first spins
  * this long before it sleeps on the futex, when every rank of the segment
  * can have a CPU of its own: waking from a futex costs tens of
@@ -819,14 +819,17 @@ static fs_status fail_errno(char *err, size_t cap, const char *what, const char 
 
 /* [Note: chunk size] A chunk is copied into the slot, then read by the
  * peers (and by its own rank, for its place in recv) right after the
- * chunk is staged. Every rank's NSECT sections together fit in the
- * last-level cache when a chunk is at most LLC / (NSECT * world): the
- * slots' traffic then stays in the cache and never reaches memory. Chunks
- * sized for L2 were measured slower when every chunk was a barrier (a
- * sleep and a wake-up whenever a peer was not running at that moment;
- * benchmarks/RESULTS.md, "shm backend at the memory's speed"); now only a
- * collective's first chunk is, but a wait on a peer's count can still sleep,
- * so chunks stay as large as the cache allows. FLATSHARD_SHM_SLOT_BYTES
+ * chunk is staged. Every rank's NSECT sections together take a quarter of
+ * the last-level cache when a chunk is LLC / (4 * NSECT * world): the
+ * slots' traffic then stays in the cache and never reaches memory, even
+ * while the collective's inputs and outputs stream through the same cache
+ * (on AMD's the L3 takes every line the L2 evicts, the inputs' included).
+ * Sized to fill the whole cache (LLC / (NSECT * world)) they were measured
+ * 10-30% slower at 64 MiB on a 32 MiB L3 (2 and 4 ranks), and so were
+ * chunks sized for L2 back when every chunk was a barrier (a sleep and a
+ * wake-up whenever a peer was not running; benchmarks/RESULTS.md, "shm
+ * backend at the memory's speed" and "2026-12-07"). Now only a collective's
+ * first chunk is a barrier, so the cache decides. FLATSHARD_SHM_SLOT_BYTES
  * caps them (a slot's section, slot / NSECT).
  *
  * [Note: streaming stores] A collective's output larger than this rank's
@@ -838,7 +841,7 @@ static void tune(shm_impl *s, int world, int cpus)
 {
     const size_t l2 = cache_bytes(2), l3 = cache_bytes(3);
     const size_t llc = l3 ? l3 : l2 ? l2 : (size_t)8 << 20;
-    size_t cap = llc / (NSECT * (size_t)world);
+    size_t cap = llc / (4 * NSECT * (size_t)world);
     cap = (cap < 64 << 10 ? 64 << 10 : cap) / 64 * 64;
     s->chunk_cap = cap < s->sect_bytes ? cap : s->sect_bytes;
     const int sharers = world < cpus ? world : cpus;
