@@ -1,7 +1,7 @@
 /* comm_shm.c - collective backend for ranks on one host, through one
  * POSIX shared-memory segment.
  *
- * Segment: a header (barrier and progress words, abort flag and message),
+ * Segment: a header (barrier words, abort flag and message),
  * one control block per rank (pid, chunk counts, current collective), then
  * one staging slot per rank, cut into NSECT sections that successive chunks
  * use in turn *across* collectives. A collective's first chunk is one
@@ -106,8 +106,6 @@ typedef struct {
     alignas(64) _Atomic uint32_t arrive;
     alignas(64) _Atomic uint32_t generation; /* futex word: barriers completed */
     _Atomic uint32_t sleepers;               /* ranks in futex_wait on it */
-    alignas(64) _Atomic uint32_t progress;   /* futex word: bumped by every count below */
-    _Atomic uint32_t progress_sleepers;      /* ranks in futex_wait on it */
 } shm_header;
 
 /* What a rank's collective is, as the other ranks see it. */
@@ -122,10 +120,14 @@ typedef struct {
     _Atomic uint32_t entered; /* barriers this rank has entered */
     _Atomic uint32_t op;      /* collective it is in (OP_*) */
     _Atomic uint64_t seq;     /* its collective count */
-    /* [Note: chunk pipeline] Chunks, counted across collectives, that this
-     * rank has written into its slot / finished reading from its peers'. */
-    alignas(64) _Atomic uint64_t staged;
-    alignas(64) _Atomic uint64_t consumed;
+    /* [Note: chunk pipeline] Chunks, counted across collectives (mod 2^32),
+     * that this rank has written into its slot / finished reading from its
+     * peers'. Each is a futex word: a waiter sleeps on the one count it
+     * needs, and only its own publisher wakes it. */
+    alignas(64) _Atomic uint32_t staged;
+    _Atomic uint32_t staged_sleepers;
+    alignas(64) _Atomic uint32_t consumed;
+    _Atomic uint32_t consumed_sleepers;
     /* Collective `seq` is at desc[seq & 1]: a rank can be one collective
      * ahead of a slow reader but not two (it would need the reader at the
      * next barrier), so the slot being read is never rewritten meanwhile. */
@@ -264,6 +266,10 @@ static fs_status shm_abort(fs_comm *c, fs_fail_kind kind, const char *msg)
         atomic_thread_fence(memory_order_seq_cst);
         atomic_store(&s->hdr->aborted, 2u); /* message complete */
         futex_wake_all(&s->hdr->generation);
+        for (int r = 0; r < c->world_size; r++) { /* [Note: chunk pipeline]'s sleepers */
+            futex_wake_all(&s->ranks[r].staged);
+            futex_wake_all(&s->ranks[r].consumed);
+        }
     }
     snprintf(c->last_error, sizeof c->last_error, "%s", msg);
     c->last_fail = kind;
@@ -431,41 +437,52 @@ static fs_status rendezvous(fs_comm *c)
  * collective's first chunk is a barrier): the collective descriptors'
  * parity rule (shm_rank.desc) still holds. Barriers and counts are
  * separate words; a collective may mix both, since every chunk's section is
- * guarded by the counts whatever guarded the chunk before. */
+ * guarded by the counts whatever guarded the chunk before. Counts are 32
+ * bits and compared by their difference: ranks are never 2^31 chunks
+ * apart. */
 
 enum { COUNT_STAGED, COUNT_CONSUMED };
 
-static uint64_t count_of(shm_impl *s, int r, int which)
+static _Atomic uint32_t *count_word(shm_impl *s, int r, int which)
 {
-    shm_rank *k = &s->ranks[r];
-    return atomic_load_explicit(which == COUNT_STAGED ? &k->staged : &k->consumed,
-                                memory_order_acquire);
+    return which == COUNT_STAGED ? &s->ranks[r].staged : &s->ranks[r].consumed;
 }
 
-/* Rank `only` (or, with -1, every rank but this one) has its count >= need. */
-static int counts_reached(fs_comm *c, int which, uint64_t need, int only)
+static _Atomic uint32_t *sleepers_word(shm_impl *s, int r, int which)
+{
+    return which == COUNT_STAGED ? &s->ranks[r].staged_sleepers : &s->ranks[r].consumed_sleepers;
+}
+
+static uint32_t count_of(shm_impl *s, int r, int which)
+{
+    return atomic_load_explicit(count_word(s, r, which), memory_order_acquire);
+}
+
+static int count_ok(uint32_t count, uint32_t need) { return (int32_t)(count - need) >= 0; }
+
+/* The first rank behind `need`: rank `only`, or with -1 any rank but this
+ * one; -1 when none is. */
+static int first_behind(fs_comm *c, int which, uint32_t need, int only)
 {
     shm_impl *s = c->impl;
     if (only >= 0)
-        return count_of(s, only, which) >= need;
+        return count_ok(count_of(s, only, which), need) ? -1 : only;
     for (int r = 0; r < c->world_size; r++)
-        if (r != c->rank && count_of(s, r, which) < need)
-            return 0;
-    return 1;
+        if (r != c->rank && !count_ok(count_of(s, r, which), need))
+            return r;
+    return -1;
 }
 
-static void publish(fs_comm *c, int which, uint64_t value)
+static void publish(fs_comm *c, int which, uint32_t value)
 {
     shm_impl *s = c->impl;
-    shm_rank *me = &s->ranks[c->rank];
-    atomic_store(which == COUNT_STAGED ? &me->staged : &me->consumed, value);
-    atomic_fetch_add(&s->hdr->progress, 1);
-    if (atomic_load(&s->hdr->progress_sleepers)) /* seq_cst against the waiter's count */
-        futex_wake_all(&s->hdr->progress);
+    atomic_store(count_word(s, c->rank, which), value);
+    if (atomic_load(sleepers_word(s, c->rank, which))) /* seq_cst against the waiter's */
+        futex_wake_all(count_word(s, c->rank, which));
 }
 
 /* Why the counts are not there: the ranks behind (report_stuck's words). */
-static fs_status report_behind(fs_comm *c, int which, uint64_t need, int only, int dead_only)
+static fs_status report_behind(fs_comm *c, int which, uint32_t need, int only, int dead_only)
 {
     shm_impl *s = c->impl;
     char msg[480], what[160];
@@ -475,7 +492,7 @@ static fs_status report_behind(fs_comm *c, int which, uint64_t need, int only, i
             continue;
         int32_t pid = atomic_load(&s->ranks[r].pid);
         int dead = !pid_alive(pid);
-        if ((count_of(s, r, which) >= need && !dead) || (dead_only && !dead))
+        if ((count_ok(count_of(s, r, which), need) && !dead) || (dead_only && !dead))
             continue;
         found = 1;
         any_dead |= dead;
@@ -484,10 +501,10 @@ static fs_status report_behind(fs_comm *c, int which, uint64_t need, int only, i
                         dead ? "died" : "has not arrived");
         if (!dead && (size_t)len < sizeof msg) {
             describe(s, r, what, sizeof what);
-            len += snprintf(msg + len, sizeof msg - len, ", it is in %s (chunk %llu of the "
-                            "group, this rank at %llu)", what,
-                            (unsigned long long)count_of(s, r, which),
-                            (unsigned long long)need);
+            len += snprintf(msg + len, sizeof msg - len, ", it is in %s (its %s chunks: %u, "
+                            "this rank waits for %u)", what,
+                            which == COUNT_STAGED ? "staged" : "consumed",
+                            count_of(s, r, which), need);
         }
     }
     if (dead_only && !found)
@@ -501,16 +518,16 @@ static fs_status report_behind(fs_comm *c, int which, uint64_t need, int only, i
 
 /* Wait for counts_reached, as rendezvous waits: spin, then futex slices
  * with the abort flag, liveness and the deadline checked between them. */
-static fs_status wait_counts(fs_comm *c, int which, uint64_t need, int only)
+static fs_status wait_counts(fs_comm *c, int which, uint32_t need, int only)
 {
     shm_impl *s = c->impl;
     shm_header *h = s->hdr;
-    if (counts_reached(c, which, need, only))
+    if (first_behind(c, which, need, only) < 0)
         return FS_OK;
     const double until = now_s() + s->spin_ns * 1e-9; /* [Note: spin before sleeping] */
     do {
         for (int i = 0; i < s->spin_iters; i++) {
-            if (counts_reached(c, which, need, only))
+            if (first_behind(c, which, need, only) < 0)
                 return FS_OK;
             cpu_relax();
         }
@@ -522,12 +539,16 @@ static fs_status wait_counts(fs_comm *c, int which, uint64_t need, int only)
     for (;;) {
         if (atomic_load(&h->aborted))
             return aborted_elsewhere(c);
-        atomic_fetch_add(&h->progress_sleepers, 1);
-        uint32_t seen = atomic_load(&h->progress);
-        if (!counts_reached(c, which, need, only))
-            futex_wait(&h->progress, seen);
-        atomic_fetch_sub(&h->progress_sleepers, 1);
-        if (counts_reached(c, which, need, only))
+        const int r = first_behind(c, which, need, only);
+        if (r < 0)
+            return FS_OK;
+        /* Sleep on the count of the rank behind; its publish wakes us. */
+        atomic_fetch_add(sleepers_word(s, r, which), 1);
+        uint32_t seen = count_of(s, r, which);
+        if (!count_ok(seen, need))
+            futex_wait(count_word(s, r, which), seen);
+        atomic_fetch_sub(sleepers_word(s, r, which), 1);
+        if (first_behind(c, which, need, only) < 0)
             return FS_OK;
         fs_status st = report_behind(c, which, need, only, 1); /* a dead rank: fail now */
         if (st != FS_OK)
@@ -543,7 +564,7 @@ static fs_status chunk_begin(fs_comm *c)
 {
     shm_impl *s = c->impl;
     const uint64_t g = s->chunk_counter;
-    return g + 1 > NSECT ? wait_counts(c, COUNT_CONSUMED, g + 1 - NSECT, -1) : FS_OK;
+    return g + 1 > NSECT ? wait_counts(c, COUNT_CONSUMED, (uint32_t)(g + 1 - NSECT), -1) : FS_OK;
 }
 
 static fs_status barrier(fs_comm *c);
@@ -553,18 +574,18 @@ static fs_status barrier(fs_comm *c);
 static fs_status chunk_staged(fs_comm *c, int from)
 {
     shm_impl *s = c->impl;
-    const uint64_t g = s->chunk_counter;
-    publish(c, COUNT_STAGED, g + 1);
+    const uint32_t g1 = (uint32_t)(s->chunk_counter + 1);
+    publish(c, COUNT_STAGED, g1);
     if (s->check_pending) /* the collective's first chunk */
         return barrier(c);
-    return wait_counts(c, COUNT_STAGED, g + 1, from);
+    return wait_counts(c, COUNT_STAGED, g1, from);
 }
 
 /* Step 4: this rank is done reading chunk g; the next chunk's section. */
 static void chunk_end(fs_comm *c)
 {
     shm_impl *s = c->impl;
-    publish(c, COUNT_CONSUMED, ++s->chunk_counter);
+    publish(c, COUNT_CONSUMED, (uint32_t)++s->chunk_counter);
 }
 
 /* Every chunk's rendezvous; the collective's first also checks the peers. */
@@ -663,7 +684,7 @@ static fs_status s_all_gather(fs_comm *c, const void *send, void *recv, int64_t 
         st = chunk_staged(c, me);
         for (int k = 1; k < w && st == FS_OK; k++) {
             int r = (me + k) % w;
-            st = wait_counts(c, COUNT_STAGED, s->chunk_counter + 1, r);
+            st = wait_counts(c, COUNT_STAGED, (uint32_t)(s->chunk_counter + 1), r);
             if (st == FS_OK)
                 put(s, (char *)recv + r * bytes + off, section(s, r), n, stream);
         }
