@@ -83,8 +83,8 @@
  * spin yields after every few checks (SPIN_ITERS_SHARED) rather than
  * sleeping at once, since a futex sleep there leaves the CPU idle whenever
  * its other rank is itself waiting, and the wake-up is a cross-CPU
- * interrupt (measured on a 2-CPU guest, 4 ranks, 1 MiB: see
- * benchmarks/RESULTS.md, "2026-12-07"). */
+ * interrupt. (Measured only together with [Note: chunk pipeline]: 4 ranks
+ * on 2 CPUs, benchmarks/RESULTS.md, "The shm backend's chunk pipeline".) */
 #define SPIN_NS (200 * 1000)
 #define SPIN_ITERS_SHARED 4
 #define SLICE_NS (20 * 1000 * 1000) /* futex slice: how often liveness is checked */
