@@ -1,16 +1,22 @@
 """The collective backend interface (csrc/backends/comm.h), for the torch (gloo) and
 shm backends: each collective against a result every rank computes locally,
-on sizes 0, 1, odd primes and larger than the shm staging slot (chunked)."""
+on sizes 0, 1, odd primes and larger than the shm staging slot (chunked),
+and the shm backend's chunk pipeline with ranks running ahead of each
+other."""
 import os
+import random
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from flatshard import _C
 from flatshard.runtime import comm as fcomm
+from flatshard.tensors import dtype_code
 
 SIZES = [0, 1, 7, 13, 1001, 40_009]
-SMALL_SLOT = 64 << 10  # "shm_small": 32 KiB halves, so 40_009 elements go in chunks
+SMALL_SLOT = 64 << 10  # "shm_small": 16 KiB sections, so 40_009 elements go in chunks
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
@@ -83,17 +89,20 @@ def test_shm_default_slots_larger_than_a_half(dist_pool, world):
     assert dist_pool(world).run(_collectives, 1_500_007, torch.float32, "shm") == [True] * world
 
 
-# Chunks of the small slot: 32 KiB halves. Per all-gather rank and per
-# reduce-scatter output, sizes one unit around one and three chunks.
-_HALF = SMALL_SLOT // 2
+# Chunks of the small slot: one section (comm_shm.c, [Note: chunk size]).
+# Per all-gather rank and per reduce-scatter output, sizes one unit around
+# one and three chunks, and one chunk past a full turn of the sections.
+_SECT = SMALL_SLOT // _C.SHM_SECTIONS
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shm_sizes_around_chunk_boundaries(dist_pool, world, dtype):
     es = torch.empty(0, dtype=dtype).element_size()
-    ag = [_HALF // es + d for d in (-1, 0, 1)] + [3 * _HALF // es + 1]
-    rs = [_HALF // (world * es) + d for d in (-1, 0, 1)] + [3 * _HALF // (world * es) + 1]
+    turn = _C.SHM_SECTIONS + 1
+    ag = [_SECT // es + d for d in (-1, 0, 1)] + [3 * _SECT // es + 1, turn * _SECT // es]
+    rs = [_SECT // (world * es) + d for d in (-1, 0, 1)] + [3 * _SECT // (world * es) + 1,
+                                                           turn * _SECT // (world * es)]
     for n in ag + rs:
         assert dist_pool(world).run(_collectives, n, dtype, "shm_small") == [True] * world
 
@@ -105,6 +114,59 @@ def test_shm_outputs_larger_than_the_cache_streamed(dist_pool, dtype):
     # [Note: streaming stores]), in default chunks that do not end on a line.
     n = (17 << 20) // torch.empty(0, dtype=dtype).element_size() + 13
     assert dist_pool(2).run(_collectives, n, dtype, "shm") == [True, True]
+
+
+def _run_ahead(seed, rounds):
+    """Mixed collectives back to back through the small slot, of 0 to 7
+    chunks each, while one rank at a time naps between them: the others run
+    ahead of it by whole chunks and collectives (comm_shm.c, [Note: chunk
+    pipeline]), and every result must still be exact."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    c = comm("shm_small")
+    rng = random.Random(seed)  # the same sequence on every rank
+    chunk_f32 = _SECT // 4
+    for i in range(rounds):
+        napper = rng.randrange(world)
+        n = rng.choice([0, 1, 13, chunk_f32 - 1, chunk_f32 + 1, 4 * chunk_f32 + 3,
+                        7 * chunk_f32])
+        op = rng.choice(["ag", "rs", "ar", "bc", "a2a"])
+        nap = rng.random() < 0.5
+        if rank == napper and nap:
+            time.sleep(0.002)
+        everyone = [rank_data(r, n, torch.float32, salt=i) for r in range(world)]
+        if op == "ag":
+            out = torch.full((n * world,), 99.0)
+            fcomm.all_gather_into(c, out, everyone[rank])
+            assert torch.equal(out, torch.cat(everyone)), (i, op, n)
+        elif op == "rs":
+            big = [rank_data(r, n * world, torch.float32, salt=i) for r in range(world)]
+            got = torch.full((n,), 99.0)
+            fcomm.reduce_scatter_into(c, got, big[rank], average=False)
+            want = torch.stack(big).sum(0)[rank * n:(rank + 1) * n]
+            assert torch.equal(got, want), (i, op, n)
+        elif op == "ar":
+            t = everyone[rank].clone()
+            fcomm.all_reduce_(c, t)
+            assert torch.equal(t, torch.stack(everyone).sum(0)), (i, op, n)
+        elif op == "bc":
+            root = rng.randrange(world)
+            b = everyone[rank].clone()
+            fcomm.broadcast_(c, b, root=root)
+            assert torch.equal(b, everyone[root]), (i, op, n)
+        else:  # block r of rank q's send goes to block q of rank r's recv
+            sends = [rank_data(q, n * world, torch.float32, salt=i) for q in range(world)]
+            recv = torch.full((n * world,), 99.0)
+            c.all_to_all(sends[rank].data_ptr(), recv.data_ptr(), n,
+                         dtype_code(torch.float32), "a2a")
+            want = torch.cat([sends[q][rank * n:(rank + 1) * n] for q in range(world)])
+            assert torch.equal(recv, want), (i, op, n)
+    c.barrier()
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shm_ranks_running_ahead_get_exact_results(dist_pool, world):
+    assert dist_pool(world).run(_run_ahead, 4700 + world, 120) == [True] * world
 
 
 def _bad_sizes(backend):

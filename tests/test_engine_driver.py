@@ -46,7 +46,7 @@ SHM_TIMEOUT = 15.0    # the shm backend's own wait limit, inside RUN_TIMEOUT
 
 # The toy model: odd sizes, an empty parameter, alignment gaps and end
 # padding; the second group is large enough that the collectives go in
-# several chunks through a 4 KiB slot (two 2 KiB halves).
+# several chunks through a 4 KiB slot (four 1 KiB sections).
 GROUPS = [(3, 0, 5, 17), (1201, 2, 11)]
 ALIGN = ALIGN_BYTES // 4  # float32 elements, as fsdp/flat_param.py aligns
 SLOT = 4096

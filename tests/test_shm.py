@@ -239,6 +239,43 @@ def test_a_dead_rank_is_named_by_the_others(dist_pool, tmp_path):
     assert not leftover_segments(pids)
 
 
+def _dies_mid_collective(report_path):
+    # Small slots, so that every all-gather is many chunks: rank 1 dies while
+    # the others wait on its counts between chunks or at a collective's first
+    # chunk (comm_shm.c, [Note: chunk pipeline]); either way it is named.
+    rank = dist.get_rank()
+    os.environ[fcomm.ENV_SLOT] = "4096"
+    try:
+        c = fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
+    finally:
+        del os.environ[fcomm.ENV_SLOT]
+    t = torch.full((100_003,), float(rank))
+    out = torch.empty(t.numel() * dist.get_world_size())
+    start = time.monotonic()
+    msg = "no error"
+    try:
+        for i in range(100_000):
+            if rank == 1 and i == 40:
+                os._exit(7)
+            fcomm.all_gather_into(c, out, t)
+    except flatshard.CoreError as e:
+        msg = f"{e}\nfailure: {c.failure}"
+    if rank == 0:
+        write_report(report_path, time.monotonic() - start, msg)
+
+
+def test_a_rank_dying_between_chunks_is_named(dist_pool, tmp_path):
+    report = tmp_path / "rank0.txt"
+    pids = pool_pids(dist_pool(3))
+    with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
+        dist_pool(3).run(_dies_mid_collective, str(report), timeout=60)
+    took, msg = read_report(report)
+    assert "rank 1 (pid" in msg and "died" in msg and "all_gather" in msg, msg
+    assert msg.endswith("failure: dead"), msg
+    assert took < 30.0  # 40 collectives, then noticed by liveness checks, not the timeout
+    assert not leftover_segments(pids)
+
+
 # ---------------------------------------------------------------------------
 # failures during the set-up: [Note: shm set-up] in runtime/comm.py
 

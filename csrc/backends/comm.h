@@ -82,4 +82,9 @@ fs_status fs_comm_barrier(fs_comm *c);
 fs_status fs_comm_all_to_all(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t);
 void fs_comm_destroy(fs_comm *c);
 
+/* The shm backend cuts each rank's staging slot into this many sections,
+ * used in turn by successive chunks (comm_shm.c, [Note: chunk pipeline]):
+ * a chunk is at most slot_bytes / FS_SHM_SECTIONS. */
+#define FS_SHM_SECTIONS 4
+
 #endif

@@ -1,15 +1,17 @@
 /* comm_shm.c - collective backend for ranks on one host, through one
  * POSIX shared-memory segment.
  *
- * Segment: a header (barrier words, abort flag and message), one control
- * block per rank (pid, progress, current collective: for diagnostics), then
- * one staging slot per rank. Each slot has two halves used alternately by
- * successive chunks *across* collectives, so that one barrier per chunk is
- * enough: before a rank writes half h again, every rank has passed the
- * barrier of the chunk in between, which it enters only after reading h.
- * So a collective of one chunk is one hand-off between the ranks, the
- * least a collective can cost; larger ones go in chunks sized from the
- * caches ([Note: chunk size]).
+ * Segment: a header (barrier words, abort flag and message),
+ * one control block per rank (pid, chunk counts, current collective), then
+ * one staging slot per rank, cut into NSECT sections that successive chunks
+ * use in turn *across* collectives. A collective's first chunk is one
+ * barrier (which also checks that every rank is in the same collective);
+ * its later chunks need none: each rank publishes how many chunks it has
+ * staged and how many it has finished reading, and waits only for the
+ * counts it needs ([Note: chunk pipeline]). So a collective of one chunk is
+ * one hand-off between the ranks, the least a collective can cost, and a
+ * large one lets a rank run up to NSECT - 1 chunks ahead of a peer that is
+ * descheduled, instead of stopping at every chunk.
  *
  * Speed: every rank copies at once (into its slot, then out of its peers'
  * slots), each staged byte is read back from the cache, and outputs larger
@@ -63,21 +65,28 @@
 #include "reduce.h"
 #include "stream_copy.h"
 
-#define SHM_MAGIC 0x33304D4853534655ULL /* "UFSSHM03" */
+#define SHM_MAGIC 0x34304D4853534655ULL /* "UFSSHM04" */
 #define SPIN_ITERS 256
+/* Sections per slot: how far (NSECT - 1 chunks) a rank may run ahead of the
+ * slowest reader of its slot ([Note: chunk pipeline]). */
+#define NSECT FS_SHM_SECTIONS
 /* [Note: spin before sleeping] A rank that reaches a barrier first spins
  * this long before it sleeps on the futex, when every rank of the segment
  * can have a CPU of its own: waking from a futex costs tens of
  * microseconds (more under a hypervisor), which for small units is more
  * than the unit's compute, and ranks usually arrive within microseconds
- * of each other. With more ranks than CPUs a spinning rank would take the
- * CPU the late one needs: then only SPIN_ITERS pauses. The spin yields
- * between its checks, for the same reason when the CPUs are busy with other
- * work: a late peer waiting for this CPU gets it at once (measured on a
- * 2-CPU host at load 11-13: the median 1 MiB all-gather of 2 ranks went
- * from 2.7-3.1 to 8.8-29.6 GB/s), and on an idle host the yield returns
- * at once. */
+ * of each other. The spin yields between its checks: a late peer waiting
+ * for this CPU gets it at once (measured on a 2-CPU host at load 11-13: the
+ * median 1 MiB all-gather of 2 ranks went from 2.7-3.1 to 8.8-29.6 GB/s),
+ * and on an idle host the yield returns at once. With more ranks than CPUs
+ * the peer that is late is most often the one sharing this CPU: then the
+ * spin yields after every few checks (SPIN_ITERS_SHARED) rather than
+ * sleeping at once, since a futex sleep there leaves the CPU idle whenever
+ * its other rank is itself waiting, and the wake-up is a cross-CPU
+ * interrupt. (Measured only together with [Note: chunk pipeline]: 4 ranks
+ * on 2 CPUs, benchmarks/RESULTS.md, "The shm backend's chunk pipeline".) */
 #define SPIN_NS (200 * 1000)
+#define SPIN_ITERS_SHARED 4
 #define SLICE_NS (20 * 1000 * 1000) /* futex slice: how often liveness is checked */
 
 enum { OP_NONE, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_REDUCE, OP_BROADCAST, OP_BARRIER,
@@ -111,6 +120,14 @@ typedef struct {
     _Atomic uint32_t entered; /* barriers this rank has entered */
     _Atomic uint32_t op;      /* collective it is in (OP_*) */
     _Atomic uint64_t seq;     /* its collective count */
+    /* [Note: chunk pipeline] Chunks, counted across collectives (mod 2^32),
+     * that this rank has written into its slot / finished reading from its
+     * peers'. Each is a futex word: a waiter sleeps on the one count it
+     * needs, and only its own publisher wakes it. */
+    alignas(64) _Atomic uint32_t staged;
+    _Atomic uint32_t staged_sleepers;
+    alignas(64) _Atomic uint32_t consumed;
+    _Atomic uint32_t consumed_sleepers;
     /* Collective `seq` is at desc[seq & 1]: a rank can be one collective
      * ahead of a slow reader but not two (it would need the reader at the
      * next barrier), so the slot being read is never rewritten meanwhile. */
@@ -122,10 +139,10 @@ typedef struct {
     shm_rank *ranks;
     char *slots; /* world_size * slot_bytes */
     size_t map_bytes;
-    uint64_t half_bytes;
-    size_t chunk_cap;    /* at most half_bytes: [Note: chunk size] */
+    uint64_t sect_bytes; /* slot_bytes / NSECT */
+    size_t chunk_cap;    /* at most sect_bytes: [Note: chunk size] */
     size_t stream_above; /* outputs larger are streamed: [Note: streaming stores] */
-    uint64_t chunk_counter; /* chunks done, across collectives: picks the half */
+    uint64_t chunk_counter; /* chunks begun, across collectives: picks the section */
     uint64_t seq;
     double timeout_s;
     fs_simd simd;
@@ -133,6 +150,7 @@ typedef struct {
     const fs_ledger *ledger; /* the Comm's, or NULL */
     int check_pending;       /* the collective's first barrier is still to come */
     int64_t spin_ns;         /* [Note: spin before sleeping] */
+    int spin_iters;          /* checks between yields */
 } shm_impl;
 
 static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -248,6 +266,10 @@ static fs_status shm_abort(fs_comm *c, fs_fail_kind kind, const char *msg)
         atomic_thread_fence(memory_order_seq_cst);
         atomic_store(&s->hdr->aborted, 2u); /* message complete */
         futex_wake_all(&s->hdr->generation);
+        for (int r = 0; r < c->world_size; r++) { /* [Note: chunk pipeline]'s sleepers */
+            futex_wake_all(&s->ranks[r].staged);
+            futex_wake_all(&s->ranks[r].consumed);
+        }
     }
     snprintf(c->last_error, sizeof c->last_error, "%s", msg);
     c->last_fail = kind;
@@ -367,20 +389,15 @@ static fs_status rendezvous(fs_comm *c)
             futex_wake_all(&h->generation);
         return FS_OK;
     }
-    for (int i = 0; i < SPIN_ITERS; i++) {
-        if (atomic_load_explicit(&h->generation, memory_order_acquire) != gen)
-            return FS_OK;
-        cpu_relax();
-    }
-    if (s->spin_ns) { /* [Note: spin before sleeping] */
+    { /* [Note: spin before sleeping] */
         const double until = now_s() + s->spin_ns * 1e-9;
         do {
-            for (int i = 0; i < SPIN_ITERS; i++) {
+            for (int i = 0; i < s->spin_iters; i++) {
                 if (atomic_load_explicit(&h->generation, memory_order_acquire) != gen)
                     return FS_OK;
                 cpu_relax();
             }
-            sched_yield(); /* [Note: spin before sleeping]: a peer waiting for this CPU */
+            sched_yield(); /* a peer waiting for this CPU */
         } while (now_s() < until);
     }
     double deadline = now_s() + s->timeout_s;
@@ -400,6 +417,175 @@ static fs_status rendezvous(fs_comm *c)
             return report_stuck(c, gen, 0);
     }
     return FS_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * [Note: chunk pipeline] Chunk g (counted across collectives, the same on
+ * every rank) uses section g % NSECT of every slot. Rank r, for chunk g:
+ *   1. waits until every rank that reads its slot has consumed chunk
+ *      g - NSECT (the last one in that section): consumed >= g - NSECT + 1;
+ *   2. writes the section and publishes staged = g + 1;
+ *   3. waits for staged >= g + 1 of each peer it reads (the collective's
+ *      first chunk: the barrier instead, which also checks that every rank
+ *      is in this collective before anything is read);
+ *   4. reads, and publishes consumed = g + 1.
+ * A rank that writes nothing in a chunk (a broadcast's receivers) still
+ * publishes staged, so that one count per rank says how far it got. Counts
+ * only grow, so a rank is never more than NSECT - 1 chunks ahead of the
+ * slowest reader of its slot, and a section is never rewritten while read.
+ * A fast rank can be at most one collective ahead of a slow one (the next
+ * collective's first chunk is a barrier): the collective descriptors'
+ * parity rule (shm_rank.desc) still holds. Barriers and counts are
+ * separate words; a collective may mix both, since every chunk's section is
+ * guarded by the counts whatever guarded the chunk before. Counts are 32
+ * bits and compared by their difference: ranks are never 2^31 chunks
+ * apart. */
+
+enum { COUNT_STAGED, COUNT_CONSUMED };
+
+static _Atomic uint32_t *count_word(shm_impl *s, int r, int which)
+{
+    return which == COUNT_STAGED ? &s->ranks[r].staged : &s->ranks[r].consumed;
+}
+
+static _Atomic uint32_t *sleepers_word(shm_impl *s, int r, int which)
+{
+    return which == COUNT_STAGED ? &s->ranks[r].staged_sleepers : &s->ranks[r].consumed_sleepers;
+}
+
+static uint32_t count_of(shm_impl *s, int r, int which)
+{
+    return atomic_load_explicit(count_word(s, r, which), memory_order_acquire);
+}
+
+static int count_ok(uint32_t count, uint32_t need) { return (int32_t)(count - need) >= 0; }
+
+/* The first rank behind `need`: rank `only`, or with -1 any rank but this
+ * one; -1 when none is. */
+static int first_behind(fs_comm *c, int which, uint32_t need, int only)
+{
+    shm_impl *s = c->impl;
+    if (only >= 0)
+        return count_ok(count_of(s, only, which), need) ? -1 : only;
+    for (int r = 0; r < c->world_size; r++)
+        if (r != c->rank && !count_ok(count_of(s, r, which), need))
+            return r;
+    return -1;
+}
+
+static void publish(fs_comm *c, int which, uint32_t value)
+{
+    shm_impl *s = c->impl;
+    atomic_store(count_word(s, c->rank, which), value);
+    if (atomic_load(sleepers_word(s, c->rank, which))) /* seq_cst against the waiter's */
+        futex_wake_all(count_word(s, c->rank, which));
+}
+
+/* Why the counts are not there: the ranks behind (report_stuck's words). */
+static fs_status report_behind(fs_comm *c, int which, uint32_t need, int only, int dead_only)
+{
+    shm_impl *s = c->impl;
+    char msg[480], what[160];
+    int len = 0, found = 0, any_dead = 0;
+    for (int r = 0; r < c->world_size; r++) {
+        if (r == c->rank || (only >= 0 && r != only))
+            continue;
+        int32_t pid = atomic_load(&s->ranks[r].pid);
+        int dead = !pid_alive(pid);
+        if ((count_ok(count_of(s, r, which), need) && !dead) || (dead_only && !dead))
+            continue;
+        found = 1;
+        any_dead |= dead;
+        len += snprintf(msg + len, sizeof msg - len > 0 ? sizeof msg - len : 0,
+                        "%srank %d (pid %d) %s", len ? "; " : "", r, pid,
+                        dead ? "died" : "has not arrived");
+        if (!dead && (size_t)len < sizeof msg) {
+            describe(s, r, what, sizeof what);
+            len += snprintf(msg + len, sizeof msg - len, ", it is in %s (its %s chunks: %u, "
+                            "this rank waits for %u)", what,
+                            which == COUNT_STAGED ? "staged" : "consumed",
+                            count_of(s, r, which), need);
+        }
+    }
+    if (dead_only && !found)
+        return FS_OK;
+    char full[512];
+    describe(s, c->rank, what, sizeof what);
+    snprintf(full, sizeof full, "rank %d waiting in %s%s: %s", c->rank, what,
+             dead_only ? "" : " timed out", found ? msg : "no rank identified");
+    return shm_abort(c, !found ? FS_FAIL_OTHER : any_dead ? FS_FAIL_DEAD : FS_FAIL_ABSENT, full);
+}
+
+/* Wait for counts_reached, as rendezvous waits: spin, then futex slices
+ * with the abort flag, liveness and the deadline checked between them. */
+static fs_status wait_counts(fs_comm *c, int which, uint32_t need, int only)
+{
+    shm_impl *s = c->impl;
+    shm_header *h = s->hdr;
+    if (first_behind(c, which, need, only) < 0)
+        return FS_OK;
+    const double until = now_s() + s->spin_ns * 1e-9; /* [Note: spin before sleeping] */
+    do {
+        for (int i = 0; i < s->spin_iters; i++) {
+            if (first_behind(c, which, need, only) < 0)
+                return FS_OK;
+            cpu_relax();
+        }
+        if (atomic_load(&h->aborted))
+            return aborted_elsewhere(c);
+        sched_yield();
+    } while (now_s() < until);
+    double deadline = now_s() + s->timeout_s;
+    for (;;) {
+        if (atomic_load(&h->aborted))
+            return aborted_elsewhere(c);
+        const int r = first_behind(c, which, need, only);
+        if (r < 0)
+            return FS_OK;
+        /* Sleep on the count of the rank behind; its publish wakes us. */
+        atomic_fetch_add(sleepers_word(s, r, which), 1);
+        uint32_t seen = count_of(s, r, which);
+        if (!count_ok(seen, need))
+            futex_wait(count_word(s, r, which), seen);
+        atomic_fetch_sub(sleepers_word(s, r, which), 1);
+        if (first_behind(c, which, need, only) < 0)
+            return FS_OK;
+        fs_status st = report_behind(c, which, need, only, 1); /* a dead rank: fail now */
+        if (st != FS_OK)
+            return st;
+        if (now_s() > deadline)
+            return report_behind(c, which, need, only, 0);
+    }
+}
+
+/* Steps 1 and 2 of [Note: chunk pipeline] around the caller's writes:
+ * chunk_begin before writing this rank's section, chunk_staged after. */
+static fs_status chunk_begin(fs_comm *c)
+{
+    shm_impl *s = c->impl;
+    const uint64_t g = s->chunk_counter;
+    return g + 1 > NSECT ? wait_counts(c, COUNT_CONSUMED, (uint32_t)(g + 1 - NSECT), -1) : FS_OK;
+}
+
+static fs_status barrier(fs_comm *c);
+
+/* Steps 2 and 3: publish the staged chunk, then wait for the peer `from`
+ * to have staged it too (-1: every peer; this rank: none). */
+static fs_status chunk_staged(fs_comm *c, int from)
+{
+    shm_impl *s = c->impl;
+    const uint32_t g1 = (uint32_t)(s->chunk_counter + 1);
+    publish(c, COUNT_STAGED, g1);
+    if (s->check_pending) /* the collective's first chunk */
+        return barrier(c);
+    return wait_counts(c, COUNT_STAGED, g1, from);
+}
+
+/* Step 4: this rank is done reading chunk g; the next chunk's section. */
+static void chunk_end(fs_comm *c)
+{
+    shm_impl *s = c->impl;
+    publish(c, COUNT_CONSUMED, (uint32_t)++s->chunk_counter);
 }
 
 /* Every chunk's rendezvous; the collective's first also checks the peers. */
@@ -440,9 +626,10 @@ static fs_status leave(fs_comm *c, fs_status st)
     return st;
 }
 
-static char *half(shm_impl *s, int rank)
+/* Rank `rank`'s section for the current chunk ([Note: chunk pipeline]). */
+static char *section(shm_impl *s, int rank)
 {
-    return s->slots + (size_t)rank * 2 * s->half_bytes + (s->chunk_counter & 1) * s->half_bytes;
+    return s->slots + ((size_t)rank * NSECT + s->chunk_counter % NSECT) * s->sect_bytes;
 }
 
 /* Units per chunk for `total` units of `unit_bytes`: the fewest chunks of at
@@ -470,9 +657,9 @@ static void put(shm_impl *s, void *dst, const void *src, size_t n, int stream)
 
 /* [Note: shm all-gather] Per chunk, each rank copies its piece into its
  * slot with plain stores (read next, from the cache), then from there to its
- * own place in recv (in place: nothing), passes the chunk's barrier, and
- * copies every peer's slot into recv, starting with the next rank so that
- * the ranks do not all read one slot at once. Per rank and byte of send:
+ * own place in recv (in place: nothing), and copies every peer's section
+ * into recv as soon as that peer has staged it, starting with the next rank
+ * so that the ranks do not all read one slot at once. Per rank and byte of send:
  * one read of send, world writes of recv, world - 1 reads of the peers'
  * slots and one of its own (cached). */
 static fs_status s_all_gather(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t)
@@ -487,16 +674,21 @@ static fs_status s_all_gather(fs_comm *c, const void *send, void *recv, int64_t 
     enter(c, OP_ALL_GATHER);
     for (size_t off = 0; off < bytes && st == FS_OK; off += step) {
         size_t n = bytes - off < step ? bytes - off : step;
-        char *mine = half(s, me);
+        if ((st = chunk_begin(c)) != FS_OK)
+            break;
+        char *mine = section(s, me);
         memcpy(mine, (const char *)send + off, n);
         if (!in_place)
             put(s, (char *)recv + me * bytes + off, mine, n, stream);
-        st = barrier(c);
+        /* Each peer is waited for just before it is read. */
+        st = chunk_staged(c, me);
         for (int k = 1; k < w && st == FS_OK; k++) {
             int r = (me + k) % w;
-            put(s, (char *)recv + r * bytes + off, half(s, r), n, stream);
+            st = wait_counts(c, COUNT_STAGED, (uint32_t)(s->chunk_counter + 1), r);
+            if (st == FS_OK)
+                put(s, (char *)recv + r * bytes + off, section(s, r), n, stream);
         }
-        s->chunk_counter++;
+        chunk_end(c);
     }
     return leave(c, st);
 }
@@ -515,19 +707,20 @@ static fs_status s_reduce_scatter(fs_comm *c, const void *send, void *recv, int6
     enter(c, OP_REDUCE_SCATTER);
     for (int64_t off = 0; off < recv_count && st == FS_OK; off += chunk) {
         int64_t n = recv_count - off < chunk ? recv_count - off : chunk;
-        char *mine = half(s, me);
+        if ((st = chunk_begin(c)) != FS_OK)
+            break;
+        char *mine = section(s, me);
         for (int r = 0; r < w; r++)
             if (r != me)
                 memcpy(mine + (size_t)r * chunk * es,
                        (const char *)send + ((size_t)r * recv_count + off) * es, (size_t)n * es);
-        st = barrier(c);
-        if (st != FS_OK)
+        if ((st = chunk_staged(c, -1)) != FS_OK)
             break;
         for (int r = 0; r < w; r++)
             s->srcs[r] = r == me ? (const char *)send + ((size_t)me * recv_count + off) * es
-                                 : half(s, r) + (size_t)me * chunk * es;
+                                 : section(s, r) + (size_t)me * chunk * es;
         st = fs_reduce_sum((char *)recv + off * es, s->srcs, w, n, t, scale, s->simd, stream);
-        s->chunk_counter++;
+        chunk_end(c);
     }
     return leave(c, st);
 }
@@ -543,16 +736,17 @@ static fs_status s_all_reduce(fs_comm *c, void *buf, int64_t count, fs_dtype t, 
     enter(c, OP_ALL_REDUCE);
     for (int64_t off = 0; off < count && st == FS_OK; off += chunk) {
         int64_t n = count - off < chunk ? count - off : chunk;
-        memcpy(half(s, c->rank), (char *)buf + off * es, (size_t)n * es);
-        st = barrier(c);
-        if (st != FS_OK)
+        if ((st = chunk_begin(c)) != FS_OK)
+            break;
+        memcpy(section(s, c->rank), (char *)buf + off * es, (size_t)n * es);
+        if ((st = chunk_staged(c, -1)) != FS_OK)
             break;
         /* Every rank sums the same slots in rank order: identical bits. */
         for (int r = 0; r < c->world_size; r++)
-            s->srcs[r] = half(s, r);
+            s->srcs[r] = section(s, r);
         st = fs_reduce_sum((char *)buf + off * es, s->srcs, c->world_size, n, t, scale, s->simd,
                            stream);
-        s->chunk_counter++;
+        chunk_end(c);
     }
     return leave(c, st);
 }
@@ -567,12 +761,15 @@ static fs_status s_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, i
     enter(c, OP_BROADCAST);
     for (size_t off = 0; off < bytes && st == FS_OK; off += step) {
         size_t n = bytes - off < step ? bytes - off : step;
+        if ((st = chunk_begin(c)) != FS_OK)
+            break;
         if (c->rank == root)
-            memcpy(half(s, root), (char *)buf + off, n);
-        st = barrier(c);
-        if (st == FS_OK && c->rank != root)
-            put(s, (char *)buf + off, half(s, root), n, stream);
-        s->chunk_counter++;
+            memcpy(section(s, root), (char *)buf + off, n);
+        if ((st = chunk_staged(c, root)) != FS_OK)
+            break;
+        if (c->rank != root)
+            put(s, (char *)buf + off, section(s, root), n, stream);
+        chunk_end(c);
     }
     return leave(c, st);
 }
@@ -591,21 +788,24 @@ static fs_status s_all_to_all(fs_comm *c, const void *send, void *recv, int64_t 
     shm_impl *s = c->impl;
     const size_t bytes = (size_t)count * fs_dtype_size(t);
     const int w = c->world_size, me = c->rank;
-    const size_t chunk = s->half_bytes / (size_t)w;
+    const size_t chunk = s->sect_bytes / (size_t)w;
     fs_status st = FS_OK;
     enter(c, OP_ALL_TO_ALL);
     memcpy((char *)recv + me * bytes, (const char *)send + me * bytes, bytes);
     for (size_t off = 0; off < bytes && st == FS_OK; off += chunk) {
         size_t n = bytes - off < chunk ? bytes - off : chunk;
-        char *mine = half(s, me);
+        if ((st = chunk_begin(c)) != FS_OK)
+            break;
+        char *mine = section(s, me);
         for (int r = 0; r < w; r++)
             if (r != me)
                 memcpy(mine + r * chunk, (const char *)send + r * bytes + off, n);
-        st = barrier(c);
-        for (int r = 0; r < w && st == FS_OK; r++)
+        if ((st = chunk_staged(c, -1)) != FS_OK)
+            break;
+        for (int r = 0; r < w; r++)
             if (r != me)
-                memcpy((char *)recv + r * bytes + off, half(s, r) + me * chunk, n);
-        s->chunk_counter++;
+                memcpy((char *)recv + r * bytes + off, section(s, r) + me * chunk, n);
+        chunk_end(c);
     }
     return leave(c, st);
 }
@@ -640,14 +840,18 @@ static fs_status fail_errno(char *err, size_t cap, const char *what, const char 
 
 /* [Note: chunk size] A chunk is copied into the slot, then read by the
  * peers (and by its own rank, for its place in recv) right after the
- * barrier. Every rank's two halves together fit in the last-level cache
- * when a chunk is at most LLC / (2 * world): the slots' traffic then stays
- * in the cache and never reaches memory. Smaller chunks (sized for L2)
- * were measured slower: each chunk costs a barrier, and a barrier costs a
- * sleep and a wake-up whenever a peer is not running at that moment (more
- * ranks than CPUs, or other work on the host), which is far more than the
- * L2 saves (benchmarks/RESULTS.md, "shm backend at the memory's speed").
- * A smaller FLATSHARD_SHM_SLOT_BYTES caps it (half a slot).
+ * chunk is staged. Every rank's NSECT sections together take a quarter of
+ * the last-level cache when a chunk is LLC / (4 * NSECT * world): the
+ * slots' traffic then stays in the cache and never reaches memory, even
+ * while the collective's inputs and outputs stream through the same cache
+ * (on AMD's the L3 takes every line the L2 evicts, the inputs' included).
+ * Sized to fill the whole cache (LLC / (NSECT * world)) they were measured
+ * 10-30% slower at 64 MiB on a 32 MiB L3 (2 and 4 ranks), and so were
+ * chunks sized for L2 back when every chunk was a barrier (a sleep and a
+ * wake-up whenever a peer was not running; benchmarks/RESULTS.md, "shm
+ * backend at the memory's speed" and "2026-12-07"). Now only a collective's
+ * first chunk is a barrier, so the cache decides. FLATSHARD_SHM_SLOT_BYTES
+ * caps them (a slot's section, slot / NSECT).
  *
  * [Note: streaming stores] A collective's output larger than this rank's
  * share of the last-level cache would not stay cached for its reader
@@ -658,9 +862,9 @@ static void tune(shm_impl *s, int world, int cpus)
 {
     const size_t l2 = cache_bytes(2), l3 = cache_bytes(3);
     const size_t llc = l3 ? l3 : l2 ? l2 : (size_t)8 << 20;
-    size_t cap = llc / (2 * (size_t)world);
+    size_t cap = llc / (4 * NSECT * (size_t)world);
     cap = (cap < 64 << 10 ? 64 << 10 : cap) / 64 * 64;
-    s->chunk_cap = cap < s->half_bytes ? cap : s->half_bytes;
+    s->chunk_cap = cap < s->sect_bytes ? cap : s->sect_bytes;
     const int sharers = world < cpus ? world : cpus;
     s->stream_above = llc / (size_t)(sharers > 0 ? sharers : 1);
 }
@@ -669,11 +873,14 @@ fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t 
                              double timeout_s, int create, const fs_ledger *ledger,
                              fs_comm **out, char *err, size_t err_cap)
 {
-    if (world_size < 1 || rank < 0 || rank >= world_size || slot_bytes < 4096 || timeout_s <= 0) {
+    /* A reduce-scatter chunk holds at least one element (8 bytes at most) per
+     * rank in one section. */
+    if (world_size < 1 || rank < 0 || rank >= world_size || slot_bytes < 4096 || timeout_s <= 0 ||
+        slot_bytes / NSECT < (size_t)world_size * 8) {
         snprintf(err, err_cap, "invalid shm arguments");
         return FS_ERR_INVALID_ARG;
     }
-    slot_bytes = align_up(slot_bytes, 128); /* two 64-byte aligned halves */
+    slot_bytes = align_up(slot_bytes, 64 * NSECT); /* NSECT 64-byte aligned sections */
     const size_t hdr = header_bytes(world_size);
     const size_t total = hdr + (size_t)world_size * slot_bytes;
     fs_comm *c = calloc(1, sizeof *c);
@@ -717,10 +924,11 @@ fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t 
     s->map_bytes = total;
     s->ranks = (shm_rank *)((char *)base + align_up(sizeof(shm_header), 64));
     s->slots = (char *)base + hdr;
-    s->half_bytes = slot_bytes / 2;
+    s->sect_bytes = slot_bytes / NSECT;
     s->timeout_s = timeout_s;
     const int cpus = cpus_allowed();
-    s->spin_ns = world_size <= cpus ? SPIN_NS : 0;
+    s->spin_ns = SPIN_NS;
+    s->spin_iters = world_size <= cpus ? SPIN_ITERS : SPIN_ITERS_SHARED;
     tune(s, world_size, cpus);
     s->simd = fs_simd_best();
     s->ledger = ledger;

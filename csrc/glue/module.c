@@ -29,6 +29,7 @@ static int add_constants(PyObject *m)
     C("STATE_SUMMON", FS_STATE_SUMMON);
     C("FULL_SHARD", FS_FULL_SHARD); C("SHARD_GRAD_OP", FS_SHARD_GRAD_OP); C("NO_SHARD", FS_NO_SHARD);
     C("SHARD_OPTIM", FS_SHARD_OPTIM);
+    C("SHM_SECTIONS", FS_SHM_SECTIONS);
 #undef C
     return 0;
 }

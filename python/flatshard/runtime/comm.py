@@ -18,8 +18,9 @@ error naming the rank that did not arrive and where it is. Every collective
 is recorded in the Comm's ledger (Comm.ledger()); a failed one reports where
 each rank was (diagnostics.py).
 FLATSHARD_SHM_SLOT_BYTES sets each rank's staging slot in the segment
-(default 8 MiB; transfers go in chunks of at most half of it, fewer where the
-CPU's last-level cache is small: comm_shm.c, [Note: chunk size]).
+(default 8 MiB; transfers go in chunks of at most a quarter of it,
+_C.SHM_SECTIONS sections used in turn, smaller where the CPU's last-level
+cache is small: comm_shm.c, [Note: chunk size], [Note: chunk pipeline]).
 """
 import atexit
 import os
@@ -42,7 +43,8 @@ from .timeout import wait_timeout
 BACKENDS = ("auto", "shm", "torch", "nccl")
 ENV_BACKEND = "FLATSHARD_COMM_BACKEND"
 ENV_SLOT = "FLATSHARD_SHM_SLOT_BYTES"
-# Staging per rank in the shm segment: two halves, one chunk in flight each.
+# Staging per rank in the shm segment: _C.SHM_SECTIONS sections, one chunk
+# in flight each.
 DEFAULT_SLOT_BYTES = 8 << 20
 
 class _NoStashedContext:
