@@ -1,7 +1,8 @@
 """Two or more builds of the shm backend in the same ranks, taking turns call block by call block.
 
     python3 benchmarks/bench_comm_ab.py OLD.so NEW.so [...] [--world 2] [--mib 64]
-                                        [--rounds 15] [--calls 4] [--slots 8388608,...]
+                                        [--kib N] [--rounds 15] [--calls 4]
+                                        [--slots 8388608,...]
 
 Each .so is a build of flatshard._C (copy python/flatshard/_C*.so aside
 before rebuilding). Every rank loads all of them, makes one shm Comm from
@@ -11,7 +12,9 @@ that load from other work on a shared machine falls on every build alike;
 bench_comm.py run once per build cannot tell a 20% change from the drift of
 a busy host. Size is the full buffer as in bench_comm.py (all-gather output,
 reduce-scatter input); GB/s = size / (rank 0's time per call), median
-[min-max] over the rounds. --slots gives each build's slot bytes (as
+[min-max] over the rounds, and the median microseconds per call (--kib
+sizes the buffer in KiB instead: a tiny unit's collectives, where the
+hand-offs decide). --slots gives each build's slot bytes (as
 FLATSHARD_SHM_SLOT_BYTES would), so one build can also be compared with
 itself at several slot sizes. The load average is printed before and after.
 """
@@ -56,7 +59,7 @@ def worker(rank, args, names, q):
     torch.set_num_threads(1)
     mods = [load_build(p) for p in args.builds]
     comms = [attach(m, rank, args.world, n, s) for m, n, s in zip(mods, names, args.slots)]
-    n = (args.mib << 20) // 4 // args.world
+    n = args.size // 4 // args.world
     shard, full = torch.ones(n), torch.ones(n * args.world)
     f32 = mods[0].F32
     res = {}
@@ -83,8 +86,10 @@ def main():
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--kib", type=int, default=0, help="the size in KiB (instead of --mib)")
     ap.add_argument("--slots", default="", help="slot bytes per build, comma-separated")
     args = ap.parse_args()
+    args.size = args.kib << 10 if args.kib else args.mib << 20
     args.slots = ([int(x) for x in args.slots.split(",")] if args.slots
                   else [8 << 20] * len(args.builds))
     if len(args.slots) != len(args.builds):
@@ -100,14 +105,15 @@ def main():
     out = dict(q.get() for _ in procs)
     for p in procs:
         p.join()
-    size = args.mib << 20
-    print(f"{cpu_name()}, {args.world} ranks, {args.mib} MiB, {args.rounds} rounds x "
+    size = args.size
+    print(f"{cpu_name()}, {args.world} ranks, {size / 1024:g} KiB, {args.rounds} rounds x "
           f"{args.calls} calls, load {before:.2f} -> {os.getloadavg()[0]:.2f}")
     for op, what in (("ag", "all-gather"), ("rs", "reduce-scatter")):
         for b, path in enumerate(args.builds):
             bw = sorted(size / t / 1e9 for t in out[0][(b, op)])
+            us = statistics.median(out[0][(b, op)]) * 1e6
             print(f"  {what:14s} {os.path.basename(path):24s} slot {args.slots[b]:>9d}: "
-                  f"{statistics.median(bw):6.2f} [{bw[0]:.2f}-{bw[-1]:.2f}] GB/s")
+                  f"{statistics.median(bw):6.2f} [{bw[0]:.2f}-{bw[-1]:.2f}] GB/s, {us:.2f} us")
 
 
 if __name__ == "__main__":
