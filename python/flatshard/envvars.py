@@ -24,9 +24,9 @@ ENV = {
         "(init_process_group(timeout=...)) instead."),
     "FLATSHARD_SHM_SLOT_BYTES": (
         "8388608",
-        "Bytes of staging each rank owns in the shared-memory segment (two halves; larger "
-        "transfers go in chunks of at most half a slot, less where the CPU's last-level "
-        "cache is smaller than the slots of all ranks). At least 4096."),
+        "Bytes of staging each rank owns in the shared-memory segment (four sections used "
+        "in turn; larger transfers go in chunks of at most a quarter of a slot, less where "
+        "the CPU's last-level cache is smaller than the slots of all ranks). At least 4096."),
     "FLATSHARD_REDUCE_BUCKET_BYTES": (
         "(backend)",
         "On a host Comm (fully_shard and the FSDP1 wrapper): gradient reductions of "
