@@ -105,17 +105,22 @@ def test_fsdp1_one_engine_call_per_hook_event(dist_pool, strategy):
         assert flushes == ([] if strategy == "SHARD_OPTIM" else ["blocks.2"]), logs
 
 
-def _fully_shard_calls(bucket_bytes):
-    import os
+def _sharded_net():
+    """Net with fully_shard on each block and the root, and an input."""
     from torch.distributed.device_mesh import init_device_mesh
-    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = bucket_bytes  # read at the root's lazy init
     torch.manual_seed(0)
     model = Net()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    x = torch.randn(4, 6)
+    return model, torch.randn(4, 6)
+
+
+def _fully_shard_calls(bucket_bytes):
+    import os
+    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = bucket_bytes  # read at the root's lazy init
+    model, x = _sharded_net()
     try:
         model(x).sum().backward()
     finally:
@@ -186,16 +191,9 @@ def _python_frames_of_blocks():
     """Python frames of flatshard's own code during step 1 whose `self` is
     a block's FSDPState or its ParamGroup (the root's run in Python)."""
     import sys
-    from torch.distributed.device_mesh import init_device_mesh
     from flatshard.fsdp2.param import ParamGroup
     from flatshard.fsdp2.state import FSDPState
-    torch.manual_seed(0)
-    model = Net()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    x = torch.randn(4, 6)
+    model, x = _sharded_net()
     model(x).sum().backward()
     blocks = {id(b._fsdp_state()) for b in model.blocks}
     blocks |= {id(b._fsdp_state().group) for b in model.blocks}

@@ -299,6 +299,29 @@ static void describe(shm_impl *s, int r, char *buf, size_t cap)
                  (unsigned long long)d.seq);
 }
 
+/* "rank r (pid p) died" or "... has not arrived" appended to msg (cap
+ * bytes, *len written so far); whether what it is in may follow (alive,
+ * room left). */
+static int append_late(char *msg, size_t cap, int *len, int r, int32_t pid, int dead)
+{
+    *len += snprintf(msg + *len, (size_t)*len < cap ? cap - (size_t)*len : 0,
+                     "%srank %d (pid %d) %s", *len ? "; " : "", r, pid,
+                     dead ? "died" : "has not arrived");
+    return !dead && (size_t)*len < cap;
+}
+
+/* A wait that failed, with the late ranks' words (found: any), as the
+ * group's abort. */
+static fs_status fail_waiting(fs_comm *c, int dead_only, int found, int any_dead,
+                              const char *msg)
+{
+    char full[512], what[160];
+    describe(c->impl, c->rank, what, sizeof what);
+    snprintf(full, sizeof full, "rank %d waiting in %s%s: %s", c->rank, what,
+             dead_only ? "" : " timed out", found ? msg : "no rank identified");
+    return shm_abort(c, !found ? FS_FAIL_OTHER : any_dead ? FS_FAIL_DEAD : FS_FAIL_ABSENT, full);
+}
+
 /* Why the barrier `gen` is not complete: the ranks that have not entered it. */
 static fs_status report_stuck(fs_comm *c, uint32_t gen, int dead_only)
 {
@@ -315,10 +338,7 @@ static fs_status report_stuck(fs_comm *c, uint32_t gen, int dead_only)
             continue;
         found = 1;
         any_dead |= dead;
-        len += snprintf(msg + len, sizeof msg - len > 0 ? sizeof msg - len : 0,
-                        "%srank %d (pid %d) %s", len ? "; " : "", r, pid,
-                        dead ? "died" : "has not arrived");
-        if (!dead && (size_t)len < sizeof msg) {
+        if (append_late(msg, sizeof msg, &len, r, pid, dead)) {
             describe(s, r, what, sizeof what);
             len += snprintf(msg + len, sizeof msg - len, atomic_load(&k->op) != OP_NONE
                             ? ", it is in %s" : ", it is in no collective (its last: %s)", what);
@@ -326,11 +346,7 @@ static fs_status report_stuck(fs_comm *c, uint32_t gen, int dead_only)
     }
     if (dead_only && !found)
         return FS_OK;
-    char full[512];
-    describe(s, c->rank, what, sizeof what);
-    snprintf(full, sizeof full, "rank %d waiting in %s%s: %s", c->rank, what,
-             dead_only ? "" : " timed out", found ? msg : "no rank identified");
-    return shm_abort(c, !found ? FS_FAIL_OTHER : any_dead ? FS_FAIL_DEAD : FS_FAIL_ABSENT, full);
+    return fail_waiting(c, dead_only, found, any_dead, msg);
 }
 
 static int same_collective(const shm_desc *a, const shm_desc *b)
@@ -496,10 +512,7 @@ static fs_status report_behind(fs_comm *c, int which, uint32_t need, int only, i
             continue;
         found = 1;
         any_dead |= dead;
-        len += snprintf(msg + len, sizeof msg - len > 0 ? sizeof msg - len : 0,
-                        "%srank %d (pid %d) %s", len ? "; " : "", r, pid,
-                        dead ? "died" : "has not arrived");
-        if (!dead && (size_t)len < sizeof msg) {
+        if (append_late(msg, sizeof msg, &len, r, pid, dead)) {
             describe(s, r, what, sizeof what);
             len += snprintf(msg + len, sizeof msg - len, ", it is in %s (its %s chunks: %u, "
                             "this rank waits for %u)", what,
@@ -509,11 +522,7 @@ static fs_status report_behind(fs_comm *c, int which, uint32_t need, int only, i
     }
     if (dead_only && !found)
         return FS_OK;
-    char full[512];
-    describe(s, c->rank, what, sizeof what);
-    snprintf(full, sizeof full, "rank %d waiting in %s%s: %s", c->rank, what,
-             dead_only ? "" : " timed out", found ? msg : "no rank identified");
-    return shm_abort(c, !found ? FS_FAIL_OTHER : any_dead ? FS_FAIL_DEAD : FS_FAIL_ABSENT, full);
+    return fail_waiting(c, dead_only, found, any_dead, msg);
 }
 
 /* Wait for counts_reached, as rendezvous waits: spin, then futex slices

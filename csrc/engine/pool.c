@@ -22,15 +22,13 @@ static size_t page_bytes(void)
  * of thousands (where transparent huge pages are enabled at all). */
 #define FS_POOL_HUGE_BYTES ((size_t)2 << 20)
 
-/* A resident mapping of `bytes` (a page multiple; a huge-page multiple from
- * FS_POOL_HUGE_BYTES on), or MAP_FAILED. */
-static void *map_block(size_t bytes)
+/* A mapping of `bytes` (a huge-page multiple) aligned to a huge page, with
+ * huge pages advised (without the advice, plain pages), not resident yet;
+ * MAP_FAILED. */
+static char *map_aligned_huge(size_t bytes)
 {
-    const int prot = PROT_READ | PROT_WRITE, flags = MAP_PRIVATE | MAP_ANONYMOUS;
-    if (bytes < FS_POOL_HUGE_BYTES) /* faulted in by the kernel in one call */
-        return mmap(NULL, bytes, prot, flags | MAP_POPULATE, -1, 0);
     const size_t span = bytes + FS_POOL_HUGE_BYTES; /* room to align */
-    char *m = mmap(NULL, span, prot, flags, -1, 0);
+    char *m = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED)
         return MAP_FAILED;
     const uintptr_t mask = FS_POOL_HUGE_BYTES - 1;
@@ -40,8 +38,21 @@ static void *map_block(size_t bytes)
     if (m + span > a + bytes)
         munmap(a + bytes, (size_t)(m + span - (a + bytes)));
 #ifdef MADV_HUGEPAGE
-    madvise(a, bytes, MADV_HUGEPAGE); /* advice: without it, plain pages */
+    madvise(a, bytes, MADV_HUGEPAGE);
 #endif
+    return a;
+}
+
+/* A resident mapping of `bytes` (a page multiple; a huge-page multiple from
+ * FS_POOL_HUGE_BYTES on), or MAP_FAILED. */
+static void *map_block(size_t bytes)
+{
+    if (bytes < FS_POOL_HUGE_BYTES) /* faulted in by the kernel in one call */
+        return mmap(NULL, bytes, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    char *a = map_aligned_huge(bytes);
+    if (a == MAP_FAILED)
+        return MAP_FAILED;
 #ifdef MADV_POPULATE_WRITE
     madvise(a, bytes, MADV_POPULATE_WRITE); /* else faulted in by first use */
 #endif
@@ -133,19 +144,9 @@ fs_status fs_map_resident(size_t nbytes, int threads, void **out, size_t *mapped
         *mapped = bytes;
         return FS_OK;
     }
-    const size_t span = bytes + FS_POOL_HUGE_BYTES; /* room to align */
-    char *m = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED)
+    char *a = map_aligned_huge(bytes);
+    if (a == MAP_FAILED)
         return FS_ERR_NO_MEMORY;
-    const uintptr_t mask = FS_POOL_HUGE_BYTES - 1;
-    char *a = (char *)(((uintptr_t)m + mask) & ~mask);
-    if (a > m)
-        munmap(m, (size_t)(a - m));
-    if (m + span > a + bytes)
-        munmap(a + bytes, (size_t)(m + span - (a + bytes)));
-#ifdef MADV_HUGEPAGE
-    madvise(a, bytes, MADV_HUGEPAGE);
-#endif
     /* [Note: state populated in parallel] */
     const size_t chunks = bytes / FS_POOL_HUGE_BYTES;
     int nt = threads < 1 ? 1 : threads > FS_STATE_MAX_THREADS ? FS_STATE_MAX_THREADS : threads;
