@@ -227,16 +227,22 @@ def _dies(report_path):
     write_report(report_path, time.monotonic() - start, msg)
 
 
-def test_a_dead_rank_is_named_by_the_others(dist_pool, tmp_path):
-    report = tmp_path / "rank0.txt"
-    pids = pool_pids(dist_pool(2))
+def _assert_death_named(dist_pool, world, job, report, op, limit_s):
+    """Rank 1 dies (exit code 7) in `job`; rank 0's report names it, in `op`,
+    as dead, within limit_s, and no segment is left behind."""
+    pids = pool_pids(dist_pool(world))
     with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
-        dist_pool(2).run(_dies, str(report), timeout=60)
+        dist_pool(world).run(job, str(report), timeout=60)
     took, msg = read_report(report)
-    assert "rank 1 (pid" in msg and "died" in msg and "barrier" in msg, msg
+    assert "rank 1 (pid" in msg and "died" in msg and op in msg, msg
     assert msg.endswith("failure: dead"), msg
-    assert took < 5.0  # noticed by liveness checks, not by the 300 s timeout
+    assert took < limit_s
     assert not leftover_segments(pids)
+
+
+def test_a_dead_rank_is_named_by_the_others(dist_pool, tmp_path):
+    # noticed by liveness checks, not by the 300 s timeout
+    _assert_death_named(dist_pool, 2, _dies, tmp_path / "rank0.txt", "barrier", 5.0)
 
 
 def _dies_mid_collective(report_path):
@@ -265,15 +271,9 @@ def _dies_mid_collective(report_path):
 
 
 def test_a_rank_dying_between_chunks_is_named(dist_pool, tmp_path):
-    report = tmp_path / "rank0.txt"
-    pids = pool_pids(dist_pool(3))
-    with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
-        dist_pool(3).run(_dies_mid_collective, str(report), timeout=60)
-    took, msg = read_report(report)
-    assert "rank 1 (pid" in msg and "died" in msg and "all_gather" in msg, msg
-    assert msg.endswith("failure: dead"), msg
-    assert took < 30.0  # 40 collectives, then noticed by liveness checks, not the timeout
-    assert not leftover_segments(pids)
+    # 40 collectives, then noticed by liveness checks, not the timeout
+    _assert_death_named(dist_pool, 3, _dies_mid_collective, tmp_path / "rank0.txt",
+                        "all_gather", 30.0)
 
 
 # ---------------------------------------------------------------------------
