@@ -172,7 +172,7 @@ def _floor_hooks(model):
         def fsdp_post(out, m=m):
             out = m._unit.post_forward(out)
             if m._root_state.owner is m:
-                m._root_state.order.end()
+                m._root_state.end_forward()
             return out
         u.pre_forward, u.post_forward, u._post_backward = pre_forward, post_forward, post_backward
         m._pre_forward, m._post_forward = eager.wrap(fsdp_pre), eager.wrap(fsdp_post)

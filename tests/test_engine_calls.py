@@ -60,7 +60,7 @@ def _inner(arg):
     return arg
 
 
-def _fsdp1_calls(strategy):
+def _fsdp1_calls(strategy, bucket_bytes):
     import os
     from flatshard import ShardingStrategy
     torch.manual_seed(0)
@@ -68,41 +68,74 @@ def _fsdp1_calls(strategy):
                  sharding_strategy=ShardingStrategy[strategy])
     x = torch.randn(4, 6)
     # a reduction bucket (on shm none by default), read at the root's lazy init
-    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = str(1 << 20)
+    os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"] = bucket_bytes
     try:
         model(x).sum().backward()  # lazy init, first step
     finally:
         del os.environ["FLATSHARD_REDUCE_BUCKET_BYTES"]
-    logs = {}
+    logs, counts = {}, {}
     for m in model.modules():
         unit = getattr(m, "_unit", None)
         if unit is not None and not isinstance(unit.c, Counting):
             logs[unit.name] = []
+            counts[unit.name] = dict(unit.c.counts)
             unit.c = Counting(unit.c, logs[unit.name])
     for p in model.parameters():
         p.grad = None
     model(x).sum().backward()
-    return logs
+    steps = {}
+    for m in model.modules():
+        unit = getattr(m, "_unit", None)
+        if unit is not None:
+            now, before = unit.c._inner.counts, counts[unit.name]
+            steps[unit.name] = {k: now[k] - before[k] for k in ("all_gather", "reduce")}
+    return logs, steps
+
+
+# The gathers a block makes in one step: in forward and again in backward
+# (FULL_SHARD), in forward only (SHARD_GRAD_OP keeps it for backward), none
+# (SHARD_OPTIM keeps the whole parameters).
+_GATHERS = {"FULL_SHARD": 2, "SHARD_GRAD_OP": 1, "SHARD_OPTIM": 0}
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OPTIM"])
 def test_fsdp1_one_engine_call_per_hook_event(dist_pool, strategy):
-    for logs in dist_pool(2).run(_fsdp1_calls, strategy):
+    """A 1 MiB reduction bucket, so each post-backward is Python's (the
+    plain one has no bucket): pre_forward, post_forward, post_backward (one
+    per gradient group: the blocks have one, the root none of its own) and
+    finalize are each one event() call through Python, and released() after
+    a reshard. The pre-backward takes the engine unit's plain path
+    ([Note: unit plain events] in csrc/glue/py_unit_events.c): no call
+    through Python, and its gather (and the BACKWARD_PRE prefetch of the
+    unit before) shows in the engine's counts."""
+    for logs, steps in dist_pool(2).run(_fsdp1_calls, strategy, str(1 << 20)):
         assert len(logs) == 4  # three blocks and the root
         for name, calls in logs.items():
-            # pre_forward, post_forward, pre_backward, post_backward (one per
-            # gradient group: the blocks have one, the root none of its
-            # own), finalize: each one event() call
-            assert calls.count("event") == (4 if name == "<root>" else 5), (name, calls)
-            # besides: the unit after it in forward prefetches it in backward
-            # (BACKWARD_PRE, the default), one unshard() call
-            others = [c for c in calls if c not in ("event", "flush_bucket")]
-            assert others in ([], ["unshard"]), (name, calls)
+            assert calls.count("event") == (3 if name == "<root>" else 4), (name, calls)
+            others = [c for c in calls if c not in ("event", "flush_bucket", "released")]
+            assert others == [], (name, calls)
+            if name != "<root>":
+                assert steps[name] == {"all_gather": _GATHERS[strategy], "reduce": 1}, \
+                    (name, steps)
         # the reduction bucket holds the three blocks' reduce-scatters
         # until the end of backward: one flush, through the first (the last
         # block's); SHARD_OPTIM all-reduces whole gradients at once
         flushes = [name for name, calls in logs.items() for c in calls if c == "flush_bucket"]
         assert flushes == ([] if strategy == "SHARD_OPTIM" else ["blocks.2"]), logs
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_fsdp1_plain_backward_calls_no_python(dist_pool, strategy):
+    """No bucket (shm's default): both backward events of every unit take
+    the engine unit's plain path, so nothing reaches the engine through
+    Python after the forward, and the engine counts each block's gathers
+    and its one reduction."""
+    for logs, steps in dist_pool(2).run(_fsdp1_calls, strategy, "0"):
+        for name, calls in logs.items():
+            assert calls == ["event", "event", "event"], (name, calls)  # forward, finalize
+            if name != "<root>":
+                assert steps[name] == {"all_gather": _GATHERS[strategy], "reduce": 1}, \
+                    (name, steps)
 
 
 def _sharded_net():
@@ -224,3 +257,35 @@ def test_fully_shard_plain_events_run_no_python_frame(dist_pool):
     for seen, root_calls in dist_pool(2).run(_python_frames_of_blocks):
         assert seen == [], seen
         assert "_pre_forward_hook" in root_calls and "_finalize" in root_calls, root_calls
+
+
+def _fsdp1_python_frames():
+    """Names of the Python frames whose `self` is an FSDP1 unit runtime
+    during step 1 (shm, no bucket: the default)."""
+    import sys
+    from flatshard.fsdp.unit import UnitRuntime
+    torch.manual_seed(0)
+    model = FSDP(Net(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and isinstance(frame.f_locals.get("self"), UnitRuntime):
+            seen.append(frame.f_code.co_name)
+    sys.setprofile(profile)
+    try:
+        model(x).sum().backward()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_fsdp1_plain_backward_runs_no_python_frame(dist_pool):
+    """After step 0 the units' pre-backward and post-backward run without a
+    Python frame of theirs: their one plain implementation is C ([Note:
+    unit plain events] in csrc/glue/py_unit_events.c). The forward's events
+    and the end of backward are Python's, which the probe sees."""
+    for seen in dist_pool(2).run(_fsdp1_python_frames):
+        assert "_pre_backward" not in seen and "_post_backward" not in seen, seen
+        assert "pre_forward" in seen and "finalize" in seen, seen

@@ -28,6 +28,7 @@ typedef struct {
     PyObject *ArrivalType;     /* py_shard_events.c */
     PyObject *EventType;       /* py_shard_events.c */
     PyObject *LatchType;       /* py_shard_events.c */
+    PyObject *UnitHookType;    /* py_unit_events.c */
     PyObject *BucketType;     /* py_bucket.c */
 } fs_mod_state;
 
@@ -104,6 +105,7 @@ int fs_layout_add(PyObject *module, fs_mod_state *st); /* py_layout.c */
 int fs_divide_add(PyObject *module); /* py_divide.c */
 int fs_shard_group_type_add(PyObject *module, fs_mod_state *st); /* py_shard_group.c */
 int fs_shard_events_add(PyObject *module, fs_mod_state *st); /* py_shard_events.c */
+int fs_unit_events_add(PyObject *module, fs_mod_state *st); /* py_unit_events.c */
 int fs_bucket_type_add(PyObject *module, fs_mod_state *st); /* py_bucket.c */
 /* py_layout.c: a Dim0Entry record; NULL with an exception set. */
 PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e);

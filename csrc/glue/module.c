@@ -55,7 +55,7 @@ static int module_exec(PyObject *m)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
         fs_layout_add(m, st) < 0 || fs_divide_add(m) < 0 || fs_shard_group_type_add(m, st) < 0 ||
-        fs_shard_events_add(m, st) < 0 ||
+        fs_shard_events_add(m, st) < 0 || fs_unit_events_add(m, st) < 0 ||
         fs_bucket_type_add(m, st) < 0 || fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
         fs_kernels_add(m) < 0 || fs_quant_add(m) < 0 ||
         fs_offload_pipe_type_add(m) < 0 || fs_eager_type_add(m) < 0 || add_constants(m) < 0)
@@ -81,6 +81,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->ArrivalType);
     Py_VISIT(st->EventType);
     Py_VISIT(st->LatchType);
+    Py_VISIT(st->UnitHookType);
     Py_VISIT(st->BucketType);
     return 0;
 }
@@ -100,6 +101,7 @@ static int module_clear(PyObject *m)
     Py_CLEAR(st->ArrivalType);
     Py_CLEAR(st->EventType);
     Py_CLEAR(st->LatchType);
+    Py_CLEAR(st->UnitHookType);
     Py_CLEAR(st->BucketType);
     return 0;
 }

@@ -310,6 +310,27 @@ static PyObject *py_mapped_storage(PyObject *m, PyObject *args, PyObject *kw)
     return storage_over(o, n);
 }
 
+/* [Note: heap trim] (runtime/heap.py): what units freed since the last trim */
+#define FS_HEAP_TRIM_BYTES ((int64_t)64 << 20)
+static int64_t heap_pending;
+
+static void heap_trim_now(void)
+{
+    heap_pending = 0;
+#ifdef __GLIBC__
+    Py_BEGIN_ALLOW_THREADS
+    malloc_trim(0);
+    Py_END_ALLOW_THREADS
+#endif
+}
+
+void fs_glue_heap_freed(int64_t nbytes, int last)
+{
+    heap_pending += nbytes;
+    if (heap_pending >= FS_HEAP_TRIM_BYTES || last)
+        heap_trim_now();
+}
+
 PyDoc_STRVAR(heap_trim_doc,
              "heap_trim() -> bool: hand the C library heap's free pages back to the system\n"
              "(glibc's malloc_trim; False where there is none). What torch frees in a\n"
@@ -317,18 +338,38 @@ PyDoc_STRVAR(heap_trim_doc,
              "the next large request is mapped anew beside it.");
 static PyObject *py_heap_trim(PyObject *m, PyObject *Py_UNUSED(a))
 {
+    heap_trim_now();
 #ifdef __GLIBC__
-    Py_BEGIN_ALLOW_THREADS
-    malloc_trim(0);
-    Py_END_ALLOW_THREADS
     Py_RETURN_TRUE;
 #else
     Py_RETURN_FALSE;
 #endif
 }
 
+PyDoc_STRVAR(heap_freed_doc,
+             "heap_freed(nbytes, last): nbytes of a unit's buffers went back on the host\n"
+             "(last: only the root's work is left); the heap is trimmed once 64 MiB have\n"
+             "gone back since the last trim, or when last ([Note: heap trim]).");
+static PyObject *py_heap_freed(PyObject *m, PyObject *args)
+{
+    long long n;
+    int last;
+    if (!PyArg_ParseTuple(args, "Lp", &n, &last))
+        return NULL;
+    fs_glue_heap_freed(n, last);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(heap_pending_doc, "heap_pending() -> int: bytes freed since the last trim.");
+static PyObject *py_heap_pending(PyObject *m, PyObject *Py_UNUSED(a))
+{
+    return PyLong_FromLongLong(heap_pending);
+}
+
 static PyMethodDef pool_methods[] = {
     {"heap_trim", py_heap_trim, METH_NOARGS, heap_trim_doc},
+    {"heap_freed", py_heap_freed, METH_VARARGS, heap_freed_doc},
+    {"heap_pending", py_heap_pending, METH_NOARGS, heap_pending_doc},
     {"mapped_storage", (PyCFunction)(void (*)(void))py_mapped_storage, METH_VARARGS | METH_KEYWORDS,
      mapped_storage_doc},
     {"pool_stats", py_pool_stats, METH_NOARGS, pool_stats_doc},

@@ -135,6 +135,7 @@ typedef struct {
     PyObject_HEAD
     int set;
     PyObject *action, *arg;
+    PyObject *weakrefs;
 } LatchObject;
 
 static int fire(LatchObject *l)
@@ -149,6 +150,11 @@ static int fire(LatchObject *l)
     }
     Py_DECREF(r);
     return 0;
+}
+
+int fs_glue_latch_fire(PyObject *latch)
+{
+    return fire((LatchObject *)latch);
 }
 
 static PyObject *Latch_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
@@ -187,6 +193,8 @@ static void Latch_dealloc(LatchObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
+    if (self->weakrefs)
+        PyObject_ClearWeakRefs((PyObject *)self);
     Latch_clear(self);
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -208,6 +216,7 @@ static PyMethodDef Latch_methods[] = {
 };
 
 static PyMemberDef Latch_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(LatchObject, weakrefs), READONLY},
     {"set", T_BOOL, offsetof(LatchObject, set), 0, "whether it is set (fire, or assigned)"},
     {NULL},
 };
@@ -465,7 +474,7 @@ static PyObject *Event_vectorcall(PyObject *op, PyObject *const *args, size_t na
     if (self->kind == FS_EVENT_POST_FORWARD)
         return post_forward(self, g, args[2]);
     /* the first pre-backward of a backward queues its end */
-    if (self->kind == FS_EVENT_PRE_BACKWARD && fire((LatchObject *)self->latch) < 0)
+    if (self->kind == FS_EVENT_PRE_BACKWARD && fs_glue_latch_fire(self->latch) < 0)
         return NULL;
     if (self->kind == FS_EVENT_PRE_BACKWARD && !(flags & FS_PLAIN_GATHER_BACKWARD))
         Py_RETURN_NONE;

@@ -10,7 +10,9 @@
  * torch-side work the returned actions leave (parameter views, hooks). */
 #include "py_unit.h"
 
+#include <stddef.h>
 #include <stdlib.h>
+#include <structmember.h>
 
 /* ---------------------------------------------------------------------------
  * calling the engine */
@@ -34,6 +36,11 @@ static PyObject *done(UnitObject *self, fs_status s)
                   : note(self, c->err_what ? c->err_what : "unit operation", c->err_group);
     return fs_glue_group_failed(FS_GROUP(self), s, s != FS_ERR_BAD_STATE && c->err_collective,
                                 n);
+}
+
+PyObject *fs_glue_unit_done(UnitObject *self, fs_status s)
+{
+    return done(self, s);
 }
 
 static PyObject *group_done(GroupObject *self, fs_status s)
@@ -151,7 +158,30 @@ static int Unit_traverse(UnitObject *self, visitproc visit, void *arg)
 {
     for (Py_ssize_t i = 0; i < self->nrefs; i++)
         Py_VISIT(self->refs[i]);
+    Py_VISIT(self->latch);
+    Py_VISIT(self->prev);
+    Py_VISIT(self->owner);
+    Py_VISIT(self->on_pre_backward);
+    Py_VISIT(self->on_post_backward);
+    Py_VISIT(self->on_error);
+    Py_VISIT(self->run_hooks);
+    Py_VISIT(self->empty_like);
+    Py_VISIT(self->tensor);
     return fs_glue_group_traverse(FS_GROUP(self), visit, arg);
+}
+
+static void clear_handed(UnitObject *self)
+{
+    self->plain = 0;
+    Py_CLEAR(self->latch);
+    Py_CLEAR(self->prev);
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->on_pre_backward);
+    Py_CLEAR(self->on_post_backward);
+    Py_CLEAR(self->on_error);
+    Py_CLEAR(self->run_hooks);
+    Py_CLEAR(self->empty_like);
+    Py_CLEAR(self->tensor);
 }
 
 /* The buffers lead back to the unit (a flat parameter's gradient hook holds
@@ -165,6 +195,7 @@ static int Unit_clear(UnitObject *self)
     for (Py_ssize_t i = 0; i < self->nrefs; i++)
         Py_CLEAR(self->refs[i]);
     self->nrefs = 0;
+    clear_handed(self);
     return 0;
 }
 
@@ -172,8 +203,11 @@ static void Unit_dealloc(UnitObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
+    if (self->weakrefs)
+        PyObject_ClearWeakRefs((PyObject *)self);
     if (self->ready)
         fs_unit_destroy(&self->u);
+    clear_handed(self);
     for (Py_ssize_t i = 0; i < self->nrefs; i++)
         Py_DECREF(self->refs[i]);
     free(self->refs);
@@ -369,6 +403,103 @@ static int Unit_set_root(UnitObject *self, PyObject *v, void *c)
     return 0;
 }
 
+/* [Note: unit plain events]: what Python hands */
+
+PyDoc_STRVAR(set_events_doc,
+             "set_events(owner, on_pre_backward, on_post_backward, on_error, run_hooks,\n"
+             "           empty_like, tensor): the Python unit (held weakly) and what the plain\n"
+             "backward events call: on_pre_backward(owner, grad) and on_post_backward(owner,\n"
+             "group, full) where the plain path does not apply, on_error(owner, exc) for an\n"
+             "engine failure (raises), run_hooks(params), empty_like(shard); tensor: the\n"
+             "type a plain gradient is ([Note: unit plain events] in py_unit_events.c).");
+static PyObject *Unit_set_events(UnitObject *self, PyObject *args)
+{
+    PyObject *owner, *fns[5], *tensor;
+    if (!PyArg_ParseTuple(args, "OOOOOOO:set_events", &owner, &fns[0], &fns[1], &fns[2],
+                          &fns[3], &fns[4], &tensor))
+        return NULL;
+    for (int i = 0; i < 5; i++)
+        if (!PyCallable_Check(fns[i]))
+            return PyErr_Format(PyExc_TypeError, "set_events: argument %d must be callable",
+                                i + 2);
+    if (!PyType_Check(tensor))
+        return PyErr_Format(PyExc_TypeError, "set_events: tensor must be a type");
+    PyObject *ref = PyWeakref_NewRef(owner, NULL);
+    if (!ref)
+        return NULL;
+    Py_XSETREF(self->owner, ref);
+    Py_XSETREF(self->on_pre_backward, Py_NewRef(fns[0]));
+    Py_XSETREF(self->on_post_backward, Py_NewRef(fns[1]));
+    Py_XSETREF(self->on_error, Py_NewRef(fns[2]));
+    Py_XSETREF(self->run_hooks, Py_NewRef(fns[3]));
+    Py_XSETREF(self->empty_like, Py_NewRef(fns[4]));
+    Py_XSETREF(self->tensor, Py_NewRef(tensor));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Unit_get_handed(UnitObject *self, void *c)
+{
+    PyObject *o = *(PyObject **)((char *)self + (Py_ssize_t)c);
+    return Py_NewRef(o ? o : Py_None);
+}
+
+static PyObject *Unit_get_latch(UnitObject *self, void *c)
+{
+    (void)c;
+    PyObject *l = self->latch ? fs_weak_get(self->latch) : NULL;
+    return l ? l : PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+}
+
+static int Unit_set_latch(UnitObject *self, PyObject *v, void *c)
+{
+    (void)c;
+    fs_mod_state *st = fs_state_from_type(Py_TYPE(self));
+    if (!v || (v != Py_None && !PyObject_TypeCheck(v, (PyTypeObject *)st->LatchType))) {
+        PyErr_SetString(PyExc_TypeError, "Unit.latch: a flatshard._C.Latch or None");
+        return -1;
+    }
+    PyObject *ref = v == Py_None ? NULL : PyWeakref_NewRef(v, NULL);
+    if (v != Py_None && !ref)
+        return -1;
+    Py_XSETREF(self->latch, ref);
+    return 0;
+}
+
+static int Unit_set_prev(UnitObject *self, PyObject *v, void *c)
+{
+    (void)c;
+    if (!v || (v != Py_None && !Py_IS_TYPE(v, Py_TYPE(self)))) {
+        PyErr_SetString(PyExc_TypeError, "Unit.prev: a flatshard._C.Unit or None");
+        return -1;
+    }
+    Py_XSETREF(self->prev, v == Py_None || v == (PyObject *)self ? NULL : Py_NewRef(v));
+    return 0;
+}
+
+static PyObject *Unit_get_gathered_bytes(UnitObject *self, void *c)
+{
+    (void)c;
+    return PyLong_FromLongLong(fs_glue_unit_gathered_bytes(self));
+}
+
+PyDoc_STRVAR(prefetch_previous_doc,
+             "prefetch_previous(): gather the unit that ran before this one in the last\n"
+             "forward (`prev`) if it is idle (a backward prefetch); its failure is raised\n"
+             "as its own.");
+static PyObject *Unit_prefetch_previous(UnitObject *self, PyObject *Py_UNUSED(a))
+{
+    return fs_glue_unit_prefetch_previous(self) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+PyDoc_STRVAR(released_doc,
+             "released(): what follows this unit's reshard in backward: the BACKWARD_POST\n"
+             "prefetch (PREFETCH_POST) and, on the host, the freed bytes counted for the\n"
+             "heap trim (heap_freed).");
+static PyObject *Unit_released(UnitObject *self, PyObject *Py_UNUSED(a))
+{
+    return fs_glue_unit_released(self) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
 static PyObject *Unit_set_comm_quant(UnitObject *self, PyObject *args)
 {
     fs_comm_quant q;
@@ -389,6 +520,10 @@ static PyMethodDef Unit_methods[] = {
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS, reshard_doc},
     {"reduce_grad", (PyCFunction)Unit_reduce_grad, METH_VARARGS, reduce_grad_doc},
+    {"set_events", (PyCFunction)Unit_set_events, METH_VARARGS, set_events_doc},
+    {"prefetch_previous", (PyCFunction)Unit_prefetch_previous, METH_NOARGS,
+     prefetch_previous_doc},
+    {"released", (PyCFunction)Unit_released, METH_NOARGS, released_doc},
     {NULL},
 };
 
@@ -407,6 +542,21 @@ static PyGetSetDef Unit_getset[] = {
     {"counts", (getter)fs_glue_group_get_counts, NULL, "collectives issued by this unit", NULL},
     {"comm", (getter)fs_glue_group_get_comm, NULL, "the Comm this unit's collectives go through",
      NULL},
+    {"latch", (getter)Unit_get_latch, (setter)Unit_set_latch,
+     "the root's Latch (the end of backward queued; held weakly), or None", NULL},
+    {"prev", (getter)Unit_get_handed, (setter)Unit_set_prev,
+     "the Unit that ran before this one in the last forward, or None",
+     (void *)offsetof(UnitObject, prev)},
+    {"gathered_bytes", (getter)Unit_get_gathered_bytes, NULL,
+     "the bytes its compute buffers hold while gathered", NULL},
+    {NULL},
+};
+
+static PyMemberDef Unit_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(UnitObject, weakrefs), READONLY},
+    {"plain", T_INT, offsetof(UnitObject, plain), 0,
+     "PLAIN_* and PREFETCH_* bits: which backward events take the plain path\n"
+     "([Note: unit plain events] in py_unit_events.c)"},
     {NULL},
 };
 
@@ -417,6 +567,7 @@ static PyType_Slot Unit_slots[] = {
     {Py_tp_clear, Unit_clear},
     {Py_tp_methods, Unit_methods},
     {Py_tp_getset, Unit_getset},
+    {Py_tp_members, Unit_members},
     {Py_tp_doc, "Unit(name, comm, strategy, groups, grad_mask): one wrapped module's state,\n"
                 "driving the engine's unit (engine/unit.h)."},
     {0, NULL},

@@ -34,12 +34,60 @@ struct GroupObject {
 
 #define FS_GROUP(o) ((GroupObject *)(o))
 
+/* [Note: unit plain events] (py_unit_events.c): which of an FSDP1 unit's
+ * backward events may take the plain path, as Python decides them where
+ * what they depend on changes (fsdp/unit.py UnitRuntime.hand_plain). Both
+ * also mean: a host Comm, the unit in a tree (its root's Latch handed). */
+enum {
+    FS_UNIT_PLAIN_PRE_BACKWARD = 1,  /* no gather-ahead with the prefetch, no views to set */
+    FS_UNIT_PLAIN_POST_BACKWARD = 2, /* gradient sync, flat shards (use_orig_params=False), no
+                                      * bucket, no SHARD_OPTIM, no parameter offload, no
+                                      * gradient NO_SHARD hands over as it is */
+    FS_UNIT_PREFETCH_PRE = 4,        /* backward_prefetch BACKWARD_PRE (any path) */
+    FS_UNIT_PREFETCH_POST = 8,       /* backward_prefetch BACKWARD_POST (any path) */
+};
+
 typedef struct {
     FS_GROUP_OBJECT_HEAD
     fs_unit u;
     PyObject **refs;       /* what the groups' handles point at, owned here */
     Py_ssize_t nrefs;
+    /* [Note: unit plain events]: what Python handed */
+    int plain;             /* FS_UNIT_PLAIN_*, FS_UNIT_PREFETCH_* */
+    PyObject *latch;       /* a weak reference to the root's Latch (the end of backward
+                            * queued), or NULL: held weakly, since the Latch leads to the
+                            * root and its model, and an OffloadPipe holds its Units */
+    PyObject *prev;        /* the Unit that ran before this one in the last forward, or NULL */
+    PyObject *owner;       /* a weak reference to the Python unit (UnitRuntime), or NULL */
+    PyObject *on_pre_backward;  /* on_pre_backward(owner, grad): the Python path */
+    PyObject *on_post_backward; /* on_post_backward(owner, group, full): the Python path */
+    PyObject *on_error;    /* on_error(owner, exc): raises (an allocation failure reported) */
+    PyObject *run_hooks;   /* run_hooks(params): their post-accumulate-grad hooks */
+    PyObject *empty_like;  /* torch.empty_like: a new shard gradient */
+    PyObject *tensor;      /* torch.Tensor: the plain path's gradients are of it exactly */
+    PyObject *weakrefs;
 } UnitObject;
+
+/* py_unit.c: None for FS_OK, else the unit's exception (its note names the
+ * unit and operation). */
+PyObject *fs_glue_unit_done(UnitObject *self, fs_status s);
+
+/* py_shard_events.c: set the Latch `latch`; if it was not, its action
+ * runs. 0, or -1 with an exception set. */
+int fs_glue_latch_fire(PyObject *latch);
+
+/* py_unit_events.c */
+/* An error of an engine call the plain path made for `u`: handed to its
+ * owner's on_error (which reports an allocation failure and raises); NULL. */
+PyObject *fs_glue_unit_failed(UnitObject *u);
+/* The prefetch before the unit that ran before u in forward (its gather
+ * begun), where it is idle; 0, or -1 with an exception set. */
+int fs_glue_unit_prefetch_previous(UnitObject *u);
+/* What follows u's reshard in backward: the BACKWARD_POST prefetch, and on
+ * the host the freed bytes counted for the heap trim. 0 or -1. */
+int fs_glue_unit_released(UnitObject *u);
+/* The bytes u's compute buffers hold while gathered. */
+int64_t fs_glue_unit_gathered_bytes(const UnitObject *u);
 
 /* py_group.c: the constructor's checks both types make, each naming the
  * argument and `type`: comm a flatshard._C.Comm, replicate None or a Comm
@@ -113,5 +161,9 @@ void *fs_glue_take_staging(int64_t nbytes);
 void fs_glue_give_staging(void *p);
 /* The pool's module functions (pool_stats, pool_trim, ...). */
 int fs_glue_pool_add(PyObject *module);
+/* [Note: heap trim] (runtime/heap.py): nbytes of a unit's buffers went
+ * back on the host; last: only the root is left. Trims the heap once
+ * FS_HEAP_TRIM_BYTES have gone back since the last trim, or when last. */
+void fs_glue_heap_freed(int64_t nbytes, int last);
 
 #endif

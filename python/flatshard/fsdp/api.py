@@ -66,6 +66,18 @@ class RootState(Root):
         self.owner = owner
         self.units = units
 
+    def hand_order(self):
+        """Each engine unit's `prev`, the unit that ran before it in the last
+        forward (the backward prefetch's), whenever that order changes."""
+        for u in self.units:
+            p = self.order.previous(u)
+            u.c.prev = p.c if p is not None else None
+
+    def end_forward(self):
+        self.order.end()
+        if not self.order.stable:
+            self.hand_order()
+
     def reduce_issued(self, unit):
         """`unit` is about to defer a reduction (Root.reduce_issued)."""
         super().reduce_issued(unit, unit.land_reduced)
@@ -244,6 +256,7 @@ class FullyShardedDataParallel(nn.Module):
             m._root_state = state
             m._unit.root = state
             m._unit.c.is_root = m is self
+            m._unit.hand_plain()
         return state
 
     # ------------------------------------------------------------------
@@ -280,7 +293,7 @@ class FullyShardedDataParallel(nn.Module):
     def _post_forward(self, out):
         out = self._unit.post_forward(out)
         if self._root_state.owner is self:
-            self._root_state.order.end()
+            self._root_state.end_forward()
         return out
 
     @contextlib.contextmanager
@@ -373,7 +386,7 @@ class FullyShardedDataParallel(nn.Module):
                         g.reduce_dtype = dtype
                 old, new = fs._unit.c, fs._new_cunit()
                 new.is_root = old.is_root
-                fs._unit.c = new
+                fs._unit.set_engine(new)
         for fs in units:
             fs.__dict__["_flatshard_comm_hook"] = (hook, state)
 

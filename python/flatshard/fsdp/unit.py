@@ -21,8 +21,6 @@ attribute; `unit_of` / `fsdp_units` find units by it, so the modules that
 work on a wrapped model (summon, clip, state dicts, memory_stats) need not
 import the wrapper class.
 """
-import weakref
-
 import torch
 
 from .. import _C
@@ -61,17 +59,23 @@ class UnitRuntime:
         self.shard_optim = shard_optim
         self.offload_params = offload_params
         # what a reshard hands back, for the heap trim ([Note: heap trim])
-        self.gathered_bytes = sum(g.padded_numel * g.compute.element_size() for g in groups)
+        self.gathered_bytes = cunit.gathered_bytes
         if cunit.comm.device is None:
             HEAP.watch_steps()
         self.root = None          # RootState, set at lazy init
         self.parts = [None] * len(groups)  # each group as a bucket member, made at first use
-        self.sync_grads = True    # False inside no_sync()
+        self._sync_grads = True   # False inside no_sync()
         self.landing = []         # original parameters a deferred reduction writes (hooks)
-        self.pre_backward_hook = self._pre_backward
+        # The backward's hooks are the engine unit's ([Note: unit plain events]
+        # in csrc/glue/py_unit_events.c): its plain path, else the methods here.
+        self.pre_backward_hook = _C.UnitHook(_C.UNIT_PRE_BACKWARD, cunit)
+        self._hooks = [self.pre_backward_hook]
         for g in groups:
             if g.requires_grad:
-                g.compute.register_post_accumulate_grad_hook(self._make_post_backward(g.index))
+                h = _C.UnitHook(_C.UNIT_POST_BACKWARD, cunit, g.index)
+                g.compute.register_post_accumulate_grad_hook(h)
+                self._hooks.append(h)
+        self._hand_events(cunit)
         if shard_optim:
             self.c.unshard()  # whole from now on (collective: units are built in one order)
             zero1.register(self)
@@ -79,6 +83,63 @@ class UnitRuntime:
             self._use_sharded_params()
         else:
             self._drop_orig_params()
+
+    # ------------------------------------------------------------------
+    # the engine unit's plain events ([Note: unit plain events])
+
+    def _hand_events(self, c):
+        c.set_events(self, UnitRuntime._pre_backward, UnitRuntime._post_backward,
+                     UnitRuntime._plain_failed, run_hooks, torch.empty_like, torch.Tensor)
+        self.hand_plain()
+
+    def set_engine(self, c):
+        """A new engine unit (a comm hook's reduce dtype): the hooks and what
+        the plain path reads follow it."""
+        self.c = c
+        for h in self._hooks:
+            h.unit = c
+        self._hand_events(c)
+        if self.root is not None:
+            self.root.hand_order()
+
+    @property
+    def sync_grads(self):
+        """False inside no_sync(): backward accumulates without reducing."""
+        return self._sync_grads
+
+    @sync_grads.setter
+    def sync_grads(self, value):
+        self._sync_grads = value
+        self.hand_plain()
+
+    def hand_plain(self):
+        """Which backward events take the engine unit's plain path, decided
+        here from what they depend on, whenever that changes (the root set at
+        lazy init, no_sync, a new engine unit): [Note: unit plain events]."""
+        c, root = self.c, self.root
+        flags = 0
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            flags |= _C.UNIT_PREFETCH_PRE
+        elif self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            flags |= _C.UNIT_PREFETCH_POST
+        lp = bool(self.groups) and self.groups[0].lp is not None
+        if root is not None and c.comm.device is None:
+            views = (self.use_orig_params and not self.no_shard) or (self.no_shard and lp)
+            if not views and not (self.backward_prefetch is not None and root.ahead):
+                flags |= _C.UNIT_PLAIN_PRE_BACKWARD
+            if self._sync_grads and not self.use_orig_params and not self.shard_optim and \
+                    not self.offload_params and not root.bucket.budget and \
+                    not (self.no_shard and (lp or c.comm.world_size == 1)):
+                flags |= _C.UNIT_PLAIN_POST_BACKWARD
+        c.plain = flags
+        c.latch = root.latch if root is not None else None
+
+    def _plain_failed(self, e):
+        """An engine failure on the plain path: an allocation failure is
+        reported as out of memory (_call), anything else raised as it is."""
+        if _is_alloc_failure(e):
+            self._out_of_memory(e)
+        raise e
 
     # ------------------------------------------------------------------
     # parameter views
@@ -236,25 +297,10 @@ class UnitRuntime:
                 with torch.enable_grad():
                     self._set_unsharded_views()
             if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                self._prefetch_backward()
+                self.c.prefetch_previous()  # the unit before this one in forward
         return None
 
-    def _prefetch_backward(self):
-        prev = self.root.order.previous(self)
-        if prev is not None and prev.c.state == "IDLE":
-            prev.unshard(prefetch=True)
-
-    def _make_post_backward(self, gi):
-        """The flat buffer's post-accumulate-grad hook, which holds this unit
-        weakly ([Note: hooks hold their state weakly] in runtime/grad_hooks.py)."""
-        unit = weakref.ref(self)
-
-        def hook(full):
-            u = unit()
-            if u is not None:
-                u._post_backward(gi, full)
-        return eager.wrap(hook)
-
+    @eager.hook
     def _post_backward(self, gi, full):
         g = self.groups[gi]
         grad, out, accumulate, defer, keep = None, None, False, False, None
@@ -286,11 +332,7 @@ class UnitRuntime:
                 run_hooks(written)
         if act & _C.ACT_RESHARD:
             self._clear_unsharded_views()
-            if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-                self._prefetch_backward()
-            if self.c.comm.device is None:
-                prev = self.root.order.previous(self) if self.root is not None else None
-                HEAP.freed(self.gathered_bytes, prev is None or prev.c.is_root)
+            self.c.released()  # the BACKWARD_POST prefetch, the heap's count
 
     def _bucket_part(self, gi, out, keep):
         """This group's reduction as a member of the root's bucket

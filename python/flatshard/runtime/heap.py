@@ -5,7 +5,7 @@ unsharded gradient) came from torch's allocator, that is the C library's
 heap, which keeps it, while requests as large as a unit's gradient are
 mapped anew beside it: the process grows by what the heap holds free. After
 a unit's gradient is reduced the free pages are handed back (_C.heap_trim)
-once TRIM_BYTES of units have been freed since the last trim, when the unit
+once 64 MiB of units have been freed since the last trim, when the unit
 that ran first in forward is done (only the root's work is left, with its
 large gradients), at the end of backward, and after each optimizer step
 (whose temporaries the heap would keep between steps). Not after every unit:
@@ -18,20 +18,25 @@ from .. import _C
 
 
 class HeapTrim:
-    TRIM_BYTES = 64 << 20
+    """The trims that are Python's (the optimizer-step hook, the end of
+    backward); the count of what units freed, and its trim, are the C
+    side's (_C.heap_freed, which the units' plain backward calls too)."""
 
     def __init__(self):
-        self.pending = 0
         self._step_hook = None
 
-    def freed(self, nbytes, last):
-        """nbytes of a unit's buffers went back; last: only the root is left."""
-        self.pending += nbytes
-        if self.pending >= self.TRIM_BYTES or last:
-            self.trim()
+    @property
+    def pending(self):
+        """Bytes freed by units since the last trim."""
+        return _C.heap_pending()
 
-    def trim(self):
-        self.pending = 0
+    @staticmethod
+    def freed(nbytes, last):
+        """nbytes of a unit's buffers went back; last: only the root is left."""
+        _C.heap_freed(nbytes, last)
+
+    @staticmethod
+    def trim():
         _C.heap_trim()
 
     def watch_steps(self):
