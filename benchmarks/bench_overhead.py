@@ -134,6 +134,7 @@ def _floor_hooks(model):
     from flatshard import _C
     from flatshard.fsdp.unit import fsdp_units
     from flatshard.runtime import eager
+    from flatshard.runtime.grad_hooks import run_hooks
     grad_on = _C.FLAG_GRAD_ENABLED
 
     for m in fsdp_units(model):
@@ -174,7 +175,13 @@ def _floor_hooks(model):
             if m._root_state.owner is m:
                 m._root_state.end_forward()
             return out
-        u.pre_forward, u.post_forward, u._post_backward = pre_forward, post_forward, post_backward
+        u.pre_forward, u.post_forward = pre_forward, post_forward
+        # the flat buffers' hooks (the engine unit's) call post_backward, never
+        # their plain path
+        u.c.set_events(u, type(u)._pre_backward,
+                       lambda self, gi, full, f=post_backward: f(gi, full), type(u)._plain_failed,
+                       run_hooks, torch.empty_like, torch.Tensor)
+        u.hand_plain = lambda c=u.c: setattr(c, "plain", 0)
         m._pre_forward, m._post_forward = eager.wrap(fsdp_pre), eager.wrap(fsdp_post)
     return model
 

@@ -496,16 +496,17 @@ class _BucketPart:
 # [Note: unit events] Each of a unit's events (the wrapper's forward steps,
 # the pre-backward hook on its outputs, each flat buffer's
 # post-accumulate-grad hook, the root's end of backward) has one
-# implementation: the method here, which makes one engine call
-# (flatshard._C.Unit.event: the state machine's step and the gather, reduce
-# or free it asks for, in C) and does the torch-side work the step's actions
-# ask for (the parameter views, the gradient tensors). The cases a tree may
-# need (gather-ahead, a prefetch, a bucket, a deferred reduction, a cast,
-# no_sync) are branches on fields read in the same pass; a tree without
-# gather-ahead does not even ask the root for it. (A second implementation
-# of the plain case in C, removed, made 64 tiny units' step 4% shorter and a
-# transformer's no shorter: benchmarks/RESULTS.md, "One implementation per
-# event".)
+# implementation. The backward's plain path is the engine unit's, in C
+# ([Note: unit plain events] in csrc/glue/py_unit_events.c): torch calls its
+# _C.UnitHook objects, which run it where hand_plain's flags allow and call
+# the method here otherwise. The forward's events and every other case are
+# the methods here, which make one engine call (flatshard._C.Unit.event: the
+# state machine's step and the gather, reduce or free it asks for, in C) and
+# do the torch-side work the step's actions ask for (the parameter views, the
+# gradient tensors); what they share with the plain path (the prefetch of
+# the unit before, what follows a reshard) they call in C. The cases a tree
+# may need (gather-ahead, a prefetch, a bucket, a deferred reduction, a cast,
+# no_sync) are branches on fields read in the same pass.
 
 
 def unit_of(module):
