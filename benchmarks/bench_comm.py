@@ -14,7 +14,11 @@ input. Algorithm bandwidth = size / time (GB/s, 1e9), the time being rank
 The ceiling is measured, not assumed: in every round, after each size's
 collectives, rank 0 alone (the others wait in a barrier) times libc's
 memcpy on a buffer of that size, a read-only pass (memchr for a byte that
-is not there) and a write-only pass (memset). --rounds rounds interleave
+is not there) and a write-only pass (memset); then "peer": rank 0's memcpy
+of a shared buffer rank 1 has just written, the copy across CPUs that every
+collective on one host makes, whose speed depends on where the run's ranks
+lie (benchmarks/RESULTS.md, "The shm backend's 1 MiB all-gather": as fast
+as memcpy in some runs, half as fast in others). --rounds rounds interleave
 them with the collectives, so load that comes and goes reaches both; each
 figure is printed as median [min-max] over the rounds, and "/memcpy" is
 the collective's median over memcpy's median. The load average is printed
@@ -39,7 +43,7 @@ from harness import cpu_name, run_ranks  # noqa: E402
 _libc = ctypes.CDLL(None)
 _libc.memchr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 _libc.memchr.restype = ctypes.c_void_p
-PASSES = ("memcpy", "read", "write")
+PASSES = ("memcpy", "read", "write", "peer")
 
 
 def reps_for(size):
@@ -77,6 +81,43 @@ def ceiling(size, reps, bufs):
     return out
 
 
+def shared_buffer(rank, port, nbytes, sync):
+    """nbytes of float32 every rank maps (a /dev/shm file rank 0 makes and
+    removes once all have mapped it)."""
+    path = f"/dev/shm/flatshard-bench-comm-{os.getppid()}-{port}"
+    if rank == 0:
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+    sync()
+    try:
+        buf = torch.from_file(path, shared=True, size=nbytes // 4, dtype=torch.float32)
+        sync()
+    finally:
+        if rank == 0:
+            os.unlink(path)
+    return buf
+
+
+def peer_copy(rank, shared, size, reps, sync):
+    """Rank 0's median seconds to memcpy `size` bytes that rank 1 wrote just
+    before (each repetition: rank 1 writes, a barrier, rank 0 copies); None
+    with one rank."""
+    if shared is None:
+        return None
+    src, dst = shared[:size // 4], torch.empty(size // 4)
+    ts = []
+    for _ in range(reps + 1):
+        if rank == 1:
+            src.fill_(1.0)
+        sync()
+        if rank == 0:
+            t = time.perf_counter()
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), size)
+            ts.append(time.perf_counter() - t)
+        sync()
+    return statistics.median(ts[1:]) if rank == 0 else None
+
+
 def worker(rank, port, world, sizes, rounds, backends, out):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -84,6 +125,7 @@ def worker(rank, port, world, sizes, rounds, backends, out):
     from flatshard.runtime import comm as fcomm
     comms = {b: fcomm.comm_for(dist.group.WORLD, b) for b in backends}
     sync = comms[backends[0]].barrier
+    shared = shared_buffer(rank, port, max(sizes), sync) if world > 1 else None
     res = {}  # (size, what) -> [seconds per round]
     for _ in range(rounds):
         for size in sizes:
@@ -101,6 +143,9 @@ def worker(rank, port, world, sizes, rounds, backends, out):
                                                     torch.empty(size // 4))).items():
                     res.setdefault((size, name, ""), []).append(t)
             sync()
+            t = peer_copy(rank, shared, size, reps, sync)
+            if t is not None:
+                res.setdefault((size, "peer", ""), []).append(t)
     if rank == 0:
         out.put(res)
     sync()
@@ -150,6 +195,9 @@ def main():
         for size in sizes:
             cells, ceil = [], None
             for p in PASSES:
+                if (size, p, "") not in res:  # "peer" with one rank
+                    cells.append(f"{'-':>19}")
+                    continue
                 text, med = spread(size, res[(size, p, "")])
                 ceil = med if p == "memcpy" else ceil
                 cells.append(f"{text:>19}")
