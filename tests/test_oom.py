@@ -63,8 +63,10 @@ def test_out_of_memory_on_one_rank_is_named_on_every_rank(dist_pool):
     for part in ("parameters (shards):", "gathered units now:", "optimizer state:",
                  "sharding_strategy=FULL_SHARD", "param_dtype=torch.bfloat16"):
         assert part in m0, (part, m0)
-    # Rank 1 was waiting for rank 0 in the all-gather: it fails with the cause.
+    # Rank 1 was waiting for rank 0 in the all-gather: it fails with the
+    # cause, which is not its own allocation failure.
     assert "aborted" in m1 and "rank 0 ran out of host memory" in m1, m1
+    assert m1.startswith("CoreError:") and "rank 1 ran out" not in m1, m1
     assert t1 < 5.0  # told at once, not at the 300 s timeout
 
 
@@ -74,3 +76,41 @@ def test_out_of_memory_on_the_torch_backend_reaches_the_others_note(dist_pool):
     # Rank 1's gloo wait fails at the group's timeout; its note quotes rank 0.
     assert "rank 0 stopped: flatshard: rank 0 ran out of host memory" in m1, m1
     assert t1 < 10.0
+
+
+def _one_rank_runs_out_in_backward():
+    """As _one_rank_runs_out, with the cap set after the forward: the units'
+    gathers in backward are the engine unit's plain pre-backward (C,
+    [Note: unit plain events] in csrc/glue/py_unit_events.c)."""
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
+    model = FSDP(torch.nn.Sequential(Big(), Big()), process_group=group, comm_backend="shm",
+                 auto_wrap_policy=ModuleWrapPolicy({Big}))
+    x = torch.randn(2, 4096)
+    model(x).sum().backward()  # step 0: lazy init, the plain flags handed
+    out = model(x).sum()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (24 << 20), hard))
+        out.backward()
+        msg = "no error"
+    except (flatshard.OutOfMemoryError, flatshard.CoreError, RuntimeError) as e:
+        msg = "\n".join([f"{type(e).__name__}: {e}"] + list(getattr(e, "__notes__", [])))
+    finally:
+        if rank == 0:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return msg, time.monotonic() - start
+
+
+def test_out_of_memory_in_the_plain_backward_is_named_on_every_rank(dist_pool):
+    """The plain backward in C hands an allocation failure to the unit's
+    Python report (UnitRuntime._plain_failed), as the Python path does: the
+    rank's breakdown on rank 0, the cause on rank 1 at once."""
+    (m0, _), (m1, t1) = dist_pool(2).run(_one_rank_runs_out_in_backward)
+    assert m0.startswith("OutOfMemoryError: flatshard: rank 0 ran out of host memory"), m0
+    assert "gathered units now:" in m0, m0
+    assert "aborted" in m1 and "rank 0 ran out of host memory" in m1, m1
+    assert m1.startswith("CoreError:") and "rank 1 ran out" not in m1, m1
+    assert t1 < 5.0

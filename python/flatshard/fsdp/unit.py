@@ -24,7 +24,7 @@ import the wrapper class.
 import torch
 
 from .. import _C
-from ..errors import OutOfMemoryError, bad_value
+from ..errors import CoreError, OutOfMemoryError, bad_value
 from ..options import BackwardPrefetch
 from . import zero1
 from ..runtime import eager
@@ -37,9 +37,17 @@ _GRAD = _C.FLAG_GRAD_ENABLED
 
 
 def _is_alloc_failure(e):
+    """Whether `e` is this rank's own allocation failure: the engine's
+    MemoryError, or torch's allocator's RuntimeError. Not the engine's
+    CoreError of a collective another rank aborted, whose text quotes that
+    rank's allocation failure."""
+    if isinstance(e, MemoryError):
+        return True
+    if isinstance(e, CoreError):
+        return False
     text = str(e).lower()
-    return isinstance(e, MemoryError) or "not enough memory" in text or \
-        "can't allocate memory" in text or "out of memory" in text
+    return "not enough memory" in text or "can't allocate memory" in text or \
+        "out of memory" in text
 
 
 class UnitRuntime:
