@@ -114,3 +114,48 @@ def test_out_of_memory_in_the_plain_backward_is_named_on_every_rank(dist_pool):
     assert "aborted" in m1 and "rank 0 ran out of host memory" in m1, m1
     assert m1.startswith("CoreError:") and "rank 1 ran out" not in m1, m1
     assert t1 < 5.0
+
+
+def _fully_shard_rank_runs_out(when):
+    """fully_shard on two Big blocks, rank 0's address space capped before
+    the first forward (torch's allocation of the unsharded buffer, made in
+    Python) or before the second (the engine's gather from the pool, in the
+    plain pre-forward in C)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    rank = dist.get_rank()
+    # a group of its own: its Comm ends aborted (keep WORLD's clean)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    model = torch.nn.Sequential(Big(), Big())
+    for b in model:
+        flatshard.fully_shard(b, mesh=mesh)
+    flatshard.fully_shard(model, mesh=mesh)
+    x = torch.randn(2, 4096)
+    if when == "later":
+        model(x).sum().backward()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (24 << 20), hard))
+        model(x)
+        msg = "no error"
+    except (MemoryError, flatshard.CoreError, RuntimeError) as e:
+        msg = "\n".join([f"{type(e).__name__}: {e}"] + list(getattr(e, "__notes__", [])))
+    finally:
+        if rank == 0:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return msg, time.monotonic() - start
+
+
+def test_fully_shard_out_of_memory_on_one_rank_fails_the_others_at_once(dist_pool):
+    """[Note: out of memory on one rank] in csrc/glue/py_group.c: the rank
+    whose allocation failed aborts the Comm with its cause, for fully_shard's
+    groups as for FSDP1's units, so the other rank's all-gather fails at once
+    naming it instead of waiting out the timeout (300 s)."""
+    for when in ("first", "later"):
+        (m0, _), (m1, t1) = dist_pool(2).run(_fully_shard_rank_runs_out, when)
+        assert "memory" in m0.lower() and m0 != "no error", (when, m0)
+        assert m1.startswith("CoreError:") and \
+            "rank 0 ran out of host memory during unshard of '0'" in m1, (when, m1)
+        assert t1 < 5.0, (when, t1)

@@ -6,6 +6,8 @@
  * (engine/group.h). Not a type of its own. */
 #include "py_unit.h"
 
+#include <stdio.h>
+
 #include <string.h>
 
 /* "Unit" for flatshard._C.Unit */
@@ -80,8 +82,65 @@ int fs_glue_group_bind(GroupObject *self)
     return 0;
 }
 
+/* [Note: out of memory on one rank] A rank whose allocation failed stops
+ * taking part in the group's collectives, and its peers would wait for it
+ * in their next one until the timeout. So the Comm is aborted, for every
+ * kind of group (FSDP1 units, fully_shard groups), with a message naming
+ * the rank, the operation and the group: the peers' waits fail at once with
+ * it (shm; the torch backend cannot abort, and the FSDP1 wrapper leaves the
+ * cause in the store, fsdp/unit.py _out_of_memory). Here for the engine's
+ * failures, and through tell_out_of_memory() for an allocation of torch's
+ * that Python makes for a gather (fsdp2/param.py). */
+static void tell_peers(GroupObject *self, const char *what, const char *err)
+{
+    fs_comm *c = self->comm->comm;
+    if (!c->ops->abort || c->world_size < 2)
+        return;
+    const char *name = PyUnicode_AsUTF8(self->name);
+    if (!name) {
+        PyErr_Clear();
+        name = "?";
+    }
+    char why[512];
+    snprintf(why, sizeof why, "flatshard: rank %d ran out of %s memory during %s of '%s': %s",
+             c->rank, self->comm->dev ? "device" : "host", what, name, err);
+    c->ops->abort(c, why);
+}
+
+/* An engine failure that is an allocation's: its own status, or a host
+ * call's MemoryError (the pool's storage); the exception stays set. */
+static void tell_if_out_of_memory(GroupObject *self, fs_status s)
+{
+    const char *what = self->core->err_what ? self->core->err_what : "an engine call";
+    if (s == FS_ERR_NO_MEMORY) {
+        tell_peers(self, what, self->core->err);
+        return;
+    }
+    if (s != FS_ERR_HOST || !PyErr_Occurred() || !PyErr_ExceptionMatches(PyExc_MemoryError))
+        return;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *text = v ? PyObject_Str(v) : NULL;
+    const char *err = text ? PyUnicode_AsUTF8(text) : NULL;
+    if (!err)
+        PyErr_Clear();
+    tell_peers(self, what, err ? err : "MemoryError");
+    Py_XDECREF(text);
+    PyErr_Restore(t, v, tb);
+}
+
+PyObject *fs_glue_group_tell_out_of_memory(PyObject *self, PyObject *args)
+{
+    const char *what, *err;
+    if (!PyArg_ParseTuple(args, "ss:tell_out_of_memory", &what, &err))
+        return NULL;
+    tell_peers(FS_GROUP(self), what, err);
+    Py_RETURN_NONE;
+}
+
 PyObject *fs_glue_group_failed(GroupObject *self, fs_status s, int collective, PyObject *note)
 {
+    tell_if_out_of_memory(self, s);
     PyObject *r = fs_glue_failed(Py_TYPE(self), s, self->core->err, self->comm, collective, note);
     Py_XDECREF(note);
     return r;

@@ -201,7 +201,7 @@ void *fs_glue_take_staging(int64_t nbytes)
     void *p = NULL;
     if (fs_pool_take(fs_pool_process(), (size_t)nbytes, 1, &p) != FS_OK)
         return PyErr_Format(PyExc_MemoryError, "flatshard: cannot map %lld bytes of host "
-                            "memory for a gradient reduction: not enough memory",
+                            "memory for a collective's staging buffer: not enough memory",
                             (long long)nbytes);
     return p;
 }

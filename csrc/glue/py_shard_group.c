@@ -732,6 +732,8 @@ static PyMethodDef ShardGroup_methods[] = {
      "(engine/shard_group.h, [Note: kept storage])."},
     {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
     {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
+    {"tell_out_of_memory", fs_glue_group_tell_out_of_memory, METH_VARARGS,
+     FS_TELL_OUT_OF_MEMORY_DOC},
     {"wait_reduce", (PyCFunction)ShardGroup_wait_reduce, METH_NOARGS,
      "wait_reduce(): a deferred reduction: the stream waits for its reduce-scatter, then\n"
      "the replicas' all-reduce and a held output's divide are enqueued."},

@@ -521,6 +521,8 @@ static PyMethodDef Unit_methods[] = {
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS, reshard_doc},
     {"reduce_grad", (PyCFunction)Unit_reduce_grad, METH_VARARGS, reduce_grad_doc},
     {"set_events", (PyCFunction)Unit_set_events, METH_VARARGS, set_events_doc},
+    {"tell_out_of_memory", fs_glue_group_tell_out_of_memory, METH_VARARGS,
+     FS_TELL_OUT_OF_MEMORY_DOC},
     {"prefetch_previous", (PyCFunction)Unit_prefetch_previous, METH_NOARGS,
      prefetch_previous_doc},
     {"released", (PyCFunction)Unit_released, METH_NOARGS, released_doc},

@@ -121,6 +121,13 @@ Py_ssize_t fs_glue_group_along(GroupObject *self, PyObject *along, const char *o
  * owner's done. */
 PyObject *fs_glue_group_flush_bucket(PyObject *self, PyObject *args);
 PyObject *fs_glue_group_cancel_bucket(PyObject *self, PyObject *args);
+/* tell_out_of_memory(what, err) of both types: the Comm aborted with this
+ * rank's allocation failure, as an engine call's is ([Note: out of memory on
+ * one rank] in py_group.c). */
+PyObject *fs_glue_group_tell_out_of_memory(PyObject *self, PyObject *args);
+#define FS_TELL_OUT_OF_MEMORY_DOC                                                           \
+    "tell_out_of_memory(what, err): this rank's allocation for `what` failed with `err`:\n" \
+    "the Comm is aborted so the other ranks' waits fail at once with it (shm)."
 /* Getters both types share (their own tables give the docs). */
 /* set_comm_quant's arguments (weight_bits, grad_bits, block) into q. */
 int fs_glue_parse_quant(PyObject *args, fs_comm_quant *q);

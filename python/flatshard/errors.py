@@ -60,6 +60,20 @@ def not_built(arg, value, why, fix=None):
     return NotBuiltError(msg)
 
 
+def is_alloc_failure(e):
+    """Whether `e` is this rank's own allocation failure: a MemoryError (the
+    engine's, the pool's), or torch's allocator's RuntimeError. Not the
+    engine's CoreError of a collective another rank aborted, whose text
+    quotes that rank's allocation failure."""
+    if isinstance(e, MemoryError):
+        return True
+    if isinstance(e, CoreError) or not isinstance(e, RuntimeError):
+        return False
+    text = str(e).lower()
+    return "not enough memory" in text or "can't allocate memory" in text or \
+        "out of memory" in text
+
+
 class StateDictError(RuntimeError):
     """A state dict or checkpoint does not match the model: names the first
     missing, unexpected or mismatching keys. A RuntimeError, as torch's

@@ -24,7 +24,7 @@ import the wrapper class.
 import torch
 
 from .. import _C
-from ..errors import CoreError, OutOfMemoryError, bad_value
+from ..errors import OutOfMemoryError, bad_value, is_alloc_failure
 from ..options import BackwardPrefetch
 from . import zero1
 from ..runtime import eager
@@ -34,20 +34,6 @@ from ..runtime.trees import hook_before_backward
 from .oom import oom_report
 
 _GRAD = _C.FLAG_GRAD_ENABLED
-
-
-def _is_alloc_failure(e):
-    """Whether `e` is this rank's own allocation failure: the engine's
-    MemoryError, or torch's allocator's RuntimeError. Not the engine's
-    CoreError of a collective another rank aborted, whose text quotes that
-    rank's allocation failure."""
-    if isinstance(e, MemoryError):
-        return True
-    if isinstance(e, CoreError):
-        return False
-    text = str(e).lower()
-    return "not enough memory" in text or "can't allocate memory" in text or \
-        "out of memory" in text
 
 
 class UnitRuntime:
@@ -145,7 +131,7 @@ class UnitRuntime:
     def _plain_failed(self, e):
         """An engine failure on the plain path: an allocation failure is
         reported as out of memory (_call), anything else raised as it is."""
-        if _is_alloc_failure(e):
+        if is_alloc_failure(e):
             self._out_of_memory(e)
         raise e
 
@@ -233,7 +219,7 @@ class UnitRuntime:
         try:
             return self.c.event(ev, flags, group, grad, out, accumulate, defer, along, bucket)
         except (RuntimeError, MemoryError) as e:
-            if not _is_alloc_failure(e):
+            if not is_alloc_failure(e):
                 raise
             self._out_of_memory(e)
 
@@ -244,7 +230,7 @@ class UnitRuntime:
         try:
             return fn(*args)
         except (RuntimeError, MemoryError) as e:
-            if not _is_alloc_failure(e):
+            if not is_alloc_failure(e):
                 raise
             self._out_of_memory(e)
 

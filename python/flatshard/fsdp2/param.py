@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C, torch_facts
-from ..errors import ConfigError, NotBuiltError
+from ..errors import ConfigError, NotBuiltError, is_alloc_failure
 from ..options import quant_engine_args
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
@@ -498,7 +498,12 @@ class ParamGroup:
         compute dtype: csrc/engine/shard_group.h, [Note: direct layout]) views of
         the shards, the buffer then never filled."""
         device = self.local(0).device
-        self.full = torch.empty(self.full_alloc, dtype=self.compute_dtype, device=device)
+        try:
+            self.full = torch.empty(self.full_alloc, dtype=self.compute_dtype, device=device)
+        except (RuntimeError, MemoryError) as e:
+            if is_alloc_failure(e):  # the peers' gathers fail at once with it
+                self.c.tell_out_of_memory("unshard", str(e).splitlines()[0])
+            raise
         aliased = self.c.aliased
         # [Note: reduce dtype rule] torch 2.15's rule also gives each unsharded
         # parameter grad_dtype = its reduce dtype; where the gradient may be
