@@ -32,27 +32,34 @@ def _vm_bytes():
     raise RuntimeError("no VmSize")
 
 
-def _one_rank_runs_out(backend):
+def _rank0_capped(step):
+    """step() with rank 0's address space capped at what it maps now plus
+    24 MiB (room for small allocations, not for a 64 MiB unit) -> (its
+    error as text with its notes, or "no error"; seconds it took)."""
     rank = dist.get_rank()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (24 << 20), hard))
+        step()
+        msg = "no error"
+    except (MemoryError, flatshard.CoreError, RuntimeError) as e:
+        msg = "\n".join([f"{type(e).__name__}: {e}"] + list(getattr(e, "__notes__", [])))
+    finally:
+        if rank == 0:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return msg, time.monotonic() - start
+
+
+def _one_rank_runs_out(backend):
     # A group of its own (its Comm ends aborted: keep WORLD's clean); on gloo a
     # 4 s timeout, since rank 0 stays alive and its sockets open.
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
     model = FSDP(torch.nn.Sequential(Big(), Big()), process_group=group, comm_backend=backend,
                  auto_wrap_policy=ModuleWrapPolicy({Big}))
     x = torch.randn(2, 4096)
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    start = time.monotonic()
-    try:
-        if rank == 0:  # room for small allocations, not for a 64 MiB unit
-            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (24 << 20), hard))
-        model(x)
-        msg = "no error"
-    except (flatshard.OutOfMemoryError, flatshard.CoreError, RuntimeError) as e:
-        msg = "\n".join([f"{type(e).__name__}: {e}"] + list(getattr(e, "__notes__", [])))
-    finally:
-        if rank == 0:
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    return msg, time.monotonic() - start
+    return _rank0_capped(lambda: model(x))
 
 
 def test_out_of_memory_on_one_rank_is_named_on_every_rank(dist_pool):
@@ -82,7 +89,6 @@ def _one_rank_runs_out_in_backward():
     """As _one_rank_runs_out, with the cap set after the forward: the units'
     gathers in backward are the engine unit's plain pre-backward (C,
     [Note: unit plain events] in csrc/glue/py_unit_events.c)."""
-    rank = dist.get_rank()
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
     model = FSDP(torch.nn.Sequential(Big(), Big()), process_group=group, comm_backend="shm",
                  auto_wrap_policy=ModuleWrapPolicy({Big}))
@@ -92,19 +98,7 @@ def _one_rank_runs_out_in_backward():
     # the units freed in forward went to the pool's cache: unmapped, so the
     # backward's gather maps anew (and is the first allocation that fails)
     flatshard._C.pool_trim()
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    start = time.monotonic()
-    try:
-        if rank == 0:
-            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (24 << 20), hard))
-        out.backward()
-        msg = "no error"
-    except (flatshard.OutOfMemoryError, flatshard.CoreError, RuntimeError) as e:
-        msg = "\n".join([f"{type(e).__name__}: {e}"] + list(getattr(e, "__notes__", [])))
-    finally:
-        if rank == 0:
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    return msg, time.monotonic() - start
+    return _rank0_capped(out.backward)
 
 
 def test_out_of_memory_in_the_plain_backward_is_named_on_every_rank(dist_pool):
@@ -125,7 +119,6 @@ def _fully_shard_rank_runs_out(when):
     Python) or before the second (the engine's gather from the pool, in the
     plain pre-forward in C)."""
     from torch.distributed.device_mesh import DeviceMesh
-    rank = dist.get_rank()
     # a group of its own: its Comm ends aborted (keep WORLD's clean)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
     mesh = DeviceMesh.from_group(group, "cpu")
@@ -136,19 +129,7 @@ def _fully_shard_rank_runs_out(when):
     x = torch.randn(2, 4096)
     if when == "later":
         model(x).sum().backward()
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    start = time.monotonic()
-    try:
-        if rank == 0:
-            resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (24 << 20), hard))
-        model(x)
-        msg = "no error"
-    except (MemoryError, flatshard.CoreError, RuntimeError) as e:
-        msg = "\n".join([f"{type(e).__name__}: {e}"] + list(getattr(e, "__notes__", [])))
-    finally:
-        if rank == 0:
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    return msg, time.monotonic() - start
+    return _rank0_capped(lambda: model(x))
 
 
 def test_fully_shard_out_of_memory_on_one_rank_fails_the_others_at_once(dist_pool):
