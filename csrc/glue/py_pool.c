@@ -346,20 +346,6 @@ static PyObject *py_heap_trim(PyObject *m, PyObject *Py_UNUSED(a))
 #endif
 }
 
-PyDoc_STRVAR(heap_freed_doc,
-             "heap_freed(nbytes, last): nbytes of a unit's buffers went back on the host\n"
-             "(last: only the root's work is left); the heap is trimmed once 64 MiB have\n"
-             "gone back since the last trim, or when last ([Note: heap trim]).");
-static PyObject *py_heap_freed(PyObject *m, PyObject *args)
-{
-    long long n;
-    int last;
-    if (!PyArg_ParseTuple(args, "Lp", &n, &last))
-        return NULL;
-    fs_glue_heap_freed(n, last);
-    Py_RETURN_NONE;
-}
-
 PyDoc_STRVAR(heap_pending_doc, "heap_pending() -> int: bytes freed since the last trim.");
 static PyObject *py_heap_pending(PyObject *m, PyObject *Py_UNUSED(a))
 {
@@ -368,7 +354,6 @@ static PyObject *py_heap_pending(PyObject *m, PyObject *Py_UNUSED(a))
 
 static PyMethodDef pool_methods[] = {
     {"heap_trim", py_heap_trim, METH_NOARGS, heap_trim_doc},
-    {"heap_freed", py_heap_freed, METH_VARARGS, heap_freed_doc},
     {"heap_pending", py_heap_pending, METH_NOARGS, heap_pending_doc},
     {"mapped_storage", (PyCFunction)(void (*)(void))py_mapped_storage, METH_VARARGS | METH_KEYWORDS,
      mapped_storage_doc},

@@ -494,7 +494,7 @@ static PyObject *Unit_prefetch_previous(UnitObject *self, PyObject *Py_UNUSED(a)
 PyDoc_STRVAR(released_doc,
              "released(): what follows this unit's reshard in backward: the BACKWARD_POST\n"
              "prefetch (PREFETCH_POST) and, on the host, the freed bytes counted for the\n"
-             "heap trim (heap_freed).");
+             "heap trim ([Note: heap trim]).");
 static PyObject *Unit_released(UnitObject *self, PyObject *Py_UNUSED(a))
 {
     return fs_glue_unit_released(self) < 0 ? NULL : Py_NewRef(Py_None);

@@ -20,7 +20,8 @@ from .. import _C
 class HeapTrim:
     """The trims that are Python's (the optimizer-step hook, the end of
     backward); the count of what units freed, and its trim, are the C
-    side's (_C.heap_freed, which the units' plain backward calls too)."""
+    side's (the engine unit counts its freed bytes after a reshard in
+    backward: Unit.released)."""
 
     def __init__(self):
         self._step_hook = None
@@ -29,11 +30,6 @@ class HeapTrim:
     def pending(self):
         """Bytes freed by units since the last trim."""
         return _C.heap_pending()
-
-    @staticmethod
-    def freed(nbytes, last):
-        """nbytes of a unit's buffers went back; last: only the root is left."""
-        _C.heap_freed(nbytes, last)
 
     @staticmethod
     def trim():
