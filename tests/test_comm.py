@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import flatshard
 from flatshard import _C
 from flatshard.runtime import comm as fcomm
 from flatshard.tensors import dtype_code
@@ -30,16 +31,20 @@ _SMALL = {}
 
 def comm(backend):
     """The WORLD group's Comm; "shm_small" is shm with small slots, on a group
-    of its own made once per worker."""
-    if backend != "shm_small":
+    of its own made once per worker; "shm_cached", "shm_streamed" and
+    "shm_auto" are shm with small slots and that FLATSHARD_SHM_STAGING
+    ([Note: staging stores]), each on its own group too."""
+    if not backend.startswith("shm_"):
         return fcomm.comm_for(dist.group.WORLD, backend)
-    if "comm" not in _SMALL:
+    if backend not in _SMALL:
+        staging = backend[4:] if backend != "shm_small" else "auto"
         os.environ[fcomm.ENV_SLOT] = str(SMALL_SLOT)
+        os.environ[fcomm.ENV_STAGING] = staging
         try:
-            _SMALL["comm"] = fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
+            _SMALL[backend] = fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
         finally:
-            del os.environ[fcomm.ENV_SLOT]
-    return _SMALL["comm"]
+            del os.environ[fcomm.ENV_SLOT], os.environ[fcomm.ENV_STAGING]
+    return _SMALL[backend]
 
 
 def _collectives(n, dtype, backend):
@@ -114,6 +119,51 @@ def test_shm_outputs_larger_than_the_cache_streamed(dist_pool, dtype):
     # [Note: streaming stores]), in default chunks that do not end on a line.
     n = (17 << 20) // torch.empty(0, dtype=dtype).element_size() + 13
     assert dist_pool(2).run(_collectives, n, dtype, "shm") == [True, True]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("n", [1, 1001, 40_009])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shm_streaming_staging_gives_the_same_results(dist_pool, world, n, dtype):
+    # Every collective staged with streaming stores, in chunks of the small
+    # slot (40_009 elements: several, not ending on a line).
+    assert dist_pool(world).run(_collectives, n, dtype, "shm_streamed") == [True] * world
+
+
+def _stores_used(staging, calls):
+    """Exact all-gathers of one size, and how many staged with each store."""
+    c = comm("shm_" + staging)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = c.stores_used
+    x = rank_data(rank, 3001, torch.float32)
+    want = torch.cat([rank_data(r, 3001, torch.float32) for r in range(world)])
+    for _ in range(calls):
+        out = torch.zeros(3001 * world)
+        fcomm.all_gather_into(c, out, x)
+        assert torch.equal(out, want)
+    after = c.stores_used
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.mark.parametrize("staging", ["auto", "cached", "streamed"])
+def test_shm_staging_stores_follow_the_setting(dist_pool, staging):
+    calls = 40
+    used = dist_pool(2).run(_stores_used, staging, calls)
+    assert used[0] == used[1]  # every rank stages each collective with the same store
+    assert sum(used[0].values()) == calls
+    if staging == "auto":
+        # One collective in 16 of a kind and size tries the other store.
+        assert min(used[0].values()) >= calls // 16
+    else:
+        assert used[0][staging] == calls
+
+
+def test_shm_staging_setting_is_validated(monkeypatch):
+    monkeypatch.setenv(fcomm.ENV_STAGING, "fast")
+    with pytest.raises(flatshard.ConfigError, match="FLATSHARD_SHM_STAGING.*'auto'"):
+        fcomm.shm_staging()
+    with pytest.raises(ValueError, match="staging must be 'auto', 'cached' or 'streamed'"):
+        _C.Comm("shm", 0, 1, name="/flatshard-never-made", staging="fast")
 
 
 def _run_ahead(seed, rounds):

@@ -14,10 +14,12 @@
  * descheduled, instead of stopping at every chunk.
  *
  * Speed: every rank copies at once (into its slot, then out of its peers'
- * slots), each staged byte is read back from the cache, and outputs larger
- * than the cache are written with streaming stores ([Note: streaming
- * stores]), so that a large collective runs at the memory's speed
- * (benchmarks/bench_comm.py measures it against memcpy in the same run).
+ * slots); outputs larger than the cache are written with streaming stores
+ * ([Note: streaming stores]), so that a large collective runs at the
+ * memory's speed (benchmarks/bench_comm.py measures it against memcpy in the
+ * same run). The slots themselves are written with plain or streaming
+ * stores, whichever the group measures faster where its ranks' CPUs lie
+ * ([Note: staging stores], shm_staging.h).
  *
  * Lifetime: rank 0 creates the segment under a unique name that the Python
  * layer passes to the others through the process group; the last rank to map
@@ -63,9 +65,10 @@
 
 #include "ledger.h"
 #include "reduce.h"
+#include "shm_staging.h"
 #include "stream_copy.h"
 
-#define SHM_MAGIC 0x34304D4853534655ULL /* "UFSSHM04" */
+#define SHM_MAGIC 0x35304D4853534655ULL /* "UFSSHM05" */
 #define SPIN_ITERS 256
 /* Sections per slot: how far (NSECT - 1 chunks) a rank may run ahead of the
  * slowest reader of its slot ([Note: chunk pipeline]). */
@@ -106,6 +109,9 @@ typedef struct {
     alignas(64) _Atomic uint32_t arrive;
     alignas(64) _Atomic uint32_t generation; /* futex word: barriers completed */
     _Atomic uint32_t sleepers;               /* ranks in futex_wait on it */
+    /* Each class's staging store, as rank 0 measured it ([Note: staging
+     * stores]): FS_STORE_*. */
+    _Atomic uint8_t stage_pref[FS_STAGE_CLASSES];
 } shm_header;
 
 /* What a rank's collective is, as the other ranks see it. */
@@ -151,6 +157,14 @@ typedef struct {
     int check_pending;       /* the collective's first barrier is still to come */
     int64_t spin_ns;         /* [Note: spin before sleeping] */
     int spin_iters;          /* checks between yields */
+    /* [Note: staging stores] */
+    fs_stage_policy staging;
+    fs_stage_tuner tuner;    /* every rank counts; rank 0 alone measures */
+    int stage_class;         /* the current collective's, or -1 */
+    int store;               /* the current collective's FS_STORE_* */
+    size_t stage_bytes;      /* the current collective's size, for its class */
+    double t_enter, t_wait0; /* its start, and its first barrier's wait */
+    uint64_t stores_used[2]; /* collectives staged with each store */
 } shm_impl;
 
 static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -601,7 +615,10 @@ static void chunk_end(fs_comm *c)
 static fs_status barrier(fs_comm *c)
 {
     shm_impl *s = c->impl;
+    const double t0 = s->check_pending && s->stage_class >= 0 ? now_s() : 0;
     fs_status st = rendezvous(c);
+    if (t0) /* the wait for the last rank to arrive is not the stores' time */
+        s->t_wait0 = now_s() - t0;
     if (st == FS_OK && s->check_pending) {
         s->check_pending = 0;
         st = check_peers(c);
@@ -609,9 +626,53 @@ static fs_status barrier(fs_comm *c)
     return st;
 }
 
-static void enter(fs_comm *c, int op)
+/* [Note: staging stores]: the store this collective stages with. */
+static void pick_store(shm_impl *s, int op, size_t bytes)
+{
+    s->stage_class = op == OP_BARRIER ? -1 : fs_stage_class(op, bytes);
+    s->stage_bytes = bytes;
+    if (s->stage_class < 0)
+        return;
+    if (s->staging != FS_STAGE_AUTO) {
+        s->store = s->staging == FS_STAGE_STREAMED ? FS_STORE_STREAMED : FS_STORE_CACHED;
+    } else {
+        const int pref = atomic_load_explicit(&s->hdr->stage_pref[s->stage_class],
+                                              memory_order_relaxed);
+        s->store = fs_stage_pick(&s->tuner, s->stage_class, pref);
+    }
+    s->stores_used[s->store]++;
+    s->t_wait0 = 0;
+    s->t_enter = now_s();
+}
+
+/* Rank 0, after a collective that staged: what its store cost. */
+static void learn_store(fs_comm *c)
 {
     shm_impl *s = c->impl;
+    if (c->rank != 0 || s->staging != FS_STAGE_AUTO || s->stage_class < 0)
+        return;
+    const double ns = (now_s() - s->t_enter - s->t_wait0) * 1e9;
+    _Atomic uint8_t *pref = &s->hdr->stage_pref[s->stage_class];
+    const int was = atomic_load_explicit(pref, memory_order_relaxed);
+    const int now = fs_stage_learn(&s->tuner, s->stage_class, s->store, ns > 0 ? ns : 0,
+                                   s->stage_bytes, was);
+    if (now != was)
+        atomic_store_explicit(pref, (uint8_t)now, memory_order_relaxed);
+}
+
+/* Write this rank's staged bytes into its slot, with the collective's store. */
+static void stage(shm_impl *s, void *dst, const void *src, size_t n)
+{
+    if (s->store == FS_STORE_STREAMED)
+        fs_copy_stream(dst, src, n, s->simd);
+    else
+        memcpy(dst, src, n);
+}
+
+static void enter(fs_comm *c, int op, size_t bytes)
+{
+    shm_impl *s = c->impl;
+    pick_store(s, op, bytes);
     shm_rank *me = &s->ranks[c->rank];
     shm_desc *d = &me->desc[(s->seq + 1) & 1];
     d->seq = s->seq + 1;
@@ -630,8 +691,10 @@ static void enter(fs_comm *c, int op)
 static fs_status leave(fs_comm *c, fs_status st)
 {
     shm_impl *s = c->impl;
-    if (st == FS_OK)
+    if (st == FS_OK) {
         atomic_store(&s->ranks[c->rank].op, (uint32_t)OP_NONE);
+        learn_store(c);
+    }
     return st;
 }
 
@@ -665,12 +728,12 @@ static void put(shm_impl *s, void *dst, const void *src, size_t n, int stream)
  * collectives */
 
 /* [Note: shm all-gather] Per chunk, each rank copies its piece into its
- * slot with plain stores (read next, from the cache), then from there to its
- * own place in recv (in place: nothing), and copies every peer's section
+ * slot ([Note: staging stores]), then to its own place in recv (in place:
+ * nothing) from whichever copy is cached, and copies every peer's section
  * into recv as soon as that peer has staged it, starting with the next rank
  * so that the ranks do not all read one slot at once. Per rank and byte of send:
  * one read of send, world writes of recv, world - 1 reads of the peers'
- * slots and one of its own (cached). */
+ * slots and one cached read of its own piece. */
 static fs_status s_all_gather(fs_comm *c, const void *send, void *recv, int64_t count, fs_dtype t)
 {
     shm_impl *s = c->impl;
@@ -680,15 +743,18 @@ static fs_status s_all_gather(fs_comm *c, const void *send, void *recv, int64_t 
     const int in_place = (const char *)recv + me * bytes == (const char *)send;
     const size_t step = chunk_units(s, bytes, 1);
     fs_status st = FS_OK;
-    enter(c, OP_ALL_GATHER);
+    enter(c, OP_ALL_GATHER, bytes);
     for (size_t off = 0; off < bytes && st == FS_OK; off += step) {
         size_t n = bytes - off < step ? bytes - off : step;
         if ((st = chunk_begin(c)) != FS_OK)
             break;
         char *mine = section(s, me);
-        memcpy(mine, (const char *)send + off, n);
+        stage(s, mine, (const char *)send + off, n);
+        /* Cached, the staged copy is the nearer source; streamed, it is in
+         * memory and send is still in the cache. */
         if (!in_place)
-            put(s, (char *)recv + me * bytes + off, mine, n, stream);
+            put(s, (char *)recv + me * bytes + off,
+                s->store == FS_STORE_CACHED ? mine : (const char *)send + off, n, stream);
         /* Each peer is waited for just before it is read. */
         st = chunk_staged(c, me);
         for (int k = 1; k < w && st == FS_OK; k++) {
@@ -713,7 +779,7 @@ static fs_status s_reduce_scatter(fs_comm *c, const void *send, void *recv, int6
     const int stream = (size_t)recv_count * es > s->stream_above;
     const double scale = op == FS_RED_AVG ? 1.0 / w : 1.0;
     fs_status st = FS_OK;
-    enter(c, OP_REDUCE_SCATTER);
+    enter(c, OP_REDUCE_SCATTER, (size_t)recv_count * es * (size_t)w);
     for (int64_t off = 0; off < recv_count && st == FS_OK; off += chunk) {
         int64_t n = recv_count - off < chunk ? recv_count - off : chunk;
         if ((st = chunk_begin(c)) != FS_OK)
@@ -721,7 +787,7 @@ static fs_status s_reduce_scatter(fs_comm *c, const void *send, void *recv, int6
         char *mine = section(s, me);
         for (int r = 0; r < w; r++)
             if (r != me)
-                memcpy(mine + (size_t)r * chunk * es,
+                stage(s, mine + (size_t)r * chunk * es,
                        (const char *)send + ((size_t)r * recv_count + off) * es, (size_t)n * es);
         if ((st = chunk_staged(c, -1)) != FS_OK)
             break;
@@ -742,12 +808,12 @@ static fs_status s_all_reduce(fs_comm *c, void *buf, int64_t count, fs_dtype t, 
     const int stream = (size_t)count * es > s->stream_above;
     const double scale = op == FS_RED_AVG ? 1.0 / c->world_size : 1.0;
     fs_status st = FS_OK;
-    enter(c, OP_ALL_REDUCE);
+    enter(c, OP_ALL_REDUCE, (size_t)count * es);
     for (int64_t off = 0; off < count && st == FS_OK; off += chunk) {
         int64_t n = count - off < chunk ? count - off : chunk;
         if ((st = chunk_begin(c)) != FS_OK)
             break;
-        memcpy(section(s, c->rank), (char *)buf + off * es, (size_t)n * es);
+        stage(s, section(s, c->rank), (char *)buf + off * es, (size_t)n * es);
         if ((st = chunk_staged(c, -1)) != FS_OK)
             break;
         /* Every rank sums the same slots in rank order: identical bits. */
@@ -767,13 +833,13 @@ static fs_status s_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, i
     const int stream = bytes > s->stream_above;
     const size_t step = chunk_units(s, bytes, 1);
     fs_status st = FS_OK;
-    enter(c, OP_BROADCAST);
+    enter(c, OP_BROADCAST, bytes);
     for (size_t off = 0; off < bytes && st == FS_OK; off += step) {
         size_t n = bytes - off < step ? bytes - off : step;
         if ((st = chunk_begin(c)) != FS_OK)
             break;
         if (c->rank == root)
-            memcpy(section(s, root), (char *)buf + off, n);
+            stage(s, section(s, root), (char *)buf + off, n);
         if ((st = chunk_staged(c, root)) != FS_OK)
             break;
         if (c->rank != root)
@@ -785,7 +851,7 @@ static fs_status s_broadcast(fs_comm *c, void *buf, int64_t count, fs_dtype t, i
 
 static fs_status s_barrier(fs_comm *c)
 {
-    enter(c, OP_BARRIER);
+    enter(c, OP_BARRIER, 0);
     return leave(c, barrier(c));
 }
 
@@ -799,7 +865,7 @@ static fs_status s_all_to_all(fs_comm *c, const void *send, void *recv, int64_t 
     const int w = c->world_size, me = c->rank;
     const size_t chunk = s->sect_bytes / (size_t)w;
     fs_status st = FS_OK;
-    enter(c, OP_ALL_TO_ALL);
+    enter(c, OP_ALL_TO_ALL, bytes * (size_t)w);
     memcpy((char *)recv + me * bytes, (const char *)send + me * bytes, bytes);
     for (size_t off = 0; off < bytes && st == FS_OK; off += chunk) {
         size_t n = bytes - off < chunk ? bytes - off : chunk;
@@ -808,7 +874,7 @@ static fs_status s_all_to_all(fs_comm *c, const void *send, void *recv, int64_t 
         char *mine = section(s, me);
         for (int r = 0; r < w; r++)
             if (r != me)
-                memcpy(mine + r * chunk, (const char *)send + r * bytes + off, n);
+                stage(s, mine + r * chunk, (const char *)send + r * bytes + off, n);
         if ((st = chunk_staged(c, -1)) != FS_OK)
             break;
         for (int r = 0; r < w; r++)
@@ -879,13 +945,14 @@ static void tune(shm_impl *s, int world, int cpus)
 }
 
 fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t slot_bytes,
-                             double timeout_s, int create, const fs_ledger *ledger,
-                             fs_comm **out, char *err, size_t err_cap)
+                             double timeout_s, int staging, int create,
+                             const fs_ledger *ledger, fs_comm **out, char *err, size_t err_cap)
 {
     /* A reduce-scatter chunk holds at least one element (8 bytes at most) per
      * rank in one section. */
     if (world_size < 1 || rank < 0 || rank >= world_size || slot_bytes < 4096 || timeout_s <= 0 ||
-        slot_bytes / NSECT < (size_t)world_size * 8) {
+        slot_bytes / NSECT < (size_t)world_size * 8 || staging < FS_STAGE_AUTO ||
+        staging > FS_STAGE_STREAMED) {
         snprintf(err, err_cap, "invalid shm arguments");
         return FS_ERR_INVALID_ARG;
     }
@@ -940,6 +1007,8 @@ fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t 
     s->spin_iters = world_size <= cpus ? SPIN_ITERS : SPIN_ITERS_SHARED;
     tune(s, world_size, cpus);
     s->simd = fs_simd_best();
+    s->staging = (fs_stage_policy)staging;
+    s->stage_class = -1;
     s->ledger = ledger;
     s->srcs = srcs;
     srcs = NULL;
@@ -976,6 +1045,16 @@ fail:
         free(s);
     }
     return st;
+}
+
+int fs_comm_shm_stores_used(const fs_comm *c, uint64_t out[2])
+{
+    if (!c || c->ops != &shm_ops)
+        return -1;
+    const shm_impl *s = c->impl;
+    out[0] = s->stores_used[FS_STORE_CACHED];
+    out[1] = s->stores_used[FS_STORE_STREAMED];
+    return 0;
 }
 
 fs_status fs_shm_unlink(const char *name)

@@ -11,6 +11,7 @@
  * (ledger.h) by FS_LINK_RUN, with float32 staging lent by fs_link_lend; a
  * failed one raises with the ledger's last entries. */
 #include "fs_py.h"
+#include "shm_staging.h"
 
 /* The optional last argument of each collective: what it is for (ledger). */
 #define TAG_DOC "\n`tag` (optional) says what it is for, in the ledger and in errors."
@@ -70,17 +71,25 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"kind", "rank", "world_size", "fn", "name", "create", "slot_bytes",
                              "timeout_s", "capsule", "owner", "device_api", "stream_fn", "empty",
-                             NULL};
-    const char *kind, *name = NULL;
+                             "staging", NULL};
+    const char *kind, *name = NULL, *staging = "auto";
     PyObject *fn = NULL, *capsule = NULL, *owner = NULL, *dev = NULL, *stream_fn = NULL;
     PyObject *empty = NULL;
     int rank, world, create = 0;
     Py_ssize_t slot_bytes = 0;
     double timeout_s = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sii|$OzpndOOOOO", kwlist, &kind, &rank, &world,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sii|$OzpndOOOOOs", kwlist, &kind, &rank, &world,
                                      &fn, &name, &create, &slot_bytes, &timeout_s, &capsule,
-                                     &owner, &dev, &stream_fn, &empty))
+                                     &owner, &dev, &stream_fn, &empty, &staging))
         return NULL;
+    /* [Note: staging stores] (backends/shm_staging.h) */
+    const int policy = strcmp(staging, "auto") == 0       ? FS_STAGE_AUTO
+                       : strcmp(staging, "cached") == 0   ? FS_STAGE_CACHED
+                       : strcmp(staging, "streamed") == 0 ? FS_STAGE_STREAMED
+                                                          : -1;
+    if (policy < 0)
+        return PyErr_Format(PyExc_ValueError, "Comm: staging must be 'auto', 'cached' or "
+                            "'streamed', got '%s'", staging);
     if (strcmp(kind, "device") == 0)
         return device_comm(tp, rank, world, capsule, owner, dev, stream_fn, empty);
     fs_mod_state *st = fs_state_from_type(tp);
@@ -94,7 +103,7 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         s = fs_comm_torch_create(fn, rank, world, &self->comm);
     } else if (strcmp(kind, "shm") == 0 && name) {
         Py_BEGIN_ALLOW_THREADS
-        s = fs_comm_shm_create(name, rank, world, (size_t)slot_bytes, timeout_s, create,
+        s = fs_comm_shm_create(name, rank, world, (size_t)slot_bytes, timeout_s, policy, create,
                                &self->ledger, &self->comm, err, sizeof err);
         Py_END_ALLOW_THREADS
     } else {
@@ -390,6 +399,15 @@ static PyObject *Comm_capsule(CommObject *self, PyObject *Py_UNUSED(a))
     return PyCapsule_New(self->comm, FS_COMM_CAPSULE, NULL);
 }
 
+static PyObject *Comm_get_stores_used(CommObject *self, void *c)
+{
+    uint64_t n[2];
+    if (fs_comm_shm_stores_used(self->comm, n) < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("{sKsK}", "cached", (unsigned long long)n[0], "streamed",
+                         (unsigned long long)n[1]);
+}
+
 static PyObject *Comm_get_device(CommObject *self, void *c)
 {
     if (!self->dev)
@@ -421,6 +439,9 @@ static PyGetSetDef Comm_getset[] = {
      "what the last failed collective met, where the backend can tell: 'dead' (a rank's "
      "process ended), 'absent' (a live rank never came), 'desync' (the ranks are in "
      "different collectives); else None", NULL},
+    {"stores_used", (getter)Comm_get_stores_used, NULL,
+     "shm: {'cached': n, 'streamed': n}, how many collectives staged their bytes with each "
+     "store ([Note: staging stores]); None on other backends", NULL},
     {"on_failure", (getter)Comm_get_on_failure, (setter)Comm_set_on_failure,
      "on_failure(comm, exc), called after a collective failed (exc is about to be raised); "
      "None: no call", NULL},
@@ -433,9 +454,10 @@ static PyType_Slot Comm_slots[] = {
     {Py_tp_methods, Comm_methods},
     {Py_tp_getset, Comm_getset},
     {Py_tp_doc, "Comm(kind, rank, world_size, *, fn=None, name=None, create=False, "
-                "slot_bytes=0, timeout_s=0): collective backend handle.\n"
+                "slot_bytes=0, timeout_s=0, staging='auto'): collective backend handle.\n"
                 "kind='torch' calls fn(op, a, b, arg); kind='shm' maps segment `name` "
-                "(rank 0 passes create=True); kind='device' wraps owner's backend "
+                "(rank 0 passes create=True) and stages with cached or streaming stores "
+                "(staging: 'auto' measures which is faster, 'cached', 'streamed'); kind='device' wraps owner's backend "
                 "(capsule=owner.capsule()) over device memory, with device_api (an "
                 "fs_device_api capsule), stream_fn() -> the current stream and "
                 "empty(numel, dtype_code) -> a device tensor (float32 staging)."},

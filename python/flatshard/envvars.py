@@ -27,6 +27,13 @@ ENV = {
         "Bytes of staging each rank owns in the shared-memory segment (four sections used "
         "in turn; larger transfers go in chunks of at most a quarter of a slot, less where "
         "the CPU's last-level cache is smaller than the slots of all ranks). At least 4096."),
+    "FLATSHARD_SHM_STAGING": (
+        "auto",
+        "How each rank writes its staging slot: 'auto' (the group times plain and streaming "
+        "stores as it runs, one collective in 16 of each kind and size with the other one, "
+        "and keeps the faster: which is faster depends on whether the ranks' CPUs share a "
+        "cache), 'cached' (plain stores) or 'streamed' (streaming stores). Results are the "
+        "same bits either way."),
     "FLATSHARD_REDUCE_BUCKET_BYTES": (
         "(backend)",
         "On a host Comm (fully_shard and the FSDP1 wrapper): gradient reductions of "

@@ -43,6 +43,8 @@ from .timeout import wait_timeout
 BACKENDS = ("auto", "shm", "torch", "nccl")
 ENV_BACKEND = "FLATSHARD_COMM_BACKEND"
 ENV_SLOT = "FLATSHARD_SHM_SLOT_BYTES"
+ENV_STAGING = "FLATSHARD_SHM_STAGING"
+STAGING_CHOICES = ("auto", "cached", "streamed")
 # Staging per rank in the shm segment: _C.SHM_SECTIONS sections, one chunk
 # in flight each.
 DEFAULT_SLOT_BYTES = 8 << 20
@@ -191,6 +193,16 @@ def shm_slot_bytes():
     return int(raw)
 
 
+def shm_staging():
+    """FLATSHARD_SHM_STAGING ([Note: staging stores], csrc/backends/shm_staging.h)."""
+    raw = envvars.read(ENV_STAGING)
+    if raw is None:
+        return "auto"
+    if raw not in STAGING_CHOICES:
+        raise bad_value(ENV_STAGING, raw, "expected one of " + ", ".join(map(repr, STAGING_CHOICES)))
+    return raw
+
+
 def _host_identity():
     """This machine, as the shm segment sees it: hostname and boot id."""
     boot = ""
@@ -222,7 +234,8 @@ def _shm_comm(name, rank, world, timeout_s, create=False):
     """-> (Comm or None, error text): this rank's end of the segment."""
     try:
         return _C.Comm("shm", rank, world, name=name, create=create,
-                       slot_bytes=shm_slot_bytes(), timeout_s=timeout_s), ""
+                       slot_bytes=shm_slot_bytes(), timeout_s=timeout_s,
+                       staging=shm_staging()), ""
     except Exception as e:  # e.g. a FLATSHARD_SHM_SLOT_BYTES that only this rank has wrong
         return None, str(e)
 
