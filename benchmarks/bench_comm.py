@@ -6,7 +6,11 @@
 For each world size this spawns that many ranks (one thread each) and times
 all-gather and reduce-scatter of float32 at sizes from --min-mib to
 --max-mib (doubling), through flatshard's Comm on each backend: "shm"
-(csrc/backends/comm_shm.c) and "torch" (the gloo process group). Size is the full
+(csrc/backends/comm_shm.c) and "torch" (the gloo process group).
+"shm-cached" and "shm-streamed" are the shm backend with its staging
+stores fixed (FLATSHARD_SHM_STAGING; plain "shm" is its default, "auto",
+which measures both as it runs and keeps the faster: comm_shm.c,
+[Note: staging stores]), each on a process group of its own. Size is the full
 buffer, as nccl-tests counts it: the all-gather output, the reduce-scatter
 input. Algorithm bandwidth = size / time (GB/s, 1e9), the time being rank
 0's mean over the repetitions between two barriers.
@@ -44,6 +48,7 @@ _libc = ctypes.CDLL(None)
 _libc.memchr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 _libc.memchr.restype = ctypes.c_void_p
 PASSES = ("memcpy", "read", "write", "peer")
+BACKENDS = ("shm", "shm-cached", "shm-streamed", "torch")
 
 
 def reps_for(size):
@@ -51,8 +56,20 @@ def reps_for(size):
     return max(3, min(30, (256 << 20) // size))
 
 
-def timed(fn, reps, sync):
-    fn()  # warm-up: first touch of the buffers
+def warmups_for(size, scale):
+    """Untimed calls before each point's timed ones: about 512 MiB moved
+    (--warmup 1), at least one (the buffers' first touch). On a virtual
+    machine two ranks that have been idle (waiting in a barrier while rank 0
+    times memcpy) run their first few hundred small collectives 2-4x slower
+    than the ones after (benchmarks/RESULTS.md, "The shm backend's staging
+    stores"), which a point of 30 calls would measure instead of the
+    collective; --warmup 0 measures that."""
+    return max(1, int(scale * min(300, (512 << 20) // size)))
+
+
+def timed(fn, reps, sync, warmups=1):
+    for _ in range(warmups):  # first touch of the buffers, and see warmups_for
+        fn()
     sync()
     start = time.perf_counter()
     for _ in range(reps):
@@ -118,12 +135,19 @@ def peer_copy(rank, shared, size, reps, sync):
     return statistics.median(ts[1:]) if rank == 0 else None
 
 
-def worker(rank, port, world, sizes, rounds, backends, out):
+def worker(rank, port, world, sizes, rounds, backends, warmup, out):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from flatshard.runtime import comm as fcomm
-    comms = {b: fcomm.comm_for(dist.group.WORLD, b) for b in backends}
+    comms = {}
+    for b in backends:
+        if b.startswith("shm-"):
+            os.environ[fcomm.ENV_STAGING] = b[4:]
+            comms[b] = fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
+            del os.environ[fcomm.ENV_STAGING]
+        else:
+            comms[b] = fcomm.comm_for(dist.group.WORLD, b)
     sync = comms[backends[0]].barrier
     shared = shared_buffer(rank, port, max(sizes), sync) if world > 1 else None
     res = {}  # (size, what) -> [seconds per round]
@@ -131,11 +155,11 @@ def worker(rank, port, world, sizes, rounds, backends, out):
         for size in sizes:
             n = size // 4 // world  # elements per rank
             shard, full = torch.ones(n), torch.ones(n * world)
-            reps = reps_for(size)
+            reps, warm = reps_for(size), warmups_for(size, warmup)
             for backend, c in comms.items():
-                ag = timed(lambda: fcomm.all_gather_into(c, full, shard), reps, sync)
+                ag = timed(lambda: fcomm.all_gather_into(c, full, shard), reps, sync, warm)
                 rs = timed(lambda: fcomm.reduce_scatter_into(c, shard, full, average=False),
-                           reps, sync)
+                           reps, sync, warm)
                 res.setdefault((size, "ag", backend), []).append(ag)
                 res.setdefault((size, "rs", backend), []).append(rs)
             if rank == 0:
@@ -170,10 +194,13 @@ def main():
     ap.add_argument("--max-mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backends", default="shm,torch")
+    ap.add_argument("--warmup", type=float, default=1.0,
+                    help="untimed calls per point, as a multiple of about 512 MiB moved "
+                         "(at least one call)")
     args = ap.parse_args()
     backends = [b for b in args.backends.split(",") if b]
-    if not backends or any(b not in ("shm", "torch") for b in backends):
-        ap.error("--backends: a comma list of 'shm' and 'torch'")
+    if not backends or any(b not in BACKENDS for b in backends):
+        ap.error("--backends: a comma list of " + ", ".join(map(repr, BACKENDS)))
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
     sizes, s = [], args.min_mib
@@ -182,13 +209,15 @@ def main():
         s *= 2
     print("command: python3 " + " ".join(shlex.quote(a) for a in sys.argv))
     print(f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, float32, "
-          f"GB/s = 1e9 bytes/s, median [min-max] over {args.rounds} rounds")
+          f"GB/s = 1e9 bytes/s, median [min-max] over {args.rounds} rounds, "
+          f"{warmups_for(sizes[0], args.warmup)} untimed calls before each "
+          f"{sizes[0] >> 20} MiB point")
     for world in (int(w) for w in args.worlds.split(",")):
         print(f"\n== {world} ranks == {load()}")
-        res = run_ranks(worker, world, world, sizes, args.rounds, backends)
+        res = run_ranks(worker, world, world, sizes, args.rounds, backends, args.warmup)
         head = f"{'size':>7} | " + " | ".join(f"{p:>19}" for p in PASSES)
         for b in backends:
-            name = "shm" if b == "shm" else "gloo"
+            name = "gloo" if b == "torch" else b
             head += f" | {'all-gather ' + name:>19} {'/memcpy':>7} | " \
                     f"{'reduce-scatter ' + name:>22} {'/memcpy':>7}"
         print(head)

@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_comm_modes.py [--kib 1024] [--pairs 6] [--calls 3000]
                                            [--window 250] [--realloc]
+                                           [--staging auto]
 
 Each pair is two new processes (forked, one thread each) with a new shm
 Comm (its own segment), which call the all-gather of --kib KiB (the output,
@@ -15,6 +16,11 @@ alternating call by call. --realloc gives each window new input and output
 tensors (new pages), with the segment kept: a time that changes with them
 follows where the buffers lie, one that does not follows the segment or
 the machine.
+
+--staging cached,streamed,auto gives each pair one Comm per setting of
+FLATSHARD_SHM_STAGING (comm_shm.c, [Note: staging stores]) and calls them
+in turn, call by call, so that all of them meet the same placement of the
+pair's CPUs; each is printed on its own line.
 
 A figure that stays put within a pair but differs between pairs is a
 property of that run (where its pages or its CPUs lie), not of the code:
@@ -38,13 +44,13 @@ import torch  # noqa: E402
 from harness import cpu_name  # noqa: E402
 
 
-def attach(_C, rank, world, name):
+def attach(_C, rank, world, name, staging="auto"):
     """Rank 0 creates the segment; the others retry until it is there."""
     deadline = time.monotonic() + 30
     while True:
         try:
             return _C.Comm("shm", rank, world, name=name, create=rank == 0,
-                           slot_bytes=8 << 20, timeout_s=60.0)
+                           slot_bytes=8 << 20, timeout_s=60.0, staging=staging)
         except Exception:
             if rank == 0 or time.monotonic() > deadline:
                 raise
@@ -58,21 +64,23 @@ def windows(ts, size):
 def gather_rank(rank, args, name, q):
     from flatshard import _C
     torch.set_num_threads(1)
-    c = attach(_C, rank, 2, name)
+    comms = [attach(_C, rank, 2, f"{name}-{st}", st) for st in args.staging]
     n = (args.kib << 10) // 4 // 2
     shard, full = torch.ones(n), torch.ones(2 * n)
-    for _ in range(20):
-        c.all_gather(shard.data_ptr(), full.data_ptr(), n, _C.F32, "")
-    c.barrier()
-    ts, kept = [], []
+    for c in comms:
+        for _ in range(20):
+            c.all_gather(shard.data_ptr(), full.data_ptr(), n, _C.F32, "")
+        c.barrier()
+    ts, kept = [[] for _ in comms], []
     for i in range(args.calls):
         if args.realloc and i % args.window == 0:
             kept.append((shard, full))  # held: the new ones get other pages
             shard, full = torch.ones(n), torch.ones(2 * n)
-        t = time.perf_counter()
-        c.all_gather(shard.data_ptr(), full.data_ptr(), n, _C.F32, "")
-        ts.append(time.perf_counter() - t)
-    c.barrier()
+        for c, out in zip(comms, ts):
+            t = time.perf_counter()
+            c.all_gather(shard.data_ptr(), full.data_ptr(), n, _C.F32, "")
+            out.append(time.perf_counter() - t)
+    comms[0].barrier()
     q.put((rank, ts))
 
 
@@ -115,7 +123,12 @@ def main():
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--window", type=int, default=250)
     ap.add_argument("--realloc", action="store_true")
+    ap.add_argument("--staging", default="auto",
+                    help="comma list of FLATSHARD_SHM_STAGING settings: auto, cached, streamed")
     args = ap.parse_args()
+    args.staging = [st for st in args.staging.split(",") if st]
+    if not args.staging or any(st not in ("auto", "cached", "streamed") for st in args.staging):
+        ap.error("--staging: a comma list of 'auto', 'cached' and 'streamed'")
     if args.kib < 8 or args.pairs < 1 or args.calls < args.window or args.window < 1:
         ap.error("--kib >= 8, --pairs >= 1, --calls >= --window >= 1")
     ctx = mp.get_context("fork")
@@ -136,10 +149,12 @@ def main():
         cp.start()
         peer, own = q.get()
         cp.join()
-        med = statistics.median(got[0])
-        print(f"  pair {p}: all-gather {med * 1e6:7.1f} us median ({size / med / 1e9:5.2f} GB/s); "
-              f"a {size >> 11} KiB piece: peer's {peer * 1e6:.1f} us, own {own * 1e6:.1f} us; "
-              f"windows {windows(got[0], args.window)}")
+        print(f"  pair {p}: a {size >> 11} KiB piece: peer's {peer * 1e6:.1f} us, own "
+              f"{own * 1e6:.1f} us")
+        for st, ts in zip(args.staging, got[0]):
+            med = statistics.median(ts)
+            print(f"    {st:>8}: all-gather {med * 1e6:7.1f} us median ({size / med / 1e9:5.2f} "
+                  f"GB/s); windows {windows(ts, args.window)}")
     print(f"  load after: {os.getloadavg()[0]:.2f}")
 
 
