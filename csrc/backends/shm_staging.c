@@ -16,12 +16,14 @@ int fs_stage_class(int op, size_t bytes)
 int fs_stage_pick(fs_stage_tuner *t, int k, int pref)
 {
     const uint32_t n = t->count[k]++;
-    const int explore = n == 1 || n % FS_STAGE_EXPLORE_EVERY == FS_STAGE_EXPLORE_EVERY - 1;
+    const int explore = n == FS_STAGE_COLD || n % FS_STAGE_EXPLORE_EVERY == FS_STAGE_EXPLORE_EVERY - 1;
     return explore ? !pref : pref;
 }
 
 int fs_stage_learn(fs_stage_tuner *t, int k, int store, double ns, size_t bytes, int pref)
 {
+    if (t->count[k] <= FS_STAGE_COLD) /* first touches of the slot and the buffers */
+        return pref;
     const double x = ns / (double)(bytes ? bytes : 1);
     double *e = &t->est_ns_per_byte[k][store];
     /* A sample far above the estimate is a descheduled rank, not the

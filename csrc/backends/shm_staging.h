@@ -41,6 +41,9 @@ enum { FS_STORE_CACHED = 0, FS_STORE_STREAMED = 1 };
 #define FS_STAGE_SIZES 24 /* 2^12 bytes and below, ..., 2^35 and above */
 #define FS_STAGE_CLASSES (FS_STAGE_OPS * FS_STAGE_SIZES)
 #define FS_STAGE_EXPLORE_EVERY 16
+/* A class's first collectives, which page in the slots and the caller's
+ * buffers: timed by nobody. The next one explores at once. */
+#define FS_STAGE_COLD 2
 /* The other store takes over when its estimate is below this fraction of
  * the current one's (hysteresis: noise alone does not flip a class). */
 #define FS_STAGE_SWITCH_BELOW 0.85
@@ -54,13 +57,15 @@ typedef struct {
 int fs_stage_class(int op, size_t bytes);
 
 /* The store for the next collective of class k, whose preferred store is
- * `pref`: the other one for the class's second collective and every
- * FS_STAGE_EXPLORE_EVERY-th after, else `pref`. Counts the collective. Every
- * rank calls it for the same collectives, so all explore together. */
+ * `pref`: the other one for the class's first collective after the cold
+ * ones (FS_STAGE_COLD) and every FS_STAGE_EXPLORE_EVERY-th, else `pref`.
+ * Counts the collective. Every rank calls it for the same collectives, so
+ * all explore together. */
 int fs_stage_pick(fs_stage_tuner *t, int k, int pref);
 
-/* Rank 0: a collective of class k took `ns` of work over `bytes` with
- * `store`; returns the class's preferred store from now on. */
+/* Rank 0, after fs_stage_pick: a collective of class k took `ns` of work
+ * over `bytes` with `store` (a cold one is not counted); returns the
+ * class's preferred store from now on. */
 int fs_stage_learn(fs_stage_tuner *t, int k, int store, double ns, size_t bytes, int pref);
 
 #endif
