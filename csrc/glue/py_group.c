@@ -89,8 +89,10 @@ int fs_glue_group_bind(GroupObject *self)
  * the rank, the operation and the group: the peers' waits fail at once with
  * it (shm; the torch backend cannot abort, and the FSDP1 wrapper leaves the
  * cause in the store, fsdp/unit.py _out_of_memory). Here for the engine's
- * failures, and through tell_out_of_memory() for an allocation of torch's
- * that Python makes for a gather (fsdp2/param.py). */
+ * failures, and through tell_out_of_memory() for an allocation failure
+ * that Python sees (torch's, for fully_shard's first gather, fsdp2/param.py;
+ * and any the FSDP1 wrapper turns into its OutOfMemoryError, fsdp/unit.py,
+ * a no-op where the engine told them first). */
 static void tell_peers(GroupObject *self, const char *what, const char *err)
 {
     fs_comm *c = self->comm->comm;

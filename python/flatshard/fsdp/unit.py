@@ -132,7 +132,7 @@ class UnitRuntime:
         """An engine failure on the plain path: an allocation failure is
         reported as out of memory (_call), anything else raised as it is."""
         if is_alloc_failure(e):
-            self._out_of_memory(e)
+            self._out_of_memory(e, "backward")
         raise e
 
     # ------------------------------------------------------------------
@@ -221,7 +221,7 @@ class UnitRuntime:
         except (RuntimeError, MemoryError) as e:
             if not is_alloc_failure(e):
                 raise
-            self._out_of_memory(e)
+            self._out_of_memory(e, "a hook event")
 
     def _call(self, fn, *args):
         """An allocation failure becomes an OutOfMemoryError carrying this
@@ -232,15 +232,18 @@ class UnitRuntime:
         except (RuntimeError, MemoryError) as e:
             if not is_alloc_failure(e):
                 raise
-            self._out_of_memory(e)
+            self._out_of_memory(e, fn.__name__)
 
-    def _out_of_memory(self, e):
+    def _out_of_memory(self, e, what):
         msg = oom_report(self, e)
         comm = self.c.comm
-        # shm: the others' waits fail now with the cause. torch (gloo): they
-        # fail when this rank's process ends (or at the group's timeout),
-        # and their note quotes the cause from the store.
-        comm.abort(msg.splitlines()[0])
+        # shm: the others' waits fail now with the cause, in the engine's
+        # words ([Note: out of memory on one rank]; the first abort wins, so
+        # where the engine failed and told them already, this changes
+        # nothing). torch (gloo): they fail when this rank's process ends (or
+        # at the group's timeout), and their note quotes the cause from the
+        # store.
+        self.c.tell_out_of_memory(what, str(e).splitlines()[0] if str(e) else type(e).__name__)
         if comm.on_failure is not None:
             comm.on_failure.stopped(comm, msg.splitlines()[0])
         raise OutOfMemoryError(msg) from e
