@@ -109,9 +109,9 @@ typedef struct {
     alignas(64) _Atomic uint32_t arrive;
     alignas(64) _Atomic uint32_t generation; /* futex word: barriers completed */
     _Atomic uint32_t sleepers;               /* ranks in futex_wait on it */
-    /* Each class's staging store, as rank 0 measured it ([Note: staging
-     * stores]): FS_STORE_*. */
-    _Atomic uint8_t stage_pref[FS_STAGE_CLASSES];
+    /* Each class's staging store and how often the other is tried, as rank
+     * 0 measured them ([Note: staging stores]): an fs_stage_word. */
+    _Atomic uint8_t stage_choice[FS_STAGE_CLASSES];
 } shm_header;
 
 /* What a rank's collective is, as the other ranks see it. */
@@ -636,9 +636,9 @@ static void pick_store(shm_impl *s, int op, size_t bytes)
     if (s->staging != FS_STAGE_AUTO) {
         s->store = s->staging == FS_STAGE_STREAMED ? FS_STORE_STREAMED : FS_STORE_CACHED;
     } else {
-        const int pref = atomic_load_explicit(&s->hdr->stage_pref[s->stage_class],
-                                              memory_order_relaxed);
-        s->store = fs_stage_pick(&s->tuner, s->stage_class, pref);
+        const fs_stage_word w = atomic_load_explicit(&s->hdr->stage_choice[s->stage_class],
+                                                     memory_order_relaxed);
+        s->store = fs_stage_pick(&s->tuner, s->stage_class, w);
     }
     s->stores_used[s->store]++;
     s->t_wait0 = 0;
@@ -652,12 +652,12 @@ static void learn_store(fs_comm *c)
     if (c->rank != 0 || s->staging != FS_STAGE_AUTO || s->stage_class < 0)
         return;
     const double ns = (now_s() - s->t_enter - s->t_wait0) * 1e9;
-    _Atomic uint8_t *pref = &s->hdr->stage_pref[s->stage_class];
-    const int was = atomic_load_explicit(pref, memory_order_relaxed);
-    const int now = fs_stage_learn(&s->tuner, s->stage_class, s->store, ns > 0 ? ns : 0,
-                                   s->stage_bytes, was);
+    _Atomic uint8_t *choice = &s->hdr->stage_choice[s->stage_class];
+    const fs_stage_word was = atomic_load_explicit(choice, memory_order_relaxed);
+    const fs_stage_word now = fs_stage_learn(&s->tuner, s->stage_class, s->store,
+                                             ns > 0 ? ns : 0, s->stage_bytes, was);
     if (now != was)
-        atomic_store_explicit(pref, (uint8_t)now, memory_order_relaxed);
+        atomic_store_explicit(choice, now, memory_order_relaxed);
 }
 
 /* Write this rank's staged bytes into its slot, with the collective's store. */
