@@ -113,19 +113,24 @@ def test_out_of_memory_in_the_plain_backward_is_named_on_every_rank(dist_pool):
     assert t1 < 5.0
 
 
-def _fully_shard_rank_runs_out(when):
+def _fully_shard_rank_runs_out(when, backend="shm"):
     """fully_shard on two Big blocks, rank 0's address space capped before
     the first forward (torch's allocation of the unsharded buffer, made in
     Python) or before the second (the engine's gather from the pool, in the
     plain pre-forward in C)."""
+    import os
     from torch.distributed.device_mesh import DeviceMesh
     # a group of its own: its Comm ends aborted (keep WORLD's clean)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
     mesh = DeviceMesh.from_group(group, "cpu")
     model = torch.nn.Sequential(Big(), Big())
-    for b in model:
-        flatshard.fully_shard(b, mesh=mesh)
-    flatshard.fully_shard(model, mesh=mesh)
+    os.environ["FLATSHARD_COMM_BACKEND"] = backend
+    try:
+        for b in model:
+            flatshard.fully_shard(b, mesh=mesh)
+        flatshard.fully_shard(model, mesh=mesh)
+    finally:
+        del os.environ["FLATSHARD_COMM_BACKEND"]
     x = torch.randn(2, 4096)
     if when == "later":
         model(x).sum().backward()
@@ -143,3 +148,15 @@ def test_fully_shard_out_of_memory_on_one_rank_fails_the_others_at_once(dist_poo
         assert m1.startswith("CoreError:") and \
             "rank 0 ran out of host memory during unshard of '0'" in m1, (when, m1)
         assert t1 < 5.0, (when, t1)
+
+
+def test_fully_shard_out_of_memory_on_the_torch_backend_reaches_the_others_note(dist_pool):
+    """On gloo nothing can abort the other rank's wait: it fails at the
+    group's timeout (4 s here), and its note quotes rank 0's cause, which
+    rank 0 left in the store ([Note: out of memory on one rank])."""
+    for when in ("first", "later"):
+        (m0, _), (m1, t1) = dist_pool(2).run(_fully_shard_rank_runs_out, when, "torch")
+        assert "memory" in m0.lower() and m0 != "no error", (when, m0)
+        assert "rank 0 stopped: flatshard: rank 0 ran out of host memory during unshard " \
+               "of '0'" in m1, (when, m1)
+        assert t1 < 10.0, (when, t1)

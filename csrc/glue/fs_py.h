@@ -65,6 +65,7 @@ typedef struct {
     PyObject *stream_fn;      /* stream_fn() -> the caller's current stream, as an int */
     void *stream;             /* what it returned last (fs_comm_bind_stream) */
     PyObject *empty;          /* empty(numel, dtype_code) -> tensor: float32 staging */
+    int stopped;              /* this rank told the others it stopped (py_group.c) */
 } CommObject;
 
 /* kind='device': ask stream_fn for the caller's current stream, keep it in

@@ -84,20 +84,26 @@ int fs_glue_group_bind(GroupObject *self)
 
 /* [Note: out of memory on one rank] A rank whose allocation failed stops
  * taking part in the group's collectives, and its peers would wait for it
- * in their next one until the timeout. So the Comm is aborted, for every
- * kind of group (FSDP1 units, fully_shard groups), with a message naming
- * the rank, the operation and the group: the peers' waits fail at once with
- * it (shm; the torch backend cannot abort, and the FSDP1 wrapper leaves the
- * cause in the store, fsdp/unit.py _out_of_memory). Here for the engine's
- * failures, and through tell_out_of_memory() for an allocation failure
- * that Python sees (torch's, for fully_shard's first gather, fsdp2/param.py;
- * and any the FSDP1 wrapper turns into its OutOfMemoryError, fsdp/unit.py,
- * a no-op where the engine told them first). */
+ * in their next one until the timeout. So it tells them, for every kind of
+ * group (FSDP1 units, fully_shard groups), once per Comm, with a message
+ * naming the rank, the operation and the group:
+ *   - the Comm is aborted: the peers' waits fail at once with the message
+ *     (shm; the torch backend cannot abort);
+ *   - the message is left in the process group's store (the Comm's
+ *     on_failure.stopped, runtime/diagnostics.py), where a peer's failure
+ *     note reads it when its wait fails (the torch backend: at the group's
+ *     timeout).
+ * Here for the engine's failures, and through tell_out_of_memory() for an
+ * allocation failure that Python sees (torch's, for fully_shard's first
+ * gather, fsdp2/param.py; and any the FSDP1 wrapper turns into its
+ * OutOfMemoryError, fsdp/unit.py, a no-op where the engine told them first). */
 static void tell_peers(GroupObject *self, const char *what, const char *err)
 {
-    fs_comm *c = self->comm->comm;
-    if (!c->ops->abort || c->world_size < 2)
+    CommObject *co = self->comm;
+    fs_comm *c = co->comm;
+    if (c->world_size < 2 || co->stopped)
         return;
+    co->stopped = 1;
     const char *name = PyUnicode_AsUTF8(self->name);
     if (!name) {
         PyErr_Clear();
@@ -105,8 +111,21 @@ static void tell_peers(GroupObject *self, const char *what, const char *err)
     }
     char why[512];
     snprintf(why, sizeof why, "flatshard: rank %d ran out of %s memory during %s of '%s': %s",
-             c->rank, self->comm->dev ? "device" : "host", what, name, err);
-    c->ops->abort(c, why);
+             c->rank, co->dev ? "device" : "host", what, name, err);
+    if (c->ops->abort)
+        c->ops->abort(c, why);
+    if (co->on_failure) {
+        /* The caller's exception (the allocation's) is what the user sees: a
+         * store that cannot take the note (gone with a dead peer) must not
+         * replace it. */
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyObject *r = PyObject_CallMethod(co->on_failure, "stopped", "Os", (PyObject *)co, why);
+        if (!r)
+            PyErr_Clear();
+        Py_XDECREF(r);
+        PyErr_Restore(t, v, tb);
+    }
 }
 
 /* An engine failure that is an allocation's: its own status, or a host

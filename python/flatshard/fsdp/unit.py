@@ -236,16 +236,11 @@ class UnitRuntime:
 
     def _out_of_memory(self, e, what):
         msg = oom_report(self, e)
-        comm = self.c.comm
-        # shm: the others' waits fail now with the cause, in the engine's
-        # words ([Note: out of memory on one rank]; the first abort wins, so
-        # where the engine failed and told them already, this changes
-        # nothing). torch (gloo): they fail when this rank's process ends (or
-        # at the group's timeout), and their note quotes the cause from the
-        # store.
+        # The others are told, in the engine's words, once ([Note: out of
+        # memory on one rank]: where the engine failed, it told them already):
+        # on shm their waits fail now; on the torch backend at the group's
+        # timeout (or when this rank's process ends), quoting the cause.
         self.c.tell_out_of_memory(what, str(e).splitlines()[0] if str(e) else type(e).__name__)
-        if comm.on_failure is not None:
-            comm.on_failure.stopped(comm, msg.splitlines()[0])
         raise OutOfMemoryError(msg) from e
 
     # ------------------------------------------------------------------
