@@ -131,6 +131,7 @@ static void Comm_dealloc(CommObject *self)
     Py_XDECREF(self->stream_fn);
     Py_XDECREF(self->empty);
     Py_XDECREF(self->on_failure);
+    Py_XDECREF(self->on_stop);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -357,6 +358,21 @@ static int Comm_set_on_failure(CommObject *self, PyObject *v, void *c)
     return 0;
 }
 
+static PyObject *Comm_get_on_stop(CommObject *self, void *c)
+{
+    return Py_NewRef(self->on_stop ? self->on_stop : Py_None);
+}
+
+static int Comm_set_on_stop(CommObject *self, PyObject *v, void *c)
+{
+    if (v && v != Py_None && !PyCallable_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "on_stop must be callable or None");
+        return -1;
+    }
+    Py_XSETREF(self->on_stop, v && v != Py_None ? Py_NewRef(v) : NULL);
+    return 0;
+}
+
 static PyObject *Comm_get_failure(CommObject *self, void *c)
 {
     switch (self->comm->last_fail) {
@@ -439,6 +455,9 @@ static PyGetSetDef Comm_getset[] = {
      "what the last failed collective met, where the backend can tell: 'dead' (a rank's "
      "process ended), 'absent' (a live rank never came), 'desync' (the ranks are in "
      "different collectives); else None", NULL},
+    {"on_stop", (getter)Comm_get_on_stop, (setter)Comm_set_on_stop,
+     "on_stop(comm, why), called once when this rank stops taking part (out of memory), "
+     "after the backend was aborted where it can be; None: no call", NULL},
     {"stores_used", (getter)Comm_get_stores_used, NULL,
      "shm: {'cached': n, 'streamed': n}, how many collectives staged their bytes with each "
      "store ([Note: staging stores]); None on other backends", NULL},

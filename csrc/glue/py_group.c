@@ -90,7 +90,7 @@ int fs_glue_group_bind(GroupObject *self)
  *   - the Comm is aborted: the peers' waits fail at once with the message
  *     (shm; the torch backend cannot abort);
  *   - the message is left in the process group's store (the Comm's
- *     on_failure.stopped, runtime/diagnostics.py), where a peer's failure
+ *     on_stop, runtime/diagnostics.py), where a peer's failure
  *     note reads it when its wait fails (the torch backend: at the group's
  *     timeout).
  * Here for the engine's failures, and through tell_out_of_memory() for an
@@ -114,13 +114,13 @@ static void tell_peers(GroupObject *self, const char *what, const char *err)
              c->rank, co->dev ? "device" : "host", what, name, err);
     if (c->ops->abort)
         c->ops->abort(c, why);
-    if (co->on_failure) {
+    if (co->on_stop) {
         /* The caller's exception (the allocation's) is what the user sees: a
          * store that cannot take the note (gone with a dead peer) must not
          * replace it. */
         PyObject *t, *v, *tb;
         PyErr_Fetch(&t, &v, &tb);
-        PyObject *r = PyObject_CallMethod(co->on_failure, "stopped", "Os", (PyObject *)co, why);
+        PyObject *r = PyObject_CallFunction(co->on_stop, "Os", (PyObject *)co, why);
         if (!r)
             PyErr_Clear();
         Py_XDECREF(r);

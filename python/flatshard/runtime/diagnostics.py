@@ -27,7 +27,9 @@ def install(comm, group, label, timeout_s, peers=None):
     """Report through `group`'s store under `label` (the same on every rank);
     timeout_s: the collectives' own timeout, which bounds the grace too;
     peers: each rank's (host, pid), by rank in the group, or None."""
-    comm.on_failure = _Reporter(group, label, min(GRACE_S, timeout_s), peers)
+    reporter = _Reporter(group, label, min(GRACE_S, timeout_s), peers)
+    comm.on_failure = reporter
+    comm.on_stop = reporter.stopped
 
 
 def _alive(pid):
