@@ -38,7 +38,7 @@ ENGINE_SOURCES = [os.path.join(CSRC, p) for p in (
     "engine/group.c", "engine/link_quant.c", "core/quant.c",
     "core/copy.c", "core/layout.c", "core/reduce.c", "core/reduce_rule.c", "core/status.c",
     "core/stream_copy.c",
-    "backends/comm.c", "backends/comm_shm.c", "backends/ledger.c")]
+    "backends/comm.c", "backends/comm_shm.c", "backends/shm_staging.c", "backends/ledger.c")]
 INCLUDES = [f"-I{os.path.join(CSRC, d)}" for d in ("core", "engine", "backends")]
 BUILD_TIMEOUT = 120
 RUN_TIMEOUT = 20      # seconds for all ranks of one driver run (they take well under 1 s)

@@ -45,7 +45,7 @@
  * Linux only (futex, /proc); other systems use the torch backend.
  */
 #define _GNU_SOURCE
-#include "comm.h"
+#include "comm_shm.h"
 
 #include <errno.h>
 #include <fcntl.h>

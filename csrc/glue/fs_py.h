@@ -9,6 +9,7 @@
 #include <Python.h>
 
 #include "comm.h"
+#include "comm_shm.h"
 #include "engine.h"
 #include "fs_device.h"
 #include "fs_status.h"
@@ -83,16 +84,6 @@ fs_env fs_glue_env(PyObject **empty);
 fs_link fs_glue_link(CommObject *comm);
 
 fs_status fs_comm_torch_create(PyObject *fn, int rank, int world_size, fs_comm **out);
-/* `ledger` (may be NULL): the shm backend publishes its newest entry to the
- * other ranks at each collective, and checks that theirs match. `staging`:
- * an fs_stage_policy (shm_staging.h). */
-fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t slot_bytes,
-                             double timeout_s, int staging, int create,
-                             const fs_ledger *ledger, fs_comm **out, char *err, size_t err_cap);
-/* Collectives staged with cached and with streaming stores; -1 for a Comm
- * of another backend. */
-int fs_comm_shm_stores_used(const fs_comm *c, uint64_t out[2]);
-fs_status fs_shm_unlink(const char *name);
 
 /* A collective through `self` failed and its exception is set: add this
  * rank's last ledger entries as a note, and call self.on_failure(exc) (set

@@ -11,7 +11,6 @@
  * (ledger.h) by FS_LINK_RUN, with float32 staging lent by fs_link_lend; a
  * failed one raises with the ledger's last entries. */
 #include "fs_py.h"
-#include "shm_staging.h"
 
 /* The optional last argument of each collective: what it is for (ledger). */
 #define TAG_DOC "\n`tag` (optional) says what it is for, in the ledger and in errors."

@@ -82,7 +82,8 @@ def _build(out):
         objs.append(obj)
     _run([cxx, "-shared", *objs, *rpath, "-o", "libfs_cuda_kernels.so"], out)
     # a libnccl over the shared-memory backend
-    core = ["backends/comm_shm.c", "backends/comm.c", "backends/ledger.c", "core/reduce.c",
+    core = ["backends/comm_shm.c", "backends/shm_staging.c", "backends/comm.c",
+            "backends/ledger.c", "core/reduce.c",
             "core/stream_copy.c",
             "core/status.c", "core/copy.c", "core/layout.c"]
     core_objs = []

@@ -17,10 +17,7 @@
 #include "fs_nccl.h"
 
 extern "C" {
-#include "comm.h"
-fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t slot_bytes,
-                             double timeout_s, int create, const void *ledger, fs_comm **out,
-                             char *err, size_t err_cap);
+#include "comm_shm.h"
 }
 
 #define EXPORT extern "C" __attribute__((visibility("default")))
@@ -83,8 +80,8 @@ EXPORT ncclResult_t ncclCommInitRank(ncclComm **out, int n, ncclUniqueId id, int
     char err[256] = "";
     fs_status s = FS_ERR_BACKEND;
     for (int tries = 0; tries < 20000; tries++) { /* rank 0 creates; the others attach */
-        s = fs_comm_shm_create(id.internal, rank, n, 1 << 20, 60.0, rank == 0, NULL, &c->shm,
-                               err, sizeof err);
+        s = fs_comm_shm_create(id.internal, rank, n, 1 << 20, 60.0, FS_STAGE_AUTO, rank == 0,
+                               NULL, &c->shm, err, sizeof err);
         if (s == FS_OK || rank == 0)
             break;
         usleep(1000);

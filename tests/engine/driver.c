@@ -59,16 +59,11 @@
 #include <unistd.h>
 
 #include "comm.h"
+#include "comm_shm.h"
 #include "copy.h"
 #include "layout.h"
 #include "ledger.h"
 #include "unit.h"
-
-/* csrc/glue/fs_py.h declares these, but it includes Python.h. */
-fs_status fs_comm_shm_create(const char *name, int rank, int world_size, size_t slot_bytes,
-                             double timeout_s, int create, const fs_ledger *ledger,
-                             fs_comm **out, char *err, size_t err_cap);
-fs_status fs_shm_unlink(const char *name);
 
 #define MAX_GROUPS 8
 #define MAX_PARAMS 16
@@ -379,8 +374,8 @@ static fs_comm *connect_shm(const config *c, const fs_ledger *ledger)
     fs_comm *comm = NULL;
     char err[512] = "";
     if (c->rank == 0) {
-        fs_status s = fs_comm_shm_create(c->shm, 0, c->world, (size_t)c->slot, c->timeout, 1,
-                                         ledger, &comm, err, sizeof err);
+        fs_status s = fs_comm_shm_create(c->shm, 0, c->world, (size_t)c->slot, c->timeout,
+                                         FS_STAGE_AUTO, 1, ledger, &comm, err, sizeof err);
         if (s != FS_OK)
             die("creating shm segment %s: %s (%s)", c->shm, err, fs_status_str(s));
         return comm;
@@ -389,7 +384,7 @@ static fs_comm *connect_shm(const config *c, const fs_ledger *ledger)
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {
         fs_status s = fs_comm_shm_create(c->shm, c->rank, c->world, (size_t)c->slot, c->timeout,
-                                         0, ledger, &comm, err, sizeof err);
+                                         FS_STAGE_AUTO, 0, ledger, &comm, err, sizeof err);
         if (s == FS_OK)
             return comm;
         if (s != FS_ERR_BACKEND) /* not ready yet / not there yet: retry; else give up */
