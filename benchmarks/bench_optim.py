@@ -26,7 +26,8 @@ written: `dst.copy_(src)` (whose stores also read dst first, uncounted, as
 every store to memory not already in cache does) and `a.add_(b)` (reads a
 and b, writes a: every byte moved is counted, as in the optimizer step).
 Then one optimizer over GPT-2 small's parameter list (148 tensors), where
-what each tensor costs beside its bytes counts too. Also timed: the step
+what each tensor costs beside its bytes counts too, and over 256 tensors of
+768 parameters, where little else counts (printed per tensor). Also timed: the step
 that also writes a bf16 copy of the updated parameters
 (the offload / mixed-precision case; 30 bytes per parameter): flatshard in
 one pass vs torch's fused step followed by a separate `copy_`.
@@ -236,6 +237,39 @@ def bench_model(args, ds_adam):
              if ds_adam else ""))
 
 
+def bench_small(args, ds_adam, count=256, numel=768):
+    """Many small tensors (LayerNorm- and bias-sized): what each tensor costs
+    a step besides its bytes (the Python checks, the call into C, the split),
+    per tensor."""
+    print(f"\n{count} tensors of {numel} fp32 parameters (per-tensor cost)")
+    g = torch.Generator().manual_seed(0)
+    names = ["torch fused", "flatshard"] + (["DeepSpeedCPUAdam"] if ds_adam else [])
+    steps = {}
+    for name in names:
+        ps = [torch.randn(numel, generator=g) for _ in range(count)]
+        for p in ps:
+            p.grad = torch.randn(numel, generator=g)
+        if name == "flatshard":
+            steps[name] = fo.AdamW(ps, **HP, threads=args.threads).step
+        elif name == "DeepSpeedCPUAdam":
+            steps[name] = ds_adam(ps, **HP, adamw_mode=True).step
+        else:
+            steps[name] = torch.optim.AdamW(ps, **HP, fused=True).step
+    for _ in range(3):
+        for fn in steps.values():
+            fn()
+    print(load())
+    times = {name: [] for name in steps}
+    time_rounds(steps, times, max(args.reps, 15))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    print(f"{'step':>26} {'ms':>9} {'us/tensor':>10}")
+    for name, t in med.items():
+        print(f"{name:>26} {t * 1e3:9.3f} {t / count * 1e6:10.2f}")
+    print(f"flatshard vs torch fused: {med['torch fused'] / med['flatshard']:.2f}x faster"
+          + (f"; vs DeepSpeedCPUAdam: {med['DeepSpeedCPUAdam'] / med['flatshard']:.2f}x"
+             if ds_adam else ""))
+
+
 class _Capped:
     """flatshard's step under an instruction-set cap (simd= of the functional
     form; the optimizer classes run at the CPU's best), its state placed as
@@ -321,6 +355,7 @@ def main():
         bench_size(log2, args, ds_adam)
     if not args.no_model:
         bench_model(args, ds_adam)
+        bench_small(args, ds_adam)
     print("\nflatshard's loop variants, as measured before each class's first step:")
     print("\n".join(fo.describe_tuning()))
 

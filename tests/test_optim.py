@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from flatshard import _C, ConfigError, optim as fo
+from flatshard import _C, ConfigError, NotBuiltError, optim as fo
 from parity import run_case
 
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 97, 1031, (1 << 16) * 2 + 13]
@@ -252,6 +252,32 @@ def test_unsupported_tensors_are_refused_by_name():
     q.grad = torch.zeros(4, 4).t()
     with pytest.raises(TypeError, match="non-contiguous"):
         fo.SGD([q], lr=0.1).step()
+
+
+@pytest.mark.parametrize("make", [lambda ps: fo.AdamW(ps), lambda ps: fo.Adam(ps, amsgrad=True),
+                                  lambda ps: fo.SGD(ps, lr=0.1, momentum=0.9)],
+                         ids=["adamw", "adam_amsgrad", "sgd"])
+def test_a_gradient_gone_bad_after_the_first_step_is_refused_by_name(make):
+    """The per-step checks (one cheap pass over each tensor's attributes,
+    the message built only when it fails) still name a gradient that turns
+    bad once the state exists, and refuse it before any parameter is
+    written."""
+    ps = [torch.randn(8), torch.randn(3, 4)]
+    opt = make(ps)
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    before = [p.clone() for p in ps]
+    for bad, err, word in [(torch.zeros(4, 3).t(), TypeError, "gradient 1.*non-contiguous"),
+                           (torch.zeros(3, 4).to_sparse(), NotBuiltError,
+                            "gradient 1 has layout torch.sparse_coo")]:
+        ps[1].grad = bad
+        with pytest.raises(err, match="group 0 " + word):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    ps[1].grad = torch.ones(3, 4)
+    opt.step()  # good again: steps as before
+    assert not any(torch.equal(p, b) for p, b in zip(ps, before))
 
 
 @pytest.mark.parametrize("opt", ["fs_adamw", "fs_sgd"])

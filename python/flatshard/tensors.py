@@ -18,7 +18,7 @@ import torch.nn as nn
 from . import _C
 from .errors import ConfigTypeError, NotBuiltError
 
-_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, nn.Parameter)
 
 # Every parameter in a flat buffer starts at a multiple of this many bytes, and
 # every shard is a multiple of it: the rule is layout.h's (_C.align_numel).
@@ -73,7 +73,7 @@ def check_plain(t, what, api):
     what: how the user names it ("parameter 'layers.0.weight'");
     api: the entry point refusing it ("fully_shard")."""
     kind = type(t)
-    if kind not in _PLAIN_TYPES:
+    if kind not in PLAIN_TYPES:
         raise NotBuiltError(
             f"flatshard: {api}: {what} is a {kind.__module__}.{kind.__qualname__} (a tensor "
             f"subclass); flatshard moves plain torch.Tensor / nn.Parameter data only, except "
@@ -93,7 +93,7 @@ def check_plain(t, what, api):
 
 def is_plain(t):
     """Whether t is a plain torch.Tensor or nn.Parameter (no subclass)."""
-    return type(t) in _PLAIN_TYPES
+    return type(t) in PLAIN_TYPES
 
 
 def to_plain(t):
@@ -113,8 +113,9 @@ def is_dense(t, dtype, devices):
     `devices` (device type names): check_plain's rule and more, as a bool,
     with no message built. The fast path of checks made on every step; when
     it says no, the full check says what is wrong."""
-    return type(t) in _PLAIN_TYPES and t.layout is torch.strided and t.dtype is dtype and \
-        t.device.type in devices and t.is_contiguous()
+    return type(t) in PLAIN_TYPES and t.layout is torch.strided and t.dtype is dtype and \
+        (t.is_cpu and "cpu" in devices or t.is_cuda and "cuda" in devices) and \
+        t.is_contiguous()
 
 
 def storage_bytes(tensors):

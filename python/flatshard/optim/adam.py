@@ -139,9 +139,9 @@ class _Adam(torch.optim.Optimizer):
                 if g is None:
                     continue
                 x, g = _locals(name, gi, i, p, g)
-                _check_pair(name, gi, i, x, g)
                 state = self.state[p]
                 if not state:
+                    _check_pair(name, gi, i, x, g)
                     # torch's layout: a float32 scalar step (on the host, so that
                     # reading it never waits for a device) and moments like the param.
                     state["step"] = torch.tensor(0.0)
@@ -152,10 +152,11 @@ class _Adam(torch.optim.Optimizer):
                 m = _state_local(state.get("exp_avg"), p)
                 v = _state_local(state.get("exp_avg_sq"), p)
                 mx = _state_local(state.get("max_exp_avg_sq"), p) if amsgrad else None
-                job = None if x.is_cuda else _host_job(x, g, m, v, mx, state.get("step"), amsgrad)
+                job = _host_job(x, g, m, v, mx, state.get("step"), amsgrad)
                 if job is not None:
                     jobs.append(job)
-                else:
+                else:  # on a device, or something to refuse by name
+                    _check_pair(name, gi, i, x, g)
                     self._step_one(x, g, m, v, mx, state, group)
             if jobs:
                 b1, b2 = group["betas"]
@@ -185,12 +186,12 @@ class _Adam(torch.optim.Optimizer):
 def _host_job(p, g, m, v, mx, st, amsgrad):
     """A host parameter's update as _C.adam_steps takes it: (param, grad,
     exp_avg, exp_avg_sq, max_exp_avg_sq, step, n) pointers and size; None
-    unless its gradient and state are what that call needs (contiguous fp32
-    host tensors of its size; the step count a float32 host scalar, as
-    torch keeps it). The C side increments the count."""
+    unless the parameter, its gradient and state are what that call needs
+    (contiguous fp32 host tensors of its size; the step count a float32
+    host scalar, as torch keeps it). The C side increments the count."""
     n = p.numel()
-    if g.numel() != n or not (_host_f32(m, n) and _host_f32(v, n) and _host_f32(st, 1)) or \
-            (amsgrad and not _host_f32(mx, n)):
+    if not (_host_f32(p, n) and _host_f32(g, n) and _host_f32(m, n) and _host_f32(v, n) and
+            _host_f32(st, 1)) or (amsgrad and not _host_f32(mx, n)):
         return None
     return (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
             mx.data_ptr() if amsgrad else 0, st.data_ptr(), n)

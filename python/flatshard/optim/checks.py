@@ -7,7 +7,7 @@ import torch
 from .. import _C
 from ..errors import bad_type, bad_value
 from ..runtime import cuda
-from ..tensors import check_plain, is_dense
+from ..tensors import PLAIN_TYPES, check_plain, is_dense
 
 try:  # fully_shard's parameters (and tensor-parallel ones) are DTensors
     from torch.distributed.tensor import DTensor
@@ -97,6 +97,7 @@ def _threads(threads):
 
 
 _CPU, _CPU_CUDA = ("cpu",), ("cpu", "cuda")
+_F32, _STRIDED = torch.float32, torch.strided
 
 
 def _check_tensor(owner, what, i, t, cuda_ok=False):
@@ -145,7 +146,11 @@ def _call_closure(closure):
 
 
 def _host_f32(t, n):
-    return is_dense(t, torch.float32, _CPU) and t.numel() == n
+    """Whether t is a plain, contiguous float32 CPU tensor of n elements: the
+    check of every step, its cheapest attributes first (t.device costs
+    several times t.is_cpu)."""
+    return type(t) in PLAIN_TYPES and t.dtype is _F32 and t.is_cpu and \
+        t.layout is _STRIDED and t.is_contiguous() and t.numel() == n
 
 
 def _describe(t):
