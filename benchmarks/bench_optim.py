@@ -1,7 +1,7 @@
 """AdamW step over 2^20, 2^24 and 2^26 fp32 parameters: flatshard's fused C
 step vs torch's AdamW (foreach=True and fused=True) and, when DeepSpeed is
 installed, DeepSpeedCPUAdam (adamw_mode=True), against a measured
-memory-copy ceiling.
+memory-copy ceiling and the step's own traffic bound.
 
     python3 benchmarks/bench_optim.py [--log2 20 24 26] [--threads 2] [--reps 5]
         [--no-model] [--isa native|avx2] [--first-steps 60]
@@ -25,6 +25,12 @@ of two streaming loops on buffers of the same size, counted as bytes read +
 written: `dst.copy_(src)` (whose stores also read dst first, uncounted, as
 every store to memory not already in cache does) and `a.add_(b)` (reads a
 and b, writes a: every byte moved is counted, as in the optimizer step).
+The step's own bound is timed in the same rounds as the steps: the C loop of
+adam_traffic.c (built at the start with cc -O3 -march=native -fopenmp)
+reads and writes the step's 28 bytes per element with no math, on the same
+threads; its row says how much faster than each contender any loop could
+be at that moment (on a 2-vCPU VM the memory bandwidth itself moves by 1.5x
+with where the host runs the vCPUs).
 Then one optimizer over GPT-2 small's parameter list (148 tensors), where
 what each tensor costs beside its bytes counts too, and over 256 tensors of
 768 parameters, where little else counts (printed per tensor). Also timed: the step
@@ -43,9 +49,11 @@ round. DeepSpeed is optional and never required: its CPU
 Adam op is built on first use (DS_ACCELERATOR=cpu, a C++ compiler).
 """
 import argparse
+import ctypes
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,6 +68,7 @@ import flatshard.optim as fo  # noqa: E402
 from flatshard.optim.checks import _zeros_like  # noqa: E402
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+BOUND = "28-byte bound (C, no math)"
 
 
 def median_time(fn, reps):
@@ -121,6 +130,25 @@ def deepspeed_adam(isa):
     return DeepSpeedCPUAdam, None
 
 
+def traffic_loop():
+    """The C loop of adam_traffic.c (built here, once per run) as a function
+    of (param, grad, exp_avg, exp_avg_sq, threads), or (None, why)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None, "no C compiler (cc or gcc) on PATH"
+    here = os.path.dirname(os.path.abspath(__file__))
+    lib = os.path.join(tempfile.mkdtemp(prefix="bench-optim-"), "adam_traffic.so")
+    try:
+        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", lib,
+                        os.path.join(here, "adam_traffic.c")], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        return None, f"adam_traffic.c did not build: {e}"
+    fn = ctypes.CDLL(lib).adam_traffic
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
+    return (lambda p, g, m, v, threads: fn(p.data_ptr(), g.data_ptr(), m.data_ptr(),
+                                            v.data_ptr(), p.numel(), threads)), None
+
+
 def bench_size(log2, args, ds_adam):
     n = 1 << log2
     src, dst = torch.randn(n), torch.empty(n)
@@ -164,6 +192,12 @@ def bench_size(log2, args, ds_adam):
         fo.adamw_step_(p, grad, st["exp_avg"], st["exp_avg_sq"], st["step"], **HP,
                        out_copy=low, threads=args.threads, simd=args.simd)
     steps["flatshard + bf16 copy"] = fused_with_copy
+    loop, why = traffic_loop()
+    if loop:  # the same 28 bytes with no math: the speed limit, measured in the same rounds
+        tp, tg, tm, tv = (torch.zeros(n) for _ in range(4))
+        steps[BOUND] = lambda: loop(tp, tg, tm, tv, args.threads)
+    else:
+        print(f"(the 28-byte bound is not timed: {why})")
     times = {name: [] for name in steps}
     for _ in range(3):  # warm-up: first touch of the state; flatshard's choice of loop
         for fn in steps.values():
@@ -185,6 +219,10 @@ def bench_size(log2, args, ds_adam):
           f"vs torch foreach: {ratio('torch foreach', 'flatshard')}"
           + (f"; vs DeepSpeedCPUAdam: {ratio('DeepSpeedCPUAdam', 'flatshard')}"
              if ds_adam else ""))
+    if BOUND in rows:
+        print(f"{BOUND}: {ratio('torch fused', BOUND)} faster than torch fused, "
+              f"{ratio('flatshard', BOUND)} faster than flatshard (what any loop moving the "
+              f"28 bytes could gain at most, here and now)")
     print(f"flatshard + bf16 copy: {ratio('flatshard + bf16 copy', 'flatshard')} flatshard's "
           f"plain step; {ratio('torch fused + copy_ bf16', 'flatshard + bf16 copy')} faster "
           f"than torch fused + copy_")
@@ -201,13 +239,10 @@ def gpt2_shapes():
     return shapes + [(768,), (768,)]
 
 
-def bench_model(args, ds_adam):
-    """One optimizer over a model's parameter list: every tensor its own
-    state, the per-tensor costs (Python, the call into C, the thread
-    split) paid 148 times per step."""
-    shapes = gpt2_shapes()
-    n = sum(torch.Size(s).numel() for s in shapes)
-    print(f"\nGPT-2 small's parameter list: {len(shapes)} tensors, {n:,} fp32 parameters")
+def race_lists(shapes, args, ds_adam):
+    """Each contender's own optimizer over parameters of `shapes` (the same
+    gradients for all), warmed up, then timed in interleaved rounds (at
+    least 15): name -> median seconds, and the medians' ratios printed."""
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=g) for s in shapes]
     names = ["torch fused", "flatshard"] + (["DeepSpeedCPUAdam"] if ds_adam else [])
@@ -227,14 +262,28 @@ def bench_model(args, ds_adam):
             fn()
     print(load())
     times = {name: [] for name in steps}
-    time_rounds(steps, times, args.reps)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    time_rounds(steps, times, max(args.reps, 15))
+    return {name: statistics.median(ts) for name, ts in times.items()}, times
+
+
+def print_ratios(med):
+    print(f"flatshard vs torch fused: {med['torch fused'] / med['flatshard']:.2f}x faster"
+          + (f"; vs DeepSpeedCPUAdam: {med['DeepSpeedCPUAdam'] / med['flatshard']:.2f}x"
+             if "DeepSpeedCPUAdam" in med else ""))
+
+
+def bench_model(args, ds_adam):
+    """One optimizer over a model's parameter list: every tensor its own
+    state, the per-tensor costs (Python, the call into C, the thread
+    split) paid 148 times per step."""
+    shapes = gpt2_shapes()
+    n = sum(torch.Size(s).numel() for s in shapes)
+    print(f"\nGPT-2 small's parameter list: {len(shapes)} tensors, {n:,} fp32 parameters")
+    med, times = race_lists(shapes, args, ds_adam)
     print(f"{'step':>26} {'ms':>9} {'min ms':>9} {'GB/s':>7}")
     for name, t in med.items():
         print(f"{name:>26} {t * 1e3:9.2f} {min(times[name]) * 1e3:9.2f} {28 * n / t / 1e9:7.2f}")
-    print(f"flatshard vs torch fused: {med['torch fused'] / med['flatshard']:.2f}x faster"
-          + (f"; vs DeepSpeedCPUAdam: {med['DeepSpeedCPUAdam'] / med['flatshard']:.2f}x"
-             if ds_adam else ""))
+    print_ratios(med)
 
 
 def bench_small(args, ds_adam, count=256, numel=768):
@@ -242,32 +291,11 @@ def bench_small(args, ds_adam, count=256, numel=768):
     a step besides its bytes (the Python checks, the call into C, the split),
     per tensor."""
     print(f"\n{count} tensors of {numel} fp32 parameters (per-tensor cost)")
-    g = torch.Generator().manual_seed(0)
-    names = ["torch fused", "flatshard"] + (["DeepSpeedCPUAdam"] if ds_adam else [])
-    steps = {}
-    for name in names:
-        ps = [torch.randn(numel, generator=g) for _ in range(count)]
-        for p in ps:
-            p.grad = torch.randn(numel, generator=g)
-        if name == "flatshard":
-            steps[name] = fo.AdamW(ps, **HP, threads=args.threads).step
-        elif name == "DeepSpeedCPUAdam":
-            steps[name] = ds_adam(ps, **HP, adamw_mode=True).step
-        else:
-            steps[name] = torch.optim.AdamW(ps, **HP, fused=True).step
-    for _ in range(3):
-        for fn in steps.values():
-            fn()
-    print(load())
-    times = {name: [] for name in steps}
-    time_rounds(steps, times, max(args.reps, 15))
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    med, _ = race_lists([(numel,)] * count, args, ds_adam)
     print(f"{'step':>26} {'ms':>9} {'us/tensor':>10}")
     for name, t in med.items():
         print(f"{name:>26} {t * 1e3:9.3f} {t / count * 1e6:10.2f}")
-    print(f"flatshard vs torch fused: {med['torch fused'] / med['flatshard']:.2f}x faster"
-          + (f"; vs DeepSpeedCPUAdam: {med['DeepSpeedCPUAdam'] / med['flatshard']:.2f}x"
-             if ds_adam else ""))
+    print_ratios(med)
 
 
 class _Capped:
