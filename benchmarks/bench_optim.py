@@ -38,12 +38,15 @@ that also writes a bf16 copy of the updated parameters
 (the offload / mixed-precision case; 30 bytes per parameter): flatshard in
 one pass vs torch's fused step followed by a separate `copy_`.
 
-flatshard chooses its loop variant per size class on scratch buffers before
-the class's first step (or reads an earlier process's choice from its cache
-file: here a new file per run, so every class is measured); the choices and
+flatshard chooses its loop variant per size class: a class under 2^16
+elements on scratch buffers before its first step, a larger one on slices of
+its own first steps (or it reads an earlier process's choice from its cache
+file: here a new file per run, so every class is measured; the warm-up steps
+before the timed rounds see the larger classes decided); the choices and
 their timings are printed after the tables (the loop's candidates in CPU
 time per element of their busiest thread, the thread splits in wall-clock
-time). The load average is printed beside each table. On a shared machine the medians move with the load: the ratios are
+time). The load average is printed beside each table. On a shared machine
+the medians move with the load: the ratios are
 printed for the medians and, in brackets, for each contender's fastest
 round. DeepSpeed is optional and never required: its CPU
 Adam op is built on first use (DS_ACCELERATOR=cpu, a C++ compiler).
@@ -335,8 +338,13 @@ def first_steps(args):
             opt.step()
             ts.append(time.perf_counter() - t)
     r = [r for r in fo.tune_report() if r["kind"] == "adam" and r["size_log2"] == args.log2[0]]
-    how = (f"{r[0]['source']} in {r[0]['tune_s'] * 1e3:.1f} ms"
-           + (", busy machine" if r[0]["busy"] else "") + f": {r[0]['chosen']}") if r else "?"
+    how = "?"
+    if r:
+        r = r[0]
+        how = (f"measured on its first {r['live_steps']} steps, {r['tune_s'] * 1e3:.1f} ms "
+               "beyond the winner's time" if r["source"] == "steps" else
+               f"{r['source']} in {r['tune_s'] * 1e3:.1f} ms") + \
+            (", busy machine" if r["busy"] else "") + f": {r['chosen']}"
     print(f"  first {count} steps at 2^{args.log2[0]}: flatshard {sum(t_ours) * 1e3:.0f} ms "
           f"(first step {t_ours[0] * 1e3:.1f} ms, loop {how}), torch fused "
           f"{sum(t_theirs) * 1e3:.0f} ms (first step {t_theirs[0] * 1e3:.1f} ms): flatshard at "
@@ -384,7 +392,8 @@ def main():
     if not args.no_model:
         bench_model(args, ds_adam)
         bench_small(args, ds_adam)
-    print("\nflatshard's loop variants, as measured before each class's first step:")
+    print("\nflatshard's loop variants, as measured (on scratch before a small class's first step, on"
+          " a larger class's own first steps):")
     print("\n".join(fo.describe_tuning()))
 
 

@@ -64,22 +64,22 @@ def _views(n, seed, offset):
         [torch.rand(n + offset, generator=g)[offset:]]
 
 
-def _adam(n, variant, offset, copy, decoupled, maximize, amsgrad, threads=3):
+def _adam(n, variant, offset, copy, decoupled, maximize, amsgrad, threads=3, steps=3):
     p, grad, m, mx, v = _views(n, n + offset, offset)
     mx = mx.abs() if amsgrad else None
     out = torch.empty(n + offset, dtype=copy)[offset:] if copy else None
-    for step in (1, 2, 3):
+    for step in range(1, steps + 1):
         fo.adamw_step_(p, grad, m, v, step, lr=0.01, betas=(0.8, 0.95), eps=1e-6,
                        weight_decay=0.1, decoupled=decoupled, maximize=maximize,
                        max_exp_avg_sq=mx, out_copy=out, threads=threads, variant=variant)
     return [t for t in (p, m, v, mx, out) if t is not None]
 
 
-def _sgd(n, variant, offset, copy, momentum, nesterov, maximize, threads=3):
+def _sgd(n, variant, offset, copy, momentum, nesterov, maximize, threads=3, steps=3):
     g = torch.Generator().manual_seed(n)
     p, grad, buf = (torch.randn(n + offset, generator=g)[offset:] for _ in range(3))
     out = torch.empty(n + offset, dtype=copy)[offset:] if copy else None
-    for first in (True, False, False):
+    for first in [True] + [False] * (steps - 1):
         _C.sgd_step(p.data_ptr(), grad.data_ptr(), buf.data_ptr() if momentum else 0,
                     out.data_ptr() if copy else 0, dtype_code(copy) if copy else _C.BF16, n,
                     lr=0.05, momentum=momentum, dampening=0.0 if nesterov else 0.1,
@@ -231,19 +231,24 @@ def cache_file(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("n", [1031, (1 << 20) + 13])
 def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, cache_file):
-    # The class is measured on scratch buffers before its first step (the
-    # step itself runs once, with the winner), and every step gives the
-    # reference's bits.
+    # A small class is measured on scratch buffers before its first step
+    # (the step itself runs once, with the winner); a class of 2^16 elements
+    # and more on its own first steps, each timed run a slice of a step
+    # ([Note: measured on the steps]), and 60 steps see it decided. Every
+    # step gives the reference's bits either way.
+    live = n >= 1 << 16
+    steps = 60 if live else 3
     for copy in (None, torch.bfloat16):
-        want = _adam(n, REFERENCE, 0, copy, True, False, False)
-        _same_bits(_adam(n, None, 0, copy, True, False, False, threads=2), want)
-    want = _sgd(n, REFERENCE, 0, torch.float16, 0.9, False, False)
-    _same_bits(_sgd(n, None, 0, torch.float16, 0.9, False, False, threads=2), want)
+        want = _adam(n, REFERENCE, 0, copy, True, False, False, steps=steps)
+        _same_bits(_adam(n, None, 0, copy, True, False, False, threads=2, steps=steps), want)
+    want = _sgd(n, REFERENCE, 0, torch.float16, 0.9, False, False, steps=steps)
+    _same_bits(_sgd(n, None, 0, torch.float16, 0.9, False, False, threads=2, steps=steps), want)
     adam, sgd = _records("adam", n), _records("sgd", n)
     assert sorted(r["copy"] for r in adam) == ["bfloat16", "none"] and \
         [r["copy"] for r in sgd] == ["float16"]
     for r in adam + sgd:
-        assert r["tuned"] and r["source"] == "measured" and r["tuned_numel"] == n
+        assert r["tuned"] and r["source"] == ("steps" if live else "measured")
+        assert r["tuned_numel"] == n and (r["live_steps"] >= 1) == live
         assert r["stored"] and r["tune_s"] > 0
         assert r["threads_max"] == 2 and r["simd_max"] == _C.simd_level()
         names = [c["variant"] for c in r["candidates"]]
@@ -280,6 +285,41 @@ def test_tuned_step_gives_the_reference_bits_and_records_its_choice(n, cache_fil
         # slices, on the OpenMP team where the process has one
         split = (by_stage[-1][0]["variant"] if "threads" in stages else r["chosen"]).split(".")
         assert split[-2] == ("omp2" if _has_team(cache_file) else "t2") and split[-1] == "c0"
+
+
+def test_a_class_measured_on_its_steps_gives_the_reference_bits_at_every_step(cache_file):
+    # Three parameters of one size class (2^17 up to 2^18 - 1 elements) in one
+    # AdamW: each step's timed runs are slices of its parameters, stepped by
+    # one candidate or another, the rest by the winner so far; every step's
+    # bits are the reference's, and the class is decided within a few dozen
+    # steps, measured on them ([Note: measured on the steps]).
+    sizes = [1 << 17, (1 << 17) + 777, (1 << 18) - 1]
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randn(n, generator=g) for n in sizes]
+    refs = [p.clone() for p in ps]
+    state = [(torch.zeros(n), torch.zeros(n)) for n in sizes]
+    hp = dict(lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    opt = fo.AdamW(ps, **hp, threads=2)
+    decided = None
+    for step in range(1, 61):
+        for p, r in zip(ps, refs):
+            p.grad = torch.randn(p.shape, generator=g)
+            r.grad = p.grad
+        opt.step()
+        for r, (m, v) in zip(refs, state):
+            fo.adamw_step_(r, r.grad, m, v, step, **hp, variant=REFERENCE)
+        _same_bits(ps, refs)
+        for k, r in enumerate(refs):
+            _same_bits([opt.state[ps[k]]["exp_avg"], opt.state[ps[k]]["exp_avg_sq"]],
+                       list(state[k]))
+        if decided is None and _records("adam", 1 << 17):
+            decided = step
+    assert decided is not None, "the class was not decided in 60 steps"
+    r, = _records("adam", 1 << 17)
+    # live_steps counts the class's parameter steps: three in each optimizer step
+    assert r["source"] == "steps" and 1 <= r["live_steps"] <= 3 * decided and r["stored"]
+    assert r["tuned_numel"] == sizes[0] and r["tune_s"] >= 0
+    assert " adam 2^17 " in cache_file.read_text()
 
 
 def _has_team(path):

@@ -282,12 +282,14 @@ static PyObject *record_dict(const fs_tune_record *r)
     }
     PyObject *chosen = cands ? variant_str(&r->chosen) : NULL;
     PyObject *d = chosen ? Py_BuildValue(
-        "{s:s,s:i,s:s,s:O,s:i,s:s,s:L,s:s,s:O,s:O,s:O,s:O,s:d,s:O,s:O}", "kind",
+        "{s:s,s:i,s:s,s:O,s:i,s:s,s:L,s:s,s:i,s:O,s:O,s:O,s:O,s:d,s:O,s:O}", "kind",
         r->kind == FS_OPTIM_ADAM ? "adam" : "sgd", "size_log2", r->size_log2, "copy",
         r->copy_dtype < 0 ? "none" : r->copy_dtype == FS_BF16 ? "bfloat16" : "float16",
         "amsgrad", r->amsgrad ? Py_True : Py_False, "threads_max", r->threads_max, "simd_max",
         fs_simd_name(r->simd_max), "tuned_numel", (long long)r->tuned_numel, "source",
-        r->source == FS_TUNE_FROM_CACHE ? "cache" : "measured", "tuned",
+        r->source == FS_TUNE_FROM_CACHE ? "cache" : r->source == FS_TUNE_ON_STEPS ? "steps"
+                                                                               : "measured",
+        "live_steps", r->live_steps, "tuned",
         r->tuned ? Py_True : Py_False, "stored", r->stored ? Py_True : Py_False, "busy",
         r->busy ? Py_True : Py_False, "cut_short", r->cut_short ? Py_True : Py_False, "tune_s",
         r->tune_s, "chosen", chosen, "candidates", cands) : NULL;
@@ -299,11 +301,13 @@ static PyObject *record_dict(const fs_tune_record *r)
 PyDoc_STRVAR(optim_tune_records_doc,
              "optim_tune_records() -> [dict]: per size class chosen in this process, the\n"
              "class (kind, size_log2, copy, amsgrad, threads_max, simd_max), its first\n"
-             "step's tuned_numel, source ('measured' on scratch buffers, or 'cache': read\n"
-             "from the cache file), tuned (False: no memory to measure, the default runs),\n"
+             "step's tuned_numel, source ('measured' on scratch buffers, 'steps': on the\n"
+             "class's own first steps, live_steps of them, or 'cache': read from the cache\n"
+             "file), tuned (False: no memory to measure, the default runs),\n"
              "stored (written to the cache file), busy (measured, or stored, while the load\n"
              "average exceeded the CPU count: provisional), cut_short (the measurement hit\n"
-             "its hard stop: candidates or stages left out), tune_s (seconds spent choosing), the\n"
+             "its hard stop: candidates or stages left out), tune_s (seconds spent choosing; on\n"
+             "the steps, what the timed runs took beyond the stage's fastest), the\n"
              "chosen variant, and every measured candidate's score (ns per element) and\n"
              "rounds.");
 static PyObject *py_optim_tune_records(PyObject *m, PyObject *Py_UNUSED(a))

@@ -141,7 +141,11 @@ fs_status fs_sgd_step(const fs_sgd_buffers *b, const fs_sgd_hparams *h, fs_simd 
 
 /* What the tuning decided, for diagnostics: one record per size class. */
 #define FS_TUNE_MAX_CANDIDATES 32
-typedef enum { FS_TUNE_MEASURED = 0, FS_TUNE_FROM_CACHE = 1 } fs_tune_source;
+typedef enum {
+    FS_TUNE_MEASURED = 0,   /* on scratch buffers before the class's first step */
+    FS_TUNE_FROM_CACHE = 1, /* read from the disk cache */
+    FS_TUNE_ON_STEPS = 2    /* on the class's own first steps ([Note: measured on the steps]) */
+} fs_tune_source;
 typedef struct {
     fs_optim_kind kind;
     int size_log2;     /* the class: steps of 2^size_log2 .. 2^(size_log2+1)-1 elements */
@@ -150,14 +154,19 @@ typedef struct {
     int threads_max;
     fs_simd simd_max;
     int64_t tuned_numel;   /* n of the class's first step */
-    fs_tune_source source; /* measured in this process, or read from the disk cache */
+    fs_tune_source source; /* measured in this process (on scratch or on its steps), or read
+                            * from the disk cache */
+    int live_steps;        /* on its steps: how many of them (one per parameter or shard
+                            * stepped) held timed runs */
     int tuned;             /* 0: no scratch memory to measure on; the default is used */
     int stored;            /* measured and written to the disk cache */
     int busy;              /* measured (or, from the cache, stored) while the machine was
                             * busy ([Note: busy machine] in optim_tune.c) */
     int cut_short;         /* the measurement hit its hard stop ([Note: hard stop] in
                             * optim_tune.c): candidates or stages left out */
-    double tune_s;         /* seconds spent choosing (measuring, or reading the cache) */
+    double tune_s;         /* seconds spent choosing (measuring, or reading the cache; on its
+                            * steps: what the timed runs took beyond the stage's fastest run,
+                            * since they did the steps' own work) */
     fs_optim_variant chosen;
     int ncandidates;
     struct {
@@ -165,7 +174,8 @@ typedef struct {
         fs_optim_variant variant;
         double ns_per_elem;       /* stages 0-2: best CPU time of the rounds; 3: median
                                    * wall-clock time */
-        int rounds;               /* rounds the stage ran until its winner was stable */
+        int rounds;               /* rounds the candidate ran (the stage's until its winner was
+                                   * stable, fewer where it was dropped as hopeless) */
     } candidates[FS_TUNE_MAX_CANDIDATES];
 } fs_tune_record;
 

@@ -1,8 +1,8 @@
 /* optim_tune.c - which variant of the fused optimizer loop (optim_cpu.c)
  * runs: chosen by timing the candidates on this machine, once per size
- * class, on scratch buffers before the class's first step, and remembered
- * in memory and on disk (optim_cache.c); and the tuned entry points the
- * optimizers call.
+ * class (on scratch buffers before a small class's first step, on slices of
+ * a larger class's own first steps), and remembered in memory and on disk
+ * (optim_cache.c); and the tuned entry points the optimizers call.
  *
  * Deliberately not a model of any CPU: nothing here says which variant wins
  * where, only how to measure. What the measurement chose, and the timings
@@ -21,23 +21,22 @@
 
 /* [Note: tuning]
  * A size class is (kind, floor(log2 n), copy dtype, amsgrad, thread and SIMD
- * caps). Its variant is decided before its first step runs, and that step
- * and every later one run it: no live step is ever a trial.
+ * caps). Its variant comes from:
  *
  * 1. In memory: a class chosen earlier in this process.
  * 2. On disk (optim_cache.c): a choice made by an earlier process with the
  *    same flatshard version, CPU (vendor, family, model, stepping, brand),
  *    instruction set cap, OpenMP runtime or none, and class. It costs one
  *    small file read per class and process.
- * 3. Else it is measured, here, on scratch buffers of min(n, TUNE_SCRATCH)
- *    elements (zero-filled: the loop's speed does not depend on the
- *    values; larger than the last-level cache of the CPUs measured, so the
- *    runs stream from memory as real steps do), within a time budget
- *    (tune_budget_s: about 4% of 60 steps of the class at memory speed, 17 ms
- *    at 2^24, capped at TUNE_BUDGET_MAX_S; the scratch buffers' first touch
- *    comes on top, 8-57 ms for 64 MiB on 2 threads: huge pages where they
- *    come at once, else plain ones), and the result
- *    stored on disk.
+ * 3. Else it is measured here, within a time budget (tune_budget_s: about
+ *    4% of 60 steps of the class at memory speed, 17 ms at 2^24, capped at
+ *    TUNE_BUDGET_MAX_S), and the result stored on disk:
+ *    - a class of TUNE_LIVE_MIN elements and more on its own first steps
+ *      ([Note: measured on the steps]);
+ *    - a smaller one on scratch buffers of n elements before its first step
+ *      (zero-filled: the loop's speed does not depend on the values), whose
+ *      small runs are repeated to a measurable time, which a step's elements
+ *      cannot be.
  *
  * The candidates are searched in stages, each keeping the winners so far:
  *   0  vector width x unrolling
@@ -49,7 +48,8 @@
  * order that turns by one each round (no candidate always runs right after a
  * given rival, whose stores may still be draining or whose OpenMP threads may
  * still be spinning), each run on the next slice of the scratch buffers (so
- * it starts cold, as a step after the backward pass does). Rounds repeat
+ * it starts cold, as a step after the backward pass does; on the steps,
+ * the next slice of the step). Rounds repeat
  * until the stage's winner has stayed the same for TUNE_STABLE rounds (at
  * least TUNE_ROUNDS_MIN, at most TUNE_ROUNDS_MAX, or until the stage's share
  * of the budget is spent, but never fewer than one round): a round
@@ -91,6 +91,27 @@
  * are skipped and so are the stages after, which keep their incumbents. The
  * choice is then mostly the default, marked busy ([Note: busy machine]).
  *
+ * [Note: measured on the steps]
+ * Every variant gives every element the same bits ([Note: one formula] in
+ * optim_cpu.c), so a step can be cut into slices, each run by another
+ * candidate, and give the bits of a step run by one. A class of
+ * TUNE_LIVE_MIN elements and more is measured that way: each timed run is
+ * the next slice of the class's step (TUNE_SLICE elements in stages 0-2,
+ * TUNE_SPLIT_UNIT in stage 3, once each), as many runs as the step has
+ * slices, the rest of the step with the winner so far (on the default's
+ * threads until stage 3 has measured them); the next step of the class goes
+ * on where this one stopped, until every stage is done. The runs are the
+ * steps' own work, so the measurement costs only what a candidate takes
+ * beyond the stage's fastest run so far: that is what the budget counts
+ * (`spent`), and the later rounds, without the hopeless ([Note: hopeless]),
+ * cost little, so a stage runs TUNE_ROUNDS_MIN rounds before its share of
+ * the budget can end it. The scratch buffers it replaces were 64 MiB at
+ * 2^24, whose first touch took 17-57 ms, more than the measurement itself;
+ * a fresh AdamW's first step at 2^24 took 101-108 ms with them and 59-68 ms
+ * now, torch's fused one 46-62 ms (EPYC Zen 3, 2 threads,
+ * benchmarks/RESULTS.md). While a step of the class is being measured by one
+ * thread, another thread's step of it runs the default.
+ *
  * [Note: incumbents]
  * Every stage starts from the class's default loop (class_default): the
  * widest SIMD unrolled 4 times, no prefetch, streaming copy stores, all
@@ -110,15 +131,16 @@
  * faster by the margin (a copy small enough to stay in cache for its reader,
  * a CPU whose streaming stores are slow). */
 
-#define TUNE_SCRATCH (1 << 22)    /* elements of the scratch buffers, at most */
 #define TUNE_SLICE (1 << 18)      /* elements per timed run in stages 0-2, at most */
 #define TUNE_SPLIT_UNIT (1 << 20) /* elements per timed run in stage 3, at most */
 #define TUNE_SAMPLE (1 << 16)     /* a smaller run is repeated up to this many elements */
+#define TUNE_LIVE_MIN TUNE_SAMPLE /* classes from here on are measured on their steps */
 #define TUNE_SAMPLE_S 2e-4        /* or for this long */
 #define TUNE_ROUNDS_MIN 3
 #define TUNE_ROUNDS_MAX 24
 #define TUNE_STABLE 3
 #define TUNE_MARGIN 0.05
+#define TUNE_HOPELESS 2.0 /* [Note: hopeless] */
 #define TUNE_BUDGET_NS_PER_ELEM 1.0 /* ~4% of 60 steps at ~0.4 ns per element */
 #define TUNE_BUDGET_MIN_S 2e-3
 #define TUNE_BUDGET_MAX_S 0.08
@@ -130,13 +152,6 @@
 
 static const int prefetch_candidates[] = {0, 1024, 4096, 16384};
 
-typedef struct {
-    int state; /* 0 unused, 1 being chosen, 2 chosen */
-    fs_tune_record rec;
-} tune_entry;
-
-static pthread_mutex_t tune_lock = PTHREAD_MUTEX_INITIALIZER;
-static tune_entry tune_table[TUNE_CLASSES];
 
 static double now_s(void)
 {
@@ -277,14 +292,10 @@ typedef struct {
 } scratch;
 
 /* `j` on zero-filled scratch buffers of n elements (same kind, flags and
- * copy dtype), or FS_ERR_NO_MEMORY. One resident mapping made as the state
- * is (fs_map_resident: populated by `threads` threads, huge pages only where
- * they come without a stall, [Note: state populated in parallel] in
- * csrc/engine/pool.c): the measurement runs on pages like the steps', and
- * its first touch, 64 MiB at 2^24, is split as theirs is. A huge-page fault
- * that compacts memory synchronously once took 1.4 s for 64 MiB on a loaded
- * machine (benchmarks/RESULTS.md), more than the whole measurement's budget;
- * the populate gives up huge pages at the first slow one. */
+ * copy dtype), or FS_ERR_NO_MEMORY: one resident mapping (fs_map_resident,
+ * [Note: state populated in parallel] in csrc/engine/pool.c), at most a
+ * few MiB since only classes under TUNE_LIVE_MIN elements are measured on
+ * scratch. */
 static fs_status scratch_job(const fs_optim_job *j, int64_t n, int threads, scratch *s,
                              fs_optim_job *out)
 {
@@ -353,14 +364,14 @@ static double median(const double *t, int n)
 
 /* Adds one stage's candidates with their scores to `r`'s record. */
 static void record_stage(fs_tune_record *r, int stage, const fs_optim_variant *cand, int nc,
-                         const double *ns_per_elem, int rounds)
+                         const double *ns_per_elem, const int *runs)
 {
     for (int c = 0; c < nc && r->ncandidates < FS_TUNE_MAX_CANDIDATES; c++) {
         int k = r->ncandidates++;
         r->candidates[k].stage = stage;
         r->candidates[k].variant = cand[c];
         r->candidates[k].ns_per_elem = ns_per_elem[c];
-        r->candidates[k].rounds = rounds;
+        r->candidates[k].rounds = runs[c];
     }
 }
 
@@ -379,98 +390,246 @@ static double tune_budget_s(int64_t n)
     return b < TUNE_BUDGET_MIN_S ? TUNE_BUDGET_MIN_S : b > TUNE_BUDGET_MAX_S ? TUNE_BUDGET_MAX_S : b;
 }
 
-/* Chooses r's variant on the scratch job `sj` (n elements; the class's own
- * step has r->tuned_numel), stage by stage ([Note: tuning]). */
-static fs_status measure(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
+/* A measurement in progress ([Note: measured on the steps]): the stages'
+ * loop as state, so that it can run a timed run at a time, on scratch
+ * buffers in one go or on a class's own steps across calls. */
+typedef struct {
+    int stage;   /* the stage being measured; 4: done */
+    int nc;      /* its candidates (0: not set up yet) */
+    int rounds;  /* rounds completed */
+    int o;       /* the next run's place in the round */
+    int win, same, split_measured;
+    int64_t unit, reps;
+    int on_steps;  /* the runs are the class's own steps' work */
+    double spent;  /* seconds the runs cost: their time, or on the steps what they took
+                    * beyond the stage's fastest run so far ([Note: measured on the steps]) */
+    double wall_best; /* on the steps: the stage's fastest run so far, seconds per element */
+    double budget; /* tune_budget_s of the class */
+    fs_optim_variant best;
+    fs_optim_variant cand[FS_TUNE_MAX_CANDIDATES];
+    double t[FS_TUNE_MAX_CANDIDATES][TUNE_ROUNDS_MAX], score[FS_TUNE_MAX_CANDIDATES];
+    int runs[FS_TUNE_MAX_CANDIDATES]; /* timed runs of each candidate */
+    int dropped[FS_TUNE_MAX_CANDIDATES]; /* out of the later rounds ([Note: hopeless]) */
+} measuring;
+
+typedef struct {
+    int state; /* 0 unused, 1 being chosen (or stepped while measured) by one thread,
+                * 2 chosen, 3 measured on its steps, between two of them */
+    fs_tune_record rec;
+    measuring live; /* states 1 and 3, where measured on the steps */
+} tune_entry;
+
+static pthread_mutex_t tune_lock = PTHREAD_MUTEX_INITIALIZER;
+static tune_entry tune_table[TUNE_CLASSES];
+
+static void measuring_init(measuring *m, const fs_tune_record *r, int on_steps)
 {
-    const double t_start = now_s(), budget = tune_budget_s(r->tuned_numel);
-    fs_optim_variant best = class_default(r);
+    memset(m, 0, sizeof *m);
+    m->on_steps = on_steps;
+    m->budget = tune_budget_s(r->tuned_numel);
+    m->best = class_default(r);
     /* Stages 0-2 time the loop in CPU time: on threads started for the run,
      * which cost no waiting for an OpenMP team that may be asleep or
      * descheduled; stage 3 puts the split back (its incumbent is the
      * default's). */
-    best.omp = 0;
-    fs_status st = FS_OK;
-    int64_t pos = 0; /* the next slice of the scratch buffers */
-    int split_measured = 0;
-    for (int stage = 0; stage < 4 && st == FS_OK; stage++) {
-        const int64_t cap = stage == 3 ? TUNE_SPLIT_UNIT : TUNE_SLICE;
-        const int64_t unit = n < cap ? n : cap;
+    m->best.omp = 0;
+}
+
+/* The variant a step runs while its class is measured: the winner so far,
+ * on the default's threads and split until stage 3 has chosen them. */
+static fs_optim_variant measuring_current(const measuring *m, const fs_tune_record *r)
+{
+    fs_optim_variant v = m->best;
+    if (!m->split_measured) {
+        const fs_optim_variant d = class_default(r);
+        v.threads = d.threads, v.omp = d.omp, v.chunk_numel = d.chunk_numel;
+    }
+    return v;
+}
+
+/* Sets up the next stage with candidates (n: elements a run may take at
+ * most); 0 when the measurement is over. */
+static int measuring_stage(measuring *m, fs_tune_record *r, int64_t n)
+{
+    while (m->nc == 0 && m->stage < 4) {
+        const int64_t cap = m->stage == 3 ? TUNE_SPLIT_UNIT : TUNE_SLICE;
+        m->unit = n < cap ? n : cap;
         /* stage 3 times whole runs: its fixed costs per call are what it measures */
-        const int64_t reps = stage == 3 || unit >= TUNE_SAMPLE ? 1 : TUNE_SAMPLE / (unit > 0 ? unit : 1);
-        fs_optim_variant cand[FS_TUNE_MAX_CANDIDATES];
-        int nc = stage_candidates(stage, r, &best, unit, cand, FS_TUNE_MAX_CANDIDATES);
-        if (nc == 0)
+        m->reps = m->stage == 3 || m->unit >= TUNE_SAMPLE ? 1
+                                                          : TUNE_SAMPLE / (m->unit > 0 ? m->unit : 1);
+        m->nc = stage_candidates(m->stage, r, &m->best, m->unit, m->cand, FS_TUNE_MAX_CANDIDATES);
+        m->rounds = m->o = m->win = m->same = 0;
+        memset(m->runs, 0, sizeof m->runs);
+        m->wall_best = -1.0;
+        memset(m->dropped, 0, sizeof m->dropped);
+        if (m->nc == 0) {
+            m->stage++;
             continue;
-        const double deadline = t_start + budget * (stage + 1) / 4.0;
-        if (now_s() > t_start + TUNE_HARD_FACTOR * budget) {
+        }
+        if (m->spent > TUNE_HARD_FACTOR * m->budget) {
             r->cut_short = 1; /* [Note: hard stop] */
-            break;
+            m->stage = 4;
+        } else if (m->stage == 3 && machine_busy()) {
+            m->stage = 4; /* [Note: busy machine]: the split stays the default */
         }
-        if (stage == 3 && machine_busy())
-            break; /* [Note: busy machine]: the split stays the default */
-        double t[FS_TUNE_MAX_CANDIDATES][TUNE_ROUNDS_MAX], score[FS_TUNE_MAX_CANDIDATES];
-        int rounds = 0, win = 0, same = 0;
-        /* One round at least; then within the budget until stable. */
-        while (st == FS_OK && rounds < TUNE_ROUNDS_MAX &&
-               (rounds == 0 || (now_s() < deadline &&
-                                (rounds < TUNE_ROUNDS_MIN || same < TUNE_STABLE)))) {
-            for (int o = 0; o < nc && st == FS_OK; o++) {
-                const int c = (o + rounds) % nc;
-                if (rounds == 0 && o > 0 && now_s() > t_start + TUNE_HARD_FACTOR * budget) {
-                    nc = o; /* [Note: hard stop]: the rest are not run, nor recorded */
-                    r->cut_short = 1;
-                    break;
-                }
-                if (pos + unit > n)
-                    pos = 0;
-                double sum = 0.0;
-                int64_t k = 0;
-                const double t_run = now_s();
-                /* a small run repeated to a measurable time, but bounded */
-                while (k < reps && st == FS_OK && (k == 0 || now_s() - t_run < TUNE_SAMPLE_S)) {
-                    double busy = 0.0;
-                    const double t0 = now_s();
-                    st = fs_optim_run_busy(sj, pos, pos + unit, &cand[c], &busy);
-                    sum += stage == 3 ? now_s() - t0 : busy;
-                    k++;
-                }
-                pos += unit;
-                t[c][rounds] = sum / (double)(k * unit) * 1e9;
-            }
-            rounds++;
-            for (int c = 0; c < nc; c++) {
-                if (stage == 3) {
-                    score[c] = median(t[c], rounds);
-                } else {
-                    score[c] = t[c][0];
-                    for (int k = 1; k < rounds; k++)
-                        score[c] = t[c][k] < score[c] ? t[c][k] : score[c];
-                }
-            }
-            const int w = pick(score, nc);
-            same = rounds > 1 && w == win ? same + 1 : 1;
-            win = w;
+    }
+    if (m->stage >= 4) {
+        m->nc = 0;
+        return 0;
+    }
+    return 1;
+}
+
+/* The candidate of the next timed run. */
+static int measuring_slot(const measuring *m)
+{
+    return (m->o + m->rounds) % m->nc;
+}
+
+static const fs_optim_variant *measuring_next(const measuring *m)
+{
+    return &m->cand[measuring_slot(m)];
+}
+
+/* Ends the stage: its candidates into the record, its winner the best. */
+static void measuring_end_stage(measuring *m, fs_tune_record *r)
+{
+    record_stage(r, m->stage, m->cand, m->nc, m->score, m->runs);
+    m->best = m->cand[m->win];
+    m->split_measured |= m->stage == 3;
+    m->stage++;
+    m->nc = 0;
+}
+
+/* Moves o past the candidates out of this round. */
+static void skip_dropped(measuring *m)
+{
+    while (m->o < m->nc && m->dropped[measuring_slot(m)])
+        m->o++;
+}
+
+/* [Note: hopeless]
+ * After a round, a candidate slower than TUNE_HOPELESS times the round's
+ * leader runs no more rounds: it cannot come back to win by the margin, and
+ * on the class's own steps each of its runs is paid by a step (started
+ * threads beside torch's spinning OpenMP team ran 3-6x slower than the
+ * team, EPYC Zen 3, 2^20-element runs). Its score stays as measured. */
+static void drop_hopeless(measuring *m)
+{
+    double lead = m->score[0];
+    for (int k = 1; k < m->nc; k++)
+        lead = m->score[k] < lead ? m->score[k] : lead;
+    for (int k = 0; k < m->nc; k++)
+        if (m->score[k] > TUNE_HOPELESS * lead)
+            m->dropped[k] = 1;
+}
+
+/* Takes the time of the run measuring_next named (ns per element) and
+ * moves on: the next run, round or stage. One round at least; then within
+ * the stage's share of the budget until stable. */
+static void measuring_record(measuring *m, fs_tune_record *r, double ns_per_elem, double run_s)
+{
+    const int c = measuring_slot(m);
+    m->t[c][m->runs[c]++] = ns_per_elem;
+    if (m->on_steps) {
+        const double per = run_s / (double)m->unit;
+        if (m->wall_best < 0 || per < m->wall_best)
+            m->wall_best = per;
+        m->spent += run_s - m->wall_best * (double)m->unit;
+    } else {
+        m->spent += run_s;
+    }
+    m->o++;
+    if (m->rounds == 0 && m->o < m->nc && m->spent > TUNE_HARD_FACTOR * m->budget) {
+        m->nc = m->o; /* [Note: hard stop]: the rest are not run, nor recorded */
+        r->cut_short = 1;
+    }
+    skip_dropped(m);
+    if (m->o < m->nc)
+        return;
+    m->o = 0;
+    m->rounds++;
+    for (int k = 0; k < m->nc; k++) {
+        if (m->stage == 3) {
+            m->score[k] = median(m->t[k], m->runs[k]);
+        } else {
+            m->score[k] = m->t[k][0];
+            for (int q = 1; q < m->runs[k]; q++)
+                m->score[k] = m->t[k][q] < m->score[k] ? m->t[k][q] : m->score[k];
         }
-        if (st != FS_OK)
-            break;
-        record_stage(r, stage, cand, nc, score, rounds);
-        best = cand[win];
-        split_measured |= stage == 3;
     }
-    r->tune_s = now_s() - t_start;
-    if (st == FS_OK) {
-        /* A split not measured (busy machine, hard stop) is the default's:
-         * stages 0-2 ran on started threads only to time the loop. Measured
-         * on EPYC Zen 3 at 2^24, 2 threads, load 2: started threads beside
-         * torch's spinning team ran 0.74-0.85x torch fused, the team 0.96-1.08x
-         * ([Note: incumbents]). */
-        if (!split_measured)
-            best.omp = class_default(r).omp;
-        r->chosen = best;
-        r->tuned = 1;
+    const int w = pick(m->score, m->nc);
+    m->same = m->rounds > 1 && w == m->win ? m->same + 1 : 1;
+    m->win = w;
+    /* On the steps the later rounds cost little (the hopeless are out), so
+     * the stage's share of the budget ends it only after TUNE_ROUNDS_MIN;
+     * the hard stop still ends it at once. */
+    const double deadline = m->budget * (m->stage + 1) / 4.0;
+    const int min_rounds = m->on_steps ? TUNE_ROUNDS_MIN : 1;
+    if (m->spent > TUNE_HARD_FACTOR * m->budget)
+        r->cut_short = 1; /* [Note: hard stop] */
+    if (r->cut_short || m->rounds >= TUNE_ROUNDS_MAX ||
+        (m->rounds >= min_rounds && m->spent >= deadline) ||
+        (m->rounds >= TUNE_ROUNDS_MIN && m->same >= TUNE_STABLE)) {
+        measuring_end_stage(m, r);
+        return;
     }
+    drop_hopeless(m);
+    skip_dropped(m);
+}
+
+/* One timed run of the next candidate on [lo, lo + unit) of `job`, `reps`
+ * times at most (scratch only: a live range runs once). */
+static fs_status measuring_run(measuring *m, fs_tune_record *r, const fs_optim_job *job,
+                               int64_t lo, int64_t reps)
+{
+    const fs_optim_variant *v = measuring_next(m);
+    double sum = 0.0;
+    int64_t k = 0;
+    fs_status st = FS_OK;
+    const double t_run = now_s();
+    /* a small run repeated to a measurable time, but bounded */
+    while (k < reps && st == FS_OK && (k == 0 || now_s() - t_run < TUNE_SAMPLE_S)) {
+        double busy = 0.0;
+        const double t0 = now_s();
+        st = fs_optim_run_busy(job, lo, lo + m->unit, v, &busy);
+        sum += m->stage == 3 ? now_s() - t0 : busy;
+        k++;
+    }
+    if (st == FS_OK)
+        measuring_record(m, r, sum / (double)(k * m->unit) * 1e9, now_s() - t_run);
     return st;
+}
+
+/* The measurement's end: the winner into the record. A split not measured
+ * (busy machine, hard stop) is the default's: stages 0-2 ran on started
+ * threads only to time the loop. Measured on EPYC Zen 3 at 2^24, 2 threads,
+ * load 2: started threads beside torch's spinning team ran 0.74-0.85x torch
+ * fused, the team 0.96-1.08x ([Note: incumbents]). */
+static void measuring_done(measuring *m, fs_tune_record *r)
+{
+    r->chosen = measuring_current(m, r);
+    r->tuned = 1;
+    r->tune_s = m->spent;
+}
+
+/* Chooses r's variant on the scratch job `sj` (n elements; the class's own
+ * step has r->tuned_numel), stage by stage ([Note: tuning]), in one go. */
+static fs_status measure_scratch(const fs_optim_job *sj, int64_t n, fs_tune_record *r)
+{
+    measuring m;
+    measuring_init(&m, r, 0);
+    int64_t pos = 0; /* the next slice of the scratch buffers */
+    while (measuring_stage(&m, r, n)) {
+        if (pos + m.unit > n)
+            pos = 0;
+        const fs_status st = measuring_run(&m, r, sj, pos, m.reps);
+        if (st != FS_OK)
+            return st;
+        pos += m.unit;
+    }
+    measuring_done(&m, r);
+    return FS_OK;
 }
 
 /* The class as a cache key's last fields. */
@@ -490,9 +649,21 @@ static int fits_class(const fs_optim_variant *v, const fs_tune_record *r)
            (!v->omp || fs_optim_have_omp()) && (!v->bf16_insn || r->copy_dtype == (int)FS_BF16);
 }
 
-/* Decides class `key`'s variant into *rec: from the disk cache, else
- * measured (on scratch like `job`) and stored there. */
-static void choose(const fs_optim_job *job, const fs_tune_record *key, fs_tune_record *rec)
+/* Stores a measured choice in the disk cache (where one is set). */
+static void store_choice(fs_tune_record *rec)
+{
+    char cls[160], ck[TUNE_KEY_MAX];
+    class_key(rec, cls, sizeof cls);
+    if (fs_tune_cache_key(cls, ck, sizeof ck))
+        rec->stored = fs_tune_cache_store(ck, &rec->chosen, rec->busy);
+}
+
+/* Decides class `key`'s variant into *rec, from the disk cache or measured
+ * on scratch like `job` (and stored): 0. Or, for a class whose steps are
+ * long enough to time ([Note: measured on the steps]), begins measuring on
+ * them in *live: 1. */
+static int choose(const fs_optim_job *job, const fs_tune_record *key, fs_tune_record *rec,
+                  measuring *live)
 {
     *rec = *key;
     rec->chosen = class_default(key);
@@ -511,20 +682,63 @@ static void choose(const fs_optim_job *job, const fs_tune_record *key, fs_tune_r
         rec->busy = stored_busy;
         rec->source = FS_TUNE_FROM_CACHE;
         rec->tune_s = now_s() - t0;
-        return;
+        return 0;
     }
-    const int64_t n = rec->tuned_numel < TUNE_SCRATCH ? rec->tuned_numel : TUNE_SCRATCH;
+    rec->busy = busy;
+    if (rec->tuned_numel >= TUNE_LIVE_MIN) {
+        rec->source = FS_TUNE_ON_STEPS;
+        measuring_init(live, rec, 1);
+        return 1;
+    }
+    const int64_t n = rec->tuned_numel; /* under TUNE_LIVE_MIN */
     scratch s = {NULL, 0};
     fs_optim_job sj;
     rec->source = FS_TUNE_MEASURED;
     if (scratch_job(job, n, key->threads_max, &s, &sj) != FS_OK)
-        return; /* rec->tuned stays 0: the default runs */
-    const fs_status st = measure(&sj, n, rec);
+        return 0; /* rec->tuned stays 0: the default runs */
+    const fs_status st = measure_scratch(&sj, n, rec);
     scratch_free(&s);
     rec->tune_s = now_s() - t0; /* the scratch buffers' pages included */
     rec->busy = busy || machine_busy();
-    if (st == FS_OK && cached)
-        rec->stored = fs_tune_cache_store(ck, &rec->chosen, rec->busy);
+    if (st == FS_OK)
+        store_choice(rec);
+    return 0;
+}
+
+/* The class's step `job` while its measurement runs on its steps: timed
+ * runs of the candidates on its first slices, as many as fit (each element
+ * updated once, every variant giving the same bits: [Note: one formula] in
+ * optim_cpu.c), the rest with the winner so far. Called with the entry
+ * owned (state 1); leaves it chosen (2) or to go on at the next step (3). */
+static fs_status step_measuring(tune_entry *e, const fs_optim_job *job, int64_t n)
+{
+    measuring *m = &e->live;
+    fs_tune_record *r = &e->rec;
+    /* runs no longer than the class's smallest step, so that every step of
+     * it can hold one */
+    const int64_t class_min = (int64_t)1 << r->size_log2;
+    int64_t pos = 0;
+    fs_status st = FS_OK;
+    int ran = 0;
+    while (st == FS_OK && measuring_stage(m, r, class_min) && pos + m->unit <= n) {
+        st = measuring_run(m, r, job, pos, 1);
+        pos += m->unit;
+        ran = 1;
+    }
+    r->live_steps += ran;
+    const int done = st != FS_OK || m->stage >= 4;
+    if (done && st == FS_OK) {
+        measuring_done(m, r);
+        r->busy = r->busy || machine_busy();
+        store_choice(r);
+    }
+    const fs_optim_variant v = st == FS_OK ? measuring_current(m, r) : r->chosen;
+    if (st == FS_OK && pos < n)
+        st = fs_optim_run(job, pos, n, &v);
+    pthread_mutex_lock(&tune_lock);
+    e->state = done ? 2 : 3;
+    pthread_mutex_unlock(&tune_lock);
+    return st;
 }
 
 fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads)
@@ -540,6 +754,7 @@ fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads)
     fs_tune_record key = class_of(job, simd, threads);
 
     tune_entry *mine = NULL;
+    int resume = 0;
     fs_optim_variant v = class_default(&key);
     pthread_mutex_lock(&tune_lock);
     int k = 0;
@@ -547,26 +762,34 @@ fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads)
         if (same_class(&tune_table[k].rec, &key))
             break;
     if (k < TUNE_CLASSES) {
-        if (tune_table[k].state == 2) {
-            v = tune_table[k].rec.chosen;
-        } else if (tune_table[k].state == 0) {
-            mine = &tune_table[k];
+        tune_entry *e = &tune_table[k];
+        if (e->state == 2) {
+            v = e->rec.chosen;
+        } else if (e->state == 0 || e->state == 3) {
+            mine = e;
+            resume = e->state == 3;
+            if (!resume)
+                mine->rec = key;
             mine->state = 1;
-            mine->rec = key;
         }
-        /* state 1: another thread is choosing this class; the default runs here. */
+        /* state 1: another thread is choosing this class, or stepping it while
+         * it is measured; the default runs here. */
     }
     pthread_mutex_unlock(&tune_lock);
-    if (mine) {
+    if (!mine)
+        return fs_optim_run(job, 0, n, &v);
+    if (!resume) {
         fs_tune_record rec;
-        choose(job, &key, &rec);
-        pthread_mutex_lock(&tune_lock);
-        mine->rec = rec;
-        mine->state = 2;
-        pthread_mutex_unlock(&tune_lock);
-        v = rec.chosen;
+        if (!choose(job, &key, &rec, &mine->live)) {
+            pthread_mutex_lock(&tune_lock);
+            mine->rec = rec;
+            mine->state = 2;
+            pthread_mutex_unlock(&tune_lock);
+            return fs_optim_run(job, 0, n, &rec.chosen);
+        }
+        mine->rec = rec; /* the owner's alone while state 1 and 3 */
     }
-    return fs_optim_run(job, 0, n, &v);
+    return step_measuring(mine, job, n);
 }
 
 fs_status fs_adam_step(const fs_adam_buffers *b, const fs_adam_hparams *h, fs_simd simd,

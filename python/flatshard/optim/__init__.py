@@ -8,8 +8,9 @@ shard. Adam, AdamW and SGD hand a param group's host parameters to C in one
 call (_C.adam_steps, which also counts their steps; _C.sgd_steps), so a model
 of many small tensors pays a tuple of pointers per parameter, not a Python
 call into C each. How the loop runs (SIMD width, unrolling, prefetch, copy
-stores, thread split) is measured per size class on scratch buffers before
-the class's first step and kept in a cache file for later processes
+stores, thread split) is measured per size class (on slices of the class's
+own first steps, or on scratch buffers before a small class's first one) and
+kept in a cache file for later processes
 (csrc/optim/optim_tune.c, tune_cache.py, tune_report()).
 Parameters and gradients must be contiguous fp32 tensors, on the CPU or on a
 CUDA device, where each step is one fused kernel per parameter

@@ -49,11 +49,14 @@ def tune_report():
     """The loop variants this process uses: one dict per size class (kind,
     size_log2, copy, amsgrad, threads_max, simd_max), with the variant
     chosen, its source ("measured" on scratch buffers before the class's
-    first step, or "cache": read from the cache file), tune_s (seconds
-    spent choosing), stored (written to the cache file), busy (measured or
-    stored while the machine was busy: provisional, measured again when it
-    is not), and every measured candidate's score in
-    ns per element with the rounds its stage ran."""
+    first step, "steps": on the class's own first steps, live_steps of
+    them, whose elements the timed runs updated, or "cache": read from the
+    cache file), tune_s (seconds spent choosing; on the steps, what the
+    timed runs took beyond the stage's fastest), stored (written to the cache file), busy (measured or stored
+    while the machine was busy: provisional, measured again when it is
+    not), and every measured candidate's score in ns per element with the
+    rounds it ran. A class still being measured on its steps is not
+    listed yet."""
     return _C.optim_tune_records()
 
 
@@ -66,7 +69,10 @@ def describe_tuning(records=None):
             (" + amsgrad" if r["amsgrad"] else "") + \
             ("" if r["copy"] == "none" else f" + {r['copy']} copy")
         how = ("read from the cache file" if r["source"] == "cache" else
-               f"measured in {r['tune_s'] * 1e3:.1f} ms on scratch buffers" +
+               (f"measured on its first {r['live_steps']} step(s), which took "
+                f"{r['tune_s'] * 1e3:.1f} ms longer than the winner would have"
+                if r["source"] == "steps" else
+                f"measured in {r['tune_s'] * 1e3:.1f} ms on scratch buffers") +
                (", stored" if r["stored"] else "") + (" (busy machine)" if r["busy"] else "") +
                (", cut short" if r.get("cut_short") else ""))
         lines.append(f"{what}, 2^{r['size_log2']} elements (first step {r['tuned_numel']:,}), "
@@ -75,6 +81,9 @@ def describe_tuning(records=None):
         for stage in dict.fromkeys(c["stage"] for c in r["candidates"]):
             cands = sorted((c for c in r["candidates"] if c["stage"] == stage),
                            key=lambda c: c["ns_per_elem"])
-            lines.append(f"  {stage:>11} ({cands[0]['rounds']} rounds): " + ", ".join(
-                f"{c['variant']} {c['ns_per_elem']:.3f}" for c in cands) + " ns/element")
+            rounds = max(c["rounds"] for c in cands)
+            lines.append(f"  {stage:>11} ({rounds} rounds): " + ", ".join(
+                f"{c['variant']} {c['ns_per_elem']:.3f}"
+                + (f" ({c['rounds']})" if c["rounds"] < rounds else "") for c in cands)
+                + " ns/element")
     return lines
