@@ -10,6 +10,9 @@ from . import disk_offload, tune_cache
 from .checks import (DTensor, _call_closure, _check_pair, _check_range, _check_tensor,
                      _host_f32, _locals, _state_local, _threads, _zeros_state)
 from .functional import adamw_step_
+from ..tensors import PLAIN_TYPES
+
+_F32, _STRIDED = torch.float32, torch.strided
 
 
 class _Adam(torch.optim.Optimizer):
@@ -138,8 +141,12 @@ class _Adam(torch.optim.Optimizer):
                 g = p.grad
                 if g is None:
                     continue
-                x, g = _locals(name, gi, i, p, g)
                 state = self.state[p]
+                job = _plain_host_job(p, g, state) if state and not amsgrad else None
+                if job is not None:  # every step's case, checked in one pass
+                    jobs.append(job)
+                    continue
+                x, g = _locals(name, gi, i, p, g)
                 if not state:
                     _check_pair(name, gi, i, x, g)
                     # torch's layout: a float32 scalar step (on the host, so that
@@ -181,6 +188,20 @@ class _Adam(torch.optim.Optimizer):
                 eps=group["eps"], weight_decay=group["weight_decay"],
                 decoupled=self._decoupled, maximize=group["maximize"],
                 max_exp_avg_sq=mx, **extra)
+
+
+def _plain_host_job(p, g, state):
+    """_host_job's tuple for a plain host parameter whose state exists (no
+    amsgrad), or None for anything else, which the general path then takes
+    (and names where it is wrong): each tensor's cheapest attributes read
+    once, no call per tensor."""
+    m, v, st = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
+    n = p.numel()
+    for t, k in ((p, n), (g, n), (m, n), (v, n), (st, 1)):
+        if not (type(t) in PLAIN_TYPES and t.dtype is _F32 and t.is_cpu and
+                t.layout is _STRIDED and t.is_contiguous() and t.numel() == k):
+            return None
+    return (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0, st.data_ptr(), n)
 
 
 def _host_job(p, g, m, v, mx, st, amsgrad):
