@@ -26,9 +26,9 @@ written: `dst.copy_(src)` (whose stores also read dst first, uncounted, as
 every store to memory not already in cache does) and `a.add_(b)` (reads a
 and b, writes a: every byte moved is counted, as in the optimizer step).
 The step's own bound is timed in the same rounds as the steps: the C loop of
-adam_traffic.c (built at the start with cc -O3 -march=native -fopenmp)
-reads and writes the step's 28 bytes per element with no math, on the same
-threads; its row says how much faster than each contender any loop could
+adam_traffic.c (built at the start with cc -O3 -march=native) reads and
+writes the step's 28 bytes per element with no math, on the same threads
+(torch's OpenMP team, found at run time as flatshard's loop finds it); its row says how much faster than each contender any loop could
 be at that moment (on a 2-vCPU VM the memory bandwidth itself moves by 1.5x
 with where the host runs the vCPUs).
 Then one optimizer over GPT-2 small's parameter list (148 tensors), where
@@ -142,12 +142,14 @@ def traffic_loop():
     here = os.path.dirname(os.path.abspath(__file__))
     lib = os.path.join(tempfile.mkdtemp(prefix="bench-optim-"), "adam_traffic.so")
     try:
-        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", lib,
-                        os.path.join(here, "adam_traffic.c")], check=True, capture_output=True)
+        subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", lib,
+                        os.path.join(here, "adam_traffic.c"), "-ldl"], check=True,
+                       capture_output=True)
     except (OSError, subprocess.CalledProcessError) as e:
         return None, f"adam_traffic.c did not build: {e}"
     fn = ctypes.CDLL(lib).adam_traffic
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
+    fn.restype = ctypes.c_int
     return (lambda p, g, m, v, threads: fn(p.data_ptr(), g.data_ptr(), m.data_ptr(),
                                             v.data_ptr(), p.numel(), threads)), None
 
@@ -197,7 +199,9 @@ def bench_size(log2, args, ds_adam):
     steps["flatshard + bf16 copy"] = fused_with_copy
     loop, why = traffic_loop()
     if loop:  # the same 28 bytes with no math: the speed limit, measured in the same rounds
-        tp, tg, tm, tv = (torch.zeros(n) for _ in range(4))
+        # laid out as flatshard's AdamW lays out a parameter and its state
+        tp, tg = torch.randn(n), torch.randn(n)
+        tm, tv = _zeros_like(tp), _zeros_like(tp)
         steps[BOUND] = lambda: loop(tp, tg, tm, tv, args.threads)
     else:
         print(f"(the 28-byte bound is not timed: {why})")
