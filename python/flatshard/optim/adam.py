@@ -6,13 +6,11 @@ import torch
 from .. import _C
 from ..errors import bad_type, bad_value
 from ..runtime import cuda
-from . import disk_offload, tune_cache
-from .checks import (DTensor, _call_closure, _check_pair, _check_range, _check_tensor,
-                     _host_f32, _locals, _state_local, _threads, _zeros_state)
-from .functional import adamw_step_
 from ..tensors import PLAIN_TYPES
-
-_F32, _STRIDED = torch.float32, torch.strided
+from . import disk_offload, tune_cache
+from .checks import (_F32, _STRIDED, DTensor, _call_closure, _check_pair, _check_range,
+                     _check_tensor, _host_f32, _locals, _state_local, _threads, _zeros_state)
+from .functional import adamw_step_
 
 
 class _Adam(torch.optim.Optimizer):

@@ -5,9 +5,10 @@ import torch
 from .. import _C
 from ..errors import bad_type, bad_value
 from ..runtime import cuda
+from ..tensors import PLAIN_TYPES
 from . import tune_cache
-from .checks import (_call_closure, _check_pair, _check_range, _describe, _host_f32, _locals,
-                     _state_local, _threads, _zeros_state)
+from .checks import (_F32, _STRIDED, _call_closure, _check_pair, _check_range, _describe,
+                     _host_f32, _locals, _state_local, _threads, _zeros_state)
 
 
 class SGD(torch.optim.Optimizer):
@@ -41,9 +42,14 @@ class SGD(torch.optim.Optimizer):
         tune_cache.use()
         for gi, group in enumerate(self.param_groups):
             jobs = []  # the group's host parameters, stepped in one engine call
+            momentum = group["momentum"] != 0
             for i, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
+                    continue
+                job = _plain_host_job(p, g, self.state, momentum)
+                if job is not None:  # every step's case, checked in one pass
+                    jobs.append(job)
                     continue
                 x, g = _locals("SGD", gi, i, p, g)
                 _check_pair("SGD", gi, i, x, g)
@@ -77,3 +83,23 @@ class SGD(torch.optim.Optimizer):
                              nesterov=group["nesterov"], maximize=group["maximize"],
                              threads=self.threads)
         return loss
+
+
+def _plain_host_job(p, g, states, momentum):
+    """The (param, grad, momentum_buffer, first, n) job of a plain host
+    parameter past its first step with momentum (its buffer made), or
+    without momentum; None for anything else, which the general path then
+    takes (and names where it is wrong): each tensor's cheapest attributes
+    read once, no call per tensor."""
+    buf = None
+    if momentum:
+        state = states.get(p)
+        buf = state.get("momentum_buffer") if state else None
+        if buf is None:
+            return None
+    n = p.numel()
+    for t in (p, g, buf) if momentum else (p, g):
+        if not (type(t) in PLAIN_TYPES and t.dtype is _F32 and t.is_cpu and
+                t.layout is _STRIDED and t.is_contiguous() and t.numel() == n):
+            return None
+    return (p.data_ptr(), g.data_ptr(), buf.data_ptr() if momentum else 0, False, n)
