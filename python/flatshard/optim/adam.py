@@ -193,6 +193,8 @@ def _plain_host_job(p, g, state):
     amsgrad), or None for anything else, which the general path then takes
     (and names where it is wrong): each tensor's cheapest attributes read
     once, no call per tensor."""
+    if type(p) not in PLAIN_TYPES:  # a DTensor: its local tensors, on the general path
+        return None
     m, v, st = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
     n = p.numel()
     for t, k in ((p, n), (g, n), (m, n), (v, n), (st, 1)):

@@ -64,8 +64,15 @@ def _locals(owner, gi, i, p, g):
 
 
 def _same_layout(t, p):
-    return t.shape == p.shape and t.placements == p.placements and \
-        t.device_mesh == p.device_mesh
+    """Whether DTensors t and p have one layout (global shape, placements,
+    mesh), each compared by identity first: every step asks it of each
+    parameter's gradient and state, whose placements and mesh are most
+    often the parameter's own objects (Placement and DeviceMesh equality
+    is Python code)."""
+    a, b = t._spec, p._spec
+    return a is b or (t.shape == p.shape and
+                      (a.placements is b.placements or a.placements == b.placements) and
+                      (a.mesh is b.mesh or a.mesh == b.mesh))
 
 
 def _state_local(t, p):

@@ -91,6 +91,8 @@ def _plain_host_job(p, g, states, momentum):
     without momentum; None for anything else, which the general path then
     takes (and names where it is wrong): each tensor's cheapest attributes
     read once, no call per tensor."""
+    if type(p) not in PLAIN_TYPES:  # a DTensor: its local tensors, on the general path
+        return None
     buf = None
     if momentum:
         state = states.get(p)
