@@ -33,7 +33,8 @@ be at that moment (on a 2-vCPU VM the memory bandwidth itself moves by 1.5x
 with where the host runs the vCPUs).
 Then one optimizer over GPT-2 small's parameter list (148 tensors), where
 what each tensor costs beside its bytes counts too, and over 256 tensors of
-768 parameters, where little else counts (printed per tensor). Also timed: the step
+768 parameters, where little else counts (printed per tensor), as plain
+tensors and as DTensors on a one-rank mesh (fully_shard's parameters). Also timed: the step
 that also writes a bf16 copy of the updated parameters
 (the offload / mixed-precision case; 30 bytes per parameter): flatshard in
 one pass vs torch's fused step followed by a separate `copy_`.
@@ -273,6 +274,35 @@ def race_lists(shapes, args, ds_adam):
     return {name: statistics.median(ts) for name, ts in times.items()}, times
 
 
+def race_dtensors(count, numel, args):
+    """torch fused and flatshard over `count` DTensor parameters of `numel`
+    elements on a one-rank mesh (gloo, a file store in a new folder), as
+    fully_shard hands them to an optimizer: name -> median seconds."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="bench-optim-"), "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(0)
+        steps = {}
+        for name in ("torch fused", "flatshard"):
+            ps = [torch.nn.Parameter(distribute_tensor(torch.randn(numel, generator=g), mesh,
+                                                       [Shard(0)])) for _ in range(count)]
+            for p in ps:
+                p.grad = distribute_tensor(torch.randn(numel, generator=g), mesh, [Shard(0)])
+            steps[name] = (fo.AdamW(ps, **HP, threads=args.threads) if name == "flatshard" else
+                           torch.optim.AdamW(ps, **HP, fused=True)).step
+        for _ in range(3):
+            for fn in steps.values():
+                fn()
+        times = {name: [] for name in steps}
+        time_rounds(steps, times, max(args.reps, 15))
+        return {name: statistics.median(ts) for name, ts in times.items()}
+    finally:
+        dist.destroy_process_group()
+
+
 def print_ratios(med):
     print(f"flatshard vs torch fused: {med['torch fused'] / med['flatshard']:.2f}x faster"
           + (f"; vs DeepSpeedCPUAdam: {med['DeepSpeedCPUAdam'] / med['flatshard']:.2f}x"
@@ -300,6 +330,11 @@ def bench_small(args, ds_adam, count=256, numel=768):
     print(f"\n{count} tensors of {numel} fp32 parameters (per-tensor cost)")
     med, _ = race_lists([(numel,)] * count, args, ds_adam)
     print(f"{'step':>26} {'ms':>9} {'us/tensor':>10}")
+    for name, t in med.items():
+        print(f"{name:>26} {t * 1e3:9.3f} {t / count * 1e6:10.2f}")
+    print_ratios(med)
+    print(f"\nthe same as DTensor parameters (one-rank mesh, as fully_shard's): {load()}")
+    med = race_dtensors(count, numel, args)
     for name, t in med.items():
         print(f"{name:>26} {t * 1e3:9.3f} {t / count * 1e6:10.2f}")
     print_ratios(med)
