@@ -279,7 +279,7 @@ def race_dtensors(count, numel, args):
     elements on a one-rank mesh (gloo, a file store in a new folder), as
     fully_shard hands them to an optimizer: name -> median seconds."""
     import torch.distributed as dist
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="bench-optim-"), "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -289,8 +289,10 @@ def race_dtensors(count, numel, args):
         for name in ("torch fused", "flatshard"):
             ps = [torch.nn.Parameter(distribute_tensor(torch.randn(numel, generator=g), mesh,
                                                        [Shard(0)])) for _ in range(count)]
-            for p in ps:
-                p.grad = distribute_tensor(torch.randn(numel, generator=g), mesh, [Shard(0)])
+            for p in ps:  # laid out with the parameter's own mesh and placements, as
+                # fully_shard makes its gradients
+                p.grad = DTensor.from_local(torch.randn(numel, generator=g), p.device_mesh,
+                                            p.placements, run_check=False)
             steps[name] = (fo.AdamW(ps, **HP, threads=args.threads) if name == "flatshard" else
                            torch.optim.AdamW(ps, **HP, fused=True)).step
         for _ in range(3):
