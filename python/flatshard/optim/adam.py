@@ -8,8 +8,8 @@ from ..errors import bad_type, bad_value
 from ..runtime import cuda
 from ..tensors import PLAIN_TYPES
 from . import disk_offload, tune_cache
-from .checks import (_F32, _STRIDED, DTensor, _call_closure, _check_pair, _check_range,
-                     _check_tensor, _host_f32, _locals, _state_local, _threads, _zeros_state)
+from .checks import (DTensor, _call_closure, _check_pair, _check_range, _check_tensor,
+                     _host_f32, _locals, _state_local, _threads, _zeros_state)
 from .functional import adamw_step_
 
 
@@ -191,17 +191,11 @@ class _Adam(torch.optim.Optimizer):
 def _plain_host_job(p, g, state):
     """_host_job's tuple for a plain host parameter whose state exists (no
     amsgrad), or None for anything else, which the general path then takes
-    (and names where it is wrong): each tensor's cheapest attributes read
-    once, no call per tensor."""
+    (and names where it is wrong): no DTensor unwrapping on the way."""
     if type(p) not in PLAIN_TYPES:  # a DTensor: its local tensors, on the general path
         return None
-    m, v, st = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
-    n = p.numel()
-    for t, k in ((p, n), (g, n), (m, n), (v, n), (st, 1)):
-        if not (type(t) in PLAIN_TYPES and t.dtype is _F32 and t.is_cpu and
-                t.layout is _STRIDED and t.is_contiguous() and t.numel() == k):
-            return None
-    return (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0, st.data_ptr(), n)
+    return _host_job(p, g, state.get("exp_avg"), state.get("exp_avg_sq"), None,
+                     state.get("step"), False)
 
 
 def _host_job(p, g, m, v, mx, st, amsgrad):

@@ -7,8 +7,8 @@ from ..errors import bad_type, bad_value
 from ..runtime import cuda
 from ..tensors import PLAIN_TYPES
 from . import tune_cache
-from .checks import (_F32, _STRIDED, _call_closure, _check_pair, _check_range, _describe,
-                     _host_f32, _locals, _state_local, _threads, _zeros_state)
+from .checks import (_call_closure, _check_pair, _check_range, _describe, _host_f32, _locals,
+                     _state_local, _threads, _zeros_state)
 
 
 class SGD(torch.optim.Optimizer):
@@ -89,8 +89,7 @@ def _plain_host_job(p, g, states, momentum):
     """The (param, grad, momentum_buffer, first, n) job of a plain host
     parameter past its first step with momentum (its buffer made), or
     without momentum; None for anything else, which the general path then
-    takes (and names where it is wrong): each tensor's cheapest attributes
-    read once, no call per tensor."""
+    takes (and names where it is wrong)."""
     if type(p) not in PLAIN_TYPES:  # a DTensor: its local tensors, on the general path
         return None
     buf = None
@@ -100,8 +99,6 @@ def _plain_host_job(p, g, states, momentum):
         if buf is None:
             return None
     n = p.numel()
-    for t in (p, g, buf) if momentum else (p, g):
-        if not (type(t) in PLAIN_TYPES and t.dtype is _F32 and t.is_cpu and
-                t.layout is _STRIDED and t.is_contiguous() and t.numel() == n):
-            return None
+    if not (_host_f32(p, n) and _host_f32(g, n) and (not momentum or _host_f32(buf, n))):
+        return None
     return (p.data_ptr(), g.data_ptr(), buf.data_ptr() if momentum else 0, False, n)
