@@ -12,6 +12,8 @@
  * failed one raises with the ledger's last entries. */
 #include "fs_py.h"
 
+#include <stddef.h> /* offsetof */
+
 /* The optional last argument of each collective: what it is for (ledger). */
 #define TAG_DOC "\n`tag` (optional) says what it is for, in the ledger and in errors."
 
@@ -342,33 +344,35 @@ static PyObject *Comm_ledger(CommObject *self, PyObject *Py_UNUSED(a))
     return out;
 }
 
-static PyObject *Comm_get_on_failure(CommObject *self, void *c)
+/* on_failure and on_stop: a callable or None, held in the CommObject field
+ * that the getset's closure names. */
+typedef struct {
+    size_t offset; /* of the PyObject * field in CommObject */
+    const char *name;
+} callback_slot;
+
+static const callback_slot on_failure_slot = {offsetof(CommObject, on_failure), "on_failure"};
+static const callback_slot on_stop_slot = {offsetof(CommObject, on_stop), "on_stop"};
+
+static PyObject **callback_field(CommObject *self, const callback_slot *slot)
 {
-    return Py_NewRef(self->on_failure ? self->on_failure : Py_None);
+    return (PyObject **)((char *)self + slot->offset);
 }
 
-static int Comm_set_on_failure(CommObject *self, PyObject *v, void *c)
+static PyObject *Comm_get_callback(CommObject *self, void *c)
 {
+    PyObject *f = *callback_field(self, c);
+    return Py_NewRef(f ? f : Py_None);
+}
+
+static int Comm_set_callback(CommObject *self, PyObject *v, void *c)
+{
+    const callback_slot *slot = c;
     if (v && v != Py_None && !PyCallable_Check(v)) {
-        PyErr_SetString(PyExc_TypeError, "on_failure must be callable or None");
+        PyErr_Format(PyExc_TypeError, "%s must be callable or None", slot->name);
         return -1;
     }
-    Py_XSETREF(self->on_failure, v && v != Py_None ? Py_NewRef(v) : NULL);
-    return 0;
-}
-
-static PyObject *Comm_get_on_stop(CommObject *self, void *c)
-{
-    return Py_NewRef(self->on_stop ? self->on_stop : Py_None);
-}
-
-static int Comm_set_on_stop(CommObject *self, PyObject *v, void *c)
-{
-    if (v && v != Py_None && !PyCallable_Check(v)) {
-        PyErr_SetString(PyExc_TypeError, "on_stop must be callable or None");
-        return -1;
-    }
-    Py_XSETREF(self->on_stop, v && v != Py_None ? Py_NewRef(v) : NULL);
+    Py_XSETREF(*callback_field(self, slot), v && v != Py_None ? Py_NewRef(v) : NULL);
     return 0;
 }
 
@@ -454,15 +458,15 @@ static PyGetSetDef Comm_getset[] = {
      "what the last failed collective met, where the backend can tell: 'dead' (a rank's "
      "process ended), 'absent' (a live rank never came), 'desync' (the ranks are in "
      "different collectives); else None", NULL},
-    {"on_stop", (getter)Comm_get_on_stop, (setter)Comm_set_on_stop,
+    {"on_stop", (getter)Comm_get_callback, (setter)Comm_set_callback,
      "on_stop(comm, why), called once when this rank stops taking part (out of memory), "
-     "after the backend was aborted where it can be; None: no call", NULL},
+     "after the backend was aborted where it can be; None: no call", (void *)&on_stop_slot},
     {"stores_used", (getter)Comm_get_stores_used, NULL,
      "shm: {'cached': n, 'streamed': n}, how many collectives staged their bytes with each "
      "store ([Note: staging stores]); None on other backends", NULL},
-    {"on_failure", (getter)Comm_get_on_failure, (setter)Comm_set_on_failure,
+    {"on_failure", (getter)Comm_get_callback, (setter)Comm_set_callback,
      "on_failure(comm, exc), called after a collective failed (exc is about to be raised); "
-     "None: no call", NULL},
+     "None: no call", (void *)&on_failure_slot},
     {NULL},
 };
 
