@@ -154,8 +154,10 @@ def _call_closure(closure):
 
 def _host_f32(t, n):
     """Whether t is a plain, contiguous float32 CPU tensor of n elements: the
-    check of every step, its cheapest attributes first (t.device costs
-    several times t.is_cpu)."""
+    check of every step, is_dense(t, torch.float32, ("cpu",)) and the size
+    written out, its cheapest attributes first (calling is_dense cost AdamW
+    0.7 us a parameter, 15% of its per-tensor cost; t.device costs several
+    times t.is_cpu)."""
     return type(t) in PLAIN_TYPES and t.dtype is _F32 and t.is_cpu and \
         t.layout is _STRIDED and t.is_contiguous() and t.numel() == n
 

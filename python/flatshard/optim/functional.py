@@ -52,11 +52,11 @@ def tune_report():
     first step, "steps": on the class's own first steps, live_steps of
     them, whose elements the timed runs updated, or "cache": read from the
     cache file), tune_s (seconds spent choosing; on the steps, what the
-    timed runs took beyond the stage's fastest), stored (written to the cache file), busy (measured or stored
-    while the machine was busy: provisional, measured again when it is
-    not), and every measured candidate's score in ns per element with the
-    rounds it ran. A class still being measured on its steps is not
-    listed yet."""
+    timed runs took beyond the stage's fastest), stored (written to the
+    cache file), busy (measured or stored while the machine was busy:
+    provisional, measured again when it is not), and every measured
+    candidate's score in ns per element with the rounds it ran. A class
+    still being measured on its steps is not listed yet."""
     return _C.optim_tune_records()
 
 
