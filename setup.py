@@ -20,12 +20,13 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # csrc/: core (pure arithmetic: layout, casts, reductions), engine (the unit
-# engine, no Python), backends (collectives), optim (CPU optimizers), glue
-# (the CPython module), cuda (kernels and NCCL) and glue/cuda (the CPython
-# module over them). Each folder is on the include path of what it builds,
-# so a header is named by its file alone. flatshard._C takes csrc/glue/*.c
-# only: glue/cuda/ is _C_cuda's.
-C_DIRS = ["core", "engine", "backends", "optim", "glue"]
+# engine, no Python), backends (collectives), optim (CPU optimizers), hooks
+# (the events' sequences and the C over torch objects), glue (the CPython
+# module's types), cuda (kernels and NCCL) and glue/cuda (the CPython module
+# over them). Each folder is on the include path of what it builds,
+# so a header is named by its file alone. flatshard._C takes csrc/hooks/*.c and
+# csrc/glue/*.c: glue/cuda/ is _C_cuda's.
+C_DIRS = ["core", "engine", "backends", "optim", "hooks", "glue"]
 INCLUDE_DIRS = [os.path.join("csrc", d) for d in C_DIRS]
 CUDA_DIRS = ["csrc/cuda", "csrc/glue/cuda"]
 C_FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",

@@ -111,3 +111,81 @@ def test_no_circle_between_c_headers():
                 edges.setdefault(name, set()).add(inc)
     assert edges  # the walk reads includes
     assert _cycles(edges) == []
+
+
+# ---------------------------------------------------------------------------
+# C: files that call each other's functions. A room is one source file with
+# its own header (csrc/hooks/params.c and params.h); room A depends on room B
+# where A includes B's header or calls a function B's source defines. No
+# circle between rooms: an event's sequence (csrc/hooks/) is called by the
+# types around it (csrc/glue/) and calls down into the engine and the glue's
+# translation helpers, never back up.
+
+_C_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+_C_DEFINITION = re.compile(r"^(?!static\b)[A-Za-z_][\w \t\*]*?\b([A-Za-z_]\w*)\s*\([^;{]*\)\s*\{",
+                           re.M)
+_C_CALL = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
+_C_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _c_rooms():
+    """{room: [its files]}, a room being a file's path without its extension
+    (an `_internal.h` is its file's own header too)."""
+    rooms = {}
+    for dirpath, _, files in os.walk(CSRC):
+        for f in files:
+            if f.endswith((".c", ".h", ".cu", ".cuh")):
+                path = os.path.join(dirpath, f)
+                room = os.path.splitext(os.path.relpath(path, CSRC))[0].removesuffix("_internal")
+                rooms.setdefault(room, []).append(path)
+    return rooms
+
+
+def _c_edges():
+    rooms = _c_rooms()
+    text = {r: "".join(_C_COMMENT.sub("", open(p).read()) for p in ps) for r, ps in rooms.items()}
+    # calls are read in sources only: a header's declaration is not a call
+    code = {r: "".join(_C_COMMENT.sub("", open(p).read()) for p in ps if p.endswith((".c", ".cu")))
+            for r, ps in rooms.items()}
+    header_room, defined_in, defines, declares = {}, {}, {}, {}
+    for room, paths in rooms.items():
+        for p in paths:
+            if p.endswith((".h", ".cuh")):
+                header_room.setdefault(os.path.basename(p), set()).add(room)
+        defines[room] = set(_C_DEFINITION.findall(code[room]))
+        declares[room] = set(_C_CALL.findall("".join(_C_COMMENT.sub("", open(p).read())
+                                                     for p in paths if p.endswith(".h"))))
+        for name in defines[room]:
+            defined_in.setdefault(name, set()).add(room)
+    edges = {}
+    for room, src in text.items():
+        for inc in _C_INCLUDE.findall(src):
+            for other in header_room.get(os.path.basename(inc), ()):
+                # a source defining what the header declares implements it:
+                # its own header (engine/unit_reduce.c and unit.h)
+                if other != room and not (defines[room] & declares[other]):
+                    edges.setdefault(room, set()).add(other)
+        for name in set(_C_CALL.findall(code[room])):
+            owners = defined_in.get(name, set())
+            if len(owners) == 1 and room not in owners:  # (a name two rooms define: a test's double)
+                edges.setdefault(room, set()).add(next(iter(owners)))
+    return edges
+
+
+def test_no_circle_between_c_files():
+    edges = _c_edges()
+    # the walk reads both kinds of tie: a call (the events call the engine
+    # group's bind) and an include (the types include their events' headers)
+    assert "glue/py_group" in edges["hooks/shard_events"]
+    assert "hooks/shard_events" in edges["glue/py_event"]
+    assert _cycles(edges) == []
+
+
+def test_the_hooks_define_no_type_and_no_module():
+    """csrc/hooks/ is C over torch objects: no type object, no module init
+    (those are csrc/glue/'s)."""
+    for path in _c_rooms():
+        if path.startswith("hooks" + os.sep):
+            for p in _c_rooms()[path]:
+                src = open(p).read()
+                assert "PyType_Spec" not in src and "PyModuleDef" not in src, p

@@ -302,3 +302,24 @@ int fs_group_owns_part(const fs_group_core *c, const fs_reduce_bucket *b, int i)
 {
     return i >= 0 && i < b->nparts && ((const fs_bucket_owner *)b->part[i].owner)->core == c;
 }
+
+int fs_group_abort_out_of_memory(const fs_group_core *c, fs_comm *comm, int on_device,
+                                 const char *what, const char *err, char *why, size_t nwhy)
+{
+    if (comm->world_size < 2)
+        return 0;
+    snprintf(why, nwhy, "flatshard: rank %d ran out of %s memory during %s of '%s': %s",
+             comm->rank, on_device ? "device" : "host", what, c->name, err);
+    if (comm->ops->abort)
+        comm->ops->abort(comm, why);
+    return 1;
+}
+
+fs_status fs_group_attach_gate(fs_group_core *c, const struct fs_step_gate *gate, int slot)
+{
+    if (gate && c->gate && c->gate != gate)
+        return FS_ERR_INVALID_ARG;
+    c->gate = gate;
+    c->gate_slot = gate ? slot : 0;
+    return FS_OK;
+}

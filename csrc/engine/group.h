@@ -86,6 +86,18 @@ void fs_group_sent_bytes(const fs_group_core *c, unsigned long long *gather,
                          unsigned long long *reduce);
 /* The ledger's and the errors' name from now on (cut to fit). */
 void fs_group_rename(fs_group_core *c, const char *name);
+/* [Note: out of memory on one rank] (glue/py_group.c): this rank's
+ * allocation for `what` failed with `err`: `why` (nwhy bytes) says so,
+ * naming the rank, the memory, the operation and the group, and the Comm is
+ * aborted with it, so the peers' waits fail at once (a backend that cannot
+ * abort leaves them to their timeout). A world of one has nobody to tell:
+ * nothing done, 0; else 1. */
+int fs_group_abort_out_of_memory(const fs_group_core *c, fs_comm *comm, int on_device,
+                                 const char *what, const char *err, char *why, size_t nwhy);
+/* From now on c's gathers wait for `gate`'s slot `slot` ([Note: step before
+ * gather]); FS_ERR_INVALID_ARG (nothing changed) where c waits for
+ * another pipe's gate. NULL detaches it. */
+fs_status fs_group_attach_gate(fs_group_core *c, const struct fs_step_gate *gate, int slot);
 /* The caller's current streams (fs_device.h: set_caller_stream) that the
  * engine calls to come enqueue on, the shard group's and the replicas'
  * (NULL on the host), bound by the host before each call. */

@@ -399,3 +399,11 @@ fs_status fs_unit_reshard(fs_unit *u)
     u->full_unsharded = u->replicated; /* NO_SHARD's full buffer is the shard: kept */
     return FS_OK;
 }
+
+int64_t fs_unit_gathered_bytes(const fs_unit *u)
+{
+    int64_t n = 0;
+    for (int i = 0; i < u->ngroups; i++)
+        n += u->groups[i].padded_numel * (int64_t)fs_dtype_size(u->groups[i].compute);
+    return n;
+}

@@ -149,6 +149,9 @@ int fs_unit_reducing(const fs_unit *u);
  * (not NO_SHARD's or SHARD_OPTIM's all-reduce), no replicas, no offload, not
  * quantized (engine.h); the others reduce at once. */
 int fs_unit_bucketable(const fs_unit *u);
+/* The bytes u's compute buffers hold while gathered (padded, in each
+ * group's compute dtype): what a reshard gives back. */
+int64_t fs_unit_gathered_bytes(const fs_unit *u);
 
 /* What one event asks of the engine besides the state machine's step. */
 typedef struct {

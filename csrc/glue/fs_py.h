@@ -78,7 +78,7 @@ int fs_comm_bind_stream(CommObject *self);
 /* py_env.c: the engine's host table over torch. `empty`: the address
  * of the owner's allocator callable (NULL there: host memory). */
 fs_env fs_glue_env(PyObject **empty);
-/* The engine's view of a Comm (an empty link for NULL): its backend,
+/* py_comm.c: the engine's view of a Comm (an empty link for NULL): its backend,
  * ledger and device table, the GIL handed back around collectives and
  * long loops. The stream is bound per call (py_group.c: fs_glue_group_bind). */
 fs_link fs_glue_link(CommObject *comm);
@@ -95,14 +95,22 @@ PyObject *fs_comm_failed(CommObject *self);
  * the ledger's note (fs_comm_failed), and NULL. */
 PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char *tag);
 
+/* An engine failure as an exception: err's words (a host failure keeps its
+ * own exception), `note` added to it (may be NULL; a reference is not
+ * taken), and the ledger's account when it failed in a collective. NULL. */
+PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObject *comm,
+                         int collective, PyObject *note);
+
 int fs_comm_type_add(PyObject *module, fs_mod_state *st);
 int fs_unit_type_add(PyObject *module, fs_mod_state *st);
 int fs_optim_add(PyObject *module); /* py_optim.c */
 int fs_layout_add(PyObject *module, fs_mod_state *st); /* py_layout.c */
 int fs_divide_add(PyObject *module); /* py_divide.c */
 int fs_shard_group_type_add(PyObject *module, fs_mod_state *st); /* py_shard_group.c */
-int fs_shard_events_add(PyObject *module, fs_mod_state *st); /* py_shard_events.c */
-int fs_unit_events_add(PyObject *module, fs_mod_state *st); /* py_unit_events.c */
+int fs_event_type_add(PyObject *module, fs_mod_state *st); /* py_event.c */
+int fs_arrival_type_add(PyObject *module, fs_mod_state *st); /* py_arrival.c */
+int fs_latch_type_add(PyObject *module, fs_mod_state *st); /* py_latch.c */
+int fs_unit_hook_type_add(PyObject *module, fs_mod_state *st); /* py_unit_hook.c */
 int fs_bucket_type_add(PyObject *module, fs_mod_state *st); /* py_bucket.c */
 /* py_layout.c: a Dim0Entry record; NULL with an exception set. */
 PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e);

@@ -55,7 +55,8 @@ static int module_exec(PyObject *m)
         return -1;
     if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
         fs_layout_add(m, st) < 0 || fs_divide_add(m) < 0 || fs_shard_group_type_add(m, st) < 0 ||
-        fs_shard_events_add(m, st) < 0 || fs_unit_events_add(m, st) < 0 ||
+        fs_latch_type_add(m, st) < 0 || fs_arrival_type_add(m, st) < 0 ||
+        fs_event_type_add(m, st) < 0 || fs_unit_hook_type_add(m, st) < 0 ||
         fs_bucket_type_add(m, st) < 0 || fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
         fs_kernels_add(m) < 0 || fs_quant_add(m) < 0 ||
         fs_offload_pipe_type_add(m) < 0 || fs_eager_type_add(m) < 0 || add_constants(m) < 0)

@@ -5,7 +5,7 @@
  * at engine objects that only their model keeps alive. Its owners fill and
  * flush it (Unit.event(bucket=...), ShardGroup.reduce(bucket=...),
  * flush_bucket, cancel_bucket). */
-#include "py_unit.h"
+#include "py_bucket.h"
 
 typedef struct {
     PyObject_HEAD

@@ -498,3 +498,35 @@ int fs_comm_type_add(PyObject *module, fs_mod_state *st)
         return -1;
     return PyModule_AddObjectRef(module, "Comm", st->CommType);
 }
+
+/* ---------------------------------------------------------------------------
+ * what the engine's callers share: a Comm as the engine sees it, a failure as an exception */
+
+static void *glue_unlock(void) { return PyEval_SaveThread(); }
+static void glue_lock(void *saved) { PyEval_RestoreThread(saved); }
+
+fs_link fs_glue_link(CommObject *comm)
+{
+    fs_link l = {0};
+    if (comm)
+        l = (fs_link){comm->comm, &comm->ledger, comm->dev, NULL, glue_unlock, glue_lock};
+    return l;
+}
+
+PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObject *comm,
+                         int collective, PyObject *note)
+{
+    if (s == FS_ERR_HOST && !PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "flatshard: a torch call failed without an error");
+    fs_raise(fs_state_from_type(tp), s, "%s", err);
+    if (note) { /* a failed note must not hide the real error */
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyErr_NormalizeException(&t, &v, &tb);
+        PyObject *r = v ? PyObject_CallMethod(v, "add_note", "O", note) : NULL;
+        Py_XDECREF(r);
+        PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+    }
+    return collective ? fs_comm_failed(comm) : NULL;
+}

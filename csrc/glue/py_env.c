@@ -1,14 +1,13 @@
 /* py_env.c - the engine's host table (engine.h) over torch: tensors'
  * data pointers, storages given and taken their bytes ([Note: pooled
  * storage] in py_pool.c), memory for one operation, references held
- * across a deferred collective; and the engine's view of a Comm (its link)
- * and an engine failure as an exception. Engine calls run with the GIL held
+ * across a deferred collective. Engine calls run with the GIL held
  * (the engine hands it back around collectives and long loops: the links'
  * unlock/lock); so do these entries. Every handle the engine releases is a
  * Python object: a tensor, or a capsule over host memory. ctx is the
  * address of the owner's `empty` (device memory from it; NULL: host
  * memory). */
-#include "py_unit.h"
+#include "py_pool.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -86,36 +85,4 @@ static void *env_hold(void *ctx, void *tensor)
 fs_env fs_glue_env(PyObject **empty)
 {
     return (fs_env){empty, env_data, env_set_storage, env_take, env_release, env_hold};
-}
-
-/* ---------------------------------------------------------------------------
- * what the engine's callers share (py_comm.c, py_unit.c, py_shard_group.c) */
-
-static void *glue_unlock(void) { return PyEval_SaveThread(); }
-static void glue_lock(void *saved) { PyEval_RestoreThread(saved); }
-
-fs_link fs_glue_link(CommObject *comm)
-{
-    fs_link l = {0};
-    if (comm)
-        l = (fs_link){comm->comm, &comm->ledger, comm->dev, NULL, glue_unlock, glue_lock};
-    return l;
-}
-
-PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObject *comm,
-                         int collective, PyObject *note)
-{
-    if (s == FS_ERR_HOST && !PyErr_Occurred())
-        PyErr_SetString(PyExc_RuntimeError, "flatshard: a torch call failed without an error");
-    fs_raise(fs_state_from_type(tp), s, "%s", err);
-    if (note) { /* a failed note must not hide the real error */
-        PyObject *t, *v, *tb;
-        PyErr_Fetch(&t, &v, &tb);
-        PyErr_NormalizeException(&t, &v, &tb);
-        PyObject *r = v ? PyObject_CallMethod(v, "add_note", "O", note) : NULL;
-        Py_XDECREF(r);
-        PyErr_Clear();
-        PyErr_Restore(t, v, tb);
-    }
-    return collective ? fs_comm_failed(comm) : NULL;
 }

@@ -4,7 +4,9 @@
  * for an engine call, the along and bucket arguments, an engine failure as
  * an exception, and the getters over the engine's group core
  * (engine/group.h). Not a type of its own. */
-#include "py_unit.h"
+#include "py_group.h"
+
+#include "py_bucket.h"
 
 #include <stdio.h>
 
@@ -100,20 +102,12 @@ int fs_glue_group_bind(GroupObject *self)
 static void tell_peers(GroupObject *self, const char *what, const char *err)
 {
     CommObject *co = self->comm;
-    fs_comm *c = co->comm;
-    if (c->world_size < 2 || co->stopped)
+    char why[512];
+    if (co->stopped ||
+        !fs_group_abort_out_of_memory(self->core, co->comm, co->dev != NULL, what, err, why,
+                                      sizeof why))
         return;
     co->stopped = 1;
-    const char *name = PyUnicode_AsUTF8(self->name);
-    if (!name) {
-        PyErr_Clear();
-        name = "?";
-    }
-    char why[512];
-    snprintf(why, sizeof why, "flatshard: rank %d ran out of %s memory during %s of '%s': %s",
-             c->rank, co->dev ? "device" : "host", what, name, err);
-    if (c->ops->abort)
-        c->ops->abort(c, why);
     if (co->on_stop) {
         /* The caller's exception (the allocation's) is what the user sees: a
          * store that cannot take the note (gone with a dead peer) must not

@@ -5,7 +5,7 @@
  * attach to slots) and calls the engine; the queue, the worker, the bound
  * and the waits are the engine's. The groups attached are kept alive here
  * and detached (their core's gate cleared) at close() or dealloc. */
-#include "py_unit.h"
+#include "group_object.h"
 
 #include "offload_pipe.h"
 #include "optim.h"
@@ -58,7 +58,7 @@ static void pipe_close(PipeObject *self)
     for (int i = 0; self->attached && i < self->nslots; i++) {
         PyObject *g = self->attached[i];
         if (g) {
-            FS_GROUP(g)->core->gate = NULL;
+            fs_group_attach_gate(FS_GROUP(g)->core, NULL, 0);
             self->attached[i] = NULL;
             Py_DECREF(g);
         }
@@ -115,18 +115,14 @@ static PyObject *Pipe_attach(PipeObject *self, PyObject *args)
         return PyErr_Format(PyExc_TypeError, "OffloadPipe.attach: group must be a "
                             "flatshard._C.Unit or ShardGroup, not %s", Py_TYPE(g)->tp_name);
     fs_group_core *core = FS_GROUP(g)->core;
-    const fs_step_gate *gate = fs_offload_pipe_gate(self->p);
-    if (core->gate && core->gate != gate)
+    if (fs_group_attach_gate(core, fs_offload_pipe_gate(self->p), slot) != FS_OK)
         return PyErr_Format(PyExc_ValueError, "OffloadPipe.attach: group '%s' is attached to "
                             "another pipe", core->name);
     PyObject *old = self->attached[slot];
     if (old && old != g)
-        FS_GROUP(old)->core->gate = NULL;
-    Py_INCREF(g);
-    self->attached[slot] = g;
+        fs_group_attach_gate(FS_GROUP(old)->core, NULL, 0);
+    self->attached[slot] = Py_NewRef(g);
     Py_XDECREF(old);
-    core->gate = gate;
-    core->gate_slot = slot;
     Py_RETURN_NONE;
 }
 

@@ -14,7 +14,7 @@
  * of flatshard reads as "resharded". Device units keep storage resize_
  * (torch's caching allocator already reuses device blocks). Host blocks come
  * from the process's pool (pool.h: fs_pool_process). */
-#include "py_unit.h"
+#include "py_pool.h"
 
 #include <stdlib.h>
 #ifdef __GLIBC__

@@ -3,7 +3,10 @@
  * objects behind the handles; the engine does the work. As for units
  * (py_unit.c), engine calls are made with the GIL held and the engine hands
  * it back around collectives and long host loops (the links' unlock). */
-#include "py_shard_group.h"
+#include "shard_events.h"
+
+#include "py_bucket.h"
+#include "py_group.h"
 
 #include <limits.h>
 #include <stddef.h>
@@ -11,7 +14,7 @@
 #include <string.h>
 #include <structmember.h>
 
-PyObject *fs_glue_shard_done(ShardGroupObject *self, fs_status s)
+static PyObject *done(ShardGroupObject *self, fs_status s)
 {
     if (s == FS_OK)
         Py_RETURN_NONE;
@@ -21,11 +24,6 @@ PyObject *fs_glue_shard_done(ShardGroupObject *self, fs_status s)
         "flatshard: during %s of fully_shard group '%U' (rank %d of %d)",
         g->err_what ? g->err_what : "an operation", self->name, c->rank, c->world_size);
     return fs_glue_group_failed(FS_GROUP(self), s, g->err_collective, n);
-}
-
-static PyObject *done(ShardGroupObject *self, fs_status s)
-{
-    return fs_glue_shard_done(self, s);
 }
 
 static PyObject *group_done(GroupObject *self, fs_status s)
@@ -399,42 +397,6 @@ PyDoc_STRVAR(reduce_grads_doc,
              "Returns 0: no gradient, nothing done; 1: done, gradients set and hooks run;\n"
              "2: left to finish (deferred, held or in the bucket: finish_reduce()); None: a\n"
              "gradient is not a plain tensor, nothing done (hand its values in grads).");
-PyObject *fs_glue_shard_reduce(ShardGroupObject *self, PyObject *over, int defer, int reshard,
-                                fs_reduce_bucket *bucket)
-{
-    fs_grads *q = &self->grads;
-    PyObject *keep = NULL;
-    int c = fs_grads_collect(q, &self->params, over, &keep);
-    if (c < 0)
-        return NULL;
-    if (c == FS_GRADS_ASK)
-        Py_RETURN_NONE;
-    if (c == FS_GRADS_NONE)
-        return PyLong_FromLong(0);
-    PyObject *r = NULL;
-    if (fs_glue_group_bind(FS_GROUP(self)) < 0)
-        goto out;
-    const unsigned fl = (defer ? FS_SHARD_DEFER : 0) | (q->all_reduce ? 0 : FS_SHARD_NO_ALL_REDUCE) |
-                        (q->hold && q->all_reduce ? FS_SHARD_HOLD : 0) |
-                        (q->force_sum ? FS_SHARD_FORCE_SUM : 0) |
-                        (reshard ? FS_SHARD_RESHARD : 0);
-    r = done(self, fs_shard_reduce(&self->g, q->gh, q->gt, q->oh, q->ot, q->acc, q->factor, fl,
-                                   bucket));
-    if (!r) {
-        fs_grads_drop(q);
-        goto out;
-    }
-    Py_DECREF(r);
-    if (bucket || self->g.core.reduce_pending) {
-        r = PyLong_FromLong(2);
-        goto out;
-    }
-    r = fs_grads_finish(q, &self->params) < 0 ? NULL : PyLong_FromLong(1);
-out:
-    Py_XDECREF(keep);
-    return r;
-}
-
 static PyObject *ShardGroup_reduce_grads(ShardGroupObject *self, PyObject *const *args,
                                          Py_ssize_t nargs)
 {
@@ -451,7 +413,7 @@ static PyObject *ShardGroup_reduce_grads(ShardGroupObject *self, PyObject *const
             return PyErr_Format(PyExc_ValueError, "reduce_grads: bucket is for host Comms, "
                                 "without defer");
     }
-    return fs_glue_shard_reduce(self, args[0], defer, reshard, bucket);
+    return fs_hooks_shard_reduce(self, args[0], defer, reshard, bucket);
 }
 
 static PyObject *ShardGroup_wait_reduce(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -663,14 +625,14 @@ static PyObject *ShardGroup_set_post_backward(ShardGroupObject *self, PyObject *
 
 static PyObject *ShardGroup_post_backward(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    fs_glue_shard_clear_arrived(self);
-    int r = fs_glue_shard_post_backward(self);
+    fs_hooks_shard_clear_arrived(self);
+    int r = fs_hooks_shard_post_backward(self);
     return r < 0 ? NULL : PyBool_FromLong(r);
 }
 
 static PyObject *ShardGroup_clear_arrived(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    fs_glue_shard_clear_arrived(self);
+    fs_hooks_shard_clear_arrived(self);
     Py_RETURN_NONE;
 }
 

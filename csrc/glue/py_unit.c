@@ -10,6 +10,10 @@
  * torch-side work the returned actions leave (parameter views, hooks). */
 #include "py_unit.h"
 
+#include "py_bucket.h"
+#include "py_group.h"
+#include "unit_events.h"
+
 #include <stddef.h>
 #include <stdlib.h>
 #include <structmember.h>
@@ -479,7 +483,7 @@ static int Unit_set_prev(UnitObject *self, PyObject *v, void *c)
 static PyObject *Unit_get_gathered_bytes(UnitObject *self, void *c)
 {
     (void)c;
-    return PyLong_FromLongLong(fs_glue_unit_gathered_bytes(self));
+    return PyLong_FromLongLong(fs_unit_gathered_bytes(&self->u));
 }
 
 PyDoc_STRVAR(prefetch_previous_doc,
@@ -488,7 +492,7 @@ PyDoc_STRVAR(prefetch_previous_doc,
              "as its own.");
 static PyObject *Unit_prefetch_previous(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    return fs_glue_unit_prefetch_previous(self) < 0 ? NULL : Py_NewRef(Py_None);
+    return fs_hooks_unit_prefetch_previous(self) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 PyDoc_STRVAR(released_doc,
@@ -497,7 +501,7 @@ PyDoc_STRVAR(released_doc,
              "heap trim ([Note: heap trim]).");
 static PyObject *Unit_released(UnitObject *self, PyObject *Py_UNUSED(a))
 {
-    return fs_glue_unit_released(self) < 0 ? NULL : Py_NewRef(Py_None);
+    return fs_hooks_unit_released(self) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *Unit_set_comm_quant(UnitObject *self, PyObject *args)

@@ -21,7 +21,7 @@ CSRC = ROOT / "csrc"
 CUDA = CSRC / "cuda"
 CUDA_GLUE = CSRC / "glue" / "cuda"  # flatshard._C_cuda's CPython glue
 # setup.py's C folders, each on the include path
-C_DIRS = [CSRC / d for d in ("core", "engine", "backends", "optim", "glue")]
+C_DIRS = [CSRC / d for d in ("core", "engine", "backends", "optim", "hooks", "glue")]
 # The device table's name in this build: flatshard's Python layer treats
 # "cuda" Comms as moving CUDA tensors; these move host memory.
 DEVICE_NAME = "cuda-on-host"

@@ -1,22 +1,20 @@
-/* py_cuda.c - flatshard._C_cuda: the CUDA kernels and the NCCL backend of
- * csrc/cuda/ for Python, and their device table (cuda/device_cuda.c) as a
- * capsule for flatshard._C.
+/* py_cuda.c - flatshard._C_cuda's functions: the CUDA kernels and the NCCL
+ * loader of csrc/cuda/ for Python (module_cuda.c adds them, the NcclComm
+ * type and the device table's capsule for flatshard._C).
  *
  * Same conventions as flatshard._C: buffers cross as data pointers (ints
  * from Tensor.data_ptr()) with element counts and dtype codes, checked by
- * python/flatshard/cuda.py; streams cross as ints (torch's
+ * python/flatshard/runtime/cuda.py; streams cross as ints (torch's
  * Stream.cuda_stream). Kernels are only enqueued: errors surface here as
  * CudaError naming the op; a failed NCCL call raises NcclError naming the
  * collective and what it was for. Importing this module touches no GPU (the
  * CUDA runtime is linked statically and starts at the first call). */
 #include "py_cuda.h"
 
-static PyModuleDef cuda_module_def;
-
 static cuda_state *state_of_module(PyObject *m) { return PyModule_GetState(m); }
 cuda_state *fs_cuda_state_of_type(PyTypeObject *tp)
 {
-    return PyModule_GetState(PyType_GetModuleByDef(tp, &cuda_module_def));
+    return PyModule_GetState(PyType_GetModuleByDef(tp, &fs_cuda_module_def));
 }
 
 static PyObject *cuda_raise(PyObject *m, const char *op, cudaError_t e)
@@ -238,10 +236,10 @@ static PyObject *py_norm_partial(PyObject *m, PyObject *args)
 }
 
 /* ---------------------------------------------------------------------------
- * module */
+ * the module's functions */
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
-static PyMethodDef module_methods[] = {
+static PyMethodDef kernel_methods[] = {
     {"runtime_info", py_runtime_info, METH_NOARGS, runtime_info_doc},
     {"nccl_load", py_nccl_load, METH_VARARGS, nccl_load_doc},
     {"nccl_version", py_nccl_version, METH_NOARGS, "nccl_version() -> loaded NCCL's code, or 0"},
@@ -256,61 +254,7 @@ static PyMethodDef module_methods[] = {
     {NULL},
 };
 
-static int module_exec(PyObject *m)
+int fs_cuda_kernels_add(PyObject *module)
 {
-    cuda_state *st = state_of_module(m);
-    st->CudaError = PyErr_NewExceptionWithDoc("flatshard._C_cuda.CudaError",
-                                              "A CUDA error in a flatshard kernel or call.",
-                                              PyExc_RuntimeError, NULL);
-    if (!st->CudaError || PyModule_AddObjectRef(m, "CudaError", st->CudaError) < 0)
-        return -1;
-    st->NcclError = PyErr_NewExceptionWithDoc("flatshard._C_cuda.NcclError",
-                                              "An NCCL error (the message names the collective).",
-                                              st->CudaError, NULL);
-    if (!st->NcclError || PyModule_AddObjectRef(m, "NcclError", st->NcclError) < 0)
-        return -1;
-    if (fs_nccl_type_add(m, st) < 0)
-        return -1;
-    if (PyModule_AddIntConstant(m, "SEGMENTS_PER_LAUNCH", FS_CUDA_SEGMENTS) < 0)
-        return -1;
-    PyObject *api = PyCapsule_New((void *)&fs_cuda_device_api, FS_DEVICE_API_CAPSULE, NULL);
-    int rc = api ? PyModule_AddObjectRef(m, "device_api", api) : -1;
-    Py_XDECREF(api);
-    return rc;
+    return PyModule_AddFunctions(module, kernel_methods);
 }
-
-static int module_traverse(PyObject *m, visitproc visit, void *arg)
-{
-    cuda_state *st = state_of_module(m);
-    Py_VISIT(st->CudaError);
-    Py_VISIT(st->NcclError);
-    Py_VISIT(st->NcclCommType);
-    return 0;
-}
-
-static int module_clear(PyObject *m)
-{
-    cuda_state *st = state_of_module(m);
-    Py_CLEAR(st->CudaError);
-    Py_CLEAR(st->NcclError);
-    Py_CLEAR(st->NcclCommType);
-    return 0;
-}
-
-static PyModuleDef_Slot module_slots[] = {
-    {Py_mod_exec, module_exec},
-    {0, NULL},
-};
-
-static PyModuleDef cuda_module_def = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "flatshard._C_cuda",
-    .m_doc = "flatshard's CUDA kernels and NCCL backend (device pointers, explicit streams).",
-    .m_size = sizeof(cuda_state),
-    .m_methods = module_methods,
-    .m_slots = module_slots,
-    .m_traverse = module_traverse,
-    .m_clear = module_clear,
-};
-
-PyMODINIT_FUNC PyInit__C_cuda(void) { return PyModuleDef_Init(&cuda_module_def); }

@@ -1,16 +1,17 @@
-/* py_shard_group.h - flatshard._C.ShardGroup's object, shared by its type
- * (py_shard_group.c: argument parsing, the engine calls one by one) and its
- * plain events (py_shard_events.c: the hook objects torch calls, and the one
- * implementation of each event's plain path). */
-#ifndef FS_PY_SHARD_GROUP_H
-#define FS_PY_SHARD_GROUP_H
+/* shard_group_object.h - flatshard._C.ShardGroup's object: the engine's
+ * fs_shard_group (engine/shard_group.h) and what Python handed around it.
+ * The layout only, shared by its type (py_shard_group.c: argument parsing,
+ * the engine calls one by one) and its events (hooks/shard_events.c, whose
+ * hook types are py_event.c and py_arrival.c). */
+#ifndef FS_SHARD_GROUP_OBJECT_H
+#define FS_SHARD_GROUP_OBJECT_H
 
-#include "py_grads.h"
-#include "py_params.h"
-#include "py_unit.h"
+#include "grads.h"
+#include "group_object.h"
+#include "params.h"
 #include "shard_group.h"
 
-/* [Note: plain events] (py_shard_events.c): which of a state's events may
+/* [Note: plain events] (hooks/shard_events.c): which of a state's events may
  * take the plain path, as Python decides them where what they depend on
  * changes (fsdp2/state.py FSDPState.hand_plain). Every one also means: the
  * state's lean events (not the root, host Comms, no gather-ahead, no cast),
@@ -29,8 +30,8 @@ typedef struct {
     fs_shard_group g;
     PyObject *shards;      /* tuple: the local shards (tensor handles point into it) */
     PyObject *full, *storage;
-    fs_params params;      /* the registration on the modules (py_params.h) */
-    fs_grads grads;        /* the reduction's tensors (py_grads.h) */
+    fs_params params;      /* the registration on the modules (hooks/params.h) */
+    fs_grads grads;        /* the reduction's tensors (hooks/grads.h) */
     /* [Note: plain events]: what Python handed, and this backward's arrivals */
     int plain;             /* FS_PLAIN_* */
     int sums;              /* Python keeps reduce-dtype sums of backwards without sync */
@@ -41,19 +42,5 @@ typedef struct {
     PyObject *watch;       /* tuple of callables: any true, and a profiler or mode watches */
     PyObject *weakrefs;
 } ShardGroupObject;
-
-/* py_shard_group.c */
-/* None for FS_OK, else the group's exception (its note names the group). */
-PyObject *fs_glue_shard_done(ShardGroupObject *self, fs_status s);
-/* reduce_grads' reduction (its doc): None (Python must hand the gradients),
- * 0, 1 or 2; NULL with an exception set. */
-PyObject *fs_glue_shard_reduce(ShardGroupObject *self, PyObject *over, int defer, int reshard,
-                               fs_reduce_bucket *bucket);
-
-/* py_shard_events.c */
-void fs_glue_shard_clear_arrived(ShardGroupObject *self);
-/* The plain post-backward: 1 done, 0 not plain now (nothing done), -1 with
- * an exception set. */
-int fs_glue_shard_post_backward(ShardGroupObject *self);
 
 #endif

@@ -1,4 +1,4 @@
-/* py_params.h - the parameters a fully_shard group registers on its modules
+/* params.h - the parameters a fully_shard group registers on its modules
  * (flatshard._C.ShardGroup's half that is about Python objects, not the
  * engine): which module dicts hold each parameter, the sharded and the
  * unsharded parameters, and the registration's plain path run from these
@@ -18,8 +18,8 @@
  * tests cannot decide (a local tensor with attributes, a parameter whose class
  * gathers for itself) is left to Python's check (ParamGroup.sync_registered),
  * the one place that decides such a case. */
-#ifndef FS_PY_PARAMS_H
-#define FS_PY_PARAMS_H
+#ifndef FS_HOOKS_PARAMS_H
+#define FS_HOOKS_PARAMS_H
 
 #include "fs_py.h"
 

@@ -1,4 +1,4 @@
-/* py_grads.h - the gradients a fully_shard group reduces (flatshard._C.ShardGroup's
+/* grads.h - the gradients a fully_shard group reduces (flatshard._C.ShardGroup's
  * reduce_grads and finish_reduce): which tensors the engine's reduction
  * reads and writes, found from the parameters py_params.h holds, and the
  * new sharded gradients set on the parameters afterwards.
@@ -20,10 +20,10 @@
  * subclass's values; it hands those in place of the .grad and calls the
  * same method. A gradient that is none of those and not plain makes the
  * method answer before it changed anything, so that Python hands it. */
-#ifndef FS_PY_GRADS_H
-#define FS_PY_GRADS_H
+#ifndef FS_HOOKS_GRADS_H
+#define FS_HOOKS_GRADS_H
 
-#include "py_params.h"
+#include "params.h"
 
 typedef struct {
     int n;
