@@ -75,9 +75,6 @@ typedef struct {
  * for host Comms. -1 with an exception set if stream_fn failed. */
 int fs_comm_bind_stream(CommObject *self);
 
-/* py_env.c: the engine's host table over torch. `empty`: the address
- * of the owner's allocator callable (NULL there: host memory). */
-fs_env fs_glue_env(PyObject **empty);
 /* py_comm.c: the engine's view of a Comm (an empty link for NULL): its backend,
  * ledger and device table, the GIL handed back around collectives and
  * long loops. The stream is bound per call (py_group.c: fs_glue_group_bind). */

@@ -11,6 +11,7 @@
  * (ledger.h) by FS_LINK_RUN, with float32 staging lent by fs_link_lend; a
  * failed one raises with the ledger's last entries. */
 #include "fs_py.h"
+#include "env.h"
 
 #include <stddef.h> /* offsetof */
 
@@ -210,7 +211,7 @@ static PyObject *collective(CommObject *self, const coll_args *a)
     const long long staged = a->op == FS_LOP_REDUCE_SCATTER ? a->count * self->comm->world_size
                                                             : a->count;
     const int reduces = a->op == FS_LOP_REDUCE_SCATTER || a->op == FS_LOP_ALL_REDUCE;
-    const fs_env env = fs_glue_env(&self->empty);
+    const fs_env env = fs_hooks_env(&self->empty);
     fs_link l = fs_glue_link(self);
     void *ws = NULL;
     if (fs_comm_bind_stream(self) < 0 ||
@@ -313,7 +314,7 @@ static PyObject *Comm_quantized(CommObject *self, PyObject *args)
         return fs_comm_done(self, FS_ERR_INVALID_ARG, op, tag);
     if (self->dev)
         return PyErr_Format(PyExc_ValueError, "quantized: host Comms only");
-    const fs_env env = fs_glue_env(&self->empty);
+    const fs_env env = fs_hooks_env(&self->empty);
     fs_status s = gather ? fs_link_all_gather_quant(&l, &env, tag, (void *)sp, (void *)rp, count,
                                                     dtype)
                          : fs_link_reduce_scatter_quant(&l, &env, tag, (void *)sp, (void *)rp,

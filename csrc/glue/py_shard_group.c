@@ -4,6 +4,7 @@
  * (py_unit.c), engine calls are made with the GIL held and the engine hands
  * it back around collectives and long host loops (the links' unlock). */
 #include "shard_events.h"
+#include "env.h"
 
 #include "py_bucket.h"
 #include "py_group.h"
@@ -84,7 +85,7 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         goto out;
     fs_glue_group_init(FS_GROUP(self), &self->g.core, group_done, name, comm, replicate,
                        empty);
-    fs_status s = fs_shard_init(&self->g, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
+    fs_status s = fs_shard_init(&self->g, PyUnicode_AsUTF8(name), fs_hooks_env(&self->empty),
                                fs_glue_link(self->comm), fs_glue_link(self->replicate), (int)n,
                                ou, d0, rn, gi, align, cdt, rdt);
     self->ready = 1;

@@ -9,6 +9,7 @@
  * it asks (gather, free, reduce) in the same call; the caller does only the
  * torch-side work the returned actions leave (parameter views, hooks). */
 #include "py_unit.h"
+#include "env.h"
 
 #include "py_bucket.h"
 #include "py_group.h"
@@ -138,7 +139,7 @@ static PyObject *Unit_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         g->padded_numel = pn;
     }
     Py_CLEAR(seq);
-    fs_status s = fs_unit_init(&self->u, PyUnicode_AsUTF8(name), fs_glue_env(&self->empty),
+    fs_status s = fs_unit_init(&self->u, PyUnicode_AsUTF8(name), fs_hooks_env(&self->empty),
                                fs_glue_link(self->comm), fs_glue_link(self->replicate),
                                strategy, grad_mask, gs, (int)n, offload);
     self->ready = 1;

@@ -1,13 +1,15 @@
-/* py_env.c - the engine's host table (engine.h) over torch: tensors'
+/* env.c - the engine's host table (engine.h) over torch: tensors'
  * data pointers, storages given and taken their bytes ([Note: pooled
- * storage] in py_pool.c), memory for one operation, references held
+ * storage] in storage.c), memory for one operation, references held
  * across a deferred collective. Engine calls run with the GIL held
  * (the engine hands it back around collectives and long loops: the links'
  * unlock/lock); so do these entries. Every handle the engine releases is a
  * Python object: a tensor, or a capsule over host memory. ctx is the
  * address of the owner's `empty` (device memory from it; NULL: host
  * memory). */
-#include "py_pool.h"
+#include "env.h"
+
+#include "storage.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -22,7 +24,7 @@ static fs_status env_data(void *ctx, void *tensor, void **ptr)
 static fs_status env_set_storage(void *ctx, void *storage, int64_t nbytes, void **data)
 {
     PyObject *empty = *(PyObject **)ctx;
-    int rc = fs_glue_set_storage((PyObject *)storage, nbytes, empty != NULL);
+    int rc = fs_hooks_set_storage((PyObject *)storage, nbytes, empty != NULL);
     *data = NULL;
     return rc < 0 ? FS_ERR_HOST : FS_OK;
 }
@@ -34,7 +36,7 @@ static void host_free(PyObject *cap)
 }
 static void staging_free(PyObject *cap)
 {
-    fs_glue_give_staging(PyCapsule_GetPointer(cap, "flatshard.staging"));
+    fs_hooks_give_staging(PyCapsule_GetPointer(cap, "flatshard.staging"));
 }
 
 static fs_status env_take(void *ctx, int64_t nbytes, unsigned flags, void **data, void **handle)
@@ -53,11 +55,11 @@ static fs_status env_take(void *ctx, int64_t nbytes, unsigned flags, void **data
         if (h && fs_tensor_ptr(h, &p) < 0)
             Py_CLEAR(h);
     } else if (flags & (FS_TAKE_TRANSIENT | FS_TAKE_STAGING)) { /* staging: the pool's */
-        if ((p = fs_glue_take_staging(nbytes))) {
+        if ((p = fs_hooks_take_staging(nbytes))) {
             if (flags & FS_TAKE_ZERO)
                 memset(p, 0, (size_t)nbytes);
             if (!(h = PyCapsule_New(p, "flatshard.staging", staging_free)))
-                fs_glue_give_staging(p);
+                fs_hooks_give_staging(p);
         }
     } else {
         p = flags & FS_TAKE_ZERO ? calloc(1, (size_t)nbytes) : malloc((size_t)nbytes);
@@ -82,7 +84,7 @@ static void *env_hold(void *ctx, void *tensor)
     return tensor;
 }
 
-fs_env fs_glue_env(PyObject **empty)
+fs_env fs_hooks_env(PyObject **empty)
 {
     return (fs_env){empty, env_data, env_set_storage, env_take, env_release, env_hold};
 }
