@@ -14,7 +14,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
 from flatshard import BackwardPrefetch, FullyShardedDataParallel, ModuleWrapPolicy
 from flatshard.fsdp.unit import fsdp_units
 from test_fully_shard_torch_flows import Block
-from test_lean_events import _net
+from test_event_paths import _net
 
 TIMEOUT = 240
 

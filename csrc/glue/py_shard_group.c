@@ -626,9 +626,7 @@ static PyObject *ShardGroup_set_post_backward(ShardGroupObject *self, PyObject *
 
 static PyObject *ShardGroup_post_backward(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    fs_hooks_shard_clear_arrived(self);
-    int r = fs_hooks_shard_post_backward(self);
-    return r < 0 ? NULL : PyBool_FromLong(r);
+    return fs_hooks_shard_post_backward(self) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyObject *ShardGroup_clear_arrived(ShardGroupObject *self, PyObject *Py_UNUSED(a))
@@ -649,10 +647,10 @@ static PyMethodDef ShardGroup_methods[] = {
     {"set_post_backward", (PyCFunction)ShardGroup_set_post_backward, METH_VARARGS,
      set_post_backward_doc},
     {"post_backward", (PyCFunction)ShardGroup_post_backward, METH_NOARGS,
-     "post_backward() -> bool: this backward's arrivals forgotten, then the plain\n"
-     "post-backward (the reduction, the unsharded buffer freed, the sharded parameters\n"
-     "registered) where it applies now: True; False where the caller's path must run\n"
-     "([Note: plain events] in py_shard_events.c)."},
+     "post_backward(): this backward's arrivals forgotten, then the post-backward: the\n"
+     "plain one (the reduction, the unsharded buffer freed, the sharded parameters\n"
+     "registered) where it applies now, else the state's (set_post_backward's fallback;\n"
+     "[Note: plain events] in hooks/shard_events.c)."},
     {"clear_arrived", (PyCFunction)ShardGroup_clear_arrived, METH_NOARGS,
      "clear_arrived(): no gradient of this backward counted as arrived."},
     {"set_comm_quant", (PyCFunction)ShardGroup_set_comm_quant, METH_VARARGS,

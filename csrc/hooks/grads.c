@@ -5,6 +5,8 @@
  * _local_tensor, _post_accumulate_grad_hooks). */
 #include "grads.h"
 
+#include "tensor.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -157,17 +159,6 @@ static PyObject *new_shard(const fs_grads *q, PyObject *local)
     return r;
 }
 
-static int requires_grad(PyObject *t)
-{
-    static PyObject *s_rg;
-    PyObject *v = FS_NAME(s_rg, "requires_grad") ? PyObject_GetAttr(t, s_rg) : NULL;
-    if (!v)
-        return -1;
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
-}
-
 /* Parameter i's gradient and output into q's scratch. The references go
  * into keep; the parameters whose .grad to drop into drop; a new shard's
  * (i, out) into fresh, the sharded parameter written into written. Returns
@@ -219,7 +210,7 @@ static int collect_one(fs_grads *q, const fs_params *p, int i, PyObject *over, P
         q->gh[i] = g;
     }
     int takes = g != NULL;
-    if (!takes && q->unused && (takes = requires_grad(sp)) < 0)
+    if (!takes && q->unused && (takes = fs_hooks_requires_grad(sp)) < 0)
         return -1;
     if (!takes || !q->all_reduce)
         return takes;
@@ -346,21 +337,11 @@ static PyObject *dtensor(const fs_grads *q, PyObject *out, PyObject *spec, PyObj
 }
 
 /* Whether any of params has a post-accumulate-grad hook; -1 with an exception. */
-static int hooks_due(PyObject *params)
+/* 1: a parameter of the list has post-accumulate-grad hooks; 0: none; -1 */
+static int any_hooks_due(PyObject *params)
 {
-    static PyObject *s_hooks;
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(params); j++) {
-        PyObject *sp = PyList_GET_ITEM(params, j);
-        PyObject *h = FS_NAME(s_hooks, "_post_accumulate_grad_hooks")
-            ? PyObject_GetAttr(sp, s_hooks) : NULL;
-        if (!h) {
-            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-                return -1;
-            PyErr_Clear();
-            continue;
-        }
-        int due = h != Py_None && PyObject_IsTrue(h);
-        Py_DECREF(h);
+        int due = fs_hooks_grad_hooks_due(PyList_GET_ITEM(params, j));
         if (due)
             return due;
     }
@@ -392,7 +373,7 @@ int fs_grads_finish(fs_grads *q, const fs_params *p)
         if (s < 0)
             goto out;
     }
-    int due = hooks_due(written);
+    int due = any_hooks_due(written);
     if (due < 0)
         goto out;
     if (due) {

@@ -5,6 +5,8 @@
  * the same way). */
 #include "params.h"
 
+#include "tensor.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -149,17 +151,6 @@ int fs_params_register_sharded(fs_params *p)
 }
 
 /* A tensor's requires_grad as 0 or 1, -1 with an exception. */
-static int requires_grad(PyObject *t)
-{
-    static PyObject *name;
-    PyObject *v = FS_NAME(name, "requires_grad") ? PyObject_GetAttr(t, name) : NULL;
-    if (!v)
-        return -1;
-    int r = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
-}
-
 int fs_params_register_unsharded(fs_params *p)
 {
     static PyObject *name;
@@ -170,13 +161,13 @@ int fs_params_register_unsharded(fs_params *p)
     int trainable = 0;
     for (int i = 0; i < p->n; i++) {
         PyObject *up = PyTuple_GET_ITEM(p->unsharded, i);
-        int rg = requires_grad(PyTuple_GET_ITEM(p->sharded, i));
+        int rg = fs_hooks_requires_grad(PyTuple_GET_ITEM(p->sharded, i));
         if (rg < 0)
             return -1;
         p->train[i] = (unsigned char)(rg && up != Py_None);
         if (up == Py_None)
             continue;
-        int urg = requires_grad(up);
+        int urg = fs_hooks_requires_grad(up);
         if (urg < 0)
             return -1;
         if (urg != rg && (!FS_NAME(name, "requires_grad") ||

@@ -107,7 +107,8 @@ void fs_hooks_shard_clear_arrived(ShardGroupObject *g)
     g->narrived = 0;
 }
 
-int fs_hooks_shard_post_backward(ShardGroupObject *g)
+/* The plain post-backward: 1 done, 0 not plain now (nothing done), -1. */
+static int plain_post_backward(ShardGroupObject *g)
 {
     const fs_params *p = &g->params;
     if (!(g->plain & FS_PLAIN_POST_BACKWARD) || g->sums || p->trainable != p->n ||
@@ -116,7 +117,6 @@ int fs_hooks_shard_post_backward(ShardGroupObject *g)
     int w = watched(g);
     if (w)
         return w < 0 ? -1 : 0;
-    fs_hooks_shard_clear_arrived(g);
     PyObject *r = fs_hooks_shard_reduce(g, Py_None, 0, 1, NULL);
     if (!r)
         return -1;
@@ -125,6 +125,23 @@ int fs_hooks_shard_post_backward(ShardGroupObject *g)
     if (asked)  /* a gradient of a subclass: Python hands its values */
         return 0;
     return release(g) < 0 ? -1 : 1;
+}
+
+int fs_hooks_shard_post_backward(ShardGroupObject *g)
+{
+    fs_hooks_shard_clear_arrived(g);
+    int r = plain_post_backward(g);
+    if (r)
+        return r < 0 ? -1 : 0;
+    PyObject *owner = g->owner && g->fallback ? fs_weak_get(g->owner) : NULL;
+    if (!owner)  /* the state is gone: nobody to run it for */
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *out = PyObject_CallOneArg(g->fallback, owner);
+    Py_DECREF(owner);
+    if (!out)
+        return -1;
+    Py_DECREF(out);
+    return 0;
 }
 
 PyObject *fs_hooks_shard_arrive(ShardGroupObject *g, int i)
@@ -145,18 +162,7 @@ PyObject *fs_hooks_shard_arrive(ShardGroupObject *g, int i)
     }
     if (g->narrived != g->params.trainable)
         Py_RETURN_NONE;
-    int r = fs_hooks_shard_post_backward(g);
-    if (r)
-        return r < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *owner = g->owner && g->fallback ? fs_weak_get(g->owner) : NULL;
-    if (!owner)  /* the state is gone: nobody to run it for */
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    PyObject *out = PyObject_CallOneArg(g->fallback, owner);
-    Py_DECREF(owner);
-    if (!out)
-        return NULL;
-    Py_DECREF(out);
-    Py_RETURN_NONE;
+    return fs_hooks_shard_post_backward(g) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* ------------------------------------------------------------------------

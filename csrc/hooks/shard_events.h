@@ -28,12 +28,13 @@ typedef struct {
 PyObject *fs_hooks_shard_event(const fs_shard_event *ev, PyObject *const *args, size_t nargsf,
                                PyObject *kwnames);
 /* Parameter i's gradient arrived; once every trainable parameter's has, the
- * post-backward: the plain one, else the state's (g->fallback). */
+ * post-backward (fs_hooks_shard_post_backward). */
 PyObject *fs_hooks_shard_arrive(ShardGroupObject *g, int i);
 /* No gradient arrived yet in this backward. */
 void fs_hooks_shard_clear_arrived(ShardGroupObject *g);
-/* The plain post-backward: 1 done, 0 not plain now (nothing done), -1 with
- * an exception set. */
+/* The post-backward, once this backward's arrivals are forgotten: the plain
+ * one where it applies now, else the state's (g->fallback(owner)). 0, or -1
+ * with an exception set. */
 int fs_hooks_shard_post_backward(ShardGroupObject *g);
 /* reduce_grads' reduction (its doc in glue/py_shard_group.c): None (Python
  * must hand the gradients), 0, 1 or 2; NULL with an exception set. */

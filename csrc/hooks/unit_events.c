@@ -31,6 +31,8 @@
  * its public tensor API (grad, _post_accumulate_grad_hooks). */
 #include "unit_events.h"
 
+#include "tensor.h"
+
 #include "py_group.h"
 #include "py_latch.h"
 #include "py_pool.h"
@@ -109,23 +111,6 @@ int fs_hooks_unit_released(UnitObject *u)
     return 0;
 }
 
-/* 1: `t`'s post-accumulate-grad hooks are there; 0: none; -1 with an exception */
-static int hooks_due(PyObject *t)
-{
-    static PyObject *s_hooks;
-    PyObject *h = FS_NAME(s_hooks, "_post_accumulate_grad_hooks") ? PyObject_GetAttr(t, s_hooks)
-                                                                   : NULL;
-    if (!h) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-            return -1;
-        PyErr_Clear();
-        return 0;
-    }
-    int due = h != Py_None ? PyObject_IsTrue(h) : 0;
-    Py_DECREF(h);
-    return due;
-}
-
 /* The plain pre-backward: 1 done, 0 not plain now (nothing done), -1. */
 static int pre_backward(UnitObject *u)
 {
@@ -171,7 +156,7 @@ static int post_backward(UnitObject *u, int gi, PyObject *full)
     }
     if (cur != Py_None && !Py_IS_TYPE(cur, (PyTypeObject *)u->tensor))
         goto out;
-    const int hooks = shard != compute ? hooks_due(shard) : 0;
+    const int hooks = shard != compute ? fs_hooks_grad_hooks_due(shard) : 0;
     if (hooks < 0 || PyObject_SetAttr(full, s_grad, Py_None) < 0) {
         r = -1;
         goto out;

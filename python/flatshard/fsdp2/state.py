@@ -141,7 +141,7 @@ class FSDPState:
         self.watching = None              # frozen parameters: this forward's _Forward
         self.reading = []                 # ... those this backward reached, not their inputs
         self.reshard_due = False          # ... a reshard waiting for them
-        self.lean = False                 # [Note: lean events], decided at lazy init
+        self.lean = False                 # hand_plain: the tree allows the C plain path
         # [Note: manual finalization] (finalize.py): the root's mode, the mode
         # of the backward under way until finalized, an asynchronous
         # finalization not waited for; each state's post-backward left pending
@@ -198,7 +198,7 @@ class FSDPState:
         if g is None:
             return
         if g.c.arrived or (self.requires_gradient_sync and g.has_unsharded_grads()):
-            self._post_backward()
+            g.c.post_backward()  # the plain one, else _post_backward
         elif self.reshard_after_backward and (g.registered_unsharded or g.c.is_unsharded or
                                               g.post_chunk is not None):
             g.reshard()
@@ -232,8 +232,9 @@ class FSDPState:
         self._decide_lean()
 
     def _decide_lean(self):
-        """Root only: which states' events may skip what only the root, a
-        device, gather-ahead or a cast needs ([Note: lean events])."""
+        """Root only: which states' events may take the C plain path at all
+        (hand_plain): not the root, in a tree of host Comms without
+        gather-ahead, with no cast ([Note: one sequence per event])."""
         host = all(st.group is None or st.group.comm.device is None for st in self.states)
         tree_ok = host and not self.tree.ahead
         for st in self.states:
@@ -291,13 +292,12 @@ class FSDPState:
     # ------------------------------------------------------------------
     # unshard with the post-backward hooks attached
 
-    def unshard(self, defer=False, along=(), watched=True):
+    def unshard(self, defer=False, along=()):
         """defer: a prefetch (the caller's stream waits at the next
         unshard of this state, see ParamGroup.unshard). along: states whose
         gathers join this one's on the host, one all-gather for all ([Note:
         coalesced gathers] in csrc/engine/engine.h): the prefetches of a
-        host Comm. watched False: the caller found nothing watching
-        (observe.watching())."""
+        host Comm."""
         g = self.group
         if g is None:
             return
@@ -320,7 +320,7 @@ class FSDPState:
                 g.unshard(along=groups)
             for st in joined:
                 st._hook_grads()
-        elif watched and (_profiling() or _depth()):
+        elif _profiling() or _depth():
             with observe.counted_span(_issued, g, g.comm, "FSDP::all_gather", self.label):
                 g.unshard(defer)
         else:
@@ -510,49 +510,27 @@ class FSDPState:
     # ------------------------------------------------------------------
     # forward
 
-    # [Note: lean events] The plain path of each event is C's ([Note: plain
-    # events] in csrc/glue/py_shard_events.c): torch calls the state's
-    # _C.Event and _C.Arrival hooks, which take it where it applies and call
-    # the methods below otherwise. These handle every case through the same
-    # engine group (ParamGroup.unshard, reshard, reduce_grads, which call
-    # flatshard._C.ShardGroup). What an event does besides the plain path is
-    # needed only in some trees: lazy init and the root's start and end of
-    # forward (the root), the forward order's record (read by gather-ahead
-    # and a device's implicit prefetch only), torch's profiler ranges and
-    # CommDebugMode's counts (while one watches), the casts of mixed
-    # precision, the prefetch lists, async_op, a device's deferred
-    # reduction, the frozen-parameter reshard held back, no gradient sync.
-    # `lean` is decided once, at the root's lazy init (_decide_lean): a state
-    # that is not the root, in a tree of host Comms without gather-ahead,
-    # with no cast; with what a user may change between steps (a prefetch
-    # list, reshard_after_forward, gradient sync, async_op) it gives the
-    # engine group its PLAIN_* flags (hand_plain). A lean event that reaches
-    # Python (a parameter reassigned or made a subclass, frozen parameters,
-    # the first gather, a profiler) goes straight to the general calls; any
-    # other runs the *_full method around the same calls.
+    # [Note: one sequence per event] Each event has one sequence of steps,
+    # and the plain case of each is C's ([Note: plain events] in
+    # csrc/hooks/shard_events.c): torch calls the state's _C.Event and
+    # _C.Arrival hooks, which run it where it applies (what it depends on
+    # handed by hand_plain where it changes, the rest read at each call) and
+    # call the methods below otherwise: one method per event, the whole
+    # sequence, through the same engine group (ParamGroup.unshard, reshard,
+    # reduce_grads, which call flatshard._C.ShardGroup). Their steps that only
+    # some trees need are taken where they apply: lazy init and the root's
+    # start and end of forward (the root), the forward order's record,
+    # torch's profiler ranges and CommDebugMode's counts (while one watches),
+    # the casts of mixed precision, the prefetch lists, gather-ahead,
+    # async_op, a device's deferred reduction, frozen parameters' held
+    # reshard, no gradient sync.
 
     @eager.hook
     def _pre_forward_hook(self, module, args, kwargs):
-        lean = self.lean and self.forward_prefetch is None and not self.unshard_async_op and \
-            not (_profiling() or _depth())
-        nxt = None
-        if lean:  # [Note: lean events]
-            self.unshard(watched=False)
-        else:
-            args, kwargs, nxt = self._pre_forward_full(args, kwargs)
-        g = self.group
-        self.watching = None
-        if g is not None and g.c.trainable < len(g.sharded) and torch.is_grad_enabled():
-            args, kwargs = self._watch_inputs(args, kwargs)
-        if not lean:
-            self._prefetch_forward(nxt)
-        return args, kwargs
-
-    def _pre_forward_full(self, args, kwargs):
-        """pre_forward's gather with all that a lean event skips: lazy init,
-        the root's start of forward, the order's record, the input cast, the
-        gather-ahead and torch's range. Returns (args, kwargs, the state that
-        ran next in the last forward)."""
+        """The pre-forward: lazy init, the root's start of forward, the
+        order's record, the input cast, the gather (with gather-ahead or the
+        prefetch list's states joined, in torch's range), frozen parameters'
+        inputs watched, then the forward prefetch."""
         self.lazy_init()
         root = self.root or self
         if self.is_root:
@@ -574,7 +552,12 @@ class FSDPState:
                 root.prefetched += along  # resharded after forward if they did not run
         with self._span("FSDP::pre_forward"):
             self._unshard_and_wait(along)
-        return args, kwargs, nxt
+        g = self.group
+        self.watching = None
+        if g is not None and g.c.trainable < len(g.sharded) and torch.is_grad_enabled():
+            args, kwargs = self._watch_inputs(args, kwargs)
+        self._prefetch_forward(nxt)
+        return args, kwargs
 
     def _prefetch_forward(self, nxt):
         """The user's forward prefetch list, or on a device the implicit one."""
@@ -589,24 +572,12 @@ class FSDPState:
 
     @eager.hook
     def _post_forward_hook(self, module, args, output):
+        """The post-forward: the reshard reshard_after_forward asks for (as
+        torch: also with grad off), the root's end of forward, the outputs'
+        pre-backward hook, the output cast."""
         grad = torch.is_grad_enabled()
-        if self.lean and self.reshard_after_forward is True and not (_profiling() or _depth()):
-            self.group.reshard()  # [Note: lean events]
-        else:
-            self._post_forward_full()
-        if grad:
-            fwd, self.watching = self.watching, None
-            hook_before_backward(output, self.pre_backward_hook if fwd is None else fwd)
-        if self.mp.output_dtype is None:
-            return output
-        with observe.span("FSDP::cast_forward_outputs"):
-            return _cast(self.mp.output_dtype, output)
-
-    def _post_forward_full(self):
         raf = self.reshard_after_forward
         with self._span("FSDP::post_forward"):
-            # As torch: by reshard_after_forward alone, also with grad off (a
-            # no_grad forward leaves the root, and any raf=False state, whole)
             if isinstance(raf, int) and not isinstance(raf, bool):
                 if self.group is not None:
                     self.group.reshard_to_post_forward()
@@ -618,34 +589,35 @@ class FSDPState:
                 if not self.tree.order.ran(st) and st.reshard_after_forward is not False:
                     st.reshard()
             self.prefetched = []
+        if grad:
+            fwd, self.watching = self.watching, None
+            hook_before_backward(output, self.pre_backward_hook if fwd is None else fwd)
+        if self.mp.output_dtype is None:
+            return output
+        with observe.span("FSDP::cast_forward_outputs"):
+            return _cast(self.mp.output_dtype, output)
 
     # ------------------------------------------------------------------
     # backward
 
     @eager.hook
     def _pre_backward(self, grad):
-        tree = (self.root or self).tree
+        """The pre-backward: the end of backward queued (once per backward),
+        the gather in torch's range (gather-ahead or the prefetch list's
+        states joined), a device's implicit prefetch, the prefetch list."""
+        root = self.root or self
+        tree = root.tree
         if not tree.final_queued:  # (once per backward: no call after the first)
             tree.queue_final()
-        if self.lean and self.backward_prefetch is None and not self.unshard_async_op and \
-                not (_profiling() or _depth()):
-            if self.unshard_in_backward:  # [Note: lean events]
-                self.unshard(watched=False)
-            return None
-        self._pre_backward_full(self.root or self)
-        return None
-
-    def _pre_backward_full(self, root):
-        """_pre_backward with all that a lean event skips: torch's range, the
-        prefetch lists, the implicit prefetch of a device and gather-ahead."""
         with self._span("FSDP::pre_backward"):
             if self.unshard_in_backward:
                 along = self.backward_prefetch
                 self._unshard_and_wait(root.gather_ahead(self, -1) if along is None else along)
             if self.backward_prefetch is None:  # torch's default prefetch is in the range
-                self._prefetch(self._implicit(root.tree.order.previous(self)), "backward")
+                self._prefetch(self._implicit(tree.order.previous(self)), "backward")
         if self.backward_prefetch is not None:
             self._prefetch(self.backward_prefetch, "backward")
+        return None
 
     # [Note: frozen parameters] A group's post-backward runs when its trainable
     # parameters' gradients have arrived. A frozen parameter used before a
@@ -679,22 +651,14 @@ class FSDPState:
         self.reshard_due = False
 
     def _post_backward(self):
-        """Reduce (on a device: deferred, one reduction in flight, so it runs
-        beside the backward of the modules before this one) and reshard:
-        the engine group's plain post-backward where it applies ([Note:
-        plain events] in csrc/glue/py_shard_events.c), else
-        _post_backward_full."""
-        g, reading = self.group, bool(self.reading)
-        if reading:  # a frozen parameter may still be read: not the plain case
-            g.c.clear_arrived()
-        elif g.c.post_backward():  # [Note: lean events]
-            return
-        self._post_backward_full(reading)
-
-    def _post_backward_full(self, reading):
-        """_post_backward with all that a lean event skips: torch's ranges,
-        the deferred reduction of a device, no gradient sync, resharding
-        held for a frozen parameter, or none after backward."""
+        """The post-backward where the engine group's plain one does not
+        apply (its fallback: csrc/hooks/shard_events.c, which forgot this
+        backward's arrivals first): torch's ranges, the deferred reduction
+        of a device, no gradient sync, resharding held for a frozen
+        parameter, or none after backward. Reached through the engine
+        group's post_backward() (its arrivals, the end of backward,
+        finalize), never called by itself."""
+        reading = bool(self.reading)  # a frozen parameter may still be read
         g = self.group
         with (self._span("FSDP::post_backward_accumulate")
               if torch_facts.post_backward_accumulate_range() else observe.NOTHING):

@@ -1,10 +1,11 @@
-"""fully_shard's events, each with one implementation ([Note: lean events]
-in fsdp2/state.py): the same training with lean events, with every event
-through its *_full method and with torch's own fully_shard, in one run on 2
-ranks: losses and sharded parameters bit for bit. The *_full methods are
-counted per event: after the first step (lazy init, the first gathers) the
-plain flow never needs them in the blocks, and each case that needs what a
-lean event skips reaches them and still trains as torch does."""
+"""fully_shard's events, each one sequence ([Note: one sequence per event]
+in fsdp2/state.py): the same training with the C plain path, with every
+event through its Python method (no plain flags handed) and with torch's own
+fully_shard, in one run on 2 ranks: losses and sharded parameters bit for
+bit. The Python methods are counted per event: after the first step (lazy
+init, the first gathers) the plain flow never runs a Python frame in the
+blocks' events, and each case that the plain path leaves to Python reaches
+them and still trains as torch does."""
 import contextlib
 
 import pytest
@@ -19,8 +20,8 @@ from flatshard.fsdp2.state import FSDPState, state_of
 from test_fully_shard_torch_flows import Block
 
 TIMEOUT = 240
-EVENTS = {"pre_forward": "_pre_forward_full", "post_forward": "_post_forward_full",
-          "pre_backward": "_pre_backward_full", "post_backward": "_post_backward_full"}
+EVENTS = {"pre_forward": "_pre_forward_hook", "post_forward": "_post_forward_hook",
+          "pre_backward": "_pre_backward", "post_backward": "_post_backward"}
 
 
 def _net(blocks=3, d=12):
@@ -30,9 +31,11 @@ def _net(blocks=3, d=12):
 
 
 @contextlib.contextmanager
-def _counting(lean=True):
-    """Counts of each *_full method's calls, per state: {event: {id: n}}.
-    lean False: every state's events take the *_full path (lean never set)."""
+def _counting(plain=True):
+    """Counts of each event's Python method's calls, per state: {event: {id:
+    n}}. Entered before the states are made (their C hooks hold the methods
+    they fall back to). plain False: every state's events take the Python
+    path (no plain flags handed)."""
     counts = {e: {} for e in EVENTS}
     saved = {name: getattr(FSDPState, name) for name in EVENTS.values()}
     saved["_decide_lean"] = FSDPState._decide_lean
@@ -44,7 +47,7 @@ def _counting(lean=True):
         return call
     for event, name in EVENTS.items():
         setattr(FSDPState, name, counted(event, saved[name]))
-    if not lean:
+    if not plain:
         FSDPState._decide_lean = lambda self: None
     try:
         yield counts
@@ -53,25 +56,25 @@ def _counting(lean=True):
             setattr(FSDPState, name, fn)
 
 
-def _blocks_full(counts, model):
-    """{event: calls of its *_full method in the blocks' states}."""
+def _blocks_python(counts, model):
+    """{event: calls of its Python method in the blocks' states}."""
     ids = [id(state_of(m)) for m in model[:-1]]
     return {e: sum(c.get(i, 0) for i in ids) for e, c in counts.items()}
 
 
-def _train(shard, steps, change=None, mp=None, lean=True):
+def _train(shard, steps, change=None, mp=None, plain=True):
     """steps of AdamW on _net() sharded block by block; change(model, step)
-    before each step. -> (losses, local shards, the blocks' *_full calls in
-    step 0, in the later steps)."""
+    before each step. -> (losses, local shards, the blocks' Python event
+    calls in step 0, in the later steps)."""
     model = _net()
     kw = {} if mp is None else {"mp_policy": mp}
-    for m in model[:-1]:
-        shard(m, **kw)
-    shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    g = torch.Generator().manual_seed(3 + dist.get_rank())
     losses, first = [], None
-    with _counting(lean) as counts:
+    with _counting(plain) as counts:
+        for m in model[:-1]:
+            shard(m, **kw)
+        shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        g = torch.Generator().manual_seed(3 + dist.get_rank())
         for step in range(steps):
             if change is not None:
                 change(model, step)
@@ -81,43 +84,43 @@ def _train(shard, steps, change=None, mp=None, lean=True):
             opt.zero_grad()
             losses.append(loss.item())
             if step == 0 and shard is fully_shard:
-                first = _blocks_full(counts, model)
+                first = _blocks_python(counts, model)
     later = None
     if shard is fully_shard:
-        total = _blocks_full(counts, model)
+        total = _blocks_python(counts, model)
         later = {e: total[e] - first[e] for e in total}
     return losses, [p._local_tensor.detach().clone() for p in model.parameters()], first, later
 
 
 def _three(steps, change=None, flat_mp=None, torch_mp=None):
-    """The lean run, the all-*_full run and torch's, each from the same
-    start with the same batches."""
-    return {"lean": _train(fully_shard, steps, change, flat_mp),
-            "full": _train(fully_shard, steps, change, flat_mp, lean=False),
+    """The run with the C plain path, the all-Python run and torch's, each
+    from the same start with the same batches."""
+    return {"plain": _train(fully_shard, steps, change, flat_mp),
+            "python": _train(fully_shard, steps, change, flat_mp, plain=False),
             "torch": _train(torch_fully_shard, steps, change, torch_mp)}
 
 
 def _same_as_torch(runs):
-    for name in ("lean", "full"):
+    for name in ("plain", "python"):
         losses, params = runs[name][:2]
         assert losses == runs["torch"][0], (name, losses, runs["torch"][0])
         for a, b in zip(params, runs["torch"][1]):
             assert torch.equal(a, b), name
 
 
-def test_the_plain_flow_is_lean_and_trains_as_torch(dist_pool):
+def test_the_plain_flow_runs_no_python_and_trains_as_torch(dist_pool):
     steps = 4
     for runs in dist_pool(2).run(_three, steps, timeout=TIMEOUT):
         _same_as_torch(runs)
         blocks = 3
-        first, later = runs["lean"][2], runs["lean"][3]
-        # step 0: the blocks' first pre-forwards run lazy init's tree (lean is
-        # decided by the root's lazy init, which runs before them: only the
-        # root's own events are full then)
-        assert first == {e: 0 for e in EVENTS}, first
+        first, later = runs["plain"][2], runs["plain"][3]
+        # step 0: each block's first gather makes its unsharded buffer
+        # (Python's); the plain flags are handed by the root's lazy init,
+        # which runs before them, so nothing else of the blocks is Python's
+        assert first == {e: blocks if e == "pre_forward" else 0 for e in EVENTS}, first
         assert later == {e: 0 for e in EVENTS}, later
-        # with lean events off every event of every block is the full one
-        full = runs["full"][3]
+        # with no plain flags handed every event of every block is Python's
+        full = runs["python"][3]
         assert full == {e: blocks * (steps - 1) for e in EVENTS}, full
 
 
@@ -166,12 +169,12 @@ def _no_sync(model, step):
     model.set_requires_gradient_sync(step != 1)
 
 
-# each case, and the events that must take their full path after step 0
-# (the plain flow: none); what the lean path handles itself (a frozen or
-# reassigned parameter: the gather's own sync_registered) needs none but the
-# frozen parameter's held reshard at post-backward
-CASES = {"freeze": (_freeze_then_thaw, {"post_backward"}),
-         "reassign": (_reassign, set()),
+# each case, and the events whose Python method runs after step 0 (the
+# plain flow: none): a frozen parameter's forward watches its inputs, and
+# the outputs' pre-backward hook is that forward's; a reassigned parameter
+# is adopted by Python's gather
+CASES = {"freeze": (_freeze_then_thaw, set(EVENTS)),
+         "reassign": (_reassign, {"pre_forward"}),
          "prefetch": (_prefetch_lists, {"pre_forward", "pre_backward"}),
          "profiler": (_profiled, set(EVENTS)),
          "reshard_after_forward": (_no_reshard, {"post_forward"}),
@@ -183,11 +186,11 @@ def _case(name, steps):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_what_a_lean_event_skips_is_done_and_trains_as_torch(dist_pool, name):
+def test_what_the_plain_path_leaves_to_python_trains_as_torch(dist_pool, name):
     steps = 4
     for runs in dist_pool(2).run(_case, name, steps, timeout=TIMEOUT):
         _same_as_torch(runs)
-        later = runs["lean"][3]
+        later = runs["plain"][3]
         want = CASES[name][1]
         assert {e for e, n in later.items() if n} == want, later
 
@@ -198,11 +201,11 @@ def _mixed(steps):
     return _three(steps, flat_mp=flat, torch_mp=theirs)
 
 
-def test_an_output_cast_is_never_lean(dist_pool):
+def test_an_output_cast_is_never_plain(dist_pool):
     """mixed precision with an output dtype: the forward events cast, so
-    the states are not lean; bf16 trains bit-equal to torch."""
+    no event takes the plain path; bf16 trains bit-equal to torch."""
     steps = 3
     for runs in dist_pool(2).run(_mixed, steps, timeout=TIMEOUT):
         _same_as_torch(runs)
-        later = runs["lean"][3]
+        later = runs["plain"][3]
         assert later == {e: 3 * (steps - 1) for e in EVENTS}, later
