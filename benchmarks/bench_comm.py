@@ -21,7 +21,7 @@ memcpy on a buffer of that size, a read-only pass (memchr for a byte that
 is not there) and a write-only pass (memset); then "peer": rank 0's memcpy
 of a shared buffer rank 1 has just written, the copy across CPUs that every
 collective on one host makes, whose speed depends on where the run's ranks
-lie (benchmarks/RESULTS.md, "The shm backend's 1 MiB all-gather": as fast
+lie (benchmarks/results/comm.md, "The shm backend's 1 MiB all-gather": as fast
 as memcpy in some runs, half as fast in others). --rounds rounds interleave
 them with the collectives, so load that comes and goes reaches both; each
 figure is printed as median [min-max] over the rounds, and "/memcpy" is
@@ -61,8 +61,8 @@ def warmups_for(size, scale):
     (--warmup 1), at least one (the buffers' first touch). On a virtual
     machine two ranks that have been idle (waiting in a barrier while rank 0
     times memcpy) run their first few hundred small collectives 2-4x slower
-    than the ones after (benchmarks/RESULTS.md, "The shm backend's staging
-    stores"), which a point of 30 calls would measure instead of the
+    than the ones after (benchmarks/results/comm.md, "The shm backend's
+    staging stores"), which a point of 30 calls would measure instead of the
     collective; --warmup 0 measures that."""
     return max(1, int(scale * min(300, (512 << 20) // size)))
 

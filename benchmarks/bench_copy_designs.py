@@ -7,7 +7,7 @@ a temporary directory and runs it --pairs times: each run is a fresh pair
 of processes that all-gathers 2 x --kib KiB --calls times with every design
 in turn, call by call (the designs are described in copy_designs.c). The
 host decides where a pair's two CPUs lie, and that decides which design is
-fastest (benchmarks/RESULTS.md, "The shm backend's staging stores"); so
+fastest (benchmarks/results/comm.md, "The shm backend's staging stores"); so
 each pair is printed with its placement ("slow" where plain stores into the
 slot take longer than streaming ones, the sign of CPUs that share no
 cache), and a table per placement follows.

@@ -440,7 +440,8 @@ def test_a_malformed_cache_file_is_ignored_and_rewritten(cache_file, content):
 
 def test_a_cache_file_of_the_first_format_is_not_used(cache_file):
     # Format 1 kept busy machines' choices on started threads, which lost to
-    # the OpenMP team (benchmarks/RESULTS.md): its lines are measured again.
+    # the OpenMP team (benchmarks/results/optim.md, "CPU AdamW on AVX2 (Zen 3)"):
+    # its lines are measured again.
     _first_choice(1031)  # learn this class's key
     key = cache_file.read_text().splitlines()[1].split("\t")[0]
     cache_file.write_text(f"flatshard optim tune cache 1\n{key}\tavx2.u1.pf0.st.t2.c0\t1\n")

@@ -79,7 +79,8 @@ def test_planner_predicts_the_peak_resident_memory_on_cpu(world):
     for rank, predicted, peak, between, states, cached in rows:
         print(f"rank {rank}: predicted {predicted:,} measured {peak:,} "
               f"({predicted / peak - 1:+.1%})")
-        # Within 10% on the GPT-2 124M benchmark (benchmarks/RESULTS.md); on this
+        # Within 10% on the GPT-2 124M benchmark (benchmarks/results/memory.md,
+        # "Resident memory"); on this
         # smaller model the runtime (what the environment imported) is a larger
         # share and measured peaks moved from -10% to +13% of the prediction
         # between environments, so the test holds the planner to 20%.

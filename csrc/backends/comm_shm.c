@@ -87,7 +87,8 @@
  * sleeping at once, since a futex sleep there leaves the CPU idle whenever
  * its other rank is itself waiting, and the wake-up is a cross-CPU
  * interrupt. (Measured only together with [Note: chunk pipeline]: 4 ranks
- * on 2 CPUs, benchmarks/RESULTS.md, "The shm backend's chunk pipeline".) */
+ * on 2 CPUs, benchmarks/results/comm.md, "The shm backend's chunk
+ * pipeline".) */
 #define SPIN_NS (200 * 1000)
 #define SPIN_ITERS_SHARED 4
 #define SLICE_NS (20 * 1000 * 1000) /* futex slice: how often liveness is checked */
@@ -923,8 +924,9 @@ static fs_status fail_errno(char *err, size_t cap, const char *what, const char 
  * Sized to fill the whole cache (LLC / (NSECT * world)) they were measured
  * 10-30% slower at 64 MiB on a 32 MiB L3 (2 and 4 ranks), and so were
  * chunks sized for L2 back when every chunk was a barrier (a sleep and a
- * wake-up whenever a peer was not running; benchmarks/RESULTS.md, "shm
- * backend at the memory's speed" and "2026-12-07"). Now only a collective's
+ * wake-up whenever a peer was not running; benchmarks/results/comm.md, "The
+ * shm backend at the memory's speed" and "The shm backend's chunk pipeline").
+ * Now only a collective's
  * first chunk is a barrier, so the cache decides. FLATSHARD_SHM_SLOT_BYTES
  * caps them (a slot's section, slot / NSECT).
  *

@@ -7,7 +7,7 @@
  * where the ranks' CPUs lie, and that can change while a run goes on (a
  * virtual machine's vCPUs are moved by the host). Measured with two
  * processes on a 2-vCPU Zen 3 guest, 1 MiB all-gathers (benchmarks/
- * RESULTS.md, "The shm backend's staging stores"):
+ * results/comm.md, "The shm backend's staging stores"):
  *   - vCPUs that share a cache: plain stores 43-47 us, streaming 81-86 us.
  *     A staged line stays in the shared cache for its readers.
  *   - vCPUs that do not: plain stores 117-210 us, streaming 66-96 us. The

@@ -25,7 +25,8 @@
  * case and reaches the engine through the same Unit, and calls the C here
  * for the parts they share (prefetch_previous, released). The forward's
  * events stay Python's: the wrapper's forward is a Python method anyway, and
- * the views it sets cost the same from either side (benchmarks/RESULTS.md).
+ * the views it sets cost the same from either side (benchmarks/results/
+ * overhead.md, "The FSDP1 wrapper's backward events in C").
  *
  * CPython C API only; torch is reached through the callables handed in and
  * its public tensor API (grad, _post_accumulate_grad_hooks). */

@@ -46,7 +46,8 @@
  * Adam kernels also run AdamW without maximize or amsgrad as a loop of its
  * own, with those flags constants, and both write the half copy a 32- or
  * 64-byte store at a time, rounding two vectors with one pack (on AVX2,
- * EPYC Zen 3, both made the steps at 2^24 faster: benchmarks/RESULTS.md). */
+ * EPYC Zen 3, both made the steps at 2^24 faster: benchmarks/results/optim.md,
+ * "AMD EPYC (Zen 3, AVX2 only)"). */
 
 static inline void store_copy(void *copy, fs_dtype t, int64_t i, float v)
 {

@@ -109,7 +109,8 @@
  * 2^24, whose first touch took 17-57 ms, more than the measurement itself;
  * a fresh AdamW's first step at 2^24 took 101-108 ms with them and 59-68 ms
  * now, torch's fused one 46-62 ms (EPYC Zen 3, 2 threads,
- * benchmarks/RESULTS.md). While a step of the class is being measured by one
+ * benchmarks/results/optim.md, "CPU AdamW: tuning on the steps"). While a
+ * step of the class is being measured by one
  * thread, another thread's step of it runs the default.
  *
  * [Note: incumbents]

@@ -181,7 +181,8 @@ class CommQuant:
                 divides apply. Needs a reduce-scatter (not NO_SHARD/ZERO1).
     block_size  values per float32 scale: a positive multiple of 32 up to
                 4096 (the kernels' SIMD step; int4 blocks start on a byte).
-                256 by default (benchmarks/RESULTS.md: bytes and error).
+                256 by default (benchmarks/results/network.md, "Quantized
+                collectives": bytes and error).
 
     Host memory only (shm, or a torch process group over CPU tensors); a
     CUDA device is refused."""

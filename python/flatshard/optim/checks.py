@@ -24,7 +24,8 @@ except ImportError:  # a build of torch without distributed
 # unmapped when the tensor goes. Measured on AMD EPYC (Zen 4), AdamW over
 # 2^24 and 2^26 fp32 parameters, the two placements interleaved in one
 # process: 2-3% faster a step on average, within the noise of any one run
-# (benchmarks/RESULTS.md). Smaller state, and state on a device, comes from
+# (benchmarks/results/optim.md, "AMD EPYC (Zen 4), third round: optimizer
+# state in huge pages"). Smaller state, and state on a device, comes from
 # torch as before. The mapping is populated on torch's thread count, and a
 # huge page that stalls (compaction, memory the hypervisor has not backed)
 # turns the rest of that thread's slice to plain pages: the state is made at

@@ -17,7 +17,8 @@ on its own.
 The default budget is 1 MiB on the torch backend and 0 (nothing gathered
 ahead) on shared memory, where a collective costs microseconds and gathering
 128 members' collectives into 3 was measured to change no step time
-(benchmarks/RESULTS.md): there it would only raise the memory peak. A member
+(benchmarks/results/overhead.md, "Gathering ahead"): there it would only
+raise the memory peak. A member
 larger than what is left of the budget is not gathered ahead, so models of
 large members are unaffected. The bytes are the same and summed nowhere:
 gathering ahead changes no bit.

@@ -30,8 +30,9 @@ from .. import _C, envvars
 ENV_BYTES = "FLATSHARD_REDUCE_BUCKET_BYTES"
 # By Comm backend; others 0. On shm a reduce-scatter costs microseconds, and
 # a bucket's bookkeeping cost more than the calls it saved: measured on the
-# per-group model (bench_overhead.py, benchmarks/RESULTS.md), both APIs' steps
-# were 6-17% faster without it.
+# per-group model (bench_overhead.py; benchmarks/results/overhead.md, "Per-unit
+# cost, the impls taking turns step by step"), both APIs' steps were 6-17%
+# faster without it.
 DEFAULT_BYTES = {"torch": 1 << 20}
 
 

@@ -31,9 +31,10 @@ the same marks for Dynamo (it graph-breaks on it alike) and asks the frame
 evaluation once: where none is set (plain eager code) it calls the hook
 directly; inside a compiled region it goes through torch's disabled function.
 It is C, so the check adds no Python frame to the hook's call (a Python
-closure doing the same added one to every hook event: measured in
-benchmarks/RESULTS.md, "One Python frame less per hook event"); it binds as a
-method, as a function does.
+closure doing the same added one to every hook event; that closure's cost
+against torch's disabled function is in benchmarks/results/overhead.md,
+"Cheaper hook calls, and fully_shard's own floor"); it binds as a method, as
+a function does.
 
 The reason given to Dynamo is shown in its graph-break log; like torch's, it
 names the hooks, not the library. Where torch has no Dynamo (an import
