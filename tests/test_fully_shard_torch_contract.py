@@ -163,3 +163,115 @@ def _state_names():
 
 def test_the_state_has_torchs_private_names(dist_pool):
     assert dist_pool(2).run(_state_names, timeout=TIMEOUT)[0] == [True, True]
+
+
+# ----------------------------------------------------------------------
+# lazy init refused as torch refuses it (torch's
+# test_fully_shard_double_lazy_init, test_fully_shard_multi_module_root)
+
+
+class _MLP(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.in_proj = nn.Linear(d, 2 * d)
+        self.out_proj = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.out_proj(torch.relu(self.in_proj(x)))
+
+
+def _mlps(fn):
+    """FSDP(model(0: MLP(FSDP(in_proj), FSDP(out_proj)), 1: MLP))."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_MLP(), _MLP())
+    fn(model[0].in_proj)
+    fn(model[0].out_proj)
+    fn(model)
+    return model
+
+
+def _x():
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(2 + dist.get_rank()))
+
+
+def _double_lazy_init():
+    out = {}
+    for name, fn in BOTH:
+        cases = {}
+        model = _mlps(fn)  # torch's test: the submodule's state first, then the root's
+        fn.state(model[0].in_proj)._lazy_init()
+        cases["lazy_init"] = _outcome(fn.state(model)._lazy_init)
+        cases["root_left"] = fn.state(model)._is_root
+        model = _mlps(fn)  # the same through forward: a submodule's forward ran first
+        model[0].in_proj(_x())
+        cases["forward"] = _outcome(lambda: model(_x()))
+        model = _mlps(fn)  # the same after the root's first forward: no error
+        model(_x()).sum().backward()
+        model[0].in_proj(_x()).sum().backward()
+        cases["forward_after_root"] = _outcome(lambda: model(_x()).sum().backward())
+        model = _mlps(fn)  # unshard() before any forward decides no root
+        model[0].in_proj.unshard()
+        cases["unshard_is_root"] = fn.state(model[0].in_proj)._is_root
+        model[0].in_proj.reshard()
+        cases["unshard_first"] = _outcome(lambda: model(_x()).sum().backward())
+        out[name] = cases
+    return out
+
+
+def test_double_lazy_init_refused_as_torch_refuses_it(dist_pool):
+    from flatshard.errors import RootError
+    for res in dist_pool(2).run(_double_lazy_init, timeout=TIMEOUT):
+        ours, theirs = res["ours"], res["torch"]
+        for case in ("forward_after_root", "unshard_first"):
+            assert ours[case] is None and theirs[case] is None, case
+        assert ours["unshard_is_root"] is None and theirs["unshard_is_root"] is None
+        torch_text = ("FSDP state has already been lazily initialized for 0.in_proj\n"
+                      "FSDP requires running forward through the root module first")
+        for case in ("lazy_init", "forward"):
+            (ot, om), (tt, tm) = ours[case], theirs[case]
+            assert tt is RuntimeError and tm == torch_text, case
+            assert issubclass(ot, RootError) and issubclass(ot, RuntimeError) and \
+                issubclass(ot, ConfigError), case
+            assert om.startswith("flatshard: fully_shard module 0.in_proj ") and \
+                om.endswith(torch_text), (case, om)
+            assert "run the first forward through the root module" in om, om
+        assert theirs["root_left"] is True  # torch has set it before it raised
+        assert ours["root_left"] is None  # flatshard refuses before it changes anything
+
+
+def _multi_module_root():
+    out = {}
+    for name, fn in BOTH:
+        cases = {}
+        torch.manual_seed(0)
+        model = nn.Sequential(_MLP(), _MLP())
+        fn([model[0], model[1]])
+        cases["lazy_init"] = _outcome(fn.state(model[0])._lazy_init)
+        cases["root_left"] = fn.state(model[0])._is_root
+        model = nn.Sequential(_MLP(), _MLP())
+        fn([model[0], model[1]])
+        cases["forward"] = _outcome(lambda: model(_x()))
+        model = nn.Sequential(_MLP(), _MLP())  # under a root of its own: one group, no error
+        fn([model[0], model[1]])
+        fn(model)
+        cases["under_a_root"] = _outcome(lambda: model(_x()).sum().backward())
+        out[name] = cases
+    return out
+
+
+def test_multi_module_root_refused_as_torch_refuses_it(dist_pool):
+    from flatshard.errors import RootError
+    for res in dist_pool(2).run(_multi_module_root, timeout=TIMEOUT):
+        ours, theirs = res["ours"], res["torch"]
+        assert ours["under_a_root"] is None and theirs["under_a_root"] is None
+        for case in ("lazy_init", "forward"):
+            (ot, om), (tt, tm) = ours[case], theirs[case]
+            assert tt is RuntimeError and tm.startswith(
+                "FSDP requires a single root module but got (FSDP_MLP("), (case, tm)
+            assert issubclass(ot, RootError) and issubclass(ot, RuntimeError) and \
+                issubclass(ot, ConfigError), case
+            assert om.startswith("flatshard: ") and om.endswith(tm), (case, om, tm)
+            assert "fully_shard call given 2 modules (FSDP_MLP, FSDP_MLP)" in om, om
+            assert "apply fully_shard to a module holding them all" in om, om
+        assert theirs["root_left"] is True
+        assert ours["root_left"] is None

@@ -90,3 +90,128 @@ def test_private_state_accessors_read_as_torch(dist_pool):
         assert ours["grads_before"] == [True] * 6  # nothing reduced without sync
         for a, b in zip(grads, tgrads):
             assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------
+# the group's _module_fqn and is_unsharded, each parameter's _module_info
+# and _param_fqn (torch's test_fully_shard_module_and_param_fqns reads them)
+
+
+class _MLP(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.in_proj = nn.Linear(d, 2 * d)
+        self.out_proj = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.out_proj(torch.relu(self.in_proj(x)))
+
+
+class _Tied(nn.Module):
+    """A parameter registered twice (b.weight is a.weight) and a module
+    registered twice (c is a)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = nn.Linear(d, d, bias=False)
+        self.b = nn.Linear(d, d, bias=False)
+        self.b.weight = self.a.weight
+        self.c = self.a
+
+    def forward(self, x):
+        return self.b(self.a(x)) + self.c(x)
+
+
+def _fqn_tree(fn):
+    """FSDP(model(0: MLP(FSDP(in_proj), FSDP(out_proj)), 1: MLP, 2: _Tied)):
+    the root's group holds model[1]'s and model[2]'s parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_MLP(), _MLP(), _Tied())
+    fn(model[0].in_proj)
+    fn(model[0].out_proj)
+    fn(model)
+    return model
+
+
+def _read_names(fn, model):
+    """Each state's group: (_module_fqn, [(_param_fqn, _module_info as
+    names)]) in the order of the states given."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for x in (model, model[0].in_proj, model[0].out_proj):
+        g = fn.state(x)._fsdp_param_group
+        params = []
+        for p in g.fsdp_params:
+            info = p._module_info
+            params.append((p._param_fqn, names[id(info.module)], info.param_name,
+                           [names[id(m)] for m in info.shared_modules],
+                           list(info.shared_param_names)))
+        out.append((g._module_fqn, params))
+    return out
+
+
+def _unsharded(fn, model):
+    return [fn.state(x)._fsdp_param_group.is_unsharded
+            for x in (model, model[0].in_proj, model[0].out_proj)]
+
+
+def _group_names(fn):
+    model = _fqn_tree(fn)
+    out = {"before": _read_names(fn, model), "unsharded_before": _unsharded(fn, model)}
+    fn.state(model)._lazy_init()
+    out["after"] = _read_names(fn, model)
+    out["is_root"] = [fn.state(x)._is_root for x in (model, model[0].in_proj)]
+    inner = model[0].in_proj
+    inner.unshard()
+    out["unshard"] = _unsharded(fn, model)
+    inner.reshard()
+    out["reshard"] = _unsharded(fn, model)
+    handle = inner.unshard(async_op=True)
+    out["unshard_async"] = _unsharded(fn, model)
+    handle.wait()
+    out["unshard_async_waited"] = _unsharded(fn, model)
+    inner.reshard()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    loss = model(x).sum()
+    out["after_forward"] = _unsharded(fn, model)  # the root keeps its parameters gathered
+    loss.backward()
+    out["after_backward"] = _unsharded(fn, model)
+    inner.set_reshard_after_forward(False)
+    model(x).sum().backward()
+    model(x)
+    out["kept_after_forward"] = _unsharded(fn, model)
+    out["names_after_steps"] = _read_names(fn, model)
+    return out
+
+
+def _group_names_both():
+    return _group_names(fully_shard), _group_names(torch_fully_shard)
+
+
+def test_group_and_param_names_and_is_unsharded_read_as_torch(dist_pool):
+    for ours, theirs in dist_pool(2).run(_group_names_both, timeout=TIMEOUT):
+        # unshard(async_op=True) before its wait(): torch's group says False
+        # until the wait copies out; flatshard's host gather has completed
+        # in the call (on CPU nothing is left for wait() to do), so True
+        assert theirs.pop("unshard_async") == [False] * 3
+        assert ours.pop("unshard_async") == [False, True, False]
+        assert ours == theirs
+        none = [(None, [(None,) + p[1:] for p in ps]) for _, ps in ours["after"]]
+        assert ours["before"] == none  # named at lazy init, as torch names them
+        root, in_proj, out_proj = ours["after"]
+        assert root == ("", [("1.in_proj.weight", "1.in_proj", "weight", [], []),
+                             ("1.in_proj.bias", "1.in_proj", "bias", [], []),
+                             ("1.out_proj.weight", "1.out_proj", "weight", [], []),
+                             ("1.out_proj.bias", "1.out_proj", "bias", [], []),
+                             ("2.a.weight", "2.a", "weight", ["2.b", "2.a"],
+                              ["weight", "weight"])])
+        assert in_proj == ("0.in_proj", [("0.in_proj.weight", "0.in_proj", "weight", [], []),
+                                         ("0.in_proj.bias", "0.in_proj", "bias", [], [])])
+        assert out_proj[0] == "0.out_proj"
+        assert ours["names_after_steps"] == ours["after"]
+        assert ours["is_root"] == [True, False]
+        assert ours["unsharded_before"] == ours["reshard"] == [False] * 3
+        assert ours["unshard"] == ours["unshard_async_waited"] == [False, True, False]
+        assert ours["after_forward"] == [True, False, False]
+        assert ours["after_backward"] == [False] * 3
+        assert ours["kept_after_forward"] == [True, True, False]

@@ -27,6 +27,15 @@ class MetaDeviceError(ConfigError, RuntimeError):
     there, so code written against either keeps catching it."""
 
 
+class RootError(ConfigError, RuntimeError):
+    """fully_shard's root refused at its lazy init (the first forward, or
+    _lazy_init), as torch's fully_shard refuses it with a RuntimeError: a
+    root made of several modules (fully_shard([a, b]) with no fully_shard
+    module above them), or an FSDP module below it whose own first forward
+    ran before the root's. A ConfigError that is also that RuntimeError, so
+    code written against either keeps catching it."""
+
+
 class NotBuiltError(ConfigError):
     """An option asks for a feature this version of flatshard does not have.
 

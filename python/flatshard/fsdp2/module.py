@@ -70,8 +70,7 @@ class FSDPModule:
         forward); on CPU it has completed already."""
         check_bool("async_op", async_op)
         st = self._fsdp_state()
-        if st.root is None:
-            st.lazy_init()
+        st.lazy_init(claimable=True)  # the root is decided by the first forward, as torch's
         st.unshard(defer=async_op)
         if not async_op:
             return None
@@ -88,9 +87,7 @@ class FSDPModule:
         modules inside it are issued with async_op and waited for at once."""
         check_bool("async_op", async_op)
         for m in self._fsdp_modules(True):
-            st = m._fsdp_state()
-            st.unshard_async_op = async_op
-            st.hand_plain()
+            m._fsdp_state().unshard_async_op = async_op
 
     def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
         """`requires_gradient_sync=False`: backward accumulates unreduced
@@ -100,9 +97,7 @@ class FSDPModule:
         check_bool("requires_gradient_sync", requires_gradient_sync)
         check_bool("recurse", recurse)
         for m in self._fsdp_modules(recurse):
-            st = m._fsdp_state()
-            st.requires_gradient_sync = requires_gradient_sync
-            st.hand_plain()
+            m._fsdp_state().requires_gradient_sync = requires_gradient_sync
 
     def set_is_last_backward(self, is_last_backward):
         """Accepted for torch's API (`is_last_backward`: a bool). flatshard's
@@ -123,7 +118,6 @@ class FSDPModule:
             else:
                 raf, st.group.post_comm = resolve_reshard(reshard_after_forward, st.group.mesh)
             st.reshard_after_forward = st.reshard_after_forward_arg = raf
-            st.hand_plain()
 
     def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
         """`reshard_after_backward=False` keeps the parameters gathered after
@@ -131,21 +125,15 @@ class FSDPModule:
         check_bool("reshard_after_backward", reshard_after_backward)
         check_bool("recurse", recurse)
         for m in self._fsdp_modules(recurse):
-            st = m._fsdp_state()
-            st.reshard_after_backward = reshard_after_backward
-            st.hand_plain()
+            m._fsdp_state().reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules):
         """Gather these FSDP `modules` right after this one's forward gather."""
-        st = self._fsdp_state()
-        st.forward_prefetch = _check_modules("modules", modules)
-        st.hand_plain()
+        self._fsdp_state().forward_prefetch = _check_modules("modules", modules)
 
     def set_modules_to_backward_prefetch(self, modules):
         """Gather these FSDP `modules` right after this one's backward gather."""
-        st = self._fsdp_state()
-        st.backward_prefetch = _check_modules("modules", modules)
-        st.hand_plain()
+        self._fsdp_state().backward_prefetch = _check_modules("modules", modules)
 
     def set_post_optim_event(self, event):
         """The root's next forward first waits for `event` (synchronize())."""
@@ -169,9 +157,7 @@ class FSDPModule:
         """`unshard_in_backward=False`: never gather this module in backward
         (for modules whose parameters backward does not use)."""
         check_bool("unshard_in_backward", unshard_in_backward)
-        st = self._fsdp_state()
-        st.unshard_in_backward = unshard_in_backward
-        st.hand_plain()
+        self._fsdp_state().unshard_in_backward = unshard_in_backward
 
     def reset_iter_state(self):
         """After an exception aborted a forward or backward: call it on the

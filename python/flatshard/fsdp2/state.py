@@ -32,12 +32,13 @@ Under torch.compile the hook entry points (marked @eager.hook) run eagerly,
 as torch's fully_shard's do: Dynamo breaks the graph where torch's nn.Module
 code calls them and compiles the modules' own forwards (runtime/eager.py).
 """
+import operator
 import weakref
 
 import torch
 
 from .. import _C, torch_facts
-from ..errors import ConfigError, MetaDeviceError
+from ..errors import ConfigError, MetaDeviceError, RootError
 from ..runtime import eager, observe
 from ..runtime.root import Root
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
@@ -114,6 +115,18 @@ def _issued_all(groups):
     return tuple(map(sum, zip(*map(_issued, groups))))
 
 
+def _plain(name, doc):
+    """A flag of the state that hand_plain reads, as a property whose
+    setter hands the engine group its plain events anew: whoever changes it
+    (FSDPModule's setters, lazy init) only assigns it."""
+    field = "_" + name
+
+    def set_(self, value):
+        self.__dict__[field] = value
+        self.hand_plain()
+    return property(operator.attrgetter(field), set_, doc=doc)
+
+
 class FSDPState:
     def __init__(self, modules, group, reshard_after_forward, mp_policy):
         eager.install(FSDPState)  # the hooks torch.compile runs eagerly
@@ -121,27 +134,30 @@ class FSDPState:
         self.modules = modules            # one, or the list given to fully_shard (one group)
         self.group = group                # ParamGroup, or None (no parameters of its own)
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
-        self.reshard_after_forward = reshard_after_forward
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.unshard_in_backward = True
-        self.unshard_async_op = False     # FSDPModule._set_unshard_async_op
+        # the flags hand_plain reads (the properties below), before any is handed
+        self._reshard_after_forward = reshard_after_forward
+        self._reshard_after_backward = True
+        self._requires_gradient_sync = True
+        self._unshard_in_backward = True
+        self._unshard_async_op = False
+        self._forward_prefetch = None
+        self._backward_prefetch = None
+        self._lean = False
         self.is_last_backward = True
-        self.forward_prefetch = None      # None: implicit (see _implicit), else the user's list
-        self.backward_prefetch = None
         self.post_optim_event = None
         self.mp = mp_policy
         self.is_root = None
+        self.decided = False              # lazily initialized as torch's state is (lazy_init)
         self.root = None
         self.states = None                # the root's: every state of its tree
         self.tree = None                  # the root's: runtime.root.Root, set at lazy init
         self.fqn = ""                     # the modules' names in the root's tree (profiler)
         self.label = ""                   # " (fqn)": the suffix of this state's ranges
+        self.param_fqns = None            # the group's parameters' names there (lazy init)
         self.prefetched = []              # the root's: implicitly prefetched this forward
         self.watching = None              # frozen parameters: this forward's _Forward
         self.reading = []                 # ... those this backward reached, not their inputs
         self.reshard_due = False          # ... a reshard waiting for them
-        self.lean = False                 # hand_plain: the tree allows the C plain path
         # [Note: manual finalization] (finalize.py): the root's mode, the mode
         # of the backward under way until finalized, an asynchronous
         # finalization not waited for; each state's post-backward left pending
@@ -167,12 +183,32 @@ class FSDPState:
                              m.register_load_state_dict_pre_hook(self._to_sharded_hook)]
 
     # ------------------------------------------------------------------
+    # the flags hand_plain reads ([Note: one sequence per event]): assigned,
+    # they are handed to the engine group
+
+    reshard_after_forward = _plain("reshard_after_forward", "True, False or an int; None "
+                                   "until lazy init decides (True but for the root)")
+    reshard_after_backward = _plain("reshard_after_backward", "False: the group stays "
+                                    "gathered after backward (set_reshard_after_backward)")
+    requires_gradient_sync = _plain("requires_gradient_sync", "False: backward accumulates "
+                                    "unreduced gradients (set_requires_gradient_sync)")
+    unshard_in_backward = _plain("unshard_in_backward", "False: no gather in backward "
+                                 "(set_unshard_in_backward)")
+    unshard_async_op = _plain("unshard_async_op", "the hooks' gathers issued with async_op "
+                              "(FSDPModule._set_unshard_async_op)")
+    forward_prefetch = _plain("forward_prefetch", "None: implicit (see _implicit), else the "
+                              "states of the user's list")
+    backward_prefetch = _plain("backward_prefetch", "as forward_prefetch, in backward")
+    lean = _plain("lean", "the C plain path allowed at all: decided at lazy init "
+                  "(_decide_lean)")
+
+    # ------------------------------------------------------------------
     # torch's private names (torch_state.py)
 
     _fsdp_param_group = property(torch_state.param_group)
     _fsdp_param_groups = property(lambda self: [] if self.group is None else
                                   [torch_state.param_group(self)])
-    _is_root = property(lambda self: self.is_root)
+    _is_root = property(torch_state.is_root)
     _state_ctx = property(torch_state.state_ctx)
     _lazy_init = torch_state.lazy_init
     _modules_to_run_forward = property(torch_state.modules_to_run_forward)
@@ -206,9 +242,21 @@ class FSDPState:
     # ------------------------------------------------------------------
     # lazy init
 
-    def lazy_init(self):
-        if self.is_root is not None:
+    def lazy_init(self, claimable=False):
+        """Decide the root and its tree, as torch's first forward (or
+        _lazy_init) does: this state is the root and claims every state in
+        its modules' trees. Once decided, a state is left as it is. Refused
+        as torch refuses them, before anything changes (_check_root): a
+        root of several modules, a state below already decided.
+        claimable: FSDPModule.unshard's before any forward, whose tree
+        serves the gather and is decided by none (torch's unshard decides
+        no root): it leaves out states decided already, and a later lazy
+        init, of this state or of one above it, claims its states as if it
+        had not been made."""
+        if self.decided or (claimable and self.is_root is not None):
             return
+        if not claimable:
+            self._check_root()
         for m in (m for top in self.modules for m in top.modules()):  # as torch, read here
             st = state_of(m)
             if st is not None and st.group is not None:
@@ -218,23 +266,49 @@ class FSDPState:
         self.is_root, self.root, self.states = True, self, []
         for m in (m for top in self.modules for m in top.modules()):
             st = state_of(m)
-            if st is None or st in self.states:
+            if st is None or st in self.states or (claimable and st.decided):
                 continue
             if st is not self:
                 st.is_root, st.root, st.states = False, self, None
-            if st.reshard_after_forward_arg is None:  # True, except for the root
-                st.reshard_after_forward = st is not self
+            st.decided = not claimable
             self.states.append(st)
         comm = next((st.group.comm for st in self.states if st.group is not None), None)
         self.tree = Root(comm, self._finalize)
+        for st in self.states:
+            if st.reshard_after_forward_arg is None:  # True, except for the root
+                st.reshard_after_forward = st is not self
         self._check_no_shared_params()
         self._init_fqns()
         self._decide_lean()
 
+    def _check_root(self):
+        """torch's refusals at lazy init, its words after flatshard's: a
+        RootError, which is torch's RuntimeError."""
+        if len(self.modules) > 1:
+            names = ", ".join(type(m).__name__ for m in self.modules)
+            raise RootError(
+                f"flatshard: the first forward (or _lazy_init) ran through a module of one "
+                f"fully_shard call given {len(self.modules)} modules ({names}) with no "
+                "fully_shard module above them, which would make that group the root; a root "
+                "is one module: apply fully_shard to a module holding them all (the model) "
+                f"too.\nFSDP requires a single root module but got {tuple(self.modules)}")
+        root = self.modules[0]
+        for name, m in root.named_modules():
+            st = state_of(m)
+            if st is not None and st is not self and st.decided:
+                raise RootError(
+                    f"flatshard: fully_shard module {name} was lazily initialized already, in "
+                    "the tree of an FSDP module whose first forward (or _lazy_init) ran before "
+                    f"this root's ({type(root).__name__}); a tree is decided once: run the "
+                    "first forward through the root module, then any submodule alone."
+                    f"\nFSDP state has already been lazily initialized for {name}\nFSDP "
+                    "requires running forward through the root module first")
+
     def _decide_lean(self):
-        """Root only: which states' events may take the C plain path at all
-        (hand_plain): not the root, in a tree of host Comms without
-        gather-ahead, with no cast ([Note: one sequence per event])."""
+        """Root only: which states' events may take the C plain path at all:
+        not the root, in a tree of host Comms without gather-ahead, with no
+        cast ([Note: one sequence per event]); each assignment hands the
+        state's plain events (hand_plain)."""
         host = all(st.group is None or st.group.comm.device is None for st in self.states)
         tree_ok = host and not self.tree.ahead
         for st in self.states:
@@ -242,11 +316,12 @@ class FSDPState:
             st.lean = tree_ok and st is not self and st.group is not None and \
                 mp.output_dtype is None and not (mp.cast_forward_inputs and
                                                  mp.param_dtype is not None)
-            st.hand_plain()
 
     def _init_fqns(self):
         """Each state's module names in the root's tree, joined as torch's
-        fully_shard labels its profiler ranges ("" for the root)."""
+        fully_shard labels its profiler ranges ("" for the root), and its
+        group's parameters' names there (each one's first place in
+        named_parameters(), as torch names them)."""
         names = {}
         for top in self.modules:
             for name, m in top.named_modules():
@@ -257,6 +332,8 @@ class FSDPState:
             st.label = f" ({st.fqn})" if st.fqn else ""
             if st.group is not None:  # the ledger's and the errors' name: the module path
                 st.group.rename(st.fqn or "<root>")
+                prefixes = ((names.get(m, ""), attr) for (m, attr), *_ in st.group.aliases)
+                st.param_fqns = [f"{n}.{attr}" if n else attr for n, attr in prefixes]
 
     def _span(self, name):
         """torch's range `name` of this state's group while a profiler runs
@@ -397,9 +474,9 @@ class FSDPState:
 
     def hand_plain(self):
         """Which of this state's events may take the plain path, handed to
-        the engine group where what that depends on changes: lazy init and
-        the FSDPModule setters ([Note: plain events] in
-        csrc/glue/py_shard_events.c). Each needs a lean state (not the root,
+        the engine group whenever one of the flags it reads is assigned
+        (their properties, _plain: lazy init, FSDPModule's setters; [Note:
+        plain events] in csrc/glue/py_shard_events.c). Each needs a lean state (not the root,
         host Comms, no gather-ahead, no cast: _decide_lean) without a
         parameter that gathers itself or is tensor-parallel; the gathers
         also a bool reshard_after_forward (no post-forward chunk) and no

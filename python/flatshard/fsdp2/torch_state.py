@@ -7,10 +7,16 @@ and torch's own tests reach for them, over flatshard's FSDPState.
   state._fsdp_param_group          a ParamGroupView of the state's group, None
                                    for a module without parameters of its own
   state._fsdp_param_groups         that group in a list (empty: none)
-  state._is_root                   None before the first forward, then bool
+  state._is_root                   None until lazily initialized (the first
+                                   forward, or _lazy_init: not an unshard()
+                                   before it, as torch's), then bool
   state._state_ctx.all_states      the root's tree of states, root first
   state._lazy_init()               decide the root and its tree now, as the
-                                   first forward would (a no-op after it)
+                                   first forward would (a no-op after it);
+                                   a RuntimeError (errors.RootError) where
+                                   torch raises one: a root of several
+                                   modules, a state below lazily initialized
+                                   already (FSDPState.lazy_init)
   state._modules_to_run_forward    the state's modules whose forward must
                                    still run before its group's post-forward:
                                    always empty, since each module of a
@@ -21,7 +27,19 @@ and torch's own tests reach for them, over flatshard's FSDPState.
                                    registered DTensor), unsharded_param (the
                                    plain Parameter the modules hold while
                                    unsharded; None before the first gather),
-                                   sharded_size, padded_sharded_param_size
+                                   sharded_size, padded_sharded_param_size;
+                                   _module_info (torch's ParamModuleInfo: the
+                                   module and name it is registered at, and
+                                   any other places, shared_modules and
+                                   shared_param_names), _param_fqn (its name
+                                   in the root's named_parameters(); None
+                                   until lazy init)
+  group._module_fqn                the group's modules' names in the root's
+                                   tree, ", "-joined ("" for the root; None
+                                   until lazy init)
+  group.is_unsharded               whether its unsharded parameters are
+                                   registered and gathered (a deferred gather
+                                   not waited for yet: False, as torch's)
   group.mesh_info.mesh             the mesh fully_shard was given (2-D for HSDP)
   group.post_backward()            reduce what the group holds and reshard, at
                                    once: torch's manual call after a backward
@@ -33,7 +51,19 @@ classes is offered: where a script reads more, it fails on the name.
 
 Imports: torch only (the state is handed in).
 """
+import dataclasses
+
 import torch
+
+try:  # torch's class, so that code checking for it finds it
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ParamModuleInfo
+except ImportError:  # a torch that moved it: the same fields
+    @dataclasses.dataclass
+    class ParamModuleInfo:
+        module: torch.nn.Module
+        param_name: str
+        shared_modules: list = dataclasses.field(default_factory=list)
+        shared_param_names: list = dataclasses.field(default_factory=list)
 
 
 class _MeshInfo:
@@ -57,10 +87,10 @@ class _StateCtx:
 
 class FSDPParamView:
     """torch's FSDPParam, parameter i of a group, read live."""
-    __slots__ = ("_group", "_i")
+    __slots__ = ("_state", "_group", "_i")
 
-    def __init__(self, group, i):
-        self._group, self._i = group, i
+    def __init__(self, state, i):
+        self._state, self._group, self._i = state, state.group, i
 
     @property
     def sharded_param(self):
@@ -87,6 +117,19 @@ class FSDPParamView:
             size[0] = g.entries[i].chunk_rows
         return torch.Size(size)
 
+    @property
+    def _module_info(self):
+        """Where the parameter is registered: its first place (module and
+        unprefixed name), then every other (a tied parameter, a shared
+        module), in fully_shard's walk of its modules, as torch's."""
+        (module, name), *shared = self._group.aliases[self._i]
+        return ParamModuleInfo(module, name, [m for m, _ in shared], [n for _, n in shared])
+
+    @property
+    def _param_fqn(self):
+        st = self._state
+        return st.param_fqns[self._i] if st.decided else None
+
 
 class ParamGroupView:
     """torch's FSDPParamGroup of one state."""
@@ -97,8 +140,18 @@ class ParamGroupView:
 
     @property
     def fsdp_params(self):
-        g = self._state.group
-        return [FSDPParamView(g, i) for i in range(len(g.sharded))]
+        st = self._state
+        return [FSDPParamView(st, i) for i in range(len(st.group.sharded))]
+
+    @property
+    def _module_fqn(self):
+        st = self._state
+        return st.fqn if st.decided else None
+
+    @property
+    def is_unsharded(self):
+        c = self._state.group.c
+        return bool(c.is_unsharded and not c.gather_pending)
 
     @property
     def mesh_info(self):
@@ -110,6 +163,10 @@ class ParamGroupView:
 
 def param_group(state):
     return None if state.group is None else ParamGroupView(state)
+
+
+def is_root(state):
+    return state.is_root if state.decided else None
 
 
 def state_ctx(state):
