@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from flatshard import MixedPrecisionPolicy, fully_shard
+from flatshard.fsdp2 import root as roots
 from flatshard.fsdp2.state import FSDPState, state_of
 from test_fully_shard_torch_flows import Block
 
@@ -38,7 +39,7 @@ def _counting(plain=True):
     path (no plain flags handed)."""
     counts = {e: {} for e in EVENTS}
     saved = {name: getattr(FSDPState, name) for name in EVENTS.values()}
-    saved["_decide_lean"] = FSDPState._decide_lean
+    decide_plain = roots.decide_plain
 
     def counted(event, fn):
         def call(self, *args):
@@ -48,12 +49,13 @@ def _counting(plain=True):
     for event, name in EVENTS.items():
         setattr(FSDPState, name, counted(event, saved[name]))
     if not plain:
-        FSDPState._decide_lean = lambda self: None
+        roots.decide_plain = lambda root: None
     try:
         yield counts
     finally:
         for name, fn in saved.items():
             setattr(FSDPState, name, fn)
+        roots.decide_plain = decide_plain
 
 
 def _blocks_python(counts, model):

@@ -32,13 +32,13 @@ from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency, eager
 from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
-from ..runtime.root import Root
 from ..runtime.trees import cast_floating
 from ..tensors import dtype_code
 from . import clip, comm_hook, config, optim_state, summon, unit_plan
 from . import state_dict as state_dicts
 from .flat_param import FlatGroup, flat_param_name, mark_flat_param
 from .groups import unit_comms
+from .root import RootState
 from .unit import UnitRuntime
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -54,57 +54,6 @@ def _cast_buffers(module, dtype):
                 m._buffers[name] = b.to(dtype)
         stack.extend(c for c in m._modules.values()
                      if c is not None and not isinstance(c, FullyShardedDataParallel))
-
-
-class RootState(Root):
-    """The root unit's runtime/root.Root: every unit of the model, the root
-    module (`owner`), and what the end of backward does for them."""
-
-    def __init__(self, owner, units):
-        eager.install(RootState)
-        super().__init__(owner._unit.c.comm, self._finish_backward)
-        self.owner = owner
-        self.units = units
-
-    def hand_order(self):
-        """Each engine unit's `prev`, the unit that ran before it in the last
-        forward (the backward prefetch's), whenever that order changes."""
-        for u in self.units:
-            p = self.order.previous(u)
-            u.c.prev = p.c if p is not None else None
-
-    def end_forward(self):
-        self.order.end()
-        if not self.order.stable:
-            self.hand_order()
-
-    def reduce_issued(self, unit):
-        """`unit` is about to defer a reduction (Root.reduce_issued)."""
-        super().reduce_issued(unit, unit.land_reduced)
-
-    def begin_forward(self):
-        if self.final_queued:  # the last backward never finished: clean up
-            self.abandon_backward()
-            self._finish_backward()
-        self.order.begin()
-
-    def unit_gather_ahead(self, unit, step):
-        """The engine units gathered in `unit`'s all-gather (Root.gather_ahead),
-        None for none: those on its Comm not gathered yet."""
-        comm = unit.c.comm
-        run = self.gather_ahead(unit, step, lambda u: u.gathered_bytes if u.c.comm is comm and
-                                not u.c.is_unsharded else None)
-        return tuple(u.c for u in run) or None
-
-    @eager.hook
-    def _finish_backward(self):
-        """The end-of-backward callback (Root's `final`): the bucket flushed,
-        then every unit finalized."""
-        self.final_queued = False
-        self.bucket.flush()  # every gradient is in place when backward returns
-        self.inflight.forget()  # each unit's finalize waits for its own
-        for u in self.units:
-            u.finalize()
 
 
 def _sync_module_states(module, comm, ignored_params):

@@ -38,18 +38,14 @@ import weakref
 import torch
 
 from .. import _C, torch_facts
-from ..errors import ConfigError, MetaDeviceError, RootError
+from ..errors import MetaDeviceError
 from ..runtime import eager, observe
-from ..runtime.root import Root
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
 from . import finalize, torch_state
+from . import root as roots
+from .root import STATE_ATTR, state_of  # noqa: F401  (their importers read them here)
 
-STATE_ATTR = "_flatshard_fsdp2_state"
 _profiling, _depth = observe.profiling, observe.dispatch_depth  # observe.watching, frameless
-
-
-def state_of(module):
-    return module.__dict__.get(STATE_ATTR)
 
 
 def _cast(dtype, tree):
@@ -200,7 +196,7 @@ class FSDPState:
                               "states of the user's list")
     backward_prefetch = _plain("backward_prefetch", "as forward_prefetch, in backward")
     lean = _plain("lean", "the C plain path allowed at all: decided at lazy init "
-                  "(_decide_lean)")
+                  "(root.decide_plain)")
 
     # ------------------------------------------------------------------
     # torch's private names (torch_state.py)
@@ -255,85 +251,7 @@ class FSDPState:
         had not been made."""
         if self.decided or (claimable and self.is_root is not None):
             return
-        if not claimable:
-            self._check_root()
-        for m in (m for top in self.modules for m in top.modules()):  # as torch, read here
-            st = state_of(m)
-            if st is not None and st.group is not None:
-                st.group.check_grad_dtypes()
-            if st is not None and st is not self and st.manual_finalization:
-                raise finalize.not_on_root("set_manual_backward_finalization")
-        self.is_root, self.root, self.states = True, self, []
-        for m in (m for top in self.modules for m in top.modules()):
-            st = state_of(m)
-            if st is None or st in self.states or (claimable and st.decided):
-                continue
-            if st is not self:
-                st.is_root, st.root, st.states = False, self, None
-            st.decided = not claimable
-            self.states.append(st)
-        comm = next((st.group.comm for st in self.states if st.group is not None), None)
-        self.tree = Root(comm, self._finalize)
-        for st in self.states:
-            if st.reshard_after_forward_arg is None:  # True, except for the root
-                st.reshard_after_forward = st is not self
-        self._check_no_shared_params()
-        self._init_fqns()
-        self._decide_lean()
-
-    def _check_root(self):
-        """torch's refusals at lazy init, its words after flatshard's: a
-        RootError, which is torch's RuntimeError."""
-        if len(self.modules) > 1:
-            names = ", ".join(type(m).__name__ for m in self.modules)
-            raise RootError(
-                f"flatshard: the first forward (or _lazy_init) ran through a module of one "
-                f"fully_shard call given {len(self.modules)} modules ({names}) with no "
-                "fully_shard module above them, which would make that group the root; a root "
-                "is one module: apply fully_shard to a module holding them all (the model) "
-                f"too.\nFSDP requires a single root module but got {tuple(self.modules)}")
-        root = self.modules[0]
-        for name, m in root.named_modules():
-            st = state_of(m)
-            if st is not None and st is not self and st.decided:
-                raise RootError(
-                    f"flatshard: fully_shard module {name} was lazily initialized already, in "
-                    "the tree of an FSDP module whose first forward (or _lazy_init) ran before "
-                    f"this root's ({type(root).__name__}); a tree is decided once: run the "
-                    "first forward through the root module, then any submodule alone."
-                    f"\nFSDP state has already been lazily initialized for {name}\nFSDP "
-                    "requires running forward through the root module first")
-
-    def _decide_lean(self):
-        """Root only: which states' events may take the C plain path at all:
-        not the root, in a tree of host Comms without gather-ahead, with no
-        cast ([Note: one sequence per event]); each assignment hands the
-        state's plain events (hand_plain)."""
-        host = all(st.group is None or st.group.comm.device is None for st in self.states)
-        tree_ok = host and not self.tree.ahead
-        for st in self.states:
-            mp = st.mp
-            st.lean = tree_ok and st is not self and st.group is not None and \
-                mp.output_dtype is None and not (mp.cast_forward_inputs and
-                                                 mp.param_dtype is not None)
-
-    def _init_fqns(self):
-        """Each state's module names in the root's tree, joined as torch's
-        fully_shard labels its profiler ranges ("" for the root), and its
-        group's parameters' names there (each one's first place in
-        named_parameters(), as torch names them)."""
-        names = {}
-        for top in self.modules:
-            for name, m in top.named_modules():
-                names.setdefault(m, name)
-        for st in self.states:
-            mine = {id(m) for m in st.modules}
-            st.fqn = ", ".join(n for m, n in names.items() if id(m) in mine)
-            st.label = f" ({st.fqn})" if st.fqn else ""
-            if st.group is not None:  # the ledger's and the errors' name: the module path
-                st.group.rename(st.fqn or "<root>")
-                prefixes = ((names.get(m, ""), attr) for (m, attr), *_ in st.group.aliases)
-                st.param_fqns = [f"{n}.{attr}" if n else attr for n, attr in prefixes]
+        roots.decide(self, claimable)
 
     def _span(self, name):
         """torch's range `name` of this state's group while a profiler runs
@@ -341,30 +259,6 @@ class FSDPState:
         if self.group is None:
             return observe.NOTHING
         return observe.span(name, self.label)
-
-    def _check_no_shared_params(self):
-        """A parameter tied between modules given to separate fully_shard
-        calls became two groups' parameters: refused at the first forward
-        with torch's ValueError and words, naming the second one found."""
-        prefixes = {}
-        for top in self.modules:
-            for name, m in top.named_modules():
-                prefixes.setdefault(m, name + "." if name else "")
-        seen = set()
-        for st in self.states:
-            g = st.group
-            if g is None:
-                continue
-            for uid, aliases in zip(g.uids, g.aliases):
-                if uid in seen:
-                    m, attr = aliases[0]
-                    fqn = prefixes.get(m, "") + attr
-                    raise ConfigError(
-                        f"flatshard: Parameter '{fqn}' is shared with a parameter already "
-                        "managed by another FSDP group. For shared/tied parameters, use "
-                        "fully_shard([module_a, module_b]) to place them in the same FSDP "
-                        "group.")
-                seen.add(uid)
 
     # ------------------------------------------------------------------
     # unshard with the post-backward hooks attached
@@ -477,7 +371,7 @@ class FSDPState:
         the engine group whenever one of the flags it reads is assigned
         (their properties, _plain: lazy init, FSDPModule's setters; [Note:
         plain events] in csrc/glue/py_shard_events.c). Each needs a lean state (not the root,
-        host Comms, no gather-ahead, no cast: _decide_lean) without a
+        host Comms, no gather-ahead, no cast: root.decide_plain) without a
         parameter that gathers itself or is tensor-parallel; the gathers
         also a bool reshard_after_forward (no post-forward chunk) and no
         prefetch list or async_op for their pass; the post-forward's free
@@ -537,22 +431,8 @@ class FSDPState:
             self.group.reshard()
 
     def gather_ahead(self, st, step):
-        """Root only: the states gathered in st's all-gather where the user
-        set no prefetch list: those that ran after it in the last forward
-        (step 1) or before it (-1, backward), within the budget
-        (runtime/ahead.py). A state without parameters is passed over."""
-        g = st.group
-        if g is None:
-            return ()
-
-        def cost(o):
-            h = o.group
-            if h is None:
-                return 0
-            if h.comm is not g.comm or h.is_unsharded or h.ext or h.post_chunk is not None:
-                return None
-            return h.full_alloc * h.compute_dtype.itemsize
-        return self.tree.gather_ahead(st, step, cost)
+        """Root only: roots.gather_ahead."""
+        return roots.gather_ahead(self, st, step)
 
     # ------------------------------------------------------------------
     # implicit prefetch (devices only)
@@ -769,17 +649,6 @@ class FSDPState:
 
     @eager.hook
     def _finalize(self):
-        """Root only, once the autograd engine is done with this backward."""
-        with observe.span("FSDP::root_post_backward_callback"):
-            self.tree.final_queued = False
-            if self.manual_finalization:  # finalize_backward lands it
-                finalize.end_of_backward(self)
-                return
-            for st in self.states or [self]:
-                g = st.group  # (one whose plain events left nothing: passed over)
-                if g is None or not g.c.idle or st.reading or st.reshard_due or \
-                        g.post_chunk is not None:
-                    st._end_backward()
-            self.tree.bucket.flush()
-            self.finish_reducing()  # every sharded gradient is in place when backward returns
-            self.tree.reduced = False
+        """Root only, once the autograd engine is done with this backward
+        (roots.end_of_backward)."""
+        roots.end_of_backward(self)
