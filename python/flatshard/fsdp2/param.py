@@ -18,6 +18,12 @@ parameters (plain nn.Parameters) from unshard to reshard and the DTensor
 shards otherwise; what was assigned to them meanwhile (load_state_dict with
 assign=True, set_model_state_dict on a meta model, a cast) is adopted as the
 new shards before the next gather.
+
+ParamGroup is written in three files, one concern each: this one builds the
+engine group and gathers and reshards; sharded.py (ShardedParams) holds the
+sharded DTensor parameters and adopts what was assigned to the modules;
+group_grads.py (GroupGrads) takes the gradients torch hands over and has
+them reduced.
 """
 import itertools
 
@@ -26,18 +32,20 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C, torch_facts
-from ..errors import ConfigError, NotBuiltError, is_alloc_failure
+from ..errors import NotBuiltError, is_alloc_failure
 from ..options import quant_engine_args
 from ..runtime.comm import custom_comm
 from ..runtime.device import empty_fn
 from ..runtime.grad_hooks import run_hooks
 from ..tensors import (DTYPE_CODES, check_plain, compute_dtype, dtype_code, is_plain,
-                       reduce_dtype, to_plain)
+                       reduce_dtype)
 from . import tp
 from .extension import Extension, gathers_itself, has_extension
+from .group_grads import GroupGrads
+from .sharded import ShardedParams, _contiguous_stride, _empty_shard, _like, _new_dtensor, _uid
 
 
-class ParamGroup:
+class ParamGroup(ShardedParams, GroupGrads):
     """params: unique parameters of one dtype (registration order);
     aliases[i]: every (module, attr) where params[i] is registered."""
 
@@ -248,25 +256,7 @@ class ParamGroup:
         return {k: v + self.count_base.get(k, 0) for k, v in self.c.copied.items()}
 
     # ------------------------------------------------------------------
-    # sharded parameters
-
-    def _shard(self, i, p):
-        e = self.entries[i]
-        with torch.no_grad():
-            if i in self.ext:  # torch's way: rows of a zero-padded chunk, as the class expects
-                padded = p.detach().new_zeros((e.chunk_rows, *p.shape[1:]))
-                padded[:e.local_rows].copy_(
-                    p.detach()[e.local_row_begin:e.local_row_begin + e.local_rows])
-                local = padded.narrow(0, 0, e.local_rows)
-            else:
-                whole = p._local_tensor if i in self.tp else p
-                local = whole.detach().narrow(self.shard_dims[i], e.local_row_begin,
-                                              e.local_rows).clone(
-                                                  memory_format=torch.contiguous_format)
-        shape = self.global_shapes[i]
-        d = DTensor.from_local(local, self.meshes[i], self.placements[i], run_check=False,
-                               shape=shape, stride=_contiguous_stride(shape))
-        return nn.Parameter(d, requires_grad=p.requires_grad)
+    # the engine group's view of the shards
 
     def _shards_to_engine(self):
         locals_ = [self.local(i).detach() for i in range(len(self.sharded))]
@@ -307,9 +297,6 @@ class ParamGroup:
     all_reduce = _option("all_reduce")
     all_reduce_hook = _option("all_reduce_hook")
     del _option
-
-    def local(self, i):
-        return self.sharded[i]._local_tensor
 
     def attach(self, owner, post_backward, watch):
         """The state (a weak reference) whose post_backward(state) the
@@ -363,131 +350,6 @@ class ParamGroup:
         self.full, self.unsharded = None, None
         for x in self.ext.values():
             x.reset()
-
-    def sync_registered(self, changed=None):
-        """Before a gather: adopt what was assigned to the modules since the
-        shards were registered (load_state_dict(assign=True),
-        set_model_state_dict on a meta model, module.to_empty(), a cast of a
-        submodule, `param.data = ...`) as the new shards, as torch's
-        fully_shard does; and a local tensor given the all-gather extension
-        since (or one that lost it) takes its path from now on, as torch reads
-        the extension at every all-gather (extension.py). Returns whether
-        anything changed. The engine group's identity tests decide the plain
-        case ([Note: registration in C]); what they leave open is decided here.
-        changed: the engine group's answer, where the caller asked it already
-        (the gather asks it first, without a Python frame when it is 0)."""
-        if changed is None:
-            changed = self.c.registration_changed()
-        if not changed:
-            return False
-        if changed == 2:  # the same objects: has a local tensor's path changed?
-            for local, gathered in zip(self.engine_locals, self.gathered):
-                # (a plain local tensor's __dict__ is empty unless it was given attributes)
-                if (local.__dict__ or not gathered) and self._own_path(local) == gathered:
-                    break
-            else:
-                return False
-        self.refresh_sharded()
-        return True
-
-    @staticmethod
-    def _own_path(local):
-        """Whether a sharded parameter with this local tensor all-gathers
-        through the extension (extension.py)."""
-        return has_extension(local) or not is_plain(local)
-
-    def refresh_sharded(self):
-        """Re-read the registered sharded parameters (after nn.Module._apply:
-        to_empty, to, float...; or an assignment): they may be new objects,
-        hold new local tensors or have a new dtype (then a new engine group
-        for the new compute dtype). Every alias of a parameter gets the one
-        registered first (a tie within the group survives assign=True)."""
-        self.wait_unsharded()
-        if self.c.is_unsharded:
-            self.c.reshard()
-        new = [self._assigned(i) for i in range(len(self.aliases))]
-        dtypes = {p.dtype for p in new}
-        if len(dtypes) > 1:
-            found = ", ".join(f"{n}: {p.dtype}" for n, p in zip(self.names, new))
-            raise ConfigError(
-                f"flatshard: fully_shard group {self.label}: its parameters now have several "
-                f"dtypes ({found}); one group needs one dtype (FSDP expects uniform original "
-                "parameter dtype). Cast the whole FSDP module (module.to(dtype)), not a part")
-        self.sharded = new
-        device = next((p._local_tensor.device for p in new if not p._local_tensor.is_meta),
-                      new[0]._local_tensor.device)
-        old = self.reduce_dtype
-        gathered = [i in self.tp or not self._own_path(p._local_tensor)
-                    for i, p in enumerate(new)]
-        switched = gathered != self.gathered
-        if switched:  # the engine's group holds the gathered ones' room: a new one
-            for i, (now, was) in enumerate(zip(gathered, self.gathered)):
-                if was and not now and (self.shard_dims[i] or self.post_comm is not None):
-                    why = (f"Shard({self.shard_dims[i]}) (shard_placement_fn)"
-                           if self.shard_dims[i] else
-                           f"reshard_after_forward={self.post_comm.world_size}")
-                    raise NotBuiltError(
-                        f"flatshard: fully_shard: parameter {self.names[i]}'s local tensor was "
-                        "given fsdp_pre_all_gather / fsdp_post_all_gather after fully_shard, "
-                        f"and the parameter is sharded with {why}, which that path does not "
-                        "take (dim 0 only, no post-forward group, as in torch): shard it on "
-                        "dim 0 with reshard_after_forward True or False")
-            self.gathered = gathered
-        self._build_engine(new[0].dtype, device, force=switched)
-        if switched:
-            self.ext = {i: Extension(p._local_tensor, self.names[i], self.aliases[i][0][0],
-                                     self.mp, self.entries[i].chunk_rows)
-                        for i, p in enumerate(new) if not gathered[i]}
-        if self.reduce_dtype != old:
-            self.accumulated = [a.to(self.reduce_dtype) if a is not None else None
-                                for a in self.accumulated]
-        self._shards_to_engine()
-        self.c.register_sharded()  # every alias gets the one registered first
-        self.full, self.unsharded = None, None
-        for x in self.ext.values():
-            x.reset()
-        self.post_chunk = None
-
-    def _assigned(self, i):
-        """The parameter now registered as parameter i, checked to be a shard
-        of it as fully_shard made them (mesh, placements, shape, rows)."""
-        m, attr = self.aliases[i][0]
-        p = m._parameters.get(attr)
-        name = self.names[i]
-        if not isinstance(p, DTensor):
-            what = "removed" if p is None else f"replaced by a {type(p).__name__}"
-            raise ConfigError(
-                f"flatshard: parameter {name} of a fully_shard module was {what}; a parameter "
-                "assigned after fully_shard must be a DTensor sharded as the one it replaces. "
-                "Load with load_state_dict(sd, assign=True) where each value is "
-                "distribute_tensor(full, model.state_dict()[key].device_mesh, "
-                "model.state_dict()[key].placements), or use torch.distributed.checkpoint."
-                "state_dict.set_model_state_dict")
-        if p.shape != self.global_shapes[i] or p.device_mesh != self.meshes[i] or \
-                tuple(p.placements) != tuple(self.placements[i]):
-            raise ConfigError(
-                f"flatshard: parameter {name} was assigned a DTensor of shape {tuple(p.shape)} "
-                f"with placements {tuple(p.placements)} on {p.device_mesh}; fully_shard holds it "
-                f"as shape {tuple(self.global_shapes[i])}, placements "
-                f"{tuple(self.placements[i])} on {self.meshes[i]}. Distribute the new value to "
-                "the old one's mesh and placements")
-        rows, d = self.entries[i].local_rows, self.shard_dims[i]
-        local = p._local_tensor
-        if self.gathered[i] and (local.dim() == 0 or local.shape[d] != rows):
-            raise ConfigError(
-                f"flatshard: parameter {name} was assigned a DTensor whose local shard has "
-                f"shape {tuple(local.shape)}; this rank holds {rows} of its dim {d} (torch."
-                f"chunk's rule, Shard({d})). Build it with distribute_tensor or DTensor."
-                "from_local of those")
-        return p
-
-    # The registration itself is the engine group's ([Note: registration in
-    # C]): c.register_sharded() puts the sharded DTensor parameters in the
-    # modules (after reshard), c.register_unsharded() the unsharded plain
-    # nn.Parameters (between unshard and reshard, as torch's fully_shard
-    # registers them), their requires_grad following the sharded parameter's
-    # (the user may have changed it). Called directly, without a method here:
-    # each is on every gather's and reshard's path.
 
     # ------------------------------------------------------------------
     # unshard / reshard
@@ -617,209 +479,3 @@ class ParamGroup:
         chunk = self.full[keep].clone()
         self.reshard()
         self.post_chunk = chunk
-
-    # ------------------------------------------------------------------
-    # gradients
-
-    def has_unsharded_grads(self):
-        """Whether this group has gradients to reduce at the end of backward
-        (with reduce_unused, a gathered group always has: zeros)."""
-        if self.unsharded is None:
-            return False
-        for p in self.unsharded:
-            if p.grad is not None:
-                return True
-        for a in self.accumulated:
-            if a is not None:
-                return True
-        return self.reduce_unused and self.c.is_unsharded and self.n_trainable() > 0
-
-    def _grad(self, i):
-        """Unsharded parameter i's gradient as the engine reads it: the
-        local tensor of a DTensor parameter's (tp.py)."""
-        g = self.unsharded[i].grad
-        if g is None:
-            return None
-        if i in self.tp:
-            g = tp.grad_local(g, self.tp[i])
-        if type(g) is not torch.Tensor:  # a subclass (extension.py): its values, as torch
-            g = to_plain(g)
-        return g
-
-    def _accumulate(self, i, add):
-        """The engine adds (add) or casts unsharded gradient i into its
-        reduce-dtype sum."""
-        g = self._grad(i).contiguous()
-        acc = self.accumulated[i]
-        self.c.accumulate(g, dtype_code(g.dtype), acc, dtype_code(acc.dtype), g.numel(), add)
-        self.unsharded[i].grad = None
-
-    def accumulate_unsharded_grads(self):
-        """Add this backward's gradients onto the reduce-dtype sums kept from
-        earlier backwards without sync [Note: accumulation dtype]."""
-        if self.accumulated.count(None) == len(self.accumulated):  # no sum kept
-            return
-        for i, p in enumerate(self.unsharded or ()):
-            if self.accumulated[i] is not None and p.grad is not None:
-                self._accumulate(i, True)
-
-    def to_accumulated_grads(self):
-        """No sync this time: keep gradients of another dtype than the
-        reduce dtype as reduce-dtype sums [Note: accumulation dtype]."""
-        sums = list(self.accumulated)
-        for i, p in enumerate(self.unsharded or ()):
-            if p.grad is not None and p.grad.dtype != self.reduce_dtype:
-                g = self._grad(i)
-                sums[i] = torch.empty(g.shape, dtype=self.reduce_dtype, device=g.device)
-                self.accumulated = sums
-                self._accumulate(i, False)
-
-    def reduce_grads(self, defer=False, reshard=False, bucket=None):
-        """One engine call: the unsharded gradients reduce-scattered (averaged
-        over the data-parallel ranks, or divided by the set factor) into the
-        sharded parameters' .grad (DTensors), added to what is there
-        ([Note: post-backward in C], csrc/glue/py_grads.h: the engine group
-        finds the tensors; what is here are the special cases). defer:
-        on a device Comm the caller's stream does not wait for the
-        reduce-scatter; finish_reduce() (the root calls it before the next
-        group's reduction and at the end of backward) waits and writes the
-        result. reshard: free the unsharded buffer in the same engine call
-        (the caller's reshard() then has only its views to drop). Returns
-        whether one is left to finish.
-
-        HSDP without the all-reduce (set_requires_all_reduce(False)): the
-        engine adds the reduce-scatter output into its partial sum and no
-        sharded gradient is written; the next reduction with it adds the sum
-        before the all-reduce. A hook (set_all_reduce_hook): the engine holds
-        the reduce output after the collectives, finish_reduce() runs the
-        hook on it, then the engine writes [Note: reduce output] (shard_group.h).
-
-        bucket (the root's runtime.bucket.ReduceBucket): on a host Comm a
-        plain reduction joins it and runs when it is flushed (then False is
-        returned: the bucket finishes it); one that cannot join goes after
-        what the bucket holds."""
-        joins = False
-        partial = self.replicate_comm is not None and not self.all_reduce
-        if bucket is not None:  # before reading .grad: a pending reduction of ours lands first
-            if self.comm.device is None and self.replicate_comm is None and \
-                    self.all_reduce_hook is None and self.world > 1:
-                joins = bucket.admits(self, self.reduce_dtype)
-            else:
-                bucket.flush()
-        deferred = defer and self.comm.device is not None
-        free = reshard and not self.ext
-        b = bucket.c if joins else None
-        sums = self.accumulated.count(None) != len(self.accumulated)  # a sum kept
-        grads = self._grad_sources() if sums or self.tp else None
-        done = self.c.reduce_grads(grads, deferred, free, b)
-        if done is None:  # a gradient of a subclass: its values
-            done = self.c.reduce_grads(self._grad_sources(), deferred, free, b)
-        if not done:  # no gradient at all: nothing touched
-            return False
-        if sums:
-            self.accumulated = [None] * len(self.accumulated)
-        if done == 1:
-            return False
-        self.reducing_hook = None if partial else self.all_reduce_hook
-        if joins:
-            bucket.joined(self, self.reduce_dtype)
-            return False
-        if deferred and self.c.reduce_pending:
-            return True
-        self.finish_reduce()
-        return False
-
-    def _grad_sources(self):
-        """Each parameter's gradient where the engine group cannot read it
-        from the unsharded parameter's .grad: the reduce-dtype sum kept
-        without sync, a DTensor's local tensor, a subclass's values (None:
-        no gradient)."""
-        out = []
-        for i, a in enumerate(self.accumulated):
-            if a is None and self.unsharded is not None and self.unsharded[i] is not None:
-                a = self._grad(i)
-            out.append(a)
-        return out
-
-    def _reduce_output(self):
-        """The held reduce output as a flat tensor of the reduce dtype over
-        the engine's memory (which lives as long as the tensor)."""
-        out = self.c.reduce_output
-        if not isinstance(out, memoryview):  # a device group's uint8 tensor
-            return out.view(self.reduce_dtype)
-        if not out.nbytes:
-            return torch.empty(0, dtype=self.reduce_dtype)
-        return torch.frombuffer(out, dtype=self.reduce_dtype)
-
-    def finish_reduce(self):
-        """The second half of reduce_grads: the engine waits for a deferred
-        reduce-scatter, the hook (if any) runs on the reduce output, and the
-        engine writes the sharded gradients; the ones made new become the
-        parameters' DTensor gradients, and then each written parameter's
-        post-accumulate-grad hooks run, as torch's fully_shard runs them
-        (the engine group: [Note: post-backward in C])."""
-        hook, self.reducing_hook = self.reducing_hook, None
-        if hook is not None and self.c.reduce_pending:
-            try:
-                self.c.wait_reduce()
-                _run_hook(*hook, self._reduce_output())
-            except BaseException:
-                self.c.finish_reduce(False)
-                raise
-        self.c.finish_reduce()
-
-    def drop_reduce(self):
-        """A reduction given up before it ran (a bucket cancelled): nothing
-        is set."""
-        self.reducing_hook = None
-        self.c.finish_reduce(False)
-
-
-def _run_hook(hook, stream, reduce_output):
-    """torch's all-reduce hook, on `stream` (a device's) when one was given:
-    it waits for the caller's stream, which then waits for it."""
-    if stream is None:
-        hook(reduce_output)
-        return
-    current = torch.cuda.current_stream()
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        hook(reduce_output)
-    current.wait_stream(stream)
-
-
-_UIDS = itertools.count()
-# DTensor() also runs DTensor.__init__, a no-op behind Dynamo's disable wrapper
-_new_dtensor = DTensor.__new__
-
-
-def _uid(p):
-    """A number that stays with the original parameter object for life."""
-    uid = getattr(p, "_flatshard_fsdp2_uid", None)
-    if uid is None:
-        uid = p._flatshard_fsdp2_uid = next(_UIDS)
-    return uid
-
-
-def _empty_shard(local):
-    """A new gradient shard for a local tensor of a subclass: a plain tensor."""
-    return torch.empty(local.shape, dtype=local.dtype, device=local.device)
-
-
-def _like(local, param):
-    """A DTensor over `local` with `param`'s mesh, placements and global shape
-    (a sharded gradient): built from the parameter's spec directly, as
-    torch's fully_shard does, without from_local's per-call checks."""
-    spec = param._spec
-    if local.dtype == spec.tensor_meta.dtype:  # __new__ builds it whole; __init__ adds nothing
-        return _new_dtensor(DTensor, local, spec, requires_grad=False)
-    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
-                              shape=spec.shape, stride=spec.stride)
-
-
-def _contiguous_stride(shape):
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
