@@ -243,7 +243,32 @@ def _bad_sizes(backend):
 
 @pytest.mark.parametrize("backend", ["shm", "torch"])
 def test_size_mismatches_are_refused_locally(dist_pool, backend):
-    assert dist_pool(2).run(_bad_sizes, backend)[0] == ["ValueError", "ValueError", "CoreError"]
+    assert dist_pool(2).run(_bad_sizes, backend)[0] == ["ConfigError", "ConfigError", "CoreError"]
+
+
+class _CudaComm:
+    """What comm.py reads of a Comm(kind='device') on cuda:0 of two ranks."""
+    device, device_index, world_size = "cuda", 0, 2
+
+
+class _HostComm:
+    device, device_index, world_size = None, None, 2
+
+
+def test_tensor_checks_name_the_call_the_argument_and_what_fits():
+    """comm.py's one check of every Comm's tensors, host and device alike:
+    the call and the argument named, what was given and what is expected."""
+    with pytest.raises(flatshard.ConfigError, match=r"all_gather: input='cpu' is not allowed; "
+                       r"this Comm moves cuda:0 memory"):
+        fcomm.all_gather_into(_CudaComm, torch.empty(4), torch.empty(2))
+    with pytest.raises(flatshard.ConfigError, match=r"all_gather: output='torch.float32 of 3' "
+                       r"is not allowed; expected torch.float32 of world_size \* 2"):
+        fcomm.all_gather_into(_HostComm, torch.empty(3), torch.empty(2))
+    with pytest.raises(flatshard.ConfigError, match=r"reduce_scatter: input='torch.bfloat16 of "
+                       r"4' is not allowed; expected torch.float32 of world_size \* 2"):
+        fcomm.reduce_scatter_into(_HostComm, torch.empty(2), torch.empty(4, dtype=torch.bfloat16))
+    with pytest.raises(flatshard.ConfigError, match="all_reduce: tensor=.*expected a contiguous"):
+        fcomm.all_reduce_(_HostComm, torch.empty(4, 3).t())
 
 
 def _collective_inside_backward():

@@ -13,8 +13,10 @@ import torch
 
 import flatshard
 from flatshard import _C
+from flatshard.runtime import comm as fcomm
 from flatshard.runtime import cuda, cuda_nccl
 from flatshard.runtime.comm import backend_for_device, requested_backend
+from flatshard.runtime.device import nccl_device_comm
 
 GPU = torch.cuda.is_available()
 need_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device visible to torch")
@@ -358,39 +360,42 @@ def test_kernels_index_past_2_to_the_31():
 
 
 # ---------------------------------------------------------------------------
-# NCCL backend (GPU)
+# NCCL backend (GPU): its collectives through comm.py's functions and the
+# Comm(kind='device') over the communicator, as the units issue them
 
 @pytest.fixture(scope="module")
 def nccl1():
     """A world-size-1 communicator on the current device, made directly (no
-    process group needed)."""
+    process group needed), and the Comm that issues its collectives."""
     if not GPU:
         pytest.skip("needs a CUDA device visible to torch")
     cuda_nccl.load_nccl()
-    comm = cuda._C_cuda.NcclComm(0, 1, cuda._C_cuda.nccl_unique_id(),
-                                 torch.cuda.current_device(), 60.0)
-    backend = cuda_nccl.NcclBackend(comm, torch.device("cuda", torch.cuda.current_device()), 60.0)
-    yield backend
+    here = torch.device("cuda", torch.cuda.current_device())
+    backend = cuda_nccl.NcclBackend(cuda._C_cuda.NcclComm(0, 1, cuda._C_cuda.nccl_unique_id(),
+                                                          here.index, 60.0), here, 60.0)
+    yield backend, nccl_device_comm(backend)
     backend.close()
 
 
 @need_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_nccl_collectives_world_one(nccl1, dtype):
+    _, comm = nccl1
     x = dev(torch.randn(4099, generator=torch.Generator().manual_seed(5)).to(dtype))
     out = torch.empty_like(x)
-    nccl1.all_gather_into(out, x, tag="unit0")
+    fcomm.all_gather_into(comm, out, x, tag="unit0")
     assert torch.equal(out, x)
     for average in (False, True):
         out.fill_(0)
-        nccl1.reduce_scatter_into(out, x, average=average, tag="unit0.grad")
+        fcomm.reduce_scatter_into(comm, out, x, average=average, tag="unit0.grad")
         assert torch.equal(out, x)
     y = x.clone()
-    nccl1.all_reduce_(y, average=True)
+    fcomm.all_reduce_(comm, y, average=True)
     assert torch.equal(y, x)
-    nccl1.broadcast_(y, root=0)
-    nccl1.barrier()
+    fcomm.broadcast_(comm, y, root=0)
+    comm.barrier()
     assert torch.equal(y, x)
+    assert [e["op"] for e in comm.ledger()][:2] == ["all_gather", "reduce_scatter"]
 
 
 @need_gpu
@@ -398,45 +403,52 @@ def test_nccl_orders_against_the_callers_stream(nccl1):
     """The input is written by a long kernel on a side stream just before
     the all-gather, and the result read right after on that stream: events
     alone must order them."""
+    backend, comm = nccl1
     side = torch.cuda.Stream()
     a = torch.randn(2048, 2048, device="cuda")
     with torch.cuda.stream(side):
         x = (a @ a @ a).view(-1)
         out = torch.empty_like(x)
-        nccl1.all_gather_into(out, x)
+        fcomm.all_gather_into(comm, out, x)
         diff = (out - x).abs().max()
     torch.cuda.current_stream().wait_stream(side)
     assert diff.item() == 0.0
-    with nccl1.group():
+    with backend.group():
         outs = [torch.empty_like(x) for _ in range(3)]
         for o in outs:
-            nccl1.all_gather_into(o, x)
+            fcomm.all_gather_into(comm, o, x)
     assert all(torch.equal(o, x) for o in outs)
 
 
 @need_gpu
 def test_nccl_errors_name_the_collective_and_abort(nccl1):
+    backend, comm = nccl1
     x = torch.ones(8, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(cuda._C_cuda.NcclError, match="reduce_scatter for 'u7'.*inside a group"):
-        with nccl1.group():
-            nccl1.reduce_scatter_into(torch.empty_like(x), x, tag="u7")
+    with pytest.raises(_C.CoreError, match="reduce_scatter for 'u7'.*inside a group"):
+        with backend.group():
+            fcomm.reduce_scatter_into(comm, torch.empty_like(x), x, tag="u7")
     with pytest.raises(flatshard.ConfigError, match="all_gather: output"):
-        nccl1.all_gather_into(torch.empty(3, device="cuda"), torch.empty(2, device="cuda"))
-    comm = cuda._C_cuda.NcclComm(0, 1, cuda._C_cuda.nccl_unique_id(),
-                                 torch.cuda.current_device(), 60.0)
+        fcomm.all_gather_into(comm, torch.empty(3, device="cuda"), torch.empty(2, device="cuda"))
+    with pytest.raises(flatshard.ConfigError, match=f"all_gather: input='cpu'.*this Comm moves "
+                       f"cuda:{backend.device.index} memory"):
+        fcomm.all_gather_into(comm, torch.empty(2, device="cuda"), torch.empty(2))
+    here = torch.device("cuda", torch.cuda.current_device())
+    raw = cuda._C_cuda.NcclComm(0, 1, cuda._C_cuda.nccl_unique_id(), here.index, 60.0)
     # the fs_comm (comm.h) another extension drives: ops table, then rank, world_size
     import ctypes
-    raw = _capsule_pointer("flatshard.fs_comm", comm.capsule())
-    assert ctypes.c_void_p.from_address(raw).value
-    assert (ctypes.c_int.from_address(raw + 8).value, ctypes.c_int.from_address(raw + 12).value) \
+    ptr = _capsule_pointer("flatshard.fs_comm", raw.capsule())
+    assert ctypes.c_void_p.from_address(ptr).value
+    assert (ctypes.c_int.from_address(ptr + 8).value, ctypes.c_int.from_address(ptr + 12).value) \
         == (0, 1)
-    assert comm.abort("test") is True
-    with pytest.raises(cuda._C_cuda.NcclError, match="all_gather for 'u9'.*aborted"):
-        comm.all_gather(x.data_ptr(), x.data_ptr(), 8, _C.BF16, "u9",
-                        stream=torch.cuda.current_stream().cuda_stream)
-    comm.close()
+    other = nccl_device_comm(cuda_nccl.NcclBackend(raw, here, 60.0))
+    assert other.abort("test") is True
+    with pytest.raises(_C.CoreError, match="all_gather for 'u9'.*aborted"):
+        other.all_gather(x.data_ptr(), x.data_ptr(), 8, _C.BF16, "u9")
+    raw.close()
     with pytest.raises(cuda._C_cuda.NcclError, match="closed"):
-        comm.wait(1.0)
+        raw.wait(1.0)
+    with pytest.raises(_C.CoreError, match="closed"):
+        other.barrier()
 
 
 def _two_gpu_worker(rank, path, results):
@@ -445,11 +457,12 @@ def _two_gpu_worker(rank, path, results):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
         b = cuda_nccl.nccl_comm_for(dist.group.WORLD)
+        c = nccl_device_comm(b)
         x = torch.arange(6, dtype=torch.float32, device="cuda") + 10 * rank
         out = torch.empty(12, device="cuda")
-        b.all_gather_into(out, x)
+        fcomm.all_gather_into(c, out, x)
         rs = torch.empty(3, dtype=torch.bfloat16, device="cuda")
-        b.reduce_scatter_into(rs, x.to(torch.bfloat16), average=True)
+        fcomm.reduce_scatter_into(c, rs, x.to(torch.bfloat16), average=True)
         b.wait()
         results[rank] = (out.cpu(), rs.float().cpu())
     finally:

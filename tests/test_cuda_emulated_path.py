@@ -30,7 +30,7 @@ from flatshard.runtime.device import empty_fn  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not emu_build.available(),
                                 reason="needs gcc/g++ and the csrc/ sources")
-F32, F16, BF16, F64 = 0, 1, 2, 3
+F32, F16, BF16 = 0, 1, 2
 NCCL_INVALID_USAGE, NCCL_SYSTEM_ERROR, NCCL_REMOTE_ERROR = 5, 2, 6
 
 
@@ -53,13 +53,18 @@ def _nccl_comm(group=None, timeout_s=60.0):
     return mod.NcclComm(dist.get_rank(group), len(ranks), uid[0], 0, timeout_s)
 
 
-def _device_comm(group, host):
-    """What flatshard.runtime.device.cuda_comm makes on a GPU, on the host build."""
+def _over(nccl):
+    """The Comm whose methods issue `nccl`'s collectives: what
+    flatshard.runtime.device.nccl_device_comm makes on a GPU, on the host build."""
     mod, _, _ = emu_build.load()
-    nccl = _nccl_comm(group)
     return _C.Comm("device", nccl.rank, nccl.world_size, capsule=nccl.capsule(), owner=nccl,
                    device_api=mod.device_api, stream_fn=lambda: 0,
                    empty=empty_fn(torch.device("cpu")))
+
+
+def _device_comm(group, host):
+    """What flatshard.runtime.device.cuda_comm makes on a GPU, on the host build."""
+    return _over(_nccl_comm(group))
 
 
 # ---------------------------------------------------------------------------
@@ -257,11 +262,14 @@ def test_unshard_async_op_defers_until_the_handle_waits(dist_pool):
 
 
 # ---------------------------------------------------------------------------
-# the NCCL backend's collectives, against float64 references
+# the NCCL backend's collectives, against float64 references: issued as on a
+# GPU, by comm.py's functions through the Comm over the NcclComm
 
 def _collectives():
+    from flatshard.runtime import comm as fcomm
     mod, rt, _ = emu_build.load()
-    comm = _nccl_comm()
+    nccl = _nccl_comm()
+    comm = _over(nccl)
     r, w = comm.rank, comm.world_size
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -269,46 +277,44 @@ def _collectives():
     mine = data[r].clone()
 
     got = torch.zeros(w * 6)
-    comm.all_gather(mine[:6].data_ptr(), got.data_ptr(), 6, F32, "gather test", stream=0)
+    fcomm.all_gather_into(comm, got, mine[:6], tag="gather test")
     out["all_gather"] = torch.equal(got, torch.cat([d[:6] for d in data]))
 
     want = sum(d.double() for d in data)
     shard = torch.zeros(6)
-    comm.reduce_scatter(mine.data_ptr(), shard.data_ptr(), 6, F32, True, stream=0)
+    fcomm.reduce_scatter_into(comm, shard, mine, average=True)
     out["rs_avg"] = (shard.double() - want[r * 6:(r + 1) * 6] / w).abs().max().item()
 
-    # bfloat16: widened into the float32 workspace, reduced, narrowed once
+    # bfloat16: widened into float32 staging (the Comm lends it), reduced,
+    # narrowed once
     lp = [d.to(torch.bfloat16) for d in data]
-    ws = torch.empty(w * 6)
-    comm.set_workspace(ws.data_ptr(), ws.numel() * 4)
     shard_lp = torch.zeros(6, dtype=torch.bfloat16)
-    send = lp[r].clone()
-    comm.reduce_scatter(send.data_ptr(), shard_lp.data_ptr(), 6, BF16, False, stream=0)
+    fcomm.reduce_scatter_into(comm, shard_lp, lp[r].clone(), average=False)
     want_lp = sum(x.float() for x in lp)[r * 6:(r + 1) * 6].to(torch.bfloat16)
     out["rs_bf16"] = torch.equal(shard_lp, want_lp)
 
     buf = lp[r].clone()
-    comm.all_reduce(buf.data_ptr(), buf.numel(), BF16, True, stream=0)
+    fcomm.all_reduce_(comm, buf, average=True)
     out["ar_bf16"] = torch.equal(buf, (sum(x.float() for x in lp) *
                                        torch.tensor(1.0 / w)).to(torch.bfloat16))
-    comm.set_workspace(0, 0)
 
     b = mine.double() if r == w - 1 else torch.zeros(w * 6, dtype=torch.float64)
-    comm.broadcast(b.data_ptr(), b.numel(), F64, w - 1, stream=0)
+    fcomm.broadcast_(comm, b, root=w - 1)
     out["broadcast"] = torch.equal(b, data[w - 1].double())
 
     # a group: both all-gathers run when it ends, in order
     a1, a2 = torch.zeros(w * 2), torch.zeros(w * 3)
-    comm.group_start(stream=0)
-    comm.all_gather(mine[:2].data_ptr(), a1.data_ptr(), 2, F32, stream=0)
-    comm.all_gather(mine[2:5].data_ptr(), a2.data_ptr(), 3, F32, stream=0)
-    comm.group_end()
+    nccl.group_start(stream=0)
+    fcomm.all_gather_into(comm, a1, mine[:2])
+    fcomm.all_gather_into(comm, a2, mine[2:5])
+    nccl.group_end()
     out["group"] = torch.equal(a1, torch.cat([d[:2] for d in data])) and \
         torch.equal(a2, torch.cat([d[2:5] for d in data]))
     comm.barrier()
-    comm.wait(10.0)
+    nccl.wait(10.0)
     out["pending"] = rt.fs_emu_pending()
-    comm.close()
+    out["ledger"] = [(e["op"], e["unit"]) for e in comm.ledger()][:2]
+    nccl.close()
     return out
 
 
@@ -320,58 +326,62 @@ def test_nccl_backend_collectives(dist_pool, world):
         assert out["broadcast"] and out["group"]
         assert out["rs_avg"] < 1e-6
         assert out["pending"] == 0
+        assert out["ledger"] == [("all_gather", "gather test"), ("reduce_scatter", "")]
 
 
 # ---------------------------------------------------------------------------
 # failures: named, and the communicator aborted instead of hanging
 
 def _one_rank(mod, timeout_s=60.0):
-    return mod.NcclComm(0, 1, mod.nccl_unique_id(), 0, timeout_s)
+    """A world-size-1 NcclComm and the Comm that issues its collectives."""
+    nccl = mod.NcclComm(0, 1, mod.nccl_unique_id(), 0, timeout_s)
+    return nccl, _over(nccl)
 
 
 def test_a_failed_call_names_the_collective_and_usage_errors_keep_the_comm(emu):
     mod, rt = emu
-    comm = _one_rank(mod)
+    nccl, comm = _one_rank(mod)
     x, y = torch.ones(4), torch.zeros(4)
     rt.fs_emu_fault(b"nccl_fail", NCCL_INVALID_USAGE)
-    with pytest.raises(mod.NcclError) as e:
-        comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.3 forward", stream=0)
+    with pytest.raises(_C.CoreError) as e:
+        comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.3 forward")
     msg = str(e.value)
-    assert "all_gather for 'blocks.3 forward'" in msg and "ncclAllGather" in msg
-    assert "invalid usage" in msg and "rank 0 of 1" in msg
-    comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)  # still usable
+    assert "all_gather for 'blocks.3 forward' on backend nccl" in msg and "ncclAllGather" in msg
+    assert "invalid usage" in msg
+    assert "rank 0's last collectives on this nccl Comm" in full_text(e.value)
+    comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32)  # still usable
     assert torch.equal(y, x)
-    comm.close()
+    nccl.close()
 
 
 def test_a_system_error_aborts_the_communicator(emu):
     mod, rt = emu
-    comm = _one_rank(mod)
+    nccl, comm = _one_rank(mod)
     x = torch.ones(4)
     rt.fs_emu_fault(b"nccl_fail", NCCL_SYSTEM_ERROR)
-    with pytest.raises(mod.NcclError, match="ncclAllReduce.*unhandled system error"):
-        comm.all_reduce(x.data_ptr(), 4, F32, False, "clip", stream=0)
-    with pytest.raises(mod.NcclError, match="aborted after an earlier failure"):
-        comm.all_reduce(x.data_ptr(), 4, F32, False, stream=0)
-    comm.close()
+    with pytest.raises(_C.CoreError, match="ncclAllReduce.*unhandled system error"):
+        comm.all_reduce(x.data_ptr(), 4, F32, False, "clip")
+    with pytest.raises(_C.CoreError, match="aborted after an earlier failure"):
+        comm.all_reduce(x.data_ptr(), 4, F32, False)
+    nccl.close()
 
 
 def test_an_asynchronous_error_is_reported_at_the_next_call(emu):
     mod, rt = emu
-    comm = _one_rank(mod)
+    nccl, comm = _one_rank(mod)
     x = torch.ones(4)
     rt.fs_emu_fault(b"nccl_async", NCCL_REMOTE_ERROR)
     try:
-        with pytest.raises(mod.NcclError) as e:
-            comm.broadcast(x.data_ptr(), 4, F32, 0, "sync_module_states", stream=0)
+        with pytest.raises(_C.CoreError) as e:
+            comm.broadcast(x.data_ptr(), 4, F32, 0, "sync_module_states")
     finally:
         rt.fs_emu_fault(b"nccl_async", 0)
     msg = str(e.value)
     assert "asynchronous error of an earlier collective" in msg
     assert "remote process exited" in msg and "injected asynchronous error" in msg
-    with pytest.raises(mod.NcclError, match="aborted"):
-        comm.broadcast(x.data_ptr(), 4, F32, 0, stream=0)
-    comm.close()
+    with pytest.raises(_C.CoreError, match="aborted"):
+        comm.broadcast(x.data_ptr(), 4, F32, 0)
+    nccl.close()
 
 
 def test_a_collective_that_never_finishes_times_out_and_aborts(emu):
@@ -379,13 +389,13 @@ def test_a_collective_that_never_finishes_times_out_and_aborts(emu):
     gives up after the timeout instead of hanging, and aborts."""
     import time
     mod, rt = emu
-    comm = _one_rank(mod, timeout_s=1.0)
+    nccl, comm = _one_rank(mod, timeout_s=1.0)
     x, y = torch.ones(4), torch.zeros(4)
     rt.fs_emu_fault(b"event_never_ready", 1)
     try:
-        comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)  # issued: returns
+        comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32)  # issued: returns
         t0 = time.monotonic()
-        with pytest.raises(mod.NcclError) as e:
+        with pytest.raises(_C.CoreError) as e:
             comm.barrier("end of step")
         took = time.monotonic() - t0
     finally:
@@ -393,9 +403,11 @@ def test_a_collective_that_never_finishes_times_out_and_aborts(emu):
     assert "did not finish within 1 s" in str(e.value) and "aborted" in str(e.value)
     assert "barrier for 'end of step'" in str(e.value)
     assert 0.9 < took < 30
-    with pytest.raises(mod.NcclError, match="aborted"):
-        comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)
-    comm.close()
+    with pytest.raises(_C.CoreError, match="aborted"):
+        comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32)
+    with pytest.raises(mod.NcclError, match="wait on backend nccl.*aborted"):
+        nccl.wait(1.0)
+    nccl.close()
 
 
 def _stall_until_the_watchdog_fires(rt, issue, capfd):
@@ -423,31 +435,28 @@ def test_the_watchdog_aborts_a_collective_nobody_waits_for(emu, capfd):
     thread times every collective, aborts the communicator (which frees that
     wait) and says which collective it was; the next call raises it."""
     mod, rt = emu
-    comm = _one_rank(mod, timeout_s=1.0)
+    nccl, comm = _one_rank(mod, timeout_s=1.0)
     x, y = torch.ones(4), torch.zeros(4)
-    comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "warm-up", stream=0)  # finishes
+    comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "warm-up")  # finishes
     printed = _stall_until_the_watchdog_fires(
-        rt, lambda: comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.3 forward",
-                                    stream=0), capfd)
+        rt, lambda: comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.3 forward"),
+        capfd)
     assert "flatshard watchdog: rank 0: NCCL all_gather for 'blocks.3 forward' (collective 2 " \
         "on this communicator) did not finish within 1 s" in printed
-    with pytest.raises(mod.NcclError) as e:
-        comm.all_reduce(x.data_ptr(), 4, F32, False, "clip", stream=0)
+    with pytest.raises(_C.CoreError) as e:
+        comm.all_reduce(x.data_ptr(), 4, F32, False, "clip")
     msg = str(e.value)
     assert "all_reduce for 'clip'" in msg and "aborted by its watchdog" in msg
     assert "all_gather for 'blocks.3 forward'" in msg and "a peer died" in msg
-    comm.close()
+    nccl.close()
 
 
 def test_the_watchdog_names_the_unit_behind_a_device_comm(emu, capfd):
-    """Through the units' Comm (flatshard._C.Comm over the NCCL backend), the
-    collective is named by what the ledger records: the unit or the tag."""
+    """Through comm.py's functions, the collective is named by what the
+    ledger records: the unit or the tag."""
     from flatshard.runtime.comm import all_reduce_
     mod, rt = emu
-    nccl = _one_rank(mod, timeout_s=1.0)
-    comm = _C.Comm("device", 0, 1, capsule=nccl.capsule(), owner=nccl,
-                   device_api=mod.device_api, stream_fn=lambda: 0,
-                   empty=empty_fn(torch.device("cpu")))
+    nccl, comm = _one_rank(mod, timeout_s=1.0)
     t = torch.ones(8)
     printed = _stall_until_the_watchdog_fires(rt, lambda: all_reduce_(comm, t, tag="layers.7"),
                                               capfd)
@@ -455,7 +464,6 @@ def test_the_watchdog_names_the_unit_behind_a_device_comm(emu, capfd):
     with pytest.raises(_C.CoreError, match="aborted by its watchdog.*layers.7") as e:
         all_reduce_(comm, t, tag="next")
     assert_documented("nccl-watchdog", printed + "\n" + full_text(e.value))
-    del comm
     nccl.close()
 
 
@@ -466,10 +474,10 @@ def test_the_watchdog_reports_a_device_fault_at_once_and_ignores_process_exit(em
     mod, rt = emu
     x, y = torch.ones(4), torch.zeros(4)
     for code, fires in ((4, False), (719, True)):  # cudaErrorCudartUnloading, LaunchFailure
-        comm = _one_rank(mod, timeout_s=30.0)
+        nccl, comm = _one_rank(mod, timeout_s=30.0)
         rt.fs_emu_fault(b"event_error", code)
         try:
-            comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.0", stream=0)
+            comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, "blocks.0")
             printed, t0 = "", time.monotonic()
             while time.monotonic() - t0 < (10 if fires else 1.5):
                 time.sleep(0.05)
@@ -482,33 +490,36 @@ def test_the_watchdog_reports_a_device_fault_at_once_and_ignores_process_exit(em
             assert "NCCL all_gather for 'blocks.0' (collective 1 on this communicator) failed " \
                 "on the device: cudaErrorLaunchFailure" in printed
             assert time.monotonic() - t0 < 10  # not the 30 s timeout
-            with pytest.raises(mod.NcclError, match="aborted by its watchdog"):
-                comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)
+            with pytest.raises(_C.CoreError, match="aborted by its watchdog"):
+                comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32)
         else:
             assert printed == ""
-            comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32, stream=0)  # not aborted
-        comm.close()
+            comm.all_gather(x.data_ptr(), y.data_ptr(), 4, F32)  # not aborted
+        nccl.close()
 
 
 def test_misuse_is_refused_with_what_to_do(emu):
     mod, rt = emu
-    comm = _one_rank(mod)
+    nccl, comm = _one_rank(mod)
     x = torch.ones(8, dtype=torch.bfloat16)
-    with pytest.raises(mod.NcclError, match="float32 workspace of 32 bytes, set 0"):
-        comm.reduce_scatter(x.data_ptr(), x.data_ptr(), 8, BF16, True, stream=0)
-    comm.group_start(stream=0)
-    with pytest.raises(mod.NcclError, match="inside a group is not supported"):
-        comm.all_reduce(x.data_ptr(), 8, BF16, False, stream=0)
-    with pytest.raises(mod.NcclError, match="not allowed inside a group"):
+    nccl.group_start(stream=0)
+    with pytest.raises(_C.CoreError, match="inside a group is not supported"):
+        comm.all_reduce(x.data_ptr(), 8, BF16, False)
+    with pytest.raises(_C.StateError, match="not allowed inside a group"):
         comm.barrier()
     with pytest.raises(mod.NcclError, match="a group is already open"):
-        comm.group_start(stream=0)
-    comm.group_end()
+        nccl.group_start(stream=0)
+    nccl.group_end()
     with pytest.raises(mod.NcclError, match="no group is open"):
-        comm.group_end()
-    comm.close()
-    with pytest.raises(mod.NcclError, match="closed"):
+        nccl.group_end()
+    nccl.close()
+    # the Comm over a closed communicator is refused, never handed a freed one
+    with pytest.raises(_C.CoreError, match="barrier: the NCCL communicator is closed"):
         comm.barrier()
+    with pytest.raises(mod.NcclError, match="wait: the NCCL communicator is closed"):
+        nccl.wait(1.0)
+    nccl.close()  # again: nothing left to do
+    assert nccl.stream == 0
 
 
 def test_a_failed_kernel_launch_is_a_cuda_error_naming_the_op(emu):

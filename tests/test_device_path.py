@@ -239,6 +239,11 @@ def _errors():
     t = torch.ones(3)
     all_reduce_(dev, t)  # a working one
     out.append(t.tolist())
+    # which device it moves, for comm.py's tensor checks: given, else unknown
+    on3 = _C.Comm("device", host.rank, host.world_size, capsule=host.capsule(), owner=host,
+                  device_api=_C.host_device_api, stream_fn=lambda: 0, empty=torch.empty,
+                  device_index=3)
+    out.append((on3.device_index, dev.device_index, host.device_index))
     return out
 
 
@@ -249,6 +254,7 @@ def test_device_comm_construction_errors(dist_pool):
         assert "flatshard.fs_device_api" in msgs[2]  # the wrong capsule is named
         assert msgs[3] == "no stream here"
         assert msgs[4] == [2.0, 2.0, 2.0]
+        assert msgs[5] == (3, None, None)
 
 
 # ---------------------------------------------------------------------------

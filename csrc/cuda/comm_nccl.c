@@ -45,6 +45,7 @@ typedef struct {
     int in_group;
     int defer; /* the caller's stream does not wait (it waits on a recorded mark) */
     _Atomic int aborted; /* set once, by the issuing thread or the watchdog */
+    int closed; /* fs_nccl_close ran: the NCCL objects are gone, this record stays */
     /* ncclCommAbort frees the communicator and may come from the watchdog's
      * thread: NCCL calls and the abort hold this, and no call is made on an
      * aborted communicator. */
@@ -89,12 +90,14 @@ static void watch_abort(void *ctx)
         pthread_mutex_unlock(&m->mu);
 }
 
-/* A call on an aborted communicator: say why it was aborted. */
+/* A call on an aborted (or closed) communicator: say why it was aborted. */
 static fs_status refused(fs_comm *c, const char *op)
 {
     nccl_impl *m = c->impl;
     char verdict[480];
-    if (fs_watchdog_fired(m->watch, verdict, sizeof verdict))
+    if (m->closed)
+        snprintf(c->last_error, sizeof c->last_error, "%s: the NCCL communicator is closed", op);
+    else if (fs_watchdog_fired(m->watch, verdict, sizeof verdict))
         snprintf(c->last_error, sizeof c->last_error,
                  "%s: the NCCL communicator was aborted by its watchdog: %s", op, verdict);
     else
@@ -394,9 +397,11 @@ static fs_status n_barrier(fs_comm *c)
     return fs_nccl_wait(c, m->timeout_s);
 }
 
-static void n_destroy(fs_comm *c)
+void fs_nccl_close(fs_comm *c)
 {
     nccl_impl *m = c->impl;
+    if (m->closed)
+        return;
     fs_watchdog_stop(m->watch); /* first: it may abort the communicator */
     m->watch = NULL;
     if (m->comm) {
@@ -407,6 +412,8 @@ static void n_destroy(fs_comm *c)
         else
             n_abort(c, NULL);
     }
+    atomic_store(&m->aborted, 1); /* every later call is refused(), none reaches NCCL */
+    m->closed = 1;
     /* Errors ignored: at interpreter exit the CUDA runtime may be gone. */
     if (m->scratch)
         cudaFree(m->scratch);
@@ -416,6 +423,15 @@ static void n_destroy(fs_comm *c)
         cudaEventDestroy(m->done);
     if (m->stream)
         cudaStreamDestroy(m->stream);
+    m->scratch = NULL;
+    m->ready = m->done = NULL;
+    m->stream = NULL;
+}
+
+static void n_destroy(fs_comm *c)
+{
+    nccl_impl *m = c->impl;
+    fs_nccl_close(c);
     pthread_mutex_destroy(&m->mu);
     free(m);
     free(c);
@@ -525,6 +541,8 @@ void fs_nccl_set_defer(fs_comm *c, int defer) { ((nccl_impl *)c->impl)->defer = 
 fs_status fs_nccl_record(fs_comm *c, void **event)
 {
     nccl_impl *m = c->impl;
+    if (m->closed)
+        return refused(c, "record");
     CUDA_TRY(c, "record", cudaSetDevice(m->device));
     if (!*event)
         CUDA_TRY(c, "record", cudaEventCreateWithFlags((cudaEvent_t *)event,

@@ -134,6 +134,12 @@ struct fs_comm;
 /* Blocking: every rank of the group calls it with the same id. */
 fs_status fs_comm_nccl_create(const unsigned char id[128], int rank, int world_size, int device,
                               double timeout_s, struct fs_comm **out, char *err, size_t cap);
+/* Release the communicator (ncclCommDestroy once its work finished within
+ * the timeout, else ncclCommAbort), its stream and events, keeping the
+ * fs_comm itself until fs_comm_destroy: a flatshard._C.Comm that wraps it
+ * (fs_device.h) may outlive the close, and its later calls are refused
+ * ("the NCCL communicator is closed"), never a freed pointer's. */
+void fs_nccl_close(struct fs_comm *c);
 /* The stream the next collectives are ordered against (torch's current). */
 void fs_nccl_set_caller_stream(struct fs_comm *c, cudaStream_t s);
 /* f32 staging for bf16/f16 reductions (they accumulate in f32): the

@@ -66,6 +66,7 @@ typedef struct {
     PyObject *stream_fn;      /* stream_fn() -> the caller's current stream, as an int */
     void *stream;             /* what it returned last (fs_comm_bind_stream) */
     PyObject *empty;          /* empty(numel, dtype_code) -> tensor: float32 staging */
+    int device_index;         /* which device of dev's (torch's index), or -1: not given */
     PyObject *on_stop;        /* on_stop(comm, why) when this rank stops, or NULL */
     int stopped;              /* this rank told the others it stopped (py_group.c) */
 } CommObject;

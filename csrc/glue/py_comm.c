@@ -5,11 +5,13 @@
  * for the shm and torch backends; device memory for kind='device', which
  * wraps a backend exported by another object (NCCL's, from flatshard._C_cuda)
  * with that device's kernels (fs_device.h) and orders every collective
- * against the caller's current stream. The facade in flatshard/runtime/comm.py
- * checks tensors before calling. A collective called here runs as the
- * engine's do, on the Comm's link (engine.h): recorded in its ledger
- * (ledger.h) by FS_LINK_RUN, with float32 staging lent by fs_link_lend; a
- * failed one raises with the ledger's last entries. */
+ * against the caller's current stream: NCCL's collectives are issued from
+ * Python only here (flatshard._C_cuda.NcclComm keeps what is NCCL's alone).
+ * The facade in flatshard/runtime/comm.py checks tensors before calling. A
+ * collective called here runs as the engine's do, on the Comm's link
+ * (engine.h): recorded in its ledger (ledger.h) by FS_LINK_RUN, with float32
+ * staging lent by fs_link_lend; a failed one raises with the ledger's last
+ * entries. */
 #include "fs_py.h"
 #include "env.h"
 
@@ -21,7 +23,8 @@
 /* kind='device': wrap the fs_comm* exported by `owner` (FS_COMM_CAPSULE),
  * which stays owned (and is destroyed) by it. */
 static PyObject *device_comm(PyTypeObject *tp, int rank, int world, PyObject *capsule,
-                             PyObject *owner, PyObject *dev, PyObject *stream_fn, PyObject *empty)
+                             PyObject *owner, PyObject *dev, PyObject *stream_fn, PyObject *empty,
+                             int device_index)
 {
     if (!capsule || !owner || !dev || !stream_fn || !PyCallable_Check(stream_fn) || !empty ||
         !PyCallable_Check(empty))
@@ -50,6 +53,7 @@ static PyObject *device_comm(PyTypeObject *tp, int rank, int world, PyObject *ca
     self->dev = api;
     self->stream_fn = Py_NewRef(stream_fn);
     self->empty = Py_NewRef(empty);
+    self->device_index = device_index;
     return (PyObject *)self;
 }
 
@@ -73,16 +77,17 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"kind", "rank", "world_size", "fn", "name", "create", "slot_bytes",
                              "timeout_s", "capsule", "owner", "device_api", "stream_fn", "empty",
-                             "staging", NULL};
+                             "staging", "device_index", NULL};
     const char *kind, *name = NULL, *staging = "auto";
     PyObject *fn = NULL, *capsule = NULL, *owner = NULL, *dev = NULL, *stream_fn = NULL;
     PyObject *empty = NULL;
-    int rank, world, create = 0;
+    int rank, world, create = 0, device_index = -1;
     Py_ssize_t slot_bytes = 0;
     double timeout_s = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sii|$OzpndOOOOOs", kwlist, &kind, &rank, &world,
-                                     &fn, &name, &create, &slot_bytes, &timeout_s, &capsule,
-                                     &owner, &dev, &stream_fn, &empty, &staging))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sii|$OzpndOOOOOsi", kwlist, &kind, &rank,
+                                     &world, &fn, &name, &create, &slot_bytes, &timeout_s,
+                                     &capsule, &owner, &dev, &stream_fn, &empty, &staging,
+                                     &device_index))
         return NULL;
     /* [Note: staging stores] (backends/shm_staging.h) */
     const int policy = strcmp(staging, "auto") == 0       ? FS_STAGE_AUTO
@@ -93,7 +98,7 @@ static PyObject *Comm_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         return PyErr_Format(PyExc_ValueError, "Comm: staging must be 'auto', 'cached' or "
                             "'streamed', got '%s'", staging);
     if (strcmp(kind, "device") == 0)
-        return device_comm(tp, rank, world, capsule, owner, dev, stream_fn, empty);
+        return device_comm(tp, rank, world, capsule, owner, dev, stream_fn, empty, device_index);
     fs_mod_state *st = fs_state_from_type(tp);
     CommObject *self = (CommObject *)tp->tp_alloc(tp, 0);
     if (!self)
@@ -435,6 +440,13 @@ static PyObject *Comm_get_device(CommObject *self, void *c)
     return PyUnicode_FromString(self->dev->name);
 }
 
+static PyObject *Comm_get_device_index(CommObject *self, void *c)
+{
+    if (!self->dev || self->device_index < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(self->device_index);
+}
+
 static PyMethodDef Comm_methods[] = {
     {"capsule", (PyCFunction)Comm_capsule, METH_NOARGS, capsule_doc},
     {"abort", (PyCFunction)Comm_abort, METH_VARARGS, abort_doc},
@@ -455,6 +467,9 @@ static PyGetSetDef Comm_getset[] = {
     {"backend", (getter)Comm_get_backend, NULL, "backend name", NULL},
     {"device", (getter)Comm_get_device, NULL,
      "the device API of a kind='device' Comm ('cuda', or 'host'), else None", NULL},
+    {"device_index", (getter)Comm_get_device_index, NULL,
+     "which of that API's devices a kind='device' Comm's buffers are on (torch's index, as "
+     "given by device_index=), else None", NULL},
     {"failure", (getter)Comm_get_failure, NULL,
      "what the last failed collective met, where the backend can tell: 'dead' (a rank's "
      "process ended), 'absent' (a live rank never came), 'desync' (the ranks are in "
@@ -482,8 +497,9 @@ static PyType_Slot Comm_slots[] = {
                 "(rank 0 passes create=True) and stages with cached or streaming stores "
                 "(staging: 'auto' measures which is faster, 'cached', 'streamed'); kind='device' wraps owner's backend "
                 "(capsule=owner.capsule()) over device memory, with device_api (an "
-                "fs_device_api capsule), stream_fn() -> the current stream and "
-                "empty(numel, dtype_code) -> a device tensor (float32 staging)."},
+                "fs_device_api capsule), stream_fn() -> the current stream, "
+                "empty(numel, dtype_code) -> a device tensor (float32 staging) and "
+                "device_index (which device, for the tensor checks of runtime/comm.py)."},
     {0, NULL},
 };
 

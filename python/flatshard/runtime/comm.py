@@ -11,7 +11,8 @@ environment variable when the argument is not given):
   "shm"    shared memory between the ranks of one host (csrc/backends/comm_shm.c)
   "torch"  the process group itself (gloo), through `_torch_collective`
   "nccl"   CUDA devices (device.py, cuda_nccl.py): flatshard's own NCCL
-           communicator; "auto" picks it for units on a CUDA device
+           communicator; "auto" picks it for units on a CUDA device. Its
+           tensor-level collectives are the functions below, as every Comm's
 Every shm wait gives up after FLATSHARD_COMM_TIMEOUT seconds (timeout.py:
 default 300; the process group's own timeout where that is shorter) with an
 error naming the rank that did not arrive and where it is. Every collective
@@ -37,7 +38,7 @@ from .. import _C, envvars, torch_facts
 from ..errors import bad_type, bad_value
 from ..tensors import check_plain, dtype_code
 from . import diagnostics
-from .device import cuda_comm
+from .device import cuda_comm, memory_of, tensor_fits
 from .timeout import wait_timeout
 
 BACKENDS = ("auto", "shm", "torch", "nccl")
@@ -378,24 +379,28 @@ def comm_for(group, backend="torch", device=None):
 
 
 def _flat(t, arg, comm):
+    """(data_ptr, numel, dtype code) of a tensor `comm` can move: plain,
+    contiguous, in the memory it moves (device.tensor_fits)."""
     check_plain(t, arg, "flatshard.runtime.comm")
     if not t.is_contiguous():
-        raise ValueError(f"flatshard: {arg} must be contiguous")
-    if (t.device.type == "cuda") != (comm.device == "cuda"):
-        raise ValueError(f"flatshard: {arg} is on {t.device}, but this Comm moves "
-                         f"{'CUDA' if comm.device == 'cuda' else 'host'} memory")
+        raise bad_value(arg, f"a tensor of strides {t.stride()}", "expected a contiguous tensor")
+    if not tensor_fits(comm, t):
+        raise bad_value(arg, str(t.device), f"this Comm moves {memory_of(comm)} memory")
     return t.data_ptr(), t.numel(), dtype_code(t.dtype)
 
 
+# Every Comm, host or device, takes its tensors here: a device Comm binds
+# torch's current stream and lends the float32 staging of a bfloat16/float16
+# reduction itself (csrc/glue/py_comm.c).
 # `tag` below: what the collective is for, in the Comm's ledger and in errors.
 
 
 def broadcast_(comm, tensor, root=0, tag=""):
     """Broadcast a contiguous tensor of any dtype in place, as raw bytes."""
-    check_plain(tensor, "tensor", "flatshard.runtime.comm.broadcast_")
+    check_plain(tensor, "broadcast: tensor", "flatshard.runtime.comm.broadcast_")
     flat = tensor.detach().contiguous().view(-1)
     raw = flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
-    _flat(raw, "tensor", comm)
+    _flat(raw, "broadcast: tensor", comm)
     comm.broadcast(raw.data_ptr(), raw.numel(), _C.U8, root, tag)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.detach().copy_(flat.view_as(tensor))
@@ -403,22 +408,24 @@ def broadcast_(comm, tensor, root=0, tag=""):
 
 def all_gather_into(comm, out, inp, tag=""):
     """out = every rank's inp, in rank order."""
-    ip, n, code = _flat(inp, "input", comm)
-    op, on, ocode = _flat(out, "output", comm)
+    ip, n, code = _flat(inp, "all_gather: input", comm)
+    op, on, ocode = _flat(out, "all_gather: output", comm)
     if ocode != code or on != n * comm.world_size:
-        raise ValueError("flatshard: all_gather output must be world_size times the input")
+        raise bad_value("all_gather: output", f"{out.dtype} of {on}",
+                        f"expected {inp.dtype} of world_size * {n} (the input's numel)")
     comm.all_gather(ip, op, n, code, tag)
 
 
 def reduce_scatter_into(comm, out, inp, average=True, tag=""):
     """out = this rank's part of the sum (average) of every rank's inp."""
-    ip, n, code = _flat(inp, "input", comm)
-    op, on, ocode = _flat(out, "output", comm)
+    ip, n, code = _flat(inp, "reduce_scatter: input", comm)
+    op, on, ocode = _flat(out, "reduce_scatter: output", comm)
     if ocode != code or n != on * comm.world_size:
-        raise ValueError("flatshard: reduce_scatter input must be world_size times the output")
+        raise bad_value("reduce_scatter: input", f"{inp.dtype} of {n}",
+                        f"expected {out.dtype} of world_size * {on} (the output's numel)")
     comm.reduce_scatter(ip, op, on, code, average, tag)
 
 
 def all_reduce_(comm, tensor, average=False, tag=""):
-    p, n, code = _flat(tensor, "tensor", comm)
+    p, n, code = _flat(tensor, "all_reduce: tensor", comm)
     comm.all_reduce(p, n, code, average, tag)

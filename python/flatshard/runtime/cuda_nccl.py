@@ -3,13 +3,18 @@ comm_nccl.c), not through torch's process group.
 
 `nccl_comm_for(group)` builds (once per group) an NcclBackend: one NCCL
 communicator over the group's ranks, its unique id passed through the
-group's store, on the current CUDA device. Its collectives take device
-tensors and mirror comm.py's tensor-level calls; each runs on the
-communicator's own stream, ordered against the caller's current stream with
-events (no host synchronisation). Errors raise flatshard._C_cuda.NcclError
-naming the collective and the `tag`; fatal ones abort the communicator
-(ncclCommAbort) so the other ranks fail instead of hanging, and `wait()`
-gives up after the timeout (FLATSHARD_COMM_TIMEOUT, default 300 s).
+group's store, on the current CUDA device. The NcclBackend holds what is
+NCCL's own (its groups, the bounded wait, close); its collectives are those
+of the flatshard._C.Comm(kind='device') over it (device.py's cuda_comm, or
+nccl_device_comm), called with tensors through comm.py's functions like
+every other Comm's. Each runs on the communicator's own stream, ordered
+against the caller's current stream with events (no host synchronisation),
+its float32 staging for bfloat16/float16 reductions taken from torch's
+caching allocator. A failed collective raises flatshard.CoreError naming it
+and its `tag`; fatal ones abort the communicator (ncclCommAbort) so the
+other ranks fail instead of hanging, and `wait()` gives up after the
+timeout (FLATSHARD_COMM_TIMEOUT, default 300 s), raising
+flatshard._C_cuda.NcclError as the set-up does.
 
 libnccl.so.2 is opened at run time: the copy torch already loaded, else the
 `nvidia-nccl` wheel's, else the default library search path, or the path in
@@ -25,12 +30,10 @@ import torch.distributed as dist
 
 from .. import envvars
 from ..errors import bad_value, not_built
-from ..tensors import dtype_code
 from . import cuda
 from .timeout import comm_timeout_s
 
 ENV_LIBRARY = "FLATSHARD_NCCL_LIBRARY"
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def nccl_library_path():
@@ -97,63 +100,14 @@ def describe():
     return f"CUDA kernels: built ({rt}, {info['device_count']} GPU(s)); nccl backend: {nccl}"
 
 
-def _flat(what, t, device):
-    cuda._dev(what, t, device=device)
-    return t.data_ptr(), t.numel(), dtype_code(t.dtype)
-
-
 class NcclBackend:
-    """Tensor-level collectives over one NCCL communicator (see module doc).
-    `comm` is the raw flatshard._C_cuda.NcclComm (pointer-level calls)."""
+    """One NCCL communicator (see module doc): `comm` is the raw
+    flatshard._C_cuda.NcclComm, on `device`; its collectives go through a
+    Comm(kind='device') over it (device.nccl_device_comm)."""
 
     def __init__(self, comm, device, timeout_s):
         self.comm, self.device, self.timeout_s = comm, device, timeout_s
         self.rank, self.world_size = comm.rank, comm.world_size
-        self._ws = None  # float32 staging for bf16/f16 reductions
-
-    def _stream(self):
-        return torch.cuda.current_stream(self.device).cuda_stream
-
-    def _workspace(self, numel):
-        """A float32 device buffer of at least numel elements, from torch's
-        caching allocator; grown rarely, after the comm stream finished with
-        the old one (so freeing it is safe on any stream)."""
-        if self._ws is None or self._ws.numel() < numel:
-            if self._ws is not None:
-                self.comm.wait(self.timeout_s)
-            self._ws = torch.empty(numel, dtype=torch.float32, device=self.device)
-            self.comm.set_workspace(self._ws.data_ptr(), self._ws.numel() * 4)
-
-    def all_gather_into(self, out, inp, tag=""):
-        ip, n, code = _flat("all_gather: input", inp, self.device)
-        op, on, ocode = _flat("all_gather: output", out, self.device)
-        if ocode != code or on != n * self.world_size:
-            raise bad_value("all_gather: output", f"{out.dtype} of {on}",
-                            f"expected {inp.dtype} of world_size * {n}")
-        self.comm.all_gather(ip, op, n, code, tag, stream=self._stream())
-
-    def reduce_scatter_into(self, out, inp, average=True, tag=""):
-        ip, n, code = _flat("reduce_scatter: input", inp, self.device)
-        op, on, ocode = _flat("reduce_scatter: output", out, self.device)
-        if ocode != code or n != on * self.world_size:
-            raise bad_value("reduce_scatter: input", f"{inp.dtype} of {n}",
-                            f"expected {out.dtype} of world_size * {on}")
-        if inp.dtype in LOW_PRECISION:
-            self._workspace(n)
-        self.comm.reduce_scatter(ip, op, on, code, average, tag, stream=self._stream())
-
-    def all_reduce_(self, tensor, average=False, tag=""):
-        p, n, code = _flat("all_reduce: tensor", tensor, self.device)
-        if tensor.dtype in LOW_PRECISION:
-            self._workspace(n)
-        self.comm.all_reduce(p, n, code, average, tag, stream=self._stream())
-
-    def broadcast_(self, tensor, root=0, tag=""):
-        p, n, code = _flat("broadcast: tensor", tensor, self.device)
-        self.comm.broadcast(p, n, code, root, tag, stream=self._stream())
-
-    def barrier(self, tag=""):
-        self.comm.barrier(tag, stream=self._stream())
 
     def wait(self, timeout_s=None):
         self.comm.wait(self.timeout_s if timeout_s is None else timeout_s)
@@ -163,12 +117,8 @@ class NcclBackend:
         NCCL group (one launch for e.g. several units' all-gathers)."""
         return _Group(self)
 
-    def abort(self, why):
-        return self.comm.abort(why)
-
     def close(self):
         self.comm.close()
-        self._ws = None
 
 
 class _Group:
@@ -176,7 +126,7 @@ class _Group:
         self.backend = backend
 
     def __enter__(self):
-        self.backend.comm.group_start(stream=self.backend._stream())
+        self.backend.comm.group_start(stream=cuda.stream_handle(device=self.backend.device))
         return self.backend
 
     def __exit__(self, *exc):

@@ -32,6 +32,20 @@ def empty_fn(device):
     return empty
 
 
+def nccl_device_comm(backend):
+    """The Comm(kind='device') over an NcclBackend (cuda_nccl.py): every
+    collective on its NCCL communicator goes through it, on torch's current
+    stream of the backend's device, with float32 staging from `empty_fn`."""
+    index = backend.device.index
+
+    def stream():
+        return torch.cuda.current_stream(index).cuda_stream
+
+    return _C.Comm("device", backend.rank, backend.world_size, capsule=backend.comm.capsule(),
+                   owner=backend.comm, device_api=cuda._C_cuda.device_api, stream_fn=stream,
+                   empty=empty_fn(backend.device), device_index=index)
+
+
 def cuda_comm(group, device):
     """The device Comm of a process group on one CUDA device (made once per
     group; every rank of the group calls it, since NCCL's set-up is
@@ -40,15 +54,7 @@ def cuda_comm(group, device):
     hit = _COMMS.get(key)
     if hit is not None and hit[0] is group:
         return hit[1]
-    backend = nccl_comm_for(group, device)
-    index = device.index
-
-    def stream():
-        return torch.cuda.current_stream(index).cuda_stream
-
-    comm = _C.Comm("device", backend.rank, backend.world_size, capsule=backend.comm.capsule(),
-                   owner=backend.comm, device_api=cuda._C_cuda.device_api, stream_fn=stream,
-                   empty=empty_fn(device))
+    comm = nccl_device_comm(nccl_comm_for(group, device))
     diagnostics.install(comm, group, f"{group.group_name}/nccl", comm_timeout_s())
     _COMMS[key] = (group, comm)
     return comm
@@ -64,7 +70,18 @@ def host_device_comm(comm):
                    empty=empty_fn(torch.device("cpu")))
 
 
+def memory_of(comm):
+    """What memory `comm` moves, as the tensor checks name it: 'cuda:i' for a
+    CUDA Comm that knows its device ('cuda' for one that does not), 'host'
+    for every other."""
+    if comm.device != "cuda":
+        return "host"
+    return "cuda" if comm.device_index is None else f"cuda:{comm.device_index}"
+
+
 def tensor_fits(comm, t):
-    """Whether a tensor's memory is what `comm` moves: CUDA memory for a
-    CUDA Comm, host memory for every other."""
-    return (t.device.type == "cuda") == (comm.device == "cuda")
+    """Whether a tensor's memory is what `comm` moves: CUDA memory (of its
+    device, where it knows it) for a CUDA Comm, host memory for every other."""
+    if comm.device != "cuda":
+        return t.device.type != "cuda"
+    return t.device.type == "cuda" and comm.device_index in (None, t.device.index)
