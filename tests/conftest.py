@@ -1,3 +1,19 @@
+"""What every test relies on, set here rather than taken from the caller's
+environment:
+
+- one intra-op thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)), in
+  pytest's process and the pool's ranks;
+- the CPU optimizers' loop choices in a file of this run's
+  (FLATSHARD_OPTIM_TUNE_CACHE), never the user's cache;
+- the ``dist_pool`` fixture: multi-rank tests on a pool of worker processes
+  (dist_pool.py), whose ``run`` fails a job that does not end within its
+  ``timeout``;
+- a deadline for every test (deadline.py): its set-up, call and teardown
+  get FLATSHARD_TEST_DEADLINE_S seconds (default 600; 0: no deadline, as
+  under a debugger), a test marked ``@pytest.mark.deadline(SECONDS)`` the
+  larger of the two. Past it the run ends (exit status 1) with the Python
+  stack of every thread of pytest's process on its stderr.
+"""
 import os
 import sys
 
@@ -24,7 +40,12 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 
+import deadline  # noqa: E402
 from dist_pool import get_pool, shutdown_all  # noqa: E402
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(deadline, "flatshard-test-deadline")
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,9 @@ from flatshard import CommQuant, ConfigError, ConfigTypeError, FSDP
 import quant_lm
 
 TIMEOUT = 600
+# A job may take TIMEOUT after the pool's start-up (up to 120 s): a deadline
+# beyond both (conftest.py), so that the pool's own timeout speaks first.
+pytestmark = pytest.mark.deadline(900)
 STEPS = 40
 CASES = {"off": None, "w8": CommQuant(weights="int8"),
          "w8g4": CommQuant(weights="int8", grads="int4"), "g8": CommQuant(grads="int8")}

@@ -186,13 +186,11 @@ def _wrap_mismatches():
     out = {}
 
     def attempt(name, make, **kw):
-        start = time.monotonic()
         try:
             make(**kw)
             out[name] = "no error"
         except ConfigError as e:
             out[name] = full_text(e)
-        out[name + "_s"] = time.monotonic() - start
 
     def shapes():
         model = build()
@@ -238,20 +236,22 @@ def _fully_shard_backends_differ():
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo")  # no Comm cached for it yet
     os.environ[fcomm.ENV_BACKEND] = "shm" if rank == 0 else "torch"
-    start = time.monotonic()
     try:
         flatshard.fully_shard(nn.Linear(4, 4), mesh=DeviceMesh.from_group(group, "cpu"))
-        return "no error", 0.0
+        return "no error"
     except ConfigError as e:
-        return str(e), time.monotonic() - start
+        return str(e)
     finally:
         del os.environ[fcomm.ENV_BACKEND]
 
 
 def test_fully_shard_ranks_asking_for_different_backends_are_named(dist_pool):
-    for msg, took in dist_pool(2).run(_fully_shard_backends_differ, timeout=60):
-        assert "rank 0 'shm', rank 1 'torch'" in msg and "comm_backend" in msg, msg
-        assert took < 10  # at once, not at a timeout
+    # The Comm's set-up compared the requests: a ConfigError naming both
+    # ranks' backends on every rank, not the process group's timeout in
+    # mismatched collectives (the pool's 60 s would end that).
+    for msg in dist_pool(2).run(_fully_shard_backends_differ, timeout=60):
+        assert "the ranks of the group ask for different backends: rank 0 'shm', " \
+            "rank 1 'torch'" in msg and "comm_backend" in msg, msg
 
 
 def test_ranks_that_wrap_differently_are_named(dist_pool):
@@ -262,9 +262,11 @@ def test_ranks_that_wrap_differently_are_named(dist_pool):
     assert_documented("options-differ", r0["options"])
     assert "param_init_fn=None" in r1["failed"]  # rank 1's own error; rank 0 names it
     assert_documented("rank-failed-to-wrap", r0["failed"])
-    assert r0["failed_s"] < 1.0  # told at once, not at the timeout
+    # told rank 1's own error, not that rank 1 did not come within the timeout
+    assert "did not reach the wrap" not in r0["failed"], r0["failed"]
+    # rank 0 waited out its 1 s timeout, the one the message names
     assert_documented("rank-missing-at-wrap", r0["missing"])
-    assert 1.0 <= r0["missing_s"] < 3.0 and r1["missing"] == "no error"
+    assert r1["missing"] == "no error"
     assert r0["after"] == r1["after"] == "no error"
 
 
@@ -312,13 +314,13 @@ def _wrapped(backend, group_timeout=None):
 
 
 def _steps(model, skip, steps=2):
-    start = time.monotonic()
+    """-> the error of `steps` steps as a user sees it, or "no error"."""
     try:
         for _ in range(steps):
             model(torch.randn(2, 5), skip=skip).backward()
-        return "no error", time.monotonic() - start
+        return "no error"
     except (CoreError, RuntimeError) as e:
-        return full_text(e), time.monotonic() - start
+        return full_text(e)
 
 
 def _skip_one_unit(backend, group_timeout=None):
@@ -329,26 +331,29 @@ def _skip_one_unit(backend, group_timeout=None):
     # the ranks reach their last collectives at different times, so the one
     # that timed out first waits here (the default group is healthy).
     dist.barrier()
-    return out + (model._unit.c.comm.failure,)
+    return out, model._unit.c.comm.failure
 
 
 def test_a_skipped_unit_is_caught_at_once_on_shm(dist_pool):
-    (m0, t0, f0), (m1, t1, f1) = dist_pool(2).run(_skip_one_unit, "shm")
-    assert f0 == f1 == "desync"  # what the fix line is chosen by (none for this one)
+    (m0, f0), (m1, f1) = dist_pool(2).run(_skip_one_unit, "shm")
+    # At the collective that differs, not at the 2 s timeout: the Comm's
+    # failure is "desync" (a timeout's is "absent"), the first line says no
+    # wait timed out. Also what the fix line is chosen by (none for this one).
+    assert f0 == f1 == "desync"
     first = m0.split("\n")[0]
     assert first == m1.split("\n")[0]  # every rank says the same
+    assert "timed out" not in first, first
     assert_documented("collectives-differ", m0)
     assert "all_gather #3 for 'layers.2' (144 B float32, failed)" in m1  # rank 1's own ledger
-    assert t0 < 1.0 and t1 < 1.0  # at the collective that differs, not at a timeout
 
 
 def _extra_forward_on_rank0():
     model = _wrapped("shm")
     model(torch.randn(2, 5)).backward()
     if dist.get_rank() == 1:
-        return "no error", 0.0
+        return "no error", None
     with torch.no_grad():  # evaluation on rank 0 only: rank 1 never joins
-        return _steps(model, skip=None, steps=1)
+        return _steps(model, skip=None, steps=1), model._unit.c.comm.failure
 
 
 def _fully_shard_shapes_differ():
@@ -364,43 +369,44 @@ def _fully_shard_shapes_differ():
         flatshard.fully_shard(model, mesh=mesh)
     finally:
         del os.environ[fcomm.ENV_BACKEND]
-    start = time.monotonic()
     try:
         model(torch.randn(2, 4))
-        return "no error", 0.0
+        return "no error"
     except CoreError as e:
-        return f"{type(e).__name__}: {e}", time.monotonic() - start
+        return f"{type(e).__name__}: {e}"
 
 
 def test_a_unit_whose_shapes_differ_between_ranks_is_named(dist_pool):
-    (m0, t0), (m1, t1) = dist_pool(2).run(_fully_shard_shapes_differ, timeout=60)
+    m0, m1 = dist_pool(2).run(_fully_shard_shapes_differ, timeout=60)
     assert m0.split("\n")[0] == m1.split("\n")[0]  # every rank says the same
     assert_documented("unit-sizes-differ", m0)
-    assert t0 < 1.0 and t1 < 1.0
+    # at the collective whose sizes differ, not at the timeout
+    assert "timed out" not in m0.split("\n")[0], m0
 
 
 def test_a_rank_that_stops_issuing_is_named_at_the_timeout(dist_pool):
-    msg, took = dist_pool(2).run(_extra_forward_on_rank0)[0]
+    msg, failure = dist_pool(2).run(_extra_forward_on_rank0)[0]
+    # Rank 0's wait timed out (failure "absent": a live rank never came), then
+    # it waited a bounded 0.5 s for rank 1's ledger, which never comes.
     assert_documented("rank-not-arrived", msg)
-    # The 2 s timeout, then a short wait for rank 1's ledger, which never comes.
-    assert 2.0 <= took < 4.0
+    assert failure == "absent", failure
 
 
 def _rank1_dies(report_path, backend="shm"):
     model = _wrapped(backend, group_timeout=5 if backend == "torch" else None)
     if dist.get_rank() == 1:
         os._exit(7)
-    msg, took = _steps(model, skip=None, steps=1)
-    write_report(report_path, took, msg)
+    write_report(report_path, _steps(model, skip=None, steps=1))
 
 
 def test_a_dead_rank_is_named_with_the_unit(dist_pool, tmp_path):
     report = tmp_path / "rank0.txt"
     with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
         dist_pool(2).run(_rank1_dies, str(report), timeout=60)
-    took, msg = read_report(report)
+    msg = read_report(report)
     assert_documented("rank-died", msg)
-    assert took < 1.0  # noticed by liveness checks, not at the timeout
+    # noticed by the liveness checks: a wait that ran to the timeout says so
+    assert "timed out" not in msg.split("\n")[0], msg
 
 
 def test_a_dead_rank_is_named_on_the_torch_backend_too(dist_pool, tmp_path):
@@ -409,11 +415,10 @@ def test_a_dead_rank_is_named_on_the_torch_backend_too(dist_pool, tmp_path):
     report = tmp_path / "rank0.txt"
     with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
         dist_pool(2).run(_rank1_dies, str(report), "torch", timeout=60)
-    took, msg = read_report(report)
+    msg = read_report(report)
     assert "rank 1: did not report" in msg and "it died" in msg, msg
     assert re.search(r"rank 1 \(pid \d+\) died", msg), msg  # seen from this host
     assert "rank 0: all_gather" in msg or "rank 0: reduce_scatter" in msg, msg
-    assert took < 6.0  # within the group's 5 s timeout at the latest
 
 
 def _rank0_dies_with_the_store(rank, port, report_path):
@@ -426,8 +431,7 @@ def _rank0_dies_with_the_store(rank, port, report_path):
     dist.barrier()  # both ranks have finished the good step
     if rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
-    msg, took = _steps(model, skip=None, steps=1)
-    write_report(report_path, took, msg)
+    write_report(report_path, _steps(model, skip=None, steps=1))
     os._exit(0)  # the process group cannot be torn down without its store
 
 
@@ -458,11 +462,10 @@ def test_a_dead_rank_0_is_named_on_the_torch_backend_with_its_store(tmp_path):
     report = tmp_path / "rank1.txt"
     procs, port = _two_fresh_ranks(_rank0_dies_with_the_store, report)
     assert procs[0].exitcode == -signal.SIGKILL, procs[0].exitcode
-    took, msg = read_report(report)
+    msg = read_report(report)
     assert (f"rank 0 (pid {procs[0].pid}) died; it also hosted the process group's TCP store "
             f"(127.0.0.1:{port})") in msg, msg
     assert "rank 1's last collectives on this torch Comm" in msg, msg
-    assert took < 5.0
 
 
 def _rank0_ends_on_the_wrap_error(rank, port, report_path):
@@ -487,21 +490,21 @@ def _rank0_ends_on_the_wrap_error(rank, port, report_path):
     except Exception as e:
         msg = f"{type(e).__name__}: {e}"
     if rank == 1:
-        write_report(report_path, 0.0, msg)
+        write_report(report_path, msg)
     os._exit(0)  # rank 0 at once: its store goes with it
 
 
 def test_the_wrap_error_reaches_every_rank_when_rank_0_ends_on_it(tmp_path):
     report = tmp_path / "rank1.txt"
     _two_fresh_ranks(_rank0_ends_on_the_wrap_error, report)
-    _, msg = read_report(report)
+    msg = read_report(report)
     assert msg.startswith("ConfigError: flatshard: the wrapped model differs between ranks"), msg
 
 
 def test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout(dist_pool):
     # gloo cannot tell the units apart (same sizes): the ranks go on out of
     # step until one waits for a collective the other never issues.
-    (m0, t0, f0), (m1, t1, f1) = dist_pool(2).run(_skip_one_unit, "torch", 2)
+    (m0, f0), (m1, f1) = dist_pool(2).run(_skip_one_unit, "torch", 2)
     assert f0 is f1 is None  # gloo's errors carry no kind: the ledgers' comparison decides
     # The rank whose wait timed out first reports its timeout. The other one
     # reports its own, or (on a loaded machine, when it began waiting later)
@@ -514,4 +517,3 @@ def test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout(dist_pool):
         assert "rank 1: all_gather #3 for 'layers.2'" in msg
     if "Timed out" in m1:  # the guide shows rank 1's message (its recv timed out)
         assert_documented("gloo-timeout", m1)
-    assert max(t0, t1) < 8.0

@@ -1,11 +1,12 @@
 """Tests of the multi-rank test harness itself (dist_pool.py)."""
 import os
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import dist_pool as dist_pool_module  # the fixture takes the plain name
 
 
 def _all_reduce(scale):
@@ -76,16 +77,16 @@ def test_rank_output_is_shown_with_the_test(dist_pool, capsys):
 
 def test_exception_names_rank_and_traceback_then_pool_recovers(dist_pool):
     pool = dist_pool(2)
-    start = time.monotonic()
     with pytest.raises(AssertionError) as info:
         pool.run(_raise_on, {1}, timeout=60)
     message = str(info.value)
     assert "rank 1 raised" in message
     assert "Traceback" in message and "_fail_deeper" in message
     assert "ValueError: boom from rank 1" in message
-    assert "ranks [0] did not answer" in message
+    # given up on after the grace that follows a failure, not the 60s timeout
+    assert (f"ranks [0] did not answer within {dist_pool_module.GRACE_AFTER_FAILURE}s "
+            "of another rank's failure") in message
     assert "[rank 0]   File" in message and " in _raise_on" in message  # rank 0's stack
-    assert time.monotonic() - start < 10  # not the 60s timeout
 
     # every failing rank is reported
     with pytest.raises(AssertionError) as info:
@@ -98,10 +99,8 @@ def test_exception_names_rank_and_traceback_then_pool_recovers(dist_pool):
 def test_hang_times_out_kills_pool_and_recovers(dist_pool):
     pool = dist_pool(2)
     old_pids = pool.run(_getpid)
-    start = time.monotonic()
     with pytest.raises(AssertionError) as info:
         pool.run(_skip_collective_on_rank1, timeout=3)
-    assert time.monotonic() - start < 8
     message = str(info.value)
     assert "ranks [0] did not answer within the 3s timeout" in message
     # rank 0's Python stack, dumped while it was blocked inside gloo
@@ -113,11 +112,12 @@ def test_hang_times_out_kills_pool_and_recovers(dist_pool):
 
 def test_dead_worker_reported_promptly(dist_pool):
     pool = dist_pool(2)
-    start = time.monotonic()
     with pytest.raises(AssertionError) as info:
         pool.run(_exit_on_rank1, timeout=60)
-    assert time.monotonic() - start < 10
+    # seen as its pipe's end: rank 0, in a barrier with the dead rank, is
+    # given up on after the grace, never at the 60s timeout
     assert "rank 1 died with exit code 3" in str(info.value)
+    assert "within the 60s timeout" not in str(info.value), str(info.value)
     assert pool.run(_all_reduce, 1.0)[1] == (1, 2, [3.0] * 3)
 
 

@@ -92,6 +92,9 @@ def one_launch_result(d, proc, name):
     return "".join(out)
 
 
+# The first distributed one sets up distributed_runs, whose launch has 600 s: a
+# deadline beyond it (conftest.py), so that the launch's own timeout speaks first.
+@pytest.mark.deadline(900)
 @pytest.mark.parametrize("path,index,code", SNIPPETS,
                          ids=[f"{p}[{i}]" for p, i, _ in SNIPPETS])
 def test_snippet_runs(path, index, code, tmp_path, request):

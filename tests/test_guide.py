@@ -56,6 +56,9 @@ def lines_of(out, rank):
                                 flags=re.M)}
 
 
+# The first test sets up torchrun_outputs, whose launch has 600 s (test_docs.py):
+# a deadline beyond it (conftest.py), so that the launch's own timeout speaks first.
+@pytest.mark.deadline(900)
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.split("--stage ")[-1] for c in COMMANDS])
 def test_guide_command(cmd, request):
     out = run(cmd, request)

@@ -4,7 +4,6 @@ with the rank's breakdown and remedies, and the other rank is told at once
 instead of waiting in the all-gather."""
 import datetime
 import resource
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,11 +33,10 @@ def _vm_bytes():
 
 def _rank0_capped(step):
     """step() with rank 0's address space capped at what it maps now plus
-    24 MiB (room for small allocations, not for a 64 MiB unit) -> (its
-    error as text with its notes, or "no error"; seconds it took)."""
+    24 MiB (room for small allocations, not for a 64 MiB unit) -> its
+    error as text with its notes, or "no error"."""
     rank = dist.get_rank()
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    start = time.monotonic()
     try:
         if rank == 0:
             resource.setrlimit(resource.RLIMIT_AS, (_vm_bytes() + (24 << 20), hard))
@@ -49,7 +47,7 @@ def _rank0_capped(step):
     finally:
         if rank == 0:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    return msg, time.monotonic() - start
+    return msg
 
 
 def _one_rank_runs_out(backend):
@@ -63,7 +61,7 @@ def _one_rank_runs_out(backend):
 
 
 def test_out_of_memory_on_one_rank_is_named_on_every_rank(dist_pool):
-    (m0, t0), (m1, t1) = dist_pool(2).run(_one_rank_runs_out, "shm")
+    m0, m1 = dist_pool(2).run(_one_rank_runs_out, "shm")
     assert m0.startswith("OutOfMemoryError: flatshard: rank 0 ran out of host memory "
                          "gathering unit '0'"), m0
     assert_documented("out-of-memory", m0)
@@ -71,18 +69,18 @@ def test_out_of_memory_on_one_rank_is_named_on_every_rank(dist_pool):
                  "sharding_strategy=FULL_SHARD", "param_dtype=torch.bfloat16"):
         assert part in m0, (part, m0)
     # Rank 1 was waiting for rank 0 in the all-gather: it fails with the
-    # cause, which is not its own allocation failure.
+    # cause, which is not its own allocation failure, from rank 0's abort of
+    # the group, not at the 300 s timeout (no wait of its timed out).
     assert "aborted" in m1 and "rank 0 ran out of host memory" in m1, m1
     assert m1.startswith("CoreError:") and "rank 1 ran out" not in m1, m1
-    assert t1 < 5.0  # told at once, not at the 300 s timeout
+    assert "timed out" not in m1, m1
 
 
 def test_out_of_memory_on_the_torch_backend_reaches_the_others_note(dist_pool):
-    (m0, _), (m1, t1) = dist_pool(2).run(_one_rank_runs_out, "torch")
+    m0, m1 = dist_pool(2).run(_one_rank_runs_out, "torch")
     assert m0.startswith("OutOfMemoryError: flatshard: rank 0 ran out of host memory"), m0
     # Rank 1's gloo wait fails at the group's timeout; its note quotes rank 0.
     assert "rank 0 stopped: flatshard: rank 0 ran out of host memory" in m1, m1
-    assert t1 < 10.0
 
 
 def _one_rank_runs_out_in_backward():
@@ -105,12 +103,12 @@ def test_out_of_memory_in_the_plain_backward_is_named_on_every_rank(dist_pool):
     """The plain backward in C hands an allocation failure to the unit's
     Python report (UnitRuntime._plain_failed), as the Python path does: the
     rank's breakdown on rank 0, the cause on rank 1 at once."""
-    (m0, _), (m1, t1) = dist_pool(2).run(_one_rank_runs_out_in_backward)
+    m0, m1 = dist_pool(2).run(_one_rank_runs_out_in_backward)
     assert m0.startswith("OutOfMemoryError: flatshard: rank 0 ran out of host memory"), m0
     assert "gathered units now:" in m0, m0
     assert "aborted" in m1 and "rank 0 ran out of host memory" in m1, m1
     assert m1.startswith("CoreError:") and "rank 1 ran out" not in m1, m1
-    assert t1 < 5.0
+    assert "timed out" not in m1, m1
 
 
 def _fully_shard_rank_runs_out(when, backend="shm"):
@@ -143,11 +141,12 @@ def test_fully_shard_out_of_memory_on_one_rank_fails_the_others_at_once(dist_poo
     groups as for FSDP1's units, so the other rank's all-gather fails at once
     naming it instead of waiting out the timeout (300 s)."""
     for when in ("first", "later"):
-        (m0, _), (m1, t1) = dist_pool(2).run(_fully_shard_rank_runs_out, when)
+        m0, m1 = dist_pool(2).run(_fully_shard_rank_runs_out, when)
         assert "memory" in m0.lower() and m0 != "no error", (when, m0)
-        assert m1.startswith("CoreError:") and \
-            "rank 0 ran out of host memory during unshard of '0'" in m1, (when, m1)
-        assert t1 < 5.0, (when, t1)
+        # from rank 0's abort of the group, not a timeout of rank 1's own
+        assert m1.startswith("CoreError:") and "shm group aborted: flatshard: rank 0 ran out " \
+            "of host memory during unshard of '0'" in m1, (when, m1)
+        assert "timed out" not in m1, (when, m1)
 
 
 def test_fully_shard_out_of_memory_on_the_torch_backend_reaches_the_others_note(dist_pool):
@@ -155,8 +154,7 @@ def test_fully_shard_out_of_memory_on_the_torch_backend_reaches_the_others_note(
     group's timeout (4 s here), and its note quotes rank 0's cause, which
     rank 0 left in the store ([Note: out of memory on one rank])."""
     for when in ("first", "later"):
-        (m0, _), (m1, t1) = dist_pool(2).run(_fully_shard_rank_runs_out, when, "torch")
+        m0, m1 = dist_pool(2).run(_fully_shard_rank_runs_out, when, "torch")
         assert "memory" in m0.lower() and m0 != "no error", (when, m0)
         assert "rank 0 stopped: flatshard: rank 0 ran out of host memory during unshard " \
                "of '0'" in m1, (when, m1)
-        assert t1 < 10.0, (when, t1)

@@ -6,6 +6,7 @@ create."""
 import contextlib
 import datetime
 import os
+import re
 import signal
 import time
 import uuid
@@ -189,7 +190,6 @@ def _missing_rank(timeout_s):
         del os.environ[ftimeout.ENV_TIMEOUT]
     t = torch.ones(5)
     out = torch.empty(5 * dist.get_world_size())
-    start = time.monotonic()
     if rank == 1:  # stays away from the collective for longer than the timeout
         time.sleep(timeout_s + 1.0)
     try:
@@ -197,19 +197,23 @@ def _missing_rank(timeout_s):
         msg = "no error"
     except flatshard.CoreError as e:
         msg = str(e)
-    return msg, time.monotonic() - start, c.failure
+    return msg, c.failure
 
 
 def test_a_rank_that_never_arrives_is_named_within_the_timeout(dist_pool):
     pids = pool_pids(dist_pool(3))
-    res = dist_pool(3).run(_missing_rank, 1.5)
-    msg0, took0, failure0 = res[0]
-    assert "rank 1" in msg0 and "has not arrived" in msg0 and "all_gather" in msg0, msg0
-    assert [r[2] for r in res] == ["absent"] * 3  # the others learn it with the words
-    assert 1.5 <= took0 < 6.0
-    # Rank 1, arriving late, learns the cause instead of waiting out its own timeout.
-    msg1, took1, _ = res[1]
-    assert "aborted" in msg1 and "rank 1" in msg1 and took1 < 1.5 + 1.0 + 2.0
+    res = dist_pool(3).run(_missing_rank, 1.5, timeout=60)
+    msg0 = res[0][0]
+    # rank 0's wait ran to its timeout ("timed out", failure "absent")
+    assert "rank 0 waiting in all_gather" in msg0 and "timed out: rank 1" in msg0, msg0
+    assert "has not arrived" in msg0, msg0
+    assert [r[1] for r in res] == ["absent"] * 3  # the others learn it with the words
+    # Rank 1, arriving late, learns the cause from the group's abort (rank 0's
+    # words) instead of waiting out a timeout of its own, which would be its
+    # own "rank 1 waiting ... timed out".
+    msg1 = res[1][0]
+    assert "shm group aborted: rank 0 waiting" in msg1 and "rank 1" in msg1, msg1
+    assert "rank 1 waiting" not in msg1, msg1
     assert not leftover_segments(pids)
 
 
@@ -218,31 +222,30 @@ def _dies(report_path):
     c = fcomm.comm_for(dist.new_group(backend="gloo"), "shm")
     if rank == 1:
         os._exit(7)
-    start = time.monotonic()
     try:
         c.barrier()
         msg = "no error"
     except flatshard.CoreError as e:
         msg = f"{e}\nfailure: {c.failure}"
-    write_report(report_path, time.monotonic() - start, msg)
+    write_report(report_path, msg)
 
 
-def _assert_death_named(dist_pool, world, job, report, op, limit_s):
+def _assert_death_named(dist_pool, world, job, report, op):
     """Rank 1 dies (exit code 7) in `job`; rank 0's report names it, in `op`,
-    as dead, within limit_s, and no segment is left behind."""
+    as dead, found by the liveness checks (not at the 300 s timeout, whose
+    message says the wait "timed out"), and no segment is left behind."""
     pids = pool_pids(dist_pool(world))
     with pytest.raises(AssertionError, match="rank 1 died with exit code 7"):
         dist_pool(world).run(job, str(report), timeout=60)
-    took, msg = read_report(report)
+    msg = read_report(report)
     assert "rank 1 (pid" in msg and "died" in msg and op in msg, msg
+    assert "timed out" not in msg, msg
     assert msg.endswith("failure: dead"), msg
-    assert took < limit_s
     assert not leftover_segments(pids)
 
 
 def test_a_dead_rank_is_named_by_the_others(dist_pool, tmp_path):
-    # noticed by liveness checks, not by the 300 s timeout
-    _assert_death_named(dist_pool, 2, _dies, tmp_path / "rank0.txt", "barrier", 5.0)
+    _assert_death_named(dist_pool, 2, _dies, tmp_path / "rank0.txt", "barrier")
 
 
 def _dies_mid_collective(report_path):
@@ -257,7 +260,6 @@ def _dies_mid_collective(report_path):
         del os.environ[fcomm.ENV_SLOT]
     t = torch.full((100_003,), float(rank))
     out = torch.empty(t.numel() * dist.get_world_size())
-    start = time.monotonic()
     msg = "no error"
     try:
         for i in range(100_000):
@@ -267,13 +269,13 @@ def _dies_mid_collective(report_path):
     except flatshard.CoreError as e:
         msg = f"{e}\nfailure: {c.failure}"
     if rank == 0:
-        write_report(report_path, time.monotonic() - start, msg)
+        write_report(report_path, msg)
 
 
 def test_a_rank_dying_between_chunks_is_named(dist_pool, tmp_path):
-    # 40 collectives, then noticed by liveness checks, not the timeout
+    # 40 collectives, then rank 1's death
     _assert_death_named(dist_pool, 3, _dies_mid_collective, tmp_path / "rank0.txt",
-                        "all_gather", 30.0)
+                        "all_gather")
 
 
 # ---------------------------------------------------------------------------
@@ -318,7 +320,6 @@ def _setup_fails(step, how, report_path):
     real = getattr(fcomm, module)
     if rank == who:
         setattr(fcomm, module, _FailingCall(real, name, after, how))
-    start = time.monotonic()
     try:
         fcomm.comm_for(group, "shm")
         msg = "no error"
@@ -329,7 +330,7 @@ def _setup_fails(step, how, report_path):
     finally:
         setattr(fcomm, module, real)
     if rank != who:
-        write_report(report_path, time.monotonic() - start, msg)
+        write_report(report_path, msg)
     return msg
 
 
@@ -345,8 +346,14 @@ def test_a_rank_lost_during_set_up_leaves_no_segment(dist_pool, tmp_path, step, 
             pool.run(_setup_fails, step, how, str(report), timeout=60)
     else:
         assert pool.run(_setup_fails, step, how, str(report), timeout=60)[who] == "interrupted"
-    took, msg = read_report(report)  # the survivor got to the end of its set-up
-    assert msg != "no error" and took < GROUP_TIMEOUT_S + 5.0, msg
+    msg = read_report(report)  # the survivor got to the end of its set-up
+    # ...in one of its gloo collectives ([Note: shm set-up]): at once when its
+    # peer's process is gone, at the group's timeout when its peer went on;
+    # never a longer wait (FLATSHARD_COMM_TIMEOUT's 300 s)
+    if how == "kill":
+        assert re.search(r"Connection (closed|reset) by peer", msg), msg
+    else:
+        assert f"Timed out waiting {GROUP_TIMEOUT_S * 1000}ms" in msg, msg
     assert sorted(set(leftover_segments(pids)) - before) == []
 
 
