@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from flatshard import ConfigError, FSDPModule, fully_shard
+from toy_models import MLP
 
 TIMEOUT = 240
 BOTH = (("torch", torch_fully_shard), ("ours", fully_shard))
@@ -170,20 +171,12 @@ def test_the_state_has_torchs_private_names(dist_pool):
 # test_fully_shard_double_lazy_init, test_fully_shard_multi_module_root)
 
 
-class _MLP(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.in_proj = nn.Linear(d, 2 * d)
-        self.out_proj = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return self.out_proj(torch.relu(self.in_proj(x)))
 
 
 def _mlps(fn):
     """FSDP(model(0: MLP(FSDP(in_proj), FSDP(out_proj)), 1: MLP))."""
     torch.manual_seed(0)
-    model = nn.Sequential(_MLP(), _MLP())
+    model = nn.Sequential(MLP(), MLP())
     fn(model[0].in_proj)
     fn(model[0].out_proj)
     fn(model)
@@ -244,14 +237,14 @@ def _multi_module_root():
     for name, fn in BOTH:
         cases = {}
         torch.manual_seed(0)
-        model = nn.Sequential(_MLP(), _MLP())
+        model = nn.Sequential(MLP(), MLP())
         fn([model[0], model[1]])
         cases["lazy_init"] = _outcome(fn.state(model[0])._lazy_init)
         cases["root_left"] = fn.state(model[0])._is_root
-        model = nn.Sequential(_MLP(), _MLP())
+        model = nn.Sequential(MLP(), MLP())
         fn([model[0], model[1]])
         cases["forward"] = _outcome(lambda: model(_x()))
-        model = nn.Sequential(_MLP(), _MLP())  # under a root of its own: one group, no error
+        model = nn.Sequential(MLP(), MLP())  # under a root of its own: one group, no error
         fn([model[0], model[1]])
         fn(model)
         cases["under_a_root"] = _outcome(lambda: model(_x()).sum().backward())
@@ -267,11 +260,11 @@ def test_multi_module_root_refused_as_torch_refuses_it(dist_pool):
         for case in ("lazy_init", "forward"):
             (ot, om), (tt, tm) = ours[case], theirs[case]
             assert tt is RuntimeError and tm.startswith(
-                "FSDP requires a single root module but got (FSDP_MLP("), (case, tm)
+                "FSDP requires a single root module but got (FSDPMLP("), (case, tm)
             assert issubclass(ot, RootError) and issubclass(ot, RuntimeError) and \
                 issubclass(ot, ConfigError), case
             assert om.startswith("flatshard: ") and om.endswith(tm), (case, om, tm)
-            assert "fully_shard call given 2 modules (FSDP_MLP, FSDP_MLP)" in om, om
+            assert "fully_shard call given 2 modules (FSDPMLP, FSDPMLP)" in om, om
             assert "apply fully_shard to a module holding them all" in om, om
         assert theirs["root_left"] is True
         assert ours["root_left"] is None

@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from flatshard import fully_shard
+from toy_models import MLP
 
 TIMEOUT = 240
 
@@ -97,14 +98,6 @@ def test_private_state_accessors_read_as_torch(dist_pool):
 # and _param_fqn (torch's test_fully_shard_module_and_param_fqns reads them)
 
 
-class _MLP(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.in_proj = nn.Linear(d, 2 * d)
-        self.out_proj = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return self.out_proj(torch.relu(self.in_proj(x)))
 
 
 class _Tied(nn.Module):
@@ -126,7 +119,7 @@ def _fqn_tree(fn):
     """FSDP(model(0: MLP(FSDP(in_proj), FSDP(out_proj)), 1: MLP, 2: _Tied)):
     the root's group holds model[1]'s and model[2]'s parameters."""
     torch.manual_seed(0)
-    model = nn.Sequential(_MLP(), _MLP(), _Tied())
+    model = nn.Sequential(MLP(), MLP(), _Tied())
     fn(model[0].in_proj)
     fn(model[0].out_proj)
     fn(model)

@@ -75,3 +75,15 @@ class Net(nn.Module):
 def build(seed=0, **kw):
     torch.manual_seed(seed)
     return Net(**kw)
+
+
+class MLP(nn.Module):
+    """Two Linears with a ReLU between (torch's FSDP2 tests' MLP, small)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.in_proj = nn.Linear(d, 2 * d)
+        self.out_proj = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.out_proj(torch.relu(self.in_proj(x)))
