@@ -389,6 +389,94 @@ def test_extension_attached_after_fully_shard_trains_as_torch(dist_pool, kind, m
         assert ours_ran == torch_ran > 0  # one per gather of each patched weight
 
 
+# The extension given after the first step: lazy init has handed each block's
+# group its plain-event flags ([Note: plain events] in
+# csrc/glue/py_shard_events.c) for a group with no extension parameter; the
+# next gather moves the weight to the extension's path, and from then on the
+# group's events must free the extension's gathered and rebuilt tensors as
+# torch's reshard does, after forward and after backward. torch's fully_shard
+# takes no extension after its lazy init (it reads the extension's state made
+# at wrap), so the reference is the model trained in one process on every
+# rank's batch, its first weights rounded to bfloat16 in forward from then on
+# (what the bfloat16 all-gather does), their gradients as they are.
+
+def _blocks():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(),
+                                         nn.Linear(16, 8)) for _ in range(2)])
+
+
+def _reference_forward(m, x, rounded):
+    for blk in m:
+        w = blk[0].weight
+        if rounded:  # the bfloat16 value forward, the gradient straight through
+            w = w + (w.detach().to(torch.bfloat16).float() - w.detach())
+        x = blk[2](torch.relu(x @ w.t()))
+    return x
+
+
+def _ext_freed(group):
+    """Whether every extension parameter's all-gather outputs and rebuilt
+    tensors hold no bytes (None: the group has none)."""
+    if not group.ext:
+        return None
+    return all(t.untyped_storage().nbytes() == 0
+               for x in group.ext.values() for t in list(x.outputs or ()) + list(x.inner))
+
+
+def _extension_after_lazy_init_train(steps=4):
+    """-> (per step: our loss and the reference's for this rank's batch), the
+    largest difference of the final parameters, how many pre-all-gathers
+    ran, per step whether the blocks' extension tensors were freed after
+    forward and after backward, and the blocks' groups' plain flags."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours, ref = _blocks(), _blocks()
+    for blk in ours:
+        fully_shard(blk)
+    fully_shard(ours)
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, foreach=False)
+            for m in (ours, ref)]
+    groups = [blk._fsdp_state().group for blk in ours]
+    gens = [torch.Generator().manual_seed(1 + r) for r in range(world)]
+    losses, freed, plain, ran = [], [], [], []
+    for step in range(steps):
+        if step == 1:  # lazy init done and a step taken: the first weights get it now
+            for blk in ours:
+                _attach_bf16_gather(blk[0].weight._local_tensor, ran)
+        xs = [torch.randn(3, 8, generator=gen) for gen in gens]
+        loss = ours(xs[rank]).square().mean()
+        seen = [[_ext_freed(gr) for gr in groups]]
+        loss.backward()
+        seen.append([_ext_freed(gr) for gr in groups])
+        ref_losses = [_reference_forward(ref, x, step >= 1).square().mean() for x in xs]
+        (sum(ref_losses) / world).backward()  # fully_shard's gradient: the ranks' mean
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        losses.append((loss.item(), ref_losses[rank].item()))
+        freed.append(seen)
+        plain.append([gr.plain for gr in groups])
+    worst = max((p.full_tensor() - q).abs().max().item()
+                for p, q in zip(ours.parameters(), ref.parameters()))
+    return losses, worst, len(ran), freed, plain
+
+
+def test_extension_given_after_lazy_init_is_freed_and_trains_as_reference(dist_pool):
+    for losses, worst, ran, freed, plain in dist_pool(2).run(
+            _extension_after_lazy_init_train, timeout=TIMEOUT):
+        for ours, ref in losses:
+            assert ours == pytest.approx(ref, rel=1e-5, abs=1e-6), losses
+        assert worst < 1e-5, worst
+        assert ran == 3 * 2 * 2  # 3 steps, 2 blocks, a gather in forward and in backward
+        assert freed[0] == [[None, None], [None, None]], freed
+        for step in freed[1:]:  # after forward (reshard_after_forward) and backward
+            assert step == [[True, True], [True, True]], freed
+        # before the extension the blocks' events take the plain path; after it
+        # they cannot (the extension's tensors are Python's to free)
+        assert all(p == plain[0][0] != 0 for p in plain[0]), plain
+        assert all(p == 0 for step in plain[1:] for p in step), plain
+
+
 def _subclass_without_extension():
     """A TwoTensor weight is taken at wrap (its local tensor may be given the
     extension); still without one at the first forward, refused there."""

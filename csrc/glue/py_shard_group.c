@@ -199,9 +199,14 @@ static PyObject *ShardGroup_set_full(ShardGroupObject *self, PyObject *full)
     PyObject *st = PyObject_CallMethod(full, "untyped_storage", NULL);
     if (!st)
         return NULL;
-    Py_XSETREF(self->full, Py_NewRef(full));
-    Py_XSETREF(self->storage, st);
+    /* the engine's handles and both fields new before the old buffer dies
+     * ([Note: handed fields] in shard_group_object.h) */
+    PyObject *old_full = self->full, *old_storage = self->storage;
+    self->full = Py_NewRef(full);
+    self->storage = st;
     fs_shard_set_full(&self->g, self->full, self->storage);
+    Py_XDECREF(old_full);
+    Py_XDECREF(old_storage);
     Py_RETURN_NONE;
 }
 

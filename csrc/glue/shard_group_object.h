@@ -25,6 +25,17 @@ enum {
                                    * reduction bucket */
 };
 
+/* [Note: handed fields] The collector may visit a group (tp_traverse)
+ * wherever Python can run, and releasing a reference is such a place:
+ * torch's tensor deallocation hands the GIL to other threads
+ * (THPVariable_clear), whose collections then traverse the group. So a
+ * field handed from Python is replaced in one step: the new objects, their
+ * count and the engine's handles into them in place before the old ones are
+ * released (Py_XSETREF), and a clear empties the fields before it releases
+ * what they held (fs_params_clear, fs_grads_clear). Ranks run as threads
+ * (torch's threaded process group), a cast (model.to) freeing the old local
+ * tensors inside set_params, crashed the collector of the other rank's
+ * thread otherwise (tests/test_threaded_collector.py). */
 typedef struct {
     FS_GROUP_OBJECT_HEAD
     fs_shard_group g;

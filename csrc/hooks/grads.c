@@ -10,22 +10,24 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Emptied first, released after ([Note: handed fields] in glue/shard_group_object.h). */
 void fs_grads_clear(fs_grads *q)
 {
-    Py_XDECREF(q->codes);
-    Py_XDECREF(q->tensor);
-    Py_XDECREF(q->specs);
-    Py_XDECREF(q->make);
-    Py_XDECREF(q->cls);
-    Py_XDECREF(q->like);
-    Py_XDECREF(q->empty);
-    Py_XDECREF(q->run_hooks);
-    Py_XDECREF(q->fresh);
-    Py_XDECREF(q->written);
-    free(q->gh);
-    free(q->gt);
-    free(q->acc);
+    fs_grads old = *q;
     memset(q, 0, sizeof *q);
+    Py_XDECREF(old.codes);
+    Py_XDECREF(old.tensor);
+    Py_XDECREF(old.specs);
+    Py_XDECREF(old.make);
+    Py_XDECREF(old.cls);
+    Py_XDECREF(old.like);
+    Py_XDECREF(old.empty);
+    Py_XDECREF(old.run_hooks);
+    Py_XDECREF(old.fresh);
+    Py_XDECREF(old.written);
+    free(old.gh);
+    free(old.gt);
+    free(old.acc);
 }
 
 int fs_grads_traverse(const fs_grads *q, visitproc visit, void *arg)

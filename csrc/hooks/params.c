@@ -10,23 +10,25 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Emptied first, released after ([Note: handed fields] in glue/shard_group_object.h). */
 void fs_params_clear(fs_params *p)
 {
-    for (Py_ssize_t s = 0; s < p->nslots; s++) {
-        Py_XDECREF(p->dicts[s]);
-        Py_XDECREF(p->keys[s]);
-    }
-    free(p->dicts);
-    free(p->keys);
-    free(p->index);
-    free(p->head);
-    free(p->quick);
-    free(p->train);
-    free(p->hooked);
-    Py_XDECREF(p->sharded);
-    Py_XDECREF(p->locals);
-    Py_XDECREF(p->unsharded);
+    fs_params old = *p;
     memset(p, 0, sizeof *p);
+    for (Py_ssize_t s = 0; s < old.nslots; s++) {
+        Py_XDECREF(old.dicts[s]);
+        Py_XDECREF(old.keys[s]);
+    }
+    free(old.dicts);
+    free(old.keys);
+    free(old.index);
+    free(old.head);
+    free(old.quick);
+    free(old.train);
+    free(old.hooked);
+    Py_XDECREF(old.sharded);
+    Py_XDECREF(old.locals);
+    Py_XDECREF(old.unsharded);
 }
 
 int fs_params_traverse(const fs_params *p, visitproc visit, void *arg)
@@ -106,8 +108,11 @@ int fs_params_set(fs_params *p, int n, PyObject *slots, PyObject *sharded, PyObj
         }
     Py_DECREF(st);
     Py_DECREF(qt);
-    fs_params_clear(p);
+    /* the new registration in place whole, then the old one released: its
+     * local tensors die here ([Note: handed fields] in glue/shard_group_object.h) */
+    fs_params old = *p;
     *p = q;
+    fs_params_clear(&old);
     return 0;
 fail:
     Py_DECREF(st);

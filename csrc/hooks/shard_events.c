@@ -43,17 +43,17 @@
 /* 1: a profiler or dispatch mode watches; 0: none; -1 with an exception set */
 static int watched(ShardGroupObject *g)
 {
-    Py_ssize_t n = g->watch ? PyTuple_GET_SIZE(g->watch) : 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *r = PyObject_CallNoArgs(PyTuple_GET_ITEM(g->watch, i));
-        if (!r)
-            return -1;
-        int t = PyObject_IsTrue(r);
-        Py_DECREF(r);
-        if (t)
-            return t;
+    /* held: a callable may hand the group another tuple (set_post_backward) */
+    PyObject *watch = Py_XNewRef(g->watch);
+    Py_ssize_t n = watch ? PyTuple_GET_SIZE(watch) : 0;
+    int t = 0;
+    for (Py_ssize_t i = 0; i < n && !t; i++) {
+        PyObject *r = PyObject_CallNoArgs(PyTuple_GET_ITEM(watch, i));
+        t = r ? PyObject_IsTrue(r) : -1;
+        Py_XDECREF(r);
     }
-    return 0;
+    Py_XDECREF(watch);
+    return t;
 }
 
 /* The plain gather (pre-forward, pre-backward): 0 the modules hold the

@@ -112,6 +112,7 @@ class ParamGroup(ShardedParams, GroupGrads):
         # (FSDPState.hand_plain): handed to every engine group made.
         self.events = ()
         self.post_backward = None
+        self.owner = None  # the state, weakly (attach): its flags follow `ext`
         self._plain = 0
         self._accumulated = ()
         self.check_grad_dtypes(params)
@@ -303,8 +304,26 @@ class ParamGroup(ShardedParams, GroupGrads):
         engine group's arrivals run where the plain one does not apply, and
         the callables that say a profiler or mode watches ([Note: plain
         events] in csrc/glue/py_shard_events.c)."""
+        self.owner = owner
         self.post_backward = (owner, post_backward, watch)
         self.c.set_post_backward(*self.post_backward)
+
+    @property
+    def ext(self):
+        """The extension parameters: index -> Extension (extension.py)."""
+        return self._ext
+
+    @ext.setter
+    def ext(self, value):
+        self._ext = value
+        # The state's plain-event flags were handed for the extension
+        # parameters there were (FSDPState.hand_plain: none with one), and the
+        # plain post-forward and post-backward in C reshard without an
+        # extension's free (Extension.free): a weight given the extension
+        # after lazy init (refresh_sharded) would keep its gathered tensors.
+        st = self.owner() if self.owner is not None else None
+        if st is not None:
+            st.hand_plain()
 
     @property
     def plain(self):
