@@ -2,7 +2,7 @@
 CPython glue, the NCCL backend of csrc/cuda/comm_nccl.c, the device table of
 the units, the kernels), compiled for the host against tests/cuda_emu/: a
 CUDA runtime over host memory and a libnccl over flatshard's shared-memory
-backend (tests/cuda_emu/build.py).
+backend (tests/cuda_emu/emu_build.py).
 
 The emulated streams run their work only when it is waited for, as a GPU
 runs it later than the host issues it: a unit that reads a gathered buffer

@@ -105,7 +105,7 @@ def test_fsdp1_one_engine_call_per_hook_event(dist_pool, strategy):
     per gradient group: the blocks have one, the root none of its own) and
     finalize are each one event() call through Python, and released() after
     a reshard. The pre-backward takes the engine unit's plain path
-    ([Note: unit plain events] in csrc/glue/py_unit_events.c): no call
+    ([Note: unit plain events] in csrc/hooks/unit_events.c): no call
     through Python, and its gather (and the BACKWARD_PRE prefetch of the
     unit before) shows in the engine's counts."""
     for logs, steps in dist_pool(2).run(_fsdp1_calls, strategy, str(1 << 20)):
@@ -177,8 +177,9 @@ def _fully_shard_calls(bucket_bytes):
     return [(logs[k], steps[k]) for k in logs]
 
 
-# The same object's registration of the parameters on the modules (glue,
-# not engine: csrc/glue/py_params.h), one call each where an event swaps them.
+# The same object's registration of the parameters on the modules (C over
+# torch objects, not engine: csrc/hooks/params.h), one call each where an
+# event swaps them.
 REGISTRATION = {"registration_changed", "register_unsharded", "register_sharded",
                 "set_unsharded", "take_unhooked", "set_params"}
 
@@ -189,7 +190,7 @@ def _engine(calls):
 
 def test_fully_shard_engine_calls_per_hook_event(dist_pool):
     """Every event of the blocks takes its plain path in C ([Note: plain
-    events] in csrc/glue/py_shard_events.c): torch calls the _C.Event and
+    events] in csrc/hooks/shard_events.c): torch calls the _C.Event and
     _C.Arrival hooks, which call the engine group directly, so no call of
     the group's reaches it through Python (the proxy records none); the
     engine counts one all-gather for the pre-forward, one for the
@@ -250,9 +251,9 @@ def _python_frames_of_blocks():
 def test_fully_shard_plain_events_run_no_python_frame(dist_pool):
     """After step 0 every event of the blocks (pre-forward, post-forward,
     pre-backward, each gradient's arrival and the post-backward, the end of
-    backward) runs without a Python frame of their states or groups: the
-    one implementation of each plain event is C ([Note: plain events] in
-    csrc/glue/py_shard_events.c). The root's own events run in Python (its
+    backward) runs without a Python frame of their states or groups: each
+    plain event runs in C ([Note: plain events] in
+    csrc/hooks/shard_events.c). The root's own events run in Python (its
     lazy init, the forward's start and end, the end of backward), which the
     probe sees, so it is not blind."""
     for seen, root_calls in dist_pool(2).run(_python_frames_of_blocks):
@@ -285,7 +286,7 @@ def _fsdp1_python_frames():
 def test_fsdp1_plain_backward_runs_no_python_frame(dist_pool):
     """After step 0 the units' pre-backward and post-backward run without a
     Python frame of theirs: their one plain implementation is C ([Note:
-    unit plain events] in csrc/glue/py_unit_events.c). The forward's events
+    unit plain events] in csrc/hooks/unit_events.c). The forward's events
     and the end of backward are Python's, which the probe sees."""
     for seen in dist_pool(2).run(_fsdp1_python_frames):
         assert "_pre_backward" not in seen and "_post_backward" not in seen, seen

@@ -391,7 +391,7 @@ def test_extension_attached_after_fully_shard_trains_as_torch(dist_pool, kind, m
 
 # The extension given after the first step: lazy init has handed each block's
 # group its plain-event flags ([Note: plain events] in
-# csrc/glue/py_shard_events.c) for a group with no extension parameter; the
+# csrc/hooks/shard_events.c) for a group with no extension parameter; the
 # next gather moves the weight to the extension's path, and from then on the
 # group's events must free the extension's gathered and rebuilt tensors as
 # torch's reshard does, after forward and after backward. torch's fully_shard

@@ -41,7 +41,7 @@ ALLOWED = {
 
 # Keys that are values Python handed the C object, not names C chose: the
 # module parameter names of a fully_shard group's registration (set_params,
-# csrc/glue/py_params.h), looked up in those modules' own _parameters dicts.
+# csrc/hooks/params.h), looked up in those modules' own _parameters dicts.
 HANDED = {
     "p->keys[s]": "a registered parameter's name in its module (ShardGroup.set_params)",
     "dt": "a tensor's torch.dtype in the dtype-code table Python handed (ShardGroup.set_grads)",

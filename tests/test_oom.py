@@ -86,7 +86,7 @@ def test_out_of_memory_on_the_torch_backend_reaches_the_others_note(dist_pool):
 def _one_rank_runs_out_in_backward():
     """As _one_rank_runs_out, with the cap set after the forward: the units'
     gathers in backward are the engine unit's plain pre-backward (C,
-    [Note: unit plain events] in csrc/glue/py_unit_events.c)."""
+    [Note: unit plain events] in csrc/hooks/unit_events.c)."""
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
     model = FSDP(torch.nn.Sequential(Big(), Big()), process_group=group, comm_backend="shm",
                  auto_wrap_policy=ModuleWrapPolicy({Big}))

@@ -1,5 +1,5 @@
 """The host pool of unit-lifetime buffers (csrc/engine/pool.c, [Note: pooled
-storage] in csrc/glue/py_pool.c): blocks reused by size, a bounded cache,
+storage] in csrc/hooks/storage.c): blocks reused by size, a bounded cache,
 memory handed back to the system, and units whose gathered buffers come
 from it while views and autograd-saved tensors stay valid."""
 import gc

@@ -7,7 +7,7 @@ dtypes stay), so every cast hands the group new shards and parameters
 (ParamGroup._shards_to_engine) and the old local tensors die inside the
 call. torch's tensor deallocation lets other threads run, and the collector
 there visits the group: at every such point the group must hold only valid,
-owned references (csrc/glue/py_shard_group.h, [Note: handed fields]). A
+owned references (csrc/glue/shard_group_object.h, [Note: handed fields]). A
 half-replaced registration crashed the process (a segmentation fault in the
 collector) within a few hundred casts.
 

@@ -1,5 +1,5 @@
-"""The FSDP1 wrapper's events, each with one implementation ([Note: unit
-events] in fsdp/unit.py): flatshard's wrapper and torch's own FSDP1 trained
+"""The FSDP1 wrapper's events ([Note: unit events] in fsdp/unit.py: the
+backward's plain path in C, else its Python methods): flatshard's wrapper and torch's own FSDP1 trained
 in one run on 2 ranks, for both use_orig_params settings and the three
 backward prefetch choices: losses and full parameters bit for bit; and each
 inner unit's engine calls counted, so the test sees every event reach the

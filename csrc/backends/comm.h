@@ -1,10 +1,13 @@
 /* comm.h - the collective backend interface of the C core.
  *
- * Sharding needs five collectives (and quantized reductions a sixth, all_to_all) over one group of ranks. A backend fills
- * an fs_comm_ops table; the core calls through fs_comm_* (which check
- * arguments once, so backends need not). Backends, one file each:
+ * Six collectives over one group of ranks: all_gather, reduce_scatter,
+ * all_reduce, broadcast and barrier, which sharding needs, and all_to_all,
+ * the block exchange quantized reductions ride on. A backend fills an
+ * fs_comm_ops table; the core calls through fs_comm_* (which check
+ * arguments once, so backends need not). Backends:
  *   comm_shm.c       shared memory between the ranks of one host (the default
- *                    on CPU); no Python, no GIL.
+ *                    on CPU); no Python, no GIL. Its slot stores, plain or
+ *                    streaming, are shm_staging.c's.
  *   comm_torch.c     any torch.distributed process group (gloo, ...), through a
  *                    Python callable; it takes the GIL for each call.
  *   cuda/comm_nccl.c NCCL on CUDA devices, in flatshard._C_cuda, ordered

@@ -26,7 +26,7 @@
  * it unlinks the name at once. From then on the segment lives only as long
  * as some rank maps it, so a crash of any rank can never leak it in /dev/shm.
  * Before then, the set-up removes the name on every rank's way out
- * (python/flatshard/comm.py, [Note: shm set-up]).
+ * (python/flatshard/runtime/comm.py, [Note: shm set-up]).
  *
  * Waiting: a short spin, then futex waits in slices (no core burnt: tests
  * run 4 ranks on 2 cores). Between slices a waiter checks the shared abort

@@ -6,7 +6,7 @@
  * that are in step the same number is the same collective everywhere; when
  * a collective fails or times out, the entries say what this rank was doing,
  * and comparing them across ranks (comm_shm.c does it at every collective;
- * flatshard/diagnostics.py through the store after a failure) names the
+ * flatshard/runtime/diagnostics.py through the store after a failure) names the
  * first collective where the ranks went apart.
  *
  * A fixed ring of the last FS_LEDGER_CAP entries: no allocation, constant

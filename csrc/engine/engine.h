@@ -7,7 +7,7 @@
  * and includes no Python header. What only the host program can do (give a
  * tensor's storage its bytes, hand out memory for one operation, keep an
  * object alive) comes through one fs_env table given when a unit is made:
- * the CPython glue fills it with torch calls (glue/py_env.c), the C
+ * the C over torch objects fills it with torch calls (hooks/env.c), the C
  * driver test (tests/engine/driver.c) with malloc.
  *
  * Handles: the engine never looks inside one. A tensor handle stands for a

@@ -1,7 +1,8 @@
 /* fs_py.h - declarations shared by the CPython glue files (module.c: init;
  * py_helpers.c: the helpers below; py_comm.c, py_unit.c, ... : one type each).
- * Only the glue includes Python.h; the core and the engine do not
- * (comm_torch.c excepted: that backend is a Python call by nature). */
+ * Only the glue and hooks/ (the C over torch objects, which include this
+ * header) include Python.h; the core and the engine do not (comm_torch.c
+ * excepted: that backend is a Python call by nature). */
 #ifndef FS_PY_H
 #define FS_PY_H
 
@@ -26,10 +27,10 @@ typedef struct {
     PyObject *Dim0EntryType;
     PyObject *Dim0LayoutType;
     PyObject *ShardGroupType;  /* py_shard_group.c */
-    PyObject *ArrivalType;     /* py_shard_events.c */
-    PyObject *EventType;       /* py_shard_events.c */
-    PyObject *LatchType;       /* py_shard_events.c */
-    PyObject *UnitHookType;    /* py_unit_events.c */
+    PyObject *ArrivalType;     /* py_arrival.c */
+    PyObject *EventType;       /* py_event.c */
+    PyObject *LatchType;       /* py_latch.c */
+    PyObject *UnitHookType;    /* py_unit_hook.c */
     PyObject *BucketType;     /* py_bucket.c */
 } fs_mod_state;
 

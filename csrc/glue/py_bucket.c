@@ -3,7 +3,7 @@
  * by one model's root (runtime/bucket.py). A bucket of its own per model,
  * not per Comm: Comms are shared between models, and a bucket's parts point
  * at engine objects that only their model keeps alive. Its owners fill and
- * flush it (Unit.event(bucket=...), ShardGroup.reduce(bucket=...),
+ * flush it (Unit.event(bucket=...), ShardGroup.reduce_grads(..., bucket),
  * flush_bucket, cancel_bucket). */
 #include "py_bucket.h"
 

@@ -1,6 +1,6 @@
 /* py_disk.c - flatshard._C.disk_adam_step: the glue of optim_disk.c.
  * Buffers cross as data pointers of contiguous fp32 tensors and file
- * descriptors as ints; python/flatshard/disk_offload.py checks them, opens
+ * descriptors as ints; python/flatshard/optim/disk_offload.py checks them, opens
  * and renames the files. The GIL is released for the whole step. */
 #include "fs_py.h"
 

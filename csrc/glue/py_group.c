@@ -1,6 +1,6 @@
 /* py_group.c - what flatshard._C.Unit (py_unit.c) and flatshard._C.ShardGroup
  * (py_shard_group.c) share: the constructor's checks and the head of both
- * objects (FS_GROUP_OBJECT_HEAD in py_unit.h), binding their Comms' streams
+ * objects (FS_GROUP_OBJECT_HEAD in group_object.h), binding their Comms' streams
  * for an engine call, the along and bucket arguments, an engine failure as
  * an exception, and the getters over the engine's group core
  * (engine/group.h). Not a type of its own. */

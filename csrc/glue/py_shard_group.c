@@ -306,8 +306,8 @@ static PyObject *ShardGroup_set_keep_storage(ShardGroupObject *self, PyObject *a
 PyDoc_STRVAR(flush_bucket_doc,
              "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
              "each group's reduction finished (its sharded gradients written). owners: the\n"
-             "bucket's groups, in the order their reduce(bucket=True) calls came. After a\n"
-             "failure no group keeps a pending reduction.");
+             "bucket's groups, in the order their reduce_grads calls with this bucket came.\n"
+             "After a failure no group keeps a pending reduction.");
 
 PyDoc_STRVAR(cancel_bucket_doc,
              "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
@@ -344,7 +344,7 @@ static PyObject *ShardGroup_finish_reduce(ShardGroupObject *self, PyObject *args
 
 PyDoc_STRVAR(set_grads_doc,
              "set_grads(codes, tensor, specs, make, cls, like, empty, run_hooks): what\n"
-             "reduce_grads reads (py_grads.h): the dtype-code table, torch.Tensor, each sharded\n"
+             "reduce_grads reads (hooks/grads.h): the dtype-code table, torch.Tensor, each sharded\n"
              "parameter's DTensor spec (None: like(local, param) builds its gradient),\n"
              "DTensor.__new__ and DTensor, empty(local) for a shard of a local that is not\n"
              "plain, run_hooks(params).");
@@ -387,7 +387,7 @@ PyDoc_STRVAR(reduce_grads_doc,
              "reduce_grads(grads, defer, reshard, bucket) -> 0, 1, 2 or None\n"
              "One reduce-scatter of the unsharded parameters' gradients into the sharded\n"
              "parameters' .grad, added where one is there ([Note: post-backward in C],\n"
-             "py_grads.h): the mean over the ranks (and replicas), or the sum divided by\n"
+             "hooks/grads.h): the mean over the ranks (and replicas), or the sum divided by\n"
              "set_reduce_options' factor, divided before and after the collective as torch's\n"
              "fully_shard divides (force_sum: as under its set_force_sum_reduction_for_comms;\n"
              "core/reduce_rule.h). grads: None, or one gradient per parameter in place of\n"
@@ -440,7 +440,8 @@ static int ShardGroup_getbuffer(ShardGroupObject *self, Py_buffer *view, int fla
     void *owner, *data = self->empty ? NULL : fs_shard_reduce_output(&self->g, &nbytes, &owner);
     if (!data) {
         PyErr_Format(PyExc_BufferError, "ShardGroup %U: no reduce output is held (a host "
-                     "group, between reduce(hold=True) and finish_reduce())", self->name);
+                     "group, between reduce_grads() with set_reduce_options' hold and "
+                     "finish_reduce())", self->name);
         return -1;
     }
     if (PyBuffer_FillInfo(view, (PyObject *)self, data, (Py_ssize_t)nbytes, 0, flags) < 0)
@@ -545,7 +546,7 @@ static PyObject *ShardGroup_get_copied(ShardGroupObject *self, void *c)
 }
 
 // ----------------------------------------------------------------------
-// the registration on the modules ([Note: registration in C], py_params.h)
+// the registration on the modules ([Note: registration in C], hooks/params.h)
 
 PyDoc_STRVAR(set_params_doc,
              "set_params(slots, sharded, locals, quick): what the registration reads: slots\n"
@@ -612,7 +613,7 @@ PyDoc_STRVAR(set_post_backward_doc,
              "set_post_backward(owner, fallback, watch): owner, a weak reference to the\n"
              "state whose post-backward fallback(owner) runs where the plain one cannot;\n"
              "watch, a tuple of callables, any of them true while a profiler or a\n"
-             "dispatch mode watches ([Note: plain events] in py_shard_events.c).");
+             "dispatch mode watches ([Note: plain events] in hooks/shard_events.c).");
 
 static PyObject *ShardGroup_set_post_backward(ShardGroupObject *self, PyObject *args)
 {
@@ -756,7 +757,7 @@ static PyObject *ShardGroup_get_arrived(ShardGroupObject *self, void *c)
     return PyLong_FromLong(self->narrived);
 }
 
-/* What Python hands ([Note: plain events] in py_shard_events.c): c the
+/* What Python hands ([Note: plain events] in hooks/shard_events.c): c the
  * int field. */
 static PyObject *ShardGroup_get_int(ShardGroupObject *self, void *c)
 {
@@ -780,7 +781,7 @@ static int ShardGroup_set_int(ShardGroupObject *self, PyObject *value, void *c)
 }
 
 /* Nothing of a backward is left for the end of backward to do ([Note: plain
- * events] in py_shard_events.c): no arrival counted, no sums kept, the
+ * events] in hooks/shard_events.c): no arrival counted, no sums kept, the
  * buffer free and the sharded parameters registered, no gradient on an
  * unsharded parameter. */
 static PyObject *ShardGroup_get_idle(ShardGroupObject *self, void *c)
@@ -812,7 +813,7 @@ static PyGetSetDef ShardGroup_getset[] = {
      "trainable parameters whose gradient arrived in this backward", NULL},
     {"plain", (getter)ShardGroup_get_int, (setter)ShardGroup_set_int,
      "PLAIN_* flags: which events of the state may take the plain path ([Note: plain\n"
-     "events] in py_shard_events.c)", (void *)offsetof(ShardGroupObject, plain)},
+     "events] in hooks/shard_events.c)", (void *)offsetof(ShardGroupObject, plain)},
     {"sums", (getter)ShardGroup_get_int, (setter)ShardGroup_set_int,
      "1 where reduce-dtype sums of backwards without sync are kept (Python's)",
      (void *)offsetof(ShardGroupObject, sums)},

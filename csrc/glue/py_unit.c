@@ -3,7 +3,7 @@
  * stand for, and errors turned into exceptions; the engine does the work.
  * Engine calls are made with the GIL held: the engine hands it back itself
  * around collectives and long host loops (the links' unlock, engine.h), and
- * calls the host table (py_env.c) with it held.
+ * calls the host table (hooks/env.c) with it held.
  *
  * One call per hook event: event() steps the state machine and does what
  * it asks (gather, free, reduce) in the same call; the caller does only the
@@ -416,7 +416,7 @@ PyDoc_STRVAR(set_events_doc,
              "backward events call: on_pre_backward(owner, grad) and on_post_backward(owner,\n"
              "group, full) where the plain path does not apply, on_error(owner, exc) for an\n"
              "engine failure (raises), run_hooks(params), empty_like(shard); tensor: the\n"
-             "type a plain gradient is ([Note: unit plain events] in py_unit_events.c).");
+             "type a plain gradient is ([Note: unit plain events] in hooks/unit_events.c).");
 static PyObject *Unit_set_events(UnitObject *self, PyObject *args)
 {
     PyObject *owner, *fns[5], *tensor;
@@ -563,7 +563,7 @@ static PyMemberDef Unit_members[] = {
     {"__weaklistoffset__", T_PYSSIZET, offsetof(UnitObject, weakrefs), READONLY},
     {"plain", T_INT, offsetof(UnitObject, plain), 0,
      "PLAIN_* and PREFETCH_* bits: which backward events take the plain path\n"
-     "([Note: unit plain events] in py_unit_events.c)"},
+     "([Note: unit plain events] in hooks/unit_events.c)"},
     {NULL},
 };
 

@@ -8,7 +8,7 @@
 #include "group_object.h"
 #include "unit.h"
 
-/* [Note: unit plain events] (py_unit_events.c): which of an FSDP1 unit's
+/* [Note: unit plain events] (hooks/unit_events.c): which of an FSDP1 unit's
  * backward events may take the plain path, as Python decides them where
  * what they depend on changes (fsdp/unit.py UnitRuntime.hand_plain). Both
  * also mean: a host Comm, the unit in a tree (its root's Latch handed). */

@@ -1,5 +1,5 @@
 /* grads.c - the tensors of a fully_shard group's reduction, found from
- * the fields Python handed ([Note: post-backward in C], py_grads.h). Reads
+ * the fields Python handed ([Note: post-backward in C], grads.h). Reads
  * only these fields and torch's tensor API (grad, dtype, shape,
  * is_contiguous, contiguous, new_empty, requires_grad, DTensor's
  * _local_tensor, _post_accumulate_grad_hooks). */

@@ -1,6 +1,6 @@
 /* grads.h - the gradients a fully_shard group reduces (flatshard._C.ShardGroup's
  * reduce_grads and finish_reduce): which tensors the engine's reduction
- * reads and writes, found from the parameters py_params.h holds, and the
+ * reads and writes, found from the parameters params.h holds, and the
  * new sharded gradients set on the parameters afterwards.
  *
  * [Note: post-backward in C] A group's post-backward is one engine reduction

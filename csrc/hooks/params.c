@@ -1,6 +1,6 @@
 /* params.c - a fully_shard group's registration of its parameters on its
  * modules, run from the fields Python handed ([Note: registration in C],
- * py_params.h). Reads only these fields and torch's tensor API
+ * params.h). Reads only these fields and torch's tensor API
  * (requires_grad; DTensor's _local_tensor, which torch's fully_shard reads
  * the same way). */
 #include "params.h"

@@ -12,7 +12,7 @@
  * parameters (pre-forward, pre-backward), register the sharded ones and free
  * (post-forward), and once every trainable parameter's gradient has arrived,
  * reduce-scatter the gradients into the sharded ones, free and register the
- * sharded parameters (post-backward). That path is written once, here, over
+ * sharded parameters (post-backward). That path is written here, in C, over
  * the group's own fields (glue/shard_group_object.h); Python hands what it depends on
  * when that changes (FSDPState.hand_plain: the FS_PLAIN_* flags, the sums of
  * backwards without sync), and what can change within a step is checked at
@@ -22,9 +22,12 @@
  * profiler or dispatch mode watching (their ranges and counts are Python's).
  * Any of those, and the event calls its fallback, the state's Python hook
  * (fsdp2/state.py), which handles every case and reaches the engine through
- * the same group; nothing is done twice, for the plain path acts only where
- * it finishes. The Event and Arrival objects hold no state of their own
- * beyond what they were made with.
+ * the same group: the event's sequence written a second time, in Python,
+ * over the same engine calls and the same registration and reduction in C
+ * (params.c, grads.c, fs_hooks_shard_reduce). Nothing is done twice at run
+ * time, for the plain path acts only where it finishes. The Event and
+ * Arrival objects hold no state of their own beyond what they were made
+ * with.
  *
  * CPython C API only; torch is reached through the callables handed in and
  * its public tensor API (grad_fn, register_prehook, register_hook,

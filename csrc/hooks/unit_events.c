@@ -15,15 +15,16 @@
  * shard's gradient (a new one, or added to the one there), run the shard's
  * post-accumulate-grad hooks, and once the unit reshards, prefetch
  * (BACKWARD_POST) and count the freed bytes for the heap trim. That path is
- * written once, here, over the unit's own fields (glue/unit_object.h): Python hands
+ * written here, in C, over the unit's own fields (glue/unit_object.h): Python hands
  * what it depends on when that changes (fsdp/unit.py UnitRuntime.hand_plain:
  * the FS_UNIT_PLAIN_* flags, the root's Latch; RootState.hand_order: `prev`),
  * and what can change within a step is checked at each call with a few
  * reads: a gradient that is not a plain tensor (a subclass: Python decides),
  * a shard gradient the user set to one. Otherwise the hook calls its
  * fallback, the unit's Python method (fsdp/unit.py), which handles every
- * case and reaches the engine through the same Unit, and calls the C here
- * for the parts they share (prefetch_previous, released). The forward's
+ * case and reaches the engine through the same Unit: the event's sequence
+ * written a second time, in Python, which calls the C here for the parts
+ * they share (prefetch_previous, released). The forward's
  * events stay Python's: the wrapper's forward is a Python method anyway, and
  * the views it sets cost the same from either side (benchmarks/results/
  * overhead.md, "The FSDP1 wrapper's backward events in C").

@@ -139,7 +139,7 @@ static fs_status env_data(void *ctx, void *tensor, void **ptr)
     return FS_OK;
 }
 
-/* The glue's rule (py_pool.c): the same size is a no-op, anything else
+/* The host table's rule (hooks/storage.c): the same size is a no-op, anything else
  * drops the bytes and gives fresh (uninitialised) ones. */
 static fs_status env_set_storage(void *ctx, void *storage, int64_t nbytes, void **data)
 {

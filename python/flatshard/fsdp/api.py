@@ -360,7 +360,7 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)
 
     # ------------------------------------------------------------------
-    # state dicts (state/state_dict.py): the plain model's keys, torch FSDP's types
+    # state dicts (fsdp/state_dict.py): the plain model's keys, torch FSDP's types
 
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """The plain model's keys; what the values are is set by
@@ -376,8 +376,8 @@ class FullyShardedDataParallel(nn.Module):
         return state_dicts.load_state_dict(self, state_dict, strict, assign)
 
     # ------------------------------------------------------------------
-    # torch FSDP1's static state-dict API (summon.py, state/state_dict.py,
-    # state/optim_state.py)
+    # torch FSDP1's static state-dict API (summon.py, state_dict.py,
+    # optim_state.py, all in fsdp/)
 
     @staticmethod
     def summon_full_params(module, recurse=True, writeback=True, rank0_only=False,
@@ -435,7 +435,7 @@ class FullyShardedDataParallel(nn.Module):
                                                     is_named_optimizer, load_directly, group)
 
     # torch FSDP1's older optimizer-state API (deprecated in torch, kept with
-    # its meaning: state/optim_state.py). Each warns as torch does.
+    # its meaning: fsdp/optim_state.py). Each warns as torch does.
 
     @staticmethod
     def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):

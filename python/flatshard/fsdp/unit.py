@@ -61,7 +61,7 @@ class UnitRuntime:
         self._sync_grads = True   # False inside no_sync()
         self.landing = []         # original parameters a deferred reduction writes (hooks)
         # The backward's hooks are the engine unit's ([Note: unit plain events]
-        # in csrc/glue/py_unit_events.c): its plain path, else the methods here.
+        # in csrc/hooks/unit_events.c): its plain path, else the methods here.
         self.pre_backward_hook = _C.UnitHook(_C.UNIT_PRE_BACKWARD, cunit)
         self._hooks = [self.pre_backward_hook]
         for g in groups:
@@ -485,18 +485,21 @@ class _BucketPart:
             g.shard.grad = None
 
 
-# [Note: unit events] Each of a unit's events (the wrapper's forward steps,
-# the pre-backward hook on its outputs, each flat buffer's
-# post-accumulate-grad hook, the root's end of backward) has one
-# implementation. The backward's plain path is the engine unit's, in C
-# ([Note: unit plain events] in csrc/glue/py_unit_events.c): torch calls its
-# _C.UnitHook objects, which run it where hand_plain's flags allow and call
-# the method here otherwise. The forward's events and every other case are
-# the methods here, which make one engine call (flatshard._C.Unit.event: the
-# state machine's step and the gather, reduce or free it asks for, in C) and
-# do the torch-side work the step's actions ask for (the parameter views, the
-# gradient tensors); what they share with the plain path (the prefetch of
-# the unit before, what follows a reshard) they call in C. The cases a tree
+# [Note: unit events] A unit's events are the wrapper's forward steps, the
+# pre-backward hook on its outputs, each flat buffer's post-accumulate-grad
+# hook and the root's end of backward. The forward's events and the end of
+# backward have one implementation each, in Python (the methods here; the
+# root's RootState._finish_backward in fsdp/root.py, which calls finalize).
+# The two backward hooks have two: a plain path in C, the engine unit's
+# ([Note: unit plain events] in csrc/hooks/unit_events.c), which torch's
+# calls of the _C.UnitHook objects run where hand_plain's flags allow, and
+# the methods here (_pre_backward, _post_backward), which hold the same
+# sequence again for every case and run otherwise. Each method here makes
+# one engine call (flatshard._C.Unit.event: the state machine's step and the
+# gather, reduce or free it asks for, in C) and does the torch-side work the
+# step's actions ask for (the parameter views, the gradient tensors); what
+# the backward's methods share with the plain path (the prefetch of the
+# unit before, what follows a reshard) they call in C. The cases a tree
 # may need (gather-ahead, a prefetch, a bucket, a deferred reduction, a cast,
 # no_sync) are branches on fields read in the same pass.
 

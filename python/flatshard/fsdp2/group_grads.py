@@ -70,7 +70,7 @@ class GroupGrads:
         """One engine call: the unsharded gradients reduce-scattered (averaged
         over the data-parallel ranks, or divided by the set factor) into the
         sharded parameters' .grad (DTensors), added to what is there
-        ([Note: post-backward in C], csrc/glue/py_grads.h: the engine group
+        ([Note: post-backward in C], csrc/hooks/grads.h: the engine group
         finds the tensors; what is here are the special cases). defer:
         on a device Comm the caller's stream does not wait for the
         reduce-scatter; finish_reduce() (the root calls it before the next

@@ -32,7 +32,7 @@ def use():
     p = path()
     if p == _set[0]:
         return
-    from .. import __version__
+    from .. import __version__  # here: flatshard/__init__.py imports optim/ before setting it
     folder = os.path.dirname(p)
     if p and folder:
         try:

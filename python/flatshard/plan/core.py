@@ -31,7 +31,10 @@ activations) is an estimate and says so.
 """
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import bad_value
+from ..options import normalize_comm_quant
 from ..runtime.ahead import DEFAULT_BYTES as DEFAULT_AHEAD
 from ..runtime.comm import DEFAULT_SLOT_BYTES
 from .report import plan_table
@@ -53,7 +56,6 @@ MODEL_STATES = ("params", "grads", "master", "moments", "optim_steps")
 def _dtype_bytes(arg, value, allow_none=True):
     if value is None and allow_none:
         return None
-    import torch
     if isinstance(value, torch.dtype):
         return torch.empty((), dtype=value).element_size()
     if isinstance(value, str) and value.lower().replace("torch.", "") in DTYPE_BYTES:
@@ -393,7 +395,6 @@ def _resolve(kw):
     if not isinstance(c["keep_unsharded_storage"], bool):
         raise bad_value("keep_unsharded_storage", c["keep_unsharded_storage"],
                         "expected True or False")
-    from ..options import normalize_comm_quant
     q = normalize_comm_quant("comm_quant", c["comm_quant"])
     c["comm_quant"] = q if q is not None and (q.weights or q.grads) else None
     c["units"] = c["units"] or c["layers"] or 1

@@ -26,7 +26,7 @@ _COMMS = {}
 
 def empty_fn(device):
     """empty(numel, dtype_code) -> a new 1-D tensor on `device`: the unit's
-    allocator for its device buffers (the engine's host table, csrc/glue/py_env.c)."""
+    allocator for its device buffers (the engine's host table, csrc/hooks/env.c)."""
     def empty(numel, code):
         return torch.empty(numel, dtype=_DTYPES[code], device=device)
     return empty
