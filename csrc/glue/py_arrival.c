@@ -1,9 +1,10 @@
 /* py_arrival.c - flatshard._C.Arrival: parameter i's post-accumulate-grad
- * hook, whose work is hooks/shard_events.c's (fs_hooks_shard_arrive). It holds the group weakly. The hook lives on the group's own
- * unsharded parameter, which the group holds, and torch's tensor hooks are
- * not seen by the collector, so a strong reference would keep a dropped
- * model alive ([Note: hooks hold their state weakly] in
- * runtime/grad_hooks.py). A hook whose group is gone does nothing. */
+ * hook, whose work is hooks/shard_events.c's (fs_hooks_shard_arrive). It
+ * holds the group weakly. The hook lives on the group's own unsharded
+ * parameter, which the group holds, and torch's tensor hooks are not seen
+ * by the collector, so a strong reference would keep a dropped model alive
+ * ([Note: hooks hold their state weakly] in runtime/grad_hooks.py). A hook
+ * whose group is gone does nothing. */
 #include "shard_events.h"
 
 #include <stddef.h>

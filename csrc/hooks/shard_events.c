@@ -191,8 +191,9 @@ PyObject *fs_hooks_shard_reduce(ShardGroupObject *self, PyObject *over, int defe
                         (q->hold && q->all_reduce ? FS_SHARD_HOLD : 0) |
                         (q->force_sum ? FS_SHARD_FORCE_SUM : 0) |
                         (reshard ? FS_SHARD_RESHARD : 0);
-    r = FS_GROUP(self)->done(FS_GROUP(self), fs_shard_reduce(&self->g, q->gh, q->gt, q->oh, q->ot, q->acc, q->factor, fl,
-                                   bucket));
+    r = FS_GROUP(self)->done(FS_GROUP(self), fs_shard_reduce(&self->g, q->gh, q->gt, q->oh,
+                                                             q->ot, q->acc, q->factor, fl,
+                                                             bucket));
     if (!r) {
         fs_grads_drop(q);
         goto out;

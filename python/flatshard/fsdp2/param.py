@@ -54,7 +54,7 @@ class ParamGroup(ShardedParams, GroupGrads):
         self.mesh = mesh
         # (each alias's module _parameters dict, name, parameter index), first
         # aliases first: what the engine group's registration stores into
-        # ([Note: registration in C], csrc/glue/py_params.h)
+        # ([Note: registration in C], csrc/hooks/params.h)
         self.slots = [(m._parameters, attr, i) for i, al in enumerate(aliases) for m, attr in al]
         # each parameter's param_dtype_override_fn answer (torch 2.15), or None
         self.overrides = list(overrides) if overrides is not None else [None] * len(params)
@@ -106,7 +106,7 @@ class ParamGroup(ShardedParams, GroupGrads):
         self.keep_storage = False  # set_keep_unsharded_storage ([Note: kept storage])
         self.comm_quant = None  # FSDPModule.set_comm_quant: a CommQuant, or None
         # The state's plain events ([Note: plain events] in
-        # csrc/glue/py_shard_events.c): its _C.Event hooks, the post-backward
+        # csrc/hooks/shard_events.c): its _C.Event hooks, the post-backward
         # the engine group's arrivals fall back on (the state, weakly; its
         # post-backward; what watches), and which events may be plain
         # (FSDPState.hand_plain): handed to every engine group made.
@@ -271,7 +271,7 @@ class ParamGroup(ShardedParams, GroupGrads):
         self.engine_locals = [self.local(i) for i in range(len(self.sharded))]
         self.c.set_params(self.slots, self.sharded, self.engine_locals,
                           [g and is_plain(t) for g, t in zip(self.gathered, self.engine_locals)])
-        # what reduce_grads reads ([Note: post-backward in C], csrc/glue/py_grads.h)
+        # what reduce_grads reads ([Note: post-backward in C], csrc/hooks/grads.h)
         specs = [sp._spec if sp._local_tensor.dtype == sp._spec.tensor_meta.dtype else None
                  for sp in self.sharded]
         self.c.set_grads(DTYPE_CODES, torch.Tensor, specs, _new_dtensor, DTensor, _like,
@@ -303,7 +303,7 @@ class ParamGroup(ShardedParams, GroupGrads):
         """The state (a weak reference) whose post_backward(state) the
         engine group's arrivals run where the plain one does not apply, and
         the callables that say a profiler or mode watches ([Note: plain
-        events] in csrc/glue/py_shard_events.c)."""
+        events] in csrc/hooks/shard_events.c)."""
         self.owner = owner
         self.post_backward = (owner, post_backward, watch)
         self.c.set_post_backward(*self.post_backward)

@@ -164,7 +164,7 @@ class FSDPState:
         self.handles = []
         self.pre_backward_hook = self._pre_backward
         pre, post = self._pre_forward_hook, self._post_forward_hook
-        if group is not None:  # [Note: plain events] in csrc/glue/py_shard_events.c
+        if group is not None:  # [Note: plain events] in csrc/hooks/shard_events.c
             pre, post = self._plain_events(group, pre, post)
         for module in modules:
             self.handles += [
@@ -344,7 +344,7 @@ class FSDPState:
         arrived; once every trainable parameter's has, the post-backward
         (flatshard._C.Arrival: counted by the engine group, whose plain
         post-backward runs there, else this state's _post_backward; [Note:
-        plain events] in csrc/glue/py_shard_events.c). It holds the
+        plain events] in csrc/hooks/shard_events.c). It holds the
         group weakly ([Note: hooks hold their state weakly] in
         runtime/grad_hooks.py)."""
         return eager.wrap(_C.Arrival(self.group.c, i))
@@ -354,7 +354,7 @@ class FSDPState:
         objects that take the plain path in C where it applies and call the
         Python hooks (pre, post, _pre_backward) otherwise, and the engine
         group's arrivals' fallback ([Note: plain events] in
-        csrc/glue/py_shard_events.c). Returns the forward pre-hook and hook."""
+        csrc/hooks/shard_events.c). Returns the forward pre-hook and hook."""
         group.attach(weakref.ref(self), FSDPState._post_backward, (_profiling, _depth))
         c = group.c
         pb = _C.Event(_C.EVENT_PRE_BACKWARD, c, self._pre_backward, self._hook_grads)
@@ -370,7 +370,7 @@ class FSDPState:
         """Which of this state's events may take the plain path, handed to
         the engine group whenever one of the flags it reads is assigned
         (their properties, _plain: lazy init, FSDPModule's setters; [Note:
-        plain events] in csrc/glue/py_shard_events.c). Each needs a lean state (not the root,
+        plain events] in csrc/hooks/shard_events.c). Each needs a lean state (not the root,
         host Comms, no gather-ahead, no cast: root.decide_plain) without a
         parameter that gathers itself or is tensor-parallel; the gathers
         also a bool reshard_after_forward (no post-forward chunk) and no
