@@ -266,5 +266,6 @@ def test_multi_module_root_refused_as_torch_refuses_it(dist_pool):
             assert om.startswith("flatshard: ") and om.endswith(tm), (case, om, tm)
             assert "fully_shard call given 2 modules (FSDPMLP, FSDPMLP)" in om, om
             assert "apply fully_shard to a module holding them all" in om, om
-        assert theirs["root_left"] is True
+        # (what torch leaves marked after refusing differs between its
+        # releases: 2.13 has made the group the root, 2.15 not)
         assert ours["root_left"] is None
