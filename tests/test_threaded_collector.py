@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 WORLD = 2
-CASTS = 40  # pairs of casts per rank, before and after a training step
-DEADLINE_S = 120
+CASTS = 15  # pairs of casts per rank, before and after a training step
+DEADLINE_S = 600  # a deadline, not a time: Python 3.13 takes minutes at load
 
 
 def _net():
