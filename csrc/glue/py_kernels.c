@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checksum.h"
 #include "copy.h"
 #include "layout.h"
 #include "norm.h"
@@ -291,6 +292,30 @@ static PyObject *py_fsm_step(PyObject *m, PyObject *args)
                          f.summon_was_sharded, act);
 }
 
+PyDoc_STRVAR(crc32c_doc,
+             "crc32c(data, crc=0, reference=False) -> int\n"
+             "The CRC-32C of a bytes-like object (a tensor's bytes through a memoryview),\n"
+             "continued from crc. reference=True uses the table path only.");
+static PyObject *py_crc32c(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"data", "crc", "reference", NULL};
+    Py_buffer b;
+    unsigned int crc = 0;
+    int ref = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*|Ip", names, &b, &crc, &ref))
+        return NULL;
+    uint32_t out;
+    if (b.len >= FS_GIL_RELEASE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        out = ref ? fs_crc32c_table(crc, b.buf, (size_t)b.len) : fs_crc32c(crc, b.buf, (size_t)b.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        out = ref ? fs_crc32c_table(crc, b.buf, (size_t)b.len) : fs_crc32c(crc, b.buf, (size_t)b.len);
+    }
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(out);
+}
+
 static PyMethodDef kernel_methods[] = {
     {"cast", py_cast, METH_VARARGS, cast_doc},
     {"scale_accumulate", py_scale_accumulate, METH_VARARGS, scale_accumulate_doc},
@@ -301,6 +326,7 @@ static PyMethodDef kernel_methods[] = {
     {"reduce_sum", py_reduce_sum, METH_VARARGS, reduce_sum_doc},
     {"copy_stream", py_copy_stream, METH_VARARGS, copy_stream_doc},
     {"norm_partial", py_norm_partial, METH_VARARGS, norm_partial_doc},
+    {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS, crc32c_doc},
     {"simd_level", py_simd_level, METH_NOARGS, "simd_level() -> the SIMD level reductions use"},
     {"shm_unlink", py_shm_unlink, METH_VARARGS,
      "shm_unlink(name): remove a shared-memory name (missing is fine)"},
