@@ -178,7 +178,7 @@ def _floor_hooks(model):
         u.pre_forward, u.post_forward = pre_forward, post_forward
         # the flat buffers' hooks (the engine unit's) call post_backward, never
         # their plain path
-        u.c.set_events(u, type(u)._pre_backward,
+        u.c.set_events(u, type(u)._gather_backward, type(u)._backward_views,
                        lambda self, gi, full, f=post_backward: f(gi, full), type(u)._plain_failed,
                        run_hooks, torch.empty_like, torch.Tensor)
         u.hand_plain = lambda c=u.c: setattr(c, "plain", 0)

@@ -128,7 +128,7 @@ def _trace_units(phases):
     # the hook entry points, each marked after it ran (the engine's gather,
     # reshard and reduction happen inside them)
     for name, what in (("pre_forward", "gathered"), ("post_forward", "after forward"),
-                       ("_pre_backward", "gathered for backward"),
+                       ("_gather_backward", "gathered for backward"),
                        ("_post_backward", "reduced")):
         orig = getattr(UnitRuntime, name)
 

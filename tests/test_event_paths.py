@@ -21,8 +21,15 @@ from flatshard.fsdp2.state import FSDPState, state_of
 from test_fully_shard_torch_flows import Block
 
 TIMEOUT = 240
-EVENTS = {"pre_forward": "_pre_forward_hook", "post_forward": "_post_forward_hook",
-          "pre_backward": "_pre_backward", "post_backward": "_post_backward"}
+# each event's Python frames: the steps that need Python of the forward's
+# and the pre-backward's sequences (C's, [Note: one sequence per event]),
+# the post-backward's Python path
+EVENTS = {"pre_forward": ("_begin_forward", "_gather_forward", "_watch_forward",
+                          "_prefetch_forward"),
+          "post_forward": ("_reshard_post_forward", "_end_forward", "_take_watching",
+                           "_cast_output"),
+          "pre_backward": ("_gather_backward", "_prefetch_backward"),
+          "post_backward": ("_post_backward",)}
 
 
 def _net(blocks=3, d=12):
@@ -33,12 +40,13 @@ def _net(blocks=3, d=12):
 
 @contextlib.contextmanager
 def _counting(plain=True):
-    """Counts of each event's Python method's calls, per state: {event: {id:
-    n}}. Entered before the states are made (their C hooks hold the methods
-    they fall back to). plain False: every state's events take the Python
-    path (no plain flags handed)."""
+    """Counts of each event's Python frames, per state: {event: {id: n}}.
+    Entered before the states are made (their C hooks hold the methods they
+    call). plain False: no state is lean (root.decide_plain hands nothing):
+    the forward's begin and the gathers are Python's steps, the
+    post-backward takes its Python path."""
     counts = {e: {} for e in EVENTS}
-    saved = {name: getattr(FSDPState, name) for name in EVENTS.values()}
+    saved = {name: getattr(FSDPState, name) for names in EVENTS.values() for name in names}
     decide_plain = roots.decide_plain
 
     def counted(event, fn):
@@ -46,8 +54,9 @@ def _counting(plain=True):
             counts[event][id(self)] = counts[event].get(id(self), 0) + 1
             return fn(self, *args)
         return call
-    for event, name in EVENTS.items():
-        setattr(FSDPState, name, counted(event, saved[name]))
+    for event, names in EVENTS.items():
+        for name in names:
+            setattr(FSDPState, name, counted(event, saved[name]))
     if not plain:
         roots.decide_plain = lambda root: None
     try:
@@ -121,9 +130,13 @@ def test_the_plain_flow_runs_no_python_and_trains_as_torch(dist_pool):
         # which runs before them, so nothing else of the blocks is Python's
         assert first == {e: blocks if e == "pre_forward" else 0 for e in EVENTS}, first
         assert later == {e: 0 for e in EVENTS}, later
-        # with no plain flags handed every event of every block is Python's
+        # no state lean: the pre-forward begins (lazy init, the order) and
+        # gathers through its Python steps, the pre-backward gathers through
+        # its own, the post-backward is Python's; the post-forward's reshard
+        # needs none
         full = runs["python"][3]
-        assert full == {e: blocks * (steps - 1) for e in EVENTS}, full
+        per_step = {"pre_forward": 2, "post_forward": 0, "pre_backward": 1, "post_backward": 1}
+        assert full == {e: n * blocks * (steps - 1) for e, n in per_step.items()}, full
 
 
 def _freeze_then_thaw(model, step):
@@ -171,15 +184,19 @@ def _no_sync(model, step):
     model.set_requires_gradient_sync(step != 1)
 
 
-# each case, and the events whose Python method runs after step 0 (the
-# plain flow: none): a frozen parameter's forward watches its inputs, and
-# the outputs' pre-backward hook is that forward's; a reassigned parameter
-# is adopted by Python's gather
-CASES = {"freeze": (_freeze_then_thaw, set(EVENTS)),
+# each case, and the events that run a Python frame after step 0 (the plain
+# flow: none): a frozen parameter's forward watches its inputs (its
+# pre-forward), the outputs' pre-backward hook is that forward's (the
+# post-forward takes it) and the reshard after backward waits for them; a
+# reassigned parameter is adopted by Python's gather; a prefetch list is
+# Python's; under a profiler the ranges and counts are (the post-forward's
+# reshard in its range is C's); reshard_after_forward False leaves the
+# post-forward nothing to do
+CASES = {"freeze": (_freeze_then_thaw, {"pre_forward", "post_forward", "post_backward"}),
          "reassign": (_reassign, {"pre_forward"}),
          "prefetch": (_prefetch_lists, {"pre_forward", "pre_backward"}),
-         "profiler": (_profiled, set(EVENTS)),
-         "reshard_after_forward": (_no_reshard, {"post_forward"}),
+         "profiler": (_profiled, {"pre_forward", "pre_backward", "post_backward"}),
+         "reshard_after_forward": (_no_reshard, set()),
          "no_sync": (_no_sync, {"post_backward"})}
 
 
@@ -205,9 +222,12 @@ def _mixed(steps):
 
 def test_an_output_cast_is_never_plain(dist_pool):
     """mixed precision with an output dtype: the forward events cast, so
-    no event takes the plain path; bf16 trains bit-equal to torch."""
+    no state is lean: each pre-forward begins and gathers in Python, each
+    post-forward casts, the pre-backward gathers in Python and the
+    post-backward is Python's; bf16 trains bit-equal to torch."""
     steps = 3
     for runs in dist_pool(2).run(_mixed, steps, timeout=TIMEOUT):
         _same_as_torch(runs)
         later = runs["plain"][3]
-        assert later == {e: 3 * (steps - 1) for e in EVENTS}, later
+        per_step = {"pre_forward": 2, "post_forward": 1, "pre_backward": 1, "post_backward": 1}
+        assert later == {e: n * 3 * (steps - 1) for e, n in per_step.items()}, later

@@ -25,71 +25,76 @@ static int is_group(PyTypeObject *tp, PyObject *o)
     return PyObject_TypeCheck(o, (PyTypeObject *)fs_state_from_type(tp)->ShardGroupType);
 }
 
+/* The callables an event of `kind` needs, by the fields' order below:
+ * bit i for field i (hook_grads, span, step, root_end, watching, cast,
+ * prefetch, pre_backward, hook_outputs, grad_enabled, begin). */
+static const unsigned needs[] = {
+    [FS_EVENT_PRE_FORWARD] = 0x457,
+    [FS_EVENT_POST_FORWARD] = 0x3BF & ~0x040,
+    [FS_EVENT_PRE_BACKWARD] = 0x047,
+};
+
 static PyObject *Event_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"kind", "group", "fallback", "hook_grads", "pre_backward",
-                             "hook_outputs", "grad_enabled", "tensor", NULL};
-    int kind;
-    PyObject *group, *fallback, *hook_grads, *pre_backward = NULL, *hook_outputs = NULL,
-                                             *grad_enabled = NULL, *tensor = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|$OOOO:Event", kwlist, &kind, &group,
-                                     &fallback, &hook_grads, &pre_backward, &hook_outputs,
-                                     &grad_enabled, &tensor))
+    static char *kwlist[] = {"kind", "group", "hook_grads", "span", "step", "root_end",
+                             "watching", "cast", "prefetch", "pre_backward", "hook_outputs",
+                             "grad_enabled", "begin", "tensor", "opts", NULL};
+    int kind, opts = 0;
+    PyObject *group, *fn[11] = {NULL}, *tensor = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iO|$OOOOOOOOOOOOi:Event", kwlist, &kind, &group,
+                                     &fn[0], &fn[1], &fn[2], &fn[3], &fn[4], &fn[5], &fn[6],
+                                     &fn[7], &fn[8], &fn[9], &fn[10], &tensor, &opts))
         return NULL;
-    if (kind < FS_EVENT_PRE_FORWARD || kind > FS_EVENT_PRE_BACKWARD || !is_group(tp, group) ||
-        !PyCallable_Check(fallback) || !PyCallable_Check(hook_grads)) {
-        PyErr_SetString(PyExc_TypeError, "Event(kind, group, fallback, hook_grads): kind "
-                        "EVENT_PRE_FORWARD, EVENT_POST_FORWARD or EVENT_PRE_BACKWARD, a "
-                        "flatshard._C.ShardGroup, two callables");
-        return NULL;
-    }
-    if (kind == FS_EVENT_POST_FORWARD &&
-        (!pre_backward || !hook_outputs || !grad_enabled || !tensor ||
-         !PyCallable_Check(pre_backward) || !PyCallable_Check(hook_outputs) ||
-         !PyCallable_Check(grad_enabled) || !PyType_Check(tensor))) {
-        PyErr_SetString(PyExc_TypeError, "Event(EVENT_POST_FORWARD, ...): pre_backward, "
-                        "hook_outputs and grad_enabled callables and tensor a type");
+    int ok = kind >= FS_EVENT_PRE_FORWARD && kind <= FS_EVENT_PRE_BACKWARD &&
+             (group == Py_None || is_group(tp, group));
+    for (int i = 0; ok && i < 11; i++)
+        ok = !(needs[kind] >> i & 1) || (fn[i] && PyCallable_Check(fn[i]));
+    if (ok && kind == FS_EVENT_POST_FORWARD)
+        ok = tensor && PyType_Check(tensor);
+    if (!ok) {
+        PyErr_SetString(PyExc_TypeError, "Event(kind, group, *, hook_grads, ...): kind "
+                        "EVENT_PRE_FORWARD, EVENT_POST_FORWARD or EVENT_PRE_BACKWARD, group a "
+                        "flatshard._C.ShardGroup or None, and the callables its steps call "
+                        "(hooks/shard_events.h)");
         return NULL;
     }
     EventObject *self = (EventObject *)tp->tp_alloc(tp, 0);
     if (!self)
         return NULL;
-    self->ev.kind = kind;
-    self->ev.group = Py_NewRef(group);
-    self->ev.fallback = Py_NewRef(fallback);
-    self->ev.hook_grads = Py_NewRef(hook_grads);
-    self->ev.pre_backward = Py_XNewRef(pre_backward);
-    self->ev.hook_outputs = Py_XNewRef(hook_outputs);
-    self->ev.grad_enabled = Py_XNewRef(grad_enabled);
-    self->ev.tensor = Py_XNewRef(tensor);
+    fs_shard_event *ev = &self->ev;
+    ev->kind = kind;
+    ev->opts = opts;
+    ev->group = Py_NewRef(group);
+    PyObject **field[] = {&ev->hook_grads, &ev->span, &ev->step, &ev->root_end, &ev->watching,
+                          &ev->cast, &ev->prefetch, &ev->pre_backward, &ev->hook_outputs,
+                          &ev->grad_enabled, &ev->begin};
+    for (int i = 0; i < 11; i++)
+        *field[i] = Py_XNewRef(fn[i]);
+    ev->tensor = Py_XNewRef(tensor);
     self->vectorcall = Event_vectorcall;
     return (PyObject *)self;
 }
+
+#define FS_EVENT_FIELDS(X)                                                                       \
+    X(hook_grads) X(latch) X(span) X(step) X(root_end) X(watching) X(cast) X(prefetch)           \
+        X(pre_backward) X(hook_outputs) X(grad_enabled) X(tensor) X(begin)
 
 static int Event_traverse(EventObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->ev.group);
-    Py_VISIT(self->ev.fallback);
-    Py_VISIT(self->ev.hook_grads);
-    Py_VISIT(self->ev.latch);
-    Py_VISIT(self->ev.pre_backward);
-    Py_VISIT(self->ev.hook_outputs);
-    Py_VISIT(self->ev.grad_enabled);
-    Py_VISIT(self->ev.tensor);
+#define VISIT(f) Py_VISIT(self->ev.f);
+    FS_EVENT_FIELDS(VISIT)
+#undef VISIT
     return 0;
 }
 
 static int Event_clear(EventObject *self)
 {
     /* group stays: a call may still come while the collector runs */
-    Py_CLEAR(self->ev.fallback);
-    Py_CLEAR(self->ev.hook_grads);
-    Py_CLEAR(self->ev.latch);
-    Py_CLEAR(self->ev.pre_backward);
-    Py_CLEAR(self->ev.hook_outputs);
-    Py_CLEAR(self->ev.grad_enabled);
-    Py_CLEAR(self->ev.tensor);
+#define CLEAR(f) Py_CLEAR(self->ev.f);
+    FS_EVENT_FIELDS(CLEAR)
+#undef CLEAR
     return 0;
 }
 
@@ -112,8 +117,8 @@ static PyObject *Event_get_group(EventObject *self, void *c)
 static int Event_set_group(EventObject *self, PyObject *value, void *c)
 {
     (void)c;
-    if (!value || !is_group(Py_TYPE(self), value)) {
-        PyErr_SetString(PyExc_TypeError, "Event.group: a flatshard._C.ShardGroup");
+    if (!value || (value != Py_None && !is_group(Py_TYPE(self), value))) {
+        PyErr_SetString(PyExc_TypeError, "Event.group: a flatshard._C.ShardGroup or None");
         return -1;
     }
     Py_SETREF(self->ev.group, Py_NewRef(value));
@@ -149,6 +154,8 @@ static PyGetSetDef Event_getset[] = {
 static PyMemberDef Event_members[] = {
     {"__vectorcalloffset__", T_PYSSIZET, offsetof(EventObject, vectorcall), READONLY},
     {"kind", T_INT, offsetof(EventObject, ev.kind), READONLY, "EVENT_*"},
+    {"opts", T_INT, offsetof(EventObject, ev.opts), 0,
+     "OPT_*: what the event's sequence does beyond its plain steps"},
     {NULL},
 };
 
@@ -161,11 +168,11 @@ static PyType_Slot Event_slots[] = {
     {Py_tp_members, Event_members},
     {Py_tp_getset, Event_getset},
     {Py_tp_doc,
-     "Event(kind, group, fallback, hook_grads, *, pre_backward, hook_outputs,\n"
-     "grad_enabled, tensor): the hook torch calls for one event of a fully_shard state:\n"
-     "EVENT_PRE_FORWARD (module, args, kwargs), EVENT_POST_FORWARD (module, args,\n"
-     "output) or EVENT_PRE_BACKWARD (grad). The plain path where it applies, else\n"
-     "fallback(*args) ([Note: plain events] in hooks/shard_events.c)."},
+     "Event(kind, group, *, hook_grads, span, step, root_end, watching, cast, prefetch,\n"
+     "pre_backward, hook_outputs, grad_enabled, begin, tensor, opts=0): the hook torch\n"
+     "calls for one event of a fully_shard state: EVENT_PRE_FORWARD (module, args,\n"
+     "kwargs), EVENT_POST_FORWARD (module, args, output) or EVENT_PRE_BACKWARD (grad):\n"
+     "the event's one sequence, its steps as opts says (hooks/shard_events.h)."},
     {0, NULL},
 };
 
@@ -186,11 +193,15 @@ int fs_event_type_add(PyObject *module, fs_mod_state *st)
         PyModule_AddIntConstant(module, "EVENT_PRE_BACKWARD", FS_EVENT_PRE_BACKWARD) < 0)
         return -1;
     static const struct { const char *name; int v; } plain[] = {
-        {"PLAIN_PRE_FORWARD", FS_PLAIN_PRE_FORWARD},
-        {"PLAIN_POST_FORWARD", FS_PLAIN_POST_FORWARD},
-        {"PLAIN_PRE_BACKWARD", FS_PLAIN_PRE_BACKWARD},
-        {"PLAIN_GATHER_BACKWARD", FS_PLAIN_GATHER_BACKWARD},
         {"PLAIN_POST_BACKWARD", FS_PLAIN_POST_BACKWARD},
+        {"OPT_BEGIN", FS_OPT_BEGIN},
+        {"OPT_STEP", FS_OPT_STEP},
+        {"OPT_RESHARD", FS_OPT_RESHARD},
+        {"OPT_ROOT", FS_OPT_ROOT},
+        {"OPT_CAST", FS_OPT_CAST},
+        {"OPT_GATHER", FS_OPT_GATHER},
+        {"OPT_PREFETCH_IN", FS_OPT_PREFETCH_IN},
+        {"OPT_PREFETCH_OUT", FS_OPT_PREFETCH_OUT},
     };
     for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++)
         if (PyModule_AddIntConstant(module, plain[i].name, plain[i].v) < 0)

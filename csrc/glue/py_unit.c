@@ -167,6 +167,7 @@ static int Unit_traverse(UnitObject *self, visitproc visit, void *arg)
     Py_VISIT(self->prev);
     Py_VISIT(self->owner);
     Py_VISIT(self->on_pre_backward);
+    Py_VISIT(self->views);
     Py_VISIT(self->on_post_backward);
     Py_VISIT(self->on_error);
     Py_VISIT(self->run_hooks);
@@ -182,6 +183,7 @@ static void clear_handed(UnitObject *self)
     Py_CLEAR(self->prev);
     Py_CLEAR(self->owner);
     Py_CLEAR(self->on_pre_backward);
+    Py_CLEAR(self->views);
     Py_CLEAR(self->on_post_backward);
     Py_CLEAR(self->on_error);
     Py_CLEAR(self->run_hooks);
@@ -411,19 +413,20 @@ static int Unit_set_root(UnitObject *self, PyObject *v, void *c)
 /* [Note: unit plain events]: what Python hands */
 
 PyDoc_STRVAR(set_events_doc,
-             "set_events(owner, on_pre_backward, on_post_backward, on_error, run_hooks,\n"
-             "           empty_like, tensor): the Python unit (held weakly) and what the plain\n"
-             "backward events call: on_pre_backward(owner, grad) and on_post_backward(owner,\n"
+             "set_events(owner, on_pre_backward, views, on_post_backward, on_error, run_hooks,\n"
+             "           empty_like, tensor): the Python unit (held weakly) and what the\n"
+             "backward events call: on_pre_backward(owner) -> actions (Python's gather) and\n"
+             "views(owner) where the pre-backward's options say, on_post_backward(owner,\n"
              "group, full) where the plain path does not apply, on_error(owner, exc) for an\n"
              "engine failure (raises), run_hooks(params), empty_like(shard); tensor: the\n"
              "type a plain gradient is ([Note: unit plain events] in hooks/unit_events.c).");
 static PyObject *Unit_set_events(UnitObject *self, PyObject *args)
 {
-    PyObject *owner, *fns[5], *tensor;
-    if (!PyArg_ParseTuple(args, "OOOOOOO:set_events", &owner, &fns[0], &fns[1], &fns[2],
-                          &fns[3], &fns[4], &tensor))
+    PyObject *owner, *fns[6], *tensor;
+    if (!PyArg_ParseTuple(args, "OOOOOOOO:set_events", &owner, &fns[0], &fns[1], &fns[2],
+                          &fns[3], &fns[4], &fns[5], &tensor))
         return NULL;
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 6; i++)
         if (!PyCallable_Check(fns[i]))
             return PyErr_Format(PyExc_TypeError, "set_events: argument %d must be callable",
                                 i + 2);
@@ -434,10 +437,11 @@ static PyObject *Unit_set_events(UnitObject *self, PyObject *args)
         return NULL;
     Py_XSETREF(self->owner, ref);
     Py_XSETREF(self->on_pre_backward, Py_NewRef(fns[0]));
-    Py_XSETREF(self->on_post_backward, Py_NewRef(fns[1]));
-    Py_XSETREF(self->on_error, Py_NewRef(fns[2]));
-    Py_XSETREF(self->run_hooks, Py_NewRef(fns[3]));
-    Py_XSETREF(self->empty_like, Py_NewRef(fns[4]));
+    Py_XSETREF(self->views, Py_NewRef(fns[1]));
+    Py_XSETREF(self->on_post_backward, Py_NewRef(fns[2]));
+    Py_XSETREF(self->on_error, Py_NewRef(fns[3]));
+    Py_XSETREF(self->run_hooks, Py_NewRef(fns[4]));
+    Py_XSETREF(self->empty_like, Py_NewRef(fns[5]));
     Py_XSETREF(self->tensor, Py_NewRef(tensor));
     Py_RETURN_NONE;
 }

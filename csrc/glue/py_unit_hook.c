@@ -139,6 +139,7 @@ int fs_unit_hook_type_add(PyObject *module, fs_mod_state *st)
         {"UNIT_PLAIN_POST_BACKWARD", FS_UNIT_PLAIN_POST_BACKWARD},
         {"UNIT_PREFETCH_PRE", FS_UNIT_PREFETCH_PRE},
         {"UNIT_PREFETCH_POST", FS_UNIT_PREFETCH_POST},
+        {"UNIT_VIEWS", FS_UNIT_VIEWS},
     };
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
         if (PyModule_AddIntConstant(module, k[i].name, k[i].v) < 0)

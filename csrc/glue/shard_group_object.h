@@ -11,19 +11,13 @@
 #include "params.h"
 #include "shard_group.h"
 
-/* [Note: plain events] (hooks/shard_events.c): which of a state's events may
- * take the plain path, as Python decides them where what they depend on
- * changes (fsdp2/state.py FSDPState.hand_plain). Every one also means: the
- * state's lean events (not the root, host Comms, no gather-ahead, no cast),
- * no parameter that gathers itself or is tensor-parallel. */
-enum {
-    FS_PLAIN_PRE_FORWARD = 1,     /* no forward prefetch list, async_op off, bool r.a.f. */
-    FS_PLAIN_POST_FORWARD = 2,    /* reshard_after_forward True */
-    FS_PLAIN_PRE_BACKWARD = 4,    /* no backward prefetch list, async_op off, bool r.a.f. */
-    FS_PLAIN_GATHER_BACKWARD = 8, /* unshard_in_backward */
-    FS_PLAIN_POST_BACKWARD = 16,  /* gradient sync, reshard after backward, bool r.a.f., no
-                                   * reduction bucket */
-};
+/* [Note: plain events] (hooks/shard_events.c): whether the post-backward may
+ * take the plain path, as Python decides it where what it depends on changes
+ * (fsdp2/state.py FSDPState.hand_options): a lean state (not the root, host
+ * Comms, no gather-ahead, no cast), no parameter that gathers itself or is
+ * tensor-parallel, gradient sync, reshard after backward, a bool
+ * reshard_after_forward, no reduction bucket. */
+enum { FS_PLAIN_POST_BACKWARD = 16 };
 
 /* [Note: handed fields] The collector may visit a group (tp_traverse)
  * wherever Python can run, and releasing a reference is such a place:

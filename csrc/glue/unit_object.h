@@ -8,17 +8,19 @@
 #include "group_object.h"
 #include "unit.h"
 
-/* [Note: unit plain events] (hooks/unit_events.c): which of an FSDP1 unit's
- * backward events may take the plain path, as Python decides them where
- * what they depend on changes (fsdp/unit.py UnitRuntime.hand_plain). Both
- * also mean: a host Comm, the unit in a tree (its root's Latch handed). */
+/* [Note: unit plain events] (hooks/unit_events.c): what an FSDP1 unit's
+ * backward events do, as Python decides it where what it depends on changes
+ * (fsdp/unit.py UnitRuntime.hand_plain). The C steps also mean: a host
+ * Comm, the unit in a tree (its root's Latch handed). */
 enum {
-    FS_UNIT_PLAIN_PRE_BACKWARD = 1,  /* no gather-ahead with the prefetch, no views to set */
+    FS_UNIT_PLAIN_PRE_BACKWARD = 1,  /* the pre-backward's gather in C: no gather-ahead with
+                                      * the prefetch (else on_pre_backward, Python's) */
     FS_UNIT_PLAIN_POST_BACKWARD = 2, /* gradient sync, flat shards (use_orig_params=False), no
                                       * bucket, no SHARD_OPTIM, no parameter offload, no
                                       * gradient NO_SHARD hands over as it is */
     FS_UNIT_PREFETCH_PRE = 4,        /* backward_prefetch BACKWARD_PRE (any path) */
     FS_UNIT_PREFETCH_POST = 8,       /* backward_prefetch BACKWARD_POST (any path) */
+    FS_UNIT_VIEWS = 16,              /* the pre-backward sets the unsharded views (views()) */
 };
 
 typedef struct {
@@ -33,7 +35,8 @@ typedef struct {
                             * root and its model, and an OffloadPipe holds its Units */
     PyObject *prev;        /* the Unit that ran before this one in the last forward, or NULL */
     PyObject *owner;       /* a weak reference to the Python unit (UnitRuntime), or NULL */
-    PyObject *on_pre_backward;  /* on_pre_backward(owner, grad): the Python path */
+    PyObject *on_pre_backward;  /* on_pre_backward(owner) -> actions: Python's gather */
+    PyObject *views;       /* views(owner): the unsharded views set (FS_UNIT_VIEWS) */
     PyObject *on_post_backward; /* on_post_backward(owner, group, full): the Python path */
     PyObject *on_error;    /* on_error(owner, exc): raises (an allocation failure reported) */
     PyObject *run_hooks;   /* run_hooks(params): their post-accumulate-grad hooks */

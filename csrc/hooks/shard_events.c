@@ -1,33 +1,35 @@
-/* shard_events.c - a fully_shard group's events: the one implementation of
- * each event's plain path, which the objects torch calls run (glue/py_event.c,
- * glue/py_arrival.c: no Python frame between torch and the engine).
+/* shard_events.c - a fully_shard group's events: each one's sequence, which
+ * the objects torch calls run (glue/py_event.c, glue/py_arrival.c).
  *
- *   flatshard._C.Event(kind, group, fallback, ...)  a module's forward
- *       pre-hook (PRE_FORWARD), forward hook (POST_FORWARD), or the hook
- *       where backward reaches the module's outputs (PRE_BACKWARD)
+ *   flatshard._C.Event(kind, group, ...)  a module's forward pre-hook
+ *       (PRE_FORWARD), forward hook (POST_FORWARD), or the hook where
+ *       backward reaches the module's outputs (PRE_BACKWARD)
  *   flatshard._C.Arrival(group, i)   parameter i's post-accumulate-grad hook
  *
- * [Note: plain events] Every step of an ordinary training takes the same
- * path through each event: gather the group and register the unsharded
- * parameters (pre-forward, pre-backward), register the sharded ones and free
- * (post-forward), and once every trainable parameter's gradient has arrived,
- * reduce-scatter the gradients into the sharded ones, free and register the
- * sharded parameters (post-backward). That path is written here, in C, over
- * the group's own fields (glue/shard_group_object.h); Python hands what it depends on
- * when that changes (FSDPState.hand_plain: the FS_PLAIN_* flags, the sums of
- * backwards without sync), and what can change within a step is checked at
- * each call with a few field reads: parameters assigned or a requires_grad
- * flipped since (params.h), the unsharded buffer not made yet, frozen
- * parameters, a hook on the reduce output, a gradient Python must hand, a
- * profiler or dispatch mode watching (their ranges and counts are Python's).
- * Any of those, and the event calls its fallback, the state's Python hook
- * (fsdp2/state.py), which handles every case and reaches the engine through
- * the same group: the event's sequence written a second time, in Python,
- * over the same engine calls and the same registration and reduction in C
- * (params.c, grads.c, fs_hooks_shard_reduce). Nothing is done twice at run
- * time, for the plain path acts only where it finishes. The Event and
- * Arrival objects hold no state of their own beyond what they were made
- * with.
+ * [Note: event sequences] The pre-forward, post-forward and pre-backward
+ * are one sequence each, here, for every case (pre_forward, post_forward,
+ * pre_backward below). What differs between cases is an option of the
+ * sequence (fs_shard_event.opts, FS_OPT_*: handed by FSDPState.hand_options
+ * where what it follows changes) or a field read at each call (frozen
+ * parameters, a profiler or dispatch mode watching, the group gathered
+ * already). A step that needs Python is a callable the sequence calls only
+ * where it applies: lazy init and the root's start and end of forward, the
+ * forward order's record, the casts, a gather with other states joined
+ * (gather-ahead, a prefetch list), as async_op, on a device, or the first
+ * one (it makes the buffer), the prefetches, the watch on a frozen
+ * parameter's inputs, torch's ranges. An ordinary step of training runs no
+ * Python frame: gather and register the unsharded parameters, register the
+ * sharded ones and free.
+ *
+ * [Note: plain events] The post-backward, once every trainable parameter's
+ * gradient has arrived, has a plain path in C (reduce-scatter into the
+ * sharded gradients, free, register the sharded parameters: here, over
+ * grads.c and the engine) where Python handed FS_PLAIN_POST_BACKWARD and
+ * nothing read at the call stands in its way (sums kept without sync, frozen
+ * parameters, a hook on the reduce output, a device, a profiler or mode);
+ * otherwise the arrivals call the state's Python post-backward
+ * (fsdp2/state.py _post_backward), which handles every case through the
+ * same reduction (fs_hooks_shard_reduce) and registration in C.
  *
  * CPython C API only; torch is reached through the callables handed in and
  * its public tensor API (grad_fn, register_prehook, register_hook,
@@ -41,7 +43,7 @@
 #include <string.h>
 
 /* ------------------------------------------------------------------------
- * The plain path of each event, on the group's fields */
+ * The steps in C, on the group's fields */
 
 /* 1: a profiler or dispatch mode watches; 0: none; -1 with an exception set */
 static int watched(ShardGroupObject *g)
@@ -59,10 +61,10 @@ static int watched(ShardGroupObject *g)
     return t;
 }
 
-/* The plain gather (pre-forward, pre-backward): 0 the modules hold the
+/* The gather in C (pre-forward, pre-backward): 0 the modules hold the
  * unsharded parameters (gathered now or before), with *hooks set where a
- * trainable one has no gradient hook yet; 1 not plain now (nothing done);
- * -1 with an exception set. */
+ * trainable one has no gradient hook yet; 1 Python's step must gather
+ * (nothing done); -1 with an exception set. */
 static int gather(ShardGroupObject *g, int *hooks)
 {
     *hooks = 0;
@@ -210,28 +212,65 @@ out:
 }
 
 /* ------------------------------------------------------------------------
- * The event hooks' sequence */
+ * The event hooks' sequences */
 
-static PyObject *call_fallback(const fs_shard_event *self, PyObject *const *args, size_t nargsf,
-                               PyObject *kwnames)
+static int call0(PyObject *fn)
 {
-    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
-}
-
-static int run_hooks(const fs_shard_event *self, int hooks)
-{
-    if (!hooks)
-        return 0;
-    PyObject *r = PyObject_CallNoArgs(self->hook_grads);
+    PyObject *r = PyObject_CallNoArgs(fn);
     if (!r)
         return -1;
     Py_DECREF(r);
     return 0;
 }
 
+static int run_hooks(const fs_shard_event *self, int hooks)
+{
+    return hooks ? call0(self->hook_grads) : 0;
+}
+
+/* The event's range while a profiler or mode watches g: span() entered, or
+ * NULL (none: *err 0; an exception: *err 1). */
+static PyObject *enter_span(const fs_shard_event *ev, ShardGroupObject *g, int *err)
+{
+    int w = g ? watched(g) : 0;
+    *err = w < 0;
+    if (w <= 0)
+        return NULL;
+    PyObject *ctx = PyObject_CallNoArgs(ev->span);
+    PyObject *r = ctx ? PyObject_CallMethod(ctx, "__enter__", NULL) : NULL;
+    if (!r) {
+        Py_XDECREF(ctx);
+        *err = 1;
+        return NULL;
+    }
+    Py_DECREF(r);
+    return ctx;
+}
+
+/* The range left (as `with` leaves it: an exception of the steps inside is
+ * kept); rc: theirs, returned unless leaving fails. */
+static int leave_span(PyObject *ctx, int rc)
+{
+    if (!ctx)
+        return rc;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *r = PyObject_CallMethod(ctx, "__exit__", "OOO", Py_None, Py_None, Py_None);
+    Py_DECREF(ctx);
+    if (!r) {
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(t, v, tb);
+    return rc;
+}
+
 /* hook(grad) where backward reaches `out`, one plain tensor: a pre-hook on
- * its grad_fn, or a tensor hook on a leaf that requires grad (what
- * runtime/trees.hook_before_backward does for that case). */
+ * its grad_fn, or a tensor hook on a leaf that requires grad (any other
+ * output: runtime/trees.hook_before_backward). */
 static int hook_tensor(PyObject *out, PyObject *hook)
 {
     PyObject *node = PyObject_GetAttrString(out, "grad_fn");
@@ -254,62 +293,166 @@ static int hook_tensor(PyObject *out, PyObject *hook)
     return 0;
 }
 
-static PyObject *post_forward(const fs_shard_event *self, ShardGroupObject *g, PyObject *out)
+/* The outputs' pre-backward hook: the event's, or with frozen parameters
+ * the one of the forward that watched its inputs ([Note: frozen
+ * parameters] in fsdp2/state.py). */
+static int hook_outputs(const fs_shard_event *ev, ShardGroupObject *g, PyObject *out)
 {
-    if (release(g) < 0)
+    PyObject *own = NULL, *hook = ev->pre_backward;
+    if (g && g->params.trainable != g->params.n) {
+        if (!(own = PyObject_CallNoArgs(ev->watching)))
+            return -1;
+        if (own != Py_None)
+            hook = own;
+    }
+    int rc = 0;
+    if (Py_IS_TYPE(out, (PyTypeObject *)ev->tensor)) {
+        rc = hook_tensor(out, hook);
+    } else {
+        PyObject *r = PyObject_CallFunctionObjArgs(ev->hook_outputs, out, hook, NULL);
+        rc = r ? 0 : -1;
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(own);
+    return rc;
+}
+
+/* The post-forward: the reshard reshard_after_forward asks for (in its
+ * range), the root's end of forward, the outputs' pre-backward hook (while
+ * grad is on), the output cast. */
+static PyObject *post_forward(const fs_shard_event *ev, ShardGroupObject *g, PyObject *out)
+{
+    const int o = ev->opts;
+    if (g) {  /* the range even with nothing to free, as torch's */
+        int err;
+        PyObject *span = enter_span(ev, g, &err);
+        if (err)
+            return NULL;
+        int rc = o & FS_OPT_STEP ? call0(ev->step) : o & FS_OPT_RESHARD ? release(g) : 0;
+        if (leave_span(span, rc) < 0)
+            return NULL;
+    }
+    if ((o & FS_OPT_ROOT) && call0(ev->root_end) < 0)
         return NULL;
-    PyObject *grad = PyObject_CallNoArgs(self->grad_enabled);
+    PyObject *grad = PyObject_CallNoArgs(ev->grad_enabled);
     int on = grad ? PyObject_IsTrue(grad) : -1;
     Py_XDECREF(grad);
-    if (on <= 0)
-        return on < 0 ? NULL : Py_NewRef(Py_None);
-    if (Py_IS_TYPE(out, (PyTypeObject *)self->tensor))
-        return hook_tensor(out, self->pre_backward) < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *r = PyObject_CallFunctionObjArgs(self->hook_outputs, out, self->pre_backward, NULL);
-    if (!r)
+    if (on < 0 || (on && hook_outputs(ev, g, out) < 0))
         return NULL;
-    Py_DECREF(r);
+    if (o & FS_OPT_CAST)
+        return PyObject_CallOneArg(ev->cast, out);
     Py_RETURN_NONE;
+}
+
+/* The pre-backward: the end of backward queued (the first of a backward),
+ * in its range the gather again (unshard_in_backward) and a device's
+ * implicit prefetch, then the user's prefetch list. */
+static PyObject *pre_backward(const fs_shard_event *ev, ShardGroupObject *g)
+{
+    const int o = ev->opts;
+    if (ev->latch && fs_glue_latch_fire(ev->latch) < 0)
+        return NULL;
+    int err, hooks = 0, rc = 0;
+    PyObject *span = enter_span(ev, g, &err);
+    if (err)
+        return NULL;
+    if (g && (o & FS_OPT_GATHER)) {
+        /* in C where it can; while one watches, Python's (it counts) */
+        rc = span || (o & FS_OPT_STEP) ? 1 : gather(g, &hooks);
+        if (rc == 0)
+            rc = run_hooks(ev, hooks);
+        else if (rc > 0)
+            rc = call0(ev->step);
+    }
+    if (rc == 0 && (o & FS_OPT_PREFETCH_IN))
+        rc = call0(ev->prefetch);
+    if (leave_span(span, rc) < 0)
+        return NULL;
+    if ((o & FS_OPT_PREFETCH_OUT) && call0(ev->prefetch) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Inputs a step handed back (a tuple (args, kwargs)) kept in *held, and
+ * read into *args, *kwargs; None: no change. -1 with an exception set. */
+static int take_inputs(PyObject *r, PyObject **held, PyObject **args, PyObject **kwargs)
+{
+    if (!r)
+        return -1;
+    if (r == Py_None) {
+        Py_DECREF(r);
+        return 0;
+    }
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_TypeError, "flatshard: a pre-forward step returned no "
+                        "(args, kwargs)");
+        return -1;
+    }
+    Py_XSETREF(*held, r);
+    *args = PyTuple_GET_ITEM(r, 0);
+    *kwargs = PyTuple_GET_ITEM(r, 1);
+    return 0;
+}
+
+/* The pre-forward: begin() (lazy init, the root's start of forward, the
+ * forward order's record, the input cast), in its range the gather, frozen
+ * parameters' inputs watched, the forward prefetch. Returns the inputs a
+ * step changed, as (args, kwargs), or None. */
+static PyObject *pre_forward(const fs_shard_event *ev, PyObject *args, PyObject *kwargs)
+{
+    PyObject *held = NULL;
+    if ((ev->opts & FS_OPT_BEGIN) &&
+        take_inputs(PyObject_CallFunctionObjArgs(ev->begin, args, kwargs, NULL), &held, &args,
+                    &kwargs) < 0)
+        return NULL;
+    /* read after begin(): lazy init hands the options (and may make the group anew) */
+    const int o = ev->opts;
+    ShardGroupObject *g = ev->group == Py_None ? NULL : (ShardGroupObject *)ev->group;
+    if (g) {
+        int err, hooks = 0, rc;
+        PyObject *span = enter_span(ev, g, &err);
+        if (err)
+            goto fail;
+        /* in C where it can; while one watches, Python's (it counts) */
+        rc = span || (o & FS_OPT_STEP) ? 1 : gather(g, &hooks);
+        if (rc == 0)
+            rc = run_hooks(ev, hooks);
+        else if (rc > 0)
+            rc = call0(ev->step);
+        if (leave_span(span, rc) < 0)
+            goto fail;
+        if (g->params.trainable != g->params.n &&
+            take_inputs(PyObject_CallFunctionObjArgs(ev->watching, args, kwargs, NULL), &held,
+                        &args, &kwargs) < 0)
+            goto fail;
+    }
+    if ((o & FS_OPT_PREFETCH_OUT) && call0(ev->prefetch) < 0)
+        goto fail;
+    return held ? held : Py_NewRef(Py_None);
+fail:
+    Py_XDECREF(held);
+    return NULL;
 }
 
 PyObject *fs_hooks_shard_event(const fs_shard_event *self, PyObject *const *args, size_t nargsf,
                                PyObject *kwnames)
 {
-    ShardGroupObject *g = (ShardGroupObject *)self->group;
+    static const char *what[] = {"pre-forward", "post-forward", "pre-backward"};
     const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    const int flags = g->plain;
-    int want, hooks = 0;
+    const Py_ssize_t want = self->kind == FS_EVENT_PRE_BACKWARD ? 1 : 3;
+    if (kwnames || nargs != want) {
+        PyErr_Format(PyExc_TypeError, "flatshard._C.Event: the %s hook takes %zd positional "
+                     "arguments, got %zd", what[self->kind], want, nargs);
+        return NULL;
+    }
+    ShardGroupObject *g = self->group == Py_None ? NULL : (ShardGroupObject *)self->group;
     switch (self->kind) {
     case FS_EVENT_PRE_FORWARD:
-        want = FS_PLAIN_PRE_FORWARD;
-        break;
+        return pre_forward(self, args[1], args[2]);
     case FS_EVENT_POST_FORWARD:
-        want = FS_PLAIN_POST_FORWARD;
-        break;
-    default:  /* before lazy init no latch: Python's */
-        want = self->latch ? FS_PLAIN_PRE_BACKWARD : -1;
-    }
-    if (want < 0 || !(flags & want) || kwnames || nargs != (self->kind == FS_EVENT_PRE_BACKWARD
-                                                            ? 1 : 3))
-        return call_fallback(self, args, nargsf, kwnames);
-    /* frozen parameters: Python watches the forward's inputs and holds the
-     * reshard back for them */
-    if (self->kind != FS_EVENT_PRE_BACKWARD && g->params.trainable != g->params.n)
-        return call_fallback(self, args, nargsf, kwnames);
-    int w = watched(g);
-    if (w)
-        return w < 0 ? NULL : call_fallback(self, args, nargsf, kwnames);
-    if (self->kind == FS_EVENT_POST_FORWARD)
         return post_forward(self, g, args[2]);
-    /* the first pre-backward of a backward queues its end */
-    if (self->kind == FS_EVENT_PRE_BACKWARD && fs_glue_latch_fire(self->latch) < 0)
-        return NULL;
-    if (self->kind == FS_EVENT_PRE_BACKWARD && !(flags & FS_PLAIN_GATHER_BACKWARD))
-        Py_RETURN_NONE;
-    int r = gather(g, &hooks);
-    if (r < 0 || run_hooks(self, hooks) < 0)
-        return NULL;
-    if (r || (self->kind == FS_EVENT_PRE_FORWARD && g->params.trainable != g->params.n))
-        return call_fallback(self, args, nargsf, kwnames); /* it finds the group gathered */
-    Py_RETURN_NONE;
+    default:
+        return pre_backward(self, g);
+    }
 }

@@ -1,33 +1,36 @@
-/* unit_events.c - an FSDP1 unit's backward events: the one implementation
- * of each one's plain path, which the object torch calls runs
- * (glue/py_unit_hook.c: no Python frame between torch and the engine).
+/* unit_events.c - an FSDP1 unit's backward events, which the object torch
+ * calls runs (glue/py_unit_hook.c).
  *
  *   flatshard._C.UnitHook(UNIT_PRE_BACKWARD, unit)   the hook where backward
  *       reaches the unit's forward outputs (runtime/trees.hook_before_backward)
  *   flatshard._C.UnitHook(UNIT_POST_BACKWARD, unit, group)   the group's
  *       compute buffer's post-accumulate-grad hook
  *
- * [Note: unit plain events] Every step of an ordinary training takes the same
- * path through a unit's backward: at the pre-backward, queue the end of
- * backward once (the root's Latch), gather the unit and prefetch the unit
- * that ran before it in forward (BACKWARD_PRE); at each group's
- * post-backward, take the unsharded gradient, reduce it into the flat
- * shard's gradient (a new one, or added to the one there), run the shard's
- * post-accumulate-grad hooks, and once the unit reshards, prefetch
- * (BACKWARD_POST) and count the freed bytes for the heap trim. That path is
- * written here, in C, over the unit's own fields (glue/unit_object.h): Python hands
- * what it depends on when that changes (fsdp/unit.py UnitRuntime.hand_plain:
- * the FS_UNIT_PLAIN_* flags, the root's Latch; RootState.hand_order: `prev`),
- * and what can change within a step is checked at each call with a few
- * reads: a gradient that is not a plain tensor (a subclass: Python decides),
- * a shard gradient the user set to one. Otherwise the hook calls its
- * fallback, the unit's Python method (fsdp/unit.py), which handles every
- * case and reaches the engine through the same Unit: the event's sequence
- * written a second time, in Python, which calls the C here for the parts
- * they share (prefetch_previous, released). The forward's
- * events stay Python's: the wrapper's forward is a Python method anyway, and
- * the views it sets cost the same from either side (benchmarks/results/
- * overhead.md, "The FSDP1 wrapper's backward events in C").
+ * [Note: unit plain events] The pre-backward is one sequence, here, for
+ * every case: queue the end of backward once (the root's Latch), gather the
+ * unit, and if it gathered set the unsharded views (use_orig_params: a
+ * Python step, views()) and prefetch the unit that ran before it in forward
+ * (BACKWARD_PRE). The gather is the engine's call from C, or where units
+ * join it (gather-ahead with the prefetch) or on a device Python's
+ * (on_pre_backward: the same engine call with the units it joins). At each
+ * group's post-backward, the plain path takes the unsharded gradient,
+ * reduces it into the flat shard's gradient (a new one, or added to the one
+ * there), runs the shard's post-accumulate-grad hooks, and once the unit
+ * reshards, prefetches (BACKWARD_POST) and counts the freed bytes for the
+ * heap trim: in C, over the unit's own fields (glue/unit_object.h). Python
+ * hands what the events depend on when that changes (fsdp/unit.py
+ * UnitRuntime.hand_plain: the FS_UNIT_* flags, the root's Latch;
+ * RootState.hand_order: `prev`), and what can change within a step is
+ * checked at each call with a few reads: a gradient that is not a plain
+ * tensor (a subclass: Python decides), a shard gradient the user set to
+ * one. Otherwise the post-backward calls the unit's Python method
+ * (fsdp/unit.py _post_backward), which handles every case (use_orig_params'
+ * views, the bucket, SHARD_OPTIM, offload, no_sync, a device's deferred
+ * reduction) through the same Unit and the C here for the parts they share
+ * (released). The forward's events stay Python's: the wrapper's forward is
+ * a Python method anyway, and the views it sets cost the same from either
+ * side (benchmarks/results/overhead.md, "The FSDP1 wrapper's backward
+ * events in C").
  *
  * CPython C API only; torch is reached through the callables handed in and
  * its public tensor API (grad, _post_accumulate_grad_hooks). */
@@ -113,25 +116,57 @@ int fs_hooks_unit_released(UnitObject *u)
     return 0;
 }
 
-/* The plain pre-backward: 1 done, 0 not plain now (nothing done), -1. */
+static PyObject *owner_of(UnitObject *u)
+{
+    PyObject *owner = u->owner ? fs_weak_get(u->owner) : NULL;
+    if (!owner && !PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "flatshard: an FSDP unit's hook ran after its "
+                        "unit was freed");
+    return owner;
+}
+
+/* The pre-backward, one sequence: the end of backward queued (once per
+ * backward: the root's Latch), the gather (in C, or with gather-ahead's
+ * units joined or on a device Python's on_pre_backward), then if it
+ * gathered the unsharded views (FS_UNIT_VIEWS) and the BACKWARD_PRE
+ * prefetch of the unit before. 0, or -1 with an exception set. */
 static int pre_backward(UnitObject *u)
 {
-    if (!(u->plain & FS_UNIT_PLAIN_PRE_BACKWARD) || !u->latch || u->comm->dev)
-        return 0;
-    PyObject *latch = fs_weak_get(u->latch);
-    if (!latch)  /* the root is gone: Python's */
-        return PyErr_Occurred() ? -1 : 0;
-    int f = fs_glue_latch_fire(latch);
-    Py_DECREF(latch);
+    PyObject *latch = u->latch ? fs_weak_get(u->latch) : NULL;
+    if (u->latch && !latch && PyErr_Occurred())
+        return -1;
+    int f = latch ? fs_glue_latch_fire(latch) : 0;
+    Py_XDECREF(latch);
     if (f < 0)
         return -1;
     unsigned act;
-    if (step(u, FS_EV_PRE_BACKWARD, -1, NULL, NULL, 0, &act) < 0)
+    if ((u->plain & FS_UNIT_PLAIN_PRE_BACKWARD) && !u->comm->dev) {
+        if (step(u, FS_EV_PRE_BACKWARD, -1, NULL, NULL, 0, &act) < 0)
+            return -1;
+    } else {
+        PyObject *owner = owner_of(u);
+        PyObject *r = owner ? PyObject_CallOneArg(u->on_pre_backward, owner) : NULL;
+        Py_XDECREF(owner);
+        if (!r)
+            return -1;
+        act = (unsigned)PyLong_AsUnsignedLongMask(r);
+        Py_DECREF(r);
+        if (PyErr_Occurred())
+            return -1;
+    }
+    if (!(act & FS_ACT_UNSHARD))
+        return 0;
+    if (u->plain & FS_UNIT_VIEWS) {
+        PyObject *owner = owner_of(u);
+        PyObject *r = owner ? PyObject_CallOneArg(u->views, owner) : NULL;
+        Py_XDECREF(owner);
+        if (!r)
+            return -1;
+        Py_DECREF(r);
+    }
+    if ((u->plain & FS_UNIT_PREFETCH_PRE) && fs_hooks_unit_prefetch_previous(u) < 0)
         return -1;
-    if ((act & FS_ACT_UNSHARD) && (u->plain & FS_UNIT_PREFETCH_PRE) &&
-        fs_hooks_unit_prefetch_previous(u) < 0)
-        return -1;
-    return 1;
+    return 0;
 }
 
 /* The plain post-backward of group gi, whose compute buffer `full` has its
@@ -204,10 +239,8 @@ PyObject *fs_hooks_unit_event(UnitObject *u, int kind, int group, PyObject *arg)
 {
     if (!u->ready)
         Py_RETURN_NONE;
-    if (kind == FS_UNIT_HOOK_PRE_BACKWARD) {
-        int p = pre_backward(u);
-        return p < 0 ? NULL : p ? Py_NewRef(Py_None) : fallback(u, u->on_pre_backward, &arg, 1);
-    }
+    if (kind == FS_UNIT_HOOK_PRE_BACKWARD)
+        return pre_backward(u) < 0 ? NULL : Py_NewRef(Py_None);
     int p = post_backward(u, group, arg);
     if (p < 0)
         return NULL;

@@ -82,8 +82,9 @@ class UnitRuntime:
     # the engine unit's plain events ([Note: unit plain events])
 
     def _hand_events(self, c):
-        c.set_events(self, UnitRuntime._pre_backward, UnitRuntime._post_backward,
-                     UnitRuntime._plain_failed, run_hooks, torch.empty_like, torch.Tensor)
+        c.set_events(self, UnitRuntime._gather_backward, UnitRuntime._backward_views,
+                     UnitRuntime._post_backward, UnitRuntime._plain_failed, run_hooks,
+                     torch.empty_like, torch.Tensor)
         self.hand_plain()
 
     def set_engine(self, c):
@@ -107,9 +108,9 @@ class UnitRuntime:
         self.hand_plain()
 
     def hand_plain(self):
-        """Which backward events take the engine unit's plain path, decided
-        here from what they depend on, whenever that changes (the root set at
-        lazy init, no_sync, a new engine unit): [Note: unit plain events]."""
+        """What the backward events do, decided here from what it depends on,
+        whenever that changes (the root set at lazy init, no_sync, a new
+        engine unit): [Note: unit plain events]."""
         c, root = self.c, self.root
         flags = 0
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
@@ -117,9 +118,10 @@ class UnitRuntime:
         elif self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             flags |= _C.UNIT_PREFETCH_POST
         lp = bool(self.groups) and self.groups[0].lp is not None
+        if (self.use_orig_params and not self.no_shard) or (self.no_shard and lp):
+            flags |= _C.UNIT_VIEWS
         if root is not None and c.comm.device is None:
-            views = (self.use_orig_params and not self.no_shard) or (self.no_shard and lp)
-            if not views and not (self.backward_prefetch is not None and root.ahead):
+            if not (self.backward_prefetch is not None and root.ahead):
                 flags |= _C.UNIT_PLAIN_PRE_BACKWARD
             if self._sync_grads and not self.use_orig_params and not self.shard_optim and \
                     not self.offload_params and not root.bucket.budget and \
@@ -272,25 +274,23 @@ class UnitRuntime:
     # ------------------------------------------------------------------
     # backward
 
-    @eager.hook
-    def _pre_backward(self, grad):
-        self.root.queue_final()
-        # a prefetched gather is waited for too; with backward prefetch on, the
-        # units before this one gather with it (RootState.unit_gather_ahead)
+    # the pre-backward's steps that need Python (its sequence: C's, [Note:
+    # unit plain events])
+
+    def _gather_backward(self):
+        """The gather with gather-ahead's units joined (the prefetch on, the
+        root's RootState.unit_gather_ahead), or on a device: the engine's
+        actions."""
         along = self.root.unit_gather_ahead(self, -1) \
             if self.backward_prefetch is not None and self.root.ahead else None
-        act = self._event(_C.EV_PRE_BACKWARD, 0, along=along)
-        if act & _C.ACT_UNSHARD:
-            if (self.use_orig_params and not self.no_shard) or \
-                    (self.no_shard and self.groups and self.groups[0].lp is not None):
-                # A checkpointed module recomputes its forward during backward:
-                # it must see the whole parameters, as in forward (views made
-                # with grad on: backward runs with it off).
-                with torch.enable_grad():
-                    self._set_unsharded_views()
-            if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                self.c.prefetch_previous()  # the unit before this one in forward
-        return None
+        return self._event(_C.EV_PRE_BACKWARD, 0, along=along)
+
+    def _backward_views(self):
+        """A checkpointed module recomputes its forward during backward: it
+        must see the whole parameters, as in forward (views made with grad
+        on: backward runs with it off)."""
+        with torch.enable_grad():
+            self._set_unsharded_views()
 
     @eager.hook
     def _post_backward(self, gi, full):
@@ -490,18 +490,19 @@ class _BucketPart:
 # hook and the root's end of backward. The forward's events and the end of
 # backward have one implementation each, in Python (the methods here; the
 # root's RootState._finish_backward in fsdp/root.py, which calls finalize).
-# The two backward hooks have two: a plain path in C, the engine unit's
-# ([Note: unit plain events] in csrc/hooks/unit_events.c), which torch's
-# calls of the _C.UnitHook objects run where hand_plain's flags allow, and
-# the methods here (_pre_backward, _post_backward), which hold the same
-# sequence again for every case and run otherwise. Each method here makes
-# one engine call (flatshard._C.Unit.event: the state machine's step and the
-# gather, reduce or free it asks for, in C) and does the torch-side work the
-# step's actions ask for (the parameter views, the gradient tensors); what
-# the backward's methods share with the plain path (the prefetch of the
-# unit before, what follows a reshard) they call in C. The cases a tree
-# may need (gather-ahead, a prefetch, a bucket, a deferred reduction, a cast,
-# no_sync) are branches on fields read in the same pass.
+# The pre-backward is one sequence in C ([Note: unit plain events] in
+# csrc/hooks/unit_events.c), which calls the steps here that need Python
+# where hand_plain's flags say (_gather_backward, _backward_views). The
+# post-backward has two: a plain path in C, which the _C.UnitHook objects
+# run where hand_plain's flags allow, and _post_backward here, which holds
+# the sequence again for every case and runs otherwise. Each method here
+# makes one engine call (flatshard._C.Unit.event: the state machine's step
+# and the gather, reduce or free it asks for, in C) and does the torch-side
+# work the step's actions ask for (the parameter views, the gradient
+# tensors); what _post_backward shares with the plain path (what follows a
+# reshard) it calls in C. The cases a tree may need (gather-ahead, a
+# prefetch, a bucket, a deferred reduction, a cast, no_sync) are branches
+# on fields read in the same pass.
 
 
 def unit_of(module):

@@ -412,8 +412,12 @@ def register_fsdp_forward_method(module, method_name):
     st = module._fsdp_state()
 
     def wrapped(self, *args, **kwargs):  # the hooks torch.compile runs eagerly
-        args, kwargs = st._pre_forward_hook(self, args, kwargs)
-        return st._post_forward_hook(self, args, orig(*args, **kwargs))
+        inputs = st.pre_forward_hook(self, args, kwargs)  # changed inputs, or None
+        if inputs is not None:
+            args, kwargs = inputs
+        out = orig(*args, **kwargs)
+        cast = st.post_forward_hook(self, args, out)  # the output, cast where mp asks
+        return out if cast is None else cast
     object.__setattr__(module, method_name, wrapped.__get__(module, type(module)))
 
 

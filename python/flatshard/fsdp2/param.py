@@ -105,11 +105,11 @@ class ParamGroup(ShardedParams, GroupGrads):
         self.count_base = {}   # collectives (and copied bytes) of engine groups replaced
         self.keep_storage = False  # set_keep_unsharded_storage ([Note: kept storage])
         self.comm_quant = None  # FSDPModule.set_comm_quant: a CommQuant, or None
-        # The state's plain events ([Note: plain events] in
+        # The state's events ([Note: event sequences] in
         # csrc/hooks/shard_events.c): its _C.Event hooks, the post-backward
         # the engine group's arrivals fall back on (the state, weakly; its
-        # post-backward; what watches), and which events may be plain
-        # (FSDPState.hand_plain): handed to every engine group made.
+        # post-backward; what watches), and whether the post-backward may be
+        # plain (FSDPState.hand_options): handed to every engine group made.
         self.events = ()
         self.post_backward = None
         self.owner = None  # the state, weakly (attach): its flags follow `ext`
@@ -316,19 +316,20 @@ class ParamGroup(ShardedParams, GroupGrads):
     @ext.setter
     def ext(self, value):
         self._ext = value
-        # The state's plain-event flags were handed for the extension
-        # parameters there were (FSDPState.hand_plain: none with one), and the
-        # plain post-forward and post-backward in C reshard without an
-        # extension's free (Extension.free): a weight given the extension
-        # after lazy init (refresh_sharded) would keep its gathered tensors.
+        # The state's events' options were handed for the extension
+        # parameters there were (FSDPState.hand_options: Python's reshard
+        # with one), and the post-forward's reshard and the plain
+        # post-backward in C free without an extension's free
+        # (Extension.free): a weight given the extension after lazy init
+        # (refresh_sharded) would keep its gathered tensors.
         st = self.owner() if self.owner is not None else None
         if st is not None:
-            st.hand_plain()
+            st.hand_options()
 
     @property
     def plain(self):
-        """Which of the state's events may take the plain path: _C.PLAIN_*
-        flags (its FSDPState.hand_plain decides)."""
+        """Whether the state's post-backward may take the plain path:
+        _C.PLAIN_POST_BACKWARD or 0 (its FSDPState.hand_options decides)."""
         return self._plain
 
     @plain.setter

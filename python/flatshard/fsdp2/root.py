@@ -88,7 +88,7 @@ def decide_plain(root):
     """Which states' events may take the C plain path at all:
     not the root, in a tree of host Comms without gather-ahead, with no
     cast ([Note: one sequence per event]); each assignment hands the
-    state's plain events (hand_plain)."""
+    state's events' options (hand_options)."""
     host = all(st.group is None or st.group.comm.device is None for st in root.states)
     tree_ok = host and not root.tree.ahead
     for st in root.states:

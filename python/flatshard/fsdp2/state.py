@@ -32,6 +32,7 @@ Under torch.compile the hook entry points (marked @eager.hook) run eagerly,
 as torch's fully_shard's do: Dynamo breaks the graph where torch's nn.Module
 code calls them and compiles the modules' own forwards (runtime/eager.py).
 """
+import functools
 import operator
 import weakref
 
@@ -85,7 +86,7 @@ class _Forward:
         st = self.state
         if self not in st.reading:
             st.reading.append(self)
-        return st._pre_backward(grad)
+        return st.pre_backward_hook(grad)
 
     def inputs_done(self):
         st = self.state
@@ -112,14 +113,14 @@ def _issued_all(groups):
 
 
 def _plain(name, doc):
-    """A flag of the state that hand_plain reads, as a property whose
+    """A flag of the state that hand_options reads, as a property whose
     setter hands the engine group its plain events anew: whoever changes it
     (FSDPModule's setters, lazy init) only assigns it."""
     field = "_" + name
 
     def set_(self, value):
         self.__dict__[field] = value
-        self.hand_plain()
+        self.hand_options()
     return property(operator.attrgetter(field), set_, doc=doc)
 
 
@@ -130,7 +131,7 @@ class FSDPState:
         self.modules = modules            # one, or the list given to fully_shard (one group)
         self.group = group                # ParamGroup, or None (no parameters of its own)
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
-        # the flags hand_plain reads (the properties below), before any is handed
+        # the flags hand_options reads (the properties below), before any is handed
         self._reshard_after_forward = reshard_after_forward
         self._reshard_after_backward = True
         self._requires_gradient_sync = True
@@ -151,6 +152,7 @@ class FSDPState:
         self.label = ""                   # " (fqn)": the suffix of this state's ranges
         self.param_fqns = None            # the group's parameters' names there (lazy init)
         self.prefetched = []              # the root's: implicitly prefetched this forward
+        self.next_state = None            # the state that ran after this one last forward
         self.watching = None              # frozen parameters: this forward's _Forward
         self.reading = []                 # ... those this backward reached, not their inputs
         self.reshard_due = False          # ... a reshard waiting for them
@@ -162,10 +164,7 @@ class FSDPState:
         self.reduction = None
         self.post_backward_pending = False
         self.handles = []
-        self.pre_backward_hook = self._pre_backward
-        pre, post = self._pre_forward_hook, self._post_forward_hook
-        if group is not None:  # [Note: plain events] in csrc/hooks/shard_events.c
-            pre, post = self._plain_events(group, pre, post)
+        pre, post = self._events(group)  # [Note: one sequence per event]
         for module in modules:
             self.handles += [
                 module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
@@ -179,7 +178,7 @@ class FSDPState:
                              m.register_load_state_dict_pre_hook(self._to_sharded_hook)]
 
     # ------------------------------------------------------------------
-    # the flags hand_plain reads ([Note: one sequence per event]): assigned,
+    # the flags hand_options reads ([Note: one sequence per event]): assigned,
     # they are handed to the engine group
 
     reshard_after_forward = _plain("reshard_after_forward", "True, False or an int; None "
@@ -349,56 +348,91 @@ class FSDPState:
         runtime/grad_hooks.py)."""
         return eager.wrap(_C.Arrival(self.group.c, i))
 
-    def _plain_events(self, group, pre, post):
-        """The hooks torch calls for this state's events: flatshard._C.Event
-        objects that take the plain path in C where it applies and call the
-        Python hooks (pre, post, _pre_backward) otherwise, and the engine
-        group's arrivals' fallback ([Note: plain events] in
-        csrc/hooks/shard_events.c). Returns the forward pre-hook and hook."""
-        group.attach(weakref.ref(self), FSDPState._post_backward, (_profiling, _depth))
-        c = group.c
-        pb = _C.Event(_C.EVENT_PRE_BACKWARD, c, self._pre_backward, self._hook_grads)
+    def _events(self, group):
+        """The hooks torch calls for this state's events, flatshard._C.Event
+        objects, whose sequences are C's ([Note: one sequence per event]),
+        calling the steps below that need Python where their options
+        (hand_options) say; the engine group's arrivals run the
+        post-backward ([Note: plain events] in csrc/hooks/shard_events.c).
+        Returns the forward pre-hook and hook."""
+        c = None if group is None else group.c
+        if group is not None:
+            group.attach(weakref.ref(self), FSDPState._post_backward, (_profiling, _depth))
+        pb = _C.Event(_C.EVENT_PRE_BACKWARD, c, hook_grads=self._hook_grads,
+                      span=functools.partial(self._span, "FSDP::pre_backward"),
+                      step=self._gather_backward, prefetch=self._prefetch_backward)
         self.pre_backward_hook = eager.wrap(pb)
-        pf = _C.Event(_C.EVENT_PRE_FORWARD, c, pre, self._hook_grads)
-        po = _C.Event(_C.EVENT_POST_FORWARD, c, post, self._hook_grads,
+        po = _C.Event(_C.EVENT_POST_FORWARD, c, hook_grads=self._hook_grads,
+                      span=functools.partial(self._span, "FSDP::post_forward"),
+                      step=self._reshard_post_forward, root_end=self._end_forward,
+                      watching=self._take_watching, cast=self._cast_output,
                       pre_backward=self.pre_backward_hook, hook_outputs=hook_before_backward,
                       grad_enabled=torch.is_grad_enabled, tensor=torch.Tensor)
-        group.events = (pf, po, pb)  # given the engine group anew when it is made again
-        return eager.wrap(pf), eager.wrap(po)
+        self.post_forward_hook = eager.wrap(po)
+        pf = _C.Event(_C.EVENT_PRE_FORWARD, c, hook_grads=self._hook_grads,
+                      span=functools.partial(self._span, "FSDP::pre_forward"),
+                      step=self._gather_forward, watching=self._watch_forward,
+                      prefetch=self._prefetch_forward, begin=self._begin_forward,
+                      opts=_C.OPT_BEGIN | _C.OPT_STEP)  # until lazy init hands them
+        self.pre_forward_hook = eager.wrap(pf)
+        if group is not None:
+            group.events = (pf, po, pb)  # given the engine group anew when it is made again
+        self.events = (pf, po, pb)
+        return self.pre_forward_hook, self.post_forward_hook
 
-    def hand_plain(self):
-        """Which of this state's events may take the plain path, handed to
-        the engine group whenever one of the flags it reads is assigned
-        (their properties, _plain: lazy init, FSDPModule's setters; [Note:
-        plain events] in csrc/hooks/shard_events.c). Each needs a lean state (not the root,
-        host Comms, no gather-ahead, no cast: root.decide_plain) without a
-        parameter that gathers itself or is tensor-parallel; the gathers
-        also a bool reshard_after_forward (no post-forward chunk) and no
-        prefetch list or async_op for their pass; the post-forward's free
-        reshard_after_forward True; the post-backward gradient sync, reshard
-        after backward and no reduction bucket. What can change within a
-        step the engine group checks at each call."""
-        g = self.group
-        if g is None:
-            return
-        root, mask = self.root, 0
-        if self.lean and not g.ext and not g.tp:
-            raf = self.reshard_after_forward
-            whole = isinstance(raf, bool)
-            if whole and not self.unshard_async_op and self.forward_prefetch is None:
-                mask |= _C.PLAIN_PRE_FORWARD
-            if raf is True:
-                mask |= _C.PLAIN_POST_FORWARD
-            if whole and not self.unshard_async_op and self.backward_prefetch is None:
-                mask |= _C.PLAIN_PRE_BACKWARD
-            if self.unshard_in_backward:
-                mask |= _C.PLAIN_GATHER_BACKWARD
-            if whole and self.requires_gradient_sync and self.reshard_after_backward and \
-                    not root.tree.bucket.budget:
-                mask |= _C.PLAIN_POST_BACKWARD
+    def hand_options(self):
+        """What each event's sequence does beyond its plain steps, handed
+        to the events whenever one of the flags it reads is assigned (their
+        properties, _plain: lazy init, FSDPModule's setters) or the group
+        gains an extension ([Note: one sequence per event]):
+          the post-forward's options (_C.OPT_*): the reshard in C, or
+            Python's (an int reshard_after_forward's chunk, an extension's
+            free); the root's end of forward; the output cast;
+          the pre-forward's and pre-backward's: the gather in C, which
+            needs a lean state (not the root, host Comms, no gather-ahead,
+            no cast: root.decide_plain) without a parameter that gathers
+            itself or is tensor-parallel, a bool reshard_after_forward, no
+            prefetch list for the pass and no async_op, else Python's; the
+            begin (lazy init, the root, the order, the input cast: not
+            lean); the prefetch (a list, a device's implicit one);
+          the post-backward's plain flag (the engine group's
+            _C.PLAIN_POST_BACKWARD): a lean state as above, gradient sync,
+            reshard after backward and no reduction bucket.
+        What can change within a step the C sequences check at each call."""
+        g, root = self.group, self.root
+        raf = self.reshard_after_forward
+        whole = isinstance(raf, bool)
+        lean = self.lean and g is not None and not g.ext and not g.tp
+        post = (_C.OPT_ROOT if self.is_root else 0) | \
+            (_C.OPT_CAST if self.mp.output_dtype is not None else 0)
+        if g is not None and raf is True:
+            post |= _C.OPT_STEP if g.ext or g.tp else _C.OPT_RESHARD
+        elif g is not None and raf is not False and raf is not None:
+            post |= _C.OPT_STEP
+        device = root is not None and root.states is not None and any(
+            st.group is not None and st.group.comm.device is not None for st in root.states)
+        gather = lean and whole and not self.unshard_async_op
+        fwd = (0 if self.lean else _C.OPT_BEGIN) | \
+            (_C.OPT_PREFETCH_OUT if self.forward_prefetch is not None or device else 0)
+        if g is not None and not (gather and self.forward_prefetch is None):
+            fwd |= _C.OPT_STEP
+        pre = 0
+        if g is not None and self.unshard_in_backward:
+            pre |= _C.OPT_GATHER
+            if not (gather and self.backward_prefetch is None):
+                pre |= _C.OPT_STEP
+        if self.backward_prefetch is not None:
+            pre |= _C.OPT_PREFETCH_OUT
+        elif device:
+            pre |= _C.OPT_PREFETCH_IN  # a device's implicit prefetch (_implicit)
+        pf, po, pb = self.events
+        pf.opts, po.opts, pb.opts = fwd, post, pre
         if root is not None and root.tree is not None:
-            g.events[2].latch = root.tree.latch
-        g.plain = mask
+            pb.latch = root.tree.latch
+        if g is not None:
+            g.plain = _C.PLAIN_POST_BACKWARD if (
+                lean and whole and self.requires_gradient_sync and
+                self.reshard_after_backward and not root.tree.bucket.budget) else 0
 
     @eager.hook
     def _to_sharded_hook(self, *args, **kwargs):
@@ -468,26 +502,24 @@ class FSDPState:
     # forward
 
     # [Note: one sequence per event] Each event has one sequence of steps,
-    # and the plain case of each is C's ([Note: plain events] in
-    # csrc/hooks/shard_events.c): torch calls the state's _C.Event and
-    # _C.Arrival hooks, which run it where it applies (what it depends on
-    # handed by hand_plain where it changes, the rest read at each call) and
-    # call the methods below otherwise: one method per event, the whole
-    # sequence, through the same engine group (ParamGroup.unshard, reshard,
-    # reduce_grads, which call flatshard._C.ShardGroup). Their steps that only
-    # some trees need are taken where they apply: lazy init and the root's
-    # start and end of forward (the root), the forward order's record,
-    # torch's profiler ranges and CommDebugMode's counts (while one watches),
-    # the casts of mixed precision, the prefetch lists, gather-ahead,
-    # async_op, a device's deferred reduction, frozen parameters' held
-    # reshard, no gradient sync.
+    # in C ([Note: event sequences] in csrc/hooks/shard_events.c): torch
+    # calls the state's _C.Event objects (_events), whose sequence takes
+    # each step where its options (handed by hand_options where what they
+    # follow changes) and the fields it reads at each call say, and calls
+    # the methods below for the steps that need Python, each one step, not
+    # the event: lazy init and the root's start and end of forward (the
+    # root), the forward order's record, torch's profiler ranges and
+    # CommDebugMode's counts (while one watches), the casts of mixed
+    # precision, the gathers with states joined (gather-ahead, a prefetch
+    # list), async_op or a device, the prefetches, frozen parameters' watch.
+    # The post-backward runs from the engine group's arrivals: its plain
+    # path in C, or _post_backward ([Note: plain events] there).
 
-    @eager.hook
-    def _pre_forward_hook(self, module, args, kwargs):
-        """The pre-forward: lazy init, the root's start of forward, the
-        order's record, the input cast, the gather (with gather-ahead or the
-        prefetch list's states joined, in torch's range), frozen parameters'
-        inputs watched, then the forward prefetch."""
+    # the pre-forward's steps that need Python (its sequence: _events)
+
+    def _begin_forward(self, args, kwargs):
+        """Lazy init, the root's start of forward, the forward order's
+        record, the input cast: (args, kwargs) cast, or None."""
         self.lazy_init()
         root = self.root or self
         if self.is_root:
@@ -498,83 +530,91 @@ class FSDPState:
                     ev.synchronize()
                 self.tree.order.begin()
                 self.prefetched = []
-        nxt = root.tree.order.record(self)
+        self.next_state = root.tree.order.record(self)
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             with observe.span("FSDP::cast_forward_inputs"):
-                args, kwargs = _cast(self.mp.param_dtype, (args, kwargs))
+                return _cast(self.mp.param_dtype, (args, kwargs))
+        return None
+
+    def _gather_forward(self):
+        """The gather with gather-ahead's or the prefetch list's states
+        joined (their groups' all-gather one), or as async_op."""
+        root = self.root or self
         along = self.forward_prefetch
         if along is None:  # none set: on a host Comm, the next states' gathers join
             along = root.gather_ahead(self, 1)
             if along:
                 root.prefetched += along  # resharded after forward if they did not run
-        with self._span("FSDP::pre_forward"):
-            self._unshard_and_wait(along)
-        g = self.group
-        self.watching = None
-        if g is not None and g.c.trainable < len(g.sharded) and torch.is_grad_enabled():
-            args, kwargs = self._watch_inputs(args, kwargs)
-        self._prefetch_forward(nxt)
-        return args, kwargs
+        self._unshard_and_wait(along)
 
-    def _prefetch_forward(self, nxt):
+    def _watch_forward(self, args, kwargs):
+        """Frozen parameters: this forward's inputs watched ([Note: frozen
+        parameters]); (args, kwargs) to use, or None."""
+        self.watching = None
+        if not torch.is_grad_enabled():
+            return None
+        return self._watch_inputs(args, kwargs)
+
+    def _prefetch_forward(self):
         """The user's forward prefetch list, or on a device the implicit one."""
         if self.forward_prefetch is not None:
             self._prefetch(self.forward_prefetch, "forward")
-        elif nxt is not None:
-            states = self._implicit(nxt)
+        elif self.next_state is not None:
+            states = self._implicit(self.next_state)
             if states:
                 root = self.root or self
                 root.prefetched += [st for st in states if not st.group.is_unsharded]
                 self._prefetch(states, "forward")
 
-    @eager.hook
-    def _post_forward_hook(self, module, args, output):
-        """The post-forward: the reshard reshard_after_forward asks for (as
-        torch: also with grad off), the root's end of forward, the outputs'
-        pre-backward hook, the output cast."""
-        grad = torch.is_grad_enabled()
+    # the post-forward's steps that need Python (its sequence: _events)
+
+    def _reshard_post_forward(self):
+        """An int reshard_after_forward's chunk kept, or (an extension's free
+        with it) the whole reshard."""
         raf = self.reshard_after_forward
-        with self._span("FSDP::post_forward"):
-            if isinstance(raf, int) and not isinstance(raf, bool):
-                if self.group is not None:
-                    self.group.reshard_to_post_forward()
-            elif raf:
-                self.reshard()
-        if self.is_root:  # the forward is over: keep its order; drop unused prefetches
-            self.tree.order.end()
-            for st in self.prefetched:
-                if not self.tree.order.ran(st) and st.reshard_after_forward is not False:
-                    st.reshard()
-            self.prefetched = []
-        if grad:
-            fwd, self.watching = self.watching, None
-            hook_before_backward(output, self.pre_backward_hook if fwd is None else fwd)
-        if self.mp.output_dtype is None:
-            return output
+        if isinstance(raf, int) and not isinstance(raf, bool):
+            self.group.reshard_to_post_forward()
+        else:
+            self.reshard()
+
+    def _end_forward(self):
+        """The root's end of forward: keep the forward's order; reshard the
+        prefetched states that did not run."""
+        self.tree.order.end()
+        for st in self.prefetched:
+            if not self.tree.order.ran(st) and st.reshard_after_forward is not False:
+                st.reshard()
+        self.prefetched = []
+
+    def _take_watching(self):
+        """Frozen parameters: this forward's _Forward (the outputs'
+        pre-backward hook), or None where none watched the inputs."""
+        fwd, self.watching = self.watching, None
+        return fwd
+
+    def _cast_output(self, output):
         with observe.span("FSDP::cast_forward_outputs"):
             return _cast(self.mp.output_dtype, output)
 
     # ------------------------------------------------------------------
     # backward
 
-    @eager.hook
-    def _pre_backward(self, grad):
-        """The pre-backward: the end of backward queued (once per backward),
-        the gather in torch's range (gather-ahead or the prefetch list's
-        states joined), a device's implicit prefetch, the prefetch list."""
+    # the pre-backward's steps that need Python (its sequence: _events)
+
+    def _gather_backward(self):
+        """The gather again, with gather-ahead or the prefetch list's states
+        joined, or as async_op."""
+        along = self.backward_prefetch
         root = self.root or self
-        tree = root.tree
-        if not tree.final_queued:  # (once per backward: no call after the first)
-            tree.queue_final()
-        with self._span("FSDP::pre_backward"):
-            if self.unshard_in_backward:
-                along = self.backward_prefetch
-                self._unshard_and_wait(root.gather_ahead(self, -1) if along is None else along)
-            if self.backward_prefetch is None:  # torch's default prefetch is in the range
-                self._prefetch(self._implicit(tree.order.previous(self)), "backward")
+        self._unshard_and_wait(root.gather_ahead(self, -1) if along is None else along)
+
+    def _prefetch_backward(self):
+        """The user's backward prefetch list, or a device's implicit one."""
         if self.backward_prefetch is not None:
             self._prefetch(self.backward_prefetch, "backward")
-        return None
+        else:
+            root = self.root or self
+            self._prefetch(self._implicit(root.tree.order.previous(self)), "backward")
 
     # [Note: frozen parameters] A group's post-backward runs when its trainable
     # parameters' gradients have arrived. A frozen parameter used before a

@@ -46,13 +46,6 @@ def hook_before_backward(tree, hook):
     tensor where it has none (a leaf). The same moment as a tensor hook: the
     node runs once all its outputs' gradients have arrived; fewer Python
     steps (Tensor.register_hook makes the tensor's hook dict first)."""
-    if type(tree) is torch.Tensor:  # the common case: one plain output
-        node = tree.grad_fn
-        if node is not None:
-            node.register_prehook(hook)
-        elif tree.requires_grad:
-            tree.register_hook(hook)
-        return
     nodes = []
     for t in grad_tensors(tree):
         node = t.grad_fn
