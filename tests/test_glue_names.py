@@ -37,6 +37,8 @@ ALLOWED = {
     "grad_fn": "torch.Tensor.grad_fn (a module output's node, for the pre-backward hook)",
     "register_prehook": "torch.autograd.graph.Node.register_prehook",
     "register_hook": "torch.Tensor.register_hook",
+    "__enter__": "the context manager protocol (an event's profiler range, as `with` enters it)",
+    "__exit__": "the context manager protocol (an event's profiler range, as `with` leaves it)",
 }
 
 # Keys that are values Python handed the C object, not names C chose: the
