@@ -12,6 +12,7 @@ file lost from it is named instead of DCP's CheckpointException (a
 BaseException). consolidate checks the manifest too."""
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 import flatshard
 from flatshard import FSDP, StateDictType, fully_shard
 from flatshard.state import manifest
+from test_diagnostics import documented
 
 TIMEOUT = 240
 
@@ -182,6 +184,12 @@ def test_damaged_checkpoints_are_named_and_never_loaded(dist_pool, tmp_path, api
         assert text in message and "Load another checkpoint" in message, (damage, message)
         assert untouched, damage  # shards as before, the optimizer still fresh
     assert "expected " + files["__1_0.distcp"]["crc32c"] in out["flip_data"][0][1]
+    if api == "fsdp1":  # docs/troubleshooting.md shows it, with its own path and CRCs
+        def normal(text, ckpt):
+            return re.sub(r"CRC-32C is \w{8}, expected \w{8}", "CRC-32C is C, expected E",
+                          text.replace(ckpt, "/ckpt/run/ckpt-000001")).strip()
+        assert normal(documented("checkpoint-damaged"), "/ckpt/run/ckpt-000001") == \
+            normal("CheckpointDamaged: " + out["flip_data"][0][1], copies["flip_data"])
 
     assert extra == {"step": 1}  # the undamaged checkpoint: bit-equal
     assert loaded.keys() == saved.keys()

@@ -154,7 +154,7 @@ def check(ckpt, rank=0, world_size=1):
             warnings.warn(f"flatshard: checkpoint {os.fspath(ckpt)!r} has no {MANIFEST} (it was "
                           "written before flatshard checked checkpoints, or by plain "
                           "torch.distributed.checkpoint): its files cannot be verified; a "
-                          "damaged file may load without a word", stacklevel=3)
+                          "damaged file may load without a word", stacklevel=4)
         return metadata, []
     if safe_load.METADATA not in files:
         return None, [_problem(safe_load.METADATA, _RANK0, f"it is not in {MANIFEST}")]
