@@ -68,7 +68,7 @@ def worker(rank, port, args, out):
                             timeout=datetime.timedelta(seconds=300))
     import flatshard
     import flatshard.fsdp.checkpoint as ck
-    verified = ck._verified
+    verified = ck.verified
     try:
         box = [tempfile.mkdtemp() if rank == 0 else None]
         dist.broadcast_object_list(box)
@@ -80,7 +80,7 @@ def worker(rank, port, args, out):
         del model, opt
 
         def load(check):
-            ck._verified = verified if check else (lambda ckpt, group: None)
+            ck.verified = verified if check else (lambda ckpt, group: None)
             model, opt = build(args.d_model)
             return timed(lambda: flatshard.load_checkpoint(ckpt, model, opt))
 
@@ -98,7 +98,7 @@ def worker(rank, port, args, out):
         if rank == 0:
             shutil.rmtree(box[0])
     finally:
-        ck._verified = verified
+        ck.verified = verified
         dist.destroy_process_group()
 
 

@@ -102,7 +102,8 @@ class CheckpointDamaged(ConfigError):
     or grown, its bytes changed (its CRC-32C differs from the manifest's), a
     file the metadata names that the manifest lacks, the manifest missing or
     malformed, or torch.distributed.checkpoint failing to read a file. Names
-    the checkpoint, each file, which rank's part it is and what is wrong;
-    raised on every rank before anything of the checkpoint is loaded (a
-    failure inside torch's read: the model may hold part of it). An
-    Exception, unlike DCP's CheckpointException."""
+    the checkpoint, each file, which rank's part it is and what is wrong.
+    Found by the manifest check, it is raised on every rank before anything
+    is loaded; a failure of torch's own read later (a file changed after the
+    check, or no manifest to check by) may leave part of the checkpoint in
+    the model. An Exception, unlike DCP's CheckpointException."""

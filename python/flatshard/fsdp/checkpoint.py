@@ -5,9 +5,9 @@ Layout of a checkpoint directory `path`:
   path/LATEST              name of the newest complete checkpoint, replaced
                            atomically (write, fsync, rename) as a save's last step
   path/ckpt-000007/        one DCP checkpoint: "model.<name>", "optim.state.<name>.<state>",
-                           "optim.param_groups...", "extra.<key>"
-                           and "manifest.json" (every file's size, CRC-32C
-                           and writer: [Note: checkpoint manifest])
+                           "optim.param_groups...", "extra.<key>", "flatshard.manifest";
+                           and manifest.json: every file's size, CRC-32C and writing
+                           rank ([Note: checkpoint manifest] in state/manifest.py)
   path/.tmp-ckpt-000008/   a save in progress, or one killed midway: never
                            read, removed by the next save
 A save writes into the temporary directory, renames it once DCP has written
@@ -16,27 +16,24 @@ LATEST at it, and only then removes older checkpoints: a crash or kill at
 any moment leaves LATEST naming a complete checkpoint. Model entries are
 SHARDED_STATE_DICT DTensors (the FSDP1 wrapper's; fully_shard's state dict
 as it is), so DCP reshards them for whatever world size loads them. Loading
-checks every file against the manifest first, and trusts none of them: see
-[Note: untrusted files] in safe_load.py.
+checks every file against the manifest first (checkpoint_check.py), and
+trusts none of them: see [Note: untrusted files] in safe_load.py.
 """
 import contextlib
-import datetime
-import json
 import os
 import shutil
-import time
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..errors import CheckpointDamaged, UnsafeFileError, bad_type, bad_value
+from ..errors import bad_type, bad_value
 from ..options import StateDictType
-from ..runtime.timeout import wait_timeout
 from ..state import manifest
 from ..state.checkpoint_dir import LATEST, PREFIX, TMP, latest_checkpoint
 from ..state.safe_load import METADATA, dcp_load, is_plain, reader
+from .checkpoint_check import verified
 from .optim_state import optim_state_dict, optim_state_dict_to_load
 from .state_dict import mismatch_error, state_dict_type, units_of
 from .unit import fsdp_units
@@ -229,7 +226,7 @@ def load_checkpoint(path, model, optimizer=None):
     safe_load.py): what a checkpoint may not hold raises UnsafeFileError."""
     ckpt = latest_checkpoint(path)
     group = _group(model)
-    storage = reader(ckpt, _verified(ckpt, group))
+    storage = reader(ckpt, verified(ckpt, group))
     saved = storage.read_metadata().state_dict_metadata
     fresh = optimizer is not None and not optimizer.state
     if fresh:
@@ -247,59 +244,6 @@ def load_checkpoint(path, model, optimizer=None):
             optimizer.state.clear()  # as it was: a made-up first step would change training
         raise
     return state.get("extra", {})
-
-
-_ROUNDS = {}  # group name -> checkpoint checks so far on this rank
-
-
-def _verified(ckpt, group):
-    """This rank's share of the manifest check, and every other rank's
-    findings through the group's store (a wait bounded by wait_timeout):
-    -> the DCP Metadata, or the same error raised on every rank."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    try:
-        metadata, problems = manifest.check(ckpt, rank, world)
-        post = {"problems": problems}
-    except Exception as e:  # e.g. UnsafeFileError: the other ranks must learn it
-        metadata, post = None, {"error": [type(e).__name__, str(e)]}
-    posts = _exchange(group, ckpt, post) if world > 1 else [post]
-    for r, p in enumerate(posts):
-        if "error" in p:
-            kind = {"UnsafeFileError": UnsafeFileError}.get(p["error"][0], CheckpointDamaged)
-            text = p["error"][1] if r == rank else f"(on rank {r}) {p['error'][1]}"
-            raise kind(text if text.startswith("flatshard") else f"flatshard: {text}")
-    problems = [q for p in posts for q in p["problems"]]
-    if problems:
-        raise manifest.damaged(ckpt, list({json.dumps(q, sort_keys=True): q
-                                           for q in problems}.values()))
-    return metadata
-
-
-def _exchange(group, ckpt, post):
-    """Every rank's `post` (plain data), in rank order."""
-    from torch.distributed import distributed_c10d as c10d
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    n = _ROUNDS[group.group_name] = _ROUNDS.get(group.group_name, 0) + 1
-    store = c10d._get_process_group_store(group)
-    keys = [f"flatshard/checkpoint-check/{n}/{r}" for r in range(world)]
-    store.set(keys[rank], json.dumps(post))
-    seconds, source = wait_timeout(group)
-    try:
-        store.wait(keys, datetime.timedelta(seconds=seconds))
-    except Exception:  # the store's timeout error type varies with the store
-        missing = [r for r in range(world) if not store.check([keys[r]])]
-        raise TimeoutError(f"flatshard: rank(s) {missing} did not check checkpoint {ckpt!r} "
-                           f"within {seconds:g} s ({source}) while rank {rank} did: every rank "
-                           "calls load_checkpoint; a rank that failed before it shows this way "
-                           "(see its own error)") from None
-    posts = [json.loads(store.get(k)) for k in keys]
-    store.add(f"flatshard/checkpoint-check/{n}/read", 1)
-    if any(p != {"problems": []} for p in posts):  # every rank raises: the store may go with
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=min(10.0, seconds))
-        while store.add(f"flatshard/checkpoint-check/{n}/read", 0) < world and \
-                datetime.datetime.now() < deadline:  # rank 0's process; let all read first
-            time.sleep(0.005)
-    return posts
 
 
 def _template(model, optimizer, saved):
