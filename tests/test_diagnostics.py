@@ -74,6 +74,7 @@ GUIDE_ENTRIES = {
     "gloo-timeout": "test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout",
     "nccl-watchdog": "test_cuda_emulated_path.py",
     "out-of-memory": "test_oom.py",
+    "checkpoint-damaged": "test_checkpoint_damage.py",
 }
 
 

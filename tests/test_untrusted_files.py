@@ -7,6 +7,7 @@ absolute path or a symbolic link, is never read, adopted or deleted. Each is
 refused with UnsafeFileError naming the file or key and why, by
 load_checkpoint, consolidate (and its command line) and load_state_dict."""
 import copy
+import json
 import os
 import pickle
 import re
@@ -24,6 +25,7 @@ import flatshard.optim as fo
 from flatshard import FSDP, StateDictType
 from flatshard.__main__ import main
 from flatshard.errors import UnsafeFileError
+from flatshard.state import manifest
 from parity import policy
 from toy_models import build
 
@@ -144,7 +146,12 @@ def _refused_at_save(path, marker):
 def test_metadata_payload_never_runs_in_load_checkpoint(dist_pool, tmp_path):
     path, marker = str(tmp_path / "run"), tmp_path / "ran"
     dist_pool(2).run(_save, path)
-    _edit_metadata(flatshard.latest_checkpoint(path), _add_payload(marker))
+    ckpt = flatshard.latest_checkpoint(path)
+    _edit_metadata(ckpt, _add_payload(marker))
+    # whoever can write the files can write the manifest too: its CRCs find damage, not intent
+    files = json.load(open(os.path.join(ckpt, manifest.MANIFEST)))["files"]
+    files.update(manifest.records(ckpt, [".metadata"], 0))
+    manifest.write(ckpt, files, 2)
     for got in dist_pool(2).run(_load, path):
         assert not marker.exists()
         assert re.search(r"ckpt-000001/\.metadata is not loaded: it refers to " + OPEN, got), got

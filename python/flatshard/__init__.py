@@ -41,12 +41,13 @@ __all__ = [
 
 # State dicts and checkpoints (fsdp/state_dict.py, fsdp/checkpoint.py).
 from .fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from .errors import MetaDeviceError, StateDictError, UnsafeFileError  # noqa: E402
+from .errors import CheckpointDamaged, MetaDeviceError, StateDictError, UnsafeFileError  # noqa: E402
 from .options import (FullOptimStateDictConfig, LocalOptimStateDictConfig,  # noqa: E402
                       OptimStateDictConfig, ShardedOptimStateDictConfig)
 from .fsdp.state_dict import StateDictSettings  # noqa: E402
 
-__all__ += ["MetaDeviceError", "StateDictError", "UnsafeFileError", "StateDictSettings", "OptimStateDictConfig",
+__all__ += ["MetaDeviceError", "StateDictError", "UnsafeFileError", "CheckpointDamaged",
+            "StateDictSettings", "OptimStateDictConfig",
             "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig",
             "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 

@@ -3,7 +3,7 @@ value given, what is allowed and, where there is one, the fix."""
 from ._C import CoreError, StateError
 
 __all__ = ["ConfigError", "ConfigTypeError", "CoreError", "StateError", "NotBuiltError",
-           "StateDictError", "UnsafeFileError", "MetaDeviceError"]
+           "StateDictError", "UnsafeFileError", "CheckpointDamaged", "MetaDeviceError"]
 
 
 class ConfigError(ValueError):
@@ -95,3 +95,15 @@ class UnsafeFileError(ConfigError):
     load from a file someone else may have written: a pickled object other
     than plain data, or a name that leads out of its directory. Names the
     file or key and why; nothing in it was run or read."""
+
+
+class CheckpointDamaged(ConfigError):
+    """A checkpoint's files are not what was saved: a file missing, truncated
+    or grown, its bytes changed (its CRC-32C differs from the manifest's), a
+    file the metadata names that the manifest lacks, the manifest missing or
+    malformed, or torch.distributed.checkpoint failing to read a file. Names
+    the checkpoint, each file, which rank's part it is and what is wrong.
+    Found by the manifest check, it is raised on every rank before anything
+    is loaded; a failure of torch's own read later (a file changed after the
+    check, or no manifest to check by) may leave part of the checkpoint in
+    the model. An Exception, unlike DCP's CheckpointException."""

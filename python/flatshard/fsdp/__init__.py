@@ -8,7 +8,9 @@ unit.py, zero1.py), the process groups a unit runs over (groups.py), and
 what works on a wrapped model's units: summon_full_params (summon.py),
 clip_grad_norm_ (clip.py), the out-of-memory report (oom.py), state dicts
 with torch's three types (state_dict.py), optimizer state keyed by parameter
-name (optim_state.py) and atomic sharded checkpoints (checkpoint.py).
+name (optim_state.py) and atomic sharded checkpoints (checkpoint.py, also
+of fully_shard models; the ranks' check of one before a load:
+checkpoint_check.py).
 
 Imports: the leaves (errors, options, tensors, envvars), runtime/ and state/
 (the checkpoint directory and the rules for reading files). Nothing here

@@ -4,8 +4,9 @@ process group and no GPU (`python -m flatshard consolidate in_dir out_path`).
 What is read: what flatshard.save_checkpoint writes (the directory holding
 LATEST, or one checkpoint in it), or any torch.distributed.checkpoint (DCP)
 directory of a state dict, saved as {"model": state_dict, ...} or as the
-state dict itself; nothing in it is trusted ([Note: untrusted files] in
-safe_load.py). What is written: the model's tensors only, under the plain
+state dict itself; every file is checked against its manifest first
+([Note: checkpoint manifest] in manifest.py), and nothing in it is trusted
+([Note: untrusted files] in safe_load.py). What is written: the model's tensors only, under the plain
 model's keys, as torch.save writes them (.pt) or as safetensors.
 
 Streaming: DCP's metadata gives every entry's shape and dtype, so the output's
@@ -26,7 +27,7 @@ import warnings
 import torch
 
 from ..errors import bad_value
-from . import safe_load
+from . import manifest, safe_load
 from .checkpoint_dir import latest_checkpoint
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
@@ -57,7 +58,8 @@ def consolidate(in_dir, out_path, fmt=None, overwrite=False):
     if not os.path.isdir(os.path.dirname(os.path.abspath(out_path))):
         raise FileNotFoundError(f"flatshard: out_path={out_path!r}: its directory does not "
                                 "exist")
-    reader = safe_load.reader(ckpt)  # reads .metadata once, not once per tensor
+    # every file checked against the manifest first; .metadata read once, not once per tensor
+    reader = safe_load.reader(ckpt, manifest.verify(ckpt))
     entries = _model_entries(in_dir, reader.read_metadata())
     write = _write_safetensors if fmt == "safetensors" else _write_pt
     _write_atomically(out_path, lambda f: write(f, entries, reader))

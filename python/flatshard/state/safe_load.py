@@ -24,7 +24,7 @@ import pickle
 
 import torch
 
-from ..errors import UnsafeFileError
+from ..errors import CheckpointDamaged, UnsafeFileError
 
 METADATA = ".metadata"
 
@@ -145,12 +145,13 @@ def is_plain(obj):
     return True
 
 
-def reader(ckpt):
+def reader(ckpt, metadata=None):
     """A DCP FileSystemReader of `ckpt` whose metadata is read_metadata's,
-    read once here (not once per dcp.load)."""
+    read once (here, or by the caller who passes it), not once per dcp.load."""
     from torch.distributed.checkpoint import FileSystemReader  # importing costs a second
     from torch.distributed.checkpoint.metadata import StorageMeta
-    metadata = read_metadata(ckpt)
+    if metadata is None:
+        metadata = read_metadata(ckpt)
     out = FileSystemReader(ckpt)
     if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
         metadata.storage_meta = StorageMeta()
@@ -163,7 +164,9 @@ def dcp_load(state, storage_reader, flatten_state_dict=True, **kwargs):
     """dcp.load(state, storage_reader, **kwargs), but a pickled entry is
     loaded with load_plain (DCP's planner unpickles it with weights_only=False),
     and a refused one raises its UnsafeFileError rather than DCP's
-    CheckpointException around it."""
+    CheckpointException around it; any other failure DCP reports raises
+    CheckpointDamaged naming the ranks and files (CheckpointException is a
+    BaseException, which `except Exception` would miss)."""
     import torch.distributed.checkpoint as dcp  # importing costs a second
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException
@@ -185,8 +188,23 @@ def dcp_load(state, storage_reader, flatten_state_dict=True, **kwargs):
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeFileError)]
         if refused:
             raise refused[0] from e
-        raise
+        raise _read_failed(storage_reader.path, e) from e
     finally:
         # load_bytes refers to the planner, which holds `state`: left in place, the
         # cycle would keep each loaded tensor alive until a garbage collection.
         del planner.load_bytes
+
+
+def _read_failed(ckpt, e):
+    """DCP's CheckpointException `e` of a load from `ckpt` as CheckpointDamaged:
+    each failed rank, its exception and the file it names."""
+    parts = []
+    for rank, (exc, _) in sorted(e.failures.items()):
+        name = getattr(exc, "filename", None)
+        where = f" reading {name}" if name else ""
+        parts.append(f"rank {rank}{where}: {type(exc).__name__}: {exc}")
+    return CheckpointDamaged(
+        f"flatshard: torch.distributed.checkpoint failed to read checkpoint "
+        f"{os.fspath(ckpt)!r}: {'; '.join(parts)}. Its files changed after they were checked, "
+        "or it has no manifest.json to check them by; the model may hold part of it: load "
+        "another checkpoint (an older copy of it, or one saved again from a healthy run)")
