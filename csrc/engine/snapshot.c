@@ -277,11 +277,12 @@ static fs_status place(fs_snapshot *s, int i, uint64_t need, int64_t budget, cha
     uint64_t total = end > other_end ? end : other_end;
     if (total < s->map_bytes)
         total = s->map_bytes;
-    if (budget > 0 && total > (uint64_t)budget) {
-        snprintf(err, cap, "the snapshot segment would hold %llu bytes (this step's parts: "
-                 "%llu bytes, the other slot's region: %llu bytes), over the budget of %lld "
-                 "bytes", (unsigned long long)total, (unsigned long long)need,
-                 (unsigned long long)o->capacity, (long long)budget);
+    /* the other slot takes as much at its next write */
+    uint64_t projected = total + (o->capacity < need ? need : 0);
+    if (budget > 0 && projected > (uint64_t)budget) {
+        snprintf(err, cap, "the snapshot segment would hold %llu bytes (two slots of this "
+                 "step's %llu bytes), over the budget of %lld bytes",
+                 (unsigned long long)projected, (unsigned long long)need, (long long)budget);
         return FS_ERR_INVALID_ARG;
     }
     if (total > s->map_bytes) {
@@ -350,6 +351,12 @@ fs_status fs_snapshot_write(fs_snapshot *s, int64_t step, const fs_snap_part *pa
     pthread_cond_signal(&s->work);
     pthread_mutex_unlock(&s->mu);
     return FS_OK;
+}
+
+void fs_snapshot_drop(fs_snapshot *s, int slot, void *(*unlock)(void), void (*lock)(void *))
+{
+    fs_snapshot_wait(s, unlock, lock);
+    __atomic_store_n(&hdr(s)->slot[slot].complete, 0u, __ATOMIC_SEQ_CST);
 }
 
 /* ---------------------------------------------------------------------------

@@ -79,6 +79,10 @@ void fs_snapshot_wait(fs_snapshot *s, void *(*unlock)(void), void (*lock)(void *
 /* 1 while a copy is in flight. */
 int fs_snapshot_busy(fs_snapshot *s);
 
+/* Slot `slot` no longer trusted (its complete mark cleared): a step the
+ * ranks did not all commit, to be computed again. Waits for a copy in flight. */
+void fs_snapshot_drop(fs_snapshot *s, int slot, void *(*unlock)(void), void (*lock)(void *));
+
 void fs_snapshot_slot_info(const fs_snapshot *s, int slot, fs_snap_slot_info *out);
 /* Bytes of the segment (header and both slots). */
 int64_t fs_snapshot_segment_bytes(const fs_snapshot *s);

@@ -138,6 +138,17 @@ static PyObject *Snap_busy(SnapObject *self, PyObject *noargs)
     return PyBool_FromLong(fs_snapshot_busy(self->s));
 }
 
+PyDoc_STRVAR(drop_doc, "drop(slot)\nThe slot no longer trusted (a step to compute again).");
+static PyObject *Snap_drop(SnapObject *self, PyObject *args)
+{
+    int slot;
+    if (!PyArg_ParseTuple(args, "i:drop", &slot) || check_open(self, "drop") < 0 ||
+        check_slot(slot, "drop") < 0)
+        return NULL;
+    fs_snapshot_drop(self->s, slot, snap_unlock, snap_lock);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(slots_doc, "slots() -> [(complete, step, nparts, capacity_bytes)] * 2");
 static PyObject *Snap_slots(SnapObject *self, PyObject *noargs)
 {
@@ -234,6 +245,7 @@ static PyMethodDef Snap_methods[] = {
     {"write", (PyCFunction)(void (*)(void))Snap_write, METH_VARARGS | METH_KEYWORDS, write_doc},
     {"wait", (PyCFunction)Snap_wait, METH_NOARGS, wait_doc},
     {"busy", (PyCFunction)Snap_busy, METH_NOARGS, busy_doc},
+    {"drop", (PyCFunction)Snap_drop, METH_VARARGS, drop_doc},
     {"slots", (PyCFunction)Snap_slots, METH_NOARGS, slots_doc},
     {"segment_bytes", (PyCFunction)Snap_segment_bytes, METH_NOARGS, segment_bytes_doc},
     {"verify", (PyCFunction)Snap_verify, METH_VARARGS, verify_doc},
