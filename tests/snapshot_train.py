@@ -4,9 +4,12 @@ flatshard.Snapshots restoring and committing. In the first run only
 (TORCHELASTIC_RESTART_COUNT 0), rank --kill-rank kills itself with SIGKILL
 at --kill POINT:STEP (forward, backward or optim: inside optimizer.step);
 the library's own points (the copy, the commit) are FLATSHARD_SNAPSHOT_FAULT.
-At the end every rank saves its parameter shards and optimizer state.
+With --reference, each rank first trains the same model without snapshots (a
+run that never failed) and at the end writes whether the two ended with the
+same bits.
 """
 import argparse
+import json
 import os
 import signal
 
@@ -15,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flatshard
+import flatshard.snapshots
 
 
 class Block(nn.Module):
@@ -80,50 +84,84 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--kill", default=None, help="forward|backward|optim:STEP")
     ap.add_argument("--kill-rank", type=int, default=1)
+    ap.add_argument("--kill2", default=None, help="the same, in the second run")
+    ap.add_argument("--lose-segment", action="store_true",
+                    help="the killed rank removes its segment first (its host's memory lost)")
+    ap.add_argument("--job", default=None)
+    ap.add_argument("--every", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--reference", action="store_true",
+                    help="train the same model without snapshots first, and write whether the "
+                         "two end bit-equal to OUT.rankR.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    point, at = (args.kill.split(":") if args.kill else (None, "-1"))
-    die = first_run and rank == args.kill_rank
+    run = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kill = {0: args.kill, 1: args.kill2}.get(run)
+    point, at = (kill.split(":") if kill else (None, "-1"))
+    die = rank == args.kill_rank
 
-    def maybe_die(where, step):
+    def maybe_die(where, step, snaps):
         if die and where == point and step == int(at):
+            if args.lose_segment:
+                flatshard.snapshots.remove_segments(snaps.job)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    model = wrap(build(), args.api, args.strategy, world)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
-    sampler = Sampler(rank)
-    snaps = flatshard.Snapshots(model, opt, stateful={"sampler": sampler, "sched": sched})
-    start = snaps.restore()
-    print(f"rank {rank} run {os.environ.get('TORCHELASTIC_RESTART_COUNT')} starts at step "
-          f"{start}", flush=True)
-    step_box = [0]
-    opt.register_step_pre_hook(lambda *a: maybe_die("optim", step_box[0]))
-    for step in range(start, args.steps):
-        step_box[0] = step
-        x, y = sampler.batch()
-        x = x + 0.01 * torch.randn(x.shape)  # the global generator, restored too
-        maybe_die("forward", step)
-        loss = ((model(x) - y) ** 2).mean()
-        maybe_die("backward", step)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        snaps.commit(step)
-        print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
-    snaps.close()
-    from flatshard.snapshots.record import local
-    state = {"params": {n: local(p).detach().clone() for n, p in model.named_parameters()},
-             "optim": {i: {k: (local(v).clone() if torch.is_tensor(v) else v)
-                           for k, v in opt.state[p].items()}
-                       for i, p in enumerate(model.parameters())},
-             "lr": opt.param_groups[0]["lr"], "drawn": sampler.drawn}
-    torch.save(state, f"{args.out}.rank{rank}")
+    def train(snaps_on):
+        model = wrap(build(), args.api, args.strategy, world)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        sampler = Sampler(rank)
+        torch.manual_seed(1000 + rank)
+        start, snaps = 0, None
+        if snaps_on:
+            snaps = flatshard.Snapshots(model, opt, stateful={"sampler": sampler, "sched": sched},
+                                        job=args.job, every=args.every,
+                                        checkpoint_dir=args.out + ".ckpt")
+            start = snaps.restore()
+            print(f"rank {rank} run {run} starts at step {start}", flush=True)
+            step_box = [0]
+            opt.register_step_pre_hook(lambda *a: maybe_die("optim", step_box[0], snaps))
+        for step in range(start, args.steps):
+            if snaps_on:
+                step_box[0] = step
+            x, y = sampler.batch()
+            x = x + 0.01 * torch.randn(x.shape)  # the global generator, restored too
+            if snaps_on:
+                maybe_die("forward", step, snaps)
+            loss = ((model(x) - y) ** 2).mean()
+            if snaps_on:
+                maybe_die("backward", step, snaps)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            if snaps_on:
+                snaps.commit(step)
+                print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+        if snaps_on:
+            snaps.close()
+        from flatshard.snapshots.record import local
+        return {"params": {n: local(p).detach().clone() for n, p in model.named_parameters()},
+                "optim": [{k: (local(v).clone() if torch.is_tensor(v) else v)
+                           for k, v in opt.state[p].items()} for p in model.parameters()],
+                "lr": opt.param_groups[0]["lr"], "drawn": sampler.drawn}, start
+
+    # The reference: the same training in this process, never failed.
+    want, _ = train(False) if args.reference else (None, None)
+    got, start = train(True)
+    if want is not None:
+        same = {"params": all(torch.equal(want["params"][k], got["params"][k])
+                              for k in want["params"]) and list(want["params"]) == list(got["params"]),
+                "optim": len(want["optim"]) == len(got["optim"]) and all(
+                    a.keys() == b.keys() and all(
+                        torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                        for k in a) for a, b in zip(want["optim"], got["optim"])),
+                "lr": want["lr"] == got["lr"], "drawn": want["drawn"] == got["drawn"],
+                "start": start, "state_steps": sorted({int(o["step"]) for o in got["optim"]})}
+        with open(f"{args.out}.rank{rank}.json", "w") as f:
+            json.dump(same, f)
     dist.destroy_process_group()
 
 
