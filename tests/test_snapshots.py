@@ -257,3 +257,22 @@ def test_bad_arguments_are_named():
         flatshard.Snapshots(model, opt, [3])
     with pytest.raises(flatshard.ConfigError, match="budget=-1"):
         flatshard.Snapshots(model, opt, budget=-1)
+
+
+@pytest.mark.deadline(900)
+def test_example_resumes_with_the_same_losses(tmp_path):
+    def run(*args):
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "2", "--max-restarts", "1",
+                               os.path.join(ROOT, "examples", "train_resilient.py"),
+                               "--steps", "6", "--seq", "16", "--batch", "2"] + list(args),
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        return proc.stdout
+    import re
+    clean, killed = run(), run("--kill-at", "3")
+    assert "run 1, starting at step 3" in killed
+    losses = [dict(re.findall(r"step +(\d+)  loss (\d+\.\d+)", out)) for out in (clean, killed)]
+    assert sorted(losses[0]) == [str(i) for i in range(6)]
+    assert losses[0] == losses[1]  # steps 0-2 from the first run, 3-5 after the restart
