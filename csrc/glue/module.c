@@ -40,6 +40,7 @@ int fs_kernels_add(PyObject *module);  /* py_kernels.c */
 int fs_quant_add(PyObject *module);    /* py_quant.c */
 int fs_offload_pipe_type_add(PyObject *module); /* py_offload_pipe.c */
 int fs_eager_type_add(PyObject *module); /* py_eager.c */
+int fs_snapshot_type_add(PyObject *module); /* py_snapshot.c */
 
 static int module_exec(PyObject *m)
 {
@@ -59,7 +60,8 @@ static int module_exec(PyObject *m)
         fs_event_type_add(m, st) < 0 || fs_unit_hook_type_add(m, st) < 0 ||
         fs_bucket_type_add(m, st) < 0 || fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
         fs_kernels_add(m) < 0 || fs_quant_add(m) < 0 ||
-        fs_offload_pipe_type_add(m) < 0 || fs_eager_type_add(m) < 0 || add_constants(m) < 0)
+        fs_offload_pipe_type_add(m) < 0 || fs_eager_type_add(m) < 0 || fs_snapshot_type_add(m) < 0 ||
+        add_constants(m) < 0)
         return -1;
     PyObject *api = PyCapsule_New((void *)&fs_host_device_api, FS_DEVICE_API_CAPSULE, NULL);
     int rc = api ? PyModule_AddObjectRef(m, "host_device_api", api) : -1;

@@ -90,3 +90,7 @@ __all__ += ["use_for_torch_fsdp", "restore_torch_fsdp", "torch_fsdp_switch", "To
 from .offload_pipeline import OffloadPipeline, OverlapOffload, overlap_offload  # noqa: E402
 
 __all__ += ["overlap_offload", "OverlapOffload", "OffloadPipeline"]
+
+from .snapshots import Snapshots, SnapshotError  # noqa: E402
+
+__all__ += ["Snapshots", "SnapshotError"]

@@ -1,5 +1,5 @@
 """flatshard's command line: `python -m flatshard COMMAND ...`, one subcommand
-per tool (`consolidate`, `doctor`, `plan`, `run`); each adds a parser and a
+per tool (`consolidate`, `doctor`, `plan`, `run`, `snapshots`); each adds a parser and a
 function below (the planner's lives in plan/cli.py). Above everything:
 nothing imports this module."""
 import argparse
@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .plan.cli import add_parser as add_plan
 from .runtime import cuda
 from .runtime.cuda_nccl import describe as cuda_line
+from .snapshots import list_segments, remove_segments
 from .state.consolidate import FORMATS, consolidate
 from .torch_switch import use_for_torch_fsdp
 
@@ -107,6 +108,26 @@ def _run(args):
     return program
 
 
+def _snapshots(args):
+    """List (or remove) the snapshot segments on this host: what a job that
+    crashed and was not restarted left in /dev/shm."""
+    if args.action == "remove":
+        if args.job is None and not args.all:
+            raise ConfigError("snapshots remove: give --job JOB (or --all for every job's)")
+        gone = remove_segments(args.job)
+        print(f"flatshard: removed {len(gone)} snapshot segment(s)")
+        for name in gone:
+            print(f"  {name}")
+        return
+    segs = list_segments(args.job)
+    if not segs:
+        print("flatshard: no snapshot segments on this host")
+    for s in segs:
+        steps = "unreadable" if s["steps"] is None else (s["steps"] or "none complete")
+        print(f"{s['name']}  job {s['job']}  rank {s['rank']}  {s['bytes']:,} bytes  "
+              f"steps {steps}  uid {s['uid']}")
+
+
 def _parser():
     parser = argparse.ArgumentParser(prog="python -m flatshard")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -137,6 +158,17 @@ def _parser():
     r.add_argument("target", metavar="TARGET", help="the script (or, with -m, the module)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="its arguments, as it expects them")
     r.set_defaults(run=_run)
+    s = commands.add_parser(
+        "snapshots", help="list or remove the snapshot segments on this host",
+        description="flatshard.Snapshots keeps each rank's state in /dev/shm; a finished run "
+        "removes its segments, a crashed job that is not restarted leaves them. `list` shows "
+        "each segment's job, rank, size and the steps it holds; `remove --job JOB` (or "
+        "--all) removes them.")
+    s.add_argument("action", choices=["list", "remove"], nargs="?", default="list")
+    s.add_argument("--job", help="only this job's segments (torchrun's run id, or the job= "
+                   "name given to Snapshots)")
+    s.add_argument("--all", action="store_true", help="remove: every job's segments")
+    s.set_defaults(run=_snapshots)
     return parser
 
 

@@ -67,6 +67,17 @@ ENV = {
         "no file (each process measures). Default: flatshard/optim_tune.txt under "
         "$XDG_CACHE_HOME or ~/.cache. Plain text; an unreadable or malformed file is "
         "ignored and rewritten."),
+    "FLATSHARD_SNAPSHOT_BUDGET": (
+        "0",
+        "The most bytes of shared memory one rank's snapshot segment may hold "
+        "(flatshard.Snapshots, when its `budget` argument is not given); 0: no bound. A "
+        "snapshot that would pass it is refused with a ConfigError."),
+    "FLATSHARD_SNAPSHOT_FAULT": (
+        "(none)",
+        "For tests: `copy:STEP[:RANK]` kills rank RANK (default 0) with SIGKILL half-way "
+        "through the copy of step STEP's snapshot, `commit:STEP[:RANK]` right after it "
+        "announced that it holds step STEP. Only in the first run of a torchrun job "
+        "(TORCHELASTIC_RESTART_COUNT 0 or unset)."),
     # Read by setup.py when building:
     "FLATSHARD_NO_CUDA": (
         "0",

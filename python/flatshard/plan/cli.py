@@ -59,6 +59,9 @@ def add_parser(commands):
                                                             "sgd"])
     p.add_argument("--layout", default="flatshard", choices=["flatshard", "zero"])
     p.add_argument("--offload", default="none", choices=["none", "optimizer", "params", "disk"])
+    p.add_argument("--snapshots", action="store_true",
+                   help="add flatshard.Snapshots' host shared memory (two slots of the "
+                   "rank's shards and optimizer state)")
     p.add_argument("--offload-pipeline", type=int, metavar="UNITS",
                    help="with --offload params: overlap_offload's max_units_in_flight")
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
@@ -99,7 +102,8 @@ def run(a):
                              "step is parameter offload's)")
         off["params"]["offload_pipeline"] = a.offload_pipeline
     strategies = a.strategy or list(STRATS) + (["HYBRID_SHARD"] if a.hybrid_group else [])
-    plans = [plan(model, strategy=s, activation_checkpointing=a.ac, **off[a.offload], **kw)
+    plans = [plan(model, strategy=s, activation_checkpointing=a.ac, snapshots=a.snapshots,
+                  **off[a.offload], **kw)
              for s in strategies]
     device = parse_bytes(a.device_memory) if a.device_memory else None
     if a.explain:

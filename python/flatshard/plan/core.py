@@ -272,7 +272,7 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
          forward_prefetch=False, comm_backend="shm", slot_bytes=None, disk_chunks=4,
          disk_chunk_bytes=64 << 20, runtime_bytes=None, activation_bytes=None,
          gather_ahead_bytes=None, keep_unsharded_storage=False,
-         comm_quant=None, offload_pipeline=None):
+         comm_quant=None, offload_pipeline=None, snapshots=False):
     """Per-rank memory of one configuration -> Plan (bytes, with formulas).
 
     model or params: an nn.Module (meta device fine; wrapped by
@@ -306,6 +306,8 @@ def plan(model=None, *, params=None, world_size=1, strategy="FULL_SHARD", hybrid
     or the max_units_in_flight of flatshard.overlap_offload (with
     offload_params=True): the units whose steps are queued hold their
     gradient shards beside the next backward's.
+    snapshots: flatshard.Snapshots every step: its segment in host shared
+    memory, two slots of the rank's parameter shards and optimizer state.
     """
     c = _resolve(locals())
     if model is not None:
@@ -365,6 +367,8 @@ def _resolve(kw):
                         "or 'disk'")
     if c["comm_backend"] not in BACKENDS:
         raise bad_value("comm_backend", c["comm_backend"], "expected " + ", ".join(BACKENDS))
+    if not isinstance(c["snapshots"], bool):
+        raise bad_value("snapshots", c["snapshots"], "expected True or False")
     op = c["offload_pipeline"]
     if op is not None and (isinstance(op, bool) or not isinstance(op, int) or op < 1 or
                            not c["offload_params"]):
@@ -559,6 +563,12 @@ def _plan(units, c):
             "host", f"the {k} largest units' gradient shards (shard_numel(N={shard_g})*dtype "
             "bytes): a unit's queued step reads its gradient until it has run, beside the "
             "next backward's (overlap_offload; nothing more on the device)")
+    if c["snapshots"]:
+        held_bytes = sum(ln.bytes for ln in lines
+                         if ln.key in ("params", "master", "moments", "optim_steps"))
+        add("snapshots", "snapshots, two slots [host shm]", 2 * held_bytes, "host",
+            "2 x (parameter shard + fp32 master + optimizer moments + step counters): "
+            "flatshard.Snapshots' segment in /dev/shm, one step in each slot")
     if c["offload_optimizer"] == "disk":
         add("disk_staging", "disk staging chunks", c["disk_chunks"] * c["disk_chunk_bytes"],
             "host", "disk_chunks*disk_chunk_bytes: the host stages optimizer state in chunks")
