@@ -3,7 +3,8 @@ value given, what is allowed and, where there is one, the fix."""
 from ._C import CoreError, StateError
 
 __all__ = ["ConfigError", "ConfigTypeError", "CoreError", "StateError", "NotBuiltError",
-           "StateDictError", "UnsafeFileError", "MetaDeviceError"]
+           "StateDictError", "UnsafeFileError", "MetaDeviceError", "StaleOptimizerError",
+           "MistakeWarning", "InitDiffersWarning", "UnsyncedStepWarning", "ReplicaDriftWarning"]
 
 
 class ConfigError(ValueError):
@@ -95,3 +96,39 @@ class UnsafeFileError(ConfigError):
     load from a file someone else may have written: a pickled object other
     than plain data, or a name that leads out of its directory. Names the
     file or key and why; nothing in it was run or read."""
+
+
+# ----------------------------------------------------------------------
+# Mistakes that train wrong without an error under torch's FSDP
+# (python/flatshard/checks/): each message names the rank, the parameter or
+# unit, what happened and the fix, and points to its docs/troubleshooting.md
+# entry.
+
+
+class StaleOptimizerError(ConfigError):
+    """An optimizer's first step() found parameters that FSDP replaced when
+    it wrapped their module (the optimizer was built before wrapping): its
+    steps would update tensors the model no longer uses."""
+
+
+class MistakeWarning(UserWarning):
+    """A mistake that trains wrong without an error under torch's FSDP,
+    where a script may rely on torch's behaviour: flatshard warns, naming
+    the rank, the parameter or unit, and the fix. Each subclass has a
+    FLATSHARD_CHECK_* variable that turns its check off."""
+
+
+class InitDiffersWarning(MistakeWarning):
+    """The ranks wrapped different initial values of a parameter: each
+    shards its own, and the model trained is a patchwork of them."""
+
+
+class UnsyncedStepWarning(MistakeWarning):
+    """optimizer.step() after backward passes that all ran with gradient
+    sync off (no_sync(), set_requires_gradient_sync(False)): the gradients
+    were never reduced across ranks, and the step does not use them."""
+
+
+class ReplicaDriftWarning(MistakeWarning):
+    """Ranks that must hold equal values of a parameter (NO_SHARD,
+    SHARD_OPTIM's whole parameters, HSDP's replicas) hold different ones."""
