@@ -74,6 +74,10 @@ GUIDE_ENTRIES = {
     "gloo-timeout": "test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout",
     "nccl-watchdog": "test_cuda_emulated_path.py",
     "out-of-memory": "test_oom.py",
+    "optimizer-before-wrap": "test_mistakes.py",
+    "init-differs": "test_mistakes.py",
+    "unsynced-step": "test_mistakes.py",
+    "replicas-drift": "test_mistakes.py",
 }
 
 

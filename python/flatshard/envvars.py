@@ -85,7 +85,7 @@ ENV = {
     "FLATSHARD_CHECK_REPLICAS_EVERY": (
         "1000",
         "Every this many steps of an optimizer, the ranks that must hold equal parameter "
-        "values (NO_SHARD, SHARD_OPTIM's whole parameters, hybrid sharding's replicas) "
+        "values (NO_SHARD, hybrid sharding's replicas) "
         "compare a CRC-32C of each (ReplicaDriftWarning names the first that differs); 0: "
         "never. The wrappers' `check_replicas_every` argument wins. Must be the same on every "
         "rank. Read at each wrap."),

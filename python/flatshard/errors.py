@@ -114,8 +114,8 @@ class StaleOptimizerError(ConfigError):
 class MistakeWarning(UserWarning):
     """A mistake that trains wrong without an error under torch's FSDP,
     where a script may rely on torch's behaviour: flatshard warns, naming
-    the rank, the parameter or unit, and the fix. Each subclass has a
-    FLATSHARD_CHECK_* variable that turns its check off."""
+    the rank, the parameter or unit, and the fix. Each subclass has an
+    environment variable that turns its check off (envvars.py)."""
 
 
 class InitDiffersWarning(MistakeWarning):
@@ -130,5 +130,5 @@ class UnsyncedStepWarning(MistakeWarning):
 
 
 class ReplicaDriftWarning(MistakeWarning):
-    """Ranks that must hold equal values of a parameter (NO_SHARD,
-    SHARD_OPTIM's whole parameters, HSDP's replicas) hold different ones."""
+    """Ranks that must hold equal values of a parameter (NO_SHARD, hybrid
+    sharding's replicas) hold different ones."""

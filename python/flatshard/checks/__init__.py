@@ -11,7 +11,7 @@ loud: what the wrappers call, one concern per file.
   hooks.py         torch's global optimizer step hooks that run them
   fingerprint.py   a tensor's CRC-32C; text.py: the messages' shared parts
 
-Each is off with its FLATSHARD_CHECK_* variable (envvars.py). Imports: the
+Each is off with its own environment variable (envvars.py). Imports: the
 leaves, runtime's comm and consistency; nothing of fsdp/ or fsdp2/, which
 call in with what their units hold.
 """

@@ -39,7 +39,7 @@ def compare(groups, named, wrapper, synced=False):
     lines = [f"{n} {c:08x}" for (n, _), c in zip(named, crcs(named))]
     for group in groups:
         consistency.agree(group, lambda: (None, lines),
-                          differ=lambda texts, g=group: _warn(g, texts, wrapper, synced))
+                          on_differ=lambda texts, g=group: _warn(g, texts, wrapper, synced))
 
 
 def _warn(group, texts, wrapper, synced):

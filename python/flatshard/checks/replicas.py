@@ -1,9 +1,11 @@
 """Item: replicas that drift apart.
 
 Some ranks must hold equal values: under NO_SHARD every rank holds each
-parameter whole, under SHARD_OPTIM every rank its whole (gathered)
-parameters, under hybrid sharding (FSDP1's HYBRID_SHARD, fully_shard on a
-2-D mesh) the ranks of a replicate group the same shard. A step or a write
+parameter whole, under hybrid sharding (FSDP1's HYBRID_SHARD, fully_shard
+on a 2-D mesh or dp_mesh_dims' replicate dim) the ranks of a replicate
+group the same shard. (SHARD_OPTIM's whole parameters are all-gathered
+from the shards after every step, fsdp/zero1.py: they cannot drift, and
+are not compared.) A step or a write
 that runs on some of them only, or a kernel that rounds differently, lets
 them drift apart, and nothing in torch notices. Each wrap registers here,
 per unit, the comm over those ranks and how to read the values
@@ -147,17 +149,15 @@ def _warn(names, rows, differs, when):
 # what each wrapper's units hold, read through their fields (no import)
 
 
-def flat_pieces(groups, whole):
-    """An FSDP1 unit's FlatGroups -> [(name, tensor)]: whole: each
-    parameter in the whole compute buffer (SHARD_OPTIM); else this rank's
-    piece of each in its shard (the whole parameter under NO_SHARD)."""
+def flat_pieces(groups):
+    """An FSDP1 unit's FlatGroups -> [(name, this rank's piece of each
+    parameter in its shard)]: the whole parameter under NO_SHARD."""
     out = []
     for g in groups:
-        buf = (g.compute if whole else g.shard).detach()
+        shard = g.shard.detach()
         for e, aliases in zip(g.entries, g.aliases):
-            off, n = (e.flat_offset, e.numel) if whole else (e.shard_offset, e.piece_numel)
-            if n:
-                out.append((aliases[0].fqn, buf.narrow(0, off, n)))
+            if e.piece_numel:
+                out.append((aliases[0].fqn, shard.narrow(0, e.shard_offset, e.piece_numel)))
     return out
 
 

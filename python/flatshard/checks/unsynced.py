@@ -77,9 +77,10 @@ def check(optimizer):
     warnings.warn(
         f"flatshard: rank {text.this_rank()}: {type(optimizer).__name__}.step() with gradients "
         f"that were never reduced across ranks: the last backward of "
-        f"{text.names(repr(w.label(u)) for u, w in hit)} ran with gradient sync off ({offs}), "
-        "so their gradients stayed local to each rank and this step does not see the sum of "
-        "the ranks' gradients. Gradient accumulation must end with one backward with sync on "
+        f"{'units' if len(hit) > 1 else 'unit'} {text.names(repr(w.label(u)) for u, w in hit)} "
+        f"ran with gradient sync off ({offs}), so their gradients stayed local to each rank, "
+        "unreduced (and, where parameters are sharded, outside the shards this step "
+        "updates). Gradient accumulation must end with one backward with sync on "
         "(outside no_sync(), or after set_requires_gradient_sync(True)) before "
         f"optimizer.step(). {text.guide(ENTRY, ENV, 'stepping on local gradients on purpose')}",
         UnsyncedStepWarning, stacklevel=4)

@@ -94,8 +94,8 @@ class FullyShardedDataParallel(nn.Module):
     flatshard.CommQuant (quantized gathers and gradient reductions, for
     bandwidth-bound links: docs/comm_quant.md) or None (default: off); a
     wrap policy may override it per unit. check_replicas_every: where
-    ranks must hold equal values (NO_SHARD, SHARD_OPTIM, the hybrid
-    strategies' replicas), every this many optimizer steps they compare a
+    ranks must hold equal values (NO_SHARD, the hybrid strategies'
+    replicas), every this many optimizer steps they compare a
     CRC-32C of each parameter and warn (ReplicaDriftWarning) where one
     differs; 0: never; None (default): FLATSHARD_CHECK_REPLICAS_EVERY,
     else 1000 (flatshard/checks/replicas.py).

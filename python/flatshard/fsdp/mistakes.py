@@ -5,8 +5,8 @@ units' parameters, values and gradient sync, read through their fields.
                  (materialized by the plan: left out of the comparison)
   compare_init   after sync_module_states: the ranks' initial values
   built          the units built: the originals they replaced, and the
-                 replicas each must keep equal (NO_SHARD, SHARD_OPTIM,
-                 hybrid sharding)
+                 replicas each must keep equal (NO_SHARD, hybrid
+                 sharding)
   no_sync        no_sync() entered for these units
 """
 import torch.distributed as dist
@@ -48,18 +48,16 @@ def built(wrappers, every):
                             [al[0].fqn for g in u.groups for al in g.aliases], WRAPPER)
         group, comm, replicate, _ = unit_comms(cfg)
         if replicate is not None:
-            target = (replicate, hybrid_groups(cfg.hybrid)[1], False,
+            target = (replicate, hybrid_groups(cfg.hybrid)[1],
                       "hybrid sharding: the ranks of a replicate group hold the same shard")
         elif u.no_shard:
-            target = (comm, group, False, "NO_SHARD: every rank holds each parameter whole")
-        elif u.shard_optim:
-            target = (comm, group, True, "SHARD_OPTIM: every rank holds the whole parameters")
-        else:
-            continue
-        comm, group, whole, what = target
+            target = (comm, group, "NO_SHARD: every rank holds each parameter whole")
+        else:  # sharded; SHARD_OPTIM's whole parameters are all-gathered from the
+            continue  # shards after every step (zero1.py): they cannot drift
+        comm, group, what = target
         if comm.world_size > 1:
             checks.watch_replicas(checks.Replicas(
-                u, _params, lambda u, whole=whole: checks.replicas.flat_pieces(u.groups, whole),
+                u, _params, lambda u: checks.replicas.flat_pieces(u.groups),
                 comm, dist.get_process_group_ranks(group), lambda u: u.name, what, every,
                 cfg.device))
 

@@ -46,10 +46,10 @@ def _store(group):
     return c10d._get_process_group_store(group)
 
 
-def agree(group, plan, differ=None):
+def agree(group, plan, on_differ=None):
     """Run `plan() -> (result, description lines)` and check that every rank
     of `group` got the same description; returns the result. differ: for a
-    comparison where a difference is not an error, differ(lines of each
+    comparison where a difference is not an error, on_differ(lines of each
     rank of the group) runs on every rank instead of the ConfigError (the
     same lines everywhere), and the result is returned."""
     world = dist.get_world_size(group)
@@ -89,8 +89,8 @@ def agree(group, plan, differ=None):
     _wait(store, f"{prefix}desc/", range(world), world, rank, "describe its model", timeout)
     texts = [store.get(f"{prefix}desc/{r}").decode().split("\n") for r in range(world)]
     _leave(store, prefix, world, timeout)
-    if differ is not None:
-        differ(texts)
+    if on_differ is not None:
+        on_differ(texts)
         return result
     raise ConfigError(_difference(posts, texts))
 
