@@ -75,6 +75,10 @@ GUIDE_ENTRIES = {
     "nccl-watchdog": "test_cuda_emulated_path.py",
     "out-of-memory": "test_oom.py",
     "checkpoint-damaged": "test_checkpoint_damage.py",
+    "optimizer-before-wrap": "test_mistakes.py",
+    "init-differs": "test_mistakes.py",
+    "unsynced-step": "test_mistakes.py",
+    "replicas-drift": "test_mistakes.py",
 }
 
 

@@ -42,6 +42,8 @@ __all__ = [
 # State dicts and checkpoints (fsdp/state_dict.py, fsdp/checkpoint.py).
 from .fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from .errors import CheckpointDamaged, MetaDeviceError, StateDictError, UnsafeFileError  # noqa: E402
+from .errors import (InitDiffersWarning, MistakeWarning, ReplicaDriftWarning,  # noqa: E402
+                     StaleOptimizerError, UnsyncedStepWarning)
 from .options import (FullOptimStateDictConfig, LocalOptimStateDictConfig,  # noqa: E402
                       OptimStateDictConfig, ShardedOptimStateDictConfig)
 from .fsdp.state_dict import StateDictSettings  # noqa: E402
@@ -56,6 +58,11 @@ __all__ += ["MetaDeviceError", "StateDictError", "UnsafeFileError", "CheckpointD
 from .state.consolidate import consolidate  # noqa: E402
 
 __all__ += ["consolidate"]
+
+# Mistakes that train wrong without an error under torch's FSDP, made loud
+# (checks/): the error and the warnings they raise.
+__all__ += ["StaleOptimizerError", "MistakeWarning", "InitDiffersWarning", "UnsyncedStepWarning",
+            "ReplicaDriftWarning"]
 
 # FSDP2's API: fully_shard and FSDPModule (fsdp2/).
 from .fsdp2 import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule,  # noqa: E402

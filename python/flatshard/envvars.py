@@ -78,6 +78,28 @@ ENV = {
         "through the copy of step STEP's snapshot, `commit:STEP[:RANK]` right after it "
         "announced that it holds step STEP. Only in the first run of a torchrun job "
         "(TORCHELASTIC_RESTART_COUNT 0 or unset)."),
+    "FLATSHARD_CHECK_OPTIMIZER": (
+        "1",
+        "0: an optimizer's first step() does not look for parameters that FSDP replaced when "
+        "it wrapped their module (an optimizer built before wrapping: StaleOptimizerError). "
+        "Read at each optimizer's first step."),
+    "FLATSHARD_CHECK_INIT": (
+        "1",
+        "0: wrapping does not compare the ranks' initial parameter values (a CRC-32C of each "
+        "parameter, through the store; InitDiffersWarning names the first that differs). "
+        "Must be the same on every rank. Read at each wrap."),
+    "FLATSHARD_CHECK_UNSYNCED": (
+        "1",
+        "0: optimizer.step() does not warn when the last backward of a unit whose parameters "
+        "it holds ran with gradient sync off (no_sync(), set_requires_gradient_sync(False)): "
+        "UnsyncedStepWarning. Read at each such step."),
+    "FLATSHARD_CHECK_REPLICAS_EVERY": (
+        "1000",
+        "Every this many steps of an optimizer, the ranks that must hold equal parameter "
+        "values (NO_SHARD, hybrid sharding's replicas) "
+        "compare a CRC-32C of each (ReplicaDriftWarning names the first that differs); 0: "
+        "never. The wrappers' `check_replicas_every` argument wins. Must be the same on every "
+        "rank. Read at each wrap."),
     # Read by setup.py when building:
     "FLATSHARD_NO_CUDA": (
         "0",

@@ -3,7 +3,9 @@ value given, what is allowed and, where there is one, the fix."""
 from ._C import CoreError, StateError
 
 __all__ = ["ConfigError", "ConfigTypeError", "CoreError", "StateError", "NotBuiltError",
-           "StateDictError", "UnsafeFileError", "CheckpointDamaged", "MetaDeviceError"]
+           "StateDictError", "UnsafeFileError", "CheckpointDamaged", "MetaDeviceError",
+           "StaleOptimizerError",
+           "MistakeWarning", "InitDiffersWarning", "UnsyncedStepWarning", "ReplicaDriftWarning"]
 
 
 class ConfigError(ValueError):
@@ -107,3 +109,39 @@ class CheckpointDamaged(ConfigError):
     is loaded; a failure of torch's own read later (a file changed after the
     check, or no manifest to check by) may leave part of the checkpoint in
     the model. An Exception, unlike DCP's CheckpointException."""
+
+
+# ----------------------------------------------------------------------
+# Mistakes that train wrong without an error under torch's FSDP
+# (python/flatshard/checks/): each message names the rank, the parameter or
+# unit, what happened and the fix, and points to its docs/troubleshooting.md
+# entry.
+
+
+class StaleOptimizerError(ConfigError):
+    """An optimizer's first step() found parameters that FSDP replaced when
+    it wrapped their module (the optimizer was built before wrapping): its
+    steps would update tensors the model no longer uses."""
+
+
+class MistakeWarning(UserWarning):
+    """A mistake that trains wrong without an error under torch's FSDP,
+    where a script may rely on torch's behaviour: flatshard warns, naming
+    the rank, the parameter or unit, and the fix. Each subclass has an
+    environment variable that turns its check off (envvars.py)."""
+
+
+class InitDiffersWarning(MistakeWarning):
+    """The ranks wrapped different initial values of a parameter: each
+    shards its own, and the model trained is a patchwork of them."""
+
+
+class UnsyncedStepWarning(MistakeWarning):
+    """optimizer.step() after backward passes that all ran with gradient
+    sync off (no_sync(), set_requires_gradient_sync(False)): the gradients
+    were never reduced across ranks, and the step does not use them."""
+
+
+class ReplicaDriftWarning(MistakeWarning):
+    """Ranks that must hold equal values of a parameter (NO_SHARD, hybrid
+    sharding's replicas) hold different ones."""

@@ -34,7 +34,7 @@ from ..runtime.comm import broadcast_
 from ..runtime.device import empty_fn
 from ..runtime.trees import cast_floating
 from ..tensors import dtype_code
-from . import clip, comm_hook, config, optim_state, summon, unit_plan
+from . import clip, comm_hook, config, mistakes, optim_state, summon, unit_plan
 from . import state_dict as state_dicts
 from .flat_param import FlatGroup, flat_param_name, mark_flat_param
 from .groups import unit_comms
@@ -93,7 +93,12 @@ class FullyShardedDataParallel(nn.Module):
     FLATSHARD_COMM_BACKEND sets it when not given. comm_quant: a
     flatshard.CommQuant (quantized gathers and gradient reductions, for
     bandwidth-bound links: docs/comm_quant.md) or None (default: off); a
-    wrap policy may override it per unit.
+    wrap policy may override it per unit. check_replicas_every: where
+    ranks must hold equal values (NO_SHARD, the hybrid strategies'
+    replicas), every this many optimizer steps they compare a
+    CRC-32C of each parameter and warn (ReplicaDriftWarning) where one
+    differs; 0: never; None (default): FLATSHARD_CHECK_REPLICAS_EVERY,
+    else 1000 (flatshard/checks/replicas.py).
     """
 
     def __init__(self, module, process_group=None, sharding_strategy=None, cpu_offload=None,
@@ -101,7 +106,7 @@ class FullyShardedDataParallel(nn.Module):
                  mixed_precision=None, ignored_modules=None, param_init_fn=None, device_id=None,
                  sync_module_states=False, forward_prefetch=False, limit_all_gathers=True,
                  use_orig_params=False, ignored_states=None, device_mesh=None, *,
-                 comm_backend=None, comm_quant=None):
+                 comm_backend=None, comm_quant=None, check_replicas_every=None):
         super().__init__()
         if isinstance(module, type) and issubclass(module, nn.Module):
             raise bad_type("module", module, "an nn.Module instance",
@@ -117,12 +122,14 @@ class FullyShardedDataParallel(nn.Module):
                   use_orig_params=use_orig_params, device_mesh=device_mesh,
                   comm_backend=comm_backend, comm_quant=comm_quant)
         cfg = config.resolve(kw)
+        every = mistakes.replicas_every(check_replicas_every)
         policy, ctx = unit_plan.checked_arguments(module, auto_wrap_policy, param_init_fn,
                                                   sync_module_states, ignored_modules,
                                                   ignored_states)
         # The plan is local too (it runs the policy and param_init_fn on the
         # model, which may differ between ranks); the ranks then agree on
         # what they wrap before the first collective (runtime/consistency.py).
+        meta = mistakes.meta_names(module)
         plan, ctx = consistency.agree(cfg.group, lambda: unit_plan.plan_units(
             module, cfg, kw, policy, param_init_fn, sync_module_states, ctx))
         _, comm, replicate, _ = unit_comms(cfg)
@@ -130,6 +137,8 @@ class FullyShardedDataParallel(nn.Module):
             if replicate is not None:
                 _sync_module_states(module, replicate, ctx.ignored_params)
             _sync_module_states(module, comm, ctx.ignored_params)
+        mistakes.compare_init(cfg, plan, meta, sync_module_states)
+        built = []
         for up in plan[:-1]:  # innermost first; the root is last
             unit = type(self).__new__(type(self))
             nn.Module.__init__(unit)
@@ -137,7 +146,9 @@ class FullyShardedDataParallel(nn.Module):
             parent_name, _, attr = up.name.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
             setattr(parent, attr, unit)
+            built.append(unit)
         self._setup(plan[-1])
+        mistakes.built(built + [self], every)
 
     # ------------------------------------------------------------------
     # construction
@@ -254,6 +265,7 @@ class FullyShardedDataParallel(nn.Module):
         saved = [u.sync_grads for u in units]
         for u in units:
             u.sync_grads = False
+        mistakes.no_sync(units)
         try:
             yield
         finally:

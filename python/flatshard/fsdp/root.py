@@ -3,8 +3,10 @@ for every unit under it (runtime/root.Root's order, bucket and reduction in
 flight) and what the end of backward does for them. Each unit's own events
 are unit.py's; fully_shard's root is fsdp2/root.py's.
 
-Imports: runtime's root and eager; nothing else of flatshard.
+Imports: runtime's root and eager, checks (the end of backward's
+unsynced-step check); nothing else of flatshard.
 """
+from .. import checks
 from ..runtime import eager
 from ..runtime.root import Root
 
@@ -58,3 +60,4 @@ class RootState(Root):
         self.inflight.forget()  # each unit's finalize waits for its own
         for u in self.units:
             u.finalize()
+        checks.backward_ended(self.units)  # gradient sync left off (checks/unsynced.py)

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..errors import bad_type, bad_value, not_built
 from ..runtime.comm import self_comm
 from ..tensors import check_plain
-from . import dp_mesh, torch_class
+from . import dp_mesh, mistakes, torch_class
 from .extension import gathers_itself
 from .mesh import (check_mesh, check_reshard, check_reshard_divides, comm_over, mesh_device,
                    resolve_reshard)
@@ -47,7 +47,7 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
-                ignored_params=None, dp_mesh_dims=None):
+                ignored_params=None, dp_mesh_dims=None, check_replicas_every=None):
     """Shard `module`'s parameters (those not already in a group) over `mesh`
     on dim 0 (or the dim shard_placement_fn names); returns `module`, whose class is now an FSDPModule subclass.
     A list of modules makes one group of all their parameters (e.g. the
@@ -81,7 +81,13 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                            SPMD mesh, every parameter a DTensor on it
                            replicated on the dims named (at most one shard
                            dim and one replicate dim; replicate alone is DDP
-                           over that dim, on CPU: fsdp2/dp_mesh.py)."""
+                           over that dim, on CPU: fsdp2/dp_mesh.py).
+    check_replicas_every   flatshard's: on a 2-D mesh (or dp_mesh_dims'
+                           replicate dim), every this many optimizer steps
+                           the replicas compare a CRC-32C of each shard and
+                           warn (ReplicaDriftWarning) where one differs; 0:
+                           never; None: FLATSHARD_CHECK_REPLICAS_EVERY, else
+                           1000 (flatshard/checks/replicas.py)."""
     torch_class.check_container(module)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
@@ -99,6 +105,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     _check_mp(mp_policy)
     _check_offload(offload_policy)
     ignored = _check_ignored(ignored_params)
+    every = mistakes.replicas_every(check_replicas_every)
     spmd = None
     if dp_mesh_dims is not None:  # the data-parallel mesh within the full one
         mesh, spmd = dp_mesh.resolve(mesh, dp_mesh_dims)
@@ -152,6 +159,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     raf, post_comm = resolve_reshard(reshard_after_forward, mesh)
     group = None
     if params:
+        mistakes.compare_init(mesh, params, names, spmd, label)
         if spmd is not None and spmd.shard is None:  # DDP: replicated, nothing sharded
             if want.type != "cpu":
                 raise not_built("dp_mesh_dims", dp_mesh_dims, "replicate names alone (DDP "
@@ -167,6 +175,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         group.post_comm = post_comm
         group.c.register_sharded()
     state = FSDPState(modules, group, raf, mp_policy)
+    mistakes.built(state, params, names, every)
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from .. import torch_facts
 from ..errors import bad_type, bad_value, not_built
-from . import finalize
+from . import finalize, mistakes
 from ..options import normalize_comm_quant
 from .mesh import check_reshard, resolve_reshard
 from .state import STATE_ATTR, state_of
@@ -98,6 +98,8 @@ class FSDPModule:
         check_bool("recurse", recurse)
         for m in self._fsdp_modules(recurse):
             m._fsdp_state().requires_gradient_sync = requires_gradient_sync
+        if not requires_gradient_sync:
+            mistakes.sync_off([m._fsdp_state() for m in self._fsdp_modules(recurse)])
 
     def set_is_last_backward(self, is_last_backward):
         """Accepted for torch's API (`is_last_backward`: a bool). flatshard's

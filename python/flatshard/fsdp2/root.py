@@ -14,9 +14,11 @@ The root is an FSDPState (state.py) whose is_root is True; its runtime.root.Root
 Each state's own events are state.py's; the FSDP1 wrapper's root is
 fsdp/root.py's.
 
-Imports: runtime's root, observe; errors; finalize.py. Nothing of state.py
-(which imports this module): the states are reached through the root's.
+Imports: runtime's root, observe; errors; checks (the unsynced-step
+check); finalize.py. Nothing of state.py (which imports this module): the
+states are reached through the root's.
 """
+from .. import checks
 from ..errors import ConfigError, RootError
 from ..runtime import observe
 from ..runtime.root import Root
@@ -165,6 +167,7 @@ def end_of_backward(root):
     _finalize)."""
     with observe.span("FSDP::root_post_backward_callback"):
         root.tree.final_queued = False
+        checks.backward_ended(root.states or [root])  # sync left off (checks/unsynced.py)
         if root.manual_finalization:  # finalize_backward lands it
             finalize.end_of_backward(root)
             return

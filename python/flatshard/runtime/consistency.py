@@ -46,9 +46,12 @@ def _store(group):
     return c10d._get_process_group_store(group)
 
 
-def agree(group, plan):
+def agree(group, plan, on_differ=None):
     """Run `plan() -> (result, description lines)` and check that every rank
-    of `group` got the same description; returns the result."""
+    of `group` got the same description; returns the result. differ: for a
+    comparison where a difference is not an error, on_differ(lines of each
+    rank of the group) runs on every rank instead of the ConfigError (the
+    same lines everywhere), and the result is returned."""
     world = dist.get_world_size(group)
     if world == 1 or "fake" in str(dist.get_backend(group)).lower():
         return plan()[0]  # one process plays every rank: nobody to compare with
@@ -86,6 +89,9 @@ def agree(group, plan):
     _wait(store, f"{prefix}desc/", range(world), world, rank, "describe its model", timeout)
     texts = [store.get(f"{prefix}desc/{r}").decode().split("\n") for r in range(world)]
     _leave(store, prefix, world, timeout)
+    if on_differ is not None:
+        on_differ(texts)
+        return result
     raise ConfigError(_difference(posts, texts))
 
 
