@@ -21,15 +21,15 @@ from flatshard.fsdp2.state import FSDPState, state_of
 from test_fully_shard_torch_flows import Block
 
 TIMEOUT = 240
-# each event's Python frames: the steps that need Python of the forward's
-# and the pre-backward's sequences (C's, [Note: one sequence per event]),
-# the post-backward's Python path
+# each event's Python frames: the steps that need Python of its sequence
+# (C's, [Note: one sequence per event])
 EVENTS = {"pre_forward": ("_begin_forward", "_gather_forward", "_watch_forward",
                           "_prefetch_forward"),
           "post_forward": ("_reshard_post_forward", "_end_forward", "_take_watching",
                            "_cast_output"),
           "pre_backward": ("_gather_backward", "_prefetch_backward"),
-          "post_backward": ("_post_backward",)}
+          "post_backward": ("_accumulate_grads", "_reduce_grads", "_reshard_after_backward",
+                            "_keep_unsynced")}
 
 
 def _net(blocks=3, d=12):
@@ -43,8 +43,8 @@ def _counting(plain=True):
     """Counts of each event's Python frames, per state: {event: {id: n}}.
     Entered before the states are made (their C hooks hold the methods they
     call). plain False: no state is lean (root.decide_plain hands nothing):
-    the forward's begin and the gathers are Python's steps, the
-    post-backward takes its Python path."""
+    the forward's begin, the gathers, the reduction and the reshard after
+    backward are Python's steps."""
     counts = {e: {} for e in EVENTS}
     saved = {name: getattr(FSDPState, name) for names in EVENTS.values() for name in names}
     decide_plain = roots.decide_plain
@@ -132,10 +132,10 @@ def test_the_plain_flow_runs_no_python_and_trains_as_torch(dist_pool):
         assert later == {e: 0 for e in EVENTS}, later
         # no state lean: the pre-forward begins (lazy init, the order) and
         # gathers through its Python steps, the pre-backward gathers through
-        # its own, the post-backward is Python's; the post-forward's reshard
-        # needs none
+        # its own, the post-backward reduces and reshards through its two;
+        # the post-forward's reshard needs none
         full = runs["python"][3]
-        per_step = {"pre_forward": 2, "post_forward": 0, "pre_backward": 1, "post_backward": 1}
+        per_step = {"pre_forward": 2, "post_forward": 0, "pre_backward": 1, "post_backward": 2}
         assert full == {e: n * blocks * (steps - 1) for e, n in per_step.items()}, full
 
 
@@ -224,10 +224,11 @@ def test_an_output_cast_is_never_plain(dist_pool):
     """mixed precision with an output dtype: the forward events cast, so
     no state is lean: each pre-forward begins and gathers in Python, each
     post-forward casts, the pre-backward gathers in Python and the
-    post-backward is Python's; bf16 trains bit-equal to torch."""
+    post-backward reduces and reshards in Python; bf16 trains bit-equal to
+    torch."""
     steps = 3
     for runs in dist_pool(2).run(_mixed, steps, timeout=TIMEOUT):
         _same_as_torch(runs)
         later = runs["plain"][3]
-        per_step = {"pre_forward": 2, "post_forward": 1, "pre_backward": 1, "post_backward": 1}
+        per_step = {"pre_forward": 2, "post_forward": 1, "pre_backward": 1, "post_backward": 2}
         assert later == {e: n * 3 * (steps - 1) for e, n in per_step.items()}, later

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from flatshard import ConfigError, MixedPrecisionPolicy, NotBuiltError, fully_shard
+from flatshard import ConfigError, MixedPrecisionPolicy, NotBuiltError, _C, fully_shard
 
 TIMEOUT = 240
 
@@ -471,10 +471,12 @@ def test_extension_given_after_lazy_init_is_freed_and_trains_as_reference(dist_p
         assert freed[0] == [[None, None], [None, None]], freed
         for step in freed[1:]:  # after forward (reshard_after_forward) and backward
             assert step == [[True, True], [True, True]], freed
-        # before the extension the blocks' events take the plain path; after it
-        # they cannot (the extension's tensors are Python's to free)
-        assert all(p == plain[0][0] != 0 for p in plain[0]), plain
-        assert all(p == 0 for step in plain[1:] for p in step), plain
+        # before the extension the blocks' post-backward reduces and reshards
+        # in C; after it Python does (the extension's tensors are Python's to
+        # free)
+        in_c = _C.PB_RESHARD_C | _C.PB_REDUCE_C
+        assert all(p & in_c == in_c for p in plain[0]), plain
+        assert all(p & in_c == 0 for step in plain[1:] for p in step), plain
 
 
 def _subclass_without_extension():

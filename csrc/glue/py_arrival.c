@@ -86,7 +86,7 @@ static PyType_Slot Arrival_slots[] = {
     {Py_tp_call, PyVectorcall_Call},
     {Py_tp_members, Arrival_members},
     {Py_tp_doc, "Arrival(group, i): the gradient hook of parameter i of ShardGroup group,\n"
-                "called with the parameter ([Note: plain events] in hooks/shard_events.c)."},
+                "called with the parameter ([Note: post-backward sequence] in hooks/shard_events.c)."},
     {0, NULL},
 };
 

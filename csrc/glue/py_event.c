@@ -193,7 +193,11 @@ int fs_event_type_add(PyObject *module, fs_mod_state *st)
         PyModule_AddIntConstant(module, "EVENT_PRE_BACKWARD", FS_EVENT_PRE_BACKWARD) < 0)
         return -1;
     static const struct { const char *name; int v; } plain[] = {
-        {"PLAIN_POST_BACKWARD", FS_PLAIN_POST_BACKWARD},
+        {"PB_SYNC", FS_PB_SYNC},
+        {"PB_RESHARD", FS_PB_RESHARD},
+        {"PB_RESHARD_C", FS_PB_RESHARD_C},
+        {"PB_REDUCE_C", FS_PB_REDUCE_C},
+        {"PB_RANGE", FS_PB_RANGE},
         {"OPT_BEGIN", FS_OPT_BEGIN},
         {"OPT_STEP", FS_OPT_STEP},
         {"OPT_RESHARD", FS_OPT_RESHARD},

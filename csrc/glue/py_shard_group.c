@@ -109,7 +109,7 @@ static int ShardGroup_traverse(ShardGroupObject *self, visitproc visit, void *ar
     Py_VISIT(self->full);
     Py_VISIT(self->storage);
     Py_VISIT(self->owner);
-    Py_VISIT(self->fallback);
+    Py_VISIT(self->steps);
     Py_VISIT(self->watch);
     int r = fs_params_traverse(&self->params, visit, arg);
     if (!r)
@@ -124,7 +124,7 @@ static int ShardGroup_clear(ShardGroupObject *self)
     fs_params_clear(&self->params);
     fs_grads_clear(&self->grads);
     Py_CLEAR(self->owner);
-    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->steps);
     Py_CLEAR(self->watch);
     return 0;
 }
@@ -144,7 +144,7 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     fs_grads_clear(&self->grads);
     PyMem_Free(self->arrived);
     Py_XDECREF(self->owner);
-    Py_XDECREF(self->fallback);
+    Py_XDECREF(self->steps);
     Py_XDECREF(self->watch);
     fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
@@ -610,22 +610,26 @@ static PyObject *ShardGroup_take_unhooked(ShardGroupObject *self, PyObject *Py_U
 }
 
 PyDoc_STRVAR(set_post_backward_doc,
-             "set_post_backward(owner, fallback, watch): owner, a weak reference to the\n"
-             "state whose post-backward fallback(owner) runs where the plain one cannot;\n"
-             "watch, a tuple of callables, any of them true while a profiler or a\n"
-             "dispatch mode watches ([Note: plain events] in hooks/shard_events.c).");
+             "set_post_backward(owner, steps, watch): owner, a weak reference to the state\n"
+             "whose post-backward's Python steps, each step(owner), steps are (accumulate,\n"
+             "reduce, reshard, unsynced, span); watch, a tuple of callables, any of them true\n"
+             "while a profiler or a dispatch mode watches ([Note: post-backward sequence] in\n"
+             "hooks/shard_events.c).");
 
 static PyObject *ShardGroup_set_post_backward(ShardGroupObject *self, PyObject *args)
 {
-    PyObject *owner, *fallback, *watch;
-    if (!PyArg_ParseTuple(args, "OOO!:set_post_backward", &owner, &fallback, &PyTuple_Type,
-                          &watch))
+    PyObject *owner, *steps, *watch;
+    if (!PyArg_ParseTuple(args, "OO!O!:set_post_backward", &owner, &PyTuple_Type, &steps,
+                          &PyTuple_Type, &watch))
         return NULL;
-    if (!PyWeakref_CheckRef(owner) || !PyCallable_Check(fallback))
+    int ok = PyWeakref_CheckRef(owner) && PyTuple_GET_SIZE(steps) == FS_NSTEPS;
+    for (Py_ssize_t i = 0; ok && i < FS_NSTEPS; i++)
+        ok = PyCallable_Check(PyTuple_GET_ITEM(steps, i));
+    if (!ok)
         return PyErr_Format(PyExc_TypeError, "set_post_backward: owner must be a weak "
-                            "reference and fallback callable");
+                            "reference and steps a tuple of %d callables", FS_NSTEPS);
     Py_XSETREF(self->owner, Py_NewRef(owner));
-    Py_XSETREF(self->fallback, Py_NewRef(fallback));
+    Py_XSETREF(self->steps, Py_NewRef(steps));
     Py_XSETREF(self->watch, Py_NewRef(watch));
     Py_RETURN_NONE;
 }
@@ -653,10 +657,9 @@ static PyMethodDef ShardGroup_methods[] = {
     {"set_post_backward", (PyCFunction)ShardGroup_set_post_backward, METH_VARARGS,
      set_post_backward_doc},
     {"post_backward", (PyCFunction)ShardGroup_post_backward, METH_NOARGS,
-     "post_backward(): this backward's arrivals forgotten, then the post-backward: the\n"
-     "plain one (the reduction, the unsharded buffer freed, the sharded parameters\n"
-     "registered) where it applies now, else the state's (set_post_backward's fallback;\n"
-     "[Note: plain events] in hooks/shard_events.c)."},
+     "post_backward(): this backward's arrivals forgotten, then the post-backward's\n"
+     "sequence (the reduction, the unsharded buffer freed, the sharded parameters\n"
+     "registered; [Note: post-backward sequence] in hooks/shard_events.c)."},
     {"clear_arrived", (PyCFunction)ShardGroup_clear_arrived, METH_NOARGS,
      "clear_arrived(): no gradient of this backward counted as arrived."},
     {"set_comm_quant", (PyCFunction)ShardGroup_set_comm_quant, METH_VARARGS,
@@ -757,7 +760,7 @@ static PyObject *ShardGroup_get_arrived(ShardGroupObject *self, void *c)
     return PyLong_FromLong(self->narrived);
 }
 
-/* What Python hands ([Note: plain events] in hooks/shard_events.c): c the
+/* What Python hands ([Note: post-backward sequence] in hooks/shard_events.c): c the
  * int field. */
 static PyObject *ShardGroup_get_int(ShardGroupObject *self, void *c)
 {
@@ -780,8 +783,8 @@ static int ShardGroup_set_int(ShardGroupObject *self, PyObject *value, void *c)
     return 0;
 }
 
-/* Nothing of a backward is left for the end of backward to do ([Note: plain
- * events] in hooks/shard_events.c): no arrival counted, no sums kept, the
+/* Nothing of a backward is left for the end of backward to do ([Note:
+ * post-backward sequence] in hooks/shard_events.c): no arrival counted, no sums kept, the
  * buffer free and the sharded parameters registered, no gradient on an
  * unsharded parameter. */
 static PyObject *ShardGroup_get_idle(ShardGroupObject *self, void *c)

@@ -11,13 +11,29 @@
 #include "params.h"
 #include "shard_group.h"
 
-/* [Note: plain events] (hooks/shard_events.c): whether the post-backward may
- * take the plain path, as Python decides it where what it depends on changes
- * (fsdp2/state.py FSDPState.hand_options): a lean state (not the root, host
- * Comms, no gather-ahead, no cast), no parameter that gathers itself or is
- * tensor-parallel, gradient sync, reshard after backward, a bool
- * reshard_after_forward, no reduction bucket. */
-enum { FS_PLAIN_POST_BACKWARD = 16 };
+/* [Note: post-backward sequence] (hooks/shard_events.c): what a group's
+ * post-backward does, as Python decides it where what it depends on changes
+ * (fsdp2/state.py FSDPState.hand_options). */
+enum {
+    FS_PB_SYNC = 1,      /* gradient sync: reduce (else keep the gradients, unsynced()) */
+    FS_PB_RESHARD = 2,   /* reshard after backward */
+    FS_PB_RESHARD_C = 4, /* ... in C (no extension, a bool reshard_after_forward, lean) */
+    FS_PB_REDUCE_C = 8,  /* the reduction in C where nothing read at the call stands in its
+                          * way: a lean state (not the root, host Comms, no gather-ahead, no
+                          * cast), no parameter that gathers itself or is tensor-parallel, a
+                          * bool reshard_after_forward, no reduction bucket */
+    FS_PB_RANGE = 16,    /* this torch has the accumulate range: accumulate() while watched */
+};
+
+/* The post-backward's Python steps, by their place in ShardGroupObject.steps. */
+enum {
+    FS_STEP_ACCUMULATE, /* sums of backwards without sync added (in torch's range) */
+    FS_STEP_REDUCE,     /* the reduction Python makes (ranges, a device, a bucket, ...) */
+    FS_STEP_RESHARD,    /* the reshard Python makes (held for frozen parameters, ext) */
+    FS_STEP_UNSYNCED,   /* no sync: gradients kept as reduce-dtype sums */
+    FS_STEP_SPAN,       /* the reshard's range (a context), while one watches */
+    FS_NSTEPS
+};
 
 /* [Note: handed fields] The collector may visit a group (tp_traverse)
  * wherever Python can run, and releasing a reference is such a place:
@@ -37,13 +53,13 @@ typedef struct {
     PyObject *full, *storage;
     fs_params params;      /* the registration on the modules (hooks/params.h) */
     fs_grads grads;        /* the reduction's tensors (hooks/grads.h) */
-    /* [Note: plain events]: what Python handed, and this backward's arrivals */
-    int plain;             /* FS_PLAIN_* */
+    /* [Note: post-backward sequence]: what Python handed, and this backward's arrivals */
+    int plain;             /* FS_PB_* */
     int sums;              /* Python keeps reduce-dtype sums of backwards without sync */
     unsigned char *arrived; /* (arrived_cap) parameter i's gradient arrived */
     int arrived_cap, narrived;
     PyObject *owner;       /* a weak reference to the Python state, or NULL */
-    PyObject *fallback;    /* fallback(owner): the state's post-backward in Python */
+    PyObject *steps;       /* the post-backward's Python steps, each step(owner): FS_STEP_* */
     PyObject *watch;       /* tuple of callables: any true, and a profiler or mode watches */
     PyObject *weakrefs;
 } ShardGroupObject;

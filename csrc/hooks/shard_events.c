@@ -21,15 +21,19 @@
  * Python frame: gather and register the unsharded parameters, register the
  * sharded ones and free.
  *
- * [Note: plain events] The post-backward, once every trainable parameter's
- * gradient has arrived, has a plain path in C (reduce-scatter into the
- * sharded gradients, free, register the sharded parameters: here, over
- * grads.c and the engine) where Python handed FS_PLAIN_POST_BACKWARD and
- * nothing read at the call stands in its way (sums kept without sync, frozen
- * parameters, a hook on the reduce output, a device, a profiler or mode);
- * otherwise the arrivals call the state's Python post-backward
- * (fsdp2/state.py _post_backward), which handles every case through the
- * same reduction (fs_hooks_shard_reduce) and registration in C.
+ * [Note: post-backward sequence] The post-backward runs once every
+ * trainable parameter's gradient has arrived (the arrivals), or from the end
+ * of backward: one sequence here too (fs_hooks_shard_post_backward), its
+ * options ShardGroupObject.plain (FS_PB_*, handed by hand_options), its
+ * Python steps the state's (set_post_backward): the sums of backwards
+ * without sync added; with gradient sync the reduction, in C (reduce-scatter
+ * into the sharded gradients, freeing in the same engine call) where
+ * nothing read at the call stands in its way, else Python's step (torch's
+ * ranges, a device's deferred reduction, the bucket, a hook on the reduce
+ * output, frozen parameters, a subclass gradient), through the same
+ * reduction in C (fs_hooks_shard_reduce); in the reshard's range the
+ * reshard, in C, or Python's (held while a frozen parameter may still be
+ * read, an extension's free); without sync the gradients kept.
  *
  * CPython C API only; torch is reached through the callables handed in and
  * its public tensor API (grad_fn, register_prehook, register_hook,
@@ -112,41 +116,61 @@ void fs_hooks_shard_clear_arrived(ShardGroupObject *g)
     g->narrived = 0;
 }
 
-/* The plain post-backward: 1 done, 0 not plain now (nothing done), -1. */
-static int plain_post_backward(ShardGroupObject *g)
+static int context_enter(PyObject *ctx);
+static int leave_span(PyObject *ctx, int rc);
+
+static int call_step(ShardGroupObject *g, int i, PyObject *owner)
 {
-    const fs_params *p = &g->params;
-    if (!(g->plain & FS_PLAIN_POST_BACKWARD) || g->sums || p->trainable != p->n ||
-        g->grads.hold || g->comm->dev)
-        return 0;
-    int w = watched(g);
-    if (w)
-        return w < 0 ? -1 : 0;
-    PyObject *r = fs_hooks_shard_reduce(g, Py_None, 0, 1, NULL);
+    PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(g->steps, i), owner);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The reduction in C: 1 done, 0 Python's step must make it (a gradient of a
+ * subclass: it hands the values), -1. */
+static int reduce_in_c(ShardGroupObject *g)
+{
+    PyObject *r = fs_hooks_shard_reduce(g, Py_None, 0, (g->plain & FS_PB_RESHARD) != 0, NULL);
     if (!r)
         return -1;
     const int asked = r == Py_None;
     Py_DECREF(r);
-    if (asked)  /* a gradient of a subclass: Python hands its values */
-        return 0;
-    return release(g) < 0 ? -1 : 1;
+    return !asked;
 }
 
 int fs_hooks_shard_post_backward(ShardGroupObject *g)
 {
     fs_hooks_shard_clear_arrived(g);
-    int r = plain_post_backward(g);
-    if (r)
-        return r < 0 ? -1 : 0;
-    PyObject *owner = g->owner && g->fallback ? fs_weak_get(g->owner) : NULL;
+    PyObject *owner = g->owner && g->steps ? fs_weak_get(g->owner) : NULL;
     if (!owner)  /* the state is gone: nobody to run it for */
         return PyErr_Occurred() ? -1 : 0;
-    PyObject *out = PyObject_CallOneArg(g->fallback, owner);
+    const int o = g->plain, frozen = g->params.trainable != g->params.n;
+    int rc = watched(g), w = rc > 0;
+    rc = rc < 0 ? -1 : 0;
+    if (rc == 0 && (g->sums || (w && (o & FS_PB_RANGE))))
+        rc = call_step(g, FS_STEP_ACCUMULATE, owner);
+    if (rc == 0 && (o & FS_PB_SYNC)) {
+        if ((o & FS_PB_REDUCE_C) && !w && !g->sums && !frozen && !g->grads.hold && !g->comm->dev)
+            rc = reduce_in_c(g);
+        rc = rc < 0 ? -1 : rc ? 0 : call_step(g, FS_STEP_REDUCE, owner);
+    }
+    PyObject *span = NULL;
+    if (rc == 0 && w) {
+        span = PyObject_CallOneArg(PyTuple_GET_ITEM(g->steps, FS_STEP_SPAN), owner);
+        if (!span || context_enter(span) < 0) {
+            Py_CLEAR(span);
+            rc = -1;
+        }
+    }
+    if (rc == 0 && (o & FS_PB_RESHARD))
+        rc = frozen || !(o & FS_PB_RESHARD_C) ? call_step(g, FS_STEP_RESHARD, owner) : release(g);
+    if (rc == 0 && !(o & FS_PB_SYNC))
+        rc = call_step(g, FS_STEP_UNSYNCED, owner);
+    rc = leave_span(span, rc);
     Py_DECREF(owner);
-    if (!out)
-        return -1;
-    Py_DECREF(out);
-    return 0;
+    return rc;
 }
 
 PyObject *fs_hooks_shard_arrive(ShardGroupObject *g, int i)
@@ -228,6 +252,15 @@ static int run_hooks(const fs_shard_event *self, int hooks)
     return hooks ? call0(self->hook_grads) : 0;
 }
 
+static int context_enter(PyObject *ctx)
+{
+    PyObject *r = PyObject_CallMethod(ctx, "__enter__", NULL);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 /* The event's range while a profiler or mode watches g: span() entered, or
  * NULL (none: *err 0; an exception: *err 1). */
 static PyObject *enter_span(const fs_shard_event *ev, ShardGroupObject *g, int *err)
@@ -237,13 +270,11 @@ static PyObject *enter_span(const fs_shard_event *ev, ShardGroupObject *g, int *
     if (w <= 0)
         return NULL;
     PyObject *ctx = PyObject_CallNoArgs(ev->span);
-    PyObject *r = ctx ? PyObject_CallMethod(ctx, "__enter__", NULL) : NULL;
-    if (!r) {
+    if (!ctx || context_enter(ctx) < 0) {
         Py_XDECREF(ctx);
         *err = 1;
         return NULL;
     }
-    Py_DECREF(r);
     return ctx;
 }
 

@@ -1,4 +1,4 @@
-/* shard_events.h - a fully_shard group's events ([Note: plain events] in
+/* shard_events.h - a fully_shard group's events ([Note: event sequences] in
  * shard_events.c): the sequence each hook torch calls runs, over the
  * group's own fields (glue/shard_group_object.h). */
 #ifndef FS_HOOKS_SHARD_EVENTS_H
@@ -67,9 +67,9 @@ PyObject *fs_hooks_shard_event(const fs_shard_event *ev, PyObject *const *args, 
 PyObject *fs_hooks_shard_arrive(ShardGroupObject *g, int i);
 /* No gradient arrived yet in this backward. */
 void fs_hooks_shard_clear_arrived(ShardGroupObject *g);
-/* The post-backward, once this backward's arrivals are forgotten: the plain
- * one where it applies now, else the state's (g->fallback(owner)). 0, or -1
- * with an exception set. */
+/* The post-backward's sequence, once this backward's arrivals are forgotten
+ * ([Note: post-backward sequence] in shard_events.c). 0, or -1 with an
+ * exception set. */
 int fs_hooks_shard_post_backward(ShardGroupObject *g);
 /* reduce_grads' reduction (its doc in glue/py_shard_group.c): None (Python
  * must hand the gradients), 0, 1 or 2; NULL with an exception set. */

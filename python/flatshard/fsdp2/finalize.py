@@ -195,7 +195,7 @@ def _finalize_groups(root):
             continue
         if st.post_backward_pending or (st.requires_gradient_sync and g.has_unsharded_grads()):
             st.post_backward_pending = False
-            g.c.post_backward()  # the plain one, else st._post_backward
+            g.c.post_backward()  # its sequence: [Note: post-backward sequence]
         elif st.reshard_after_backward:
             st.forget_held_reshard()
             g.reshard()

@@ -108,8 +108,8 @@ class ParamGroup(ShardedParams, GroupGrads):
         # The state's events ([Note: event sequences] in
         # csrc/hooks/shard_events.c): its _C.Event hooks, the post-backward
         # the engine group's arrivals fall back on (the state, weakly; its
-        # post-backward; what watches), and whether the post-backward may be
-        # plain (FSDPState.hand_options): handed to every engine group made.
+        # post-backward's steps; what watches), and what the post-backward
+        # does (FSDPState.hand_options): handed to every engine group made.
         self.events = ()
         self.post_backward = None
         self.owner = None  # the state, weakly (attach): its flags follow `ext`
@@ -299,13 +299,13 @@ class ParamGroup(ShardedParams, GroupGrads):
     all_reduce_hook = _option("all_reduce_hook")
     del _option
 
-    def attach(self, owner, post_backward, watch):
-        """The state (a weak reference) whose post_backward(state) the
-        engine group's arrivals run where the plain one does not apply, and
-        the callables that say a profiler or mode watches ([Note: plain
-        events] in csrc/hooks/shard_events.c)."""
+    def attach(self, owner, steps, watch):
+        """The state (a weak reference) whose post-backward's Python steps,
+        each step(state), the engine group's sequence calls where they
+        apply, and the callables that say a profiler or mode watches ([Note:
+        post-backward sequence] in csrc/hooks/shard_events.c)."""
         self.owner = owner
-        self.post_backward = (owner, post_backward, watch)
+        self.post_backward = (owner, steps, watch)
         self.c.set_post_backward(*self.post_backward)
 
     @property
@@ -328,8 +328,8 @@ class ParamGroup(ShardedParams, GroupGrads):
 
     @property
     def plain(self):
-        """Whether the state's post-backward may take the plain path:
-        _C.PLAIN_POST_BACKWARD or 0 (its FSDPState.hand_options decides)."""
+        """What the state's post-backward does: _C.PB_* flags (its
+        FSDPState.hand_options decides)."""
         return self._plain
 
     @plain.setter

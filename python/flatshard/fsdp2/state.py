@@ -229,7 +229,7 @@ class FSDPState:
         if g is None:
             return
         if g.c.arrived or (self.requires_gradient_sync and g.has_unsharded_grads()):
-            g.c.post_backward()  # the plain one, else _post_backward
+            g.c.post_backward()  # its sequence: [Note: post-backward sequence]
         elif self.reshard_after_backward and (g.registered_unsharded or g.c.is_unsharded or
                                               g.post_chunk is not None):
             g.reshard()
@@ -342,8 +342,8 @@ class FSDPState:
         """Parameter i's post-accumulate-grad hook: its gradient has
         arrived; once every trainable parameter's has, the post-backward
         (flatshard._C.Arrival: counted by the engine group, whose plain
-        post-backward runs there, else this state's _post_backward; [Note:
-        plain events] in csrc/hooks/shard_events.c). It holds the
+        post-backward runs there: [Note: post-backward sequence] in
+        csrc/hooks/shard_events.c). It holds the
         group weakly ([Note: hooks hold their state weakly] in
         runtime/grad_hooks.py)."""
         return eager.wrap(_C.Arrival(self.group.c, i))
@@ -353,11 +353,15 @@ class FSDPState:
         objects, whose sequences are C's ([Note: one sequence per event]),
         calling the steps below that need Python where their options
         (hand_options) say; the engine group's arrivals run the
-        post-backward ([Note: plain events] in csrc/hooks/shard_events.c).
+        post-backward ([Note: post-backward sequence] there).
         Returns the forward pre-hook and hook."""
         c = None if group is None else group.c
         if group is not None:
-            group.attach(weakref.ref(self), FSDPState._post_backward, (_profiling, _depth))
+            group.attach(weakref.ref(self), (
+                FSDPState._accumulate_grads, FSDPState._reduce_grads,
+                FSDPState._reshard_after_backward, FSDPState._keep_unsynced,
+                functools.partial(FSDPState._span, name="FSDP::post_backward_reshard")),
+                (_profiling, _depth))
         pb = _C.Event(_C.EVENT_PRE_BACKWARD, c, hook_grads=self._hook_grads,
                       span=functools.partial(self._span, "FSDP::pre_backward"),
                       step=self._gather_backward, prefetch=self._prefetch_backward)
@@ -395,9 +399,9 @@ class FSDPState:
             prefetch list for the pass and no async_op, else Python's; the
             begin (lazy init, the root, the order, the input cast: not
             lean); the prefetch (a list, a device's implicit one);
-          the post-backward's plain flag (the engine group's
-            _C.PLAIN_POST_BACKWARD): a lean state as above, gradient sync,
-            reshard after backward and no reduction bucket.
+          the post-backward's (the engine group's _C.PB_*): gradient sync,
+            reshard after backward, both in C with a lean state as above
+            (the reduction also without a bucket), torch's accumulate range.
         What can change within a step the C sequences check at each call."""
         g, root = self.group, self.root
         raf = self.reshard_after_forward
@@ -429,10 +433,13 @@ class FSDPState:
         pf.opts, po.opts, pb.opts = fwd, post, pre
         if root is not None and root.tree is not None:
             pb.latch = root.tree.latch
-        if g is not None:
-            g.plain = _C.PLAIN_POST_BACKWARD if (
-                lean and whole and self.requires_gradient_sync and
-                self.reshard_after_backward and not root.tree.bucket.budget) else 0
+        if g is not None:  # [Note: post-backward sequence] in csrc/hooks/shard_events.c
+            pb = (_C.PB_SYNC if self.requires_gradient_sync else 0) | \
+                (_C.PB_RESHARD if self.reshard_after_backward else 0) | \
+                (_C.PB_RANGE if torch_facts.post_backward_accumulate_range() else 0)
+            if lean and whole:
+                pb |= _C.PB_RESHARD_C | (0 if root.tree.bucket.budget else _C.PB_REDUCE_C)
+            g.plain = pb
 
     @eager.hook
     def _to_sharded_hook(self, *args, **kwargs):
@@ -512,8 +519,8 @@ class FSDPState:
     # CommDebugMode's counts (while one watches), the casts of mixed
     # precision, the gathers with states joined (gather-ahead, a prefetch
     # list), async_op or a device, the prefetches, frozen parameters' watch.
-    # The post-backward runs from the engine group's arrivals: its plain
-    # path in C, or _post_backward ([Note: plain events] there).
+    # The post-backward runs from the engine group's arrivals, one sequence
+    # in C too ([Note: post-backward sequence] there).
 
     # the pre-forward's steps that need Python (its sequence: _events)
 
@@ -647,40 +654,45 @@ class FSDPState:
         self.reading.clear()
         self.reshard_due = False
 
-    def _post_backward(self):
-        """The post-backward where the engine group's plain one does not
-        apply (its fallback: csrc/hooks/shard_events.c, which forgot this
-        backward's arrivals first): torch's ranges, the deferred reduction
-        of a device, no gradient sync, resharding held for a frozen
-        parameter, or none after backward. Reached through the engine
-        group's post_backward() (its arrivals, the end of backward,
-        finalize), never called by itself."""
-        reading = bool(self.reading)  # a frozen parameter may still be read
-        g = self.group
+    # the post-backward's steps that need Python (its sequence: C's, [Note:
+    # post-backward sequence] in csrc/hooks/shard_events.c), each given the
+    # state by the engine group (it holds the state weakly)
+
+    def _accumulate_grads(self):
+        """This backward's gradients added to the sums kept without sync, in
+        torch's range where this torch has it."""
         with (self._span("FSDP::post_backward_accumulate")
               if torch_facts.post_backward_accumulate_range() else observe.NOTHING):
-            g.accumulate_unsharded_grads()  # (torch 2.15's autograd does it, in no range)
-        if self.requires_gradient_sync:
-            root = self.root or self
-            # the previous group's, before this one is issued (torch labels
-            # its wait "(fqn)" even for the root's empty fqn)
-            with (observe.span("FSDP::post_backward_rs_wait (", self.fqn, ")")
-                  if root.tree.reduced else observe.NOTHING):
-                root.finish_reducing()
-            with observe.counted_span(_issued, g, g.comm, "FSDP::post_backward_reduce",
-                                      self.label):
-                if g.reduce_grads(defer=True, bucket=root.tree.bucket,
-                                  reshard=self.reshard_after_backward and not reading):
-                    root.tree.inflight.issued(self, g.finish_reduce)
-            root.tree.reduced = True
-        with self._span("FSDP::post_backward_reshard"):
-            if self.reshard_after_backward:
-                if reading:  # a frozen parameter may still be read
-                    self.reshard_due = True
-                else:
-                    g.reshard()
-            if not self.requires_gradient_sync:
-                g.to_accumulated_grads()
+            self.group.accumulate_unsharded_grads()  # (torch 2.15's autograd: no range)
+
+    def _reduce_grads(self):
+        """The reduction where C's does not apply: torch's ranges and
+        CommDebugMode's counts, the reduction in flight landed first (a
+        device's), the bucket, resharding in the same call unless a frozen
+        parameter may still be read."""
+        g, root = self.group, self.root or self
+        # the previous group's, before this one is issued (torch labels its
+        # wait "(fqn)" even for the root's empty fqn)
+        with (observe.span("FSDP::post_backward_rs_wait (", self.fqn, ")")
+              if root.tree.reduced else observe.NOTHING):
+            root.finish_reducing()
+        with observe.counted_span(_issued, g, g.comm, "FSDP::post_backward_reduce", self.label):
+            if g.reduce_grads(defer=True, bucket=root.tree.bucket,
+                              reshard=self.reshard_after_backward and not self.reading):
+                root.tree.inflight.issued(self, g.finish_reduce)
+        root.tree.reduced = True
+
+    def _reshard_after_backward(self):
+        """The reshard where C's does not apply: held while a frozen
+        parameter may still be read, an extension's free with it."""
+        if self.reading:
+            self.reshard_due = True
+        else:
+            self.group.reshard()
+
+    def _keep_unsynced(self):
+        """No gradient sync: the gradients kept as reduce-dtype sums."""
+        self.group.to_accumulated_grads()
 
     def finish_reducing(self):
         """Root only: land the reduction left in flight, if any."""

@@ -10,7 +10,7 @@ keeps for every member under it (an FSDP1 unit, or a fully_shard state).
   final       the end-of-backward callback, queued once per backward on the
               autograd engine; whether it is (final_queued) is a flatshard._C.Latch
               (`latch`) that fully_shard's plain pre-backward reads in C
-              ([Note: plain events] in csrc/hooks/shard_events.c)
+              ([Note: event sequences] in csrc/hooks/shard_events.c)
 
 What the end of backward then does (which members finalize, in what order,
 whether the reduction in flight is landed or each member waits for its own)
