@@ -78,6 +78,11 @@ ENV = {
         "through the copy of step STEP's snapshot, `commit:STEP[:RANK]` right after it "
         "announced that it holds step STEP. Only in the first run of a torchrun job "
         "(TORCHELASTIC_RESTART_COUNT 0 or unset)."),
+    "FLATSHARD_SNAPSHOT_HOST_RANKS": (
+        "(none)",
+        "For tests: one machine seen by flatshard.Snapshots as several hosts, each N "
+        "consecutive ranks one host (their buddy copies go to the next one, and a rank "
+        "restores from the segments of its own simulated host only)."),
     # Read by setup.py when building:
     "FLATSHARD_NO_CUDA": (
         "0",
