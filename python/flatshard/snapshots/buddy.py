@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, envvars
-from ..errors import bad_value
+from ..errors import ConfigError, bad_value
 from ..runtime.comm import _host_identity
 from . import names
 from .parts import as_bytes
@@ -136,7 +136,9 @@ class BuddyCopy:
             try:
                 seg.write(step, ps, budget=self.budget)
             except ValueError as e:
-                raise ValueError(f"the buddy copy of rank {o}: {e}") from None
+                raise ConfigError(f"flatshard.Snapshots: budget={self.budget} (or "
+                                  f"FLATSHARD_SNAPSHOT_BUDGET) is too small for the buddy copy "
+                                  f"of rank {o}: {e}") from None
             seg.wait()
 
     def drop_after(self, step):
