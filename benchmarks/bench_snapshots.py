@@ -9,6 +9,8 @@
    the next optimizer.step for the copy, when it was not done).
 2. Host memory: each rank's segment against its fp32 parameter shard plus
    optimizer state (one copy).
+4. The same snapshots with the buddy copy (each rank taken as a host of
+   its own: FLATSHARD_SNAPSHOT_HOST_RANKS=1), a third model in the turns.
 3. The restore after a crash, in the restarted process, against a restart
    from flatshard.save_checkpoint on local disk (a temporary directory):
    from a freshly built model to the end of the next step, both ways. The
@@ -66,25 +68,30 @@ def worker(rank, port, args, out):
     spec = MODELS["transformer"]()
     batch = spec["make_batch"](rank)
     job = f"bench{port}"
-    res = {"plain": [], "snap": []}
-    plain, snapped = build(spec), build(spec)
+    res = {"plain": [], "snap": [], "buddy": []}
+    plain, snapped, buddied = build(spec), build(spec), build(spec)
     snaps = flatshard.Snapshots(*snapped, job=job)
     snaps.restore()
+    # the buddy copy: each rank a host of its own (the copy goes over gloo)
+    os.environ["FLATSHARD_SNAPSHOT_HOST_RANKS"] = "1"
+    bsnaps = flatshard.Snapshots(*buddied, job=job + "b")
+    del os.environ["FLATSHARD_SNAPSHOT_HOST_RANKS"]
+    bsnaps.restore()
     n = 0
     for _ in range(args.warmup):
         step(*plain, spec, batch)
         step(*snapped, spec, batch, snaps, n)
+        step(*buddied, spec, batch, bsnaps, n)
         n += 1
     for i in range(args.steps):
-        order = [("plain", None), ("snap", snaps)]
-        if i % 2:
-            order.reverse()
-        for name, s in order:
-            if s is None:
-                res[name].append(step(*plain, spec, batch))
-            else:
-                res[name].append(step(*snapped, spec, batch, s, n))
-                n += 1
+        order = [("plain", plain, None), ("snap", snapped, snaps), ("buddy", buddied, bsnaps)]
+        order = order[i % 3:] + order[:i % 3]
+        for name, m, s in order:
+            res[name].append(step(*m, spec, batch) if s is None else
+                             step(*m, spec, batch, s, n))
+        n += 1
+    res["buddy_segment_bytes"] = bsnaps.segment_bytes
+    bsnaps.close()
     snaps._snap.wait()
     model, opt = snapped
     state = sum(nbytes(local(p)) for p in model.parameters()) + sum(
@@ -142,12 +149,16 @@ def main():
     args = p.parse_args()
     res = run_ranks(worker, WORLD, args)
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; {WORLD} ranks, one thread each")
-    for name in ("plain", "snap"):
+    for name in ("plain", "snap", "buddy"):
         xs = res[name]
         print(f"{name:6s} step median {statistics.median(xs):8.2f} ms  "
               f"p10-p90 {pct(xs, .1):.2f}-{pct(xs, .9):.2f}")
     ratio = statistics.median(res["snap"]) / statistics.median(res["plain"])
     print(f"snapshots every step: x{ratio:.3f} of the step ({(ratio - 1) * 100:+.1f}%)")
+    ratio = statistics.median(res["buddy"]) / statistics.median(res["plain"])
+    print(f"with the buddy copy (each rank a host): x{ratio:.3f} of the step "
+          f"({(ratio - 1) * 100:+.1f}%); own + held buddy segments "
+          f"{res['buddy_segment_bytes']:,} bytes")
     print(f"segment {res['segment_bytes']:,} bytes; shard + optimizer state "
           f"{res['state_bytes']:,} bytes: x{res['segment_bytes'] / res['state_bytes']:.2f} "
           "(two slots)")

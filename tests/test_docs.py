@@ -178,8 +178,12 @@ def test_command_runs(path, cmd, tmp_path, request):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     shutil.copytree(os.path.join(ROOT, "docs"), tmp_path / "docs")  # commands may write there
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    script = "set -e\n" + re.sub(r"(^|[;&|(]\s*)python3?(?=\s)", lambda m: m.group(1) + sys.executable,
-                                  cmd, flags=re.M)
+    # python and torchrun are this interpreter's (the leg under test)
+    script = "set -e\n" + re.sub(
+        r"(^|[;&|(]\s*)(python3?|torchrun)(?=\s)",
+        lambda m: m.group(1) + sys.executable + (" -m torch.distributed.run"
+                                                 if m.group(2) == "torchrun" else ""),
+        cmd, flags=re.M)
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -100,6 +100,11 @@ ENV = {
         "compare a CRC-32C of each (ReplicaDriftWarning names the first that differs); 0: "
         "never. The wrappers' `check_replicas_every` argument wins. Must be the same on every "
         "rank. Read at each wrap."),
+    "FLATSHARD_SNAPSHOT_HOST_RANKS": (
+        "(none)",
+        "For tests: one machine seen by flatshard.Snapshots as several hosts, each N "
+        "consecutive ranks one host (their buddy copies go to the next one, and a rank "
+        "restores from the segments of its own simulated host only)."),
     # Read by setup.py when building:
     "FLATSHARD_NO_CUDA": (
         "0",

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from .. import _C, envvars
 from ..errors import ConfigError, ConfigTypeError, bad_value
 from . import names, record
+from .buddy import BuddyCopy, host_of
+from .parts import BufferPart, SlotPart
 
 
 class SnapshotError(RuntimeError):
@@ -121,81 +123,123 @@ class Snapshots:
         self._snap = None
         self._pending = None  # the step whose copy was started and that does not count yet
         self._keep = None     # its sources, alive until the copy is done
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, host_of(self.rank))
+        self._hosts = hosts
+        self._buddy = BuddyCopy(self.job, self.rank, hosts, budget)
         self._hook = optimizer.register_step_pre_hook(self._before_step)
         atexit.register(_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ restore
 
     def restore(self):
-        """Put back this rank's state of the newest step every rank holds
-        whole (checksums checked); -> the step to start from (0 when there is
-        none). Every rank calls it, before training."""
+        """Put back this rank's state of the newest step whose every rank's
+        part is held whole (checksums checked) by its own copy or its buddy
+        copy; -> the step to start from (0 when there is none). Every rank
+        calls it, before training."""
         self._open()
         mine = self._survey()
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
-        saved_worlds = {w for r in everyone for w in r["worlds"].values()}
+        saved_worlds = {w for r in everyone for h in r["held"].values() for w in h.values()}
         if saved_worlds - {self.world_size}:
             raise SnapshotError(
                 f"flatshard.Snapshots: the snapshots of job {self.job!r} were taken at world "
                 f"size {sorted(saved_worlds)}, this job has {self.world_size} ranks; restoring "
                 f"on another world size is not built in this version. {self._resume_hint()}")
-        held = [set(r["worlds"]) for r in everyone]
+        ranks = range(self.world_size)
+        held = [set().union(*(r["held"].get(o, {}) for r in everyone)) for o in ranks]
+        damaged = [[d for r in everyone for d in r["damaged"].get(o, [])] for o in ranks]
         common = set.intersection(*held)
         if not common:
-            if not any(held) and not any(r["damaged"] for r in everyone):
+            if not any(held) and not any(damaged):
                 return 0
-            lines = [f"rank {r}: holds steps {sorted(h) or 'none'}"
-                     + (f"; {'; '.join(everyone[r]['damaged'])}" if everyone[r]["damaged"]
-                        else "") for r, h in enumerate(held)]
             newest = max((max(h) for h in held if h), default=None)
+            lines = [f"rank {o}: holds steps {sorted(h) or 'none'}"
+                     + (f"; {'; '.join(damaged[o])}" if damaged[o] else "")
+                     for o, h in enumerate(held)]
+            lost = [o for o in ranks if newest not in held[o]]
             raise SnapshotError(
                 f"flatshard.Snapshots: no step of job {self.job!r} is held whole by every rank "
-                f"(the newest any rank holds: {newest}), so none can be restored:\n  "
-                + "\n  ".join(lines) + f"\n{self._resume_hint()}")
+                f"(the newest any rank holds: {newest}), so none can be restored; at step "
+                f"{newest} both copies (own and buddy) of the parts of rank(s) {lost} are lost "
+                f"or damaged:\n  " + "\n  ".join(lines) + f"\n{self._resume_hint()}")
         step = max(common)
-        slots = self._snap.slots()
-        slot = [i for i, s in enumerate(slots) if s[0] and s[1] == step][0]
-        for i, s in enumerate(slots):
-            if s[0] and s[1] > step:
-                self._snap.drop(i)  # not held by every rank: computed again
-        last = self._snap.part_bytes(slot, slots[slot][2] - 1)
-        data = torch.empty(last, dtype=torch.uint8)
-        self._snap.read(slot, slots[slot][2] - 1, data.data_ptr(), last)
-        where = f"step {step} in {self.name}"
-        rec = record.load_record(data.numpy().tobytes(), where)
+        for seg in [self._snap] + list(self._buddy.segs.values()):
+            for i, s in enumerate(seg.slots()):
+                if s[0] and s[1] > step:
+                    seg.drop(i)  # not held for every rank: computed again
+        part = self._fetch(step, everyone)
+        where = f"step {step} of rank {self.rank}"
+        rec = record.load_record(part.read_all(part.nparts - 1).numpy().tobytes(), where)
         tensors = record.targets(self.model, self.optimizer, rec, where)
-        if len(tensors) != slots[slot][2] - 1:
-            raise SnapshotError(f"flatshard.Snapshots: {where} has {slots[slot][2] - 1} tensor "
+        if len(tensors) != part.nparts - 1:
+            raise SnapshotError(f"flatshard.Snapshots: {where} has {part.nparts - 1} tensor "
                                 f"parts, its record describes {len(tensors)}")
         with torch.no_grad():
             for i, t in enumerate(tensors):
-                self._snap.read(slot, i, t.data_ptr(), record.nbytes(t))
+                part.read_into(i, t)
+        part.close()
         record.apply(self.optimizer, self.stateful, rec)
         self.committed = step
         return step + 1
 
+    def _local_segments(self):
+        """This job's segments on this host (own and buddy copies); under
+        FLATSHARD_SNAPSHOT_HOST_RANKS (one machine as several hosts) those
+        of ranks this rank's simulated host holds."""
+        segs = names.list_segments(self.job)
+        if envvars.read("FLATSHARD_SNAPSHOT_HOST_RANKS"):
+            segs = [s for s in segs if s["rank"] < self.world_size and
+                    self._hosts[s["rank"]] == self._hosts[self.rank]]
+        return segs
+
     def _survey(self):
-        """This rank's slots: the steps it holds whole (with the world size
-        each was taken at) and the damaged ones, named."""
-        worlds, damaged = {}, []
-        for i, (complete, step, nparts, _) in enumerate(self._snap.slots()):
-            if not complete:
+        """The steps this host's segments hold whole, by the rank whose part
+        they are (with the world size each was taken at), the damaged ones
+        named, and where each is (self._where)."""
+        held, damaged, self._where = {}, {}, {}
+        for seg in self._local_segments():
+            owner, name = seg["owner"], seg["name"]
+            try:
+                snap = _C.Snapshot(name, create=False)
+            except (OSError, RuntimeError):
                 continue
-            bad = self._snap.verify(i)
-            if bad == -1:
-                n = self._snap.part_bytes(i, nparts - 1)
-                data = torch.empty(n, dtype=torch.uint8)
-                self._snap.read(i, nparts - 1, data.data_ptr(), n)
-                rec = record.load_record(data.numpy().tobytes(), f"step {step} in {self.name}")
-                worlds[step] = rec["world_size"]
-            elif bad == -2:
-                damaged.append(f"step {step} in {self.name}: its part table is damaged")
-            else:
-                what = "the record (optimizer settings, RNG, stateful objects)" \
-                    if bad == nparts - 1 else f"tensor part {bad}"
-                damaged.append(f"step {step} in {self.name}: {what} fails its CRC-32C")
-        return {"worlds": worlds, "damaged": damaged}
+            for i, (complete, step, nparts, _) in enumerate(snap.slots()):
+                if not complete:
+                    continue
+                bad = snap.verify(i)
+                if bad == -1:
+                    data = SlotPart(snap, i, close=False).read_all(nparts - 1)
+                    rec = record.load_record(data.numpy().tobytes(), f"step {step} in {name}")
+                    held.setdefault(owner, {})[step] = rec["world_size"]
+                    if (owner, step) not in self._where or owner == seg["rank"]:
+                        self._where[(owner, step)] = name
+                elif bad == -2:
+                    damaged.setdefault(owner, []).append(
+                        f"step {step} in {name}: its part table is damaged")
+                else:
+                    what = "the record (optimizer settings, RNG, stateful objects)" \
+                        if bad == nparts - 1 else f"tensor part {bad}"
+                    damaged.setdefault(owner, []).append(
+                        f"step {step} in {name}: {what} fails its CRC-32C")
+            snap.close()
+        return {"held": held, "damaged": damaged}
+
+    def _fetch(self, step, everyone):
+        """This rank's part of `step`: from a segment on its host, else sent
+        by the lowest rank whose host holds it (a buddy copy)."""
+        for o in range(self.world_size):
+            if step in everyone[o]["held"].get(o, {}):
+                continue  # on its own rank's host
+            p = min(r for r in range(self.world_size) if step in everyone[r]["held"].get(o, {}))
+            if self.rank == p:
+                SlotPart.open(self._where[(o, step)], step).send(o)
+            elif self.rank == o:
+                got = BufferPart.recv(p)
+        if step in everyone[self.rank]["held"].get(self.rank, {}):
+            return SlotPart.open(self._where[(self.rank, step)], step)
+        return got
 
     def _resume_hint(self):
         if self.checkpoint_dir is None:
@@ -242,6 +286,8 @@ class Snapshots:
                               f"FLATSHARD_SNAPSHOT_BUDGET) is too small: {e}. Raise it (each of the "
                               "two slots holds one step's state)") from None
         self._keep, self._pending = (tensors, rec), step
+        if self._buddy.active:
+            self._buddy.start(step, tensors + [rec])
         if stop >= 0:
             self._snap.wait()
             _die()  # FLATSHARD_SNAPSHOT_FAULT: a crash in the middle of the copy
@@ -250,6 +296,7 @@ class Snapshots:
         """The pending step counts once every rank holds it."""
         step = self._pending
         self._snap.wait()
+        self._buddy.wait()
         self._keep = None
         key = f"{self._keys}{step}"
         n = self._store.add(key, 1)
@@ -266,13 +313,16 @@ class Snapshots:
     def _before_step(self, optimizer, args, kwargs):
         if self._snap is not None and self._snap.busy():
             self._snap.wait()  # the copy reads the parameters the step writes
+        self._buddy.sources_done()  # and so does the buddy copy's packing
 
     # ------------------------------------------------------------------ the end
 
     @property
     def segment_bytes(self):
-        """Bytes of shared memory this rank's segment holds now."""
-        return 0 if self._snap is None else self._snap.segment_bytes()
+        """Bytes of shared memory this rank's segments (its own, and the
+        buddy copies it holds) take now."""
+        return 0 if self._snap is None else \
+            self._snap.segment_bytes() + self._buddy.segment_bytes()
 
     def close(self):
         """A finished run: the last step counts, and the segment is removed.
@@ -283,6 +333,7 @@ class Snapshots:
 
     def _remove(self):
         self._hook.remove()
+        self._buddy.close(remove=True)
         if self._snap is not None:
             self._snap.close()
             self._snap = None
@@ -298,6 +349,7 @@ class Snapshots:
         if exc_type is None:
             self.close()
         elif self._snap is not None:  # kept for the restart
+            self._buddy.close(remove=False)
             self._snap.close()
             self._snap = None
         return False
@@ -305,3 +357,4 @@ class Snapshots:
     def _open(self):
         if self._snap is None:
             self._snap = _C.Snapshot(self.name, create=True)
+            self._buddy.open_held()

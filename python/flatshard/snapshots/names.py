@@ -29,14 +29,23 @@ def job_name(job):
     return job
 
 
+_SEGMENT = re.compile(r"^(.+)-r(\d+)(?:-buddy(\d+))?$")
+
+
 def segment_name(job, rank):
     return f"/{PREFIX}{job}-r{rank}"
 
 
+def buddy_name(job, holder, owner):
+    """The copy of rank `owner`'s snapshot that rank `holder` keeps (snapshots/buddy.py)."""
+    return f"/{PREFIX}{job}-r{holder}-buddy{owner}"
+
+
 def list_segments(job=None):
     """Every snapshot segment on this host (of `job` only, when given): dicts
-    of name, job, rank, bytes, the complete steps it holds, owner uid and
-    the time it was last written."""
+    of name, job, rank (its holder), owner (the rank whose snapshot it holds:
+    rank itself, or another for a buddy copy), bytes, the complete steps it
+    holds, owner uid and the time it was last written."""
     out = []
     try:
         names = sorted(os.listdir(SHM_DIR))
@@ -45,9 +54,11 @@ def list_segments(job=None):
     for n in names:
         if not n.startswith(PREFIX):
             continue
-        j, _, r = n[len(PREFIX):].rpartition("-r")
-        if not r.isdigit() or (job is not None and j != job):
+        m = _SEGMENT.match(n[len(PREFIX):])
+        if m is None or (job is not None and m.group(1) != job):
             continue
+        j, r = m.group(1), int(m.group(2))
+        owner = r if m.group(3) is None else int(m.group(3))
         try:
             st = os.stat(os.path.join(SHM_DIR, n))
         except FileNotFoundError:
@@ -59,7 +70,7 @@ def list_segments(job=None):
             snap.close()
         except (OSError, RuntimeError):
             pass  # not ours to read, or not a snapshot store: listed without its steps
-        out.append({"name": "/" + n, "job": j, "rank": int(r), "bytes": st.st_size,
+        out.append({"name": "/" + n, "job": j, "rank": r, "owner": owner, "bytes": st.st_size,
                     "steps": steps, "uid": st.st_uid, "mtime": st.st_mtime})
     return out
 
