@@ -42,6 +42,13 @@ class NotBuiltError(ConfigError):
     Raised instead of silently ignoring the option."""
 
 
+class ReductionCheckError(ConfigError, RuntimeError):
+    """A Comm's reductions gave a wrong result on the known-answer check
+    made when the Comm is built (runtime/comm_check.py): a backend that sums
+    where it should average, or worse. Raised on every rank, before any
+    gradient is reduced through it."""
+
+
 class OutOfMemoryError(MemoryError):
     """An allocation inside flatshard failed on this rank. The message carries
     the rank's memory breakdown and the options that would lower it; on the

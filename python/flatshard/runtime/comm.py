@@ -38,6 +38,7 @@ from .. import _C, envvars, torch_facts
 from ..errors import bad_type, bad_value
 from ..tensors import check_plain, dtype_code
 from . import diagnostics
+from .comm_check import check_reductions
 from .device import cuda_comm, memory_of, tensor_fits
 from .timeout import wait_timeout
 
@@ -110,13 +111,15 @@ def _torch_collective(group):
     return run
 
 
-def custom_comm(group, all_gather=None, reduce_scatter=None):
+def custom_comm(group, all_gather=None, reduce_scatter=None, reduce_dtype=torch.float32):
     """A torch-backend Comm over `group` whose all-gathers and reduce-scatters
     call the user's objects (torch's AllGather / ReduceScatter protocol:
     fully_shard's set_custom_all_gather / set_custom_reduce_scatter) with
     the engine's buffers, and everything else torch's collectives. Their
     allocate() is not called: the engine owns its buffers. Not cached: one
-    per group that sets them."""
+    per group that sets them. A custom reduce-scatter's arithmetic is
+    checked at once in `reduce_dtype` (comm_check.py), on every rank of
+    `group`."""
     default = _torch_collective(group)
     no_stash = _NoStashedContext()
 
@@ -136,7 +139,14 @@ def custom_comm(group, all_gather=None, reduce_scatter=None):
         else:
             default(op, a, b, arg)
 
-    return _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group), fn=run)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if reduce_scatter is not None:  # checked with torch's all-gather: the user's is not counted on
+        def user_reduce_scatter_only(op, a, b, arg):
+            (run if op == "reduce_scatter" else default)(op, a, b, arg)
+        check_reductions(_C.Comm("torch", rank, world, fn=user_reduce_scatter_only),
+                         f"custom reduce-scatter {type(reduce_scatter).__name__}",
+                         (reduce_dtype,), ("reduce_scatter",))
+    return _C.Comm("torch", rank, world, fn=run)
 
 
 _SELF = {}  # global rank -> its Comm (ranks may be threads of one process)
@@ -332,7 +342,9 @@ def _register_exit_hook():
 def comm_for(group, backend="torch", device=None):
     """The Comm of a process group for a requested backend (cached: the
     choice and the set-up are collectives, made once per group). Units on a
-    CUDA `device` get its device Comm (device.py; backend 'nccl')."""
+    CUDA `device` get its device Comm (device.py; backend 'nccl'). A new
+    host Comm's reductions are checked against known answers
+    (comm_check.py) before it is returned."""
     _register_exit_hook()
     if device is not None and device.type == "cuda":
         return cuda_comm(group, device)
@@ -374,6 +386,7 @@ def comm_for(group, backend="torch", device=None):
                        fn=_torch_collective(group))
     diagnostics.install(comm, group, f"{group.group_name}/{backend}", timeout_s,
                         [(f"{host}|{ns}", int(pid)) for pid, ns, host in peers])
+    check_reductions(comm, chosen)
     _COMMS[key] = (group, comm)
     return comm
 
