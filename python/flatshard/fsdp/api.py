@@ -75,9 +75,10 @@ class FullyShardedDataParallel(nn.Module):
     CUDA device the shards and gradients stay in pinned host memory, staged
     on the device for each gather; not with NO_SHARD or SHARD_OPTIM there);
     auto_wrap_policy (torch's or flatshard's policies); backward_prefetch;
-    forward_prefetch; limit_all_gathers
-    (collectives are ordered on the caller's stream, so at most one
-    all-gather is ever in flight); ignored_modules / ignored_states;
+    forward_prefetch; limit_all_gathers (accepted, no effect: collectives
+    are ordered after the caller's stream, so at most two all-gathers, a
+    prefetch and the one issued, are ever in flight: docs/migrating.md);
+    ignored_modules / ignored_states;
     param_init_fn; device_id (CPU, or a CUDA device with flatshard's NCCL
     backend); sync_module_states; use_orig_params; device_mesh (1-D).
     mixed_precision (under NO_SHARD the whole shard is cast at each forward).
