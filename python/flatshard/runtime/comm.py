@@ -50,6 +50,7 @@ STAGING_CHOICES = ("auto", "cached", "streamed")
 # Staging per rank in the shm segment: _C.SHM_SECTIONS sections, one chunk
 # in flight each.
 DEFAULT_SLOT_BYTES = 8 << 20
+MIN_SLOT_BYTES = 4096
 
 class _NoStashedContext:
     """Issue a collective without the Python object torch's backward stashes
@@ -199,8 +200,8 @@ def shm_slot_bytes():
     raw = envvars.read(ENV_SLOT)
     if raw is None:
         return DEFAULT_SLOT_BYTES
-    if not raw.isdigit() or int(raw) < 4096:
-        raise bad_value(ENV_SLOT, raw, "expected a whole number of bytes, at least 4096")
+    if not raw.isdigit() or int(raw) < MIN_SLOT_BYTES:
+        raise bad_value(ENV_SLOT, raw, f"expected a whole number of bytes, at least {MIN_SLOT_BYTES}")
     return int(raw)
 
 
@@ -241,11 +242,11 @@ def _all_gather_bytes(text, group, width=128):
             for i in range(dist.get_world_size(group))]
 
 
-def _shm_comm(name, rank, world, timeout_s, create=False):
+def _shm_comm(name, rank, world, timeout_s, create=False, slot_bytes=None):
     """-> (Comm or None, error text): this rank's end of the segment."""
     try:
         return _C.Comm("shm", rank, world, name=name, create=create,
-                       slot_bytes=shm_slot_bytes(), timeout_s=timeout_s,
+                       slot_bytes=slot_bytes or shm_slot_bytes(), timeout_s=timeout_s,
                        staging=shm_staging()), ""
     except Exception as e:  # e.g. a FLATSHARD_SHM_SLOT_BYTES that only this rank has wrong
         return None, str(e)
@@ -264,7 +265,7 @@ def _segment_name():
     return f"/flatshard-{os.getpid()}-{uuid.uuid4().hex[:16]}"
 
 
-def _make_shm(group, timeout_s):
+def _make_shm(group, timeout_s, slot_bytes=None):
     """[Note: shm set-up] Once every rank has mapped the segment its name
     is gone (csrc/backends/comm_shm.c: the last to map it removes it). Until then a
     rank that dies, raises or is interrupted must not leave the name behind,
@@ -294,12 +295,12 @@ def _make_shm(group, timeout_s):
     created = None  # whether rank 0 created the segment; None: not known here
     try:
         if rank == 0:
-            comm, err = _shm_comm(name, 0, world, timeout_s, create=True)
+            comm, err = _shm_comm(name, 0, world, timeout_s, create=True, slot_bytes=slot_bytes)
             created = comm is not None
         # Only rank 0 has acted yet: the agreement says whether it created.
         created = ok = _ok_everywhere(err, group)  # created: the others may attach
         if ok and rank != 0:
-            comm, err = _shm_comm(name, rank, world, timeout_s)
+            comm, err = _shm_comm(name, rank, world, timeout_s, slot_bytes=slot_bytes)
         ok = ok and _ok_everywhere(err, group)
     finally:
         if created is not False:
@@ -343,8 +344,8 @@ def comm_for(group, backend="torch", device=None):
     """The Comm of a process group for a requested backend (cached: the
     choice and the set-up are collectives, made once per group). Units on a
     CUDA `device` get its device Comm (device.py; backend 'nccl'). A new
-    host Comm's reductions are checked against known answers
-    (comm_check.py) before it is returned."""
+    host Comm's backend is checked against known answers (comm_check.py,
+    on a twin: _twin) before it is returned."""
     _register_exit_hook()
     if device is not None and device.type == "cuda":
         return cuda_comm(group, device)
@@ -386,9 +387,22 @@ def comm_for(group, backend="torch", device=None):
                        fn=_torch_collective(group))
     diagnostics.install(comm, group, f"{group.group_name}/{backend}", timeout_s,
                         [(f"{host}|{ns}", int(pid)) for pid, ns, host in peers])
-    check_reductions(comm, chosen)
+    check_reductions(_twin(group, chosen, timeout_s), chosen)
     _COMMS[key] = (group, comm)
     return comm
+
+
+def _twin(group, backend, timeout_s):
+    """A Comm of `backend` over `group` for the known-answer check alone
+    (comm_check.py): the same backend code and the same ranks, so the check
+    says what the group's Comm would compute, while the group's Comm's own
+    ledger and collective numbers (diagnostics.py) start at its first real
+    collective. shm's twin has the smallest slots (the check moves a few
+    elements) and is closed when dropped."""
+    if backend == "shm":
+        return _make_shm(group, timeout_s, slot_bytes=MIN_SLOT_BYTES)
+    return _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group),
+                   fn=_torch_collective(group))
 
 
 def _flat(t, arg, comm):
