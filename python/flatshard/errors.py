@@ -49,6 +49,14 @@ class ReductionCheckError(ConfigError, RuntimeError):
     gradient is reduced through it."""
 
 
+class NoEffectWarning(UserWarning):
+    """A setting that changes nothing where it was given (a mixed-precision
+    policy that casts nothing, a wrap policy that wraps nothing or leaves one
+    unit with almost every parameter, reshard_after_forward given to the root
+    only): flatshard/noop/. Each kind is said once per process; silence them
+    with warnings.filterwarnings("ignore", category=NoEffectWarning)."""
+
+
 class OutOfMemoryError(MemoryError):
     """An allocation inside flatshard failed on this rank. The message carries
     the rank's memory breakdown and the options that would lower it; on the

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .. import _C
+from ..noop import mixed_precision as noop_mp, wrap_policy as noop_wrap
 from ..errors import ConfigAssertionError, StateError, bad_type, bad_value, not_built
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency, eager
@@ -62,6 +63,12 @@ def _sync_module_states(module, comm, ignored_params):
             if t not in ignored_params:
                 broadcast_(comm, t.data if isinstance(t, nn.Parameter) else t, root=0,
                            tag="sync_module_states")
+
+
+def noop_settings(plan, policy, module, world):
+    """Settings of this wrap that change nothing, said once (noop/)."""
+    noop_mp.fsdp1(plan, list(module.buffers()))
+    noop_wrap.fsdp1(plan, policy, world)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -127,6 +134,7 @@ class FullyShardedDataParallel(nn.Module):
         plan, ctx = consistency.agree(cfg.group, lambda: unit_plan.plan_units(
             module, cfg, kw, policy, param_init_fn, sync_module_states, ctx))
         _, comm, replicate, _ = unit_comms(cfg)
+        noop_settings(plan, auto_wrap_policy, module, comm.world_size)
         if sync_module_states:  # across replicas first, then from each shard group's first
             if replicate is not None:
                 _sync_module_states(module, replicate, ctx.ignored_params)

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import bad_type, bad_value, not_built
+from ..noop import mixed_precision as noop_mp
 from ..runtime.comm import self_comm
 from ..tensors import check_plain
 from . import dp_mesh, torch_class
@@ -109,6 +110,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     params, aliases, names = _collect(modules, ignored)
     overrides = _param_dtype_overrides(mp_policy, params, names)
     label = ", ".join(type(m).__name__ for m in modules)
+    noop_mp.fully_shard(label, mp_policy, params)
     dims = []  # each parameter's shard dim
     for p, name in zip(params, names):
         if spmd is not None and not isinstance(p, DTensor):

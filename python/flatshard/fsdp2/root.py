@@ -14,10 +14,12 @@ The root is an FSDPState (state.py) whose is_root is True; its runtime.root.Root
 Each state's own events are state.py's; the FSDP1 wrapper's root is
 fsdp/root.py's.
 
-Imports: runtime's root, observe; errors; finalize.py. Nothing of state.py
-(which imports this module): the states are reached through the root's.
+Imports: runtime's root, observe; errors; noop's checks; finalize.py.
+Nothing of state.py (which imports this module): the states are reached
+through the root's.
 """
 from ..errors import ConfigError, RootError
+from ..noop import reshard_root as noop_reshard, wrap_policy as noop_wrap
 from ..runtime import observe
 from ..runtime.root import Root
 from . import finalize
@@ -58,6 +60,8 @@ def decide(root, claimable):
     check_no_shared_params(root)
     init_fqns(root)
     decide_plain(root)
+    noop_reshard.tree(root)
+    noop_wrap.fully_shard(root)
 
 
 def check_root(root):

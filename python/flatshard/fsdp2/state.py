@@ -39,6 +39,7 @@ import torch
 
 from .. import _C, torch_facts
 from ..errors import MetaDeviceError
+from ..noop import mixed_precision as noop_mp
 from ..runtime import eager, observe
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
 from . import finalize, torch_state
@@ -552,6 +553,7 @@ class FSDPState:
         if self.mp.output_dtype is None:
             return output
         with observe.span("FSDP::cast_forward_outputs"):
+            noop_mp.output(self, self.mp.output_dtype, output)  # its first forward only
             return _cast(self.mp.output_dtype, output)
 
     # ------------------------------------------------------------------
