@@ -42,7 +42,7 @@ from ..errors import MetaDeviceError
 from ..noop import mixed_precision as noop_mp
 from ..runtime import eager, observe
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
-from . import finalize, torch_state
+from . import finalize, torch_state, unused
 from . import root as roots
 from .root import STATE_ATTR, state_of  # noqa: F401  (their importers read them here)
 
@@ -95,6 +95,7 @@ class _Forward:
         if st.reshard_due and not st.reading:
             st.reshard_due = False
             st.group.reshard()
+        unused.module_backward_done(st)  # [Note: unused parameters]
 
 
 def _issued(g):
@@ -386,9 +387,11 @@ class FSDPState:
         if self.lean and not g.ext and not g.tp:
             raf = self.reshard_after_forward
             whole = isinstance(raf, bool)
-            if whole and not self.unshard_async_op and self.forward_prefetch is None:
+            watch = unused.watched(g)  # its forward's inputs watched in Python
+            if whole and not self.unshard_async_op and self.forward_prefetch is None and \
+                    not watch:
                 mask |= _C.PLAIN_PRE_FORWARD
-            if raf is True:
+            if raf is True and not watch:
                 mask |= _C.PLAIN_POST_FORWARD
             if whole and not self.unshard_async_op and self.backward_prefetch is None:
                 mask |= _C.PLAIN_PRE_BACKWARD
@@ -512,7 +515,8 @@ class FSDPState:
             self._unshard_and_wait(along)
         g = self.group
         self.watching = None
-        if g is not None and g.c.trainable < len(g.sharded) and torch.is_grad_enabled():
+        if g is not None and (g.c.trainable < len(g.sharded) or unused.watched(g)) and \
+                torch.is_grad_enabled():
             args, kwargs = self._watch_inputs(args, kwargs)
         self._prefetch_forward(nxt)
         return args, kwargs
