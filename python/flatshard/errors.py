@@ -57,6 +57,13 @@ class NoEffectWarning(UserWarning):
     with warnings.filterwarnings("ignore", category=NoEffectWarning)."""
 
 
+class OutsideForwardError(ConfigError, RuntimeError):
+    """A fully_shard module's parameters were read outside its forward while
+    resharded (a method other than forward: fsdp2/outside_forward.py): names
+    the module, the method and the fix. A RuntimeError, as torch's DTensor
+    error it replaces."""
+
+
 class OutOfMemoryError(MemoryError):
     """An allocation inside flatshard failed on this rank. The message carries
     the rank's memory breakdown and the options that would lower it; on the

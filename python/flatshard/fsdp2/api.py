@@ -34,7 +34,7 @@ from ..errors import bad_type, bad_value, not_built
 from ..noop import mixed_precision as noop_mp
 from ..runtime.comm import self_comm
 from ..tensors import check_plain
-from . import dp_mesh, torch_class
+from . import dp_mesh, outside_forward, torch_class
 from .extension import gathers_itself
 from .mesh import (check_mesh, check_reshard, check_reshard_divides, comm_over, mesh_device,
                    resolve_reshard)
@@ -213,8 +213,9 @@ _CLASSES = {}
 def _fsdp_class(cls):
     new = _CLASSES.get(cls)
     if new is None:
-        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
-                                   torch_class.class_namespace(cls))
+        namespace = torch_class.class_namespace(cls)
+        namespace.update(outside_forward.guarded_methods(cls, FSDPModule))
+        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
     return new
 
 
