@@ -9,6 +9,7 @@ import torch.distributed as dist
 from flatshard.errors import ReductionCheckError
 from flatshard.runtime import comm as fcomm
 from flatshard.runtime.comm_check import check_reductions
+from test_diagnostics import assert_documented
 
 TIMEOUT = 120
 
@@ -96,6 +97,8 @@ def test_a_custom_reduce_scatter_that_averages_a_sum_is_named(dist_pool, dtype):
         assert (f"on rank {rank}, reduce_scatter(average=True) in {name}: element 0: "
                 f"got {0.75 * (rank + 1):g}, expected {1.5 * (rank + 1):g}") in msg, msg
         assert "asked for a SUM" in msg
+        if rank == 0 and dtype == torch.float32:
+            assert_documented("reduction-check", "ReductionCheckError: " + msg)
 
 
 def _fully_shard_custom():

@@ -74,6 +74,10 @@ GUIDE_ENTRIES = {
     "gloo-timeout": "test_a_skipped_unit_on_gloo_is_reported_at_the_group_timeout",
     "nccl-watchdog": "test_cuda_emulated_path.py",
     "out-of-memory": "test_oom.py",
+    "reduction-check": "test_comm_check.py",
+    "no-effect-settings": "test_noop_settings.py",
+    "unused-params": "test_unused_params.py",
+    "outside-forward": "test_outside_forward.py",
 }
 
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 import flatshard
 from flatshard import FSDP, MixedPrecision, MixedPrecisionPolicy, noop
 from flatshard.errors import NoEffectWarning
+from test_diagnostics import assert_documented
 from toy_models import MLP, Block, build
 
 TIMEOUT = 180
@@ -154,3 +155,17 @@ def test_fully_shard_settings_that_change_nothing(dist_pool):
         assert "fully_shard group 'big' holds 98% of the parameters' bytes (36.4 KiB of " \
             "37.0 KiB)" in lop and "against 12.3 KiB if the 3 units were even" in lop, lop
         assert said["mp_bf16"] == said["out_after_bf16"] == said["everywhere"] == []
+
+
+def _guide_cases():
+    policy = flatshard.ModuleWrapPolicy({Block, _Big})
+    said = _said(_fsdp1(mixed_precision=MixedPrecision(param_dtype=torch.float32)))
+    said += _said(_fsdp1(auto_wrap_policy=flatshard.ModuleWrapPolicy({nn.GRU})))
+    said += _said(lambda: FSDP(_Lopsided(), device_id=torch.device("cpu"),
+                               auto_wrap_policy=policy))
+    said += _said(_fully_shard(root_raf=False))
+    return "\n".join("NoEffectWarning: " + m for m in said)
+
+
+def test_the_guide_shows_these_warnings(dist_pool):
+    assert_documented("no-effect-settings", dist_pool(2).run(_guide_cases, timeout=TIMEOUT)[0])

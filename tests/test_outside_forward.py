@@ -13,6 +13,7 @@ from torch.distributed import fsdp as tfsdp
 
 import flatshard
 from flatshard.errors import OutsideForwardError
+from test_diagnostics import assert_documented
 
 TIMEOUT = 120
 
@@ -65,6 +66,7 @@ def test_a_method_reading_resharded_parameters_is_named_with_the_fix(dist_pool):
                               "fully_shard module outside its forward"), msg
         assert "register_fsdp_forward_method(model, 'embed_only')" in msg
         assert "got mixed torch.Tensor and DTensor" in msg  # torch's words kept
+        assert_documented("outside-forward", "OutsideForwardError: " + msg)
         assert r["torch"][1] and r["flatshard"][1]  # registered: it gathers, as the plain module
 
 

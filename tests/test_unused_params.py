@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed import fsdp as tfsdp
 
 import flatshard
+from test_diagnostics import assert_documented
 
 TIMEOUT = 180
 STEPS = 3
@@ -154,3 +155,4 @@ def test_without_reduce_scatter_unused_params_the_fix_is_named(dist_pool):
         assert msg is not None and "ranks are in different collectives" in msg
         assert "reduce_scatter" in msg and "'moe'" in msg
         assert "call set_reduce_scatter_unused_params(True) on that module" in msg
+        assert_documented("unused-params", "CoreError: " + msg)
