@@ -17,7 +17,7 @@ alone: the cost is one Python call around each call of a public method of
 the model's classes (benchmarks/results/mistakes2.md), nothing on the
 hooks' plain path.
 
-Imports: errors.
+Imports: errors, noop (a module's class name).
 """
 import functools
 import inspect
@@ -25,6 +25,7 @@ import inspect
 import torch.nn as nn
 
 from ..errors import OutsideForwardError
+from ..noop import class_name
 
 MIXED = "got mixed torch.Tensor and DTensor"
 
@@ -59,8 +60,7 @@ def _guard(fn, name):
 
 
 def _message(module, name, err):
-    cls = type(module).__mro__[1:]
-    own = next((c.__name__ for c in cls if not c.__name__.startswith("FSDP")), "module")
+    own = class_name(module)
     return (f"flatshard: {own}.{name}() read the parameters of a fully_shard module outside "
             "its forward, while they are resharded: they hold this rank's shards (DTensors), "
             f"and nothing gathered them. Run {name} with the gathers forward has: call "
