@@ -45,13 +45,13 @@ class _Big(nn.Module):
 
 
 class _Lopsided(nn.Module):
-    """One big unit (94% of the parameters) and three tiny ones."""
+    """One big unit (1 MiB, 99% of the parameters) and three tiny ones."""
 
     def __init__(self):
         super().__init__()
-        self.big = _Big(96)
+        self.big = _Big(512)
         self.small = nn.ModuleList([Block(2), Block(2)])
-        self.inp, self.out = nn.Linear(2, 96), nn.Linear(96, 2)
+        self.inp, self.out = nn.Linear(2, 512), nn.Linear(512, 2)
 
     def forward(self, x):
         for b in self.small:
@@ -89,8 +89,8 @@ def test_fsdp1_settings_that_change_nothing(dist_pool):
         assert "auto_wrap_policy=" in wrap and "wrapped no module of Net" in wrap and \
             "'Block'" in wrap and "gathered whole on every rank" in wrap
         (lop,) = said["lopsided"]
-        assert "unit 'big' holds 94% of the parameters' bytes (36.4 KiB of 38.8 KiB)" in lop \
-            and "against 9.7 KiB if the 4 units were even" in lop, lop
+        assert "unit 'big' holds 99% of the parameters' bytes (1.0 MiB of 1.0 MiB)" in lop \
+            and "against 259.1 KiB if the 4 units were even" in lop, lop
         assert said["mp_bf16"] == said["policy_blocks"] == said["lopsided_no_shard"] == []
 
 
@@ -152,8 +152,8 @@ def test_fully_shard_settings_that_change_nothing(dist_pool):
             and "set_reshard_after_forward(False)" in raf
         (lop,) = said["lopsided"]
         # the root, not resharded after forward, is not one of the units compared
-        assert "fully_shard group 'big' holds 98% of the parameters' bytes (36.4 KiB of " \
-            "37.0 KiB)" in lop and "against 12.3 KiB if the 3 units were even" in lop, lop
+        assert "fully_shard group 'big' holds 100% of the parameters' bytes (1.0 MiB of " \
+            "1.0 MiB)" in lop and "against 342.2 KiB if the 3 units were even" in lop, lop
         assert said["mp_bf16"] == said["out_after_bf16"] == said["everywhere"] == []
 
 

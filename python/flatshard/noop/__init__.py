@@ -28,10 +28,12 @@ def say(kind, message):
 
 
 def class_name(module):
-    """A fully_shard module's own class name (fully_shard made its class
-    FSDP<name>)."""
-    n = type(module).__name__
-    return n[4:] if n.startswith("FSDP") and len(n) > 4 else n
+    """A module's own class name: for a fully_shard module, the class
+    fully_shard derived FSDP<name> from (its bases: FSDPModule, <name>)."""
+    bases = type(module).__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule":
+        return bases[1].__name__
+    return type(module).__name__
 
 
 def said(kind):

@@ -4,7 +4,8 @@ bytes (with the next one prefetched). An auto_wrap_policy that matches no
 module (a layer class misnamed, or another model's) leaves one unit with
 every parameter: each forward and backward then gathers the whole model on
 every rank, as if nothing were sharded at the peak. A unit that holds almost
-every parameter (at least LOPSIDED of them) is nearly as bad.
+every parameter (at least LOPSIDED of the bytes, and LOPSIDED_MIN_BYTES) is
+nearly as bad.
 
   fsdp1(plans, policy, world)   the FSDP1 wrapper's units, at wrap time
   fully_shard(root)             a fully_shard tree's groups, at lazy init
@@ -17,6 +18,7 @@ Imports: torch; this package.
 from . import class_name, say
 
 LOPSIDED = 0.9  # the share of the parameters' bytes one unit holds
+LOPSIDED_MIN_BYTES = 1 << 20  # below this, that unit's gather is no memory peak to speak of
 
 
 def _mib(n):
@@ -32,7 +34,7 @@ def _lopsided(sizes, what):
     one holds at least LOPSIDED of the bytes."""
     total = sum(sizes.values())
     name, top = max(sizes.items(), key=lambda kv: kv[1])
-    if total == 0 or top < LOPSIDED * total:
+    if top < max(LOPSIDED * total, LOPSIDED_MIN_BYTES):
         return
     even = total / len(sizes)
     say("wrap_lopsided", f"{what} {name!r} holds {100 * top / total:.0f}% of the parameters' "
