@@ -70,8 +70,9 @@ class _InputsDone(torch.autograd.Function):
 
 
 class _Forward:
-    """One forward of a state with frozen parameters whose inputs require
-    grad ([Note: frozen parameters] in FSDPState), and the pre-backward hook
+    """One forward of a state with frozen parameters (or reducing unused
+    ones: fsdp2/unused.py) whose inputs require grad ([Note: frozen
+    parameters] in FSDPState), and the pre-backward hook
     on its outputs: from there until the same backward reaches the forward's
     inputs, the state's parameters are still to be read. A forward that no
     backward runs through (its graph dropped: a loss only logged) holds
