@@ -79,6 +79,10 @@ GUIDE_ENTRIES = {
     "init-differs": "test_mistakes.py",
     "unsynced-step": "test_mistakes.py",
     "replicas-drift": "test_mistakes.py",
+    "reduction-check": "test_comm_check.py",
+    "no-effect-settings": "test_noop_settings.py",
+    "unused-params": "test_unused_params.py",
+    "outside-forward": "test_outside_forward.py",
 }
 
 

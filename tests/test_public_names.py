@@ -780,13 +780,20 @@ def _custom_comms():
     out = {}
     for which in ("torch", "flatshard"):
         ag, rs = _CountingAllGather(), _CountingReduceScatter()
+        checks = []
 
         def before(model):
             for m in model.modules():
                 if isinstance(m, (tfsdp.FSDPModule, flatshard.FSDPModule)):
                     m.set_custom_all_gather(ag)
+                    calls = rs.calls
                     m.set_custom_reduce_scatter(rs)
-        out[which] = (_fs_steps(_fs_model(which, mesh), data, before), ag.calls, rs.calls)
+                    checks.append(rs.calls - calls)
+        steps = _fs_steps(_fs_model(which, mesh), data, before)
+        # flatshard checks a custom reduce-scatter's arithmetic when it is set
+        # (runtime/comm_check.py): averaging and summing, in its reduce dtype
+        assert set(checks) == ({0} if which == "torch" else {2}), (which, checks)
+        out[which] = (steps, ag.calls, rs.calls - sum(checks))
     return out
 
 

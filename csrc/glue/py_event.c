@@ -199,6 +199,7 @@ int fs_event_type_add(PyObject *module, fs_mod_state *st)
         {"PB_REDUCE_C", FS_PB_REDUCE_C},
         {"PB_RANGE", FS_PB_RANGE},
         {"OPT_BEGIN", FS_OPT_BEGIN},
+        {"OPT_WATCH", FS_OPT_WATCH},
         {"OPT_STEP", FS_OPT_STEP},
         {"OPT_RESHARD", FS_OPT_RESHARD},
         {"OPT_ROOT", FS_OPT_ROOT},

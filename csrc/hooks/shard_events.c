@@ -330,7 +330,7 @@ static int hook_tensor(PyObject *out, PyObject *hook)
 static int hook_outputs(const fs_shard_event *ev, ShardGroupObject *g, PyObject *out)
 {
     PyObject *own = NULL, *hook = ev->pre_backward;
-    if (g && g->params.trainable != g->params.n) {
+    if (g && (g->params.trainable != g->params.n || (ev->opts & FS_OPT_WATCH))) {
         if (!(own = PyObject_CallNoArgs(ev->watching)))
             return -1;
         if (own != Py_None)
@@ -453,7 +453,7 @@ static PyObject *pre_forward(const fs_shard_event *ev, PyObject *args, PyObject 
             rc = call0(ev->step);
         if (leave_span(span, rc) < 0)
             goto fail;
-        if (g->params.trainable != g->params.n &&
+        if ((g->params.trainable != g->params.n || (o & FS_OPT_WATCH)) &&
             take_inputs(PyObject_CallFunctionObjArgs(ev->watching, args, kwargs, NULL), &held,
                         &args, &kwargs) < 0)
             goto fail;

@@ -13,6 +13,8 @@ enum { FS_EVENT_PRE_FORWARD = 0, FS_EVENT_POST_FORWARD = 1, FS_EVENT_PRE_BACKWAR
  *   POST_FORWARD: RESHARD free the gathered parameters in C, else STEP call
  *     step() (an int reshard_after_forward's chunk, an extension's free);
  *     ROOT the root's end of forward (root_end()); CAST the output's cast.
+ *   PRE_FORWARD, POST_FORWARD: WATCH the forward's inputs watched as with
+ *     frozen parameters (a group reducing unused parameters: fsdp2/unused.py).
  *   PRE_FORWARD: BEGIN begin(args, kwargs) first (lazy init, the root's
  *     start of forward, the forward order's record, the input cast); the
  *     gather in C, else (STEP: a prefetch list, gather-ahead, async_op, a
@@ -30,6 +32,7 @@ enum {
     FS_OPT_PREFETCH_IN = 1 << 5,
     FS_OPT_PREFETCH_OUT = 1 << 6,
     FS_OPT_BEGIN = 1 << 7,
+    FS_OPT_WATCH = 1 << 8,
 };
 
 /* What an event hook was made with (flatshard._C.Event, glue/py_event.c,

@@ -44,6 +44,28 @@ class NotBuiltError(ConfigError):
     Raised instead of silently ignoring the option."""
 
 
+class ReductionCheckError(ConfigError, RuntimeError):
+    """A Comm's reductions gave a wrong result on the known-answer check
+    made when the Comm is built (runtime/comm_check.py): a backend that sums
+    where it should average, or worse. Raised on every rank, before any
+    gradient is reduced through it."""
+
+
+class NoEffectWarning(UserWarning):
+    """A setting that changes nothing where it was given (a mixed-precision
+    policy that casts nothing, a wrap policy that wraps nothing or leaves one
+    unit with almost every parameter, reshard_after_forward given to the root
+    only): flatshard/noop/. Each kind is said once per process; silence them
+    with warnings.filterwarnings("ignore", category=NoEffectWarning)."""
+
+
+class OutsideForwardError(ConfigError, RuntimeError):
+    """A fully_shard module's parameters were read outside its forward while
+    resharded (a method other than forward: fsdp2/outside_forward.py): names
+    the module, the method and the fix. A RuntimeError, as torch's DTensor
+    error it replaces."""
+
+
 class OutOfMemoryError(MemoryError):
     """An allocation inside flatshard failed on this rank. The message carries
     the rank's memory breakdown and the options that would lower it; on the

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .. import _C
+from ..noop import mixed_precision as noop_mp, wrap_policy as noop_wrap
 from ..errors import ConfigAssertionError, StateError, bad_type, bad_value, not_built
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..runtime import consistency, eager
@@ -64,6 +65,12 @@ def _sync_module_states(module, comm, ignored_params):
                            tag="sync_module_states")
 
 
+def noop_settings(plan, policy, module, world):
+    """Settings of this wrap that change nothing, said once (noop/)."""
+    noop_mp.fsdp1(plan, list(module.buffers()))
+    noop_wrap.fsdp1(plan, policy, world)
+
+
 class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across a
     process group, with torch FSDP1's constructor and semantics.
@@ -75,9 +82,10 @@ class FullyShardedDataParallel(nn.Module):
     CUDA device the shards and gradients stay in pinned host memory, staged
     on the device for each gather; not with NO_SHARD or SHARD_OPTIM there);
     auto_wrap_policy (torch's or flatshard's policies); backward_prefetch;
-    forward_prefetch; limit_all_gathers
-    (collectives are ordered on the caller's stream, so at most one
-    all-gather is ever in flight); ignored_modules / ignored_states;
+    forward_prefetch; limit_all_gathers (accepted, no effect: collectives
+    are ordered after the caller's stream, so at most two all-gathers, a
+    prefetch and the one issued, are ever in flight: docs/migrating.md);
+    ignored_modules / ignored_states;
     param_init_fn; device_id (CPU, or a CUDA device with flatshard's NCCL
     backend); sync_module_states; use_orig_params; device_mesh (1-D).
     mixed_precision (under NO_SHARD the whole shard is cast at each forward).
@@ -133,6 +141,7 @@ class FullyShardedDataParallel(nn.Module):
         plan, ctx = consistency.agree(cfg.group, lambda: unit_plan.plan_units(
             module, cfg, kw, policy, param_init_fn, sync_module_states, ctx))
         _, comm, replicate, _ = unit_comms(cfg)
+        noop_settings(plan, auto_wrap_policy, module, comm.world_size)
         if sync_module_states:  # across replicas first, then from each shard group's first
             if replicate is not None:
                 _sync_module_states(module, replicate, ctx.ignored_params)

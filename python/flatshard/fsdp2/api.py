@@ -31,9 +31,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import bad_type, bad_value, not_built
+from ..noop import mixed_precision as noop_mp
 from ..runtime.comm import self_comm
 from ..tensors import check_plain
-from . import dp_mesh, mistakes, torch_class
+from . import dp_mesh, mistakes, outside_forward, torch_class
 from .extension import gathers_itself
 from .mesh import (check_mesh, check_reshard, check_reshard_divides, comm_over, mesh_device,
                    resolve_reshard)
@@ -116,6 +117,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     params, aliases, names = _collect(modules, ignored)
     overrides = _param_dtype_overrides(mp_policy, params, names)
     label = ", ".join(type(m).__name__ for m in modules)
+    noop_mp.fully_shard(label, mp_policy, params)
     dims = []  # each parameter's shard dim
     for p, name in zip(params, names):
         if spmd is not None and not isinstance(p, DTensor):
@@ -220,8 +222,9 @@ _CLASSES = {}
 def _fsdp_class(cls):
     new = _CLASSES.get(cls)
     if new is None:
-        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
-                                   torch_class.class_namespace(cls))
+        namespace = torch_class.class_namespace(cls)
+        namespace.update(outside_forward.guarded_methods(cls, FSDPModule))
+        new = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
     return new
 
 

@@ -334,6 +334,8 @@ class FSDPModule:
         check_bool("recurse", recurse)
         for g in self._groups(recurse):
             g.reduce_unused = reduce_scatter_unused_params
+        for m in self._fsdp_modules(recurse):  # [Note: unused parameters] in unused.py
+            m._fsdp_state().hand_options()
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers, *, recurse=True):
         """torch (CUDA): how many reduce-scatter input buffers may be in

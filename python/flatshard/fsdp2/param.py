@@ -364,7 +364,7 @@ class ParamGroup(ShardedParams, GroupGrads):
             self.reshard()
         group = self.mesh.get_group(self.mesh.ndim - 1)
         self.comm = custom_comm(group, self.custom.get("all_gather"),
-                                self.custom.get("reduce_scatter"))
+                                self.custom.get("reduce_scatter"), self.reduce_dtype)
         self._build_engine(self.dtype, self.local(0).device, force=True)
         self._shards_to_engine()
         self.full, self.unsharded = None, None

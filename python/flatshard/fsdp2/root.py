@@ -15,11 +15,12 @@ Each state's own events are state.py's; the FSDP1 wrapper's root is
 fsdp/root.py's.
 
 Imports: runtime's root, observe; errors; checks (the unsynced-step
-check); finalize.py. Nothing of state.py (which imports this module): the
-states are reached through the root's.
+check); noop's checks; finalize.py. Nothing of state.py (which imports this
+module): the states are reached through the root's.
 """
 from .. import checks
 from ..errors import ConfigError, RootError
+from ..noop import reshard_root as noop_reshard, wrap_policy as noop_wrap
 from ..runtime import observe
 from ..runtime.root import Root
 from . import finalize
@@ -60,6 +61,8 @@ def decide(root, claimable):
     check_no_shared_params(root)
     init_fqns(root)
     decide_plain(root)
+    noop_reshard.tree(root)
+    noop_wrap.fully_shard(root)
 
 
 def check_root(root):

@@ -40,9 +40,10 @@ import torch
 
 from .. import _C, torch_facts
 from ..errors import MetaDeviceError
+from ..noop import mixed_precision as noop_mp
 from ..runtime import eager, observe
 from ..runtime.trees import cast_floating, grad_tensors, hook_before_backward, map_tensors
-from . import finalize, torch_state
+from . import finalize, torch_state, unused
 from . import root as roots
 from .root import STATE_ATTR, state_of  # noqa: F401  (their importers read them here)
 
@@ -70,8 +71,9 @@ class _InputsDone(torch.autograd.Function):
 
 
 class _Forward:
-    """One forward of a state with frozen parameters whose inputs require
-    grad ([Note: frozen parameters] in FSDPState), and the pre-backward hook
+    """One forward of a state with frozen parameters (or reducing unused
+    ones: fsdp2/unused.py) whose inputs require grad ([Note: frozen
+    parameters] in FSDPState), and the pre-backward hook
     on its outputs: from there until the same backward reaches the forward's
     inputs, the state's parameters are still to be read. A forward that no
     backward runs through (its graph dropped: a loss only logged) holds
@@ -95,6 +97,7 @@ class _Forward:
         if st.reshard_due and not st.reading:
             st.reshard_due = False
             st.group.reshard()
+        unused.module_backward_done(st)  # [Note: unused parameters]
 
 
 def _issued(g):
@@ -429,6 +432,8 @@ class FSDPState:
             pre |= _C.OPT_PREFETCH_OUT
         elif device:
             pre |= _C.OPT_PREFETCH_IN  # a device's implicit prefetch (_implicit)
+        if g is not None and unused.watched(g):  # [Note: unused parameters] in unused.py
+            fwd, post = fwd | _C.OPT_WATCH, post | _C.OPT_WATCH
         pf, po, pb = self.events
         pf.opts, po.opts, pb.opts = fwd, post, pre
         if root is not None and root.tree is not None:
@@ -555,8 +560,9 @@ class FSDPState:
         self._unshard_and_wait(along)
 
     def _watch_forward(self, args, kwargs):
-        """Frozen parameters: this forward's inputs watched ([Note: frozen
-        parameters]); (args, kwargs) to use, or None."""
+        """Frozen parameters, or a group reducing unused ones: this
+        forward's inputs watched ([Note: frozen parameters]); (args, kwargs)
+        to use, or None."""
         self.watching = None
         if not torch.is_grad_enabled():
             return None
@@ -601,6 +607,7 @@ class FSDPState:
 
     def _cast_output(self, output):
         with observe.span("FSDP::cast_forward_outputs"):
+            noop_mp.output(self, self.mp.output_dtype, output)  # its first forward only
             return _cast(self.mp.output_dtype, output)
 
     # ------------------------------------------------------------------

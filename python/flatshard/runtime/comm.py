@@ -38,6 +38,7 @@ from .. import _C, envvars, torch_facts
 from ..errors import bad_type, bad_value
 from ..tensors import check_plain, dtype_code
 from . import diagnostics
+from .comm_check import check_reductions
 from .device import cuda_comm, memory_of, tensor_fits
 from .timeout import wait_timeout
 
@@ -49,6 +50,7 @@ STAGING_CHOICES = ("auto", "cached", "streamed")
 # Staging per rank in the shm segment: _C.SHM_SECTIONS sections, one chunk
 # in flight each.
 DEFAULT_SLOT_BYTES = 8 << 20
+MIN_SLOT_BYTES = 4096
 
 class _NoStashedContext:
     """Issue a collective without the Python object torch's backward stashes
@@ -110,13 +112,15 @@ def _torch_collective(group):
     return run
 
 
-def custom_comm(group, all_gather=None, reduce_scatter=None):
+def custom_comm(group, all_gather=None, reduce_scatter=None, reduce_dtype=torch.float32):
     """A torch-backend Comm over `group` whose all-gathers and reduce-scatters
     call the user's objects (torch's AllGather / ReduceScatter protocol:
     fully_shard's set_custom_all_gather / set_custom_reduce_scatter) with
     the engine's buffers, and everything else torch's collectives. Their
     allocate() is not called: the engine owns its buffers. Not cached: one
-    per group that sets them."""
+    per group that sets them. A custom reduce-scatter's arithmetic is
+    checked at once in `reduce_dtype` (comm_check.py), on every rank of
+    `group`."""
     default = _torch_collective(group)
     no_stash = _NoStashedContext()
 
@@ -136,7 +140,14 @@ def custom_comm(group, all_gather=None, reduce_scatter=None):
         else:
             default(op, a, b, arg)
 
-    return _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group), fn=run)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if reduce_scatter is not None:  # checked with torch's all-gather: the user's is not counted on
+        def user_reduce_scatter_only(op, a, b, arg):
+            (run if op == "reduce_scatter" else default)(op, a, b, arg)
+        check_reductions(_C.Comm("torch", rank, world, fn=user_reduce_scatter_only),
+                         f"custom reduce-scatter {type(reduce_scatter).__name__}",
+                         (reduce_dtype,), ("reduce_scatter",))
+    return _C.Comm("torch", rank, world, fn=run)
 
 
 _SELF = {}  # global rank -> its Comm (ranks may be threads of one process)
@@ -189,8 +200,8 @@ def shm_slot_bytes():
     raw = envvars.read(ENV_SLOT)
     if raw is None:
         return DEFAULT_SLOT_BYTES
-    if not raw.isdigit() or int(raw) < 4096:
-        raise bad_value(ENV_SLOT, raw, "expected a whole number of bytes, at least 4096")
+    if not raw.isdigit() or int(raw) < MIN_SLOT_BYTES:
+        raise bad_value(ENV_SLOT, raw, f"expected a whole number of bytes, at least {MIN_SLOT_BYTES}")
     return int(raw)
 
 
@@ -231,11 +242,11 @@ def _all_gather_bytes(text, group, width=128):
             for i in range(dist.get_world_size(group))]
 
 
-def _shm_comm(name, rank, world, timeout_s, create=False):
+def _shm_comm(name, rank, world, timeout_s, create=False, slot_bytes=None):
     """-> (Comm or None, error text): this rank's end of the segment."""
     try:
         return _C.Comm("shm", rank, world, name=name, create=create,
-                       slot_bytes=shm_slot_bytes(), timeout_s=timeout_s,
+                       slot_bytes=slot_bytes or shm_slot_bytes(), timeout_s=timeout_s,
                        staging=shm_staging()), ""
     except Exception as e:  # e.g. a FLATSHARD_SHM_SLOT_BYTES that only this rank has wrong
         return None, str(e)
@@ -254,7 +265,7 @@ def _segment_name():
     return f"/flatshard-{os.getpid()}-{uuid.uuid4().hex[:16]}"
 
 
-def _make_shm(group, timeout_s):
+def _make_shm(group, timeout_s, slot_bytes=None):
     """[Note: shm set-up] Once every rank has mapped the segment its name
     is gone (csrc/backends/comm_shm.c: the last to map it removes it). Until then a
     rank that dies, raises or is interrupted must not leave the name behind,
@@ -284,12 +295,12 @@ def _make_shm(group, timeout_s):
     created = None  # whether rank 0 created the segment; None: not known here
     try:
         if rank == 0:
-            comm, err = _shm_comm(name, 0, world, timeout_s, create=True)
+            comm, err = _shm_comm(name, 0, world, timeout_s, create=True, slot_bytes=slot_bytes)
             created = comm is not None
         # Only rank 0 has acted yet: the agreement says whether it created.
         created = ok = _ok_everywhere(err, group)  # created: the others may attach
         if ok and rank != 0:
-            comm, err = _shm_comm(name, rank, world, timeout_s)
+            comm, err = _shm_comm(name, rank, world, timeout_s, slot_bytes=slot_bytes)
         ok = ok and _ok_everywhere(err, group)
     finally:
         if created is not False:
@@ -332,7 +343,9 @@ def _register_exit_hook():
 def comm_for(group, backend="torch", device=None):
     """The Comm of a process group for a requested backend (cached: the
     choice and the set-up are collectives, made once per group). Units on a
-    CUDA `device` get its device Comm (device.py; backend 'nccl')."""
+    CUDA `device` get its device Comm (device.py; backend 'nccl'). A new
+    host Comm's backend is checked against known answers (comm_check.py,
+    on a twin: _twin) before it is returned."""
     _register_exit_hook()
     if device is not None and device.type == "cuda":
         return cuda_comm(group, device)
@@ -374,8 +387,22 @@ def comm_for(group, backend="torch", device=None):
                        fn=_torch_collective(group))
     diagnostics.install(comm, group, f"{group.group_name}/{backend}", timeout_s,
                         [(f"{host}|{ns}", int(pid)) for pid, ns, host in peers])
+    check_reductions(_twin(group, chosen, timeout_s), chosen)
     _COMMS[key] = (group, comm)
     return comm
+
+
+def _twin(group, backend, timeout_s):
+    """A Comm of `backend` over `group` for the known-answer check alone
+    (comm_check.py): the same backend code and the same ranks, so the check
+    says what the group's Comm would compute, while the group's Comm's own
+    ledger and collective numbers (diagnostics.py) start at its first real
+    collective. shm's twin has the smallest slots (the check moves a few
+    elements) and is closed when dropped."""
+    if backend == "shm":
+        return _make_shm(group, timeout_s, slot_bytes=MIN_SLOT_BYTES)
+    return _C.Comm("torch", dist.get_rank(group), dist.get_world_size(group),
+                   fn=_torch_collective(group))
 
 
 def _flat(t, arg, comm):

@@ -189,6 +189,15 @@ def _key(e):
     return e["op"], e["unit"], e["bytes"], e["dtype"]
 
 
+# Reductions of different groups at one number: a group whose gradients did
+# not all arrive on some rank (parameters that rank's forward did not use)
+# reduces there only at the end of backward, after the others.
+UNUSED_HINT = ("  reductions of different groups there: if some ranks did not use all of a "
+               "fully_shard group's parameters in this step (conditional compute, an expert "
+               "no token reached), call set_reduce_scatter_unused_params(True) on that "
+               "module: every rank then reduces it, with zeros for what it did not use")
+
+
 def report(ledgers, world, grace):
     """ledgers: rank -> its ledger (Comm.ledger()) -> (the note's text,
     whether a rank issued nothing after the others' last collective)."""
@@ -210,6 +219,8 @@ def report(ledgers, world, grace):
             lines.append(f"  first difference at #{seq}: {'; '.join(sides)}. The ranks went "
                          "apart there: one skipped or added a collective (a data-dependent "
                          "branch around a wrapped module?)")
+            if all(m[seq]["op"] == "reduce_scatter" for m in by_seq):
+                lines.append(UNUSED_HINT)
             break
     else:
         newest = {r: max(m, default=0) for r, m in zip(ranks, by_seq)}
