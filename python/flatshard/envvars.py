@@ -98,7 +98,7 @@ ENV = {
         "Every this many steps of an optimizer, the ranks that must hold equal parameter "
         "values (NO_SHARD, hybrid sharding's replicas) "
         "compare a CRC-32C of each (ReplicaDriftWarning names the first that differs); 0: "
-        "never. The wrappers' `check_replicas_every` argument wins. Must be the same on every "
+        "never. The FSDP1 wrapper's `check_replicas_every` argument wins. Must be the same on every "
         "rank. Read at each wrap."),
     "FLATSHARD_SNAPSHOT_HOST_RANKS": (
         "(none)",

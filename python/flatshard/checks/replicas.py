@@ -13,7 +13,7 @@ per unit, the comm over those ranks and how to read the values
 holds, and every k-th of its steps (after the update: hooks.py) the ranks
 all-gather a CRC-32C of each value over that comm (one collective per comm,
 a few integers per parameter) and warn, naming the first parameter that
-differs and the ranks. k: the wrappers' check_replicas_every, else
+differs and the ranks. k: the FSDP1 wrapper's check_replicas_every, else
 FLATSHARD_CHECK_REPLICAS_EVERY, else DEFAULT (0: never); the same on
 every rank, as every rank steps alike.
 """
@@ -33,6 +33,8 @@ ENTRY = "Replicas that drift apart"
 DEFAULT = 1000
 _TARGETS = []                             # Replicas, in registration order
 _PLANS = weakref.WeakKeyDictionary()      # optimizer -> [steps, [weakref to Replicas]]
+
+_OFF = "or the FSDP1 wrapper's check_replicas_every=0"
 
 
 def every(value, arg="check_replicas_every"):
@@ -141,7 +143,7 @@ def _warn(names, rows, differs, when):
         "its own model. Look for code that runs on some ranks only (a step, a clip or a "
         "write to the parameters under `if rank == ...`, a skipped step on one rank) and for "
         "nondeterministic kernels; to start again from equal values, load a checkpoint into "
-        f"every rank. {text.guide(ENTRY, ENV, 'or check_replicas_every=0')}",
+        f"every rank. {text.guide(ENTRY, ENV, _OFF)}",
         ReplicaDriftWarning, stacklevel=2)
 
 

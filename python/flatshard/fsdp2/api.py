@@ -48,7 +48,7 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
-                ignored_params=None, dp_mesh_dims=None, check_replicas_every=None):
+                ignored_params=None, dp_mesh_dims=None):
     """Shard `module`'s parameters (those not already in a group) over `mesh`
     on dim 0 (or the dim shard_placement_fn names); returns `module`, whose class is now an FSDPModule subclass.
     A list of modules makes one group of all their parameters (e.g. the
@@ -83,12 +83,11 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                            replicated on the dims named (at most one shard
                            dim and one replicate dim; replicate alone is DDP
                            over that dim, on CPU: fsdp2/dp_mesh.py).
-    check_replicas_every   flatshard's: on a 2-D mesh (or dp_mesh_dims'
-                           replicate dim), every this many optimizer steps
-                           the replicas compare a CRC-32C of each shard and
-                           warn (ReplicaDriftWarning) where one differs; 0:
-                           never; None: FLATSHARD_CHECK_REPLICAS_EVERY, else
-                           1000 (flatshard/checks/replicas.py)."""
+    On a 2-D mesh (or dp_mesh_dims' replicate dim), every
+    FLATSHARD_CHECK_REPLICAS_EVERY optimizer steps (default 1000; 0: never)
+    the replicas compare a CRC-32C of each shard and warn
+    (ReplicaDriftWarning) where one differs (flatshard/checks/replicas.py);
+    fully_shard keeps torch's arguments, so this has no keyword here."""
     torch_class.check_container(module)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
@@ -106,7 +105,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     _check_mp(mp_policy)
     _check_offload(offload_policy)
     ignored = _check_ignored(ignored_params)
-    every = mistakes.replicas_every(check_replicas_every)
+    every = mistakes.replicas_every(None)
     spmd = None
     if dp_mesh_dims is not None:  # the data-parallel mesh within the full one
         mesh, spmd = dp_mesh.resolve(mesh, dp_mesh_dims)
