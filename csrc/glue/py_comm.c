@@ -510,10 +510,7 @@ static PyType_Spec Comm_spec = {
 
 int fs_comm_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->CommType = PyType_FromModuleAndSpec(module, &Comm_spec, NULL);
-    if (!st->CommType)
-        return -1;
-    return PyModule_AddObjectRef(module, "Comm", st->CommType);
+    return fs_add_type(module, &Comm_spec, &st->CommType);
 }
 
 /* ---------------------------------------------------------------------------

@@ -139,7 +139,7 @@ static PyMethodDef divide_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-int fs_divide_add(PyObject *module)
+int fs_divide_add(PyObject *module, fs_mod_state *st)
 {
     return PyModule_AddFunctions(module, divide_methods);
 }

@@ -1,16 +1,32 @@
 /* py_helpers.c - what every glue file calls: the module's state from a
- * module or a heap type, raising a core status as a Python exception, a
- * tensor's data pointer, lists of ints. Declared in fs_py.h; no entry points. */
+ * module or a heap type, a type added to the module, raising a core status
+ * as a Python exception, a tensor's data pointer, the arguments several
+ * entry points parse alike. Declared in fs_py.h; no entry points. */
 #include "fs_py.h"
+
+#include "reduce.h"
 
 #include <stdarg.h>
 #include <stdlib.h>
+#include <string.h>
 
 fs_mod_state *fs_state_from_module(PyObject *m) { return PyModule_GetState(m); }
 
 fs_mod_state *fs_state_from_type(PyTypeObject *tp)
 {
     return PyModule_GetState(PyType_GetModuleByDef(tp, &fs_module_def));
+}
+
+int fs_add_type(PyObject *module, PyType_Spec *spec, PyObject **slot)
+{
+    PyObject *tp = PyType_FromModuleAndSpec(module, spec, NULL);
+    const char *dot = strrchr(spec->name, '.');
+    int rc = tp ? PyModule_AddObjectRef(module, dot ? dot + 1 : spec->name, tp) : -1;
+    if (slot)
+        *slot = tp;
+    else
+        Py_XDECREF(tp);
+    return rc;
 }
 
 PyObject *fs_raise(fs_mod_state *st, fs_status s, const char *fmt, ...)
@@ -58,6 +74,19 @@ int fs_tensor_ptr(PyObject *tensor, void **out)
 
 /* ---------------------------------------------------------------------------
  * argument conversion shared by the glue */
+
+int fs_simd_arg(const char *name, const char *what)
+{
+    int level = fs_simd_parse(name);
+    const char *sep = what ? ": " : "";
+    if (level == -1)
+        PyErr_Format(PyExc_ValueError, "%s%ssimd='%s': expected 'auto', 'scalar', 'avx2' or "
+                     "'avx512'", what ? what : "", sep, name);
+    else if (level == -2)
+        PyErr_Format(PyExc_ValueError, "%s%ssimd='%s': this CPU lacks it (best: '%s')",
+                     what ? what : "", sep, name, fs_simd_name(fs_simd_best()));
+    return level < 0 ? -1 : level;
+}
 
 int64_t *fs_int64_list(PyObject *obj, Py_ssize_t *n, const char *what)
 {

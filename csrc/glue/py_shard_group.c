@@ -877,8 +877,5 @@ static PyType_Spec ShardGroup_spec = {
 
 int fs_shard_group_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->ShardGroupType = PyType_FromModuleAndSpec(module, &ShardGroup_spec, NULL);
-    if (!st->ShardGroupType)
-        return -1;
-    return PyModule_AddObjectRef(module, "ShardGroup", st->ShardGroupType);
+    return fs_add_type(module, &ShardGroup_spec, &st->ShardGroupType);
 }

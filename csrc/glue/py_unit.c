@@ -229,8 +229,11 @@ PyDoc_STRVAR(event_doc,
              "      defer=False, along=None) -> actions\n"
              "Apply a state-machine event (EV_*) and do what it asks, in one call: gather\n"
              "on UNSHARD (then wait for a prefetch: the buffers are used next), free on\n"
-             "RESHARD, and on REDUCE_GRAD reduce `grad` into `out` (reduce_grad's\n"
-             "arguments) before freeing. FINALIZE first waits for deferred reductions.\n"
+             "RESHARD, and on REDUCE_GRAD average the unsharded gradient `grad` of `group`\n"
+             "over the ranks into `out` (the shard gradient, or under SHARD_OPTIM the whole\n"
+             "one: out = (accumulate ? out : 0) + mean; `grad` is left undefined; defer: a\n"
+             "device's current stream waits at finish_reduce()) before freeing. FINALIZE\n"
+             "first waits for deferred reductions.\n"
              "along: a tuple of Units on this Comm (host) gathered now too, in the same\n"
              "all-gather as this unit's (the engine skips those already gathered or with\n"
              "nothing to gather, and stops where the batch is full).\n"
@@ -348,23 +351,6 @@ static PyObject *Unit_reshard(UnitObject *self, PyObject *Py_UNUSED(a))
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     return done(self, fs_unit_reshard(&self->u));
-}
-
-PyDoc_STRVAR(reduce_grad_doc,
-             "reduce_grad(group, grad, out, accumulate, defer=False)\n"
-             "Average the unsharded gradient `grad` (padded_numel) over the group into\n"
-             "`out`: the shard gradient (shard_numel), or under SHARD_OPTIM the whole\n"
-             "gradient (padded_numel): out = (accumulate ? out : 0) + mean. `grad` is used\n"
-             "as scratch and left undefined. defer (device units): the current stream does\n"
-             "not wait for it until finish_reduce() ([Note: deferred collectives]).");
-static PyObject *Unit_reduce_grad(UnitObject *self, PyObject *args)
-{
-    int gi, accumulate, defer = 0;
-    PyObject *grad, *out;
-    if (!PyArg_ParseTuple(args, "iOOp|p", &gi, &grad, &out, &accumulate, &defer) ||
-        fs_glue_group_bind(FS_GROUP(self)) < 0)
-        return NULL;
-    return done(self, fs_unit_reduce(&self->u, gi, grad, out, accumulate, defer, NULL));
 }
 
 PyDoc_STRVAR(finish_reduce_doc,
@@ -524,7 +510,6 @@ static PyMethodDef Unit_methods[] = {
     {"finish_reduce", (PyCFunction)Unit_finish_reduce, METH_NOARGS, finish_reduce_doc},
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS, reshard_doc},
-    {"reduce_grad", (PyCFunction)Unit_reduce_grad, METH_VARARGS, reduce_grad_doc},
     {"set_events", (PyCFunction)Unit_set_events, METH_VARARGS, set_events_doc},
     {"tell_out_of_memory", fs_glue_group_tell_out_of_memory, METH_VARARGS,
      FS_TELL_OUT_OF_MEMORY_DOC},
@@ -588,8 +573,5 @@ static PyType_Spec Unit_spec = {
 
 int fs_unit_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->UnitType = PyType_FromModuleAndSpec(module, &Unit_spec, NULL);
-    if (!st->UnitType)
-        return -1;
-    return PyModule_AddObjectRef(module, "Unit", st->UnitType);
+    return fs_add_type(module, &Unit_spec, &st->UnitType);
 }
