@@ -115,6 +115,13 @@ PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e);
  * gone (no exception) or on failure (an exception set). */
 PyObject *fs_weak_get(PyObject *ref);
 
+/* k sequences of ints of one length (objs[i]: NULL or None for none, out[i]
+ * NULL then) as malloc'd int64 arrays out[i] that the caller frees: that
+ * length (0 when none was given), or -1 with an exception set naming `what`
+ * and names[i] (nothing to free). */
+Py_ssize_t fs_int64_lists(int k, PyObject *const *objs, int64_t **out, const char *what,
+                          const char *const *names);
+
 /* The SIMD level a simd= argument names ('auto', 'scalar', 'avx2',
  * 'avx512'), or -1 with ValueError set (`what`, the entry point, first;
  * may be NULL). */

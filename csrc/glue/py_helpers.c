@@ -112,6 +112,34 @@ done:
     return res;
 }
 
+Py_ssize_t fs_int64_lists(int k, PyObject *const *objs, int64_t **out, const char *what,
+                          const char *const *names)
+{
+    Py_ssize_t n = -1;
+    char msg[160], all[120] = "";
+    for (int i = 0; i < k; i++)
+        snprintf(all + strlen(all), sizeof all - strlen(all), "%s%s", i ? ", " : "", names[i]);
+    int i = 0;
+    for (; i < k; i++) {
+        Py_ssize_t m = n;
+        snprintf(msg, sizeof msg, "%s: %s must be a sequence of ints", what, names[i]);
+        out[i] = objs[i] && objs[i] != Py_None ? fs_int64_list(objs[i], &m, msg) : NULL;
+        if (objs[i] && objs[i] != Py_None && !out[i])
+            break;
+        if (n >= 0 && m != n) {
+            PyErr_Format(PyExc_ValueError, "%s: %s differ in length", what, all);
+            free(out[i++]);
+            break;
+        }
+        n = m;
+    }
+    if (i == k)
+        return n < 0 ? 0 : n;
+    while (i-- > 0)
+        free(out[i]);
+    return -1;
+}
+
 PyObject *fs_weak_get(PyObject *ref)
 {
 #if PY_VERSION_HEX >= 0x030D0000
