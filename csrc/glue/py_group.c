@@ -227,19 +227,9 @@ PyObject *fs_glue_group_get_comm(GroupObject *self, void *closure)
     return Py_NewRef((PyObject *)self->comm);
 }
 
-PyObject *fs_glue_group_get_unsharded(GroupObject *self, void *closure)
+PyObject *fs_glue_group_get_flag(GroupObject *self, void *closure)
 {
-    return PyBool_FromLong(self->core->unsharded);
-}
-
-PyObject *fs_glue_group_get_gather_pending(GroupObject *self, void *closure)
-{
-    return PyBool_FromLong(self->core->gather_pending);
-}
-
-PyObject *fs_glue_group_get_reduce_pending(GroupObject *self, void *closure)
-{
-    return PyBool_FromLong(self->core->reduce_pending);
+    return PyBool_FromLong(*(const int *)((const char *)self->core + (size_t)closure));
 }
 
 PyObject *fs_glue_group_get_counts(GroupObject *self, void *closure)

@@ -285,16 +285,6 @@ static PyObject *ShardGroup_set_keep_storage(ShardGroupObject *self, PyObject *a
 }
 
 
-PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
-             "each group's reduction finished (its sharded gradients written). owners: the\n"
-             "bucket's groups, in the order their reduce_grads calls with this bucket came.\n"
-             "After a failure no group keeps a pending reduction.");
-
-PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
-             "backward that did not finish): the groups' reductions are dropped.");
-
 PyDoc_STRVAR(finish_reduce_doc,
              "finish_reduce(write=True): what is left of a reduction (the wait, collect and\n"
              "write of a deferred or held one); then, for reduce_grads', the new sharded\n"
@@ -615,6 +605,7 @@ static PyObject *ShardGroup_set_comm_quant(ShardGroupObject *self, PyObject *arg
 }
 
 static PyMethodDef ShardGroup_methods[] = {
+    FS_GROUP_METHODS,
     {"set_post_backward", (PyCFunction)ShardGroup_set_post_backward, METH_VARARGS,
      set_post_backward_doc},
     {"post_backward", (PyCFunction)ShardGroup_post_backward, METH_NOARGS,
@@ -662,10 +653,6 @@ static PyMethodDef ShardGroup_methods[] = {
      "set_keep_storage(keep): reshards keep the unsharded storage, its data pointer the\n"
      "same at the next gather (False: free it, also now when resharded)\n"
      "(engine/shard_group.h, [Note: kept storage])."},
-    {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
-    {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
-    {"tell_out_of_memory", fs_glue_group_tell_out_of_memory, METH_VARARGS,
-     FS_TELL_OUT_OF_MEMORY_DOC},
     {"wait_reduce", (PyCFunction)ShardGroup_wait_reduce, METH_NOARGS,
      "wait_reduce(): a deferred reduction: the stream waits for its reduce-scatter, then\n"
      "the replicas' all-reduce and a held output's divide are enqueued."},
@@ -717,6 +704,7 @@ static PyObject *ShardGroup_get_idle(ShardGroupObject *self, void *c)
 }
 
 static PyGetSetDef ShardGroup_getset[] = {
+    FS_GROUP_GETSET,
     {"idle", (getter)ShardGroup_get_idle, NULL,
      "nothing of a backward is left for its end: no arrival, no sums, the buffer free,\n"
      "the sharded parameters registered, no unsharded gradient", NULL},
@@ -727,14 +715,9 @@ static PyGetSetDef ShardGroup_getset[] = {
     {"entries", (getter)ShardGroup_get_entries, NULL, "this rank's Dim0Entry per parameter", NULL},
     {"offsets", (getter)ShardGroup_get_offsets, NULL, "each parameter's start in the unsharded buffer",
      NULL},
-    {"is_unsharded", (getter)fs_glue_group_get_unsharded, NULL, "gathered (maybe pending)", NULL},
-    {"gather_pending", (getter)fs_glue_group_get_gather_pending, NULL, "a deferred gather", NULL},
-    {"reduce_pending", (getter)fs_glue_group_get_reduce_pending, NULL,
-     "a reduction left to finish (deferred or held)", NULL},
     {"reduce_output", (getter)ShardGroup_get_reduce_output, NULL,
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
      "memoryview (host) or a uint8 tensor (device); None when none is ready", NULL},
-    {"counts", (getter)fs_glue_group_get_counts, NULL, "collectives issued", NULL},
     {"aliased", (getter)ShardGroup_get_aliased, NULL,
      "the unsharded parameters must be the shards themselves (one rank, the compute\n"
      "dtype: engine/shard_group.h, [Note: direct layout]); set with the shards", NULL},

@@ -282,16 +282,6 @@ done:
     return r;
 }
 
-PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
-             "each reduction finished (its gradient written). owners: the unit of each, in\n"
-             "the order their event(bucket=True) calls came. After a failure none is left\n"
-             "waiting.");
-
-PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
-             "backward that did not finish): nothing is written.");
-
 PyDoc_STRVAR(step_doc, "step(event, flags, group=-1) -> actions\n"
                        "Apply a state-machine event (EV_*) only; returns ACT_* bits.");
 static PyObject *Unit_step(UnitObject *self, PyObject *args)
@@ -500,19 +490,16 @@ static PyObject *Unit_set_comm_quant(UnitObject *self, PyObject *args)
 }
 
 static PyMethodDef Unit_methods[] = {
+    FS_GROUP_METHODS,
     {"set_comm_quant", (PyCFunction)Unit_set_comm_quant, METH_VARARGS, FS_SET_COMM_QUANT_DOC},
     {"event", (PyCFunction)(void (*)(void))Unit_event, METH_VARARGS | METH_KEYWORDS, event_doc},
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
-    {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
-    {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
     {"wait", (PyCFunction)Unit_wait, METH_NOARGS, wait_doc},
     {"finish_reduce", (PyCFunction)Unit_finish_reduce, METH_NOARGS, finish_reduce_doc},
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS, reshard_doc},
     {"set_events", (PyCFunction)Unit_set_events, METH_VARARGS, set_events_doc},
-    {"tell_out_of_memory", fs_glue_group_tell_out_of_memory, METH_VARARGS,
-     FS_TELL_OUT_OF_MEMORY_DOC},
     {"prefetch_previous", (PyCFunction)Unit_prefetch_previous, METH_NOARGS,
      prefetch_previous_doc},
     {"released", (PyCFunction)Unit_released, METH_NOARGS, released_doc},
@@ -520,18 +507,12 @@ static PyMethodDef Unit_methods[] = {
 };
 
 static PyGetSetDef Unit_getset[] = {
+    FS_GROUP_GETSET,
     {"state", (getter)Unit_get_state, NULL, "state-machine state name", NULL},
-    {"is_unsharded", (getter)fs_glue_group_get_unsharded, NULL, "full buffers live and gathered",
-     NULL},
     {"bucketable", (getter)Unit_get_bucketable, NULL,
      "its reductions can wait in a host bucket (event(bucket=True))", NULL},
-    {"gather_pending", (getter)fs_glue_group_get_gather_pending, NULL,
-     "a prefetched all-gather the current stream has not waited for yet", NULL},
-    {"reduce_pending", (getter)fs_glue_group_get_reduce_pending, NULL,
-     "deferred gradient reductions the current stream has not waited for yet", NULL},
     {"name", (getter)fs_glue_group_get_name, NULL, "unit name (module path)", NULL},
     {"is_root", (getter)Unit_get_root, (setter)Unit_set_root, "root unit flag", NULL},
-    {"counts", (getter)fs_glue_group_get_counts, NULL, "collectives issued by this unit", NULL},
     {"comm", (getter)fs_glue_group_get_comm, NULL, "the Comm this unit's collectives go through",
      NULL},
     {"latch", (getter)Unit_get_latch, (setter)Unit_set_latch,
