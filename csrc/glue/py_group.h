@@ -34,6 +34,10 @@ PyObject *fs_glue_group_failed(GroupObject *self, fs_status s, int collective, P
 /* `along` (op's argument) checked: a tuple of groups of self's type on
  * self's host Comm. Its size, or -1 with an exception set. */
 Py_ssize_t fs_glue_group_along(GroupObject *self, PyObject *along, const char *op);
+/* op's bucket argument (None, or a ReduceBucket for a host Comm without
+ * defer) into *out (NULL for None); -1 with an exception set. */
+int fs_glue_group_bucket_arg(GroupObject *self, PyObject *o, int defer, const char *op,
+                             fs_reduce_bucket **out);
 /* The methods flush_bucket(bucket, owners) and cancel_bucket(bucket,
  * owners) of both types ([Note: reduction buckets] in engine/engine.h):
  * owners, a tuple of groups of self's type, the owner of each part in

@@ -6,7 +6,6 @@
 #include "shard_events.h"
 #include "env.h"
 
-#include "py_bucket.h"
 #include "py_group.h"
 
 #include <stddef.h>
@@ -122,12 +121,8 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     Py_XDECREF(self->shards);
     Py_XDECREF(self->full);
     Py_XDECREF(self->storage);
-    fs_params_clear(&self->params);
-    fs_grads_clear(&self->grads);
+    ShardGroup_clear(self);
     PyMem_Free(self->arrived);
-    Py_XDECREF(self->owner);
-    Py_XDECREF(self->fallback);
-    Py_XDECREF(self->watch);
     fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -383,14 +378,9 @@ static PyObject *ShardGroup_reduce_grads(ShardGroupObject *self, PyObject *const
     const int defer = PyObject_IsTrue(args[1]), reshard = PyObject_IsTrue(args[2]);
     if (defer < 0 || reshard < 0)
         return NULL;
-    fs_reduce_bucket *bucket = NULL;
-    if (args[3] != Py_None) {
-        if (!(bucket = fs_glue_bucket(Py_TYPE(self), args[3])))
-            return NULL;
-        if (self->comm->dev || defer)
-            return PyErr_Format(PyExc_ValueError, "reduce_grads: bucket is for host Comms, "
-                                "without defer");
-    }
+    fs_reduce_bucket *bucket;
+    if (fs_glue_group_bucket_arg(FS_GROUP(self), args[3], defer, "reduce_grads", &bucket) < 0)
+        return NULL;
     return fs_hooks_shard_reduce(self, args[0], defer, reshard, bucket);
 }
 

@@ -11,7 +11,6 @@
 #include "py_unit.h"
 #include "env.h"
 
-#include "py_bucket.h"
 #include "py_group.h"
 #include "unit_events.h"
 
@@ -210,11 +209,7 @@ static void Unit_dealloc(UnitObject *self)
     PyObject_GC_UnTrack(self);
     if (self->weakrefs)
         PyObject_ClearWeakRefs((PyObject *)self);
-    if (self->ready)
-        fs_unit_destroy(&self->u);
-    clear_handed(self);
-    for (Py_ssize_t i = 0; i < self->nrefs; i++)
-        Py_DECREF(self->refs[i]);
+    Unit_clear(self);
     free(self->refs);
     fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
@@ -250,14 +245,9 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IiOOppOO", kwlist, &ev, &flags, &group, &grad,
                                      &out, &accumulate, &defer, &along, &bucket_o))
         return NULL;
-    fs_reduce_bucket *bucket = NULL;
-    if (bucket_o != Py_None) {
-        if (!(bucket = fs_glue_bucket(Py_TYPE(self), bucket_o)))
-            return NULL;
-        if (self->comm->dev || defer)
-            return PyErr_Format(PyExc_ValueError, "event: bucket is for host Comms, without "
-                                "defer");
-    }
+    fs_reduce_bucket *bucket;
+    if (fs_glue_group_bucket_arg(FS_GROUP(self), bucket_o, defer, "event", &bucket) < 0)
+        return NULL;
     Py_ssize_t n = along == Py_None ? 0 : fs_glue_group_along(FS_GROUP(self), along, "event");
     if (n < 0)
         return NULL;
