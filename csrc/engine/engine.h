@@ -241,6 +241,13 @@ fs_status fs_link_reduce_scatter_quant(fs_link *l, const fs_env *env, const char
 /* Whether q is a setting the engine takes (quant.h's bits and block); on
  * failure its words in err. */
 int fs_comm_quant_check(const fs_comm_quant *q, char *err, size_t cap);
+/* One of them as the host's Comm issues it on l (its quantized()): the
+ * all-gather with `bits` codes (gather), else the reduce-scatter; the
+ * setting, a float dtype and count >= 0 checked first (FS_ERR_INVALID_ARG,
+ * the words in the comm's last_error). */
+fs_status fs_link_quantized(fs_link *l, const fs_env *env, int gather, int bits, int64_t block,
+                            const char *tag, const void *send, void *recv, int64_t count,
+                            fs_dtype t);
 
 /* Host loops over n values: the lock handed back around them when they are
  * long (n >= FS_UNLOCK_NUMEL); fs_link_relock takes it again with the same n. */
@@ -277,6 +284,17 @@ fs_status fs_link_divide_out(const fs_link *l, void *stream, void *dst, fs_dtype
 fs_status fs_link_lend(const fs_env *env, const fs_link *l, fs_dtype t, int64_t count,
                        void **h);
 void fs_link_unlend(const fs_link *l);
+
+/* One of the six collectives (op; comm.h's rules for the buffers: count is
+ * recv_count for a reduce-scatter, send the one buffer of the in-place ones,
+ * average for the reductions, root for a broadcast) as the host's Comm
+ * issues it on l: recorded in the ledger (FS_LINK_RUN), float32 staging
+ * lent to a device's bfloat16/float16 reduction and given back after it
+ * (the caller's stream waits for the collective: the allocator reuses the
+ * staging in that stream's order). */
+fs_status fs_link_collective(fs_link *l, const fs_env *env, fs_ledger_op op, const char *tag,
+                             void *send, void *recv, int64_t count, fs_dtype t, int average,
+                             int root);
 
 /* A list of handles held until a deferred collective is waited for. */
 typedef struct {

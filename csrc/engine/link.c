@@ -143,6 +143,46 @@ void fs_link_unlend(const fs_link *l)
     l->dev->set_workspace(l->comm, NULL, 0);
 }
 
+static fs_status collective_run(fs_comm *c, fs_ledger_op op, void *send, void *recv,
+                                int64_t count, fs_dtype t, int average, int root)
+{
+    const fs_redop red = average ? FS_RED_AVG : FS_RED_SUM;
+    switch (op) {
+    case FS_LOP_ALL_GATHER:
+        return fs_comm_all_gather(c, send, recv, count, t);
+    case FS_LOP_REDUCE_SCATTER:
+        return fs_comm_reduce_scatter(c, send, recv, count, t, red);
+    case FS_LOP_ALL_REDUCE:
+        return fs_comm_all_reduce(c, send, count, t, red);
+    case FS_LOP_BROADCAST:
+        return fs_comm_broadcast(c, send, count, t, root);
+    case FS_LOP_ALL_TO_ALL:
+        return fs_comm_all_to_all(c, send, recv, count, t);
+    default:
+        return fs_comm_barrier(c);
+    }
+}
+
+fs_status fs_link_collective(fs_link *l, const fs_env *env, fs_ledger_op op, const char *tag,
+                             void *send, void *recv, int64_t count, fs_dtype t, int average,
+                             int root)
+{
+    /* what a bfloat16/float16 reduction stages through on a device */
+    const int64_t staged = op == FS_LOP_REDUCE_SCATTER ? count * l->comm->world_size : count;
+    void *ws = NULL;
+    fs_status s;
+    if ((op == FS_LOP_REDUCE_SCATTER || op == FS_LOP_ALL_REDUCE) &&
+        (s = fs_link_lend(env, l, t, staged, &ws)) != FS_OK)
+        return s;
+    FS_LINK_RUN(l, s, op, tag, count, t, collective_run(l->comm, op, send, recv, count, t,
+                                                        average, root));
+    if (ws) {
+        fs_link_unlend(l);
+        env->release(env->ctx, ws);
+    }
+    return s;
+}
+
 /* ---------------------------------------------------------------------------
  * coalesced gathers ([Note: coalesced gathers] in engine.h) */
 

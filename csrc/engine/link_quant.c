@@ -129,3 +129,19 @@ fs_status fs_link_reduce_scatter_quant(fs_link *l, const fs_env *env, const char
     env->release(env->ctx, h);
     return s;
 }
+
+fs_status fs_link_quantized(fs_link *l, const fs_env *env, int gather, int bits, int64_t block,
+                            const char *tag, const void *send, void *recv, int64_t count,
+                            fs_dtype t)
+{
+    fs_comm *c = l->comm;
+    l->quant = (fs_comm_quant){gather ? bits : 0, gather ? 0 : bits, block};
+    if (!fs_comm_quant_check(&l->quant, c->last_error, sizeof c->last_error))
+        return FS_ERR_INVALID_ARG;
+    if (!fs_dtype_is_float(t) || count < 0) {
+        snprintf(c->last_error, sizeof c->last_error, "a float dtype and count >= 0 needed");
+        return FS_ERR_INVALID_ARG;
+    }
+    return gather ? fs_link_all_gather_quant(l, env, tag, send, recv, count, t)
+                  : fs_link_reduce_scatter_quant(l, env, tag, send, recv, count, t);
+}

@@ -209,12 +209,7 @@ fs_status fs_offload_pipe_submit(fs_offload_pipe *p, int slot, const fs_optim_jo
         return s;
     }
     /* the counts as the steps will use them, set before the worker can run */
-    for (int i = 0; i < n; i++)
-        if (steps && steps[i] && b->jobs[i].kind == FS_OPTIM_ADAM) {
-            const float next = *steps[i] + 1.0f;
-            *steps[i] = next;
-            b->jobs[i].adam_h.step = (int64_t)next;
-        }
+    fs_optim_take_step_counts(b->jobs, steps, n);
     if (p->pending[slot]++ == 0)
         p->st.units_in_flight++;
     if (p->st.units_in_flight > p->st.peak_units_in_flight)

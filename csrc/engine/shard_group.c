@@ -27,7 +27,7 @@ int fs_shard_direct_layout(const fs_shard_group *g)
 
 fs_status fs_shard_init(fs_shard_group *g, const char *name, fs_env env, fs_link link,
                        fs_link replicate, int nparams, const int64_t *outer,
-                       const int64_t *dim0, const int64_t *row_numel, const int *gathered,
+                       const int64_t *dim0, const int64_t *row_numel, const int64_t *gathered,
                        int64_t align, fs_dtype compute, fs_dtype reduce)
 {
     memset(g, 0, sizeof *g);
@@ -83,7 +83,7 @@ fs_status fs_shard_init(fs_shard_group *g, const char *name, fs_env env, fs_link
         p->outer = outer ? outer[i] : 1;
         p->dim0 = dim0[i];
         p->row_numel = row_numel[i];
-        p->gathered = gathered[i];
+        p->gathered = gathered[i] != 0;
         p->full_offset = grows[i];
     }
     free(rows);

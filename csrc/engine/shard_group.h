@@ -135,12 +135,13 @@ typedef struct {
     unsigned long long copied_bytes[FS_SHARD_NCOPY]; /* [Note: copy counts] */
 } fs_shard_group;
 
-/* outer[i] (NULL: all 1), dim0[i], row_numel[i], gathered[i] for nparams
+/* outer[i] (NULL: all 1), dim0[i], row_numel[i], gathered[i] (not 0: the
+ * parameter is gathered into the unsharded buffer) for nparams
  * parameters; align: every parameter's start in the block and the unsharded
  * buffer, in elements. */
 fs_status fs_shard_init(fs_shard_group *g, const char *name, fs_env env, fs_link link,
                        fs_link replicate, int nparams, const int64_t *outer,
-                       const int64_t *dim0, const int64_t *row_numel, const int *gathered,
+                       const int64_t *dim0, const int64_t *row_numel, const int64_t *gathered,
                        int64_t align, fs_dtype compute, fs_dtype reduce);
 void fs_shard_destroy(fs_shard_group *g);
 

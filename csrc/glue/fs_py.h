@@ -16,7 +16,9 @@
 #include "fs_status.h"
 #include "layout.h"
 #include "ledger.h"
+#include "optim.h"
 
+/* Only objects: module.c visits and clears the fields as one array. */
 typedef struct {
     PyObject *CoreError;  /* flatshard._C.CoreError(RuntimeError) */
     PyObject *StateError; /* an event the unit state machine refuses */
@@ -38,6 +40,12 @@ extern PyModuleDef fs_module_def;
 
 fs_mod_state *fs_state_from_type(PyTypeObject *tp);
 fs_mod_state *fs_state_from_module(PyObject *m);
+/* What each glue file adds to the module (its types, functions and
+ * constants), in module.c's order. */
+typedef int (*fs_glue_add)(PyObject *module, fs_mod_state *st);
+/* The heap type of `spec` made and added to the module under its short
+ * name; kept in *slot (a new reference) unless slot is NULL. -1 on failure. */
+int fs_add_type(PyObject *module, PyType_Spec *spec, PyObject **slot);
 
 /* Raise for a failed status and return NULL. FS_ERR_PYTHON keeps the
  * exception already set; others raise CoreError (StateError for BAD_STATE)
@@ -100,23 +108,32 @@ PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char
 PyObject *fs_glue_failed(PyTypeObject *tp, fs_status s, const char *err, CommObject *comm,
                          int collective, PyObject *note);
 
-int fs_comm_type_add(PyObject *module, fs_mod_state *st);
-int fs_unit_type_add(PyObject *module, fs_mod_state *st);
-int fs_optim_add(PyObject *module); /* py_optim.c */
-int fs_layout_add(PyObject *module, fs_mod_state *st); /* py_layout.c */
-int fs_divide_add(PyObject *module); /* py_divide.c */
-int fs_shard_group_type_add(PyObject *module, fs_mod_state *st); /* py_shard_group.c */
-int fs_event_type_add(PyObject *module, fs_mod_state *st); /* py_event.c */
-int fs_arrival_type_add(PyObject *module, fs_mod_state *st); /* py_arrival.c */
-int fs_latch_type_add(PyObject *module, fs_mod_state *st); /* py_latch.c */
-int fs_unit_hook_type_add(PyObject *module, fs_mod_state *st); /* py_unit_hook.c */
-int fs_bucket_type_add(PyObject *module, fs_mod_state *st); /* py_bucket.c */
 /* py_layout.c: a Dim0Entry record; NULL with an exception set. */
 PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e);
 
 /* The object a weak reference points at, as a new reference; NULL when it is
  * gone (no exception) or on failure (an exception set). */
 PyObject *fs_weak_get(PyObject *ref);
+
+/* k sequences of ints of one length (objs[i]: NULL or None for none, out[i]
+ * NULL then) as malloc'd int64 arrays out[i] that the caller frees: that
+ * length (0 when none was given), or -1 with an exception set naming `what`
+ * and names[i] (nothing to free). */
+Py_ssize_t fs_int64_lists(int k, PyObject *const *objs, int64_t **out, const char *what,
+                          const char *const *names);
+
+/* The SIMD level a simd= argument names ('auto', 'scalar', 'avx2',
+ * 'avx512'), or -1 with ValueError set (`what`, the entry point, first;
+ * may be NULL). */
+int fs_simd_arg(const char *name, const char *what);
+
+/* py_optim.c: the jobs of a group call (adam_steps', sgd_steps',
+ * OffloadPipe.submit's: tuples of pointers) over proto's kind and
+ * hyperparameters, each checked, in PyMem arrays *js and *steps (an Adam
+ * job's float32 step count) the caller frees. Their count, or -1 with an
+ * exception naming `what` (nothing to free). */
+Py_ssize_t fs_glue_optim_jobs(PyObject *jobs, const char *what, const fs_optim_job *proto,
+                              fs_optim_job **js, float ***steps);
 
 /* A sequence of ints as a malloc'd int64 array (*n elements); NULL with an
  * exception set (`what` is the TypeError's text). */

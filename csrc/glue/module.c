@@ -34,13 +34,32 @@ static int add_constants(PyObject *m)
     return 0;
 }
 
-int fs_disk_add(PyObject *module);    /* py_disk.c */
-int fs_glue_pool_add(PyObject *module); /* py_pool.c */
-int fs_kernels_add(PyObject *module);  /* py_kernels.c */
-int fs_quant_add(PyObject *module);    /* py_quant.c */
-int fs_offload_pipe_type_add(PyObject *module); /* py_offload_pipe.c */
-int fs_eager_type_add(PyObject *module); /* py_eager.c */
-int fs_snapshot_type_add(PyObject *module); /* py_snapshot.c */
+/* Each glue file's types, functions and constants (fs_glue_add), in turn. */
+int fs_comm_type_add(PyObject *module, fs_mod_state *st);        /* py_comm.c */
+int fs_unit_type_add(PyObject *module, fs_mod_state *st);        /* py_unit.c */
+int fs_optim_add(PyObject *module, fs_mod_state *st);            /* py_optim.c */
+int fs_layout_add(PyObject *module, fs_mod_state *st);           /* py_layout.c */
+int fs_divide_add(PyObject *module, fs_mod_state *st);           /* py_divide.c */
+int fs_shard_group_type_add(PyObject *module, fs_mod_state *st); /* py_shard_group.c */
+int fs_latch_type_add(PyObject *module, fs_mod_state *st);       /* py_latch.c */
+int fs_arrival_type_add(PyObject *module, fs_mod_state *st);     /* py_arrival.c */
+int fs_event_type_add(PyObject *module, fs_mod_state *st);       /* py_event.c */
+int fs_unit_hook_type_add(PyObject *module, fs_mod_state *st);   /* py_unit_hook.c */
+int fs_bucket_type_add(PyObject *module, fs_mod_state *st);      /* py_bucket.c */
+int fs_disk_add(PyObject *module, fs_mod_state *st);             /* py_disk.c */
+int fs_glue_pool_add(PyObject *module, fs_mod_state *st);        /* py_pool.c */
+int fs_kernels_add(PyObject *module, fs_mod_state *st);          /* py_kernels.c */
+int fs_quant_add(PyObject *module, fs_mod_state *st);            /* py_quant.c */
+int fs_offload_pipe_type_add(PyObject *module, fs_mod_state *st); /* py_offload_pipe.c */
+int fs_eager_type_add(PyObject *module, fs_mod_state *st);       /* py_eager.c */
+int fs_snapshot_type_add(PyObject *module, fs_mod_state *st);    /* py_snapshot.c */
+
+static const fs_glue_add glue_adds[] = {
+    fs_comm_type_add, fs_unit_type_add, fs_optim_add, fs_layout_add, fs_divide_add,
+    fs_shard_group_type_add, fs_latch_type_add, fs_arrival_type_add, fs_event_type_add,
+    fs_unit_hook_type_add, fs_bucket_type_add, fs_disk_add, fs_glue_pool_add, fs_kernels_add,
+    fs_quant_add, fs_offload_pipe_type_add, fs_eager_type_add, fs_snapshot_type_add,
+};
 
 static int module_exec(PyObject *m)
 {
@@ -54,14 +73,10 @@ static int module_exec(PyObject *m)
         st->CoreError, NULL);
     if (!st->StateError || PyModule_AddObjectRef(m, "StateError", st->StateError) < 0)
         return -1;
-    if (fs_comm_type_add(m, st) < 0 || fs_unit_type_add(m, st) < 0 || fs_optim_add(m) < 0 ||
-        fs_layout_add(m, st) < 0 || fs_divide_add(m) < 0 || fs_shard_group_type_add(m, st) < 0 ||
-        fs_latch_type_add(m, st) < 0 || fs_arrival_type_add(m, st) < 0 ||
-        fs_event_type_add(m, st) < 0 || fs_unit_hook_type_add(m, st) < 0 ||
-        fs_bucket_type_add(m, st) < 0 || fs_disk_add(m) < 0 || fs_glue_pool_add(m) < 0 ||
-        fs_kernels_add(m) < 0 || fs_quant_add(m) < 0 ||
-        fs_offload_pipe_type_add(m) < 0 || fs_eager_type_add(m) < 0 || fs_snapshot_type_add(m) < 0 ||
-        add_constants(m) < 0)
+    for (size_t i = 0; i < sizeof glue_adds / sizeof glue_adds[0]; i++)
+        if (glue_adds[i](m, st) < 0)
+            return -1;
+    if (add_constants(m) < 0)
         return -1;
     PyObject *api = PyCapsule_New((void *)&fs_host_device_api, FS_DEVICE_API_CAPSULE, NULL);
     int rc = api ? PyModule_AddObjectRef(m, "host_device_api", api) : -1;
@@ -69,43 +84,23 @@ static int module_exec(PyObject *m)
     return rc;
 }
 
+/* The state's fields as the array they are (fs_py.h: only objects). */
+#define STATE_FIELDS(st) ((PyObject **)(st))
+#define STATE_NFIELDS (sizeof(fs_mod_state) / sizeof(PyObject *))
+
 static int module_traverse(PyObject *m, visitproc visit, void *arg)
 {
     fs_mod_state *st = fs_state_from_module(m);
-    Py_VISIT(st->CoreError);
-    Py_VISIT(st->StateError);
-    Py_VISIT(st->CommType);
-    Py_VISIT(st->UnitType);
-    Py_VISIT(st->FlatEntryType);
-    Py_VISIT(st->FlatLayoutType);
-    Py_VISIT(st->Dim0EntryType);
-    Py_VISIT(st->Dim0LayoutType);
-    Py_VISIT(st->ShardGroupType);
-    Py_VISIT(st->ArrivalType);
-    Py_VISIT(st->EventType);
-    Py_VISIT(st->LatchType);
-    Py_VISIT(st->UnitHookType);
-    Py_VISIT(st->BucketType);
+    for (size_t i = 0; st && i < STATE_NFIELDS; i++)
+        Py_VISIT(STATE_FIELDS(st)[i]);
     return 0;
 }
 
 static int module_clear(PyObject *m)
 {
     fs_mod_state *st = fs_state_from_module(m);
-    Py_CLEAR(st->CoreError);
-    Py_CLEAR(st->StateError);
-    Py_CLEAR(st->CommType);
-    Py_CLEAR(st->UnitType);
-    Py_CLEAR(st->FlatEntryType);
-    Py_CLEAR(st->FlatLayoutType);
-    Py_CLEAR(st->Dim0EntryType);
-    Py_CLEAR(st->Dim0LayoutType);
-    Py_CLEAR(st->ShardGroupType);
-    Py_CLEAR(st->ArrivalType);
-    Py_CLEAR(st->EventType);
-    Py_CLEAR(st->LatchType);
-    Py_CLEAR(st->UnitHookType);
-    Py_CLEAR(st->BucketType);
+    for (size_t i = 0; st && i < STATE_NFIELDS; i++)
+        Py_CLEAR(STATE_FIELDS(st)[i]);
     return 0;
 }
 

@@ -29,20 +29,9 @@ static void Bucket_dealloc(BucketObject *self)
     Py_DECREF(tp);
 }
 
-static PyObject *Bucket_get_nparts(BucketObject *self, void *c)
-{
-    return PyLong_FromLong(self->b.nparts);
-}
-
-static PyGetSetDef Bucket_getset[] = {
-    {"nparts", (getter)Bucket_get_nparts, NULL, "reductions waiting in it", NULL},
-    {NULL},
-};
-
 static PyType_Slot Bucket_slots[] = {
     {Py_tp_new, Bucket_new},
     {Py_tp_dealloc, Bucket_dealloc},
-    {Py_tp_getset, Bucket_getset},
     {Py_tp_doc, "ReduceBucket(): reduce-scatters recorded by host engine objects, issued as "
                 "one at their flush_bucket() (engine.h, [Note: reduction buckets])."},
     {0, NULL},
@@ -94,8 +83,5 @@ fs_reduce_bucket *fs_glue_bucket_args(GroupObject *self, PyObject *args, const c
 
 int fs_bucket_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->BucketType = PyType_FromModuleAndSpec(module, &Bucket_spec, NULL);
-    if (!st->BucketType)
-        return -1;
-    return PyModule_AddObjectRef(module, "ReduceBucket", st->BucketType);
+    return fs_add_type(module, &Bucket_spec, &st->BucketType);
 }

@@ -178,9 +178,9 @@ PyObject *fs_comm_done(CommObject *self, fs_status s, const char *op, const char
 
 /* ---------------------------------------------------------------------------
  * collectives: each method parses its arguments into one record, and
- * collective() runs it on the Comm's link (the caller's stream bound,
- * float32 staging lent to a device reduction, recorded in the ledger,
- * raised as fs_comm_done says). */
+ * collective() runs it on the Comm's link, the caller's stream bound
+ * (fs_link_collective: recorded in the ledger, float32 staging lent to a
+ * device reduction), raised as fs_comm_done says. */
 
 typedef struct {
     fs_ledger_op op;
@@ -190,46 +190,16 @@ typedef struct {
     int dtype, average, root;
 } coll_args;
 
-static fs_status coll_run(fs_comm *c, const coll_args *a)
-{
-    fs_redop red = a->average ? FS_RED_AVG : FS_RED_SUM;
-    switch (a->op) {
-    case FS_LOP_ALL_GATHER:
-        return fs_comm_all_gather(c, (void *)a->send, (void *)a->recv, a->count, a->dtype);
-    case FS_LOP_REDUCE_SCATTER:
-        return fs_comm_reduce_scatter(c, (void *)a->send, (void *)a->recv, a->count, a->dtype,
-                                      red);
-    case FS_LOP_ALL_REDUCE:
-        return fs_comm_all_reduce(c, (void *)a->send, a->count, a->dtype, red);
-    case FS_LOP_BROADCAST:
-        return fs_comm_broadcast(c, (void *)a->send, a->count, a->dtype, a->root);
-    case FS_LOP_ALL_TO_ALL:
-        return fs_comm_all_to_all(c, (void *)a->send, (void *)a->recv, a->count, a->dtype);
-    default:
-        return fs_comm_barrier(c);
-    }
-}
-
 static PyObject *collective(CommObject *self, const coll_args *a)
 {
-    /* what a bfloat16/float16 reduction stages through on a device */
-    const long long staged = a->op == FS_LOP_REDUCE_SCATTER ? a->count * self->comm->world_size
-                                                            : a->count;
-    const int reduces = a->op == FS_LOP_REDUCE_SCATTER || a->op == FS_LOP_ALL_REDUCE;
     const fs_env env = fs_hooks_env(&self->empty);
     fs_link l = fs_glue_link(self);
-    void *ws = NULL;
-    if (fs_comm_bind_stream(self) < 0 ||
-        (reduces && fs_link_lend(&env, &l, a->dtype, staged, &ws) != FS_OK))
+    if (fs_comm_bind_stream(self) < 0)
         return NULL;
-    fs_status s;
-    FS_LINK_RUN(&l, s, a->op, a->tag, a->count, a->dtype, coll_run(self->comm, a));
-    /* the caller's stream waits for the collective: the allocator reuses
-     * the staging in that stream's order */
-    if (ws) {
-        fs_link_unlend(&l);
-        env.release(env.ctx, ws);
-    }
+    fs_status s = fs_link_collective(&l, &env, a->op, a->tag, (void *)a->send, (void *)a->recv,
+                                     a->count, a->dtype, a->average, a->root);
+    if (s == FS_ERR_HOST && PyErr_Occurred())
+        return NULL; /* the staging's allocation raised */
     return fs_comm_done(self, s, fs_ledger_op_name(a->op), a->tag);
 }
 
@@ -312,18 +282,12 @@ static PyObject *Comm_quantized(CommObject *self, PyObject *args)
     if (!gather && strcmp(op, "reduce_scatter") != 0)
         return PyErr_Format(PyExc_ValueError, "quantized: op must be 'all_gather' or "
                             "'reduce_scatter', got '%s'", op);
-    fs_link l = fs_glue_link(self);
-    l.quant = (fs_comm_quant){gather ? bits : 0, gather ? 0 : bits, block};
-    if (!fs_comm_quant_check(&l.quant, self->comm->last_error, sizeof self->comm->last_error) ||
-        !fs_dtype_is_float(dtype) || count < 0)
-        return fs_comm_done(self, FS_ERR_INVALID_ARG, op, tag);
     if (self->dev)
         return PyErr_Format(PyExc_ValueError, "quantized: host Comms only");
+    fs_link l = fs_glue_link(self);
     const fs_env env = fs_hooks_env(&self->empty);
-    fs_status s = gather ? fs_link_all_gather_quant(&l, &env, tag, (void *)sp, (void *)rp, count,
-                                                    dtype)
-                         : fs_link_reduce_scatter_quant(&l, &env, tag, (void *)sp, (void *)rp,
-                                                        count, dtype);
+    fs_status s = fs_link_quantized(&l, &env, gather, bits, block, tag, (void *)sp, (void *)rp,
+                                    count, dtype);
     return fs_comm_done(self, s, op, tag);
 }
 
@@ -510,10 +474,7 @@ static PyType_Spec Comm_spec = {
 
 int fs_comm_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->CommType = PyType_FromModuleAndSpec(module, &Comm_spec, NULL);
-    if (!st->CommType)
-        return -1;
-    return PyModule_AddObjectRef(module, "Comm", st->CommType);
+    return fs_add_type(module, &Comm_spec, &st->CommType);
 }
 
 /* ---------------------------------------------------------------------------

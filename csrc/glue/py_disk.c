@@ -86,4 +86,7 @@ static PyMethodDef disk_methods[] = {
     {NULL},
 };
 
-int fs_disk_add(PyObject *module) { return PyModule_AddFunctions(module, disk_methods); }
+int fs_disk_add(PyObject *module, fs_mod_state *st)
+{
+    return PyModule_AddFunctions(module, disk_methods);
+}

@@ -5,6 +5,7 @@
 #include "fs_py.h"
 
 #include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "reduce_rule.h"
@@ -88,32 +89,23 @@ static PyObject *py_reduce_dtype(PyObject *m, PyObject *args, PyObject *kw)
         if (set == -1 && PyErr_Occurred())
             return NULL;
     }
-    PyObject *result = NULL, *seq = NULL;
+    PyObject *result = NULL;
     fs_dtype *accumulate = NULL;
+    int64_t *given = NULL;
     Py_ssize_t n = 0;
-    if (codes != NULL) {
-        seq = PySequence_Fast(codes, "reduce_dtype: accumulate_codes must be a sequence of "
-                                     "dtype codes");
-        if (seq == NULL)
-            goto done;
-        n = PySequence_Fast_GET_SIZE(seq);
-        if (n > INT_MAX) {
-            PyErr_SetString(PyExc_ValueError, "reduce_dtype: too many accumulate_codes");
-            goto done;
-        }
-        accumulate = PyMem_New(fs_dtype, n ? n : 1);
-        if (accumulate == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            long c = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-            if (c == -1 && PyErr_Occurred())
-                goto done;
-            /* out of range: not a float, which the rule refuses */
-            accumulate[i] = c >= 0 && c < FS_DTYPE_COUNT ? (fs_dtype)c : FS_U8;
-        }
+    if (codes && !(given = fs_int64_list(codes, &n, "reduce_dtype: accumulate_codes must be a "
+                                                    "sequence of dtype codes")))
+        return NULL;
+    if (n > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "reduce_dtype: too many accumulate_codes");
+        goto done;
     }
+    if (!(accumulate = PyMem_New(fs_dtype, n ? n : 1))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) /* out of range: not a float, which the rule refuses */
+        accumulate[i] = given[i] >= 0 && given[i] < FS_DTYPE_COUNT ? (fs_dtype)given[i] : FS_U8;
     fs_dtype out;
     if (set < 0 || set > FS_DTYPE_COUNT || compute < 0 || compute >= FS_DTYPE_COUNT ||
         fs_reduce_dtype(rule, (fs_dtype)set, (fs_dtype)compute, accumulate, (int)n, &out) !=
@@ -127,7 +119,7 @@ static PyObject *py_reduce_dtype(PyObject *m, PyObject *args, PyObject *kw)
     result = PyLong_FromLong((long)out);
 done:
     PyMem_Free(accumulate);
-    Py_XDECREF(seq);
+    free(given);
     return result;
 }
 
@@ -139,7 +131,7 @@ static PyMethodDef divide_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-int fs_divide_add(PyObject *module)
+int fs_divide_add(PyObject *module, fs_mod_state *st)
 {
     return PyModule_AddFunctions(module, divide_methods);
 }

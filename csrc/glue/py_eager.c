@@ -144,12 +144,7 @@ static PyType_Spec EagerCall_spec = {
     .slots = EagerCall_slots,
 };
 
-int fs_eager_type_add(PyObject *module)
+int fs_eager_type_add(PyObject *module, fs_mod_state *st)
 {
-    PyObject *tp = PyType_FromModuleAndSpec(module, &EagerCall_spec, NULL);
-    if (!tp)
-        return -1;
-    int rc = PyModule_AddObjectRef(module, "EagerCall", tp);
-    Py_DECREF(tp);
-    return rc;
+    return fs_add_type(module, &EagerCall_spec, NULL);
 }

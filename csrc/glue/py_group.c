@@ -184,6 +184,20 @@ Py_ssize_t fs_glue_group_along(GroupObject *self, PyObject *along, const char *o
     return PyTuple_GET_SIZE(along);
 }
 
+int fs_glue_group_bucket_arg(GroupObject *self, PyObject *o, int defer, const char *op,
+                             fs_reduce_bucket **out)
+{
+    *out = NULL;
+    if (o == Py_None)
+        return 0;
+    if (!(*out = fs_glue_bucket(Py_TYPE(self), o)))
+        return -1;
+    if (!self->comm->dev && !defer)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s: bucket is for host Comms, without defer", op);
+    return -1;
+}
+
 PyObject *fs_glue_group_flush_bucket(PyObject *self, PyObject *args)
 {
     GroupObject *g = FS_GROUP(self);
@@ -227,19 +241,9 @@ PyObject *fs_glue_group_get_comm(GroupObject *self, void *closure)
     return Py_NewRef((PyObject *)self->comm);
 }
 
-PyObject *fs_glue_group_get_unsharded(GroupObject *self, void *closure)
+PyObject *fs_glue_group_get_flag(GroupObject *self, void *closure)
 {
-    return PyBool_FromLong(self->core->unsharded);
-}
-
-PyObject *fs_glue_group_get_gather_pending(GroupObject *self, void *closure)
-{
-    return PyBool_FromLong(self->core->gather_pending);
-}
-
-PyObject *fs_glue_group_get_reduce_pending(GroupObject *self, void *closure)
-{
-    return PyBool_FromLong(self->core->reduce_pending);
+    return PyBool_FromLong(*(const int *)((const char *)self->core + (size_t)closure));
 }
 
 PyObject *fs_glue_group_get_counts(GroupObject *self, void *closure)

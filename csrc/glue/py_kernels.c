@@ -159,12 +159,9 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
     int stream = 0;
     if (!PyArg_ParseTuple(args, "KiOLd|sp", &dp, &t, &srcs_obj, &n, &scale, &simd_name, &stream))
         return NULL;
-    int level = fs_simd_parse(simd_name);
+    int level = fs_simd_arg(simd_name, "reduce_sum");
     if (level < 0)
-        return PyErr_Format(PyExc_ValueError, "reduce_sum: simd='%s': %s", simd_name,
-                            level == -1 ? "expected 'auto', 'scalar', 'avx2' or 'avx512'"
-                                        : "this CPU lacks it");
-    fs_simd simd = (fs_simd)level;
+        return NULL;
     Py_ssize_t k;
     int64_t *ptrs = fs_int64_list(srcs_obj, &k, "reduce_sum: src_ptrs must be a sequence");
     if (!ptrs)
@@ -179,7 +176,7 @@ static PyObject *py_reduce_sum(PyObject *m, PyObject *args)
         srcs[i] = (const void *)(intptr_t)ptrs[i];
     fs_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = fs_reduce_sum((void *)dp, srcs, (int)k, n, t, scale, simd, stream);
+    s = fs_reduce_sum((void *)dp, srcs, (int)k, n, t, scale, (fs_simd)level, stream);
     Py_END_ALLOW_THREADS
     res = fs_result(m, s, "reduce_sum: need >= 1 source and a float dtype");
 done:
@@ -237,11 +234,9 @@ static PyObject *py_copy_stream(PyObject *m, PyObject *args)
     const char *simd_name = "auto";
     if (!PyArg_ParseTuple(args, "KKL|s", &dp, &sp, &n, &simd_name))
         return NULL;
-    int level = fs_simd_parse(simd_name);
+    int level = fs_simd_arg(simd_name, "copy_stream");
     if (level < 0)
-        return PyErr_Format(PyExc_ValueError, "copy_stream: simd='%s': %s", simd_name,
-                            level == -1 ? "expected 'auto', 'scalar', 'avx2' or 'avx512'"
-                                        : "this CPU lacks it");
+        return NULL;
     if (n < 0 || (n > 0 && (!dp || !sp)))
         return PyErr_Format(PyExc_ValueError, "copy_stream: nbytes must be >= 0 and the "
                             "pointers non-null");
@@ -333,4 +328,7 @@ static PyMethodDef kernel_methods[] = {
     {NULL},
 };
 
-int fs_kernels_add(PyObject *m) { return PyModule_AddFunctions(m, kernel_methods); }
+int fs_kernels_add(PyObject *m, fs_mod_state *st)
+{
+    return PyModule_AddFunctions(m, kernel_methods);
+}

@@ -117,6 +117,5 @@ static PyType_Spec Latch_spec = {
 
 int fs_latch_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->LatchType = PyType_FromModuleAndSpec(module, &Latch_spec, NULL);
-    return st->LatchType ? PyModule_AddObjectRef(module, "Latch", st->LatchType) : -1;
+    return fs_add_type(module, &Latch_spec, &st->LatchType);
 }

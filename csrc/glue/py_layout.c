@@ -58,28 +58,49 @@ static PyStructSequence_Field dim0_layout_fields[] = {
 static PyStructSequence_Desc dim0_layout_desc = {
     "flatshard._C.Dim0Layout", "A DIM0 (fully_shard) layout's sizes.", dim0_layout_fields, 2};
 
-/* A record of `type` holding n int64 values; NULL with an exception set. */
-static PyObject *record(PyObject *type, const int64_t *v, int n)
+/* A record of `type` holding n int64 values; NULL with an exception set.
+ * layout.h's structs are int64_t fields only, in the records' order: each
+ * is read as such an array. */
+static PyObject *record(PyObject *type, const void *fields, int n)
 {
+    const int64_t *v = fields;
     PyObject *r = PyStructSequence_New((PyTypeObject *)type);
-    if (!r)
-        return NULL;
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; r && i < n; i++) {
         PyObject *x = PyLong_FromLongLong((long long)v[i]);
-        if (!x) {
-            Py_DECREF(r);
-            return NULL;
-        }
-        PyStructSequence_SetItem(r, i, x);
+        if (!x)
+            Py_CLEAR(r);
+        else
+            PyStructSequence_SetItem(r, i, x);
     }
     return r;
 }
+#define NFIELDS(T) ((int)(sizeof(T) / sizeof(int64_t)))
 
 PyObject *fs_dim0_entry_record(fs_mod_state *st, const fs_dim0_entry *e)
 {
-    int64_t v[6] = {e->dim0, e->row_numel, e->chunk_rows, e->block_offset, e->local_row_begin,
-                    e->local_rows};
-    return record(st->Dim0EntryType, v, 6);
+    return record(st->Dim0EntryType, e, NFIELDS(fs_dim0_entry));
+}
+
+/* (layout, [entry]): the layout's record and one of each of the n entries
+ * (`fields` int64 values each, of entry_type); NULL with an exception set. */
+static PyObject *layout_pair(PyObject *lay_type, const void *lay, int lay_fields,
+                             PyObject *entry_type, const int64_t *entries, Py_ssize_t n,
+                             int fields)
+{
+    PyObject *list = PyList_New(n), *lay_obj = list ? record(lay_type, lay, lay_fields) : NULL;
+    PyObject *res = NULL;
+    for (Py_ssize_t i = 0; lay_obj && i < n; i++) {
+        PyObject *r = record(entry_type, entries + i * fields, fields);
+        if (!r)
+            goto done;
+        PyList_SET_ITEM(list, i, r);
+    }
+    if (lay_obj)
+        res = PyTuple_Pack(2, lay_obj, list);
+done:
+    Py_XDECREF(lay_obj);
+    Py_XDECREF(list);
+    return res;
 }
 
 /* ---------------------------------------------------------------------------
@@ -91,43 +112,22 @@ PyDoc_STRVAR(layout_flat_doc,
 static PyObject *py_layout_flat(PyObject *m, PyObject *args)
 {
     fs_mod_state *st = fs_state_from_module(m);
-    PyObject *numels_obj;
+    PyObject *numels_obj, *res = NULL;
     long long world, rank, align;
-    if (!PyArg_ParseTuple(args, "OLLL", &numels_obj, &world, &rank, &align))
-        return NULL;
     Py_ssize_t n;
-    int64_t *numels = fs_int64_list(numels_obj, &n, "layout_flat: numels must be a sequence");
-    if (!numels)
+    int64_t *numels;
+    if (!PyArg_ParseTuple(args, "OLLL", &numels_obj, &world, &rank, &align) ||
+        !(numels = fs_int64_list(numels_obj, &n, "layout_flat: numels must be a sequence")))
         return NULL;
     fs_flat_entry *e = malloc(sizeof *e * (size_t)(n ? n : 1));
-    PyObject *res = NULL, *list = NULL, *lay_obj = NULL;
     fs_flat_layout lay;
-    if (!e) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    fs_status s = fs_layout_flat(numels, n, world, rank, align, e, &lay);
-    if (s != FS_OK) {
+    fs_status s = e ? fs_layout_flat(numels, n, world, rank, align, e, &lay) : FS_ERR_NO_MEMORY;
+    if (s != FS_OK)
         fs_raise(st, s, "layout_flat: need world_size >= 1, 0 <= rank < world_size, "
                         "align_numel >= 1, numels >= 0");
-        goto done;
-    }
-    if (!(list = PyList_New(n)))
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t v[5] = {e[i].numel, e[i].flat_offset, e[i].shard_offset, e[i].param_offset,
-                        e[i].piece_numel};
-        PyObject *r = record(st->FlatEntryType, v, 5);
-        if (!r)
-            goto done;
-        PyList_SET_ITEM(list, i, r);
-    }
-    int64_t lv[4] = {lay.unpadded_numel, lay.shard_numel, lay.padded_numel, lay.shard_begin};
-    if ((lay_obj = record(st->FlatLayoutType, lv, 4)))
-        res = PyTuple_Pack(2, lay_obj, list);
-done:
-    Py_XDECREF(lay_obj);
-    Py_XDECREF(list);
+    else
+        res = layout_pair(st->FlatLayoutType, &lay, NFIELDS(lay), st->FlatEntryType,
+                          (const int64_t *)e, n, NFIELDS(*e));
     free(e);
     free(numels);
     return res;
@@ -139,52 +139,29 @@ PyDoc_STRVAR(layout_dim0_doc,
              "FSDP2 layout (csrc/core/layout.h): one Dim0Entry per parameter.");
 static PyObject *py_layout_dim0(PyObject *m, PyObject *args)
 {
+    static const char *const names[] = {"dim0s", "row_numels"};
     fs_mod_state *st = fs_state_from_module(m);
-    PyObject *d_obj, *r_obj;
+    PyObject *lists[2], *res = NULL;
     long long world, rank, align;
-    if (!PyArg_ParseTuple(args, "OOLLL", &d_obj, &r_obj, &world, &rank, &align))
+    int64_t *v[2];
+    if (!PyArg_ParseTuple(args, "OOLLL", &lists[0], &lists[1], &world, &rank, &align))
         return NULL;
-    Py_ssize_t n, n2;
-    int64_t *d = fs_int64_list(d_obj, &n, "layout_dim0: dim0s must be a sequence");
-    if (!d)
+    Py_ssize_t n = fs_int64_lists(2, lists, v, "layout_dim0", names);
+    if (n < 0)
         return NULL;
-    int64_t *r = fs_int64_list(r_obj, &n2, "layout_dim0: row_numels must be a sequence");
-    fs_dim0_entry *e = NULL;
-    PyObject *res = NULL, *list = NULL, *lay_obj = NULL;
-    if (!r)
-        goto done;
-    if (n2 != n) {
-        PyErr_SetString(PyExc_ValueError, "layout_dim0: dim0s and row_numels differ in length");
-        goto done;
-    }
-    if (!(e = malloc(sizeof *e * (size_t)(n ? n : 1)))) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    fs_dim0_entry *e = malloc(sizeof *e * (size_t)(n ? n : 1));
     fs_dim0_layout lay;
-    fs_status s = fs_layout_dim0(d, r, n, world, rank, align, e, &lay);
-    if (s != FS_OK) {
+    fs_status s = e ? fs_layout_dim0(v[0], v[1], n, world, rank, align, e, &lay)
+                    : FS_ERR_NO_MEMORY;
+    if (s != FS_OK)
         fs_raise(st, s, "layout_dim0: need world_size >= 1, 0 <= rank < world_size, "
                         "align_numel >= 1, sizes >= 0");
-        goto done;
-    }
-    if (!(list = PyList_New(n)))
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = fs_dim0_entry_record(st, &e[i]);
-        if (!rec)
-            goto done;
-        PyList_SET_ITEM(list, i, rec);
-    }
-    int64_t lv[2] = {lay.block_numel, lay.gathered_numel};
-    if ((lay_obj = record(st->Dim0LayoutType, lv, 2)))
-        res = PyTuple_Pack(2, lay_obj, list);
-done:
-    Py_XDECREF(lay_obj);
-    Py_XDECREF(list);
+    else
+        res = layout_pair(st->Dim0LayoutType, &lay, NFIELDS(lay), st->Dim0EntryType,
+                          (const int64_t *)e, n, NFIELDS(*e));
     free(e);
-    free(r);
-    free(d);
+    free(v[0]);
+    free(v[1]);
     return res;
 }
 
@@ -195,37 +172,30 @@ PyDoc_STRVAR(layout_dim0_unsharded_doc,
              "(numels[i] == 0 for one not gathered into it) and the buffer's padded size.");
 static PyObject *py_layout_dim0_unsharded(PyObject *m, PyObject *args)
 {
-    fs_mod_state *st = fs_state_from_module(m);
     PyObject *n_obj, *res = NULL, *list = NULL;
     long long world, align;
-    if (!PyArg_ParseTuple(args, "OLL", &n_obj, &world, &align))
-        return NULL;
     Py_ssize_t n;
-    int64_t *numels = fs_int64_list(n_obj, &n, "layout_dim0_unsharded: numels must be a "
-                                               "sequence");
-    if (!numels)
+    int64_t *numels, alloc;
+    if (!PyArg_ParseTuple(args, "OLL", &n_obj, &world, &align) ||
+        !(numels = fs_int64_list(n_obj, &n, "layout_dim0_unsharded: numels must be a sequence")))
         return NULL;
-    int64_t *off = malloc(sizeof *off * (size_t)(n ? n : 1)), alloc;
-    if (!off) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    fs_status s = fs_layout_dim0_unsharded(numels, n, world, align, off, &alloc);
-    if (s != FS_OK) {
-        fs_raise(st, s, "layout_dim0_unsharded: need world_size >= 1, align_numel >= 1, "
-                        "numels >= 0 (and a total that fits in 64 bits)");
-        goto done;
-    }
-    if (!(list = PyList_New(n)))
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    int64_t *off = malloc(sizeof *off * (size_t)(n ? n : 1));
+    fs_status s = off ? fs_layout_dim0_unsharded(numels, n, world, align, off, &alloc)
+                      : FS_ERR_NO_MEMORY;
+    if (s != FS_OK)
+        fs_raise(fs_state_from_module(m), s, "layout_dim0_unsharded: need world_size >= 1, "
+                 "align_numel >= 1, numels >= 0 (and a total that fits in 64 bits)");
+    else
+        list = PyList_New(n);
+    for (Py_ssize_t i = 0; list && i < n; i++) {
         PyObject *x = PyLong_FromLongLong((long long)off[i]);
         if (!x)
-            goto done;
-        PyList_SET_ITEM(list, i, x);
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, x);
     }
-    res = Py_BuildValue("{sOsL}", "offsets", list, "alloc_numel", (long long)alloc);
-done:
+    if (list)
+        res = Py_BuildValue("{sOsL}", "offsets", list, "alloc_numel", (long long)alloc);
     Py_XDECREF(list);
     free(off);
     free(numels);

@@ -8,7 +8,6 @@
 #include "group_object.h"
 
 #include "offload_pipe.h"
-#include "optim.h"
 
 typedef struct {
     PyObject_HEAD
@@ -147,51 +146,23 @@ static PyObject *Pipe_submit(PipeObject *self, PyObject *args, PyObject *kw)
                                      &bounded)
         || check_open(self, "submit") < 0 || check_slot(self, slot, 0, "submit") < 0)
         return NULL;
-    int level = fs_simd_parse(simd);
+    int level = fs_simd_arg(simd, "OffloadPipe.submit");
     if (level < 0)
-        return PyErr_Format(PyExc_ValueError, "OffloadPipe.submit: simd='%s': expected 'auto', "
-                            "'scalar', 'avx2' or 'avx512' (one this CPU has)", simd);
+        return NULL;
     if (threads < 1)
         return PyErr_Format(PyExc_ValueError, "OffloadPipe.submit: threads=%d, expected >= 1",
                             threads);
-    PyObject *seq = PySequence_Fast(jobs, "OffloadPipe.submit: jobs must be a sequence");
-    if (!seq)
+    const fs_optim_job proto = {FS_OPTIM_ADAM, {0}, {lr, b1, b2, eps, wd, 1, decoupled, maximize}};
+    fs_optim_job *js;
+    float **steps;
+    Py_ssize_t k = fs_glue_optim_jobs(jobs, "OffloadPipe.submit", &proto, &js, &steps);
+    if (k < 0)
         return NULL;
-    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
-    fs_optim_job *js = PyMem_Calloc(k ? (size_t)k : 1, sizeof *js);
-    float **steps = PyMem_Calloc(k ? (size_t)k : 1, sizeof *steps);
-    PyObject *ret = NULL;
-    if (!js || !steps) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        unsigned long long p, g, ea, eas, mx, stp;
-        long long n;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKKKKL;OffloadPipe.submit: "
-                              "each job is (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, "
-                              "step, n)", &p, &g, &ea, &eas, &mx, &stp, &n))
-            goto done;
-        js[i] = (fs_optim_job){FS_OPTIM_ADAM,
-                               {(float *)p, (const float *)g, (float *)ea, (float *)eas,
-                                (float *)mx, NULL, FS_BF16, n},
-                               {lr, b1, b2, eps, wd, 1, decoupled, maximize}};
-        steps[i] = (float *)stp;
-        const float next = stp ? *(const float *)stp + 1.0f : 0.0f;
-        if (!stp || !(next >= 1.0f && next <= 9.2e18f) || fs_optim_check(&js[i]) != FS_OK) {
-            PyErr_Format(PyExc_ValueError, "OffloadPipe.submit: job %zd: need a step count >= 0 "
-                         "and n >= 0", i);
-            goto done;
-        }
-    }
     fs_status s = fs_offload_pipe_submit(self->p, slot, js, steps, (int)k, (fs_simd)level,
                                          threads, bounded, pipe_unlock, pipe_lock);
-    ret = s == FS_OK ? Py_NewRef(Py_None) : failed(self, s, "submit");
-done:
     PyMem_Free(js);
     PyMem_Free(steps);
-    Py_DECREF(seq);
-    return ret;
+    return s == FS_OK ? Py_NewRef(Py_None) : failed(self, s, "submit");
 }
 
 PyDoc_STRVAR(wait_doc, "wait(slot=-1)\n"
@@ -267,12 +238,7 @@ static PyType_Spec Pipe_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, Pipe_slots,
 };
 
-int fs_offload_pipe_type_add(PyObject *module)
+int fs_offload_pipe_type_add(PyObject *module, fs_mod_state *st)
 {
-    PyObject *tp = PyType_FromModuleAndSpec(module, &Pipe_spec, NULL);
-    if (!tp)
-        return -1;
-    int rc = PyModule_AddObjectRef(module, "OffloadPipe", tp);
-    Py_DECREF(tp);
-    return rc;
+    return fs_add_type(module, &Pipe_spec, NULL);
 }

@@ -7,17 +7,12 @@
 
 #include "optim.h"
 
-/* The level `name` asks for, or -1 with ValueError set. */
-static int parse_simd(const char *name)
+/* A job of `what` that is not a tuple of `shape`: TypeError. -1. */
+static int job_shape(const char *what, const char *shape)
 {
-    int level = fs_simd_parse(name);
-    if (level == -1)
-        PyErr_Format(PyExc_ValueError, "simd='%s': expected 'auto', 'scalar', 'avx2' or "
-                     "'avx512'", name);
-    else if (level == -2)
-        PyErr_Format(PyExc_ValueError, "simd='%s': this CPU lacks it (best: '%s')", name,
-                     fs_simd_name(fs_simd_best()));
-    return level < 0 ? -1 : level;
+    if (PyErr_ExceptionMatches(PyExc_TypeError))
+        PyErr_Format(PyExc_TypeError, "%s: each job is %s", what, shape);
+    return -1;
 }
 
 /* Runs `job`: with the named variant when `variant` is not NULL (after
@@ -25,7 +20,7 @@ static int parse_simd(const char *name)
 static PyObject *run_job(PyObject *m, const fs_optim_job *job, const char *simd, int threads,
                          const char *variant, const char *what)
 {
-    int level = parse_simd(simd);
+    int level = fs_simd_arg(simd, NULL);
     if (level < 0)
         return NULL;
     fs_optim_variant v;
@@ -82,88 +77,94 @@ static PyObject *py_adam_step(PyObject *m, PyObject *args, PyObject *kw)
                    "dtype bfloat16 or float16");
 }
 
-/* The checked jobs of a group call, in order, under one release of the GIL;
- * steps (Adam) points at each job's float32 step count, incremented and then
- * used, or is NULL. */
-static PyObject *run_jobs(PyObject *m, fs_optim_job *js, float **steps, Py_ssize_t k,
-                          int level, int threads, const char *what)
-{
-    fs_status s = FS_OK;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < k && s == FS_OK; i++) {
-        if (steps) {
-            const float next = *steps[i] + 1.0f;
-            *steps[i] = next;
-            js[i].adam_h.step = (int64_t)next;
-        }
-        s = fs_optim_step(&js[i], (fs_simd)level, threads);
-    }
-    Py_END_ALLOW_THREADS
-    return fs_result(m, s, what);
-}
-
-/* One job of a group call: `item` (a tuple) and what every job of the call
- * shares (`proto`: kind and hyperparameters) into *job, and for Adam the
- * address of its float32 step count into *step; -1 with an exception set
- * when it is refused. */
-typedef int (*job_item)(PyObject *item, Py_ssize_t i, const fs_optim_job *proto,
-                        fs_optim_job *job, float **step);
-
-/* adam_steps and sgd_steps: every job of `jobs` made and checked, then all
- * run under one release of the GIL (run_jobs). with_steps: Adam's counts. */
-static PyObject *group_call(PyObject *m, PyObject *jobs, const char *name, const char *simd,
-                            int threads, const fs_optim_job *proto, job_item item,
-                            int with_steps)
-{
-    int level = parse_simd(simd);
-    if (level < 0)
-        return NULL;
-    char what[64];
-    snprintf(what, sizeof what, "%s: jobs must be a sequence", name);
-    PyObject *seq = PySequence_Fast(jobs, what);
-    if (!seq)
-        return NULL;
-    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
-    fs_optim_job *js = PyMem_Calloc(k ? (size_t)k : 1, sizeof *js);
-    float **steps = with_steps ? PyMem_Calloc(k ? (size_t)k : 1, sizeof *steps) : NULL;
-    PyObject *ret = NULL;
-    if (!js || (with_steps && !steps)) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < k; i++)
-        if (item(PySequence_Fast_GET_ITEM(seq, i), i, proto, &js[i],
-                 with_steps ? &steps[i] : NULL) < 0)
-            goto done;
-    ret = run_jobs(m, js, steps, k, level, threads, name);
-done:
-    PyMem_Free(js);
-    PyMem_Free(steps);
-    Py_DECREF(seq);
-    return ret;
-}
-
-static int adam_item(PyObject *item, Py_ssize_t i, const fs_optim_job *proto, fs_optim_job *job,
-                     float **step)
+/* One job of a group call: `item` (a tuple) over `proto` (kind and
+ * hyperparameters) into *job, and for Adam the address of its float32 step
+ * count into *step; -1 with an exception set (naming `what` and job i) when
+ * it is refused. */
+static int adam_item(PyObject *item, const char *what, Py_ssize_t i, const fs_optim_job *proto,
+                     fs_optim_job *job, float **step)
 {
     unsigned long long p, g, ea, eas, mx, st;
     long long n;
-    if (!PyArg_ParseTuple(item, "KKKKKKL;adam_steps: each job is (param, grad, exp_avg, "
-                          "exp_avg_sq, max_exp_avg_sq, step, n)", &p, &g, &ea, &eas, &mx, &st,
-                          &n))
-        return -1;
-    /* the count as it will be used: finite and >= 1 once incremented */
-    const float next = st ? *(const float *)st + 1.0f : 0.0f;
+    if (!PyArg_ParseTuple(item, "KKKKKKL", &p, &g, &ea, &eas, &mx, &st, &n))
+        return job_shape(what, "(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, n)");
     *job = *proto;
     job->adam = (fs_adam_buffers){(float *)p, (const float *)g, (float *)ea, (float *)eas,
                                   (float *)mx, NULL, FS_BF16, n};
     *step = (float *)st;
-    if (!st || !(next >= 1.0f && next <= 9.2e18f) || fs_optim_check(job) != FS_OK) {
-        PyErr_Format(PyExc_ValueError, "adam_steps: job %zd: need a step count >= 0 and "
-                     "n >= 0", i);
+    if (!fs_optim_step_count_ok(*step) || fs_optim_check(job) != FS_OK) {
+        PyErr_Format(PyExc_ValueError, "%s: job %zd: need a step count >= 0 and n >= 0", what, i);
         return -1;
     }
     return 0;
+}
+
+static int sgd_item(PyObject *item, const char *what, Py_ssize_t i, const fs_optim_job *proto,
+                    fs_optim_job *job, float **step)
+{
+    unsigned long long p, g, buf;
+    int first;
+    long long n;
+    if (!PyArg_ParseTuple(item, "KKKpL", &p, &g, &buf, &first, &n))
+        return job_shape(what, "(param, grad, momentum_buf, first_step, n)");
+    *job = *proto;
+    job->sgd = (fs_sgd_buffers){(float *)p, (const float *)g, (float *)buf, NULL, FS_BF16, n};
+    job->sgd_h.first_step = first;
+    if ((job->sgd_h.momentum != 0.0f && !buf && n > 0) || fs_optim_check(job) != FS_OK) {
+        PyErr_Format(PyExc_ValueError, "%s: job %zd: need n >= 0 and a momentum buffer when "
+                     "momentum != 0", what, i);
+        return -1;
+    }
+    return 0;
+}
+
+Py_ssize_t fs_glue_optim_jobs(PyObject *jobs, const char *what, const fs_optim_job *proto,
+                              fs_optim_job **js, float ***steps)
+{
+    const int adam = proto->kind == FS_OPTIM_ADAM;
+    char msg[96];
+    snprintf(msg, sizeof msg, "%s: jobs must be a sequence", what);
+    PyObject *seq = PySequence_Fast(jobs, msg);
+    if (!seq)
+        return -1;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    *js = PyMem_Calloc(k ? (size_t)k : 1, sizeof **js);
+    *steps = PyMem_Calloc(k ? (size_t)k : 1, sizeof **steps);
+    if (!*js || !*steps) {
+        PyErr_NoMemory();
+        k = -1;
+    }
+    for (Py_ssize_t i = 0; k >= 0 && i < k; i++)
+        if ((adam ? adam_item : sgd_item)(PySequence_Fast_GET_ITEM(seq, i), what, i, proto,
+                                          &(*js)[i], &(*steps)[i]) < 0)
+            k = -1;
+    Py_DECREF(seq);
+    if (k < 0) {
+        PyMem_Free(*js);
+        PyMem_Free(*steps);
+    }
+    return k;
+}
+
+/* adam_steps and sgd_steps: every job of `jobs` made and checked, then all
+ * run in order under one release of the GIL (fs_optim_steps: Adam's counts
+ * taken as each runs). */
+static PyObject *group_call(PyObject *m, PyObject *jobs, const char *name, const char *simd,
+                            int threads, const fs_optim_job *proto)
+{
+    int level = fs_simd_arg(simd, NULL);
+    fs_optim_job *js;
+    float **steps;
+    Py_ssize_t k = level < 0 ? -1 : fs_glue_optim_jobs(jobs, name, proto, &js, &steps);
+    if (k < 0)
+        return NULL;
+    fs_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = fs_optim_steps(js, steps, (int)k, (fs_simd)level, threads);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(js);
+    PyMem_Free(steps);
+    return fs_result(m, s, name);
 }
 
 PyDoc_STRVAR(adam_steps_doc,
@@ -186,7 +187,7 @@ static PyObject *py_adam_steps(PyObject *m, PyObject *args, PyObject *kw)
                                      &eps, &wd, &decoupled, &maximize, &threads, &simd))
         return NULL;
     fs_optim_job proto = {FS_OPTIM_ADAM, {0}, {lr, b1, b2, eps, wd, 1, decoupled, maximize}};
-    return group_call(m, jobs, "adam_steps", simd, threads, &proto, adam_item, 1);
+    return group_call(m, jobs, "adam_steps", simd, threads, &proto);
 }
 
 PyDoc_STRVAR(sgd_step_doc,
@@ -216,26 +217,6 @@ static PyObject *py_sgd_step(PyObject *m, PyObject *args, PyObject *kw)
                    "or float16");
 }
 
-static int sgd_item(PyObject *item, Py_ssize_t i, const fs_optim_job *proto, fs_optim_job *job,
-                    float **step)
-{
-    unsigned long long p, g, buf;
-    int first;
-    long long n;
-    if (!PyArg_ParseTuple(item, "KKKpL;sgd_steps: each job is (param, grad, momentum_buf, "
-                          "first_step, n)", &p, &g, &buf, &first, &n))
-        return -1;
-    *job = *proto;
-    job->sgd = (fs_sgd_buffers){(float *)p, (const float *)g, (float *)buf, NULL, FS_BF16, n};
-    job->sgd_h.first_step = first;
-    if ((job->sgd_h.momentum != 0.0f && !buf && n > 0) || fs_optim_check(job) != FS_OK) {
-        PyErr_Format(PyExc_ValueError, "sgd_steps: job %zd: need n >= 0 and a momentum "
-                     "buffer when momentum != 0", i);
-        return -1;
-    }
-    return 0;
-}
-
 PyDoc_STRVAR(sgd_steps_doc,
              "sgd_steps(jobs, *, lr, momentum, dampening, weight_decay, nesterov, maximize,\n"
              "          threads=1, simd='auto')\n"
@@ -254,7 +235,7 @@ static PyObject *py_sgd_steps(PyObject *m, PyObject *args, PyObject *kw)
                                      &wd, &nesterov, &maximize, &threads, &simd))
         return NULL;
     fs_optim_job proto = {FS_OPTIM_SGD, {0}, {0}, {0}, {lr, mom, damp, wd, nesterov, maximize, 0}};
-    return group_call(m, jobs, "sgd_steps", simd, threads, &proto, sgd_item, 0);
+    return group_call(m, jobs, "sgd_steps", simd, threads, &proto);
 }
 
 static PyObject *variant_str(const fs_optim_variant *v)
@@ -378,4 +359,7 @@ static PyMethodDef optim_methods[] = {
     {NULL},
 };
 
-int fs_optim_add(PyObject *module) { return PyModule_AddFunctions(module, optim_methods); }
+int fs_optim_add(PyObject *module, fs_mod_state *st)
+{
+    return PyModule_AddFunctions(module, optim_methods);
+}

@@ -39,13 +39,6 @@ static PyObject *py_pool_trim(PyObject *m, PyObject *args)
     return PyLong_FromSize_t(r);
 }
 
-PyDoc_STRVAR(pool_reset_peak_doc, "pool_reset_peak(): peak_live_bytes restarts from now.");
-static PyObject *py_pool_reset_peak(PyObject *m, PyObject *Py_UNUSED(a))
-{
-    fs_pool_reset_peak(fs_pool_process());
-    Py_RETURN_NONE;
-}
-
 PyDoc_STRVAR(pool_set_keep_doc,
              "pool_set_keep(blocks): how many free blocks the pool keeps resident\n"
              "(default 2: the next unit's gather and one prefetch).");
@@ -145,14 +138,13 @@ static PyMethodDef pool_methods[] = {
      mapped_storage_doc},
     {"pool_stats", py_pool_stats, METH_NOARGS, pool_stats_doc},
     {"pool_trim", py_pool_trim, METH_VARARGS, pool_trim_doc},
-    {"pool_reset_peak", py_pool_reset_peak, METH_NOARGS, pool_reset_peak_doc},
     {"pool_set_keep", py_pool_set_keep, METH_VARARGS, pool_set_keep_doc},
     {"pool_storage", (PyCFunction)(void (*)(void))py_pool_storage, METH_VARARGS | METH_KEYWORDS,
      pool_storage_doc},
     {NULL},
 };
 
-int fs_glue_pool_add(PyObject *module)
+int fs_glue_pool_add(PyObject *module, fs_mod_state *st)
 {
     return PyModule_AddFunctions(module, pool_methods);
 }

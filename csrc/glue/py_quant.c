@@ -7,19 +7,6 @@
 
 #include "quant.h"
 
-static int parse_simd(const char *name, fs_simd *out, const char *fn)
-{
-    int level = fs_simd_parse(name);
-    if (level < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: simd='%s': %s", fn, name,
-                     level == -1 ? "expected 'auto', 'scalar', 'avx2' or 'avx512'"
-                                 : "this CPU lacks it");
-        return -1;
-    }
-    *out = (fs_simd)level;
-    return 0;
-}
-
 PyDoc_STRVAR(quant_payload_bytes_doc,
              "quant_payload_bytes(numel, bits, block) -> bytes of the quantized payload\n"
              "of numel values (csrc/core/quant.h, [Note: quantized payload]).");
@@ -45,13 +32,14 @@ static PyObject *py_quantize(PyObject *m, PyObject *args)
     int t, bits;
     long long n, block;
     const char *simd_name = "auto";
-    fs_simd simd;
-    if (!PyArg_ParseTuple(args, "KKiLiL|s", &pp, &sp, &t, &n, &bits, &block, &simd_name) ||
-        parse_simd(simd_name, &simd, "quantize") < 0)
+    if (!PyArg_ParseTuple(args, "KKiLiL|s", &pp, &sp, &t, &n, &bits, &block, &simd_name))
+        return NULL;
+    const int simd = fs_simd_arg(simd_name, "quantize");
+    if (simd < 0)
         return NULL;
     fs_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = fs_quantize((void *)pp, (const void *)sp, t, n, bits, block, simd);
+    s = fs_quantize((void *)pp, (const void *)sp, t, n, bits, block, (fs_simd)simd);
     Py_END_ALLOW_THREADS
     return fs_result(m, s, "quantize: bits 8 or 4, a valid block, a float dtype");
 }
@@ -66,14 +54,15 @@ static PyObject *py_dequantize(PyObject *m, PyObject *args)
     int t, bits, acc;
     long long n, block;
     const char *simd_name = "auto";
-    fs_simd simd;
     if (!PyArg_ParseTuple(args, "KiKLiLp|s", &dp, &t, &pp, &n, &bits, &block, &acc,
-                          &simd_name) ||
-        parse_simd(simd_name, &simd, "dequantize") < 0)
+                          &simd_name))
+        return NULL;
+    const int simd = fs_simd_arg(simd_name, "dequantize");
+    if (simd < 0)
         return NULL;
     fs_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = fs_dequantize((void *)dp, t, (const void *)pp, n, bits, block, acc, simd);
+    s = fs_dequantize((void *)dp, t, (const void *)pp, n, bits, block, acc, (fs_simd)simd);
     Py_END_ALLOW_THREADS
     return fs_result(m, s, "dequantize: bits 8 or 4, a valid block, a float dtype "
                            "(float32 to accumulate)");
@@ -86,4 +75,7 @@ static PyMethodDef quant_methods[] = {
     {NULL},
 };
 
-int fs_quant_add(PyObject *m) { return PyModule_AddFunctions(m, quant_methods); }
+int fs_quant_add(PyObject *m, fs_mod_state *st)
+{
+    return PyModule_AddFunctions(m, quant_methods);
+}

@@ -6,10 +6,8 @@
 #include "shard_events.h"
 #include "env.h"
 
-#include "py_bucket.h"
 #include "py_group.h"
 
-#include <limits.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,32 +60,18 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         return NULL;
     if (cdt < 0 || cdt >= FS_DTYPE_COUNT || rdt < 0 || rdt >= FS_DTYPE_COUNT || align < 1)
         return PyErr_Format(PyExc_ValueError, "ShardGroup: invalid dtype code or alignment");
-    Py_ssize_t n = 0, n2 = 0, n3 = 0;
-    int64_t *d0 = fs_int64_list(dims, &n, "ShardGroup: dim0 must be a sequence of ints");
-    int64_t *rn = d0 ? fs_int64_list(rows, &n2, "ShardGroup: row_numel must be ints") : NULL;
-    int64_t *ga = rn ? fs_int64_list(gathered, &n3, "ShardGroup: gathered must be ints") : NULL;
-    Py_ssize_t n4 = n;
-    int64_t *ou = NULL;
-    if (ga && outers != Py_None)
-        ou = fs_int64_list(outers, &n4, "ShardGroup: outer must be a sequence of ints");
-    int *gi = ga && (ou || outers == Py_None) ? calloc(n ? (size_t)n : 1, sizeof *gi) : NULL;
+    static const char *const names[] = {"dim0", "row_numel", "gathered", "outer"};
+    PyObject *lists[4] = {dims, rows, gathered, outers};
+    int64_t *v[4];
+    Py_ssize_t n = fs_int64_lists(4, lists, v, "ShardGroup", names);
     ShardGroupObject *self = NULL;
-    if (!gi)
-        goto out;
-    if (n != n2 || n != n3 || n != n4) {
-        PyErr_SetString(PyExc_ValueError, "ShardGroup: dim0, row_numel, gathered, outer differ "
-                        "in length");
-        goto out;
-    }
-    for (Py_ssize_t i = 0; i < n; i++)
-        gi[i] = ga[i] != 0;
-    if (!(self = (ShardGroupObject *)tp->tp_alloc(tp, 0)))
+    if (n < 0 || !(self = (ShardGroupObject *)tp->tp_alloc(tp, 0)))
         goto out;
     fs_glue_group_init(FS_GROUP(self), &self->g.core, group_done, name, comm, replicate,
                        empty);
     fs_status s = fs_shard_init(&self->g, PyUnicode_AsUTF8(name), fs_hooks_env(&self->empty),
                                fs_glue_link(self->comm), fs_glue_link(self->replicate), (int)n,
-                               ou, d0, rn, gi, align, cdt, rdt);
+                               v[3], v[0], v[1], v[2], align, cdt, rdt);
     self->ready = 1;
     self->grads.all_reduce = 1;
     if (s != FS_OK) {
@@ -95,11 +79,8 @@ static PyObject *ShardGroup_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
         Py_CLEAR(self);
     }
 out:
-    free(ou);
-    free(d0);
-    free(rn);
-    free(ga);
-    free(gi);
+    for (int i = 0; n >= 0 && i < 4; i++)
+        free(v[i]);
     return (PyObject *)self;
 }
 
@@ -140,12 +121,8 @@ static void ShardGroup_dealloc(ShardGroupObject *self)
     Py_XDECREF(self->shards);
     Py_XDECREF(self->full);
     Py_XDECREF(self->storage);
-    fs_params_clear(&self->params);
-    fs_grads_clear(&self->grads);
+    ShardGroup_clear(self);
     PyMem_Free(self->arrived);
-    Py_XDECREF(self->owner);
-    Py_XDECREF(self->steps);
-    Py_XDECREF(self->watch);
     fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -303,16 +280,6 @@ static PyObject *ShardGroup_set_keep_storage(ShardGroupObject *self, PyObject *a
 }
 
 
-PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
-             "each group's reduction finished (its sharded gradients written). owners: the\n"
-             "bucket's groups, in the order their reduce_grads calls with this bucket came.\n"
-             "After a failure no group keeps a pending reduction.");
-
-PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
-             "backward that did not finish): the groups' reductions are dropped.");
-
 PyDoc_STRVAR(finish_reduce_doc,
              "finish_reduce(write=True): what is left of a reduction (the wait, collect and\n"
              "write of a deferred or held one); then, for reduce_grads', the new sharded\n"
@@ -411,14 +378,9 @@ static PyObject *ShardGroup_reduce_grads(ShardGroupObject *self, PyObject *const
     const int defer = PyObject_IsTrue(args[1]), reshard = PyObject_IsTrue(args[2]);
     if (defer < 0 || reshard < 0)
         return NULL;
-    fs_reduce_bucket *bucket = NULL;
-    if (args[3] != Py_None) {
-        if (!(bucket = fs_glue_bucket(Py_TYPE(self), args[3])))
-            return NULL;
-        if (self->comm->dev || defer)
-            return PyErr_Format(PyExc_ValueError, "reduce_grads: bucket is for host Comms, "
-                                "without defer");
-    }
+    fs_reduce_bucket *bucket;
+    if (fs_glue_group_bucket_arg(FS_GROUP(self), args[3], defer, "reduce_grads", &bucket) < 0)
+        return NULL;
     return fs_hooks_shard_reduce(self, args[0], defer, reshard, bucket);
 }
 
@@ -522,11 +484,6 @@ static PyObject *ShardGroup_get_offsets(ShardGroupObject *self, void *c)
     return t;
 }
 
-static PyObject *ShardGroup_get_full_alloc(ShardGroupObject *self, void *c)
-{
-    return PyLong_FromLongLong(self->g.full_alloc);
-}
-
 static PyObject *ShardGroup_get_aliased(ShardGroupObject *self, void *c)
 {
     return PyBool_FromLong(self->g.aliased);
@@ -594,19 +551,7 @@ static PyObject *ShardGroup_registration_changed(ShardGroupObject *self, PyObjec
 
 static PyObject *ShardGroup_take_unhooked(ShardGroupObject *self, PyObject *Py_UNUSED(a))
 {
-    fs_params *p = &self->params;
-    PyObject *out = PyList_New(0);
-    for (int i = 0; out && i < p->n; i++) {
-        if (!p->train[i] || p->hooked[i])
-            continue;
-        PyObject *v = PyLong_FromLong(i);
-        if (!v || PyList_Append(out, v) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(v);
-        if (out)
-            p->hooked[i] = 1;
-    }
-    return out;
+    return fs_params_take_unhooked(&self->params);
 }
 
 PyDoc_STRVAR(set_post_backward_doc,
@@ -654,6 +599,7 @@ static PyObject *ShardGroup_set_comm_quant(ShardGroupObject *self, PyObject *arg
 }
 
 static PyMethodDef ShardGroup_methods[] = {
+    FS_GROUP_METHODS,
     {"set_post_backward", (PyCFunction)ShardGroup_set_post_backward, METH_VARARGS,
      set_post_backward_doc},
     {"post_backward", (PyCFunction)ShardGroup_post_backward, METH_NOARGS,
@@ -700,10 +646,6 @@ static PyMethodDef ShardGroup_methods[] = {
      "set_keep_storage(keep): reshards keep the unsharded storage, its data pointer the\n"
      "same at the next gather (False: free it, also now when resharded)\n"
      "(engine/shard_group.h, [Note: kept storage])."},
-    {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
-    {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
-    {"tell_out_of_memory", fs_glue_group_tell_out_of_memory, METH_VARARGS,
-     FS_TELL_OUT_OF_MEMORY_DOC},
     {"wait_reduce", (PyCFunction)ShardGroup_wait_reduce, METH_NOARGS,
      "wait_reduce(): a deferred reduction: the stream waits for its reduce-scatter, then\n"
      "the replicas' all-reduce and a held output's divide are enqueued."},
@@ -736,51 +678,9 @@ static int ShardGroup_set_name(ShardGroupObject *self, PyObject *value, void *cl
     return 0;
 }
 
-static PyObject *ShardGroup_get_registered(ShardGroupObject *self, void *c)
-{
-    (void)c;
-    return PyLong_FromLong(self->params.registered);
-}
-
-static PyObject *ShardGroup_get_trainable(ShardGroupObject *self, void *c)
-{
-    (void)c;
-    return PyLong_FromLong(self->params.trainable);
-}
-
 static PyObject *ShardGroup_get_needs_hooks(ShardGroupObject *self, void *c)
 {
-    (void)c;
     return PyBool_FromLong(fs_params_needs_hooks(&self->params));
-}
-
-static PyObject *ShardGroup_get_arrived(ShardGroupObject *self, void *c)
-{
-    (void)c;
-    return PyLong_FromLong(self->narrived);
-}
-
-/* What Python hands ([Note: post-backward sequence] in hooks/shard_events.c): c the
- * int field. */
-static PyObject *ShardGroup_get_int(ShardGroupObject *self, void *c)
-{
-    return PyLong_FromLong(*(int *)((char *)self + (size_t)c));
-}
-
-static int ShardGroup_set_int(ShardGroupObject *self, PyObject *value, void *c)
-{
-    long v = value ? PyLong_AsLong(value) : -1;
-    if (v == -1 && (!value || PyErr_Occurred())) {
-        if (!value)
-            PyErr_SetString(PyExc_TypeError, "ShardGroup: the field cannot be deleted");
-        return -1;
-    }
-    if (v < 0 || v > INT_MAX) {
-        PyErr_Format(PyExc_ValueError, "ShardGroup: %ld is out of range", v);
-        return -1;
-    }
-    *(int *)((char *)self + (size_t)c) = (int)v;
-    return 0;
 }
 
 /* Nothing of a backward is left for the end of backward to do ([Note:
@@ -789,42 +689,18 @@ static int ShardGroup_set_int(ShardGroupObject *self, PyObject *value, void *c)
  * unsharded parameter. */
 static PyObject *ShardGroup_get_idle(ShardGroupObject *self, void *c)
 {
-    (void)c;
-    const fs_params *p = &self->params;
     if (self->narrived || self->sums || self->g.core.unsharded || self->g.core.gather_pending ||
-        p->registered == FS_REG_UNSHARDED)
+        self->params.registered == FS_REG_UNSHARDED)
         Py_RETURN_FALSE;
-    for (int i = 0; p->unsharded && i < p->n; i++) {
-        PyObject *u = PyTuple_GET_ITEM(p->unsharded, i);
-        if (u == Py_None)
-            continue;
-        PyObject *g = PyObject_GetAttrString(u, "grad");
-        if (!g)
-            return NULL;
-        Py_DECREF(g);
-        if (g != Py_None)
-            Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
+    int grads = fs_params_unsharded_grads(&self->params);
+    return grads < 0 ? NULL : PyBool_FromLong(!grads);
 }
 
 static PyGetSetDef ShardGroup_getset[] = {
+    FS_GROUP_GETSET,
     {"idle", (getter)ShardGroup_get_idle, NULL,
      "nothing of a backward is left for its end: no arrival, no sums, the buffer free,\n"
      "the sharded parameters registered, no unsharded gradient", NULL},
-    {"arrived", (getter)ShardGroup_get_arrived, NULL,
-     "trainable parameters whose gradient arrived in this backward", NULL},
-    {"plain", (getter)ShardGroup_get_int, (setter)ShardGroup_set_int,
-     "PLAIN_* flags: which events of the state may take the plain path ([Note: plain\n"
-     "events] in hooks/shard_events.c)", (void *)offsetof(ShardGroupObject, plain)},
-    {"sums", (getter)ShardGroup_get_int, (setter)ShardGroup_set_int,
-     "1 where reduce-dtype sums of backwards without sync are kept (Python's)",
-     (void *)offsetof(ShardGroupObject, sums)},
-    {"registered", (getter)ShardGroup_get_registered, NULL,
-     "which parameters the modules hold: 0 unknown (none stored since set_params),\n"
-     "1 the sharded, 2 the unsharded", NULL},
-    {"trainable", (getter)ShardGroup_get_trainable, NULL,
-     "parameters that require grad at the last register_unsharded()", NULL},
     {"needs_hooks", (getter)ShardGroup_get_needs_hooks, NULL,
      "a trainable unsharded parameter has no gradient hook yet (take_unhooked)", NULL},
     {"name", (getter)fs_glue_group_get_name, (setter)ShardGroup_set_name,
@@ -832,15 +708,9 @@ static PyGetSetDef ShardGroup_getset[] = {
     {"entries", (getter)ShardGroup_get_entries, NULL, "this rank's Dim0Entry per parameter", NULL},
     {"offsets", (getter)ShardGroup_get_offsets, NULL, "each parameter's start in the unsharded buffer",
      NULL},
-    {"full_alloc", (getter)ShardGroup_get_full_alloc, NULL, "elements of the unsharded buffer", NULL},
-    {"is_unsharded", (getter)fs_glue_group_get_unsharded, NULL, "gathered (maybe pending)", NULL},
-    {"gather_pending", (getter)fs_glue_group_get_gather_pending, NULL, "a deferred gather", NULL},
-    {"reduce_pending", (getter)fs_glue_group_get_reduce_pending, NULL,
-     "a reduction left to finish (deferred or held)", NULL},
     {"reduce_output", (getter)ShardGroup_get_reduce_output, NULL,
      "a held reduction's reduce output (block_numel elements of the reduce dtype): a\n"
      "memoryview (host) or a uint8 tensor (device); None when none is ready", NULL},
-    {"counts", (getter)fs_glue_group_get_counts, NULL, "collectives issued", NULL},
     {"aliased", (getter)ShardGroup_get_aliased, NULL,
      "the unsharded parameters must be the shards themselves (one rank, the compute\n"
      "dtype: engine/shard_group.h, [Note: direct layout]); set with the shards", NULL},
@@ -853,6 +723,20 @@ static PyGetSetDef ShardGroup_getset[] = {
 
 static PyMemberDef ShardGroup_members[] = {
     {"__weaklistoffset__", T_PYSSIZET, offsetof(ShardGroupObject, weakrefs), READONLY},
+    {"arrived", T_INT, offsetof(ShardGroupObject, narrived), READONLY,
+     "trainable parameters whose gradient arrived in this backward"},
+    {"plain", T_INT, offsetof(ShardGroupObject, plain), 0,
+     "PLAIN_* flags: which events of the state may take the plain path ([Note: plain\n"
+     "events] in hooks/shard_events.c)"},
+    {"sums", T_INT, offsetof(ShardGroupObject, sums), 0,
+     "1 where reduce-dtype sums of backwards without sync are kept (Python's)"},
+    {"registered", T_INT, offsetof(ShardGroupObject, params.registered), READONLY,
+     "which parameters the modules hold: 0 unknown (none stored since set_params),\n"
+     "1 the sharded, 2 the unsharded"},
+    {"trainable", T_INT, offsetof(ShardGroupObject, params.trainable), READONLY,
+     "parameters that require grad at the last register_unsharded()"},
+    {"full_alloc", T_LONGLONG, offsetof(ShardGroupObject, g.full_alloc), READONLY,
+     "elements of the unsharded buffer"},
     {NULL},
 };
 
@@ -880,8 +764,5 @@ static PyType_Spec ShardGroup_spec = {
 
 int fs_shard_group_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->ShardGroupType = PyType_FromModuleAndSpec(module, &ShardGroup_spec, NULL);
-    if (!st->ShardGroupType)
-        return -1;
-    return PyModule_AddObjectRef(module, "ShardGroup", st->ShardGroupType);
+    return fs_add_type(module, &ShardGroup_spec, &st->ShardGroupType);
 }

@@ -274,12 +274,10 @@ static PyMethodDef functions[] = {
     {NULL},
 };
 
-int fs_snapshot_type_add(PyObject *module)
+int fs_snapshot_type_add(PyObject *module, fs_mod_state *st)
 {
-    PyObject *tp = PyType_FromModuleAndSpec(module, &Snap_spec, NULL);
-    if (!tp)
+    (void)st;
+    if (fs_add_type(module, &Snap_spec, NULL) < 0)
         return -1;
-    int rc = PyModule_AddObjectRef(module, "Snapshot", tp);
-    Py_DECREF(tp);
-    return rc < 0 ? -1 : PyModule_AddFunctions(module, functions);
+    return PyModule_AddFunctions(module, functions);
 }

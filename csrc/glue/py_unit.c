@@ -11,7 +11,6 @@
 #include "py_unit.h"
 #include "env.h"
 
-#include "py_bucket.h"
 #include "py_group.h"
 #include "unit_events.h"
 
@@ -212,11 +211,7 @@ static void Unit_dealloc(UnitObject *self)
     PyObject_GC_UnTrack(self);
     if (self->weakrefs)
         PyObject_ClearWeakRefs((PyObject *)self);
-    if (self->ready)
-        fs_unit_destroy(&self->u);
-    clear_handed(self);
-    for (Py_ssize_t i = 0; i < self->nrefs; i++)
-        Py_DECREF(self->refs[i]);
+    Unit_clear(self);
     free(self->refs);
     fs_glue_group_clear(FS_GROUP(self));
     tp->tp_free(self);
@@ -231,8 +226,11 @@ PyDoc_STRVAR(event_doc,
              "      defer=False, along=None) -> actions\n"
              "Apply a state-machine event (EV_*) and do what it asks, in one call: gather\n"
              "on UNSHARD (then wait for a prefetch: the buffers are used next), free on\n"
-             "RESHARD, and on REDUCE_GRAD reduce `grad` into `out` (reduce_grad's\n"
-             "arguments) before freeing. FINALIZE first waits for deferred reductions.\n"
+             "RESHARD, and on REDUCE_GRAD average the unsharded gradient `grad` of `group`\n"
+             "over the ranks into `out` (the shard gradient, or under SHARD_OPTIM the whole\n"
+             "one: out = (accumulate ? out : 0) + mean; `grad` is left undefined; defer: a\n"
+             "device's current stream waits at finish_reduce()) before freeing. FINALIZE\n"
+             "first waits for deferred reductions.\n"
              "along: a tuple of Units on this Comm (host) gathered now too, in the same\n"
              "all-gather as this unit's (the engine skips those already gathered or with\n"
              "nothing to gather, and stops where the batch is full).\n"
@@ -249,14 +247,9 @@ static PyObject *Unit_event(UnitObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IiOOppOO", kwlist, &ev, &flags, &group, &grad,
                                      &out, &accumulate, &defer, &along, &bucket_o))
         return NULL;
-    fs_reduce_bucket *bucket = NULL;
-    if (bucket_o != Py_None) {
-        if (!(bucket = fs_glue_bucket(Py_TYPE(self), bucket_o)))
-            return NULL;
-        if (self->comm->dev || defer)
-            return PyErr_Format(PyExc_ValueError, "event: bucket is for host Comms, without "
-                                "defer");
-    }
+    fs_reduce_bucket *bucket;
+    if (fs_glue_group_bucket_arg(FS_GROUP(self), bucket_o, defer, "event", &bucket) < 0)
+        return NULL;
     Py_ssize_t n = along == Py_None ? 0 : fs_glue_group_along(FS_GROUP(self), along, "event");
     if (n < 0)
         return NULL;
@@ -280,16 +273,6 @@ done:
     PyMem_Free(units);
     return r;
 }
-
-PyDoc_STRVAR(flush_bucket_doc,
-             "flush_bucket(bucket, owners): the reduce-scatters in the bucket as one, then\n"
-             "each reduction finished (its gradient written). owners: the unit of each, in\n"
-             "the order their event(bucket=True) calls came. After a failure none is left\n"
-             "waiting.");
-
-PyDoc_STRVAR(cancel_bucket_doc,
-             "cancel_bucket(bucket, owners): give the bucket up without a collective (a\n"
-             "backward that did not finish): nothing is written.");
 
 PyDoc_STRVAR(step_doc, "step(event, flags, group=-1) -> actions\n"
                        "Apply a state-machine event (EV_*) only; returns ACT_* bits.");
@@ -350,23 +333,6 @@ static PyObject *Unit_reshard(UnitObject *self, PyObject *Py_UNUSED(a))
     if (fs_glue_group_bind(FS_GROUP(self)) < 0)
         return NULL;
     return done(self, fs_unit_reshard(&self->u));
-}
-
-PyDoc_STRVAR(reduce_grad_doc,
-             "reduce_grad(group, grad, out, accumulate, defer=False)\n"
-             "Average the unsharded gradient `grad` (padded_numel) over the group into\n"
-             "`out`: the shard gradient (shard_numel), or under SHARD_OPTIM the whole\n"
-             "gradient (padded_numel): out = (accumulate ? out : 0) + mean. `grad` is used\n"
-             "as scratch and left undefined. defer (device units): the current stream does\n"
-             "not wait for it until finish_reduce() ([Note: deferred collectives]).");
-static PyObject *Unit_reduce_grad(UnitObject *self, PyObject *args)
-{
-    int gi, accumulate, defer = 0;
-    PyObject *grad, *out;
-    if (!PyArg_ParseTuple(args, "iOOp|p", &gi, &grad, &out, &accumulate, &defer) ||
-        fs_glue_group_bind(FS_GROUP(self)) < 0)
-        return NULL;
-    return done(self, fs_unit_reduce(&self->u, gi, grad, out, accumulate, defer, NULL));
 }
 
 PyDoc_STRVAR(finish_reduce_doc,
@@ -518,20 +484,16 @@ static PyObject *Unit_set_comm_quant(UnitObject *self, PyObject *args)
 }
 
 static PyMethodDef Unit_methods[] = {
+    FS_GROUP_METHODS,
     {"set_comm_quant", (PyCFunction)Unit_set_comm_quant, METH_VARARGS, FS_SET_COMM_QUANT_DOC},
     {"event", (PyCFunction)(void (*)(void))Unit_event, METH_VARARGS | METH_KEYWORDS, event_doc},
     {"step", (PyCFunction)Unit_step, METH_VARARGS, step_doc},
     {"unshard", (PyCFunction)Unit_unshard, METH_VARARGS, unshard_doc},
-    {"flush_bucket", fs_glue_group_flush_bucket, METH_VARARGS, flush_bucket_doc},
-    {"cancel_bucket", fs_glue_group_cancel_bucket, METH_VARARGS, cancel_bucket_doc},
     {"wait", (PyCFunction)Unit_wait, METH_NOARGS, wait_doc},
     {"finish_reduce", (PyCFunction)Unit_finish_reduce, METH_NOARGS, finish_reduce_doc},
     {"regather", (PyCFunction)Unit_regather, METH_NOARGS, regather_doc},
     {"reshard", (PyCFunction)Unit_reshard, METH_NOARGS, reshard_doc},
-    {"reduce_grad", (PyCFunction)Unit_reduce_grad, METH_VARARGS, reduce_grad_doc},
     {"set_events", (PyCFunction)Unit_set_events, METH_VARARGS, set_events_doc},
-    {"tell_out_of_memory", fs_glue_group_tell_out_of_memory, METH_VARARGS,
-     FS_TELL_OUT_OF_MEMORY_DOC},
     {"prefetch_previous", (PyCFunction)Unit_prefetch_previous, METH_NOARGS,
      prefetch_previous_doc},
     {"released", (PyCFunction)Unit_released, METH_NOARGS, released_doc},
@@ -539,18 +501,12 @@ static PyMethodDef Unit_methods[] = {
 };
 
 static PyGetSetDef Unit_getset[] = {
+    FS_GROUP_GETSET,
     {"state", (getter)Unit_get_state, NULL, "state-machine state name", NULL},
-    {"is_unsharded", (getter)fs_glue_group_get_unsharded, NULL, "full buffers live and gathered",
-     NULL},
     {"bucketable", (getter)Unit_get_bucketable, NULL,
      "its reductions can wait in a host bucket (event(bucket=True))", NULL},
-    {"gather_pending", (getter)fs_glue_group_get_gather_pending, NULL,
-     "a prefetched all-gather the current stream has not waited for yet", NULL},
-    {"reduce_pending", (getter)fs_glue_group_get_reduce_pending, NULL,
-     "deferred gradient reductions the current stream has not waited for yet", NULL},
     {"name", (getter)fs_glue_group_get_name, NULL, "unit name (module path)", NULL},
     {"is_root", (getter)Unit_get_root, (setter)Unit_set_root, "root unit flag", NULL},
-    {"counts", (getter)fs_glue_group_get_counts, NULL, "collectives issued by this unit", NULL},
     {"comm", (getter)fs_glue_group_get_comm, NULL, "the Comm this unit's collectives go through",
      NULL},
     {"latch", (getter)Unit_get_latch, (setter)Unit_set_latch,
@@ -592,8 +548,5 @@ static PyType_Spec Unit_spec = {
 
 int fs_unit_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->UnitType = PyType_FromModuleAndSpec(module, &Unit_spec, NULL);
-    if (!st->UnitType)
-        return -1;
-    return PyModule_AddObjectRef(module, "Unit", st->UnitType);
+    return fs_add_type(module, &Unit_spec, &st->UnitType);
 }

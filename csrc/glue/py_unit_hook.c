@@ -129,8 +129,7 @@ static PyType_Spec UnitHook_spec = {
 
 int fs_unit_hook_type_add(PyObject *module, fs_mod_state *st)
 {
-    st->UnitHookType = PyType_FromModuleAndSpec(module, &UnitHook_spec, NULL);
-    if (!st->UnitHookType || PyModule_AddObjectRef(module, "UnitHook", st->UnitHookType) < 0)
+    if (fs_add_type(module, &UnitHook_spec, &st->UnitHookType) < 0)
         return -1;
     static const struct { const char *name; int v; } k[] = {
         {"UNIT_PRE_BACKWARD", FS_UNIT_HOOK_PRE_BACKWARD},

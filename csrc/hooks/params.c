@@ -235,3 +235,36 @@ int fs_params_needs_hooks(const fs_params *p)
             return 1;
     return 0;
 }
+
+PyObject *fs_params_take_unhooked(fs_params *p)
+{
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out && i < p->n; i++) {
+        if (!p->train[i] || p->hooked[i])
+            continue;
+        PyObject *v = PyLong_FromLong(i);
+        if (!v || PyList_Append(out, v) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(v);
+        if (out)
+            p->hooked[i] = 1;
+    }
+    return out;
+}
+
+int fs_params_unsharded_grads(const fs_params *p)
+{
+    static PyObject *name;
+    for (int i = 0; p->unsharded && i < p->n; i++) {
+        PyObject *u = PyTuple_GET_ITEM(p->unsharded, i);
+        if (u == Py_None)
+            continue;
+        PyObject *g = FS_NAME(name, "grad") ? PyObject_GetAttr(u, name) : NULL;
+        if (!g)
+            return -1;
+        Py_DECREF(g);
+        if (g != Py_None)
+            return 1;
+    }
+    return 0;
+}

@@ -64,5 +64,11 @@ enum { FS_PARAMS_SAME = 0, FS_PARAMS_ASSIGNED = 1, FS_PARAMS_OPEN = 2 };
 int fs_params_changed(fs_params *p);
 /* Whether a trainable unsharded parameter has no gradient hook yet. */
 int fs_params_needs_hooks(const fs_params *p);
+/* The indices of the trainable unsharded parameters without the gradient
+ * hook, as a list, each marked as hooked now (the caller hooks them); NULL
+ * with an exception set. */
+PyObject *fs_params_take_unhooked(fs_params *p);
+/* Whether an unsharded parameter holds a gradient; -1 with an exception. */
+int fs_params_unsharded_grads(const fs_params *p);
 
 #endif

@@ -116,6 +116,14 @@ fs_status fs_optim_run_busy(const fs_optim_job *job, int64_t lo, int64_t hi,
                             const fs_optim_variant *v, double *busy_s);
 /* Checks the job's buffers and hparams (n >= 0, step >= 1, copy dtype). */
 fs_status fs_optim_check(const fs_optim_job *job);
+/* [Note: step counts] Adam's count of steps is torch's state['step'], a
+ * float32 the caller keeps, incremented and then used, as torch's AdamW
+ * does. 1 when `step` can be: given, and finite, >= 1 and within int64 once
+ * incremented. */
+int fs_optim_step_count_ok(const float *step);
+/* The n jobs' counts taken ([Note: step counts]): each Adam job's steps[i]
+ * (none for a NULL array or entry) incremented and set as its step. */
+void fs_optim_take_step_counts(fs_optim_job *js, float *const *steps, int n);
 /* The variant used before (or without) tuning: the widest SIMD unrolled 4
  * times (scalar: once), no prefetch, regular stores, `threads` contiguous
  * slices on threads started for it. */
@@ -135,6 +143,11 @@ void fs_optim_variant_name(const fs_optim_variant *v, char out[FS_OPTIM_VARIANT_
  * if the class is new in this process. simd caps the instruction set (fs_simd_best()
  * for no cap); threads caps the thread count. */
 fs_status fs_optim_step(const fs_optim_job *job, fs_simd simd, int threads);
+/* fs_optim_step for each of the n jobs in order, each after its count is
+ * taken (fs_optim_take_step_counts; steps may be NULL); stops at the first
+ * failure. */
+fs_status fs_optim_steps(fs_optim_job *js, float *const *steps, int n, fs_simd simd,
+                         int threads);
 fs_status fs_adam_step(const fs_adam_buffers *b, const fs_adam_hparams *h, fs_simd simd,
                        int threads);
 fs_status fs_sgd_step(const fs_sgd_buffers *b, const fs_sgd_hparams *h, fs_simd simd, int threads);

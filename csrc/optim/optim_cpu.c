@@ -763,6 +763,22 @@ fs_status fs_optim_check(const fs_optim_job *job)
     return FS_ERR_INVALID_ARG;
 }
 
+int fs_optim_step_count_ok(const float *step)
+{
+    const float next = step ? *step + 1.0f : 0.0f;
+    return next >= 1.0f && next <= 9.2e18f;
+}
+
+void fs_optim_take_step_counts(fs_optim_job *js, float *const *steps, int n)
+{
+    for (int i = 0; steps && i < n; i++)
+        if (steps[i] && js[i].kind == FS_OPTIM_ADAM) {
+            const float next = *steps[i] + 1.0f;
+            *steps[i] = next;
+            js[i].adam_h.step = (int64_t)next;
+        }
+}
+
 /* [lo, hi) on `threads` threads started for it (this one the first); `next`:
  * chunked, else NULL; busy: per thread CPU seconds, or NULL. */
 static void run_started(const range_ctx *x, int64_t lo, int64_t hi, int threads,

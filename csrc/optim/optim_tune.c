@@ -837,3 +837,14 @@ void fs_tune_reset(void)
             tune_table[k].state = 0;
     pthread_mutex_unlock(&tune_lock);
 }
+
+fs_status fs_optim_steps(fs_optim_job *js, float *const *steps, int n, fs_simd simd,
+                         int threads)
+{
+    fs_status s = FS_OK;
+    for (int i = 0; i < n && s == FS_OK; i++) {
+        fs_optim_take_step_counts(&js[i], steps ? &steps[i] : NULL, 1);
+        s = fs_optim_step(&js[i], simd, threads);
+    }
+    return s;
+}

@@ -27,21 +27,23 @@ static int module_exec(PyObject *m)
     return rc;
 }
 
+/* The state's fields as the array they are (py_cuda.h: only objects). */
+#define STATE_FIELDS(st) ((PyObject **)(st))
+#define STATE_NFIELDS (sizeof(cuda_state) / sizeof(PyObject *))
+
 static int module_traverse(PyObject *m, visitproc visit, void *arg)
 {
     cuda_state *st = PyModule_GetState(m);
-    Py_VISIT(st->CudaError);
-    Py_VISIT(st->NcclError);
-    Py_VISIT(st->NcclCommType);
+    for (size_t i = 0; st && i < STATE_NFIELDS; i++)
+        Py_VISIT(STATE_FIELDS(st)[i]);
     return 0;
 }
 
 static int module_clear(PyObject *m)
 {
     cuda_state *st = PyModule_GetState(m);
-    Py_CLEAR(st->CudaError);
-    Py_CLEAR(st->NcclError);
-    Py_CLEAR(st->NcclCommType);
+    for (size_t i = 0; st && i < STATE_NFIELDS; i++)
+        Py_CLEAR(STATE_FIELDS(st)[i]);
     return 0;
 }
 

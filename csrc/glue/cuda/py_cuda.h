@@ -16,6 +16,7 @@
 #define Py_IsFinalizing _Py_IsFinalizing /* public from 3.13 */
 #endif
 
+/* Only objects: module_cuda.c visits and clears the fields as one array. */
 typedef struct {
     PyObject *CudaError; /* RuntimeError */
     PyObject *NcclError; /* CudaError */

@@ -181,7 +181,5 @@ static PyType_Spec NcclComm_spec = {
 int fs_nccl_type_add(PyObject *module, cuda_state *st)
 {
     st->NcclCommType = PyType_FromModuleAndSpec(module, &NcclComm_spec, NULL);
-    if (!st->NcclCommType)
-        return -1;
-    return PyModule_AddObjectRef(module, "NcclComm", st->NcclCommType);
+    return st->NcclCommType ? PyModule_AddObjectRef(module, "NcclComm", st->NcclCommType) : -1;
 }
