@@ -261,6 +261,14 @@ static int context_enter(PyObject *ctx)
     return 0;
 }
 
+/* The gather: in C where it can (not `python`: while one watches, Python's
+ * counts), else the event's Python step. */
+static int gather_step(const fs_shard_event *ev, ShardGroupObject *g, int python)
+{
+    int hooks = 0, rc = python ? 1 : gather(g, &hooks);
+    return rc == 0 ? run_hooks(ev, hooks) : rc > 0 ? call0(ev->step) : -1;
+}
+
 /* The event's range while a profiler or mode watches g: span() entered, or
  * NULL (none: *err 0; an exception: *err 1). */
 static PyObject *enter_span(const fs_shard_event *ev, ShardGroupObject *g, int *err)
@@ -383,17 +391,12 @@ static PyObject *pre_backward(const fs_shard_event *ev, ShardGroupObject *g)
     const int o = ev->opts;
     if (ev->latch && fs_glue_latch_fire(ev->latch) < 0)
         return NULL;
-    int err, hooks = 0, rc = 0;
+    int err, rc = 0;
     PyObject *span = enter_span(ev, g, &err);
     if (err)
         return NULL;
     if (g && (o & FS_OPT_GATHER)) {
-        /* in C where it can; while one watches, Python's (it counts) */
-        rc = span || (o & FS_OPT_STEP) ? 1 : gather(g, &hooks);
-        if (rc == 0)
-            rc = run_hooks(ev, hooks);
-        else if (rc > 0)
-            rc = call0(ev->step);
+        rc = gather_step(ev, g, span || (o & FS_OPT_STEP));
     }
     if (rc == 0 && (o & FS_OPT_PREFETCH_IN))
         rc = call0(ev->prefetch);
@@ -441,16 +444,11 @@ static PyObject *pre_forward(const fs_shard_event *ev, PyObject *args, PyObject 
     const int o = ev->opts;
     ShardGroupObject *g = ev->group == Py_None ? NULL : (ShardGroupObject *)ev->group;
     if (g) {
-        int err, hooks = 0, rc;
+        int err, rc;
         PyObject *span = enter_span(ev, g, &err);
         if (err)
             goto fail;
-        /* in C where it can; while one watches, Python's (it counts) */
-        rc = span || (o & FS_OPT_STEP) ? 1 : gather(g, &hooks);
-        if (rc == 0)
-            rc = run_hooks(ev, hooks);
-        else if (rc > 0)
-            rc = call0(ev->step);
+        rc = gather_step(ev, g, span || (o & FS_OPT_STEP));
         if (leave_span(span, rc) < 0)
             goto fail;
         if ((g->params.trainable != g->params.n || (o & FS_OPT_WATCH)) &&

@@ -116,13 +116,17 @@ int fs_hooks_unit_released(UnitObject *u)
     return 0;
 }
 
-static PyObject *owner_of(UnitObject *u)
+/* fn(owner, *args) for the Python unit; None where it is gone (nobody to
+ * run it for). */
+static PyObject *call_unit(UnitObject *u, PyObject *fn, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *owner = u->owner ? fs_weak_get(u->owner) : NULL;
-    if (!owner && !PyErr_Occurred())
-        PyErr_SetString(PyExc_RuntimeError, "flatshard: an FSDP unit's hook ran after its "
-                        "unit was freed");
-    return owner;
+    PyObject *owner = u->owner && fn ? fs_weak_get(u->owner) : NULL;
+    if (!owner)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject *stack[3] = {owner, nargs > 0 ? args[0] : Py_None, nargs > 1 ? args[1] : Py_None};
+    PyObject *r = PyObject_Vectorcall(fn, stack, (size_t)nargs + 1, NULL);
+    Py_DECREF(owner);
+    return r;
 }
 
 /* The pre-backward, one sequence: the end of backward queued (once per
@@ -144,22 +148,16 @@ static int pre_backward(UnitObject *u)
         if (step(u, FS_EV_PRE_BACKWARD, -1, NULL, NULL, 0, &act) < 0)
             return -1;
     } else {
-        PyObject *owner = owner_of(u);
-        PyObject *r = owner ? PyObject_CallOneArg(u->on_pre_backward, owner) : NULL;
-        Py_XDECREF(owner);
-        if (!r)
-            return -1;
-        act = (unsigned)PyLong_AsUnsignedLongMask(r);
-        Py_DECREF(r);
-        if (PyErr_Occurred())
+        PyObject *r = call_unit(u, u->on_pre_backward, NULL, 0);
+        act = r && r != Py_None ? (unsigned)PyLong_AsUnsignedLongMask(r) : 0;
+        Py_XDECREF(r);
+        if (!r || PyErr_Occurred())
             return -1;
     }
     if (!(act & FS_ACT_UNSHARD))
         return 0;
     if (u->plain & FS_UNIT_VIEWS) {
-        PyObject *owner = owner_of(u);
-        PyObject *r = owner ? PyObject_CallOneArg(u->views, owner) : NULL;
-        Py_XDECREF(owner);
+        PyObject *r = call_unit(u, u->views, NULL, 0);
         if (!r)
             return -1;
         Py_DECREF(r);
@@ -224,17 +222,6 @@ out:
     return r;
 }
 
-static PyObject *fallback(UnitObject *u, PyObject *fn, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *owner = u->owner && fn ? fs_weak_get(u->owner) : NULL;
-    if (!owner)  /* the Python unit is gone: nobody to run it for */
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    PyObject *stack[3] = {owner, nargs > 0 ? args[0] : Py_None, nargs > 1 ? args[1] : Py_None};
-    PyObject *r = PyObject_Vectorcall(fn, stack, (size_t)nargs + 1, NULL);
-    Py_DECREF(owner);
-    return r;
-}
-
 PyObject *fs_hooks_unit_event(UnitObject *u, int kind, int group, PyObject *arg)
 {
     if (!u->ready)
@@ -247,7 +234,7 @@ PyObject *fs_hooks_unit_event(UnitObject *u, int kind, int group, PyObject *arg)
     if (p)
         Py_RETURN_NONE;
     PyObject *a[2] = {PyLong_FromLong(group), arg};
-    PyObject *r = a[0] ? fallback(u, u->on_post_backward, a, 2) : NULL;
+    PyObject *r = a[0] ? call_unit(u, u->on_post_backward, a, 2) : NULL;
     Py_XDECREF(a[0]);
     return r;
 }
