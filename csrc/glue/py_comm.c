@@ -198,8 +198,8 @@ static PyObject *collective(CommObject *self, const coll_args *a)
         return NULL;
     fs_status s = fs_link_collective(&l, &env, a->op, a->tag, (void *)a->send, (void *)a->recv,
                                      a->count, a->dtype, a->average, a->root);
-    if (s == FS_ERR_HOST && PyErr_Occurred())
-        return NULL; /* the staging's allocation raised */
+    if (s != FS_OK && PyErr_Occurred())
+        return fs_comm_failed(self); /* Python raised (the backend's call, the staging) */
     return fs_comm_done(self, s, fs_ledger_op_name(a->op), a->tag);
 }
 
