@@ -207,6 +207,8 @@ CASES = {
                          lambda m: dict(param_init_fn=lambda mod: None), None),
     "comm_backend": (V, "comm_backend", "'gloo'", build, lambda m: dict(comm_backend="gloo"),
                      None),
+    "check_replicas_every": (V, "check_replicas_every", "-1", build,
+                             lambda m: dict(check_replicas_every=-1), None),
     "comm_backend_nccl": (V, "comm_backend", "'nccl'", build,
                           lambda m: dict(comm_backend="nccl"), None),
     "comm_backend_type": (T, "comm_backend", "int 3", build, lambda m: dict(comm_backend=3),
