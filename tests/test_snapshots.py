@@ -54,13 +54,18 @@ def test_killed_rank_resumes_bit_equal(tmp_path, api, strategy, backend, fault, 
                     "--reference", *kills, env=env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    # every restart resumed from the step after the last one every rank held
+    # every restart resumed from the step after the last one every rank held:
+    # the step before the kill, or the one before it where the kill landed
+    # before every rank had announced that step (commit() counts a step once
+    # all announced it; the step is run again, nothing is lost)
     for run, start in enumerate(starts, 1):
-        assert f"rank 0 run {run} starts at step {start}" in log, log[-6000:]
+        assert any(f"rank 0 run {run} starts at step {s}" in log for s in (start, start - 1)), \
+            log[-6000:]
     for rank in range(2):
         verdict = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        assert verdict.pop("start") in (starts[-1], starts[-1] - 1), (rank, log[-4000:])
         assert verdict == {"params": True, "optim": True, "lr": True, "drawn": True,
-                           "start": starts[-1], "state_steps": [6]}, (rank, log[-4000:])
+                           "state_steps": [6]}, (rank, log[-4000:])
     assert not [s for s in list_segments() if s["job"] in log], "a finished run left segments"
 
 
